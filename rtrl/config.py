@@ -1,0 +1,49 @@
+"""Settings every service shares: where the broker, Redis, ClickHouse and state live.
+
+Services read only environment variables (through pydantic-settings), so the
+embedded stack and a production cluster differ in configuration alone.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import Field, SecretStr
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class StackSettings(BaseSettings):
+    """Connection settings shared by all services (env prefix ``RTRL_``)."""
+
+    model_config = SettingsConfigDict(env_prefix="RTRL_", extra="ignore")
+
+    kafka_bootstrap: str = "127.0.0.1:9092"
+    """Kafka bootstrap servers, comma separated."""
+
+    kafka_partitions: int = Field(4, ge=1, le=256)
+    """Partition count of every telemetry and reward topic (they must be equal)."""
+
+    kafka_session_timeout_ms: int = Field(6000, ge=1000)
+    """Consumer-group session timeout. Tansu forms groups in ~3 s at 6 s, ~23 s at 45 s."""
+
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    """Redis: version registry, dedup keys, heartbeats."""
+
+    clickhouse_url: str = ""
+    """``chdb:///path`` for embedded ClickHouse, ``http://host:8123`` for a server.
+    Empty means ``chdb://<state_dir>/chdb``."""
+
+    weight_sync_addr: str = "127.0.0.1:50061"
+    """gRPC address of the weight_sync service."""
+
+    weight_sync_token: SecretStr = SecretStr("rtrl-dev-publish-token")
+    """Bearer token that allows publishing weights (only the trainer holds it)."""
+
+    state_dir: Path = Path(".rtrl")
+    """Where the embedded stack keeps blobs, checkpoints, chdb data and logs."""
+
+    instance: str = "0"
+    """Instance name of this process (several workers of one service differ here)."""
+
+    def resolved_clickhouse_url(self) -> str:
+        return self.clickhouse_url or f"chdb://{(self.state_dir / 'chdb').resolve()}"

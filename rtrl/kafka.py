@@ -1,0 +1,198 @@
+"""Kafka helpers shared by the services: topic creation, producers, consumers, lag.
+
+Producers are librdkafka's idempotent producer (confluent-kafka): aiokafka's
+InitProducerId v0 is refused by Tansu, librdkafka's is accepted. Every producer is
+keyed by rollout_id. Consumers never auto-commit: each service commits offsets
+only after the outputs they produced are durable.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from dataclasses import dataclass
+
+from confluent_kafka import Consumer, KafkaError, KafkaException, Producer, TopicPartition
+from confluent_kafka.admin import AdminClient, NewTopic
+
+from rtrl import topics
+from rtrl.config import StackSettings
+
+
+def ensure_topics(settings: StackSettings, names: tuple[str, ...] = topics.ALL, timeout_s: float = 20.0) -> None:
+    """Create the topics with the configured partition count; existing ones are kept.
+
+    Refuses to run against existing topics whose partition count differs, since the
+    joiner relies on every topic being co-partitioned by rollout_id.
+    """
+    admin = AdminClient({"bootstrap.servers": settings.kafka_bootstrap})
+    existing = admin.list_topics(timeout=timeout_s).topics
+    wrong = {n: len(existing[n].partitions) for n in names if n in existing and len(existing[n].partitions) != settings.kafka_partitions}
+    if wrong:
+        raise RuntimeError(f"topics exist with partition counts {wrong}, expected {settings.kafka_partitions} for all")
+    missing = [NewTopic(n, num_partitions=settings.kafka_partitions, replication_factor=1) for n in names if n not in existing]
+    for future in admin.create_topics(missing).values() if missing else ():
+        try:
+            future.result(timeout=timeout_s)
+        except KafkaException as exc:
+            if exc.args[0].code() != KafkaError.TOPIC_ALREADY_EXISTS:
+                raise
+
+
+def wait_for_broker(settings: StackSettings, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    admin = AdminClient({"bootstrap.servers": settings.kafka_bootstrap})
+    while True:
+        try:
+            admin.list_topics(timeout=2)
+            return
+        except KafkaException as exc:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"Kafka broker at {settings.kafka_bootstrap} not reachable: {exc}") from exc
+            time.sleep(0.3)
+
+
+def producer_config(settings: StackSettings, **overrides) -> dict:
+    config = {
+        "bootstrap.servers": settings.kafka_bootstrap,
+        "enable.idempotence": True,
+        "acks": "all",
+        "linger.ms": 5,
+        "partitioner": "murmur2_random",  # the Java client's partitioner, so every client agrees
+    }
+    config.update(overrides)
+    return config
+
+
+def consumer_config(settings: StackSettings, group_id: str, **overrides) -> dict:
+    config = {
+        "bootstrap.servers": settings.kafka_bootstrap,
+        "group.id": group_id,
+        "enable.auto.commit": False,
+        "auto.offset.reset": "earliest",
+        "session.timeout.ms": settings.kafka_session_timeout_ms,
+        "heartbeat.interval.ms": max(settings.kafka_session_timeout_ms // 3, 500),
+        "isolation.level": "read_committed",
+    }
+    config.update(overrides)
+    return config
+
+
+def consumer(settings: StackSettings, *topic_names: str, group_id: str, **overrides) -> Consumer:
+    c = Consumer(consumer_config(settings, group_id, **overrides))
+    c.subscribe(list(topic_names))
+    return c
+
+
+class AsyncProducer:
+    """An idempotent producer whose sends are awaitable: the future resolves when the
+    broker has acknowledged the record (or fails with the delivery error)."""
+
+    def __init__(self, settings: StackSettings, **overrides) -> None:
+        self._producer = Producer(producer_config(settings, **overrides))
+        self._running = True
+        self._poller = threading.Thread(target=self._poll, name="kafka-producer-poll", daemon=True)
+        self._poller.start()
+
+    def _poll(self) -> None:
+        while self._running:
+            self._producer.poll(0.05)
+
+    def send(self, topic: str, value: bytes, key: str, headers: list[tuple[str, bytes]] | None = None) -> asyncio.Future:
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+
+        def on_delivery(err, msg) -> None:
+            if err is not None:
+                loop.call_soon_threadsafe(_set_exception, future, KafkaException(err))
+            else:
+                loop.call_soon_threadsafe(_set_result, future, (msg.partition(), msg.offset()))
+
+        self._producer.produce(topic, value, key=key.encode(), headers=headers or [], on_delivery=on_delivery)
+        return future
+
+    def pending(self) -> int:
+        return len(self._producer)
+
+    def close(self, timeout_s: float = 10.0) -> int:
+        """Flush and stop; returns how many records were still undelivered."""
+        remaining = self._producer.flush(timeout_s)
+        self._running = False
+        self._poller.join(timeout=1)
+        return remaining
+
+
+def _set_result(future: asyncio.Future, value) -> None:
+    if not future.done():
+        future.set_result(value)
+
+
+def _set_exception(future: asyncio.Future, exc: BaseException) -> None:
+    if not future.done():
+        future.set_exception(exc)
+
+
+@dataclass(frozen=True)
+class PartitionLag:
+    group: str
+    topic: str
+    partition: int
+    committed: int  # -1 when the group has committed nothing yet
+    end: int
+
+    @property
+    def lag(self) -> int:
+        return self.end - max(self.committed, 0)
+
+
+def consumer_lag(settings: StackSettings, group: str, topic_names: tuple[str, ...], timeout_s: float = 5.0) -> list[PartitionLag]:
+    """Committed offset vs log end for every partition a group reads."""
+    c = Consumer(consumer_config(settings, group))
+    try:
+        metadata = c.list_topics(timeout=timeout_s).topics
+        tps = [TopicPartition(t, p) for t in topic_names if t in metadata for p in metadata[t].partitions]
+        committed = c.committed(tps, timeout=timeout_s) if tps else []
+        ends = end_offsets(settings, tps, timeout_s)
+        return [
+            PartitionLag(group, tp.topic, tp.partition, tp.offset if tp.offset >= 0 else -1, ends[(tp.topic, tp.partition)])
+            for tp in committed
+        ]
+    finally:
+        c.close()
+
+
+def end_offsets(settings: StackSettings, tps: list[TopicPartition], timeout_s: float = 5.0) -> dict[tuple[str, int], int]:
+    """The offset after each partition's last record.
+
+    Tansu answers ListOffsets(latest) with the base offset of the last record batch
+    plus one, which undercounts when that batch holds several records. So read the
+    batch at high-1 and take its last record's offset + 1 (exact on Apache Kafka too).
+    """
+    probe = Consumer({"bootstrap.servers": settings.kafka_bootstrap, "group.id": "rtrl-end-offsets", "enable.auto.commit": False})
+    try:
+        ends: dict[tuple[str, int], int] = {}
+        to_read: list[TopicPartition] = []
+        for tp in tps:
+            _, high = probe.get_watermark_offsets(tp, timeout=timeout_s, cached=False)
+            ends[(tp.topic, tp.partition)] = high
+            if high > 0:
+                to_read.append(TopicPartition(tp.topic, tp.partition, high - 1))
+        if not to_read:
+            return ends
+        probe.assign(to_read)
+        waiting = {(tp.topic, tp.partition) for tp in to_read}
+        deadline = time.monotonic() + timeout_s
+        while waiting and time.monotonic() < deadline:
+            for msg in probe.consume(500, timeout=0.2):
+                if msg.error() is None:
+                    key = (msg.topic(), msg.partition())
+                    ends[key] = max(ends[key], msg.offset() + 1)
+                    waiting.discard(key)
+        return ends
+    finally:
+        probe.close()
+
+
+def traceparent_headers(traceparent: str) -> list[tuple[str, bytes]]:
+    return [("traceparent", traceparent.encode())] if traceparent else []

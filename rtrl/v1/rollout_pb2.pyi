@@ -1,0 +1,102 @@
+from rtrl.v1 import common_pb2 as _common_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class VersionSpan(_message.Message):
+    __slots__ = ("policy_version", "start", "end")
+    POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    START_FIELD_NUMBER: _ClassVar[int]
+    END_FIELD_NUMBER: _ClassVar[int]
+    policy_version: int
+    start: int
+    end: int
+    def __init__(self, policy_version: _Optional[int] = ..., start: _Optional[int] = ..., end: _Optional[int] = ...) -> None: ...
+
+class SamplingParams(_message.Message):
+    __slots__ = ("temperature", "top_p", "max_tokens", "seed")
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    temperature: float
+    top_p: float
+    max_tokens: int
+    seed: int
+    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., max_tokens: _Optional[int] = ..., seed: _Optional[int] = ...) -> None: ...
+
+class ToolCall(_message.Message):
+    __slots__ = ("name", "arguments_json", "valid", "error")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    ARGUMENTS_JSON_FIELD_NUMBER: _ClassVar[int]
+    VALID_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    arguments_json: str
+    valid: bool
+    error: str
+    def __init__(self, name: _Optional[str] = ..., arguments_json: _Optional[str] = ..., valid: _Optional[bool] = ..., error: _Optional[str] = ...) -> None: ...
+
+class RouterChoice(_message.Message):
+    __slots__ = ("layer", "token_index", "experts")
+    LAYER_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_INDEX_FIELD_NUMBER: _ClassVar[int]
+    EXPERTS_FIELD_NUMBER: _ClassVar[int]
+    layer: int
+    token_index: int
+    experts: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, layer: _Optional[int] = ..., token_index: _Optional[int] = ..., experts: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class RolloutRecord(_message.Message):
+    __slots__ = ("event_id", "rollout_id", "session_id", "client_ts_ms", "schema_version", "user_id", "worker_id", "arm", "model_name", "prompt_group_id", "prompt_token_ids", "completion_token_ids", "completion_logprobs", "version_spans", "sampling", "latency_s", "time_to_first_token_s", "tool_calls", "router_choices", "prompt_text", "completion_text", "finish_reason", "traceparent")
+    EVENT_ID_FIELD_NUMBER: _ClassVar[int]
+    ROLLOUT_ID_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_TS_MS_FIELD_NUMBER: _ClassVar[int]
+    SCHEMA_VERSION_FIELD_NUMBER: _ClassVar[int]
+    USER_ID_FIELD_NUMBER: _ClassVar[int]
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    ARM_FIELD_NUMBER: _ClassVar[int]
+    MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_GROUP_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    COMPLETION_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    COMPLETION_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    VERSION_SPANS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    LATENCY_S_FIELD_NUMBER: _ClassVar[int]
+    TIME_TO_FIRST_TOKEN_S_FIELD_NUMBER: _ClassVar[int]
+    TOOL_CALLS_FIELD_NUMBER: _ClassVar[int]
+    ROUTER_CHOICES_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TEXT_FIELD_NUMBER: _ClassVar[int]
+    COMPLETION_TEXT_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
+    event_id: str
+    rollout_id: str
+    session_id: str
+    client_ts_ms: int
+    schema_version: int
+    user_id: str
+    worker_id: str
+    arm: _common_pb2.Arm
+    model_name: str
+    prompt_group_id: str
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    completion_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    completion_logprobs: _containers.RepeatedScalarFieldContainer[float]
+    version_spans: _containers.RepeatedCompositeFieldContainer[VersionSpan]
+    sampling: SamplingParams
+    latency_s: float
+    time_to_first_token_s: float
+    tool_calls: _containers.RepeatedCompositeFieldContainer[ToolCall]
+    router_choices: _containers.RepeatedCompositeFieldContainer[RouterChoice]
+    prompt_text: str
+    completion_text: str
+    finish_reason: str
+    traceparent: str
+    def __init__(self, event_id: _Optional[str] = ..., rollout_id: _Optional[str] = ..., session_id: _Optional[str] = ..., client_ts_ms: _Optional[int] = ..., schema_version: _Optional[int] = ..., user_id: _Optional[str] = ..., worker_id: _Optional[str] = ..., arm: _Optional[_Union[_common_pb2.Arm, str]] = ..., model_name: _Optional[str] = ..., prompt_group_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., completion_token_ids: _Optional[_Iterable[int]] = ..., completion_logprobs: _Optional[_Iterable[float]] = ..., version_spans: _Optional[_Iterable[_Union[VersionSpan, _Mapping]]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., latency_s: _Optional[float] = ..., time_to_first_token_s: _Optional[float] = ..., tool_calls: _Optional[_Iterable[_Union[ToolCall, _Mapping]]] = ..., router_choices: _Optional[_Iterable[_Union[RouterChoice, _Mapping]]] = ..., prompt_text: _Optional[str] = ..., completion_text: _Optional[str] = ..., finish_reason: _Optional[str] = ..., traceparent: _Optional[str] = ...) -> None: ...

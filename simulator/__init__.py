@@ -1,0 +1,1 @@
+"""A simulated product: users with hidden style preferences asking for small edits."""

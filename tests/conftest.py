@@ -1,0 +1,73 @@
+"""Fixtures that start the real embedded infrastructure on free ports.
+
+Each integration test gets its own Tansu broker (memory-only, starts in well under a
+second), so topics never leak between tests; redis-server is shared per session
+and flushed per test; chdb data lives in the test's tmp_path.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import redis
+
+from rtrl import procs
+from rtrl.config import StackSettings
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture(scope="session")
+def redis_server(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("redis")
+    proc = procs.start_redis(tmp, tmp / "redis.log")
+    yield f"redis://127.0.0.1:{proc.port}/0"
+    proc.stop()
+
+
+@pytest.fixture
+def redis_url(redis_server):
+    client = redis.Redis.from_url(redis_server)
+    client.flushdb()
+    client.close()
+    return redis_server
+
+
+@pytest.fixture
+def kafka_bootstrap(tmp_path):
+    proc = procs.start_tansu(tmp_path / "tansu.log")
+    yield f"127.0.0.1:{proc.port}"
+    proc.stop()
+
+
+@pytest.fixture
+def stack_settings(kafka_bootstrap, redis_url, tmp_path) -> StackSettings:
+    """Settings pointing at a fresh broker, a flushed Redis and a private state dir."""
+    settings = StackSettings(
+        kafka_bootstrap=kafka_bootstrap,
+        redis_url=redis_url,
+        state_dir=tmp_path / "state",
+        kafka_partitions=4,
+    )
+    from rtrl.kafka import ensure_topics
+
+    ensure_topics(settings)
+    return settings
+
+
+@pytest.fixture
+def stack_env(stack_settings: StackSettings) -> dict[str, str]:
+    """The same settings as environment variables, for services started as subprocesses."""
+    return {
+        "RTRL_KAFKA_BOOTSTRAP": stack_settings.kafka_bootstrap,
+        "RTRL_REDIS_URL": stack_settings.redis_url,
+        "RTRL_STATE_DIR": str(stack_settings.state_dir),
+        "RTRL_KAFKA_PARTITIONS": str(stack_settings.kafka_partitions),
+    }
+
+
+@pytest.fixture
+def repo_root() -> Path:
+    return Path(__file__).resolve().parent.parent
