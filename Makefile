@@ -1,0 +1,52 @@
+# rtrl: the README names `make demo` and `make test`; everything else is a building block.
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: install demo test test-fast proto proto-check bench-loop up down status report clean
+
+$(STAMP): pyproject.toml constraints.txt scripts/bootstrap.sh
+	bash scripts/bootstrap.sh
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	# torch first, pinned, so nothing pulls a CUDA build
+	$(BIN)/python -m pip install -q -c constraints.txt torch==2.13.0
+	$(BIN)/python -m pip install -q -c constraints.txt -e '.[dev]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+## The demo: the whole loop on the embedded stack, ending with the A/B table.
+demo: install
+	$(BIN)/rtrl demo
+
+## The tests: unit, integration (real Tansu, Redis, chdb, gRPC) and end-to-end.
+test: install
+	$(BIN)/python -m pytest -q
+
+test-fast: install
+	$(BIN)/python -m pytest -q -m "not slow"
+
+proto: install
+	PATH=$(BIN):$$PATH bash scripts/gen_proto.sh
+
+# Generated code is never edited by hand: regenerating must change nothing.
+proto-check: proto
+	git diff --exit-code -- rtrl/v1
+
+bench-loop: install
+	$(BIN)/rtrl bench loop
+
+up: install
+	$(BIN)/rtrl up
+down:
+	$(BIN)/rtrl down
+status:
+	$(BIN)/rtrl status
+report:
+	$(BIN)/rtrl report
+
+clean:
+	-$(BIN)/rtrl down
+	rm -rf .rtrl reports

@@ -1,0 +1,51 @@
+"""Settings of the ingest gateway (env prefix ``RTRL_INGEST_``)."""
+
+from __future__ import annotations
+
+from pydantic import Field, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class IngestSettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="RTRL_INGEST_", extra="ignore")
+
+    bind_host: str = "127.0.0.1"
+    """Address both listeners bind to (``0.0.0.0`` in a container)."""
+
+    http_port: int = Field(8081, ge=1, le=65535)
+    """Port of the HTTP API (``POST /v1/events``, ``GET /healthz``)."""
+
+    grpc_port: int = Field(50051, ge=1, le=65535)
+    """Port of the gRPC ``rtrl.v1.Ingest`` service."""
+
+    dedup_ttl_s: int = Field(24 * 3600, ge=60)
+    """How long an accepted event_id is remembered; a resend within it is a DUPLICATE."""
+
+    claim_ttl_s: int = Field(30, ge=1)
+    """How long an event_id stays claimed while its produce is in flight. A gateway that
+    dies mid-produce frees its claims after this, so the client's retry goes through."""
+
+    produce_timeout_ms: int = Field(10_000, ge=100)
+    """librdkafka ``message.timeout.ms``: a produce not acked by then fails and the event is RETRY."""
+
+    max_inflight: int = Field(10_000, ge=1)
+    """Events awaiting a broker ack, across all requests; beyond it events get RETRY (HTTP 429)."""
+
+    max_batch: int = Field(1_000, ge=1)
+    """Most events one request may carry; larger requests are refused whole."""
+
+    max_body_bytes: int = Field(64 * 1024 * 1024, ge=1024)
+    """Largest HTTP body / gRPC message accepted."""
+
+    retry_after_s: int = Field(1, ge=0)
+    """The ``Retry-After`` header sent with a 429."""
+
+    @model_validator(mode="after")
+    def _claim_outlives_produce(self) -> IngestSettings:
+        # A claim that expired while its produce is still in flight would let a resend
+        # produce the same event a second time.
+        if self.claim_ttl_s * 1000 <= self.produce_timeout_ms:
+            raise ValueError(f"claim_ttl_s ({self.claim_ttl_s} s) must exceed produce_timeout_ms ({self.produce_timeout_ms} ms)")
+        if self.http_port == self.grpc_port:
+            raise ValueError(f"http_port and grpc_port must differ, both are {self.http_port}")
+        return self

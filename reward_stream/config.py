@@ -1,0 +1,52 @@
+"""Settings of the reward_stream service (env prefix RTRL_REWARD_)."""
+
+from __future__ import annotations
+
+from pydantic import Field, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from reward_stream.join import JoinConfig
+
+
+class RewardStreamSettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="RTRL_REWARD_", extra="ignore")
+
+    window_s: float = Field(2.0, gt=0)
+    """How long after a rollout's first event its user signals are collected."""
+
+    grace_s: float = Field(0.5, ge=0)
+    """Event-time allowance for out-of-order events before the window closes (<= window_s)."""
+
+    deadline_slack_s: float = Field(1.0, ge=0)
+    """Wall-clock slack after the window before a rollout on an idle partition settles anyway."""
+
+    tick_interval_s: float = Field(0.25, gt=0, le=10)
+    """How often the wall-clock deadline is checked."""
+
+    max_wait_s: float = Field(30.0, gt=0)
+    """How long to wait for a missing RolloutRecord before dropping the rollout."""
+
+    settled_ttl_s: float = Field(600.0, ge=0)
+    """How long settled rollout ids are remembered to route late events to the .late topic."""
+
+    web_port: int = Field(6066, ge=1, le=65535)
+    """Port of faust's web server (worker status), bound to 127.0.0.1."""
+
+    app_id: str = "rtrl-reward-stream"
+    """faust application id; also the Kafka consumer group."""
+
+    @model_validator(mode="after")
+    def _check(self) -> RewardStreamSettings:
+        if self.grace_s > self.window_s:
+            raise ValueError(f"grace_s ({self.grace_s}) must be <= window_s ({self.window_s})")
+        self.join_config()  # the join's own checks (grace <= window, max_wait covers the window)
+        return self
+
+    def join_config(self) -> JoinConfig:
+        return JoinConfig(
+            window_ms=round(self.window_s * 1000),
+            grace_ms=round(self.grace_s * 1000),
+            deadline_slack_ms=round(self.deadline_slack_s * 1000),
+            max_wait_ms=round(self.max_wait_s * 1000),
+            settled_ttl_ms=round(self.settled_ttl_s * 1000),
+        )

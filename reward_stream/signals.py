@@ -1,0 +1,75 @@
+"""User-behaviour signals the reward is built from: edit persistence and dissatisfaction.
+
+Both are pure functions of text, so they can be tested as tables and swapped
+independently (issue 4 replaces the rule classifier with a trained model behind
+the same ``is_dissatisfied(message) -> bool`` interface).
+"""
+
+from __future__ import annotations
+
+import re
+from difflib import SequenceMatcher
+
+
+def _non_empty_lines(text: str) -> list[str]:
+    return [line for line in text.splitlines() if line.strip()]
+
+
+def persisted_fraction(agent_text: str, region_text: str) -> float:
+    """Fraction of the agent's non-empty lines still present, in order, in the region.
+
+    Lines match only exactly (indentation and quotes included: in the task family a
+    one-character style difference is exactly what users rewrite). Blank lines are
+    ignored on both sides so reflowing whitespace does not count as a rewrite. The
+    alignment is difflib's SequenceMatcher over lines, so a line the user moved
+    across other kept lines may count as rewritten. An agent text with no
+    non-empty lines persisted nothing: 0.0.
+    """
+    agent_lines = _non_empty_lines(agent_text)
+    if not agent_lines:
+        return 0.0
+    region_lines = _non_empty_lines(region_text)
+    # autojunk would treat frequent lines (e.g. "}" or "pass") as junk in long regions.
+    matcher = SequenceMatcher(a=agent_lines, b=region_lines, autojunk=False)
+    kept = sum(block.size for block in matcher.get_matching_blocks())
+    return kept / len(agent_lines)
+
+
+# Patterns of annoyed follow-ups. Word boundaries keep "no" out of "now" and "know",
+# and "stop" out of "stopwatch".
+_DISSATISFIED_PATTERNS = (
+    r"^\s*no\b",  # "no, ...", "no that's wrong", "no." at the start
+    r"\bnope\b",
+    r"\bwrong\b",
+    r"\bincorrect\b",
+    r"\bbroke(n)?\b",
+    r"\bbreaks\b",
+    r"\b(doesn'?t|does not|didn'?t|did not|won'?t|isn'?t|is not) (work|compile|run|build|pass)",
+    r"\bdoesn'?t\b",
+    r"\brevert",
+    r"\bundo\b",
+    r"\bnot what i\b",
+    r"\bthat'?s not\b",
+    r"\buse \S.* instead\b",
+    r"\bwhy did you\b",
+    r"\bwhy would you\b",
+    r"\bi (said|asked|told you)\b",
+    r"\bstop\b",
+    r"\bugh+\b",
+    r"\bwtf\b",
+    r"\buseless\b",
+    r"\bterrible\b",
+    r"\bstill (fails|failing|broken|wrong)\b",
+)
+_DISSATISFIED = re.compile("|".join(f"(?:{p})" for p in _DISSATISFIED_PATTERNS), re.IGNORECASE)
+
+
+def is_dissatisfied(message: str) -> bool:
+    """True if a follow-up message reads as the user being unhappy with the edit.
+
+    A keyword/regex rule set: high precision on blunt complaints ("no, that broke
+    the build", "use tabs instead", "why did you delete that"), blind to sarcasm
+    and polite corrections. Neutral or positive follow-ups ("thanks", "now add
+    tests") are not dissatisfied.
+    """
+    return _DISSATISFIED.search(message) is not None

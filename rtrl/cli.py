@@ -1,0 +1,148 @@
+"""The `rtrl` command line: run the embedded stack, watch it, drive it, report on it.
+
+Heavy imports (torch, faust, chdb) happen inside commands, so `--help` is instant.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import typer
+from rich.console import Console
+
+app = typer.Typer(help="rtrl: real-time reinforcement learning from product telemetry.", no_args_is_help=True)
+bench_app = typer.Typer(help="Benchmarks; each writes bench/results/<name>.json.", no_args_is_help=True)
+app.add_typer(bench_app, name="bench")
+console = Console()
+
+
+def _state_dir() -> Path:
+    from rtrl.config import StackSettings
+
+    return StackSettings().state_dir.resolve()
+
+
+def _require_stack():
+    from rtrl.health import running_stack
+
+    stack = running_stack(_state_dir())
+    if stack is None:
+        console.print("[red]no stack running[/]: start one with `rtrl up`")
+        raise typer.Exit(1)
+    return stack
+
+
+@app.command()
+def up() -> None:
+    """Start the embedded stack (Tansu, Redis, chdb, every service) and wait until healthy."""
+    from rtrl.lifecycle import StackError, up as start
+
+    try:
+        stack = start(_state_dir(), console)
+    except StackError as exc:
+        console.print(f"[red]{exc}[/]")
+        raise typer.Exit(1)
+    _print_endpoints(stack)
+
+
+def _print_endpoints(stack) -> None:
+    from rich.table import Table
+
+    table = Table(title="endpoints", title_justify="left")
+    table.add_column("what")
+    table.add_column("where")
+    table.add_row("kafka (tansu)", stack.kafka_bootstrap)
+    table.add_row("redis", stack.redis_url)
+    table.add_row("clickhouse", stack.clickhouse_url)
+    table.add_row("weight sync (gRPC)", stack.weight_sync_addr)
+    for spec in stack.services:
+        for var, port in spec.ports.items():
+            table.add_row(f"{spec.key} {var.removeprefix('RTRL_').lower()}", f"127.0.0.1:{port}")
+    table.add_row("logs", str(Path(stack.state_dir) / "logs"))
+    console.print(table)
+
+
+@app.command()
+def down() -> None:
+    """Stop the embedded stack and every process it started."""
+    from rtrl.lifecycle import down as stop
+
+    stop(_state_dir(), console)
+
+
+@app.command()
+def status(watch: bool = typer.Option(False, "--watch", "-w", help="Refresh every second until Ctrl-C.")) -> None:
+    """Health of every component, consumer lag per topic, policy version per worker."""
+    from rich.live import Live
+
+    from rtrl.status_view import render
+
+    stack = _require_stack()
+    if not watch:
+        console.print(render(stack))
+        return
+    with Live(render(stack), console=console, refresh_per_second=1) as live:
+        try:
+            while True:
+                time.sleep(1)
+                live.update(render(stack))
+        except KeyboardInterrupt:
+            pass
+
+
+@app.command()
+def demo(
+    minutes: float = typer.Option(6.0, help="How long the simulated product runs."),
+    keep_running: bool = typer.Option(False, help="Leave the stack up afterwards."),
+) -> None:
+    """Start the stack, run the simulated product with live progress, print the A/B table."""
+    from rtrl.demo import run_product
+    from rtrl.lifecycle import StackError, down as stop, up as start
+
+    try:
+        stack = start(_state_dir(), console)
+    except StackError as exc:
+        console.print(f"[red]{exc}[/]")
+        raise typer.Exit(1)
+    try:
+        stats = run_product(stack, minutes * 60, console)
+        _finish_report(stack, stats)
+    finally:
+        if not keep_running:
+            stop(_state_dir(), console)
+
+
+def _finish_report(stack, stats) -> None:
+    from rtrl.reporting import drain, print_report
+
+    drain(stack, stats, console)
+    print_report(stack, console)
+
+
+@app.command()
+def report(html: Path = typer.Option(Path("reports/report.html"), help="Where to write the HTML report.")) -> None:
+    """The A/B table (edits persisted, dissatisfied follow-ups, latency) per arm, and an HTML report."""
+    from rtrl.health import running_stack
+    from rtrl.reporting import print_report
+
+    print_report(running_stack(_state_dir()), console, html=html, state_dir=_state_dir())
+
+
+@bench_app.command("loop")
+def bench_loop(
+    minutes: float = typer.Option(2.0, help="How long the product drives the loop."),
+    out: Path = typer.Option(Path("bench/results/loop.json")),
+) -> None:
+    """Event-to-live latency: last event of a version's newest rollout until every worker serves it."""
+    from rtrl.bench_loop import run
+
+    run(_state_dir(), minutes * 60, out, console)
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

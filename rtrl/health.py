@@ -1,0 +1,84 @@
+"""Health of the running stack, from the supervisor's plan and the services' heartbeats."""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import redis
+
+from rtrl import heartbeat
+from rtrl.stack import StackFile, stack_path
+
+
+@dataclass(frozen=True)
+class ComponentHealth:
+    name: str
+    healthy: bool
+    detail: str
+    status: dict
+
+
+def pid_alive(pid: int) -> bool:
+    """True if pid runs (a zombie, exited but not yet reaped by its parent, does not)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return True
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def running_stack(state_dir: Path) -> StackFile | None:
+    """The stack described by state_dir/stack.json if its supervisor is alive."""
+    path = stack_path(state_dir)
+    if not path.exists():
+        return None
+    stack = StackFile.read(path)
+    return stack if pid_alive(stack.supervisor_pid) else None
+
+
+def _ready(service: str, status: dict) -> tuple[bool, str]:
+    if service == "inference":
+        versions = status.get("versions", {})
+        ok = bool(status.get("ready")) and all(versions.get(arm, -1) >= 0 for arm in ("control", "treatment"))
+        return ok, f"control v{versions.get('control', '-')}, treatment v{versions.get('treatment', '-')}"
+    if service == "trainer":
+        return status.get("version", -1) >= 0, f"step {status.get('step', 0)}, published v{status.get('version', '-')}"
+    return True, ""
+
+
+def check(stack: StackFile) -> list[ComponentHealth]:
+    client = redis.Redis.from_url(stack.redis_url, socket_timeout=2)
+    try:
+        beats = {f"{b['service']}:{b['instance']}": b for b in heartbeat.read_all(client)}
+    except redis.RedisError as exc:
+        beats = {}
+        redis_detail = f"unreachable: {exc}"
+    else:
+        redis_detail = "ok"
+    finally:
+        client.close()
+    rows = [
+        ComponentHealth("tansu", pid_alive(stack.infra["tansu"]), stack.kafka_bootstrap, {}),
+        ComponentHealth("redis", pid_alive(stack.infra["redis"]) and redis_detail == "ok", redis_detail, {}),
+    ]
+    now = time.time()
+    for spec in stack.services:
+        beat = beats.get(spec.key)
+        if spec.state == "failed":
+            rows.append(ComponentHealth(spec.key, False, f"failed after {spec.restarts} restarts", {}))
+        elif beat is None:
+            rows.append(ComponentHealth(spec.key, False, "no heartbeat yet" if pid_alive(spec.pid) else "process down", {}))
+        else:
+            ok, detail = _ready(spec.name, beat)
+            age = now - beat["ts"]
+            rows.append(ComponentHealth(spec.key, ok, detail or f"heartbeat {age:.1f} s ago", beat))
+    return rows

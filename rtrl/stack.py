@@ -1,0 +1,101 @@
+"""What the embedded stack runs: the plan the supervisor executes and `rtrl status` reads.
+
+The plan is written to ``<state_dir>/stack.json`` by the supervisor; everything else
+(CLI, tests, benchmarks) finds the running stack through that file.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class StackConfig(BaseSettings):
+    """Shape of the embedded stack (env prefix ``RTRL_STACK_``)."""
+
+    model_config = SettingsConfigDict(env_prefix="RTRL_STACK_", extra="ignore")
+
+    inference_workers: int = Field(2, ge=1, le=16)
+    """Inference worker processes; each serves both arms."""
+
+    health_timeout_s: float = Field(240.0, gt=0)
+    """How long `rtrl up` waits for every component to report healthy."""
+
+    max_restarts: int = Field(5, ge=0)
+    """Restarts of one crashed service before the supervisor gives up on it."""
+
+
+@dataclass
+class ServiceSpec:
+    name: str
+    """Service package, started as ``python -m <name>``."""
+    instance: str
+    ports: dict[str, int] = field(default_factory=dict)
+    """Environment variable -> port assigned to it."""
+    pid: int = 0
+    restarts: int = 0
+    state: str = "starting"
+
+    @property
+    def key(self) -> str:
+        return f"{self.name}:{self.instance}"
+
+    def log_path(self, state_dir: Path) -> Path:
+        return state_dir / "logs" / f"{self.name}-{self.instance}.log"
+
+
+# Start order: weight_sync first (the trainer publishes v0 to it), consumers before producers.
+SERVICE_ORDER = ("weight_sync", "trainer", "reward_stream", "analytics", "inference", "ingest")
+
+
+@dataclass
+class StackFile:
+    supervisor_pid: int
+    state_dir: str
+    kafka_bootstrap: str
+    redis_url: str
+    clickhouse_url: str
+    weight_sync_addr: str
+    infra: dict[str, int]
+    """Infrastructure process name -> pid (tansu, redis)."""
+    services: list[ServiceSpec]
+    started_ts: float
+
+    def port(self, name: str, env_var: str, instance: str = "0") -> int:
+        for spec in self.services:
+            if spec.name == name and spec.instance == instance:
+                return spec.ports[env_var]
+        raise KeyError(f"{name}:{instance} is not part of the stack")
+
+    def urls(self, name: str, env_var: str) -> list[str]:
+        return [f"http://127.0.0.1:{s.ports[env_var]}" for s in self.services if s.name == name]
+
+    def env(self) -> dict[str, str]:
+        """Connection settings every service (and client) of this stack uses."""
+        return {
+            "RTRL_KAFKA_BOOTSTRAP": self.kafka_bootstrap,
+            "RTRL_REDIS_URL": self.redis_url,
+            "RTRL_CLICKHOUSE_URL": self.clickhouse_url,
+            "RTRL_WEIGHT_SYNC_ADDR": self.weight_sync_addr,
+            "RTRL_STATE_DIR": self.state_dir,
+        }
+
+    def write(self, path: Path) -> None:
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(asdict(self), indent=2))
+        os.replace(tmp, path)
+
+    @classmethod
+    def read(cls, path: Path) -> "StackFile":
+        doc = json.loads(path.read_text())
+        doc["services"] = [ServiceSpec(**s) for s in doc["services"]]
+        return cls(**doc)
+
+
+def stack_path(state_dir: Path) -> Path:
+    return state_dir / "stack.json"

@@ -1,0 +1,59 @@
+"""`rtrl status`: health, consumer lag per group and topic, versions per worker."""
+
+from __future__ import annotations
+
+from rich.console import Group
+from rich.table import Table
+
+from rtrl import health, kafka, topics
+from rtrl.config import StackSettings
+from rtrl.stack import StackFile
+
+# Consumer group -> the topics it reads.
+CONSUMER_GROUPS = {
+    "rtrl-reward-stream": topics.TELEMETRY,
+    "trainer": (topics.REWARD,),
+    "analytics": topics.ALL,
+}
+
+
+def lag_table(stack: StackFile) -> Table:
+    settings = StackSettings(kafka_bootstrap=stack.kafka_bootstrap)
+    table = Table(title="consumer lag", title_justify="left")
+    for column in ("group", "topic", "committed", "end", "lag"):
+        table.add_column(column, justify="right" if column in ("committed", "end", "lag") else "left")
+    for group, names in CONSUMER_GROUPS.items():
+        rows = kafka.consumer_lag(settings, group, names)
+        by_topic: dict[str, list[kafka.PartitionLag]] = {}
+        for row in rows:
+            by_topic.setdefault(row.topic, []).append(row)
+        for topic, parts in by_topic.items():
+            committed = sum(max(p.committed, 0) for p in parts)
+            end = sum(p.end for p in parts)
+            lag = sum(p.lag for p in parts)
+            style = "green" if lag < 100 else "yellow" if lag < 1000 else "red"
+            table.add_row(group, topic, str(committed), str(end), f"[{style}]{lag}[/]")
+    return table
+
+
+def workers_table(rows: list[health.ComponentHealth]) -> Table:
+    table = Table(title="policy versions", title_justify="left")
+    for column in ("component", "control", "treatment", "detail"):
+        table.add_column(column)
+    for row in rows:
+        if row.name.startswith("inference:"):
+            versions = row.status.get("versions", {})
+            detail = f"{row.status.get('completions', 0)} completions, {row.status.get('swaps', 0)} swaps"
+            table.add_row(row.name, str(versions.get("control", "-")), str(versions.get("treatment", "-")), detail)
+        elif row.name.startswith("trainer:"):
+            s = row.status
+            detail = f"step {s.get('step', 0)}, reward mean {s.get('reward_mean', float('nan')):.3f}, dropped stale {s.get('dropped_stale', 0)}"
+            table.add_row(row.name, "0 (pinned)", f"{s.get('version', '-')} (published)", detail)
+    return table
+
+
+def render(stack: StackFile) -> Group:
+    from rtrl.lifecycle import health_table
+
+    rows = health.check(stack)
+    return Group(health_table(rows), workers_table(rows), lag_table(stack))

@@ -1,0 +1,155 @@
+"""The embedded stack's supervisor: one detached process that owns every other one.
+
+It starts Tansu and a private redis-server on free ports, creates the topics, starts
+each service as its own process group, restarts services that crash, and on SIGTERM
+stops everything in reverse order. `rtrl up` starts it; `rtrl down` signals it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+from rtrl import kafka, procs
+from rtrl.config import StackSettings
+from rtrl.stack import SERVICE_ORDER, ServiceSpec, StackConfig, StackFile, stack_path
+
+log = logging.getLogger("rtrl.supervisor")
+
+# Port environment variables each service reads.
+PORTS = {
+    "weight_sync": ("RTRL_WEIGHT_SYNC_PORT",),
+    "trainer": (),
+    "reward_stream": ("RTRL_REWARD_WEB_PORT",),
+    "analytics": ("RTRL_ANALYTICS_QUERY_PORT",),
+    "inference": ("RTRL_INFERENCE_HTTP_PORT",),
+    "ingest": ("RTRL_INGEST_HTTP_PORT", "RTRL_INGEST_GRPC_PORT"),
+}
+
+
+def plan(config: StackConfig) -> list[ServiceSpec]:
+    specs = []
+    for name in SERVICE_ORDER:
+        instances = config.inference_workers if name == "inference" else 1
+        for i in range(instances):
+            specs.append(ServiceSpec(name, str(i), {var: procs.free_port() for var in PORTS[name]}))
+    return specs
+
+
+class Supervisor:
+    def __init__(self, settings: StackSettings, config: StackConfig) -> None:
+        self.settings = settings
+        self.config = config
+        self.state_dir = settings.state_dir.resolve()
+        self.children: dict[str, procs.Proc] = {}
+        self.infra: list[procs.Proc] = []
+        self.stopping = False
+        self.stack: StackFile | None = None
+
+    def start(self) -> StackFile:
+        logs = self.state_dir / "logs"
+        tansu = procs.start_tansu(logs / "tansu.log")
+        redis = procs.start_redis(self.state_dir / "redis", logs / "redis.log")
+        self.infra = [tansu, redis]
+        specs = plan(self.config)
+        ws_port = next(s.ports["RTRL_WEIGHT_SYNC_PORT"] for s in specs if s.name == "weight_sync")
+        self.stack = StackFile(
+            supervisor_pid=os.getpid(),
+            state_dir=str(self.state_dir),
+            kafka_bootstrap=f"127.0.0.1:{tansu.port}",
+            redis_url=f"redis://127.0.0.1:{redis.port}/0",
+            clickhouse_url=self.settings.clickhouse_url or f"chdb://{self.state_dir / 'chdb'}",
+            weight_sync_addr=f"127.0.0.1:{ws_port}",
+            infra={"tansu": tansu.pid, "redis": redis.pid},
+            services=specs,
+            started_ts=time.time(),
+        )
+        stack_settings = StackSettings(**{"kafka_bootstrap": self.stack.kafka_bootstrap, "kafka_partitions": self.settings.kafka_partitions})
+        kafka.wait_for_broker(stack_settings)
+        kafka.ensure_topics(stack_settings)
+        for spec in specs:
+            self._spawn(spec)
+        self._save()
+        return self.stack
+
+    def _spawn(self, spec: ServiceSpec) -> None:
+        env = {
+            **self.stack.env(),
+            "RTRL_KAFKA_PARTITIONS": str(self.settings.kafka_partitions),
+            "RTRL_INSTANCE": spec.instance,
+            "PYTHONUNBUFFERED": "1",
+            **{var: str(port) for var, port in spec.ports.items()},
+        }
+        proc = procs.spawn(spec.key, [sys.executable, "-m", spec.name], spec.log_path(self.state_dir), env=env)
+        self.children[spec.key] = proc
+        spec.pid = proc.pid
+        spec.state = "running"
+        log.info("started %s (pid %d)", spec.key, proc.pid)
+
+    def _save(self) -> None:
+        self.stack.write(stack_path(self.state_dir))
+
+    def watch(self) -> None:
+        while not self.stopping:
+            changed = False
+            for spec in self.stack.services:
+                proc = self.children.get(spec.key)
+                if proc is None or proc.alive() or spec.state == "failed":
+                    continue
+                code = proc.popen.returncode
+                if spec.restarts >= self.config.max_restarts:
+                    log.error("%s exited with %s; restart limit reached", spec.key, code)
+                    spec.state = "failed"
+                else:
+                    log.warning("%s exited with %s; restarting", spec.key, code)
+                    spec.restarts += 1
+                    self._spawn(spec)
+                changed = True
+            for proc in self.infra:
+                if not proc.alive():
+                    log.error("%s exited; the stack cannot run without it, stopping", proc.name)
+                    self.stopping = True
+            if changed:
+                self._save()
+            time.sleep(0.5)
+
+    def stop(self) -> None:
+        for spec in reversed(self.stack.services if self.stack else []):
+            proc = self.children.get(spec.key)
+            if proc is not None:
+                proc.stop(timeout_s=15)
+                log.info("stopped %s", spec.key)
+        for proc in reversed(self.infra):
+            proc.stop(timeout_s=5)
+        stack_path(self.state_dir).unlink(missing_ok=True)
+
+
+def main() -> None:
+    settings = StackSettings()
+    config = StackConfig()
+    (settings.state_dir / "logs").mkdir(parents=True, exist_ok=True)
+    logging.basicConfig(
+        filename=settings.state_dir / "logs" / "supervisor.log",
+        level=logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    supervisor = Supervisor(settings, config)
+
+    def request_stop(signum, frame) -> None:
+        supervisor.stopping = True
+
+    signal.signal(signal.SIGTERM, request_stop)
+    signal.signal(signal.SIGINT, request_stop)
+    try:
+        supervisor.start()
+        supervisor.watch()
+    finally:
+        supervisor.stop()
+
+
+if __name__ == "__main__":
+    main()

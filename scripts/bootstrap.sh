@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# System prerequisites of the embedded stack: Python 3.11 and redis-server.
+# Installs redis-server with apt-get where it is missing, or says exactly what to do.
+set -euo pipefail
+
+if ! command -v python3.11 >/dev/null 2>&1 && ! python3 -c 'import sys; sys.exit(sys.version_info[:2] != (3, 11))' 2>/dev/null; then
+  echo "rtrl needs Python 3.11 (python3.11 or python3 at 3.11) on PATH" >&2
+  exit 1
+fi
+
+if ! command -v redis-server >/dev/null 2>&1; then
+  if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+    echo "installing redis-server with apt-get"
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null
+  else
+    echo "redis-server is not installed and cannot be installed automatically here." >&2
+    echo "Install it (Debian/Ubuntu: sudo apt-get install redis-server; macOS: brew install redis) and re-run." >&2
+    exit 1
+  fi
+fi

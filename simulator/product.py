@@ -1,0 +1,182 @@
+"""The simulated product: virtual clients asking inference for edits and reporting
+what their users did through the ingest API, exactly like a real editor would.
+
+Each client loops: pick a user, ask a worker for a completion, show it, and after a
+short delay report the persistence snapshot (and a follow-up if the user wrote one).
+A small share of batches is sent twice on purpose, as flaky-network retries do:
+the gateway must report them as duplicates and nothing downstream may count them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+import uuid
+from collections import deque
+from dataclasses import dataclass, field
+
+import aiohttp
+
+from ingest.client import IngestClient
+from rtrl.v1 import ingest_pb2, telemetry_pb2
+from simulator.tasks import random_task
+from simulator.users import User, population, react
+
+ACCEPTED = ingest_pb2.EventResult.STATUS_ACCEPTED
+DUPLICATE = ingest_pb2.EventResult.STATUS_DUPLICATE
+
+
+@dataclass
+class ArmStats:
+    completions: int = 0
+    persisted: int = 0
+    dissatisfied: int = 0
+    latency_s: list[float] = field(default_factory=list)
+    recent: deque = field(default_factory=lambda: deque(maxlen=400))  # (persisted, dissatisfied)
+    max_version: int = -1
+
+    def recent_rates(self) -> tuple[float, float]:
+        if not self.recent:
+            return float("nan"), float("nan")
+        n = len(self.recent)
+        return sum(p for p, _ in self.recent) / n, sum(d for _, d in self.recent) / n
+
+
+@dataclass
+class ProductStats:
+    arms: dict[str, ArmStats] = field(default_factory=lambda: {"control": ArmStats(), "treatment": ArmStats()})
+    events_accepted: int = 0
+    # Accepted from privacy-mode users: counted by the gateway, never written to a topic.
+    events_private: int = 0
+    events_duplicate_replies: int = 0
+    events_failed: int = 0
+    privacy_completions: int = 0
+    errors: int = 0
+    last_error: str = ""
+    started: float = field(default_factory=time.monotonic)
+
+    @property
+    def completions(self) -> int:
+        return sum(a.completions for a in self.arms.values())
+
+
+def _event(user: User, rollout_id: str, session_id: str, ts_ms: int, **payload) -> telemetry_pb2.TelemetryEvent:
+    return telemetry_pb2.TelemetryEvent(
+        event_id=str(uuid.uuid4()),
+        rollout_id=rollout_id,
+        session_id=session_id,
+        user_id=user.user_id,
+        client_ts_ms=ts_ms,
+        schema_version=1,
+        privacy_mode=user.privacy_mode,
+        **payload,
+    )
+
+
+class Product:
+    def __init__(
+        self,
+        inference_urls: list[str],
+        ingest_url: str,
+        *,
+        users: int = 400,
+        clients: int = 48,
+        report_delay_s: float = 0.3,
+        duplicate_share: float = 0.03,
+        privacy_share: float = 0.03,
+        seed: int = 7,
+    ) -> None:
+        self.inference_urls = inference_urls
+        self.ingest = IngestClient(ingest_url)
+        self.users = population(users, seed=seed, privacy_share=privacy_share)
+        self.clients = clients
+        self.report_delay_s = report_delay_s
+        self.duplicate_share = duplicate_share
+        self.rng = random.Random(seed)
+        self.stats = ProductStats()
+        self._reports: set[asyncio.Task] = set()
+
+    async def run(self, duration_s: float) -> ProductStats:
+        deadline = time.monotonic() + duration_s
+        timeout = aiohttp.ClientTimeout(total=60)
+        async with aiohttp.ClientSession(timeout=timeout) as http:
+            await asyncio.gather(*(self._client(http, i, deadline) for i in range(self.clients)))
+            if self._reports:
+                await asyncio.gather(*self._reports)
+        await self.ingest.close()
+        return self.stats
+
+    async def _client(self, http: aiohttp.ClientSession, index: int, deadline: float) -> None:
+        rng = random.Random(self.rng.random())
+        url = self.inference_urls[index % len(self.inference_urls)]
+        while time.monotonic() < deadline:
+            user = rng.choice(self.users)
+            try:
+                await self._one_edit(http, url, user, rng)
+            except (aiohttp.ClientError, asyncio.TimeoutError, RuntimeError) as exc:
+                self.stats.errors += 1
+                self.stats.last_error = f"{type(exc).__name__}: {exc}"
+                await asyncio.sleep(0.5)
+
+    async def _one_edit(self, http: aiohttp.ClientSession, url: str, user: User, rng: random.Random) -> None:
+        task = random_task(rng, project=user.project)
+        session_id = f"s-{user.user_id}"
+        body = {"prompt": task.prompt, "user_id": user.user_id, "session_id": session_id, "privacy_mode": user.privacy_mode}
+        async with http.post(f"{url}/v1/completions", json=body) as resp:
+            if resp.status != 200:
+                raise RuntimeError(f"inference answered {resp.status}: {(await resp.text())[:200]}")
+            completion = await resp.json()
+        shown_ms = int(time.time() * 1000)
+        reaction = react(user, task, completion["text"], rng)
+        if user.privacy_mode:
+            self.stats.privacy_completions += 1
+        else:
+            arm = self.stats.arms[completion["arm"]]
+            arm.completions += 1
+            arm.persisted += reaction.persisted_fraction >= 0.999
+            arm.dissatisfied += reaction.dissatisfied
+            arm.latency_s.append(completion["latency_s"])
+            arm.recent.append((reaction.persisted_fraction >= 0.999, reaction.dissatisfied))
+            arm.max_version = max([arm.max_version] + [span["version"] for span in completion["policy_versions"]])
+        rollout_id = completion["rollout_id"]
+        shown = _event(
+            user, rollout_id, session_id, shown_ms,
+            edit_shown=telemetry_pb2.EditShown(file_path=f"p{user.project}/helpers.py", edit_text=completion["text"]),
+        )
+        report = asyncio.create_task(self._report(user, rollout_id, session_id, shown, reaction, rng.random()))
+        self._reports.add(report)
+        report.add_done_callback(self._reports.discard)
+
+    async def _report(self, user: User, rollout_id: str, session_id: str, shown, reaction, roll: float) -> None:
+        await asyncio.sleep(self.report_delay_s)
+        now_ms = int(time.time() * 1000)
+        events = [
+            shown,
+            _event(user, rollout_id, session_id, now_ms, persistence=telemetry_pb2.PersistenceSnapshot(
+                seconds_after_edit=self.report_delay_s, region_text=reaction.region_text)),
+        ]
+        if reaction.followup:
+            events.append(_event(user, rollout_id, session_id, now_ms, followup=telemetry_pb2.FollowUp(
+                seconds_after_edit=self.report_delay_s, message=reaction.followup)))
+        await self._send(events, user.privacy_mode)
+        if roll < self.duplicate_share:
+            await self._send(events, user.privacy_mode)  # a client retry of a batch that already landed
+
+    async def _send(self, events, private: bool) -> None:
+        try:
+            results = await self.ingest.publish(events)
+        except Exception as exc:  # the SDK already retried; count what we could not deliver
+            self.stats.events_failed += len(events)
+            self.stats.last_error = f"ingest: {type(exc).__name__}: {exc}"
+            return
+        for result in results:
+            if result.status == ACCEPTED and private:
+                self.stats.events_private += 1
+            elif result.status == ACCEPTED:
+                self.stats.events_accepted += 1
+            elif result.status == DUPLICATE:
+                self.stats.events_duplicate_replies += 1
+            else:
+                self.stats.events_failed += 1
+                self.stats.last_error = f"ingest rejected {result.field}: {result.error}"
