@@ -34,7 +34,6 @@ from rtrl.v1 import ingest_pb2, telemetry_pb2
 DEDUP_PREFIX = "rtrl:ingest:event:"
 PRIVACY_PREFIX = "rtrl:privacy:"
 
-Status = ingest_pb2.EventResult.Status
 ACCEPTED = ingest_pb2.EventResult.STATUS_ACCEPTED
 DUPLICATE = ingest_pb2.EventResult.STATUS_DUPLICATE
 REJECTED = ingest_pb2.EventResult.STATUS_REJECTED

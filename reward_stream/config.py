@@ -9,7 +9,9 @@ from reward_stream.join import JoinConfig
 
 
 class RewardStreamSettings(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix="RTRL_REWARD_", extra="ignore")
+    """Settings of the reward join (env prefix ``RTRL_REWARD_``)."""
+
+    model_config = SettingsConfigDict(env_prefix="RTRL_REWARD_", extra="ignore", use_attribute_docstrings=True)
 
     window_s: float = Field(2.0, gt=0)
     """How long after a rollout's first event its user signals are collected."""

@@ -120,6 +120,7 @@ class AsyncProducer:
         remaining = self._producer.flush(timeout_s)
         self._running = False
         self._poller.join(timeout=1)
+        self._producer.close()  # drop broker connections now, not at garbage collection
         return remaining
 
 

@@ -52,6 +52,7 @@ class ProductStats:
     events_duplicate_replies: int = 0
     events_failed: int = 0
     privacy_completions: int = 0
+    private_user_ids: set[str] = field(default_factory=set)
     errors: int = 0
     last_error: str = ""
     started: float = field(default_factory=time.monotonic)
@@ -131,6 +132,7 @@ class Product:
         reaction = react(user, task, completion["text"], rng)
         if user.privacy_mode:
             self.stats.privacy_completions += 1
+            self.stats.private_user_ids.add(user.user_id)
         else:
             arm = self.stats.arms[completion["arm"]]
             arm.completions += 1

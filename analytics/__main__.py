@@ -1,0 +1,3 @@
+from analytics.service import main
+
+main()

@@ -1,0 +1,28 @@
+"""Settings of the analytics sink (env prefix ``RTRL_ANALYTICS_``)."""
+
+from __future__ import annotations
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class AnalyticsSettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="RTRL_ANALYTICS_", extra="ignore")
+
+    bind_host: str = "127.0.0.1"
+    """Address the query endpoint binds to."""
+
+    query_port: int = Field(8124, ge=1, le=65535)
+    """Port of the read-only ``POST /query`` endpoint (chdb lives in this process only)."""
+
+    batch_size: int = Field(5_000, ge=1)
+    """Rows buffered (over all tables) before an insert is forced."""
+
+    flush_interval_s: float = Field(1.0, gt=0, le=60)
+    """Longest a consumed record waits in the buffer before it is inserted."""
+
+    group_id: str = Field("analytics", min_length=1)
+    """Consumer group; offsets are committed only after the rows are inserted."""
+
+    query_timeout_s: float = Field(30.0, gt=0)
+    """Budget of one ``/query`` request (also the ClickHouse ``max_execution_time``)."""

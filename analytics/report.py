@@ -1,0 +1,246 @@
+"""The A/B report: control (frozen policy) vs treatment (live RL), read from the sink's tables.
+
+Definitions (rewards on ``rl.reward.v1`` only; every table read with FINAL so replays count once):
+  persisted_rate     share of rewards whose edit was observed persisting in full:
+                     ``persistence_observed AND persisted_fraction >= 0.999``. A rollout whose
+                     window closed without a persistence snapshot counts as not persisted.
+  dissatisfied_rate  share of rewards with ``dissatisfied > 0`` (a follow-up classified as dissatisfied).
+  reward_mean        mean scalar reward.
+  latency_p50_s      exact median of the rollouts' serving latency (rollouts table).
+  relative_change    (treatment - control) / control; None for counts or a zero control.
+``last_half`` keeps rollouts whose event time is in the later half of the run's span
+(the span of rollout timestamps over both tables), when treatment has had time to learn.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import io
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from matplotlib.figure import Figure
+from matplotlib.ticker import MaxNLocator
+
+from analytics.query import QueryFn
+from rtrl import topics
+
+PERSISTED_THRESHOLD = 0.999
+ARMS = ("control", "treatment")
+COUNT_METRICS = ("rollouts", "rewards")
+RATE_METRICS = ("persisted_rate", "dissatisfied_rate", "reward_mean", "latency_p50_s")
+
+_REWARDS = f"rewards FINAL WHERE topic = '{topics.REWARD}'"
+_REWARD_AGGREGATES = f"""count() AS rewards,
+    countIf(persistence_observed AND persisted_fraction >= {PERSISTED_THRESHOLD}) / count() AS persisted_rate,
+    countIf(dissatisfied > 0) / count() AS dissatisfied_rate,
+    avg(reward) AS reward_mean"""
+
+
+@dataclass(frozen=True)
+class ArmMetrics:
+    arm: str
+    rollouts: int
+    rewards: int
+    persisted_rate: float | None
+    dissatisfied_rate: float | None
+    reward_mean: float | None
+    latency_p50_s: float | None
+
+
+@dataclass(frozen=True)
+class ABRow:
+    """One metric of one time window, both arms side by side."""
+
+    window: str  # "all" or "last_half"
+    metric: str
+    control: float | None
+    treatment: float | None
+    relative_change: float | None
+
+
+@dataclass(frozen=True)
+class VersionRow:
+    """Reward metrics of one arm for the policy versions [policy_version, policy_version + bucket_size)."""
+
+    arm: str
+    policy_version: int
+    bucket_size: int
+    rewards: int
+    persisted_rate: float | None
+    dissatisfied_rate: float | None
+    reward_mean: float | None
+    latency_p50_s: float | None
+
+
+def arm_metrics(query_fn: QueryFn, since_ms: int | None = None) -> dict[str, ArmMetrics]:
+    """Per arm, over rollouts with event time >= since_ms (all when None)."""
+    reward_filter = f" AND toUnixTimestamp64Milli(rollout_ts) >= {int(since_ms)}" if since_ms is not None else ""
+    rollout_filter = f" WHERE toUnixTimestamp64Milli(ts) >= {int(since_ms)}" if since_ms is not None else ""
+    rewards = {r["arm"]: r for r in query_fn(f"SELECT arm, {_REWARD_AGGREGATES} FROM {_REWARDS}{reward_filter} GROUP BY arm")}
+    rollouts = {
+        r["arm"]: r
+        for r in query_fn(
+            f"SELECT arm, count() AS rollouts, quantileExactInclusive(0.5)(latency_s) AS latency_p50_s FROM rollouts FINAL{rollout_filter} GROUP BY arm"
+        )
+    }
+    metrics = {}
+    for arm in sorted(set(rewards) | set(rollouts)):
+        r, o = rewards.get(arm, {}), rollouts.get(arm, {})
+        metrics[arm] = ArmMetrics(
+            arm=arm,
+            rollouts=int(o.get("rollouts", 0)),
+            rewards=int(r.get("rewards", 0)),
+            persisted_rate=_number(r.get("persisted_rate")),
+            dissatisfied_rate=_number(r.get("dissatisfied_rate")),
+            reward_mean=_number(r.get("reward_mean")),
+            latency_p50_s=_number(o.get("latency_p50_s")),
+        )
+    return metrics
+
+
+def run_span_ms(query_fn: QueryFn) -> tuple[int, int] | None:
+    """(first, last) rollout event time in ms, or None before any data."""
+    (row,) = query_fn(
+        "SELECT min(t) AS first, max(t) AS last, count() AS n FROM ("
+        "SELECT toUnixTimestamp64Milli(ts) AS t FROM rollouts UNION ALL "
+        f"SELECT toUnixTimestamp64Milli(rollout_ts) AS t FROM rewards WHERE topic = '{topics.REWARD}')"
+    )
+    return (int(row["first"]), int(row["last"])) if int(row["n"]) else None
+
+
+def ab_table(query_fn: QueryFn) -> list[ABRow]:
+    span = run_span_ms(query_fn)
+    windows = {"all": None}
+    if span is not None:
+        windows["last_half"] = (span[0] + span[1]) // 2
+    rows = []
+    for window, since_ms in windows.items():
+        metrics = arm_metrics(query_fn, since_ms)
+        for metric in COUNT_METRICS + RATE_METRICS:
+            control = getattr(metrics["control"], metric) if "control" in metrics else None
+            treatment = getattr(metrics["treatment"], metric) if "treatment" in metrics else None
+            change = None
+            if metric in RATE_METRICS and control and treatment is not None:
+                change = (treatment - control) / control
+            rows.append(ABRow(window, metric, control, treatment, change))
+    return rows
+
+
+def by_version(query_fn: QueryFn, bucket_size: int | None = None, max_buckets: int = 20) -> list[VersionRow]:
+    """Reward metrics per arm and policy-version bucket (the max version of each rollout's spans).
+    Without a bucket_size, buckets are sized so treatment gets at most ``max_buckets`` of them."""
+    if bucket_size is None:
+        (row,) = query_fn(f"SELECT max(policy_version) AS hi, min(policy_version) AS lo FROM {_REWARDS}")
+        spread = int(row["hi"] or 0) - int(row["lo"] or 0) + 1
+        bucket_size = max(1, math.ceil(spread / max_buckets))
+    b = int(bucket_size)
+    result = query_fn(
+        f"SELECT arm, intDiv(policy_version, {b}) * {b} AS version_bucket, {_REWARD_AGGREGATES}, "
+        f"quantileExactInclusive(0.5)(latency_s) AS latency_p50_s FROM {_REWARDS} "
+        "GROUP BY arm, version_bucket ORDER BY arm, version_bucket"
+    )
+    return [
+        VersionRow(
+            arm=r["arm"],
+            policy_version=int(r["version_bucket"]),
+            bucket_size=b,
+            rewards=int(r["rewards"]),
+            persisted_rate=_number(r["persisted_rate"]),
+            dissatisfied_rate=_number(r["dissatisfied_rate"]),
+            reward_mean=_number(r["reward_mean"]),
+            latency_p50_s=_number(r["latency_p50_s"]),
+        )
+        for r in result
+    ]
+
+
+def write_html(path: Path | str, ab_rows: list[ABRow], version_rows: list[VersionRow], *, title: str = "rtrl A/B report") -> Path:
+    """A self-contained HTML page: the A/B table, the per-version table and the plot."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    png = base64.b64encode(_plot_png(ab_rows, version_rows)).decode()
+    ab_body = "".join(
+        f"<tr><td>{r.window}</td><td>{r.metric}</td><td>{_fmt(r.metric, r.control)}</td>"
+        f"<td>{_fmt(r.metric, r.treatment)}</td><td>{_change(r.relative_change)}</td></tr>"
+        for r in ab_rows
+    )
+    version_body = "".join(
+        f"<tr><td>{html.escape(v.arm)}</td><td>{v.policy_version}" + (f"–{v.policy_version + v.bucket_size - 1}" if v.bucket_size > 1 else "")
+        + f"</td><td>{v.rewards}</td><td>{_fmt('persisted_rate', v.persisted_rate)}</td>"
+        f"<td>{_fmt('dissatisfied_rate', v.dissatisfied_rate)}</td><td>{_fmt('reward_mean', v.reward_mean)}</td>"
+        f"<td>{_fmt('latency_p50_s', v.latency_p50_s)}</td></tr>"
+        for v in version_rows
+    )
+    definitions = html.escape(__doc__.split("\n", 2)[2].strip())
+    path.write_text(
+        f"""<!doctype html>
+<html><head><meta charset="utf-8"><title>{html.escape(title)}</title>
+<style>body{{font-family:sans-serif;margin:2em}}table{{border-collapse:collapse;margin-bottom:2em}}
+td,th{{border:1px solid #ccc;padding:4px 10px;text-align:right}}td:first-child,td:nth-child(2){{text-align:left}}</style>
+</head><body>
+<h1>{html.escape(title)}</h1>
+<h2>Treatment vs control</h2>
+<table><tr><th>window</th><th>metric</th><th>control</th><th>treatment</th><th>change</th></tr>{ab_body}</table>
+<h2>By policy version</h2>
+<img alt="persisted and dissatisfied rate by policy version" src="data:image/png;base64,{png}">
+<table><tr><th>arm</th><th>policy version</th><th>rewards</th><th>persisted</th><th>dissatisfied</th><th>reward mean</th><th>latency p50</th></tr>{version_body}</table>
+<h2>Definitions</h2><pre>{definitions}</pre>
+</body></html>
+""",
+        encoding="utf-8",
+    )
+    return path
+
+
+def render(query_fn: QueryFn, path: Path | str, bucket_size: int | None = None) -> Path:
+    return write_html(path, ab_table(query_fn), by_version(query_fn, bucket_size))
+
+
+def _plot_png(ab_rows: list[ABRow], version_rows: list[VersionRow]) -> bytes:
+    figure = Figure(figsize=(10, 4), layout="constrained")
+    overall = {r.metric: r for r in ab_rows if r.window == "all"}
+    treatment = [v for v in version_rows if v.arm == "treatment"]
+    for axes, metric, label in zip(figure.subplots(1, 2), ("persisted_rate", "dissatisfied_rate"), ("edits persisted", "dissatisfied follow-ups")):
+        points = [(v.policy_version, getattr(v, metric)) for v in treatment if getattr(v, metric) is not None]
+        if points:
+            axes.plot(*zip(*points), marker="o", color="tab:orange", label="treatment")
+        control = overall[metric].control if metric in overall else None
+        if control is not None:
+            # Control serves one pinned version, so it is a level, not a curve.
+            axes.axhline(control, color="tab:blue", linestyle="--", label="control")
+        axes.set_title(label)
+        axes.xaxis.set_major_locator(MaxNLocator(integer=True))
+        axes.set_xlabel("policy version")
+        axes.set_ylabel("share of rewards")
+        axes.legend(loc="best")
+    buffer = io.BytesIO()
+    figure.savefig(buffer, format="png", dpi=90)
+    return buffer.getvalue()
+
+
+def _number(value: Any) -> float | None:
+    if value is None:
+        return None
+    number = float(value)
+    return number if math.isfinite(number) else None
+
+
+def _fmt(metric: str, value: float | None) -> str:
+    if value is None:
+        return "–"
+    if metric in COUNT_METRICS:
+        return f"{int(value)}"
+    if metric.endswith("_rate"):
+        return f"{100 * value:.2f} %"
+    if metric == "latency_p50_s":
+        return f"{value * 1000:.1f} ms"
+    return f"{value:.4f}"
+
+
+def _change(value: float | None) -> str:
+    return "–" if value is None else f"{100 * value:+.2f} %"
+

@@ -1,0 +1,145 @@
+"""Protobuf records -> ClickHouse rows. Pure: the sink feeds it, tests call it directly.
+
+A record that does not decode, and everything on the dead-letter topic, becomes a
+``dead_letters`` row carrying the raw bytes and the reason, so one bad record never
+stops the sink.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+from dataclasses import dataclass
+from datetime import datetime, timedelta, timezone
+
+from google.protobuf.message import DecodeError
+
+from analytics import schema
+from rtrl import topics
+from rtrl.v1 import reward_pb2, rollout_pb2, telemetry_pb2
+
+ARM_NAMES = {1: "control", 2: "treatment"}
+_EPOCH = datetime(1970, 1, 1, tzinfo=timezone.utc)
+
+COLUMNS: dict[str, tuple[str, ...]] = {
+    schema.ROLLOUTS: (
+        "rollout_id", "event_id", "arm", "worker_id", "user_id", "session_id", "model_name", "prompt_group_id", "ts",
+        "policy_version_min", "policy_version_max", "prompt_tokens", "completion_tokens", "latency_s",
+        "time_to_first_token_s", "tool_calls", "invalid_tool_calls", "prompt_text", "completion_text", "finish_reason",
+        "traceparent",
+    ),
+    schema.TELEMETRY: (
+        "event_id", "rollout_id", "session_id", "user_id", "kind", "ts", "file_path", "edit_text", "outcome",
+        "seconds_after_edit", "region_text", "followup_message",
+    ),
+    schema.REWARDS: (
+        "reward_id", "rollout_id", "topic", "arm", "policy_version", "rollout_ts", "completion_tokens", "latency_s",
+        "persisted_fraction", "persistence_observed", "dissatisfied", "followup_observed", "tool_call_validity",
+        "effort_penalty", "reward", "defaulted", "reward_fn_version", "last_event_ts", "settled_ts", "event_count",
+    ),
+    schema.DEAD_LETTERS: ("topic", "partition", "offset", "key", "reason", "headers_json", "value_b64", "ingested_ts"),
+}
+
+
+@dataclass(frozen=True)
+class Row:
+    """One row for one table, values in ``COLUMNS[table]`` order."""
+
+    table: str
+    values: tuple
+
+
+@dataclass(frozen=True)
+class KafkaRecord:
+    """What the sink needs of a consumed message."""
+
+    topic: str
+    partition: int
+    offset: int
+    key: bytes | None
+    value: bytes | None
+    headers: tuple[tuple[str, bytes | None], ...] = ()
+
+
+def ts(ms: int) -> datetime:
+    return _EPOCH + timedelta(milliseconds=ms)
+
+
+def arm_name(arm: int) -> str:
+    return ARM_NAMES.get(arm, "unspecified")
+
+
+def convert(record: KafkaRecord, now_ms: int) -> Row:
+    if record.topic == topics.REWARD_DLQ:
+        return dead_letter(record, "on the dead-letter topic (see headers)", now_ms)
+    try:
+        value = record.value or b""
+        if record.topic == topics.ROLLOUT:
+            return rollout_row(rollout_pb2.RolloutRecord.FromString(value))
+        if record.topic in (topics.REWARD, topics.REWARD_LATE):
+            return reward_row(reward_pb2.RewardRecord.FromString(value), record.topic)
+        if record.topic in (topics.EDIT, topics.PERSISTENCE, topics.FOLLOWUP):
+            return telemetry_row(telemetry_pb2.TelemetryEvent.FromString(value))
+    except DecodeError as exc:
+        return dead_letter(record, f"does not decode as the topic's message: {exc}", now_ms)
+    return dead_letter(record, "topic has no table", now_ms)
+
+
+def version_range(rollout: rollout_pb2.RolloutRecord) -> tuple[int, int]:
+    """(min, max) policy version over the rollout's spans; (-1, -1) when it has none."""
+    versions = [span.policy_version for span in rollout.version_spans]
+    return (min(versions), max(versions)) if versions else (-1, -1)
+
+
+def rollout_row(r: rollout_pb2.RolloutRecord) -> Row:
+    low, high = version_range(r)
+    return Row(
+        schema.ROLLOUTS,
+        (
+            r.rollout_id, r.event_id, arm_name(r.arm), r.worker_id, r.user_id, r.session_id, r.model_name,
+            r.prompt_group_id, ts(r.client_ts_ms), low, high, len(r.prompt_token_ids), len(r.completion_token_ids),
+            r.latency_s, r.time_to_first_token_s, len(r.tool_calls), sum(not call.valid for call in r.tool_calls),
+            r.prompt_text, r.completion_text, r.finish_reason, r.traceparent,
+        ),
+    )
+
+
+def telemetry_row(e: telemetry_pb2.TelemetryEvent) -> Row:
+    kind = e.WhichOneof("payload") or "none"
+    outcome = ""
+    if kind == "edit_outcome":
+        outcome = telemetry_pb2.EditOutcome.Outcome.Name(e.edit_outcome.outcome) if e.edit_outcome.outcome in (0, 1, 2) else str(e.edit_outcome.outcome)
+    seconds_after_edit = e.persistence.seconds_after_edit if kind == "persistence" else e.followup.seconds_after_edit
+    return Row(
+        schema.TELEMETRY,
+        (
+            e.event_id, e.rollout_id, e.session_id, e.user_id, kind, ts(e.client_ts_ms), e.edit_shown.file_path,
+            e.edit_shown.edit_text, outcome, seconds_after_edit, e.persistence.region_text, e.followup.message,
+        ),
+    )
+
+
+def reward_row(rec: reward_pb2.RewardRecord, topic: str) -> Row:
+    rollout, parts = rec.rollout, rec.components
+    _, policy_version = version_range(rollout)
+    return Row(
+        schema.REWARDS,
+        (
+            rec.reward_id, rec.rollout_id, topic, arm_name(rollout.arm), policy_version, ts(rollout.client_ts_ms),
+            len(rollout.completion_token_ids), parts.latency_s or rollout.latency_s, parts.persisted_fraction,
+            parts.persistence_observed, parts.dissatisfied, parts.followup_observed, parts.tool_call_validity,
+            parts.effort_penalty, rec.reward, rec.defaulted, rec.reward_fn_version, ts(rec.last_event_ts_ms),
+            ts(rec.settled_ts_ms), len(rec.event_ids),
+        ),
+    )
+
+
+def dead_letter(record: KafkaRecord, reason: str, now_ms: int) -> Row:
+    headers = {name: (value or b"").decode("utf-8", "replace") for name, value in record.headers}
+    return Row(
+        schema.DEAD_LETTERS,
+        (
+            record.topic, record.partition, record.offset, (record.key or b"").decode("utf-8", "replace"), reason,
+            json.dumps(headers, sort_keys=True), base64.b64encode(record.value or b"").decode(), ts(now_ms),
+        ),
+    )

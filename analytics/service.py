@@ -1,0 +1,73 @@
+"""The analytics process: the sink thread, the read-only query endpoint, the heartbeat."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import threading
+
+import redis.asyncio as aioredis
+from aiohttp import web
+from confluent_kafka import Consumer
+
+from analytics import query, schema
+from analytics.config import AnalyticsSettings
+from analytics.sink import Sink
+from rtrl import heartbeat, kafka, topics
+from rtrl.config import StackSettings
+
+log = logging.getLogger("analytics")
+
+SERVICE = "analytics"
+
+
+async def serve(stack: StackSettings, settings: AnalyticsSettings, stop: asyncio.Event | None = None) -> None:
+    """Run until SIGTERM/SIGINT (or ``stop`` is set); then insert and commit what is buffered."""
+    stop = stop or asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+
+    await asyncio.to_thread(kafka.wait_for_broker, stack)
+    await asyncio.to_thread(kafka.ensure_topics, stack)
+    writer = query.connect(stack)
+    schema.create_tables(writer)
+    reader = query.read_only_client(stack, settings.query_timeout_s)
+    consumer = Consumer(kafka.consumer_config(stack, settings.group_id))
+    sink = Sink(consumer, writer, batch_size=settings.batch_size, flush_interval_s=settings.flush_interval_s)
+    consumer.subscribe(list(topics.ALL), on_revoke=sink.on_revoke)
+
+    runner = web.AppRunner(query.build_query_app(reader), access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, settings.bind_host, settings.query_port).start()
+    redis = aioredis.Redis.from_url(stack.redis_url)
+    stopping = threading.Event()
+    sink_task = asyncio.create_task(asyncio.to_thread(sink.run, stopping))
+    beats = asyncio.create_task(heartbeat.beat_forever(redis, SERVICE, stack.instance, sink.status))
+    stop_wait = asyncio.create_task(stop.wait())
+    log.info("analytics sink on %s, query endpoint %s:%d", stack.resolved_clickhouse_url(), settings.bind_host, settings.query_port)
+    try:
+        # A failed insert or a lost Redis ends the process; the supervisor restarts it and
+        # the sink resumes from the last committed offsets.
+        await asyncio.wait([stop_wait, sink_task, beats], return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        stopping.set()
+        stop_wait.cancel()
+        beats.cancel()
+        await asyncio.gather(sink_task, beats, return_exceptions=True)
+        consumer.close()
+        await runner.cleanup()
+        await redis.aclose()
+        reader.close()
+        writer.close()
+    for task in (sink_task, beats):
+        if not task.cancelled() and task.exception() is not None:
+            raise task.exception()
+
+
+def main() -> None:
+    settings = AnalyticsSettings()
+    stack = StackSettings()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    asyncio.run(serve(stack, settings))

@@ -1,0 +1,26 @@
+"""``python -m inference``: one inference worker."""
+
+import logging
+
+
+def main() -> None:
+    # Configuration first: a bad setting fails before torch is imported.
+    from inference.config import InferenceSettings
+    from rtrl.config import StackSettings
+
+    settings = InferenceSettings()
+    stack = StackSettings()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+
+    import asyncio
+
+    import torch
+
+    torch.set_num_threads(1)
+    from inference.server import serve
+
+    asyncio.run(serve(stack, settings))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,65 @@
+"""The HTTP contract of ``POST /v1/completions``: the request body and the answer.
+
+OpenAI-shaped where that is natural (``choices[0].text``, ``usage``), plus what the
+product needs: the rollout id it reports telemetry against, the arm, and the policy
+versions that produced the text.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from inference.engine import Completion
+from inference.records import version_spans
+
+
+class CompletionBody(BaseModel):
+    """The request. Unknown fields (``model``, ``n``...) are ignored."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    prompt: str
+    user_id: str = Field(min_length=1)
+    session_id: str = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0, le=5)
+    top_p: float | None = Field(None, gt=0, le=1)
+    arm: Literal["control", "treatment"] | None = None
+    privacy_mode: bool = False
+    seed: int | None = Field(None, ge=0, lt=2**63)
+    stop: str | list[str] | None = None
+    client_ts_ms: int | None = Field(None, ge=0)
+    prompt_group_id: str = ""
+
+    def stop_strings(self) -> tuple[str, ...]:
+        if self.stop is None:
+            return ()
+        return (self.stop,) if isinstance(self.stop, str) else tuple(s for s in self.stop if s)
+
+
+def completion_response(rollout_id: str, model_name: str, completion: Completion, latency_s: float) -> dict[str, Any]:
+    result = completion.result
+    usage = {
+        "prompt_tokens": len(completion.prompt_ids),
+        "completion_tokens": len(result.token_ids),
+        "total_tokens": len(completion.prompt_ids) + len(result.token_ids),
+    }
+    return {
+        "id": rollout_id,
+        "rollout_id": rollout_id,
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": model_name,
+        "arm": completion.arm,
+        "text": result.text,
+        "finish_reason": result.finish_reason,
+        "choices": [{"index": 0, "text": result.text, "finish_reason": result.finish_reason, "logprobs": None}],
+        "policy_versions": [{"version": s.version, "start": s.start, "end": s.end} for s in version_spans(result.versions)],
+        "usage": usage,
+        "seed": completion.params.seed,
+        "ttft_s": completion.ttft_s,
+        "latency_s": latency_s,
+    }

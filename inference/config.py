@@ -1,0 +1,67 @@
+"""Settings of an inference worker (env prefix ``RTRL_INFERENCE_``).
+
+Connections (Kafka, Redis, weight_sync, instance) come from rtrl.config.StackSettings.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class InferenceSettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="RTRL_INFERENCE_", extra="ignore")
+
+    bind_host: str = "127.0.0.1"
+    """Address the HTTP API binds to (``0.0.0.0`` in a container)."""
+
+    http_port: int = Field(8090, ge=0, le=65535)
+    """Port of the HTTP API (``POST /v1/completions``, ``GET /healthz``); 0 picks a free one."""
+
+    max_batch: int = Field(32, ge=1, le=1024)
+    """Most requests of one arm decoded together in a micro-batch."""
+
+    batch_wait_ms: float = Field(2.0, ge=0, le=1000)
+    """How long a batch waits for more requests after its first one before it starts."""
+
+    max_tokens: int = Field(48, ge=1, le=127)
+    """Completion length when a request does not say (capped by the policy's context)."""
+
+    temperature: float = Field(1.0, ge=0, le=5)
+    """Sampling temperature when a request does not say; 0 is greedy."""
+
+    top_p: float = Field(1.0, gt=0, le=1)
+    """Nucleus mass when a request does not say; 1 samples the whole distribution."""
+
+    treatment_fraction: float = Field(0.5, ge=0, le=1)
+    """Share of user ids (by a stable hash) served by the treatment arm."""
+
+    swap_policy: Literal["keep", "recompute"] = "keep"
+    """What in-flight sequences do when new weights go live between decode steps: keep
+    the KV cache computed under the old version, or re-prefill it under the new one."""
+
+    ready_timeout_s: float = Field(30.0, gt=0, le=3600)
+    """How long a request waits for its arm's first weights before failing with 503."""
+
+    follow_weights: bool = True
+    """Subscribe to weight_sync for both arms. Off only when weights are staged in-process."""
+
+    produce_timeout_ms: int = Field(10_000, ge=100)
+    """librdkafka ``message.timeout.ms``: a rollout record not acked by then fails the request."""
+
+    model_name: str = ""
+    """Name recorded in rollout records; empty means ``rtrl-policy-<policy config fingerprint>``."""
+
+    heartbeat_interval_s: float = Field(1.0, gt=0, le=5)
+    """Seconds between heartbeats (rtrl:hb:inference:<instance>)."""
+
+    shutdown_grace_s: float = Field(10.0, ge=0, le=120)
+    """On SIGTERM, in-flight requests get this long to finish before the server closes."""
+
+    @model_validator(mode="after")
+    def _defaults_fit_each_other(self) -> InferenceSettings:
+        if self.temperature == 0 and self.top_p < 1:
+            raise ValueError("top_p has no effect with temperature 0; leave it at 1")
+        return self

@@ -1,0 +1,328 @@
+"""The serving engine: one policy model per arm, one thread that owns all torch work.
+
+Requests queue per arm; the engine thread takes up to ``max_batch`` waiting requests
+of one arm and decodes them as a static micro-batch (requests that arrive meanwhile
+wait for the next batch). New weights are staged from any thread and applied by the
+engine thread only between decode steps, so no token is ever sampled from a
+half-copied version, and every token records the version that sampled it.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import threading
+import time
+from collections import deque
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from inference.batch import DecodeBatch, SequenceParams, SequenceResult, SwapPolicy
+from rtrl.policy import BOS, PolicyConfig, build_model, encode, load_weights, state_dict_fp32
+
+log = logging.getLogger(__name__)
+
+ARMS = ("control", "treatment")
+
+
+def prompt_token_ids(prompt: str) -> list[int]:
+    """The policy's prompt format: BOS, then the prompt's characters. Completions end
+    with EOS. The trainer's warm start must use the same format."""
+    return [BOS, *encode(prompt)]
+
+
+class ArmNotReady(TimeoutError):
+    """The arm had no weights within the request's ready timeout."""
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    max_batch: int = 32
+    """Most requests decoded together in one micro-batch."""
+    batch_wait_s: float = 0.002
+    """How long a batch start waits for more requests of the same arm to arrive."""
+    swap_policy: SwapPolicy = "keep"
+    """On a swap, in-flight rows keep their KV cache ("keep") or re-prefill under the new weights ("recompute")."""
+    ready_timeout_s: float = 30.0
+    """How long a request waits for its arm's first weights before failing."""
+    policy: PolicyConfig = PolicyConfig()
+    """Shape of the policy model (must match the trainer's)."""
+
+    def __post_init__(self) -> None:
+        if self.max_batch < 1:
+            raise ValueError(f"max_batch must be >= 1, got {self.max_batch}")
+        if self.batch_wait_s < 0 or self.ready_timeout_s <= 0:
+            raise ValueError(f"batch_wait_s must be >= 0 and ready_timeout_s > 0, got {self.batch_wait_s}, {self.ready_timeout_s}")
+        if self.swap_policy not in ("keep", "recompute"):
+            raise ValueError(f"swap_policy must be 'keep' or 'recompute', got {self.swap_policy!r}")
+
+
+@dataclass(frozen=True)
+class Completion:
+    """What the engine returns for one request (times are seconds since submit)."""
+
+    prompt_ids: tuple[int, ...]
+    params: SequenceParams
+    arm: str
+    result: SequenceResult
+    queue_s: float
+    ttft_s: float
+    latency_s: float
+
+
+@dataclass
+class _Pending:
+    params: SequenceParams
+    arm: str
+    submitted: float
+    future: Future = field(default_factory=Future)
+    started: float = 0.0
+    ttft_s: float = 0.0
+
+
+@dataclass
+class EngineStats:
+    completions: int = 0
+    tokens: int = 0
+    swaps: int = 0
+    batches: int = 0
+
+
+class Engine:
+    def __init__(
+        self,
+        config: EngineConfig = EngineConfig(),
+        on_applied: Callable[[str, int], None] | None = None,
+        on_step: Callable[[str, int], None] | None = None,
+    ) -> None:
+        """on_applied(arm, version) runs on the engine thread once a version is live;
+        on_step(arm, tokens_so_far) runs on the engine thread after every decode step."""
+        self.config = config
+        self.models = {arm: build_model(config.policy) for arm in ARMS}
+        reference = self.models[ARMS[0]]
+        self._shapes = {name: tuple(t.shape) for name, t in reference.state_dict().items()}
+        self._required = frozenset(state_dict_fp32(reference))
+        self._versions = {arm: -1 for arm in ARMS}
+        self._staged: dict[str, tuple[int, dict[str, torch.Tensor]]] = {}
+        self._waiting: dict[str, deque[_Pending]] = {arm: deque() for arm in ARMS}
+        self._cond = threading.Condition(threading.RLock())
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="inference-engine", daemon=True)
+        # Public so the process wiring can attach them before start().
+        self.on_applied = on_applied
+        self.on_step = on_step
+        self.stats = EngineStats()
+        self.failure: BaseException | None = None
+
+    # ---- any thread -------------------------------------------------------------
+
+    def start(self) -> Engine:
+        self._thread.start()
+        return self
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+        if self._thread.is_alive():
+            self._thread.join(timeout_s)
+        with self._cond:
+            for queue in self._waiting.values():
+                while queue:
+                    _fail(queue.popleft(), RuntimeError("inference engine stopped"))
+
+    def versions(self) -> dict[str, int]:
+        with self._cond:
+            return dict(self._versions)
+
+    def held_version(self, arm: str) -> int:
+        """The newest version of ``arm`` applied or staged, -1 for none."""
+        with self._cond:
+            return max(self._versions[arm], self._staged.get(arm, (-1, None))[0])
+
+    def ready(self) -> bool:
+        return self.failure is None and all(v >= 0 for v in self.versions().values())
+
+    def queue_depth(self) -> int:
+        with self._cond:
+            return sum(len(q) for q in self._waiting.values())
+
+    def stage(self, arm: str, version: int, weights: dict[str, torch.Tensor]) -> bool:
+        """Queue a version for ``arm``; the engine applies it at its next step boundary.
+        A newer staged version replaces an unapplied older one. Returns False (and
+        ignores it) if the arm already holds or has staged this version or a newer one."""
+        self._check_arm(arm)
+        self._check_weights(weights)
+        with self._cond:
+            newest = self.held_version(arm)
+            if version <= newest:
+                log.info("ignoring %s v%d: already at v%d", arm, version, newest)
+                return False
+            self._staged[arm] = (version, weights)
+            self._cond.notify_all()
+        return True
+
+    def submit(
+        self,
+        arm: str,
+        prompt_ids: list[int] | tuple[int, ...],
+        *,
+        max_tokens: int,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        seed: int | None = None,
+        stop: tuple[str, ...] = (),
+    ) -> Future:
+        """Queue a request; the future resolves to a Completion (or ArmNotReady)."""
+        self._check_arm(arm)
+        context = self.config.policy.max_positions
+        if not 0 < len(prompt_ids) < context:
+            raise ValueError(f"prompt is {len(prompt_ids)} tokens; it must be 1..{context - 1}")
+        if max_tokens < 1 or temperature < 0 or not 0 < top_p <= 1:
+            raise ValueError(f"bad sampling params: max_tokens={max_tokens} temperature={temperature} top_p={top_p}")
+        params = SequenceParams(
+            prompt_ids=tuple(prompt_ids),
+            max_tokens=min(max_tokens, context - len(prompt_ids)),
+            temperature=float(temperature),
+            top_p=float(top_p),
+            seed=secrets.randbits(63) if seed is None else seed,
+            stop=tuple(stop),
+        )
+        if not 0 <= params.seed < 2**63:
+            raise ValueError(f"seed must be in [0, 2**63), got {params.seed}")
+        pending = _Pending(params, arm, time.monotonic())
+        with self._cond:
+            if self._stopping:
+                raise RuntimeError("inference engine stopped")
+            self._waiting[arm].append(pending)
+            self._cond.notify_all()
+        return pending.future
+
+    def generate(self, arm: str, prompt_ids: list[int], **kwargs) -> Completion:
+        """Blocking convenience around submit()."""
+        return self.submit(arm, prompt_ids, **kwargs).result()
+
+    def _check_arm(self, arm: str) -> None:
+        if arm not in self.models:
+            raise ValueError(f"unknown arm {arm!r}; expected one of {ARMS}")
+
+    def _check_weights(self, weights: dict[str, torch.Tensor]) -> None:
+        """Reject a bad version in the caller's thread, so applying it cannot fail."""
+        missing = self._required - weights.keys()
+        unknown = weights.keys() - self._shapes.keys()
+        wrong = [n for n, t in weights.items() if n in self._shapes and tuple(t.shape) != self._shapes[n]]
+        if missing or unknown or wrong:
+            raise ValueError(f"weights do not fit the policy: missing={sorted(missing)[:3]} unknown={sorted(unknown)[:3]} wrong_shape={wrong[:3]}")
+
+    # ---- engine thread ----------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            while True:
+                self._apply_staged()
+                picked = self._next_batch()
+                if picked is None:
+                    return
+                if picked:
+                    self._decode(*picked)
+        except BaseException as exc:
+            # A dead engine must not leave callers waiting forever; the server sees
+            # `failure` and exits so the supervisor restarts the worker.
+            self.failure = exc
+            log.exception("inference engine crashed")
+            with self._cond:
+                self._stopping = True
+                for queue in self._waiting.values():
+                    while queue:
+                        _fail(queue.popleft(), RuntimeError(f"inference engine crashed: {exc!r}"))
+            raise
+
+    def _apply_staged(self) -> set[str]:
+        with self._cond:
+            staged, self._staged = self._staged, {}
+        for arm, (version, weights) in staged.items():
+            with torch.no_grad():
+                load_weights(self.models[arm], weights)
+            with self._cond:
+                self._versions[arm] = version
+            self.stats.swaps += 1
+            log.debug("%s now serving v%d", arm, version)
+            if self.on_applied is not None:
+                self.on_applied(arm, version)
+        return set(staged)
+
+    def _next_batch(self) -> tuple[str, list[_Pending]] | None:
+        """Blocks until there is work: (arm, requests), [] when weights were staged, None on stop."""
+        with self._cond:
+            while not self._stopping:
+                if self._staged:
+                    return []
+                now = time.monotonic()
+                self._expire_unready(now)
+                heads = [(q[0].submitted, arm) for arm, q in self._waiting.items() if q and self._versions[arm] >= 0]
+                if heads:
+                    oldest, arm = min(heads)
+                    queue = self._waiting[arm]
+                    wait = oldest + self.config.batch_wait_s - now
+                    if len(queue) >= self.config.max_batch or wait <= 0:
+                        return arm, [queue.popleft() for _ in range(min(len(queue), self.config.max_batch))]
+                    self._cond.wait(wait)
+                    continue
+                unready = [q[0].submitted + self.config.ready_timeout_s for q in self._waiting.values() if q]
+                self._cond.wait(max(min(unready) - now, 0.001) if unready else None)
+            return None
+
+    def _expire_unready(self, now: float) -> None:
+        for arm, queue in self._waiting.items():
+            if self._versions[arm] >= 0:
+                continue
+            while queue and now - queue[0].submitted >= self.config.ready_timeout_s:
+                _fail(queue.popleft(), ArmNotReady(f"arm {arm!r} has no weights after {self.config.ready_timeout_s:g} s"))
+
+    def _decode(self, arm: str, pendings: list[_Pending]) -> None:
+        self.stats.batches += 1
+        started = time.monotonic()
+        for p in pendings:
+            p.started = started
+        try:
+            with torch.inference_mode():
+                batch = DecodeBatch(self.models[arm], [p.params for p in pendings], self._versions[arm])
+                while not batch.done:
+                    if batch.generated and arm in self._apply_staged():
+                        batch.swap(self._versions[arm], self.config.swap_policy)
+                    finished = batch.step()
+                    now = time.monotonic()
+                    if batch.generated == 1:
+                        for p in pendings:
+                            p.ttft_s = now - p.submitted
+                    for row, result in finished:
+                        self._finish(pendings[row], result, now)
+                    if self.on_step is not None:
+                        self.on_step(arm, batch.generated)
+        except BaseException as exc:
+            for p in pendings:
+                _fail(p, exc)
+            raise
+
+    def _finish(self, pending: _Pending, result: SequenceResult, now: float) -> None:
+        self.stats.completions += 1
+        self.stats.tokens += len(result.token_ids)
+        pending.future.set_result(
+            Completion(
+                prompt_ids=pending.params.prompt_ids,
+                params=pending.params,
+                arm=pending.arm,
+                result=result,
+                queue_s=pending.started - pending.submitted,
+                ttft_s=pending.ttft_s,
+                latency_s=now - pending.submitted,
+            )
+        )
+
+
+def _fail(pending: _Pending, exc: BaseException) -> None:
+    if not pending.future.done():
+        pending.future.set_exception(exc)

@@ -1,0 +1,78 @@
+"""From an engine Completion to the wire: version spans and the RolloutRecord."""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+
+from inference.arms import ARM_ENUM
+from inference.engine import Completion
+from rtrl.v1 import rollout_pb2
+
+SCHEMA_VERSION = 1
+
+
+@dataclass(frozen=True)
+class VersionSpan:
+    """Completion tokens [start, end) were sampled by policy version ``version``."""
+
+    version: int
+    start: int
+    end: int
+
+
+def version_spans(versions: tuple[int, ...] | list[int]) -> list[VersionSpan]:
+    """Runs of equal versions, in token order."""
+    spans: list[VersionSpan] = []
+    start = 0
+    for i in range(1, len(versions) + 1):
+        if i == len(versions) or versions[i] != versions[start]:
+            spans.append(VersionSpan(versions[start], start, i))
+            start = i
+    return spans
+
+
+@dataclass(frozen=True)
+class RolloutContext:
+    """What the server knows about a request beyond the engine's completion."""
+
+    rollout_id: str
+    session_id: str
+    user_id: str
+    client_ts_ms: int
+    worker_id: str
+    model_name: str
+    prompt_text: str
+    prompt_group_id: str = ""
+    traceparent: str = ""
+
+
+def rollout_record(context: RolloutContext, completion: Completion) -> rollout_pb2.RolloutRecord:
+    result, params = completion.result, completion.params
+    return rollout_pb2.RolloutRecord(
+        event_id=str(uuid.uuid4()),
+        rollout_id=context.rollout_id,
+        session_id=context.session_id,
+        client_ts_ms=context.client_ts_ms,
+        schema_version=SCHEMA_VERSION,
+        user_id=context.user_id,
+        worker_id=context.worker_id,
+        arm=ARM_ENUM[completion.arm],
+        model_name=context.model_name,
+        prompt_group_id=context.prompt_group_id,
+        prompt_token_ids=completion.prompt_ids,
+        completion_token_ids=result.token_ids,
+        completion_logprobs=result.logprobs,
+        version_spans=[
+            rollout_pb2.VersionSpan(policy_version=s.version, start=s.start, end=s.end) for s in version_spans(result.versions)
+        ],
+        sampling=rollout_pb2.SamplingParams(
+            temperature=params.temperature, top_p=params.top_p, max_tokens=params.max_tokens, seed=params.seed
+        ),
+        latency_s=completion.latency_s,
+        time_to_first_token_s=completion.ttft_s,
+        prompt_text=context.prompt_text,
+        completion_text=result.text,
+        finish_reason=result.finish_reason,
+        traceparent=context.traceparent,
+    )

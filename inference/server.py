@@ -1,0 +1,214 @@
+"""The inference process: the HTTP API over one Engine, weight followers, heartbeat.
+
+``POST /v1/completions`` answers only after the completion's RolloutRecord was acked
+by the broker (so a product event can never refer to an unknown rollout); requests in
+privacy mode produce no record. Answers:
+  200  the completion
+  400  the body is not a valid request (``{"error": ...}``)
+  503  the arm has no weights yet (after ``ready_timeout_s``) or the engine stopped
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import time
+import uuid
+from dataclasses import dataclass
+
+import redis.asyncio as aioredis
+from aiohttp import web
+from pydantic import ValidationError
+
+from inference.api import CompletionBody, completion_response
+from inference.arms import assign_arm
+from inference.config import InferenceSettings
+from inference.engine import ARMS, ArmNotReady, Engine, EngineConfig, prompt_token_ids
+from inference.records import RolloutContext, rollout_record
+from inference.weights import WeightFollower
+from rtrl import heartbeat, kafka, topics
+from rtrl.config import StackSettings
+from rtrl.policy import PolicyConfig
+
+log = logging.getLogger("inference")
+
+SERVICE = "inference"
+APPLIED_KEY = "rtrl:applied:{arm}:{version}"
+
+
+@dataclass
+class RequestCounters:
+    records: int = 0
+    private: int = 0
+    rejected: int = 0
+    unavailable: int = 0
+
+
+class InferenceServer:
+    """A started worker; ``stop()`` drains it."""
+
+    def __init__(self, stack: StackSettings, settings: InferenceSettings, engine: Engine | None = None) -> None:
+        """``engine`` replaces the one built from ``settings`` (tests attach hooks to it)."""
+        self.stack = stack
+        self.settings = settings
+        self.worker_id = f"inference-{stack.instance}"
+        self.model_name = settings.model_name or f"rtrl-policy-{PolicyConfig().fingerprint()}"
+        self.engine = engine or Engine(
+            EngineConfig(
+                max_batch=settings.max_batch,
+                batch_wait_s=settings.batch_wait_ms / 1000,
+                swap_policy=settings.swap_policy,
+                ready_timeout_s=settings.ready_timeout_s,
+            )
+        )
+        self.engine.on_applied = self._applied_from_engine_thread
+        self.counters = RequestCounters()
+        self.port = settings.http_port
+        self._background: set[asyncio.Task] = set()
+        self._followers: list[WeightFollower] = []
+
+    async def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        await asyncio.to_thread(kafka.wait_for_broker, self.stack)
+        self.redis = aioredis.Redis.from_url(self.stack.redis_url)
+        self.producer = kafka.AsyncProducer(self.stack, **{"message.timeout.ms": self.settings.produce_timeout_ms})
+        self.engine.start()
+        if self.settings.follow_weights:
+            self._followers = [
+                WeightFollower(self.engine, self.stack.weight_sync_addr, arm, self.worker_id).start() for arm in ARMS
+            ]
+        app = web.Application()
+        app.router.add_post("/v1/completions", self._completions)
+        app.router.add_get("/healthz", self._healthz)
+        self.runner = web.AppRunner(app, access_log=None, shutdown_timeout=self.settings.shutdown_grace_s)
+        await self.runner.setup()
+        await web.TCPSite(self.runner, self.settings.bind_host, self.settings.http_port).start()
+        self.port = self.runner.addresses[0][1]
+        self.heartbeat_task = asyncio.create_task(self._beat_forever())
+        log.info("%s listening on http://%s:%d", self.worker_id, self.settings.bind_host, self.port)
+
+    async def stop(self) -> None:
+        # Stop taking requests, let in-flight ones finish (the engine still runs), then
+        # stop the weight feed and the engine, and flush the last rollout records.
+        await self.runner.cleanup()
+        self.heartbeat_task.cancel()
+        await asyncio.gather(self.heartbeat_task, return_exceptions=True)
+        for follower in self._followers:
+            await asyncio.to_thread(follower.stop)
+        await asyncio.to_thread(self.engine.stop)
+        self.engine.on_applied = None
+        if self._background:
+            await asyncio.gather(*self._background, return_exceptions=True)
+        undelivered = await asyncio.to_thread(self.producer.close)
+        if undelivered:
+            log.warning("%d rollout records were still undelivered at shutdown", undelivered)
+        # librdkafka holds its broker connections until the client object is freed.
+        del self.producer
+        await self.redis.aclose()
+
+    def status(self) -> dict:
+        stats = self.engine.stats
+        return {
+            "ready": self.engine.ready(),
+            "versions": self.engine.versions(),
+            "http_port": self.port,
+            "worker_id": self.worker_id,
+            "completions": stats.completions,
+            "tokens": stats.tokens,
+            "swaps": stats.swaps,
+            "batches": stats.batches,
+            "queue_depth": self.engine.queue_depth(),
+            "rollout_records": self.counters.records,
+            "private_completions": self.counters.private,
+            "rejected": self.counters.rejected,
+            "unavailable": self.counters.unavailable,
+        }
+
+    async def _beat_forever(self) -> None:
+        while True:
+            if self.engine.failure is not None:
+                raise RuntimeError("the inference engine crashed") from self.engine.failure
+            await heartbeat.beat(self.redis, SERVICE, self.stack.instance, self.status())
+            await asyncio.sleep(self.settings.heartbeat_interval_s)
+
+    def _applied_from_engine_thread(self, arm: str, version: int) -> None:
+        applied_ms = int(time.time() * 1000)
+        self._loop.call_soon_threadsafe(self._record_applied, arm, version, applied_ms)
+
+    def _record_applied(self, arm: str, version: int, applied_ms: int) -> None:
+        log.info("%s serving %s v%d", self.worker_id, arm, version)
+        task = asyncio.create_task(self.redis.hset(APPLIED_KEY.format(arm=arm, version=version), self.worker_id, applied_ms))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _healthz(self, request: web.Request) -> web.Response:
+        return web.json_response({"ready": self.engine.ready(), "versions": self.engine.versions(), "worker_id": self.worker_id})
+
+    async def _completions(self, request: web.Request) -> web.Response:
+        received = time.monotonic()
+        received_ms = int(time.time() * 1000)
+        try:
+            body = CompletionBody.model_validate_json(await request.read())
+            arm = body.arm or assign_arm(body.user_id, self.settings.treatment_fraction)
+            future = self.engine.submit(
+                arm,
+                prompt_token_ids(body.prompt),
+                max_tokens=body.max_tokens or self.settings.max_tokens,
+                temperature=self.settings.temperature if body.temperature is None else body.temperature,
+                top_p=body.top_p or self.settings.top_p,
+                seed=body.seed,
+                stop=body.stop_strings(),
+            )
+        except (ValidationError, ValueError) as exc:
+            self.counters.rejected += 1
+            return web.json_response({"error": str(exc)}, status=400)
+        except RuntimeError as exc:
+            self.counters.unavailable += 1
+            return web.json_response({"error": str(exc)}, status=503)
+        try:
+            completion = await asyncio.wrap_future(future)
+        except (ArmNotReady, RuntimeError) as exc:
+            self.counters.unavailable += 1
+            return web.json_response({"error": str(exc)}, status=503)
+
+        rollout_id = str(uuid.uuid4())
+        if body.privacy_mode:
+            self.counters.private += 1
+        else:
+            traceparent = request.headers.get("traceparent", "")
+            context = RolloutContext(
+                rollout_id=rollout_id,
+                session_id=body.session_id,
+                user_id=body.user_id,
+                client_ts_ms=body.client_ts_ms or received_ms,
+                worker_id=self.worker_id,
+                model_name=self.model_name,
+                prompt_text=body.prompt,
+                prompt_group_id=body.prompt_group_id,
+                traceparent=traceparent,
+            )
+            record = rollout_record(context, completion)
+            await self.producer.send(
+                topics.ROLLOUT, record.SerializeToString(), key=rollout_id, headers=kafka.traceparent_headers(traceparent)
+            )
+            self.counters.records += 1
+        return web.json_response(completion_response(rollout_id, self.model_name, completion, time.monotonic() - received))
+
+
+async def serve(stack: StackSettings, settings: InferenceSettings) -> None:
+    """Run until SIGTERM or SIGINT (or until the engine or the heartbeat dies), then drain."""
+    stopping = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stopping.set)
+    server = InferenceServer(stack, settings)
+    await server.start()
+    stop_wait = asyncio.create_task(stopping.wait())
+    try:
+        await asyncio.wait([stop_wait, server.heartbeat_task], return_when=asyncio.FIRST_COMPLETED)
+        if server.heartbeat_task.done() and not server.heartbeat_task.cancelled():
+            server.heartbeat_task.result()
+    finally:
+        stop_wait.cancel()
+        await server.stop()

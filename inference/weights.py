@@ -1,0 +1,60 @@
+"""Feeding the engine from weight_sync: one thread per arm follows the arm's versions."""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+from inference.engine import Engine
+
+log = logging.getLogger(__name__)
+
+
+class WeightFollower:
+    """Stages every new version of ``arm`` that weight_sync streams into ``engine``.
+
+    The Subscriber re-subscribes by itself when weight_sync restarts; if it gives up
+    (an error it does not retry), a fresh one starts from scratch after ``retry_s``,
+    and the engine ignores versions it already holds."""
+
+    def __init__(self, engine: Engine, addr: str, arm: str, worker_id: str, retry_s: float = 2.0) -> None:
+        self.engine = engine
+        self.addr = addr
+        self.arm = arm
+        self.worker_id = worker_id
+        self.retry_s = retry_s
+        self._stopped = threading.Event()
+        self._lock = threading.Lock()
+        self._subscriber = None
+        self._thread = threading.Thread(target=self._run, name=f"weights-{arm}", daemon=True)
+
+    def start(self) -> WeightFollower:
+        self._thread.start()
+        return self
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        self._stopped.set()
+        with self._lock:
+            if self._subscriber is not None:
+                self._subscriber.stop()
+        self._thread.join(timeout_s)
+
+    def _run(self) -> None:
+        # Imported here so the engine and its unit tests do not need the gRPC client.
+        from weight_sync.client import Subscriber
+
+        while not self._stopped.is_set():
+            subscriber = Subscriber(self.addr, self.arm, self.worker_id)
+            with self._lock:
+                self._subscriber = subscriber
+            if self._stopped.is_set():
+                break
+            try:
+                for manifest, weights in subscriber.follow():
+                    if self.engine.stage(self.arm, manifest.version, weights):
+                        log.info("staged %s v%d from %s", self.arm, manifest.version, self.addr)
+            except Exception:  # retried on purpose: the worker must keep following
+                log.exception("following %s weights from %s failed; starting over in %.1f s", self.arm, self.addr, self.retry_s)
+            finally:
+                subscriber.close()
+            self._stopped.wait(self.retry_s)

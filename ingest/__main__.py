@@ -1,0 +1,3 @@
+from ingest.server import main
+
+main()

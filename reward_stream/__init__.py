@@ -1,0 +1,1 @@
+"""reward_stream: joins each rollout's telemetry and emits exactly one RewardRecord per rollout."""

@@ -1,0 +1,113 @@
+"""The faust worker: feeds Kafka records to the Joiner and publishes what it returns.
+
+One agent reads the four co-partitioned input topics, so every event about a
+rollout reaches the same in-memory JoinState (per partition); a timer ticks the
+join for wall-clock settlement on idle partitions; a task heartbeats to Redis.
+
+Configuration for faust-streaming 0.15.3 on Tansu (and on Apache Kafka alike):
+  * faust declares no topics (topic_allow_declare=False): __main__ creates them with
+    rtrl.kafka.ensure_topics, which also guarantees equal partition counts;
+  * no leader topic (topic_disable_leader=True) and no tables, so faust needs no
+    internal topics at all;
+  * broker_session_timeout = StackSettings.kafka_session_timeout_ms (6 s) instead of
+    faust's 45 s default: a group forms in ~3 s on Tansu instead of ~23 s. aiokafka
+    speaks only the classic consumer-group protocol, which is what Tansu needs.
+
+Known limitation (issue 4 fixes it): faust commits an event's offset once the
+agent has moved past it, i.e. before the rollout it belongs to settles. Pending
+rollouts and the settled-id memory live only in this process, so after a crash
+the events of rollouts that were pending are not re-read (those rollouts get no
+reward), and events re-read since the last commit start fresh rollouts: a
+re-read RolloutRecord can then yield a second reward for its rollout_id, with a
+different event_ids set and so a different reward_id.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import faust
+import redis.asyncio as aioredis
+
+from reward_stream.config import RewardStreamSettings
+from reward_stream.runtime import Joiner, OutRecord
+from rtrl import heartbeat, topics
+from rtrl.config import StackSettings
+
+SERVICE = "reward_stream"
+
+
+def now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+def create_app(settings: RewardStreamSettings, stack: StackSettings) -> faust.App:
+    session_timeout_s = stack.kafka_session_timeout_ms / 1000
+    app = faust.App(
+        settings.app_id,
+        broker="kafka://" + stack.kafka_bootstrap,
+        broker_session_timeout=session_timeout_s,
+        broker_heartbeat_interval=max(session_timeout_s / 3, 0.5),
+        broker_rebalance_timeout=max(session_timeout_s, 10.0),
+        consumer_auto_offset_reset="earliest",
+        key_serializer="raw",
+        value_serializer="raw",
+        topic_partitions=stack.kafka_partitions,
+        topic_allow_declare=False,
+        topic_disable_leader=True,
+        producer_acks=-1,
+        datadir=str(stack.state_dir / "reward_stream"),
+        web_port=settings.web_port,
+        web_bind="127.0.0.1",
+        web_host="127.0.0.1",
+        autodiscover=False,
+    )
+    joiner = Joiner(settings.join_config())
+    outputs = {name: app.topic(name) for name in (topics.REWARD, topics.REWARD_LATE, topics.REWARD_DLQ)}
+
+    async def publish(records: list[OutRecord]) -> None:
+        # Wait for the broker's acks before the agent takes the next event, so an
+        # event's offset is never committed ahead of the outputs it produced directly.
+        acks = [
+            await outputs[r.topic].send(key=r.key, value=r.value, headers=list(r.headers)) for r in records
+        ]
+        if acks:
+            await asyncio.gather(*acks)
+
+    @app.agent(app.topic(*topics.TELEMETRY), name="join")
+    async def join_agent(stream):
+        async for event in stream.events():
+            message = event.message
+            records = joiner.feed(message.topic, message.partition, message.offset, message.key, message.value, now_ms())
+            await publish(records)
+
+    @app.timer(settings.tick_interval_s, name="deadline_tick")
+    async def deadline_tick():
+        await publish(joiner.tick(now_ms()))
+
+    def status() -> dict:
+        return {**joiner.status(), "assigned": len(app.consumer.assignment())}
+
+    @app.task
+    async def heartbeat_task():
+        client = aioredis.Redis.from_url(stack.redis_url)
+        try:
+            await heartbeat.beat_forever(client, SERVICE, stack.instance, status)
+        finally:
+            await client.aclose()
+
+    return app
+
+
+def run(settings: RewardStreamSettings, stack: StackSettings) -> None:
+    """Run a worker until SIGTERM/SIGINT (faust's Worker installs the handlers)."""
+    app = create_app(settings, stack)
+    app.finalize()
+    app.worker_init()
+    app.worker_init_post_autodiscover()
+    worker = faust.Worker(app, loglevel="warn", quiet=True, workdir=str(stack.state_dir))
+    # The terminal spinner writes escape codes into log files and, to spin on every
+    # record, lowers the root logger to DEBUG.
+    worker.spinner = None
+    worker.execute_from_commandline()

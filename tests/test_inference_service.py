@@ -1,0 +1,205 @@
+"""The inference worker against a real broker and Redis: one acked RolloutRecord per
+non-private completion, version spans covering every token, clean SIGTERM."""
+
+import asyncio
+import json
+import sys
+import time
+
+import aiohttp
+import pytest
+import redis
+import torch
+from confluent_kafka import OFFSET_BEGINNING, Consumer, TopicPartition
+
+from inference.config import InferenceSettings
+from inference.engine import Engine, EngineConfig
+from inference.server import InferenceServer
+from rtrl import heartbeat, kafka, procs, topics
+from rtrl.policy import BOS, build_model, state_dict_fp32
+from rtrl.v1 import common_pb2, rollout_pb2
+
+pytestmark = pytest.mark.integration
+
+torch.set_num_threads(1)
+
+
+def read_rollouts(settings, timeout_s: float = 10.0) -> list[rollout_pb2.RolloutRecord]:
+    """Every record on the rollout topic (the count comes from the end offsets)."""
+    tps = [TopicPartition(topics.ROLLOUT, p) for p in range(settings.kafka_partitions)]
+    expected = sum(kafka.end_offsets(settings, tps).values())
+    consumer = Consumer(kafka.consumer_config(settings, "test-inference"))
+    consumer.assign([TopicPartition(topics.ROLLOUT, p, OFFSET_BEGINNING) for p in range(settings.kafka_partitions)])
+    records = []
+    deadline = time.monotonic() + timeout_s
+    try:
+        while len(records) < expected and time.monotonic() < deadline:
+            for msg in consumer.consume(100, timeout=0.2):
+                if msg.error() is None:
+                    record = rollout_pb2.RolloutRecord.FromString(msg.value())
+                    assert msg.key().decode() == record.rollout_id
+                    records.append(record)
+    finally:
+        consumer.close()
+    assert len(records) == expected
+    return records
+
+
+async def post(http: aiohttp.ClientSession, port: int, **body) -> tuple[int, dict]:
+    async with http.post(f"http://127.0.0.1:{port}/v1/completions", json=body) as resp:
+        return resp.status, await resp.json()
+
+
+def test_completions_produce_one_rollout_record_each(stack_settings):
+    swap_at = 3
+
+    def on_step(arm: str, generated: int) -> None:
+        # The first treatment batch sees v1 go live after its third token.
+        if arm == "treatment" and generated == swap_at and engine.held_version(arm) == 0:
+            engine.stage(arm, 1, state_dict_fp32(build_model(seed=3)))
+
+    engine = Engine(EngineConfig(batch_wait_s=0.02), on_step=on_step)
+    settings = InferenceSettings(http_port=0, follow_weights=False, max_tokens=20)
+    users = [f"user-{i}" for i in range(12)]
+
+    async def scenario() -> tuple[list[dict], list[dict]]:
+        server = InferenceServer(stack_settings, settings, engine=engine)
+        await server.start()
+        try:
+            async with aiohttp.ClientSession() as http:
+                async with http.get(f"http://127.0.0.1:{server.port}/healthz") as resp:
+                    assert (await resp.json())["ready"] is False
+                engine.stage("control", 0, state_dict_fp32(build_model(seed=1)))
+                engine.stage("treatment", 0, state_dict_fp32(build_model(seed=2)))
+                public = [post(http, server.port, prompt="@p1 say hi\n", user_id=u, session_id=f"s-{u}") for u in users]
+                public.append(post(http, server.port, prompt="@p2 log ok\n", user_id="forced", session_id="s", arm="treatment", temperature=0.5, max_tokens=30))
+                private = [post(http, server.port, prompt="@p0 warn no\n", user_id=f"p{i}", session_id="sp", privacy_mode=True) for i in range(3)]
+                answers = await asyncio.gather(*public, *private)
+                assert [status for status, _ in answers] == [200] * len(answers), answers
+                bad = await post(http, server.port, prompt="é", user_id="u", session_id="s")
+                assert bad[0] == 400 and "vocabulary" in bad[1]["error"]
+                assert (await post(http, server.port, prompt="x", session_id="s"))[0] == 400
+                async with http.get(f"http://127.0.0.1:{server.port}/healthz") as resp:
+                    health = await resp.json()
+                assert health == {"ready": True, "versions": {"control": 0, "treatment": 1}, "worker_id": "inference-0"}
+                await asyncio.sleep(settings.heartbeat_interval_s * 1.5)
+            return [a for _, a in answers[: len(public)]], [a for _, a in answers[len(public):]]
+        finally:
+            await server.stop()
+
+    public, private = asyncio.run(scenario())
+
+    records = {r.rollout_id: r for r in read_rollouts(stack_settings)}
+    assert set(records) == {a["rollout_id"] for a in public}
+    assert not {a["rollout_id"] for a in private} & set(records)
+    for answer in public:
+        record = records[answer["rollout_id"]]
+        n = len(record.completion_token_ids)
+        assert answer["usage"] == {"prompt_tokens": len(record.prompt_token_ids), "completion_tokens": n, "total_tokens": len(record.prompt_token_ids) + n}
+        assert len(record.completion_logprobs) == n and all(lp <= 0 for lp in record.completion_logprobs)
+        spans = [(s.policy_version, s.start, s.end) for s in record.version_spans]
+        assert spans[0][1] == 0 and spans[-1][2] == n
+        assert all(a[2] == b[1] for a, b in zip(spans, spans[1:]))
+        assert answer["policy_versions"] == [{"version": v, "start": s, "end": e} for v, s, e in spans]
+        assert record.arm == {"control": common_pb2.ARM_CONTROL, "treatment": common_pb2.ARM_TREATMENT}[answer["arm"]]
+        assert record.prompt_token_ids[0] == BOS and record.prompt_text == ("@p2 log ok\n" if record.user_id == "forced" else "@p1 say hi\n")
+        assert record.completion_text == answer["text"] == answer["choices"][0]["text"]
+        assert record.finish_reason == answer["finish_reason"] in ("stop", "length")
+        assert record.worker_id == "inference-0" and record.schema_version == 1 and record.event_id
+        assert record.session_id == f"s-{record.user_id}" or record.user_id == "forced"
+        assert record.sampling.seed == answer["seed"] and record.sampling.max_tokens == (30 if record.user_id == "forced" else 20)
+        assert 0 < record.time_to_first_token_s <= record.latency_s <= answer["latency_s"]
+    forced = next(r for r in records.values() if r.user_id == "forced")
+    assert forced.arm == common_pb2.ARM_TREATMENT and forced.sampling.temperature == pytest.approx(0.5)
+    swapped = [r for r in records.values() if len(r.version_spans) == 2]
+    assert swapped and all([(s.policy_version, s.start) for s in r.version_spans] == [(0, 0), (1, swap_at)] for r in swapped)
+
+    client = redis.Redis.from_url(stack_settings.redis_url)
+    try:
+        for arm, version in (("control", 0), ("treatment", 0), ("treatment", 1)):
+            assert set(client.hgetall(f"rtrl:applied:{arm}:{version}")) == {b"inference-0"}
+        beat = json.loads(client.get(heartbeat.key("inference", "0")))
+        assert beat["ready"] is True and beat["versions"] == {"control": 0, "treatment": 1}
+        assert beat["rollout_records"] == len(public) and beat["private_completions"] == 3
+    finally:
+        client.close()
+
+
+def test_arm_without_weights_answers_503(stack_settings):
+    settings = InferenceSettings(http_port=0, follow_weights=False, ready_timeout_s=0.3)
+
+    async def scenario():
+        server = InferenceServer(stack_settings, settings)
+        await server.start()
+        try:
+            async with aiohttp.ClientSession() as http:
+                return await post(http, server.port, prompt="@p1 say hi\n", user_id="u", session_id="s", arm="control")
+        finally:
+            await server.stop()
+
+    status, answer = asyncio.run(scenario())
+    assert status == 503 and "no weights" in answer["error"]
+    assert read_rollouts(stack_settings, timeout_s=1) == []
+
+
+def test_worker_process_heartbeats_and_stops_on_sigterm(stack_env, stack_settings, repo_root, tmp_path):
+    port = procs.free_port()
+    env = {**stack_env, "RTRL_INFERENCE_HTTP_PORT": str(port), "RTRL_INFERENCE_FOLLOW_WEIGHTS": "false", "RTRL_INSTANCE": "7"}
+    proc = procs.spawn("inference", [sys.executable, "-m", "inference"], tmp_path / "inference.log", env=env)
+    client = redis.Redis.from_url(stack_settings.redis_url)
+    try:
+        deadline = time.monotonic() + 60
+        while client.get(heartbeat.key("inference", "7")) is None:
+            assert proc.alive(), (tmp_path / "inference.log").read_text()
+            assert time.monotonic() < deadline, "no heartbeat"
+            time.sleep(0.1)
+        beat = json.loads(client.get(heartbeat.key("inference", "7")))
+        assert beat["ready"] is False and beat["http_port"] == port and beat["versions"] == {"control": -1, "treatment": -1}
+        proc.popen.send_signal(15)
+        assert proc.popen.wait(timeout=20) == 0, (tmp_path / "inference.log").read_text()
+    finally:
+        proc.stop()
+        client.close()
+
+
+def test_weights_follow_weight_sync(stack_settings):
+    from weight_sync.client import Publisher
+    from weight_sync.config import WeightSyncSettings
+    from weight_sync.server import WeightSyncServer
+
+    published = {("control", 0): build_model(seed=1), ("treatment", 0): build_model(seed=1), ("treatment", 1): build_model(seed=5)}
+
+    async def scenario():
+        weight_sync = WeightSyncServer(WeightSyncSettings(port=0), stack_settings)
+        port = await weight_sync.start()
+        stack = stack_settings.model_copy(update={"weight_sync_addr": f"127.0.0.1:{port}"})
+        token = stack.weight_sync_token.get_secret_value()
+        server = InferenceServer(stack, InferenceSettings(http_port=0))
+        await server.start()
+        try:
+            for arm in ("control", "treatment"):
+                publisher = Publisher(stack.weight_sync_addr, token, arm)
+                for (a, _), model in published.items():
+                    if a == arm:
+                        await asyncio.to_thread(publisher.publish, state_dict_fp32(model))
+                publisher.close()
+            deadline = time.monotonic() + 30
+            while server.engine.versions() != {"control": 0, "treatment": 1}:
+                assert time.monotonic() < deadline, server.engine.versions()
+                await asyncio.sleep(0.05)
+            live = state_dict_fp32(server.engine.models["treatment"])
+            for name, tensor in state_dict_fp32(published[("treatment", 1)]).items():
+                assert torch.equal(live[name], tensor), name
+            async with aiohttp.ClientSession() as http:
+                return await post(http, server.port, prompt="@p1 say hi\n", user_id="u", session_id="s", arm="treatment")
+        finally:
+            await server.stop()
+            await weight_sync.stop(grace_s=0)
+
+    status, answer = asyncio.run(scenario())
+    assert status == 200 and answer["policy_versions"] == [{"version": 1, "start": 0, "end": answer["usage"]["completion_tokens"]}]
+    client = redis.Redis.from_url(stack_settings.redis_url)
+    try:
+        assert client.hexists("rtrl:applied:treatment:1", "inference-0") and client.hexists("rtrl:applied:control:0", "inference-0")
+    finally:
+        client.close()

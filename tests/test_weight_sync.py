@@ -1,0 +1,372 @@
+"""weight_sync end to end: a real gRPC server, a real Redis, blobs on disk.
+
+The server runs in-process on a free port (one test runs `python -m weight_sync`
+and kills it); Publisher and Subscriber are the clients the trainer and the
+inference workers use.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import queue
+import signal
+import sys
+import threading
+import time
+
+import grpc
+import pytest
+import redis
+import torch
+
+from kernels.delta import bits_dtype
+from rtrl import heartbeat, procs
+from rtrl.config import StackSettings
+from rtrl.policy import build_model, state_dict_fp32
+from rtrl.v1 import weights_pb2, weights_pb2_grpc
+from weight_sync import registry
+from weight_sync.client import Publisher, Subscriber
+from weight_sync.config import WeightSyncSettings
+from weight_sync.server import WeightSyncServer
+
+pytestmark = pytest.mark.integration
+ARM = "treatment"
+
+
+class InProcessServer:
+    """WeightSyncServer on its own event loop thread, so the test thread can use the sync clients."""
+
+    def __init__(self, settings: WeightSyncSettings, stack: StackSettings) -> None:
+        self.settings, self.stack = settings, stack
+        self.addr = f"127.0.0.1:{settings.port}"
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
+        self._thread.start()
+        self.server: WeightSyncServer | None = None
+
+    def _run(self, coro):
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout=30)
+
+    def start(self) -> None:
+        async def start():
+            self.server = WeightSyncServer(self.settings, self.stack)
+            await self.server.start()
+
+        self._run(start())
+
+    def stop(self) -> None:
+        if self.server is not None:
+            self._run(self.server.stop(grace_s=0))
+            self.server = None
+
+    def close(self) -> None:
+        self.stop()
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=10)
+        self._loop.close()
+
+
+class Following:
+    """Runs Subscriber.follow in a thread, as an inference worker does."""
+
+    def __init__(self, subscriber: Subscriber, have_version: int = -1, weights=None) -> None:
+        self.subscriber = subscriber
+        self._items: queue.Queue = queue.Queue()
+        self._thread = threading.Thread(target=self._run, args=(have_version, weights), daemon=True)
+        self._thread.start()
+
+    def _run(self, have_version, weights) -> None:
+        try:
+            for item in self.subscriber.follow(have_version, weights):
+                self._items.put(item)
+        except BaseException as exc:  # handed to the test thread
+            self._items.put(exc)
+
+    def next(self, timeout_s: float = 30.0) -> tuple[weights_pb2.Manifest, dict[str, torch.Tensor]]:
+        item = self._items.get(timeout=timeout_s)
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    def until(self, version: int) -> list[tuple[weights_pb2.Manifest, dict[str, torch.Tensor]]]:
+        items = [self.next()]
+        while items[-1][0].version < version:
+            items.append(self.next())
+        return items
+
+    def nothing_pending(self) -> bool:
+        return self._items.empty()
+
+    def stop(self) -> None:
+        self.subscriber.close()
+        self._thread.join(timeout=10)
+        assert not self._thread.is_alive()
+
+
+def assert_bit_identical(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
+    assert list(got) == list(want)
+    for name, tensor in want.items():
+        assert got[name].dtype == tensor.dtype and got[name].shape == tensor.shape, name
+        bits = bits_dtype(tensor.dtype)
+        assert torch.equal(got[name].reshape(-1).view(bits), tensor.reshape(-1).view(bits)), name
+
+
+def train_step(weights: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tensor]:
+    """New weights with a few elements of a few tensors changed, like a small optimizer step."""
+    generator = torch.Generator().manual_seed(seed)
+    out = {name: tensor.clone() for name, tensor in weights.items()}
+    names = sorted(out)
+    for index in torch.randint(len(names), (3,), generator=generator).tolist():
+        flat = out[names[index]].view(-1)
+        positions = torch.randint(flat.numel(), (5,), generator=generator)
+        flat[positions] += torch.randn(5, generator=generator) * 1e-3
+    return out
+
+
+@pytest.fixture(scope="module")
+def policy_weights() -> dict[str, torch.Tensor]:
+    torch.set_num_threads(1)
+    return state_dict_fp32(build_model())
+
+
+@pytest.fixture
+def stack(redis_url, tmp_path) -> StackSettings:
+    return StackSettings(redis_url=redis_url, state_dir=tmp_path / "state")
+
+
+@pytest.fixture
+def server(stack):
+    # Small chunks so every keyframe spans many WeightChunks.
+    handle = InProcessServer(WeightSyncSettings(port=procs.free_port(), chunk_bytes=64 * 1024, poll_interval_s=0.2), stack)
+    handle.start()
+    yield handle
+    handle.close()
+
+
+@pytest.fixture
+def publisher(server, stack):
+    client = Publisher(server.addr, stack.weight_sync_token.get_secret_value(), ARM, keyframe_every=20)
+    yield client
+    client.close()
+
+
+def publish_versions(publisher: Publisher, first: dict[str, torch.Tensor], count: int) -> list[dict[str, torch.Tensor]]:
+    versions = [first]
+    for seed in range(1, count):
+        versions.append(train_step(versions[-1], seed))
+    for expected, weights in enumerate(versions):
+        assert publisher.publish(weights, trained_through_event_ts_ms=1000 + expected, train_step=expected) == len(versions) - count + expected
+    return versions
+
+
+def test_new_subscriber_gets_latest_bit_identical(server, stack, publisher, policy_weights):
+    versions = publish_versions(publisher, policy_weights, 5)
+    assert publisher.latest() == 4
+
+    client = redis.Redis.from_url(stack.redis_url)
+    manifests = [weights_pb2.Manifest.FromString(client.get(registry.manifest_key(ARM, v))) for v in range(5)]
+    assert [(m.version, m.keyframe, m.parent_version) for m in manifests] == [(0, True, -1), (1, False, 0), (2, False, 1), (3, False, 2), (4, False, 3)]
+    assert manifests[4].trained_through_event_ts_ms == 1004 and manifests[4].train_step == 4
+    blob_sizes = [(stack.state_dir / "blobs" / ARM / f"{v}.blob").stat().st_size for v in range(5)]
+    assert blob_sizes == [m.blob_size for m in manifests]
+    assert max(blob_sizes[1:]) * 100 < blob_sizes[0]  # 15 changed floats vs 0.65 M
+
+    following = Following(Subscriber(server.addr, ARM, "worker-a"))
+    try:
+        received = following.until(4)
+    finally:
+        following.stop()
+    assert [m.version for m, _ in received] == [0, 1, 2, 3, 4]
+    assert [m.keyframe for m, _ in received] == [True, False, False, False, False]
+    for (_, weights), published in zip(received, versions):
+        assert_bit_identical(weights, published)
+
+    # Heartbeats come once a second: wait for one written after the subscription.
+    def beat() -> dict:
+        return next(doc for doc in heartbeat.read_all(client) if doc["service"] == "weight_sync")
+
+    deadline = time.monotonic() + 10
+    while beat()["bytes_sent"] < sum(blob_sizes):
+        assert time.monotonic() < deadline, beat()
+        time.sleep(0.1)
+    assert beat()["latest"] == {ARM: 4} and beat()["versions_published"] == 5
+
+
+def test_subscriber_holding_v1_receives_only_deltas(server, publisher, policy_weights):
+    versions = publish_versions(publisher, policy_weights, 5)
+    stub = weights_pb2_grpc.WeightSyncStub(grpc.insecure_channel(server.addr))
+    chunks = list(stub.Subscribe(weights_pb2.SubscribeRequest(arm=ARM, have_version=1, worker_id="raw"), timeout=10))
+    assert [c.version for c in chunks if c.last] == [2, 3, 4]
+    firsts = [c for c in chunks if c.HasField("manifest")]
+    assert [(c.manifest.version, c.manifest.keyframe, c.manifest.parent_version) for c in firsts] == [(2, False, 1), (3, False, 2), (4, False, 3)]
+
+    # From scratch, the keyframe arrives in many chunks with contiguous offsets.
+    chunks = list(stub.Subscribe(weights_pb2.SubscribeRequest(arm=ARM, have_version=-1, worker_id="raw"), timeout=10))
+    keyframe_chunks = [c for c in chunks if c.version == 0]
+    assert len(keyframe_chunks) > 10 and keyframe_chunks[0].manifest.keyframe and keyframe_chunks[-1].last
+    assert [c.offset for c in keyframe_chunks] == [64 * 1024 * i for i in range(len(keyframe_chunks))]
+
+    following = Following(Subscriber(server.addr, ARM, "worker-b"), have_version=1, weights=versions[1])
+    try:
+        received = following.until(4)
+    finally:
+        following.stop()
+    assert [(m.version, m.keyframe) for m, _ in received] == [(2, False), (3, False), (4, False)]
+    assert_bit_identical(received[-1][1], versions[4])
+
+    # Knowing its version but not holding the weights, a worker rebuilds from the keyframe
+    # and is handed only what is newer.
+    following = Following(Subscriber(server.addr, ARM, "worker-b2"), have_version=2)
+    try:
+        received = following.until(4)
+    finally:
+        following.stop()
+    assert [m.version for m, _ in received] == [3, 4]
+    assert_bit_identical(received[-1][1], versions[4])
+
+
+def test_follow_receives_versions_published_later(server, publisher, policy_weights):
+    versions = publish_versions(publisher, policy_weights, 2)
+    following = Following(Subscriber(server.addr, ARM, "worker-c"))
+    try:
+        assert following.until(1)[-1][0].version == 1
+        assert following.nothing_pending()
+        for seed in (10, 11):
+            versions.append(train_step(versions[-1], seed))
+            version = publisher.publish(versions[-1])
+            manifest, weights = following.next()
+            assert manifest.version == version and not manifest.keyframe
+            assert_bit_identical(weights, versions[-1])
+    finally:
+        following.stop()
+
+
+def test_publish_needs_the_token(server, policy_weights):
+    intruder = Publisher(server.addr, "not-the-token", ARM)
+    with pytest.raises(grpc.RpcError) as raised:
+        intruder.publish(policy_weights)
+    assert raised.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    stub = weights_pb2_grpc.WeightSyncStub(grpc.insecure_channel(server.addr))
+    chunk = weights_pb2.PublishChunk(manifest=weights_pb2.Manifest(arm=ARM, keyframe=True, parent_version=-1))
+    with pytest.raises(grpc.RpcError) as raised:
+        stub.Publish(iter([chunk]), timeout=10)
+    assert raised.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    assert intruder.latest() == -1
+    intruder.close()
+
+
+def test_stale_publisher_resends_a_keyframe(server, stack, publisher, policy_weights):
+    versions = publish_versions(publisher, policy_weights, 2)
+    rival = Publisher(server.addr, stack.weight_sync_token.get_secret_value(), ARM)
+    assert rival.publish(train_step(versions[-1], 7)) == 2  # a fresh publisher starts with a keyframe
+    rival.close()
+    # `publisher` still believes v1 is latest: its delta is refused and it resends a keyframe.
+    versions.append(train_step(versions[-1], 8))
+    assert publisher.publish(versions[-1]) == 3
+    following = Following(Subscriber(server.addr, ARM, "worker-d"))
+    try:
+        manifest, weights = following.next()
+    finally:
+        following.stop()
+    assert (manifest.version, manifest.keyframe) == (3, True)
+    assert_bit_identical(weights, versions[-1])
+
+
+def _flip_blob_byte(stack: StackSettings, version: int) -> None:
+    path = stack.state_dir / "blobs" / ARM / f"{version}.blob"
+    blob = bytearray(path.read_bytes())
+    blob[len(blob) // 2] ^= 0x01
+    path.write_bytes(bytes(blob))
+
+
+def _forge_tensor_checksum(stack: StackSettings, version: int) -> None:
+    client = redis.Redis.from_url(stack.redis_url)
+    manifest = weights_pb2.Manifest.FromString(client.get(registry.manifest_key(ARM, version)))
+    manifest.tensors[0].checksum = "0" * 32
+    client.set(registry.manifest_key(ARM, version), manifest.SerializeToString())
+
+
+@pytest.mark.parametrize(
+    "corrupt",
+    [_flip_blob_byte, _forge_tensor_checksum],
+    ids=["blob bytes flipped on disk (server detects)", "tensor checksum disagrees (subscriber detects)"],
+)
+def test_corrupt_version_is_never_yielded_and_the_next_keyframe_repairs(server, stack, policy_weights, corrupt, caplog):
+    publisher = Publisher(server.addr, stack.weight_sync_token.get_secret_value(), ARM, keyframe_every=4)
+    versions = publish_versions(publisher, policy_weights, 3)
+    corrupt(stack, 2)
+    subscriber = Subscriber(server.addr, ARM, "worker-e", max_backoff_s=0.5)
+    following = Following(subscriber)
+    try:
+        assert [m.version for m, _ in following.until(1)] == [0, 1]
+        for seed in (3, 4):
+            versions.append(train_step(versions[-1], seed))
+            publisher.publish(versions[-1])  # v3 (delta on the corrupt v2), v4 (keyframe)
+        manifest, weights = following.next()
+    finally:
+        following.stop()
+        publisher.close()
+    assert (manifest.version, manifest.keyframe) == (4, True)
+    assert_bit_identical(weights, versions[4])
+    assert subscriber.resubscribes >= 1
+    if corrupt is _forge_tensor_checksum:
+        assert subscriber.discarded >= 1
+    else:
+        assert "blob of treatment v2 is corrupt" in caplog.text
+
+
+def test_latest_and_bad_arms(server):
+    stub = weights_pb2_grpc.WeightSyncStub(grpc.insecure_channel(server.addr))
+    assert stub.Latest(weights_pb2.LatestRequest(arm="control"), timeout=10).version == -1
+    with pytest.raises(grpc.RpcError) as raised:
+        stub.Latest(weights_pb2.LatestRequest(arm="../etc"), timeout=10)
+    assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_subscriber_survives_a_killed_server(stack, repo_root, tmp_path, policy_weights):
+    port = procs.free_port()
+    env = {
+        "RTRL_REDIS_URL": stack.redis_url,
+        "RTRL_STATE_DIR": str(stack.state_dir),
+        "RTRL_WEIGHT_SYNC_PORT": str(port),
+        "RTRL_INSTANCE": "killme",
+        "PYTHONPATH": str(repo_root),
+    }
+
+    def start() -> procs.Proc:
+        proc = procs.spawn("weight_sync", [sys.executable, "-m", "weight_sync"], tmp_path / "weight_sync.log", env=env, port=port)
+        procs.wait_for_port(port)
+        return proc
+
+    proc = start()
+    addr = f"127.0.0.1:{port}"
+    publisher = Publisher(addr, stack.weight_sync_token.get_secret_value(), ARM)
+    subscriber = Subscriber(addr, ARM, "worker-f")
+    following = Following(subscriber)
+    try:
+        versions = publish_versions(publisher, policy_weights, 2)
+        assert following.until(1)[-1][0].version == 1
+
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.popen.wait()
+        time.sleep(0.3)  # let the subscriber see the stream die while nothing listens
+        proc = start()
+        versions.append(train_step(versions[-1], 5))
+        assert publisher.publish(versions[-1]) == 2
+        manifest, weights = following.next()
+        assert (manifest.version, manifest.keyframe) == (2, False)
+        assert_bit_identical(weights, versions[-1])
+        assert subscriber.resubscribes >= 1
+
+        client = redis.Redis.from_url(stack.redis_url)
+        deadline = time.monotonic() + 10
+        while client.get(heartbeat.key("weight_sync", "killme")) is None:
+            assert time.monotonic() < deadline, "no heartbeat from the restarted server"
+            time.sleep(0.1)
+    finally:
+        following.stop()
+        publisher.close()
+        proc.stop()
+    log = (tmp_path / "weight_sync.log").read_text()
+    assert proc.popen.returncode == 0 and "Traceback" not in log, log[-3000:]

@@ -1,0 +1,3 @@
+from weight_sync.server import main
+
+main()

@@ -1,0 +1,121 @@
+"""The weight_sync process: the gRPC server, its pub/sub listener and its heartbeat.
+
+Run as ``python -m weight_sync`` (reads RTRL_* and RTRL_WEIGHT_SYNC_* variables);
+tests run WeightSyncServer in-process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+
+import grpc
+import redis.asyncio as aioredis
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from rtrl import heartbeat
+from rtrl.config import StackSettings
+from rtrl.v1 import weights_pb2_grpc
+from weight_sync.config import WeightSyncSettings
+from weight_sync.registry import PUBLISHED_PATTERN, Registry, arm_of_channel
+from weight_sync.servicer import WeightSyncService
+from weight_sync.store import BlobStore
+
+log = logging.getLogger("weight_sync")
+SERVICE = "weight_sync"
+_REDIS_DOWN = (RedisConnectionError, RedisTimeoutError, OSError)
+
+
+class WeightSyncServer:
+    def __init__(self, settings: WeightSyncSettings, stack: StackSettings) -> None:
+        self.settings = settings
+        self.stack = stack
+        self.port = settings.port
+        self._redis = aioredis.Redis.from_url(stack.redis_url)
+        self.registry = Registry(self._redis)
+        self.service = WeightSyncService(
+            settings,
+            token=stack.weight_sync_token.get_secret_value(),
+            registry=self.registry,
+            store=BlobStore(stack.state_dir / "blobs"),
+        )
+        self._server = grpc.aio.server()
+        weights_pb2_grpc.add_WeightSyncServicer_to_server(self.service, self._server)
+        self.tasks: list[asyncio.Task] = []
+
+    async def start(self) -> int:
+        """Listen and start the background loops; returns the bound port."""
+        self.port = self._server.add_insecure_port(f"{self.settings.bind_host}:{self.settings.port}")
+        if self.port == 0:
+            raise RuntimeError(f"cannot bind {self.settings.bind_host}:{self.settings.port}")
+        await self._server.start()
+        self.tasks = [asyncio.create_task(self._listen()), asyncio.create_task(self._heartbeat())]
+        log.info("weight_sync listening on %s:%d, blobs in %s", self.settings.bind_host, self.port, self.stack.state_dir / "blobs")
+        return self.port
+
+    async def stop(self, grace_s: float | None = None) -> None:
+        await self._server.stop(self.settings.shutdown_grace_s if grace_s is None else grace_s)
+        for task in self.tasks:
+            task.cancel()
+        await asyncio.gather(*self.tasks, return_exceptions=True)
+        await self._redis.aclose()
+
+    async def _listen(self) -> None:
+        """Wake subscribers on every publish (of this or another server). Following
+        streams also poll, so a gap while Redis reconnects only delays them."""
+        while True:
+            pubsub = self._redis.pubsub()
+            try:
+                await pubsub.psubscribe(PUBLISHED_PATTERN)
+                async for message in pubsub.listen():
+                    if message["type"] == "pmessage":
+                        self.service.signal.notify(arm_of_channel(message["channel"].decode()))
+            except _REDIS_DOWN as exc:
+                log.warning("pub/sub listener lost Redis (%s); retrying in 1 s", exc)
+                await asyncio.sleep(1.0)
+            finally:
+                await pubsub.aclose()
+
+    async def _heartbeat(self) -> None:
+        while True:
+            try:
+                await heartbeat.beat(self._redis, SERVICE, self.stack.instance, await self.status())
+            except _REDIS_DOWN as exc:
+                log.warning("heartbeat failed (%s)", exc)
+            await asyncio.sleep(self.settings.heartbeat_interval_s)
+
+    async def status(self) -> dict:
+        return {
+            "port": self.port,
+            "latest": await self.registry.latest_by_arm(),
+            "subscribers": self.service.subscribers,
+            "bytes_sent": self.service.bytes_sent,
+            "versions_published": self.service.versions_published,
+        }
+
+
+async def serve(settings: WeightSyncSettings, stack: StackSettings) -> None:
+    """Run until SIGTERM/SIGINT; a background loop that dies takes the process with it."""
+    server = WeightSyncServer(settings, stack)
+    await server.start()
+    stopping = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stopping.set)
+    stop_wait = asyncio.create_task(stopping.wait())
+    done, _ = await asyncio.wait([stop_wait, *server.tasks], return_when=asyncio.FIRST_COMPLETED)
+    stop_wait.cancel()
+    log.info("weight_sync stopping")
+    await server.stop()
+    for task in done:
+        if task is not stop_wait and not task.cancelled() and task.exception() is not None:
+            raise task.exception()
+
+
+def main() -> None:
+    settings = WeightSyncSettings()
+    stack = StackSettings()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    asyncio.run(serve(settings, stack))
