@@ -1,0 +1,146 @@
+"""From RewardRecords to training tensors, on exactly the tokens production sampled.
+
+A record becomes a TrainSample (or a Drop reason) when it is consumed; staleness is
+judged again when the batch is cut, since the trainer's version moves meanwhile.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from rtrl.policy import PAD, VOCAB_SIZE
+from rtrl.v1 import common_pb2, reward_pb2
+
+
+class Drop(enum.StrEnum):
+    """Why a reward record was not trained on (counted, never silent)."""
+
+    CONTROL_ARM = "control_arm"  # control is frozen: its rollouts only serve the A/B comparison
+    EMPTY = "empty"  # no completion tokens
+    MALFORMED = "malformed"  # log-probs or version spans that do not fit the tokens
+    GREEDY = "greedy"  # temperature 0: no exploration, no usable policy gradient
+    TOO_LONG = "too_long"  # prompt + completion longer than the model's positions
+    DUPLICATE = "duplicate"  # rollout_id already trained on (single epoch)
+    STALE = "stale"  # sampled by a version more than max_staleness behind
+
+
+# Produced by to_sample from a consumed RewardRecord; consumed by collate.
+@dataclass(frozen=True)
+class TrainSample:
+    rollout_id: str
+    group: str
+    """Comparison group of the leave-one-out baseline."""
+    prompt_ids: tuple[int, ...]
+    completion_ids: tuple[int, ...]
+    behaviour_logprobs: tuple[float, ...]
+    temperature: float
+    reward: float
+    oldest_version: int
+    """Oldest policy version that produced any of the completion's tokens."""
+    last_event_ts_ms: int
+
+
+def to_sample(record: reward_pb2.RewardRecord, max_positions: int) -> TrainSample | Drop:
+    rollout = record.rollout
+    if rollout.arm != common_pb2.ARM_TREATMENT:
+        return Drop.CONTROL_ARM
+    completion = tuple(rollout.completion_token_ids)
+    if not completion:
+        return Drop.EMPTY
+    prompt = tuple(rollout.prompt_token_ids)
+    logprobs = tuple(rollout.completion_logprobs)
+    spans = rollout.version_spans
+    if (
+        not prompt
+        or len(logprobs) != len(completion)
+        or not spans
+        or max(prompt + completion) >= VOCAB_SIZE
+        or sum(s.end - s.start for s in spans) != len(completion)
+    ):
+        return Drop.MALFORMED
+    if rollout.sampling.temperature <= 0:
+        return Drop.GREEDY
+    if len(prompt) + len(completion) > max_positions:
+        return Drop.TOO_LONG
+    return TrainSample(
+        rollout_id=record.rollout_id or rollout.rollout_id,
+        group=rollout.prompt_group_id or rollout.prompt_text or ",".join(map(str, prompt)),
+        prompt_ids=prompt,
+        completion_ids=completion,
+        behaviour_logprobs=logprobs,
+        temperature=float(rollout.sampling.temperature),
+        reward=float(record.reward),
+        oldest_version=min(s.policy_version for s in spans),
+        last_event_ts_ms=int(record.last_event_ts_ms),
+    )
+
+
+def drop_stale(samples: Sequence[TrainSample], current_version: int, max_staleness: int) -> tuple[list[TrainSample], int]:
+    """Keep samples whose oldest token version is within max_staleness of current;
+    returns (kept, how many were dropped)."""
+    fresh = [s for s in samples if s.oldest_version >= current_version - max_staleness]
+    return fresh, len(samples) - len(fresh)
+
+
+class SeenRollouts:
+    """The most recent rollout_ids taken for training, so none is trained twice.
+
+    Bounded: an id older than ``capacity`` admissions is forgotten. Replays that far
+    back are prevented by committed Kafka offsets, not by this set.
+    """
+
+    def __init__(self, capacity: int) -> None:
+        self._ids: OrderedDict[str, None] = OrderedDict()
+        self._capacity = capacity
+
+    def admit(self, rollout_id: str) -> bool:
+        """True the first time an id is seen (and remembers it), False after."""
+        if rollout_id in self._ids:
+            return False
+        self._ids[rollout_id] = None
+        if len(self._ids) > self._capacity:
+            self._ids.popitem(last=False)
+        return True
+
+
+# Produced by collate; consumed by step.rl_step.
+@dataclass(frozen=True)
+class TrainBatch:
+    input_ids: torch.Tensor
+    """[B, L] prompt + completion, right-padded with PAD."""
+    target_mask: torch.Tensor
+    """[B, L-1] 1.0 where target input_ids[:, t+1] is a completion token."""
+    behaviour_logprobs: torch.Tensor
+    """[B, L-1] aligned with the targets; 0 off the mask."""
+    temperature: torch.Tensor
+    """[B] sampling temperature the behaviour log-probs were computed at."""
+    rewards: tuple[float, ...]
+    groups: tuple[str, ...]
+
+
+def collate(samples: Sequence[TrainSample]) -> TrainBatch:
+    if not samples:
+        raise ValueError("empty batch")
+    width = max(len(s.prompt_ids) + len(s.completion_ids) for s in samples)
+    input_ids = torch.full((len(samples), width), PAD, dtype=torch.long)
+    target_mask = torch.zeros(len(samples), width - 1)
+    behaviour = torch.zeros(len(samples), width - 1)
+    for row, s in enumerate(samples):
+        p, c = len(s.prompt_ids), len(s.completion_ids)
+        input_ids[row, : p + c] = torch.tensor(s.prompt_ids + s.completion_ids)
+        # Completion token j sits at position p+j and is predicted from position p+j-1.
+        target_mask[row, p - 1 : p - 1 + c] = 1.0
+        behaviour[row, p - 1 : p - 1 + c] = torch.tensor(s.behaviour_logprobs)
+    return TrainBatch(
+        input_ids=input_ids,
+        target_mask=target_mask,
+        behaviour_logprobs=behaviour,
+        temperature=torch.tensor([s.temperature for s in samples]),
+        rewards=tuple(s.reward for s in samples),
+        groups=tuple(s.group for s in samples),
+    )

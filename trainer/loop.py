@@ -1,0 +1,286 @@
+"""The near-continuous RL loop: consume rewards, step, publish, then commit offsets.
+
+Order per step: train on every pending rollout, publish the new treatment weights,
+and only then commit the Kafka offsets of everything consumed so far (trained or
+dropped). A crash between publish and commit replays at most that one batch.
+Pending never exceeds batch_size (polls ask for at most the room left), so a step
+always takes all of it and committing the consumer's positions is exact.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import Counter, deque
+from collections.abc import Callable, Mapping
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Protocol
+
+import torch
+from confluent_kafka import KafkaError, KafkaException
+from google.protobuf.message import DecodeError
+
+from rtrl.policy import PolicyConfig, build_model, load_weights, state_dict_fp32
+from rtrl.v1 import reward_pb2, weights_pb2
+from trainer import checkpoint
+from trainer.batch import Drop, SeenRollouts, TrainSample, collate, drop_stale, to_sample
+from trainer.config import TrainerSettings
+from trainer.step import StepMetrics, build_optimizer, rl_step
+from trainer.warmstart import WarmStartRecipe, ensure_warm_start, load_warm_start
+
+log = logging.getLogger("trainer")
+
+CONTROL, TREATMENT = "control", "treatment"
+# With nothing pending, commit the offsets of dropped records at most this often.
+IDLE_COMMIT_S = 1.0
+
+
+class WeightPublisher(Protocol):
+    """One arm's side of weight_sync (weight_sync.client.Publisher)."""
+
+    def publish(
+        self, weights: dict[str, torch.Tensor], *, trained_through_event_ts_ms: int = 0, rollouts_trained: int = 0, train_step: int = 0
+    ) -> int: ...
+
+    def latest(self) -> int: ...
+
+
+# Reads the manifest and weights weight_sync holds for (arm, version); used to
+# resume when the checkpoint is behind what was published.
+FetchWeights = Callable[[str, int], tuple[weights_pb2.Manifest, dict[str, torch.Tensor]]]
+
+
+# Produced after every step; consumed by the heartbeat (read from another thread,
+# so it is replaced whole, never mutated).
+@dataclass(frozen=True)
+class TrainerStatus:
+    step: int = 0
+    version: int = -1
+    rollouts_trained: int = 0
+    pending: int = 0
+    reward_mean: float | None = None
+    """Mean batch reward over the last reward_window_steps steps."""
+    kl: float | None = None
+    entropy: float | None = None
+    grad_norm: float | None = None
+    dropped_stale: int = 0
+    dropped: dict[str, int] = field(default_factory=dict)
+    batch_wait_s: float | None = None
+    """From the first rollout of the batch arriving to the step starting."""
+    step_s: float | None = None
+    publish_s: float | None = None
+    event_to_publish_s: float | None = None
+    """Wall clock at publish minus the newest event time trained on."""
+
+
+class Trainer:
+    def __init__(
+        self,
+        settings: TrainerSettings,
+        state_dir: Path,
+        consumer,
+        publishers: Mapping[str, WeightPublisher],
+        fetch_weights: FetchWeights,
+        policy_config: PolicyConfig = PolicyConfig(),
+    ) -> None:
+        self.settings = settings
+        self.state_dir = Path(state_dir)
+        self.checkpoint_dir = self.state_dir / "trainer"
+        self.consumer = consumer
+        self.publishers = publishers
+        self.fetch_weights = fetch_weights
+        self.policy_config = policy_config
+        self.step = 0
+        self.version = -1
+        self.rollouts_trained = 0
+        self.pending: list[TrainSample] = []
+        self.first_pending_at = 0.0
+        self.seen = SeenRollouts(settings.dedup_capacity)
+        self.drops: Counter[Drop] = Counter()
+        self.rewards: deque[float] = deque(maxlen=settings.reward_window_steps)
+        self.uncommitted = False
+        self.last_commit_at = time.monotonic()
+        self.status = TrainerStatus()
+
+    def start(self) -> None:
+        """Load the warm start, make sure both arms have a version, resume if we can."""
+        torch.manual_seed(self.settings.seed)
+        path = ensure_warm_start(self.state_dir, policy_config=self.policy_config, recipe=WarmStartRecipe(seed=self.settings.seed))
+        self.warm_start = path.name
+        warm = load_warm_start(path)
+        self.model = build_model(self.policy_config)
+        load_weights(self.model, warm)
+        self.ref_model = build_model(self.policy_config)
+        load_weights(self.ref_model, warm)
+        self.ref_model.requires_grad_(False)
+        self.optimizer = build_optimizer(self.model, self.settings.lr, self.settings.weight_decay)
+
+        if self.publishers[CONTROL].latest() < 0:
+            self.publishers[CONTROL].publish(warm)
+            log.info("published the warm start %s as control v0", path.name)
+        latest = self.publishers[TREATMENT].latest()
+        if latest < 0:
+            self.version = self.publishers[TREATMENT].publish(warm)
+            log.info("published the warm start %s as treatment v%d", path.name, self.version)
+            # A new registry is a new lineage: a checkpoint left from an earlier one must not be resumed.
+            self.save_checkpoint()
+        else:
+            self._resume(latest)
+        self.status = self._status(None)
+
+    def _resume(self, latest: int) -> None:
+        saved = checkpoint.load(self.checkpoint_dir)
+        if saved is not None and (saved.warm_start != self.warm_start or saved.version > latest):
+            log.warning("ignoring checkpoint v%d from warm start %s: not in this registry's lineage", saved.version, saved.warm_start)
+            saved = None
+        if saved is not None and saved.version == latest:
+            load_weights(self.model, saved.model)
+            self.optimizer.load_state_dict(saved.optimizer)
+            self.step, self.rollouts_trained = saved.step, saved.rollouts_trained
+            log.info("resumed from checkpoint at step %d, treatment v%d", self.step, latest)
+        else:
+            # Published past the checkpoint (or have none): continue from what the fleet serves.
+            manifest, weights = self.fetch_weights(TREATMENT, latest)
+            load_weights(self.model, weights)
+            self.step, self.rollouts_trained = manifest.train_step, manifest.rollouts_trained
+            if saved is not None:
+                # Adam moments a few steps old beat starting them from zero.
+                self.optimizer.load_state_dict(saved.optimizer)
+            log.info("resumed from published treatment v%d at step %d (checkpoint: %s)", latest, self.step, saved and f"v{saved.version}")
+        self.version = latest
+
+    def run(self, stop: threading.Event) -> None:
+        while not stop.is_set():
+            self.poll()
+            self._refresh_counters()
+            now = time.monotonic()
+            if self.due(now):
+                self.train_pending()
+            elif not self.pending and self.uncommitted and now - self.last_commit_at >= IDLE_COMMIT_S:
+                self.commit()
+        # A partial batch is left untrained and uncommitted: the next run reads it again.
+        if not self.pending:
+            self.commit()
+        self.save_checkpoint()
+
+    def poll(self) -> None:
+        room = self.settings.batch_size - len(self.pending)
+        for message in self.consumer.consume(num_messages=max(room, 1), timeout=self.settings.poll_timeout_s):
+            if message.error() is not None:
+                raise KafkaException(message.error())
+            self.uncommitted = True
+            try:
+                record = reward_pb2.RewardRecord.FromString(message.value())
+            except DecodeError:
+                self.drops[Drop.MALFORMED] += 1
+                continue
+            sample = to_sample(record, self.policy_config.max_positions)
+            if isinstance(sample, TrainSample) and not self.seen.admit(sample.rollout_id):
+                sample = Drop.DUPLICATE
+            if isinstance(sample, Drop):
+                self.drops[sample] += 1
+                continue
+            if not self.pending:
+                self.first_pending_at = time.monotonic()
+            self.pending.append(sample)
+
+    def due(self, now: float) -> bool:
+        n = len(self.pending)
+        return n >= self.settings.batch_size or (n >= self.settings.min_batch and now - self.first_pending_at >= self.settings.max_wait_s)
+
+    def train_pending(self) -> None:
+        started = time.monotonic()
+        batch_wait_s = started - self.first_pending_at
+        fresh, stale = drop_stale(self.pending, self.version, self.settings.max_staleness)
+        self.pending = []
+        if stale:
+            self.drops[Drop.STALE] += stale
+        if not fresh:
+            self.commit()
+            return
+        s = self.settings
+        metrics = rl_step(
+            self.model, self.optimizer, collate(fresh),
+            ref_model=self.ref_model, is_cap=s.is_cap, kl_coef=s.kl_coef, grad_clip=s.grad_clip, std_normalize=s.std_normalize,
+        )
+        self.step += 1
+        self.rollouts_trained += len(fresh)
+        trained_through = max(sample.last_event_ts_ms for sample in fresh)
+        published = time.monotonic()
+        self.version = self.publishers[TREATMENT].publish(
+            state_dict_fp32(self.model),
+            trained_through_event_ts_ms=trained_through,
+            rollouts_trained=self.rollouts_trained,
+            train_step=self.step,
+        )
+        done = time.monotonic()
+        self.commit()
+        if self.step % s.checkpoint_every == 0:
+            self.save_checkpoint()
+        self.rewards.append(metrics.reward_mean)
+        self.status = self._status(
+            metrics,
+            batch_wait_s=batch_wait_s,
+            step_s=published - started,
+            publish_s=done - published,
+            event_to_publish_s=time.time() - trained_through / 1000 if trained_through else None,
+        )
+        log.info(
+            "step %d -> v%d rollouts %d reward %.3f kl %.4f entropy %.3f grad_norm %.3f clipped %.3f stale %d step %.3fs publish %.3fs",
+            self.step, self.version, metrics.rollouts, metrics.reward_mean, metrics.kl, metrics.entropy,
+            metrics.grad_norm, metrics.clipped_fraction, stale, published - started, done - published,
+        )
+
+    def commit(self) -> None:
+        if self.uncommitted:
+            try:
+                self.consumer.commit(asynchronous=False)
+            except KafkaException as exc:
+                # Nothing consumed on any assigned partition since the last commit.
+                if exc.args[0].code() != KafkaError._NO_OFFSET:
+                    raise
+            self.uncommitted = False
+        self.last_commit_at = time.monotonic()
+
+    def save_checkpoint(self) -> None:
+        checkpoint.save(
+            self.checkpoint_dir,
+            checkpoint.Checkpoint(
+                step=self.step,
+                version=self.version,
+                rollouts_trained=self.rollouts_trained,
+                warm_start=self.warm_start,
+                model=state_dict_fp32(self.model),
+                optimizer=self.optimizer.state_dict(),
+            ),
+        )
+
+    def _status(self, metrics: StepMetrics | None, **latency: float | None) -> TrainerStatus:
+        previous = self.status
+        return TrainerStatus(
+            step=self.step,
+            version=self.version,
+            rollouts_trained=self.rollouts_trained,
+            pending=len(self.pending),
+            reward_mean=sum(self.rewards) / len(self.rewards) if self.rewards else None,
+            kl=metrics.kl if metrics else previous.kl,
+            entropy=metrics.entropy if metrics else previous.entropy,
+            grad_norm=metrics.grad_norm if metrics else previous.grad_norm,
+            dropped_stale=self.drops[Drop.STALE],
+            dropped={str(reason): n for reason, n in self.drops.items()},
+            **latency,
+        )
+
+    def _refresh_counters(self) -> None:
+        self.status = replace(
+            self.status,
+            pending=len(self.pending),
+            dropped_stale=self.drops[Drop.STALE],
+            dropped={str(reason): n for reason, n in self.drops.items()},
+        )
+
+    def heartbeat(self) -> dict:
+        """The status document for rtrl.heartbeat (safe to call from another thread)."""
+        return asdict(self.status)

@@ -1,0 +1,95 @@
+"""One optimizer step on a batch of production rollouts (no I/O: the loop and the
+in-process learning test both drive it)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from trainer.batch import TrainBatch
+from trainer.objective import leave_one_out_advantages, policy_gradient_loss
+
+
+def token_logprobs(model: torch.nn.Module, batch: TrainBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-probs of every next token at the batch's sampling temperatures, and the
+    entropy of each predictive distribution (detached); both [B, L-1].
+
+    One forward over right-padded sequences: causal attention means a real token
+    never sees the padding after it, so no attention mask is needed.
+    """
+    logits = model(input_ids=batch.input_ids).logits[:, :-1].float()
+    logits = logits / batch.temperature[:, None, None]
+    logp_all = torch.log_softmax(logits, dim=-1)
+    logp = logp_all.gather(-1, batch.input_ids[:, 1:, None]).squeeze(-1)
+    with torch.no_grad():
+        entropy = -(logp_all.exp() * logp_all).sum(-1)
+    return logp, entropy
+
+
+@dataclass(frozen=True)
+class StepMetrics:
+    loss: float
+    kl: float
+    """Token mean of log π − log π_ref (k1), π_ref being the warm start."""
+    entropy: float
+    """Token mean entropy of the current policy on the batch's completions (nats)."""
+    grad_norm: float
+    """Before clipping."""
+    reward_mean: float
+    advantage_abs_mean: float
+    clipped_fraction: float
+    ratio_mean: float
+    rollouts: int
+    tokens: int
+
+
+def rl_step(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    batch: TrainBatch,
+    *,
+    ref_model: torch.nn.Module | None = None,
+    is_cap: float = 2.0,
+    kl_coef: float = 0.0,
+    grad_clip: float = 1.0,
+    std_normalize: bool = False,
+) -> StepMetrics:
+    advantages = torch.tensor(leave_one_out_advantages(batch.rewards, batch.groups, std_normalize=std_normalize))
+    ref_logp = None
+    if ref_model is not None:
+        with torch.no_grad():
+            ref_logp, _ = token_logprobs(ref_model, batch)
+    model.train()
+    logp, entropy = token_logprobs(model, batch)
+    terms = policy_gradient_loss(
+        logp,
+        batch.behaviour_logprobs,
+        advantages,
+        batch.target_mask,
+        ref_logp=ref_logp,
+        is_cap=is_cap,
+        kl_coef=kl_coef,
+    )
+    optimizer.zero_grad(set_to_none=True)
+    terms.loss.backward()
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+    optimizer.step()
+    model.eval()
+    mask = batch.target_mask
+    return StepMetrics(
+        loss=terms.loss.item(),
+        kl=terms.kl,
+        entropy=((entropy * mask).sum() / mask.sum()).item(),
+        grad_norm=float(grad_norm),
+        reward_mean=sum(batch.rewards) / len(batch.rewards),
+        advantage_abs_mean=advantages.abs().mean().item(),
+        clipped_fraction=terms.clipped_fraction,
+        ratio_mean=terms.ratio_mean,
+        rollouts=len(batch.rewards),
+        tokens=terms.tokens,
+    )
+
+
+def build_optimizer(model: torch.nn.Module, lr: float, weight_decay: float = 0.0) -> torch.optim.AdamW:
+    return torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
