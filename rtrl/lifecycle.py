@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -40,6 +41,22 @@ def warm_start(state_dir: Path, console: Console) -> Path:
     return path
 
 
+# Kept across runs: the warm-start cache. Everything else belonged to the previous stack,
+# whose memory-only broker and private Redis are gone, so its data would only mislead.
+KEEP_ACROSS_RUNS = ("cache",)
+
+
+def clear_previous_run(state_dir: Path) -> None:
+    state_dir.mkdir(parents=True, exist_ok=True)
+    for entry in state_dir.iterdir():
+        if entry.name in KEEP_ACROSS_RUNS:
+            continue
+        if entry.is_dir():
+            shutil.rmtree(entry)
+        else:
+            entry.unlink()
+
+
 def health_table(rows: list[health.ComponentHealth]) -> Table:
     table = Table(title="rtrl embedded stack", title_justify="left")
     table.add_column("component")
@@ -57,7 +74,7 @@ def up(state_dir: Path, console: Console, config: StackConfig | None = None) -> 
     if running is not None:
         console.print(f"stack already running (supervisor pid {running.supervisor_pid}); `rtrl down` stops it")
         return running
-    stack_path(state_dir).unlink(missing_ok=True)
+    clear_previous_run(state_dir)
     warm_start(state_dir, console)
     (state_dir / "logs").mkdir(parents=True, exist_ok=True)
     log = open(state_dir / "logs" / "supervisor.out", "ab")
