@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import signal
 import threading
 
 import redis.asyncio as aioredis
@@ -16,6 +15,7 @@ from analytics.config import AnalyticsSettings
 from analytics.sink import Sink
 from rtrl import heartbeat, kafka, topics
 from rtrl.config import StackSettings
+from rtrl.runtime import until_stopped
 
 log = logging.getLogger("analytics")
 
@@ -24,11 +24,6 @@ SERVICE = "analytics"
 
 async def serve(stack: StackSettings, settings: AnalyticsSettings, stop: asyncio.Event | None = None) -> None:
     """Run until SIGTERM/SIGINT (or ``stop`` is set); then insert and commit what is buffered."""
-    stop = stop or asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-
     await asyncio.to_thread(kafka.wait_for_broker, stack)
     await asyncio.to_thread(kafka.ensure_topics, stack)
     writer = query.connect(stack)
@@ -45,15 +40,13 @@ async def serve(stack: StackSettings, settings: AnalyticsSettings, stop: asyncio
     stopping = threading.Event()
     sink_task = asyncio.create_task(asyncio.to_thread(sink.run, stopping))
     beats = asyncio.create_task(heartbeat.beat_forever(redis, SERVICE, stack.instance, sink.status))
-    stop_wait = asyncio.create_task(stop.wait())
     log.info("analytics sink on %s, query endpoint %s:%d", stack.resolved_clickhouse_url(), settings.bind_host, settings.query_port)
     try:
         # A failed insert or a lost Redis ends the process; the supervisor restarts it and
         # the sink resumes from the last committed offsets.
-        await asyncio.wait([stop_wait, sink_task, beats], return_when=asyncio.FIRST_COMPLETED)
+        await until_stopped(sink_task, beats, stop=stop)
     finally:
         stopping.set()
-        stop_wait.cancel()
         beats.cancel()
         await asyncio.gather(sink_task, beats, return_exceptions=True)
         consumer.close()
@@ -61,9 +54,6 @@ async def serve(stack: StackSettings, settings: AnalyticsSettings, stop: asyncio
         await redis.aclose()
         reader.close()
         writer.close()
-    for task in (sink_task, beats):
-        if not task.cancelled() and task.exception() is not None:
-            raise task.exception()
 
 
 def main() -> None:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import signal
 import time
 import uuid
 from dataclasses import dataclass
@@ -30,6 +29,7 @@ from inference.weights import WeightFollower
 from rtrl import heartbeat, kafka, topics
 from rtrl.config import StackSettings
 from rtrl.policy import PolicyConfig
+from rtrl.runtime import until_stopped
 
 log = logging.getLogger("inference")
 
@@ -198,17 +198,9 @@ class InferenceServer:
 
 async def serve(stack: StackSettings, settings: InferenceSettings) -> None:
     """Run until SIGTERM or SIGINT (or until the engine or the heartbeat dies), then drain."""
-    stopping = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stopping.set)
     server = InferenceServer(stack, settings)
     await server.start()
-    stop_wait = asyncio.create_task(stopping.wait())
     try:
-        await asyncio.wait([stop_wait, server.heartbeat_task], return_when=asyncio.FIRST_COMPLETED)
-        if server.heartbeat_task.done() and not server.heartbeat_task.cancelled():
-            server.heartbeat_task.result()
+        await until_stopped(server.heartbeat_task)
     finally:
-        stop_wait.cancel()
         await server.stop()

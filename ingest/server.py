@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import signal
 from dataclasses import dataclass
 
 import grpc
@@ -28,6 +27,7 @@ from ingest.config import IngestSettings
 from ingest.gateway import REJECTED, RETRY, Gateway
 from rtrl import heartbeat, kafka
 from rtrl.config import StackSettings
+from rtrl.runtime import until_stopped
 from rtrl.v1 import ingest_pb2, ingest_pb2_grpc
 
 log = logging.getLogger("ingest")
@@ -144,19 +144,11 @@ async def start(stack: StackSettings, settings: IngestSettings) -> IngestServer:
 
 async def serve(stack: StackSettings, settings: IngestSettings) -> None:
     """Run until SIGTERM or SIGINT, then drain."""
-    stopping = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stopping.set)
     server = await start(stack, settings)
-    stop_wait = asyncio.create_task(stopping.wait())
     try:
         # A heartbeat that cannot reach Redis ends the process: the supervisor restarts it.
-        await asyncio.wait([stop_wait, server.heartbeat_task], return_when=asyncio.FIRST_COMPLETED)
-        if server.heartbeat_task.done() and not server.heartbeat_task.cancelled():
-            server.heartbeat_task.result()
+        await until_stopped(server.heartbeat_task)
     finally:
-        stop_wait.cancel()
         await server.stop()
 
 

@@ -12,7 +12,6 @@ import os
 import signal
 import sys
 import time
-from pathlib import Path
 
 from rtrl import kafka, procs
 from rtrl.config import StackSettings

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import signal
 
 import grpc
 import redis.asyncio as aioredis
@@ -17,6 +16,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from rtrl import heartbeat
 from rtrl.config import StackSettings
+from rtrl.runtime import until_stopped
 from rtrl.v1 import weights_pb2_grpc
 from weight_sync.config import WeightSyncSettings
 from weight_sync.registry import PUBLISHED_PATTERN, Registry, arm_of_channel
@@ -100,18 +100,11 @@ async def serve(settings: WeightSyncSettings, stack: StackSettings) -> None:
     """Run until SIGTERM/SIGINT; a background loop that dies takes the process with it."""
     server = WeightSyncServer(settings, stack)
     await server.start()
-    stopping = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stopping.set)
-    stop_wait = asyncio.create_task(stopping.wait())
-    done, _ = await asyncio.wait([stop_wait, *server.tasks], return_when=asyncio.FIRST_COMPLETED)
-    stop_wait.cancel()
-    log.info("weight_sync stopping")
-    await server.stop()
-    for task in done:
-        if task is not stop_wait and not task.cancelled() and task.exception() is not None:
-            raise task.exception()
+    try:
+        await until_stopped(*server.tasks)
+    finally:
+        log.info("weight_sync stopping")
+        await server.stop()
 
 
 def main() -> None:
