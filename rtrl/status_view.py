@@ -47,7 +47,9 @@ def workers_table(rows: list[health.ComponentHealth]) -> Table:
             table.add_row(row.name, str(versions.get("control", "-")), str(versions.get("treatment", "-")), detail)
         elif row.name.startswith("trainer:"):
             s = row.status
-            detail = f"step {s.get('step', 0)}, reward mean {s.get('reward_mean', float('nan')):.3f}, dropped stale {s.get('dropped_stale', 0)}"
+            reward_mean = s.get("reward_mean")
+            reward = "–" if reward_mean is None else f"{reward_mean:.3f}"
+            detail = f"step {s.get('step', 0)}, reward mean {reward}, dropped stale {s.get('dropped_stale', 0)}"
             table.add_row(row.name, "0 (pinned)", f"{s.get('version', '-')} (published)", detail)
     return table
 
