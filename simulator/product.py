@@ -12,13 +12,12 @@ from __future__ import annotations
 import asyncio
 import random
 import time
-import uuid
 from collections import deque
 from dataclasses import dataclass, field
 
 import aiohttp
 
-from ingest.client import IngestClient
+from ingest.client import IngestClient, make_event
 from rtrl.v1 import ingest_pb2, telemetry_pb2
 from simulator.tasks import random_task
 from simulator.users import User, population, react
@@ -63,16 +62,7 @@ class ProductStats:
 
 
 def _event(user: User, rollout_id: str, session_id: str, ts_ms: int, **payload) -> telemetry_pb2.TelemetryEvent:
-    return telemetry_pb2.TelemetryEvent(
-        event_id=str(uuid.uuid4()),
-        rollout_id=rollout_id,
-        session_id=session_id,
-        user_id=user.user_id,
-        client_ts_ms=ts_ms,
-        schema_version=1,
-        privacy_mode=user.privacy_mode,
-        **payload,
-    )
+    return make_event(rollout_id, session_id, user.user_id, privacy_mode=user.privacy_mode, client_ts_ms=ts_ms, **payload)
 
 
 class Product:
