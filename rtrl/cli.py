@@ -140,6 +140,14 @@ def bench_loop(
     run(_state_dir(), minutes * 60, out, console)
 
 
+@bench_app.command("codec")
+def bench_codec(out: Path = typer.Option(Path("bench/results/codec.json"))) -> None:
+    """Delta size and speed on real deltas (MiniLM fine-tune in bf16, a demo policy step)."""
+    from rtrl.bench_codec import run
+
+    run(out, console)
+
+
 def main() -> None:
     app()
 
