@@ -212,14 +212,16 @@ def test_sink_deduplicates_replays_and_commits_after_insert(stack_settings, stac
                 query(statement)
         assert not outfile.exists()
 
-        deadline = time.monotonic() + 10
-        status = {}
-        while status.get("inserted", {}).get("rollouts") != 13:  # every record, replays included
-            assert time.monotonic() < deadline, status
+        # Every record is inserted, replays included (the tables collapse them). The sink
+        # flushes in batches, so wait for all three counters rather than read them once.
+        expected = {"rollouts": 13, "rewards": 12, "telemetry_events": 4}
+        deadline = time.monotonic() + 20
+        inserted = {}
+        while {k: inserted.get(k) for k in expected} != expected:
+            assert time.monotonic() < deadline, inserted
             raw = redis.Redis.from_url(stack_settings.redis_url).get(heartbeat.key("analytics", "0"))
-            status = json.loads(raw) if raw else {}
+            inserted = json.loads(raw)["inserted"] if raw else {}
             time.sleep(0.2)
-        assert status["inserted"]["rewards"] == 12 and status["inserted"]["telemetry_events"] == 4
     finally:
         os.killpg(sink.pid, signal.SIGTERM)
         assert sink.popen.wait(timeout=30) == 0, (tmp_path / "analytics.log").read_text()
