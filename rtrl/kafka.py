@@ -147,20 +147,35 @@ class PartitionLag:
         return self.end - max(self.committed, 0)
 
 
-def consumer_lag(settings: StackSettings, group: str, topic_names: tuple[str, ...], timeout_s: float = 5.0) -> list[PartitionLag]:
-    """Committed offset vs log end for every partition a group reads."""
+def consumer_lag(
+    settings: StackSettings,
+    group: str,
+    topic_names: tuple[str, ...],
+    timeout_s: float = 5.0,
+    ends: dict[tuple[str, int], int] | None = None,
+) -> list[PartitionLag]:
+    """Committed offset vs log end for every partition a group reads.
+
+    ``ends`` (from end_offsets) lets a caller asking about several groups probe each
+    partition's end once."""
     c = Consumer(consumer_config(settings, group))
     try:
-        metadata = c.list_topics(timeout=timeout_s).topics
-        tps = [TopicPartition(t, p) for t in topic_names if t in metadata for p in metadata[t].partitions]
+        tps = partitions(settings, topic_names, timeout_s)
         committed = c.committed(tps, timeout=timeout_s) if tps else []
-        ends = end_offsets(settings, tps, timeout_s)
+        if ends is None:
+            ends = end_offsets(settings, tps, timeout_s)
         return [
             PartitionLag(group, tp.topic, tp.partition, tp.offset if tp.offset >= 0 else -1, ends[(tp.topic, tp.partition)])
             for tp in committed
         ]
     finally:
         c.close()
+
+
+def partitions(settings: StackSettings, topic_names: tuple[str, ...], timeout_s: float = 5.0) -> list[TopicPartition]:
+    """Every partition of the named topics that exist, from the broker's metadata."""
+    metadata = AdminClient({"bootstrap.servers": settings.kafka_bootstrap}).list_topics(timeout=timeout_s).topics
+    return [TopicPartition(t, p) for t in topic_names if t in metadata for p in metadata[t].partitions]
 
 
 def end_offsets(settings: StackSettings, tps: list[TopicPartition], timeout_s: float = 5.0) -> dict[tuple[str, int], int]:

@@ -90,10 +90,8 @@ def up(state_dir: Path, console: Console, config: StackConfig | None = None) -> 
         while time.monotonic() < deadline:
             if supervisor.poll() is not None:
                 raise StackError(f"the supervisor exited with {supervisor.returncode}; see {state_dir / 'logs'}")
-            if stack is None and stack_path(state_dir).exists():
-                stack = StackFile.read(stack_path(state_dir))
-            if stack is not None:
-                stack = StackFile.read(stack_path(state_dir))
+            if stack_path(state_dir).exists():
+                stack = StackFile.read(stack_path(state_dir))  # re-read: the supervisor records restarts
                 rows = health.check(stack)
                 live.update(health_table(rows))
                 if all(r.healthy for r in rows):

@@ -22,8 +22,10 @@ def lag_table(stack: StackFile) -> Table:
     table = Table(title="consumer lag", title_justify="left")
     for column in ("group", "topic", "committed", "end", "lag"):
         table.add_column(column, justify="right" if column in ("committed", "end", "lag") else "left")
+    every_topic = tuple(sorted({t for names in CONSUMER_GROUPS.values() for t in names}))
+    ends = kafka.end_offsets(settings, kafka.partitions(settings, every_topic))
     for group, names in CONSUMER_GROUPS.items():
-        rows = kafka.consumer_lag(settings, group, names)
+        rows = kafka.consumer_lag(settings, group, names, ends=ends)
         by_topic: dict[str, list[kafka.PartitionLag]] = {}
         for row in rows:
             by_topic.setdefault(row.topic, []).append(row)
