@@ -2,8 +2,10 @@
 
 Keys (per arm): ``rtrl:ws:<arm>:latest`` (int), ``rtrl:ws:<arm>:manifest:<v>``
 (serialized Manifest), ``rtrl:ws:<arm>:keyframes`` (sorted set of keyframe
-versions); ``rtrl:ws:arms`` is the set of arms. Every commit is announced on the
-pub/sub channel ``rtrl:ws:<arm>:published`` with the version as the message.
+versions), ``rtrl:ws:<arm>:unreferenced_blobs`` (set of URIs of blobs whose
+manifests garbage collection deleted, until the blobs are deleted too);
+``rtrl:ws:arms`` is the set of arms. Every commit is announced on the pub/sub
+channel ``rtrl:ws:<arm>:published`` with the version as the message.
 """
 
 from __future__ import annotations
@@ -30,6 +32,10 @@ def keyframes_key(arm: str) -> str:
     return f"{PREFIX}{arm}:keyframes"
 
 
+def unreferenced_blobs_key(arm: str) -> str:
+    return f"{PREFIX}{arm}:unreferenced_blobs"
+
+
 def published_channel(arm: str) -> str:
     return f"{PREFIX}{arm}:published"
 
@@ -51,6 +57,15 @@ class Registry:
         arms = sorted(a.decode() if isinstance(a, bytes) else a for a in await self._redis.smembers(ARMS_KEY))
         values = await self._redis.mget([latest_key(a) for a in arms]) if arms else []
         return {arm: int(v) for arm, v in zip(arms, values) if v is not None}
+
+    async def arms(self) -> list[str]:
+        return sorted(a.decode() if isinstance(a, bytes) else a for a in await self._redis.smembers(ARMS_KEY))
+
+    async def latest_and_keyframes(self, arm: str) -> tuple[int, list[int]]:
+        """The latest version and every keyframe version (ascending), read together."""
+        async with self._redis.pipeline(transaction=True) as pipe:
+            raw, keyframes = await pipe.get(latest_key(arm)).zrange(keyframes_key(arm), 0, -1).execute()
+        return (-1 if raw is None else int(raw)), sorted(int(k) for k in keyframes)
 
     async def newest_keyframe(self, arm: str, at_most: int) -> int | None:
         found = await self._redis.zrevrangebyscore(keyframes_key(arm), at_most, "-inf", start=0, num=1)
@@ -92,3 +107,24 @@ class Registry:
             except WatchError:
                 return False
         return True
+
+    async def forget(self, arm: str, versions: list[int], blob_uris: list[str]) -> None:
+        """Delete the manifests and keyframe entries of versions, and note their blobs as
+        unreferenced, all in one transaction: a reader sees all of them or none gone.
+        The caller deletes the blobs afterwards and then calls blobs_deleted."""
+        if not versions:
+            return
+        async with self._redis.pipeline(transaction=True) as pipe:
+            pipe.delete(*[manifest_key(arm, v) for v in versions])
+            pipe.zrem(keyframes_key(arm), *[str(v) for v in versions])
+            if blob_uris:
+                pipe.sadd(unreferenced_blobs_key(arm), *blob_uris)
+            await pipe.execute()
+
+    async def unreferenced_blobs(self, arm: str) -> list[str]:
+        """Blobs whose manifests are gone but which may still be stored."""
+        return sorted(u.decode() if isinstance(u, bytes) else u for u in await self._redis.smembers(unreferenced_blobs_key(arm)))
+
+    async def blobs_deleted(self, arm: str, blob_uris: list[str]) -> None:
+        if blob_uris:
+            await self._redis.srem(unreferenced_blobs_key(arm), *blob_uris)

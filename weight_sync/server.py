@@ -1,4 +1,5 @@
-"""The weight_sync process: the gRPC server, its pub/sub listener and its heartbeat.
+"""The weight_sync process: the gRPC server, its pub/sub listener, its heartbeat and
+its garbage collection of old versions.
 
 Run as ``python -m weight_sync`` (reads RTRL_* and RTRL_WEIGHT_SYNC_* variables);
 tests run WeightSyncServer in-process.
@@ -18,10 +19,11 @@ from rtrl import heartbeat
 from rtrl.config import StackSettings
 from rtrl.runtime import until_stopped
 from rtrl.v1 import weights_pb2_grpc
+from weight_sync import gc
 from weight_sync.config import WeightSyncSettings
 from weight_sync.registry import PUBLISHED_PATTERN, Registry, arm_of_channel
 from weight_sync.servicer import WeightSyncService
-from weight_sync.store import BlobStore
+from weight_sync.store import open_store
 
 log = logging.getLogger("weight_sync")
 SERVICE = "weight_sync"
@@ -35,15 +37,17 @@ class WeightSyncServer:
         self.port = settings.port
         self._redis = aioredis.Redis.from_url(stack.redis_url)
         self.registry = Registry(self._redis)
+        self.store = open_store(settings, stack)
         self.service = WeightSyncService(
             settings,
             token=stack.weight_sync_token.get_secret_value(),
             registry=self.registry,
-            store=BlobStore(stack.state_dir / "blobs"),
+            store=self.store,
         )
         self._server = grpc.aio.server()
         weights_pb2_grpc.add_WeightSyncServicer_to_server(self.service, self._server)
         self.tasks: list[asyncio.Task] = []
+        self.versions_collected = 0
 
     async def start(self) -> int:
         """Listen and start the background loops; returns the bound port."""
@@ -52,7 +56,9 @@ class WeightSyncServer:
             raise RuntimeError(f"cannot bind {self.settings.bind_host}:{self.settings.port}")
         await self._server.start()
         self.tasks = [asyncio.create_task(self._listen()), asyncio.create_task(self._heartbeat())]
-        log.info("weight_sync listening on %s:%d, blobs in %s", self.settings.bind_host, self.port, self.stack.state_dir / "blobs")
+        if self.settings.gc_interval_s > 0:
+            self.tasks.append(asyncio.create_task(self._collect_garbage()))
+        log.info("weight_sync listening on %s:%d, blobs in %s", self.settings.bind_host, self.port, self.store.url)
         return self.port
 
     async def stop(self, grace_s: float | None = None) -> None:
@@ -86,6 +92,21 @@ class WeightSyncServer:
                 log.warning("heartbeat failed (%s)", exc)
             await asyncio.sleep(self.settings.heartbeat_interval_s)
 
+    async def _collect_garbage(self) -> None:
+        """Every server of a registry may run this: collection is idempotent, and a stale
+        view of the registry only makes it delete less."""
+        while True:
+            await asyncio.sleep(self.settings.gc_interval_s)
+            try:
+                await self.collect_garbage()
+            except (*_REDIS_DOWN, *self.store.unavailable) as exc:
+                log.warning("garbage collection failed (%s: %s); next try in %.0f s", type(exc).__name__, exc, self.settings.gc_interval_s)
+
+    async def collect_garbage(self) -> list[gc.ArmPlan]:
+        plans = await gc.collect(self.registry, self.store, self.settings.keep_keyframes)
+        self.versions_collected += sum(len(p.versions) for p in plans)
+        return plans
+
     async def status(self) -> dict:
         return {
             "port": self.port,
@@ -93,6 +114,7 @@ class WeightSyncServer:
             "subscribers": self.service.subscribers,
             "bytes_sent": self.service.bytes_sent,
             "versions_published": self.service.versions_published,
+            "versions_collected": self.versions_collected,
         }
 
 

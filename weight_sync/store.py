@@ -1,8 +1,10 @@
-"""Blob store on a local directory: ``<root>/<arm>/<version>.blob``.
+"""Where version blobs live: ``<root>/<arm>/<version>.blob`` in a local directory,
+or ``s3://bucket/prefix/<arm>/<version>.blob`` in S3 (store_s3.py).
 
-Blobs are written to a temporary file, fsynced and renamed into place, so a reader
-sees a whole blob or none. One server owns a directory. An S3 store would offer the
-same three methods and ``s3://`` URIs.
+Both stores offer the same four blocking methods (the servicer runs them in
+threads). A reader sees a whole blob or none; reads verify nothing (the servicer
+checks the manifest's checksum) but raise FileNotFoundError for a blob that is
+gone, so a collected or lost blob takes the same repair path on either store.
 """
 
 from __future__ import annotations
@@ -10,11 +12,16 @@ from __future__ import annotations
 import os
 import re
 import tempfile
+from abc import ABC, abstractmethod
 from pathlib import Path
 from urllib.parse import unquote, urlparse
 
-# Arm names become directory names: no separators, no leading dot.
+from rtrl.config import StackSettings
+from weight_sync.config import WeightSyncSettings
+
+# Arm names become directory names and key segments: no separators, no leading dot.
 _ARM = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}")
+_BLOB_NAME = re.compile(r"(0|[1-9][0-9]*)\.blob")
 
 
 def check_arm(arm: str) -> str:
@@ -23,15 +30,65 @@ def check_arm(arm: str) -> str:
     return arm
 
 
-class BlobStore:
+def blob_name(arm: str, version: int) -> str:
+    """``<arm>/<version>.blob``, the blob's name relative to the store's root."""
+    if version < 0:
+        raise ValueError(f"version {version} of arm {arm!r} is negative")
+    return f"{check_arm(arm)}/{version}.blob"
+
+
+def parse_blob_name(name: str, blob_uri: str) -> tuple[str, int]:
+    """(arm, version) of a name made by blob_name; ValueError for anything else."""
+    arm, _, file_name = name.partition("/")
+    found = _BLOB_NAME.fullmatch(file_name)
+    if not _ARM.fullmatch(arm) or found is None:
+        raise ValueError(f"blob URI {blob_uri!r} does not name <arm>/<version>.blob inside the store")
+    return arm, int(found.group(1))
+
+
+class BlobStore(ABC):
+    """Blobs of weight versions, addressed by the URI that write() returns."""
+
+    url: str
+    """The store's own location (``file:///…`` or ``s3://bucket/prefix``), for logs."""
+
+    unavailable: tuple[type[Exception], ...] = ()
+    """Errors that mean the store cannot be reached right now (garbage collection
+    tries again later); any other error is a bug or a misconfiguration."""
+
+    @abstractmethod
+    def write(self, arm: str, version: int, blob: bytes) -> str:
+        """Store the blob durably (all or nothing for readers) and return its URI."""
+
+    @abstractmethod
+    def read(self, blob_uri: str) -> bytes:
+        """The blob's bytes; FileNotFoundError if it is gone."""
+
+    @abstractmethod
+    def exists(self, blob_uri: str) -> bool: ...
+
+    @abstractmethod
+    def delete(self, blob_uri: str) -> None:
+        """Remove the blob; a blob already gone is no error."""
+
+    @abstractmethod
+    def owns(self, blob_uri: str) -> bool:
+        """Whether the URI names a blob of this store. The other methods raise
+        ValueError for a URI that does not (another store's, or outside this one)."""
+
+
+class LocalBlobStore(BlobStore):
+    """Blobs in a local directory, written to a temporary file, fsynced and renamed
+    into place. One server owns a directory."""
+
     def __init__(self, root: Path) -> None:
         self.root = Path(root).resolve()
+        self.url = self.root.as_uri()
 
     def path(self, arm: str, version: int) -> Path:
-        return self.root / check_arm(arm) / f"{version}.blob"
+        return self.root / blob_name(arm, version)
 
     def write(self, arm: str, version: int, blob: bytes) -> str:
-        """Store the blob durably and return its URI."""
         final = self.path(arm, version)
         final.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=final.parent, prefix=f".{version}.", suffix=".tmp")
@@ -47,17 +104,39 @@ class BlobStore:
         return final.as_uri()
 
     def read(self, blob_uri: str) -> bytes:
-        """The blob's bytes; FileNotFoundError if it is gone."""
         return self._local_path(blob_uri).read_bytes()
 
     def exists(self, blob_uri: str) -> bool:
         return self._local_path(blob_uri).is_file()
 
+    def delete(self, blob_uri: str) -> None:
+        self._local_path(blob_uri).unlink(missing_ok=True)
+
+    def owns(self, blob_uri: str) -> bool:
+        try:
+            self._local_path(blob_uri)
+        except ValueError:
+            return False
+        return True
+
     def _local_path(self, blob_uri: str) -> Path:
         parsed = urlparse(blob_uri)
-        if parsed.scheme != "file":
-            raise ValueError(f"blob URI {blob_uri!r} is not a file:// URI")
+        if parsed.scheme != "file" or parsed.netloc not in ("", "localhost"):
+            raise ValueError(f"blob URI {blob_uri!r} is not a local file:// URI")
         path = Path(unquote(parsed.path)).resolve()
         if not path.is_relative_to(self.root):
             raise ValueError(f"blob URI {blob_uri!r} points outside the store at {self.root}")
+        parse_blob_name(path.relative_to(self.root).as_posix(), blob_uri)
         return path
+
+
+def open_store(settings: WeightSyncSettings, stack: StackSettings) -> BlobStore:
+    """The store that settings.blob_url names (already validated by the settings)."""
+    if not settings.blob_url:
+        return LocalBlobStore(stack.state_dir / "blobs")
+    if settings.blob_url.startswith("file:"):
+        return LocalBlobStore(Path(unquote(urlparse(settings.blob_url).path)))
+    # Imported here so that the embedded stack, which never uses S3, does not load boto3.
+    from weight_sync.store_s3 import S3BlobStore
+
+    return S3BlobStore.from_settings(settings)
