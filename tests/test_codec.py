@@ -9,7 +9,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kernels.delta import SparseXorDelta, bits_dtype, delta_apply, delta_encode
+import kernels
+from kernels import delta as torch_path
+from kernels import delta_cpu
+from kernels.delta import SparseDelta, bits_dtype
 from rtrl.v1 import weights_pb2
 from weight_sync import codec, lineage
 from weight_sync.checksum import xxh3_hex
@@ -26,16 +29,8 @@ def assert_bit_identical(got: dict[str, torch.Tensor], want: dict[str, torch.Ten
         assert torch.equal(bits(got[name]), bits(want[name])), name
 
 
-def manifest_for(blob: bytes, tensors, *, keyframe: bool, version: int = 1) -> weights_pb2.Manifest:
-    return weights_pb2.Manifest(
-        arm="treatment",
-        version=version,
-        parent_version=-1 if keyframe else version - 1,
-        keyframe=keyframe,
-        tensors=tensors,
-        blob_size=len(blob),
-        blob_checksum=xxh3_hex(blob),
-    )
+def manifest_for(encoded: codec.EncodedVersion, *, keyframe: bool, version: int = 1) -> weights_pb2.Manifest:
+    return encoded.manifest(arm="treatment", version=version, parent_version=-1 if keyframe else version - 1, keyframe=keyframe)
 
 
 def _random(shape, dtype, seed=0):
@@ -81,15 +76,19 @@ CASES = {
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 
+PATHS = {"torch": torch_path, "cpu": delta_cpu, "dispatch": kernels}
+
+
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("case", CASES)
-def test_delta_kernel_round_trips_bit_exact(case, dtype):
+def test_delta_kernel_round_trips_bit_exact(case, dtype, path):
     old, new, changed = CASES[case](dtype)
-    delta = delta_encode(old, new)
+    delta = PATHS[path].delta_encode(old, new)
     assert delta.changed == changed
-    assert delta.gaps.dtype == torch.int64 and delta.xor.dtype == bits_dtype(dtype)
+    assert delta.positions.dtype == torch.int64 and delta.diffs.dtype == bits_dtype(dtype)
     before = old.clone()
-    out = delta_apply(old, delta)
+    out = PATHS[path].delta_apply(old, delta)
     assert out.shape == new.shape and out.dtype == new.dtype
     assert torch.equal(bits(out), bits(new))
     assert torch.equal(bits(old), bits(before))
@@ -100,30 +99,68 @@ def test_delta_kernel_round_trips_bit_exact(case, dtype):
 def test_codec_round_trips_bit_exact(case, dtype):
     old, new, _ = CASES[case](dtype)
     parent, weights = {"w": old, "bias": torch.zeros(3, dtype=dtype)}, {"w": new, "bias": torch.zeros(3, dtype=dtype)}
-    blob, tensors = codec.encode(parent, weights)
-    assert [t.encoding for t in tensors] == [codec.XOR_GAP, codec.XOR_GAP]
-    assert_bit_identical(codec.decode(blob, manifest_for(blob, tensors, keyframe=False), parent), weights)
+    encoded = codec.encode(parent, weights)
+    assert [t.encoding for t in encoded.tensors] == [codec.SPARSE_DIFF, codec.SPARSE_DIFF]
+    assert_bit_identical(codec.decode(encoded.blob, manifest_for(encoded, keyframe=False), parent), weights)
 
-    blob, tensors = codec.encode(None, weights)
-    assert [t.encoding for t in tensors] == [codec.FULL, codec.FULL]
-    assert_bit_identical(codec.decode(blob, manifest_for(blob, tensors, keyframe=True), None), weights)
+    encoded = codec.encode(None, weights)
+    assert [t.encoding for t in encoded.tensors] == [codec.FULL, codec.FULL]
+    assert_bit_identical(codec.decode(encoded.blob, manifest_for(encoded, keyframe=True), None), weights)
 
 
-def test_positions_are_gap_encoded():
+def test_positions_and_wrapping_differences():
     old = torch.zeros(20)
     new = old.clone()
     new[[3, 10, 11, 19]] = 1.0
-    delta = delta_encode(old, new)
-    assert delta.gaps.tolist() == [3, 7, 1, 8]
-    assert (delta.xor == bits(torch.tensor(1.0))).all()
+    new_bits = bits(new)
+    delta = delta_cpu.delta_encode(old, new)
+    assert delta.positions.tolist() == [3, 10, 11, 19]
+    assert (delta.diffs == bits(torch.tensor(1.0))).all()
+    # One unit in the last place either way is ±1 whatever the carries; wrapping covers sign flips.
+    old16 = torch.tensor([1.0, 1.0, 0.0, -0.0], dtype=torch.bfloat16)
+    new16 = bits(old16).clone()
+    new16 += torch.tensor([1, -1, -32768, -32768], dtype=torch.int16)
+    new16 = new16.view(torch.bfloat16)
+    assert delta_cpu.delta_encode(old16, new16).diffs.tolist() == [1, -1, -32768, -32768]
+    assert torch.equal(bits(new16), bits(delta_cpu.delta_apply(old16, delta_cpu.delta_encode(old16, new16))))
+    assert new_bits.numel() == 20
 
 
-def test_apply_refuses_positions_out_of_order_or_range():
+@pytest.mark.parametrize("path", PATHS)
+def test_apply_refuses_positions_out_of_order_or_range(path):
     old = torch.zeros(4)
-    xor = torch.ones(2, dtype=torch.int32)
-    for gaps in ([1, 0], [2, 2]):
+    diffs = torch.ones(2, dtype=torch.int32)
+    for positions in ([1, 1], [2, 1], [-1, 2], [2, 4]):
         with pytest.raises(ValueError):
-            delta_apply(old, SparseXorDelta(gaps=torch.tensor(gaps), xor=xor))
+            PATHS[path].delta_apply(old, SparseDelta(positions=torch.tensor(positions), diffs=diffs))
+    with pytest.raises(ValueError, match="malformed"):
+        PATHS[path].delta_apply(old, SparseDelta(positions=torch.tensor([1]), diffs=torch.ones(1, dtype=torch.int16)))
+
+
+WIDTHS = [torch.int8, torch.float8_e4m3fn, torch.float16, torch.float32, torch.float64, torch.int64]
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    numel=st.integers(0, 200),
+    offset=st.integers(0, 7),
+    positions=st.sets(st.integers(0, 199), max_size=60),
+    dtype=st.sampled_from(WIDTHS),
+    seed=st.integers(0, 2**16),
+)
+def test_cpu_path_equals_torch_path(numel, offset, positions, dtype, seed):
+    # offset slices the storage so the fused path also sees tensors that are not 8-byte aligned.
+    generator = torch.Generator().manual_seed(seed)
+    storage = torch.randint(-100, 100, (numel + offset,), generator=generator).to(dtype)
+    old = storage[offset:]
+    new_bits = bits(old).clone()
+    for p in sorted(p for p in positions if p < numel):
+        new_bits[p] += int(torch.randint(1, 50, (), generator=generator))
+    new = new_bits.view(dtype)
+    want, got = torch_path.delta_encode(old, new), delta_cpu.delta_encode(old, new)
+    assert torch.equal(want.positions, got.positions) and torch.equal(want.diffs, got.diffs)
+    assert torch.equal(bits(delta_cpu.delta_apply(old, got)), bits(torch_path.delta_apply(old, want)))
+    assert torch.equal(bits(delta_cpu.delta_apply(old, got)), new_bits)
 
 
 @settings(max_examples=50, deadline=None)
@@ -135,15 +172,15 @@ def test_apply_refuses_positions_out_of_order_or_range():
 def test_delta_kernel_property(numel, positions, dtype):
     old = _random((numel,), dtype)
     new = _perturb(old, sorted(p for p in positions if p < numel))
-    assert torch.equal(bits(delta_apply(old, delta_encode(old, new))), bits(new))
+    assert torch.equal(bits(kernels.delta_apply(old, kernels.delta_encode(old, new))), bits(new))
 
 
 def test_tensors_added_or_reshaped_are_stored_full():
     parent = {"kept": torch.ones(4), "reshaped": torch.ones(4), "dropped": torch.ones(2)}
     weights = {"kept": torch.ones(4), "reshaped": torch.ones(2, 2), "added": torch.arange(3.0)}
-    blob, tensors = codec.encode(parent, weights)
-    assert {t.name: t.encoding for t in tensors} == {"kept": codec.XOR_GAP, "reshaped": codec.FULL, "added": codec.FULL}
-    assert_bit_identical(codec.decode(blob, manifest_for(blob, tensors, keyframe=False), parent), weights)
+    encoded = codec.encode(parent, weights)
+    assert {t.name: t.encoding for t in encoded.tensors} == {"kept": codec.SPARSE_DIFF, "reshaped": codec.FULL, "added": codec.FULL}
+    assert_bit_identical(codec.decode(encoded.blob, manifest_for(encoded, keyframe=False), parent), weights)
 
 
 def test_sparse_delta_of_real_policy_weights_is_small():
@@ -153,17 +190,17 @@ def test_sparse_delta_of_real_policy_weights_is_small():
     weights = {name: tensor.clone() for name, tensor in parent.items()}
     weights["model.layers.0.mlp.up_proj.weight"].view(-1)[[5, 900, 40_000]] += 1e-3
     weights["model.norm.weight"][0] = 0.5
-    keyframe, _ = codec.encode(None, weights)
-    blob, tensors = codec.encode(parent, weights)
-    assert len(blob) < len(keyframe) / 50
-    assert_bit_identical(codec.decode(blob, manifest_for(blob, tensors, keyframe=False), parent), weights)
+    keyframe = codec.encode(None, weights)
+    encoded = codec.encode(parent, weights)
+    assert len(encoded.blob) < len(keyframe.blob) / 50
+    assert_bit_identical(codec.decode(encoded.blob, manifest_for(encoded, keyframe=False), parent), weights)
 
 
 def _sparse_version():
     parent = {"a": _random((32, 16), torch.float32), "b": _random((8,), torch.bfloat16)}
     weights = {"a": _perturb(parent["a"], [1, 2, 300]), "b": _perturb(parent["b"], [7])}
-    blob, tensors = codec.encode(parent, weights)
-    return parent, weights, blob, manifest_for(blob, tensors, keyframe=False)
+    encoded = codec.encode(parent, weights)
+    return parent, weights, encoded.blob, manifest_for(encoded, keyframe=False)
 
 
 def test_corrupt_blob_raises_checksum_mismatch():
@@ -189,6 +226,47 @@ def test_delta_on_the_wrong_parent_is_refused():
         codec.decode(blob, manifest, wrong_parent)
     with pytest.raises(codec.ParentMismatch):
         codec.decode(blob, manifest, None)
+
+
+@settings(max_examples=150, deadline=None)
+@given(data=st.data())
+def test_any_tampered_blob_is_refused_never_misapplied(data):
+    # Even when the attacker (or a bug) also fixes up the blob checksum, a changed byte or
+    # a changed count is caught by the sections' structure or the tensors' checksums.
+    parent, weights, blob, manifest = _sparse_version()
+    tampered = bytearray(blob)
+    for _ in range(data.draw(st.integers(1, 4))):
+        tampered[data.draw(st.integers(0, len(blob) - 1))] ^= data.draw(st.integers(1, 255))
+    recount = data.draw(st.booleans())
+    if recount:
+        manifest.tensors[data.draw(st.integers(0, 1))].changed += data.draw(st.sampled_from([-1, 1]))
+    if bytes(tampered) == blob and not recount:
+        return  # two flips cancelled out
+    manifest.blob_checksum = xxh3_hex(bytes(tampered))
+    try:
+        decoded = codec.decode(bytes(tampered), manifest, parent)
+    except codec.DecodeError:
+        return
+    assert_bit_identical(decoded, weights)  # a byte zstd ignores (e.g. a frame's padding) changed nothing
+
+
+def test_varint_and_planes_round_trip_and_refuse_truncation():
+    from kernels.varint import from_planes, leb128_decode, leb128_encode, to_planes, unzigzag, zigzag
+
+    signed = torch.randint(-(2**62), 2**62, (500,)).numpy()
+    signed[:4] = [0, -1, 1, -(2**62)]
+    codes = zigzag(signed)
+    assert codes[:3].tolist() == [0, 1, 2]
+    assert (unzigzag(leb128_decode(leb128_encode(codes), len(codes))) == signed).all()
+    assert (from_planes(to_planes(codes), len(codes)) == codes).all()
+    small = codes[:3]
+    assert len(to_planes(small)) == 3  # one plane: every value fits a byte
+    with pytest.raises(ValueError):
+        leb128_decode(leb128_encode(codes)[:-1], len(codes))
+    with pytest.raises(ValueError):
+        leb128_decode(leb128_encode(codes), len(codes) - 1)
+    with pytest.raises(ValueError):
+        from_planes(to_planes(codes)[:-1], len(codes))
 
 
 # ---- lineage: which versions a subscriber is sent, which publishes are accepted ----

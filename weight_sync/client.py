@@ -95,16 +95,9 @@ class Publisher:
         self._channel.close()
 
     def _send(self, weights: dict[str, torch.Tensor], parent_version: int, keyframe: bool, stats: dict[str, int]) -> int:
-        blob, tensors = codec.encode(None if keyframe else self._parent, weights)
-        manifest = weights_pb2.Manifest(
-            arm=self.arm,
-            parent_version=parent_version,
-            keyframe=keyframe,
-            tensors=tensors,
-            blob_size=len(blob),
-            blob_checksum=xxh3_hex(blob),
-            **stats,
-        )
+        encoded = codec.encode(None if keyframe else self._parent, weights)
+        manifest = encoded.manifest(arm=self.arm, parent_version=parent_version, keyframe=keyframe, **stats)
+        blob = encoded.blob
         response = self._stub.Publish(
             _publish_chunks(manifest, blob, self._chunk_bytes),
             metadata=self._metadata,

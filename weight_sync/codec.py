@@ -1,28 +1,39 @@
-"""Version blobs: tensors in, bytes and TensorMeta out, and back — pure functions.
+"""Version blobs: tensors in, bytes and a manifest out, and back — pure functions.
 
-A blob is the concatenation of one zstd frame per tensor, each located by its
-TensorMeta (offset, length). A tensor's section is either ``full`` (its raw bytes)
-or ``xor_gap`` (kernels.delta against the same tensor of the parent version:
-int64 gaps, then the XOR words). Every TensorMeta carries the xxh3_128 of the
-tensor's full new bytes, so decoding proves the result is bit-identical to what
-the trainer published, whatever path it took. Bytes are the host's native order
-(little-endian on every platform we run).
+A keyframe blob is one zstd frame per tensor (its raw bytes), located by its
+TensorMeta's offset and length. A delta blob stores each tensor that kept its shape
+and dtype as ``sparse_diff`` (kernels.delta against the same tensor of the parent
+version) and any other tensor ``full``. The sparse tensors share two sections, so
+a hundred small tensors do not pay a hundred frame headers and entropy tables:
+
+  delta_positions  zstd of the gaps between changed positions (the first is the
+                   first position), all tensors in manifest order, as uint64 byte planes
+  delta_values     zstd of the bit-pattern differences, zigzag-mapped, LEB128
+
+TensorMeta.changed says how many entries of each section belong to a tensor.
+Every TensorMeta carries the xxh3_128 of the tensor's full new bytes, so decoding
+proves the result is bit-identical to what the trainer published, whatever path it
+took. Bytes are the host's native order (little-endian on every platform we run).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 import zstandard
 
-from kernels.delta import SparseXorDelta, bits_dtype, delta_apply, delta_encode
+import kernels
+from kernels import delta_cpu
+from kernels.delta import SparseDelta, bits_dtype
+from kernels.varint import from_planes, leb128_decode, leb128_encode, to_planes, unzigzag, zigzag
 from rtrl.v1 import weights_pb2
 from weight_sync.checksum import xxh3_hex
 
 FULL = "full"
-XOR_GAP = "xor_gap"
+SPARSE_DIFF = "sparse_diff"
 ZSTD_LEVEL = 3
 
 Weights = Mapping[str, torch.Tensor]
@@ -72,40 +83,100 @@ def tensor_from_bytes(data: bytes | memoryview, dtype: torch.dtype, shape: tuple
     return raw.view(dtype).reshape(shape)
 
 
-def encode(parent: Weights | None, new: Weights) -> tuple[bytes, list[weights_pb2.TensorMeta]]:
+@dataclass(frozen=True)
+class EncodedVersion:
+    """Produced by encode (trainer side); its manifest() is what the publisher sends."""
+
+    blob: bytes
+    tensors: list[weights_pb2.TensorMeta]
+    delta_positions: weights_pb2.Section | None
+    delta_values: weights_pb2.Section | None
+
+    def manifest(self, **fields) -> weights_pb2.Manifest:
+        """A Manifest describing this blob; ``fields`` add arm, version, keyframe and the rest."""
+        manifest = weights_pb2.Manifest(tensors=self.tensors, blob_size=len(self.blob), blob_checksum=xxh3_hex(self.blob), **fields)
+        if self.delta_positions is not None:
+            manifest.delta_positions.CopyFrom(self.delta_positions)
+            manifest.delta_values.CopyFrom(self.delta_values)
+        return manifest
+
+
+@dataclass(frozen=True)
+class _EncodedTensor:
+    meta: weights_pb2.TensorMeta
+    section: bytes | None
+    """The compressed raw bytes of a ``full`` tensor."""
+    positions: np.ndarray | None
+    diffs: np.ndarray | None
+    """Changed positions and differences of a ``sparse_diff`` tensor."""
+
+
+def _encode_tensors(parent: Weights | None, tensors: list[tuple[str, torch.Tensor]]) -> list[_EncodedTensor]:
+    compressor = zstandard.ZstdCompressor(level=ZSTD_LEVEL)
+    scratch = delta_cpu.scratch_for(max((t.numel() for _, t in tensors), default=0)) if parent is not None else None
+    out = []
+    for name, tensor in tensors:
+        tensor = tensor.detach()
+        raw = tensor_bytes(tensor)
+        meta = weights_pb2.TensorMeta(name=name, shape=list(tensor.shape), dtype=dtype_name(tensor.dtype), checksum=xxh3_hex(raw))
+        base = None if parent is None else parent.get(name)
+        if base is not None and base.shape == tensor.shape and base.dtype == tensor.dtype:
+            positions, diffs = _changes(base.detach(), tensor, raw, scratch)
+            meta.encoding, meta.changed = SPARSE_DIFF, len(positions)
+            out.append(_EncodedTensor(meta, None, positions, diffs))
+        else:
+            meta.encoding = FULL
+            out.append(_EncodedTensor(meta, compressor.compress(raw), None, None))
+    return out
+
+
+def encode(parent: Weights | None, new: Weights) -> EncodedVersion:
     """A keyframe blob when ``parent`` is None, else a delta blob against it.
 
     Tensors absent from the parent, or whose shape or dtype changed, are stored full.
     """
-    compressor = zstandard.ZstdCompressor(level=ZSTD_LEVEL)
+    parts = _encode_tensors(parent, list(new.items()))
     sections: list[bytes] = []
-    metas: list[weights_pb2.TensorMeta] = []
     offset = 0
-    for name, tensor in new.items():
-        tensor = tensor.detach()
-        raw = tensor_bytes(tensor)
-        base = None if parent is None else parent.get(name)
-        if base is not None and base.shape == tensor.shape and base.dtype == tensor.dtype:
-            delta = delta_encode(base.detach().to(tensor.device), tensor)
-            payload = tensor_bytes(delta.gaps).tobytes() + tensor_bytes(delta.xor).tobytes()
-            encoding = XOR_GAP
-        else:
-            payload, encoding = raw, FULL
-        section = compressor.compress(payload)
-        metas.append(
-            weights_pb2.TensorMeta(
-                name=name,
-                shape=list(tensor.shape),
-                dtype=dtype_name(tensor.dtype),
-                checksum=xxh3_hex(raw),
-                encoding=encoding,
-                offset=offset,
-                length=len(section),
-            )
-        )
-        sections.append(section)
-        offset += len(section)
-    return b"".join(sections), metas
+    for part in parts:
+        if part.section is not None:
+            part.meta.offset, part.meta.length = offset, len(part.section)
+            sections.append(part.section)
+            offset += len(part.section)
+    metas = [part.meta for part in parts]
+    if parent is None:
+        return EncodedVersion(b"".join(sections), metas, None, None)
+    sparse = [part for part in parts if part.positions is not None]
+    compressor = zstandard.ZstdCompressor(level=ZSTD_LEVEL)
+    position_bytes = compressor.compress(to_planes(_gaps([part.positions for part in sparse])))
+    value_codes = zigzag(np.concatenate([part.diffs.astype(np.int64) for part in sparse])) if sparse else np.empty(0, np.uint64)
+    value_bytes = compressor.compress(leb128_encode(value_codes))
+    delta_positions = weights_pb2.Section(offset=offset, length=len(position_bytes))
+    delta_values = weights_pb2.Section(offset=offset + len(position_bytes), length=len(value_bytes))
+    return EncodedVersion(b"".join([*sections, position_bytes, value_bytes]), metas, delta_positions, delta_values)
+
+
+def _gaps(positions: list[np.ndarray]) -> np.ndarray:
+    """Each tensor's positions as gaps: its first position, then the distance to each next one."""
+    if not positions:
+        return np.empty(0, np.int64)
+    flat = np.concatenate(positions)
+    gaps = flat.copy()
+    gaps[1:] -= flat[:-1]
+    starts = np.cumsum([0, *(len(p) for p in positions[:-1])])
+    starts = starts[starts < len(flat)]
+    gaps[starts] = flat[starts]
+    return gaps
+
+
+def _changes(base: torch.Tensor, tensor: torch.Tensor, raw: np.ndarray, scratch) -> tuple[np.ndarray, np.ndarray]:
+    """(positions, diffs) of tensor against base; on the CPU straight from the numpy bytes
+    at hand (torch's per-call overhead is a tenth of the work on small tensors)."""
+    if tensor.device.type == "cpu" and base.device.type == "cpu":
+        bits = np.dtype(f"<i{tensor.element_size()}")
+        return delta_cpu.changes(tensor_bytes(base).view(bits), raw.view(bits), scratch)
+    delta = kernels.delta_encode(base.to(tensor.device), tensor)
+    return delta.positions.cpu().numpy(), delta.diffs.cpu().numpy()
 
 
 def verify_blob(blob: bytes, manifest: weights_pb2.Manifest) -> None:
@@ -128,41 +199,69 @@ def decode(blob: bytes, manifest: weights_pb2.Manifest, parent: Weights | None) 
         parent = None
     view = memoryview(blob)
     decompressor = zstandard.ZstdDecompressor()
+    gaps, values = _delta_sections(view, manifest, decompressor)
     weights: dict[str, torch.Tensor] = {}
+    cursor = 0
     for meta in manifest.tensors:
-        if meta.offset + meta.length > len(blob):
-            raise DecodeError(f"tensor {meta.name} lies beyond the end of the blob")
-        try:
-            payload = decompressor.decompress(view[meta.offset : meta.offset + meta.length])
-        except zstandard.ZstdError as exc:
-            raise DecodeError(f"tensor {meta.name} of {manifest.arm} v{manifest.version}: {exc}") from exc
-        tensor = _decode_tensor(meta, payload, parent)
+        if meta.encoding == FULL:
+            payload = _decompress(decompressor, view, meta.offset, meta.length, f"tensor {meta.name} of {manifest.arm} v{manifest.version}")
+            tensor = tensor_from_bytes(payload, parse_dtype(meta.dtype), tuple(meta.shape))
+        elif meta.encoding == SPARSE_DIFF:
+            if cursor + meta.changed > len(gaps):
+                raise DecodeError(f"tensor {meta.name} claims {meta.changed} changes past the {len(gaps)} in the delta sections")
+            tensor = _apply_sparse(meta, gaps[cursor : cursor + meta.changed], values[cursor : cursor + meta.changed], parent)
+            cursor += meta.changed
+        else:
+            raise DecodeError(f"tensor {meta.name} has unknown encoding {meta.encoding!r}")
         if tensor_checksum(tensor) != meta.checksum:
             raise ChecksumMismatch(
                 f"tensor {meta.name} of {manifest.arm} v{manifest.version} decodes to xxh3 "
                 f"{tensor_checksum(tensor)}, manifest says {meta.checksum}"
             )
         weights[meta.name] = tensor
+    if cursor != len(gaps):
+        raise DecodeError(f"the delta sections hold {len(gaps)} changes but the tensors claim {cursor}")
     return weights
 
 
-def _decode_tensor(meta: weights_pb2.TensorMeta, payload: bytes, parent: Weights | None) -> torch.Tensor:
+def _decompress(decompressor: zstandard.ZstdDecompressor, view: memoryview, offset: int, length: int, what: str) -> bytes:
+    if offset + length > len(view):
+        raise DecodeError(f"{what} lies beyond the end of the blob")
+    try:
+        return decompressor.decompress(view[offset : offset + length])
+    except zstandard.ZstdError as exc:
+        raise DecodeError(f"{what}: {exc}") from exc
+
+
+def _delta_sections(view: memoryview, manifest: weights_pb2.Manifest, decompressor) -> tuple[np.ndarray, np.ndarray]:
+    """(gaps as int64, differences as int64) of every sparse tensor, concatenated."""
+    total = sum(meta.changed for meta in manifest.tensors if meta.encoding == SPARSE_DIFF)
+    if not manifest.HasField("delta_positions"):
+        if total:
+            raise DecodeError(f"{manifest.arm} v{manifest.version} has sparse tensors but no delta sections")
+        return np.empty(0, np.int64), np.empty(0, np.int64)
+    what = f"delta sections of {manifest.arm} v{manifest.version}"
+    positions = manifest.delta_positions
+    value_section = manifest.delta_values
+    try:
+        gaps = from_planes(_decompress(decompressor, view, positions.offset, positions.length, what), total)
+        values = unzigzag(leb128_decode(_decompress(decompressor, view, value_section.offset, value_section.length, what), total))
+    except ValueError as exc:
+        raise DecodeError(f"{what}: {exc}") from exc
+    return gaps.view(np.int64), values
+
+
+def _apply_sparse(meta: weights_pb2.TensorMeta, gaps: np.ndarray, values: np.ndarray, parent: Weights | None) -> torch.Tensor:
     dtype, shape = parse_dtype(meta.dtype), tuple(meta.shape)
-    if meta.encoding == FULL:
-        return tensor_from_bytes(payload, dtype, shape)
-    if meta.encoding != XOR_GAP:
-        raise DecodeError(f"tensor {meta.name} has unknown encoding {meta.encoding!r}")
     base = None if parent is None else parent.get(meta.name)
     if base is None or tuple(base.shape) != shape or base.dtype != dtype:
         raise ParentMismatch(f"tensor {meta.name} is a delta but the parent weights hold no {meta.dtype}{list(shape)} tensor by that name")
-    bits = bits_dtype(dtype)
-    word = torch.empty((), dtype=bits).element_size()
-    changed, rest = divmod(len(payload), 8 + word)
-    if rest:
-        raise DecodeError(f"tensor {meta.name}: {len(payload)} delta bytes is not a whole number of entries")
-    gaps = tensor_from_bytes(payload[: 8 * changed], torch.int64, (changed,))
-    xor = tensor_from_bytes(payload[8 * changed :], bits, (changed,))
+    # Differences were sign-extended from the tensor's integer width; truncating restores them exactly.
+    delta = SparseDelta(
+        positions=torch.from_numpy(np.cumsum(gaps)),
+        diffs=torch.from_numpy(values.astype(np.dtype(str(bits_dtype(dtype)).removeprefix("torch.")))),
+    )
     try:
-        return delta_apply(base.detach().cpu(), SparseXorDelta(gaps=gaps, xor=xor))
+        return kernels.delta_apply(base.detach().cpu(), delta)
     except ValueError as exc:
         raise DecodeError(f"tensor {meta.name}: {exc}") from exc

@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class TensorMeta(_message.Message):
-    __slots__ = ("name", "shape", "dtype", "checksum", "encoding", "offset", "length")
+    __slots__ = ("name", "shape", "dtype", "checksum", "encoding", "offset", "length", "changed")
     NAME_FIELD_NUMBER: _ClassVar[int]
     SHAPE_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
@@ -15,6 +15,7 @@ class TensorMeta(_message.Message):
     ENCODING_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     LENGTH_FIELD_NUMBER: _ClassVar[int]
+    CHANGED_FIELD_NUMBER: _ClassVar[int]
     name: str
     shape: _containers.RepeatedScalarFieldContainer[int]
     dtype: str
@@ -22,10 +23,19 @@ class TensorMeta(_message.Message):
     encoding: str
     offset: int
     length: int
-    def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., checksum: _Optional[str] = ..., encoding: _Optional[str] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ...) -> None: ...
+    changed: int
+    def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., checksum: _Optional[str] = ..., encoding: _Optional[str] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ..., changed: _Optional[int] = ...) -> None: ...
+
+class Section(_message.Message):
+    __slots__ = ("offset", "length")
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
+    offset: int
+    length: int
+    def __init__(self, offset: _Optional[int] = ..., length: _Optional[int] = ...) -> None: ...
 
 class Manifest(_message.Message):
-    __slots__ = ("arm", "version", "parent_version", "keyframe", "tensors", "blob_uri", "blob_size", "blob_checksum", "created_ts_ms", "trained_through_event_ts_ms", "rollouts_trained", "train_step")
+    __slots__ = ("arm", "version", "parent_version", "keyframe", "tensors", "blob_uri", "blob_size", "blob_checksum", "created_ts_ms", "trained_through_event_ts_ms", "rollouts_trained", "train_step", "delta_positions", "delta_values")
     ARM_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     PARENT_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -38,6 +48,8 @@ class Manifest(_message.Message):
     TRAINED_THROUGH_EVENT_TS_MS_FIELD_NUMBER: _ClassVar[int]
     ROLLOUTS_TRAINED_FIELD_NUMBER: _ClassVar[int]
     TRAIN_STEP_FIELD_NUMBER: _ClassVar[int]
+    DELTA_POSITIONS_FIELD_NUMBER: _ClassVar[int]
+    DELTA_VALUES_FIELD_NUMBER: _ClassVar[int]
     arm: str
     version: int
     parent_version: int
@@ -50,19 +62,33 @@ class Manifest(_message.Message):
     trained_through_event_ts_ms: int
     rollouts_trained: int
     train_step: int
-    def __init__(self, arm: _Optional[str] = ..., version: _Optional[int] = ..., parent_version: _Optional[int] = ..., keyframe: _Optional[bool] = ..., tensors: _Optional[_Iterable[_Union[TensorMeta, _Mapping]]] = ..., blob_uri: _Optional[str] = ..., blob_size: _Optional[int] = ..., blob_checksum: _Optional[str] = ..., created_ts_ms: _Optional[int] = ..., trained_through_event_ts_ms: _Optional[int] = ..., rollouts_trained: _Optional[int] = ..., train_step: _Optional[int] = ...) -> None: ...
+    delta_positions: Section
+    delta_values: Section
+    def __init__(self, arm: _Optional[str] = ..., version: _Optional[int] = ..., parent_version: _Optional[int] = ..., keyframe: _Optional[bool] = ..., tensors: _Optional[_Iterable[_Union[TensorMeta, _Mapping]]] = ..., blob_uri: _Optional[str] = ..., blob_size: _Optional[int] = ..., blob_checksum: _Optional[str] = ..., created_ts_ms: _Optional[int] = ..., trained_through_event_ts_ms: _Optional[int] = ..., rollouts_trained: _Optional[int] = ..., train_step: _Optional[int] = ..., delta_positions: _Optional[_Union[Section, _Mapping]] = ..., delta_values: _Optional[_Union[Section, _Mapping]] = ...) -> None: ...
 
 class SubscribeRequest(_message.Message):
-    __slots__ = ("arm", "have_version", "worker_id", "follow")
+    __slots__ = ("arm", "have_version", "worker_id", "follow", "resume")
     ARM_FIELD_NUMBER: _ClassVar[int]
     HAVE_VERSION_FIELD_NUMBER: _ClassVar[int]
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     FOLLOW_FIELD_NUMBER: _ClassVar[int]
+    RESUME_FIELD_NUMBER: _ClassVar[int]
     arm: str
     have_version: int
     worker_id: str
     follow: bool
-    def __init__(self, arm: _Optional[str] = ..., have_version: _Optional[int] = ..., worker_id: _Optional[str] = ..., follow: _Optional[bool] = ...) -> None: ...
+    resume: Resume
+    def __init__(self, arm: _Optional[str] = ..., have_version: _Optional[int] = ..., worker_id: _Optional[str] = ..., follow: _Optional[bool] = ..., resume: _Optional[_Union[Resume, _Mapping]] = ...) -> None: ...
+
+class Resume(_message.Message):
+    __slots__ = ("version", "offset", "blob_checksum")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    BLOB_CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    offset: int
+    blob_checksum: str
+    def __init__(self, version: _Optional[int] = ..., offset: _Optional[int] = ..., blob_checksum: _Optional[str] = ...) -> None: ...
 
 class WeightChunk(_message.Message):
     __slots__ = ("version", "manifest", "offset", "data", "last")
