@@ -76,7 +76,10 @@ class InferenceServer:
         self.engine.start()
         if self.settings.follow_weights:
             self._followers = [
-                WeightFollower(self.engine, self.stack.weight_sync_addr, arm, self.worker_id).start() for arm in ARMS
+                WeightFollower(
+                    self.engine, self.stack.weight_sync_addr, self.stack.weight_sync_subscribe_token.get_secret_value(), arm, self.worker_id
+                ).start()
+                for arm in ARMS
             ]
         app = web.Application()
         app.router.add_post("/v1/completions", self._completions)

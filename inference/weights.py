@@ -17,9 +17,10 @@ class WeightFollower:
     (an error it does not retry), a fresh one starts from scratch after ``retry_s``,
     and the engine ignores versions it already holds."""
 
-    def __init__(self, engine: Engine, addr: str, arm: str, worker_id: str, retry_s: float = 2.0) -> None:
+    def __init__(self, engine: Engine, addr: str, token: str, arm: str, worker_id: str, retry_s: float = 2.0) -> None:
         self.engine = engine
         self.addr = addr
+        self.token = token
         self.arm = arm
         self.worker_id = worker_id
         self.retry_s = retry_s
@@ -44,7 +45,7 @@ class WeightFollower:
         from weight_sync.client import Subscriber
 
         while not self._stopped.is_set():
-            subscriber = Subscriber(self.addr, self.arm, self.worker_id)
+            subscriber = Subscriber(self.addr, self.arm, self.worker_id, token=self.token)
             with self._lock:
                 self._subscriber = subscriber
             if self._stopped.is_set():

@@ -39,6 +39,10 @@ class StackSettings(BaseSettings):
     weight_sync_token: SecretStr = SecretStr("rtrl-dev-publish-token")
     """Bearer token that allows publishing weights (only the trainer holds it)."""
 
+    weight_sync_subscribe_token: SecretStr = SecretStr("rtrl-dev-subscribe-token")
+    """Bearer token that allows following versions (inference workers and relays); it
+    cannot publish."""
+
     state_dir: Path = Path(".rtrl")
     """Where the embedded stack keeps blobs, checkpoints, chdb data and logs."""
 

@@ -17,6 +17,7 @@ from moto.server import ThreadedMotoServer
 
 # The in-process server and subscriber helpers of the local-store tests.
 from test_weight_sync import (
+    SUBSCRIBE_TOKEN,
     Following,
     InProcessServer,
     assert_bit_identical,
@@ -201,7 +202,7 @@ def test_weight_sync_with_blobs_in_s3(redis_url, tmp_path, s3_endpoint, s3_bucke
     try:
         versions = publish_versions(publisher, policy_weights, 5)  # keyframes v0, v3
         assert s3_keys(s3_endpoint, s3_bucket) == [f"rtrl/treatment/{v}.blob" for v in range(5)]
-        following = Following(Subscriber(server.addr, "treatment", "worker-s3"))
+        following = Following(Subscriber(server.addr, "treatment", "worker-s3", token=SUBSCRIBE_TOKEN))
         try:
             received = following.until(4)
         finally:
@@ -212,7 +213,7 @@ def test_weight_sync_with_blobs_in_s3(redis_url, tmp_path, s3_endpoint, s3_bucke
         plans = server._run(server.server.collect_garbage())
         assert [(p.arm, p.versions) for p in plans] == [("treatment", (0, 1, 2))]
         assert s3_keys(s3_endpoint, s3_bucket) == ["rtrl/treatment/3.blob", "rtrl/treatment/4.blob"]
-        following = Following(Subscriber(server.addr, "treatment", "worker-s3b"))
+        following = Following(Subscriber(server.addr, "treatment", "worker-s3b", token=SUBSCRIBE_TOKEN))
         try:
             received = following.until(4)
         finally:

@@ -26,12 +26,15 @@ from rtrl.config import StackSettings
 from rtrl.policy import build_model, state_dict_fp32
 from rtrl.v1 import weights_pb2, weights_pb2_grpc
 from weight_sync import registry
+from weight_sync import codec
 from weight_sync.client import Publisher, Subscriber
+from weight_sync.stream import bearer
 from weight_sync.config import WeightSyncSettings
 from weight_sync.server import WeightSyncServer
 
 pytestmark = pytest.mark.integration
 ARM = "treatment"
+SUBSCRIBE_TOKEN = StackSettings().weight_sync_subscribe_token.get_secret_value()
 
 
 class InProcessServer:
@@ -172,7 +175,7 @@ def test_new_subscriber_gets_latest_bit_identical(server, stack, publisher, poli
     assert blob_sizes == [m.blob_size for m in manifests]
     assert max(blob_sizes[1:]) * 100 < blob_sizes[0]  # 15 changed floats vs 0.65 M
 
-    following = Following(Subscriber(server.addr, ARM, "worker-a"))
+    following = Following(Subscriber(server.addr, ARM, "worker-a", token=SUBSCRIBE_TOKEN))
     try:
         received = following.until(4)
     finally:
@@ -196,18 +199,18 @@ def test_new_subscriber_gets_latest_bit_identical(server, stack, publisher, poli
 def test_subscriber_holding_v1_receives_only_deltas(server, publisher, policy_weights):
     versions = publish_versions(publisher, policy_weights, 5)
     stub = weights_pb2_grpc.WeightSyncStub(grpc.insecure_channel(server.addr))
-    chunks = list(stub.Subscribe(weights_pb2.SubscribeRequest(arm=ARM, have_version=1, worker_id="raw"), timeout=10))
+    chunks = list(stub.Subscribe(weights_pb2.SubscribeRequest(arm=ARM, have_version=1, worker_id="raw"), metadata=bearer(SUBSCRIBE_TOKEN), timeout=10))
     assert [c.version for c in chunks if c.last] == [2, 3, 4]
     firsts = [c for c in chunks if c.HasField("manifest")]
     assert [(c.manifest.version, c.manifest.keyframe, c.manifest.parent_version) for c in firsts] == [(2, False, 1), (3, False, 2), (4, False, 3)]
 
     # From scratch, the keyframe arrives in many chunks with contiguous offsets.
-    chunks = list(stub.Subscribe(weights_pb2.SubscribeRequest(arm=ARM, have_version=-1, worker_id="raw"), timeout=10))
+    chunks = list(stub.Subscribe(weights_pb2.SubscribeRequest(arm=ARM, have_version=-1, worker_id="raw"), metadata=bearer(SUBSCRIBE_TOKEN), timeout=10))
     keyframe_chunks = [c for c in chunks if c.version == 0]
     assert len(keyframe_chunks) > 10 and keyframe_chunks[0].manifest.keyframe and keyframe_chunks[-1].last
     assert [c.offset for c in keyframe_chunks] == [64 * 1024 * i for i in range(len(keyframe_chunks))]
 
-    following = Following(Subscriber(server.addr, ARM, "worker-b"), have_version=1, weights=versions[1])
+    following = Following(Subscriber(server.addr, ARM, "worker-b", token=SUBSCRIBE_TOKEN), have_version=1, weights=versions[1])
     try:
         received = following.until(4)
     finally:
@@ -217,7 +220,7 @@ def test_subscriber_holding_v1_receives_only_deltas(server, publisher, policy_we
 
     # Knowing its version but not holding the weights, a worker rebuilds from the keyframe
     # and is handed only what is newer.
-    following = Following(Subscriber(server.addr, ARM, "worker-b2"), have_version=2)
+    following = Following(Subscriber(server.addr, ARM, "worker-b2", token=SUBSCRIBE_TOKEN), have_version=2)
     try:
         received = following.until(4)
     finally:
@@ -228,7 +231,7 @@ def test_subscriber_holding_v1_receives_only_deltas(server, publisher, policy_we
 
 def test_follow_receives_versions_published_later(server, publisher, policy_weights):
     versions = publish_versions(publisher, policy_weights, 2)
-    following = Following(Subscriber(server.addr, ARM, "worker-c"))
+    following = Following(Subscriber(server.addr, ARM, "worker-c", token=SUBSCRIBE_TOKEN))
     try:
         assert following.until(1)[-1][0].version == 1
         assert following.nothing_pending()
@@ -242,20 +245,6 @@ def test_follow_receives_versions_published_later(server, publisher, policy_weig
         following.stop()
 
 
-def test_publish_needs_the_token(server, policy_weights):
-    intruder = Publisher(server.addr, "not-the-token", ARM)
-    with pytest.raises(grpc.RpcError) as raised:
-        intruder.publish(policy_weights)
-    assert raised.value.code() == grpc.StatusCode.UNAUTHENTICATED
-    stub = weights_pb2_grpc.WeightSyncStub(grpc.insecure_channel(server.addr))
-    chunk = weights_pb2.PublishChunk(manifest=weights_pb2.Manifest(arm=ARM, keyframe=True, parent_version=-1))
-    with pytest.raises(grpc.RpcError) as raised:
-        stub.Publish(iter([chunk]), timeout=10)
-    assert raised.value.code() == grpc.StatusCode.UNAUTHENTICATED
-    assert intruder.latest() == -1
-    intruder.close()
-
-
 def test_stale_publisher_resends_a_keyframe(server, stack, publisher, policy_weights):
     versions = publish_versions(publisher, policy_weights, 2)
     rival = Publisher(server.addr, stack.weight_sync_token.get_secret_value(), ARM)
@@ -264,7 +253,7 @@ def test_stale_publisher_resends_a_keyframe(server, stack, publisher, policy_wei
     # `publisher` still believes v1 is latest: its delta is refused and it resends a keyframe.
     versions.append(train_step(versions[-1], 8))
     assert publisher.publish(versions[-1]) == 3
-    following = Following(Subscriber(server.addr, ARM, "worker-d"))
+    following = Following(Subscriber(server.addr, ARM, "worker-d", token=SUBSCRIBE_TOKEN))
     try:
         manifest, weights = following.next()
     finally:
@@ -296,7 +285,7 @@ def test_corrupt_version_is_never_yielded_and_the_next_keyframe_repairs(server, 
     publisher = Publisher(server.addr, stack.weight_sync_token.get_secret_value(), ARM, keyframe_every=4)
     versions = publish_versions(publisher, policy_weights, 3)
     corrupt(stack, 2)
-    subscriber = Subscriber(server.addr, ARM, "worker-e", max_backoff_s=0.5)
+    subscriber = Subscriber(server.addr, ARM, "worker-e", max_backoff_s=0.5, token=SUBSCRIBE_TOKEN)
     following = Following(subscriber)
     try:
         assert [m.version for m, _ in following.until(1)] == [0, 1]
@@ -318,10 +307,43 @@ def test_corrupt_version_is_never_yielded_and_the_next_keyframe_repairs(server, 
 
 def test_latest_and_bad_arms(server):
     stub = weights_pb2_grpc.WeightSyncStub(grpc.insecure_channel(server.addr))
-    assert stub.Latest(weights_pb2.LatestRequest(arm="control"), timeout=10).version == -1
+    metadata = bearer(SUBSCRIBE_TOKEN)
+    assert stub.Latest(weights_pb2.LatestRequest(arm="control"), metadata=metadata, timeout=10).version == -1
     with pytest.raises(grpc.RpcError) as raised:
-        stub.Latest(weights_pb2.LatestRequest(arm="../etc"), timeout=10)
+        stub.Latest(weights_pb2.LatestRequest(arm="../etc"), metadata=metadata, timeout=10)
     assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+# Who may do what: the trainer's token publishes and reads; a worker's token only reads.
+@pytest.mark.parametrize(
+    "token, may_read, may_publish",
+    [
+        (None, False, False),
+        ("wrong-token", False, False),
+        (SUBSCRIBE_TOKEN, True, False),
+        (StackSettings().weight_sync_token.get_secret_value(), True, True),
+    ],
+    ids=["no token", "wrong token", "subscribe token", "publish token"],
+)
+def test_tokens_scope_publish_and_subscribe(server, policy_weights, token, may_read, may_publish):
+    stub = weights_pb2_grpc.WeightSyncStub(grpc.insecure_channel(server.addr))
+    metadata = bearer(token) if token else ()
+
+    def outcome(call) -> grpc.StatusCode:
+        try:
+            call()
+        except grpc.RpcError as exc:
+            return exc.code()
+        return grpc.StatusCode.OK
+
+    read = outcome(lambda: stub.Latest(weights_pb2.LatestRequest(arm=ARM), metadata=metadata, timeout=10))
+    subscribe = outcome(lambda: list(stub.Subscribe(weights_pb2.SubscribeRequest(arm=ARM), metadata=metadata, timeout=10)))
+    encoded = codec.encode(None, policy_weights)
+    manifest = encoded.manifest(arm=ARM, parent_version=-1, keyframe=True)
+    publish = outcome(lambda: stub.Publish(iter([weights_pb2.PublishChunk(manifest=manifest, data=encoded.blob)]), metadata=metadata, timeout=30))
+    denied = grpc.StatusCode.UNAUTHENTICATED
+    assert (read, subscribe) == ((grpc.StatusCode.OK,) * 2 if may_read else (denied,) * 2)
+    assert publish == (grpc.StatusCode.OK if may_publish else denied)
 
 
 def test_subscriber_survives_a_killed_server(stack, repo_root, tmp_path, policy_weights):
@@ -342,7 +364,7 @@ def test_subscriber_survives_a_killed_server(stack, repo_root, tmp_path, policy_
     proc = start()
     addr = f"127.0.0.1:{port}"
     publisher = Publisher(addr, stack.weight_sync_token.get_secret_value(), ARM)
-    subscriber = Subscriber(addr, ARM, "worker-f")
+    subscriber = Subscriber(addr, ARM, "worker-f", token=SUBSCRIBE_TOKEN)
     following = Following(subscriber)
     try:
         versions = publish_versions(publisher, policy_weights, 2)

@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 
 # The in-process server and subscriber helpers of the weight_sync tests.
 from test_weight_sync import (
+    SUBSCRIBE_TOKEN,
     Following,
     InProcessServer,
     assert_bit_identical,
@@ -147,7 +148,7 @@ def test_collection_deletes_exactly_the_plan_and_subscribers_still_sync(stack, p
         assert [p.versions for p in again] == [(), ()]
 
         # From scratch: the newest keyframe and the deltas after it.
-        following = Following(Subscriber(server.addr, "treatment", "fresh"))
+        following = Following(Subscriber(server.addr, "treatment", "fresh", token=SUBSCRIBE_TOKEN))
         try:
             received = following.until(29)
         finally:
@@ -156,7 +157,7 @@ def test_collection_deletes_exactly_the_plan_and_subscribers_still_sync(stack, p
         assert_bit_identical(received[-1][1], versions[29])
 
         # Holding a recent version: deltas only.
-        following = Following(Subscriber(server.addr, "treatment", "recent"), have_version=26, weights=versions[26])
+        following = Following(Subscriber(server.addr, "treatment", "recent", token=SUBSCRIBE_TOKEN), have_version=26, weights=versions[26])
         try:
             received = following.until(29)
         finally:
@@ -165,7 +166,7 @@ def test_collection_deletes_exactly_the_plan_and_subscribers_still_sync(stack, p
         assert_bit_identical(received[-1][1], versions[29])
 
         # The pinned control arm still serves its v0.
-        following = Following(Subscriber(server.addr, "control", "control-worker"))
+        following = Following(Subscriber(server.addr, "control", "control-worker", token=SUBSCRIBE_TOKEN))
         try:
             manifest, weights = following.next()
         finally:
@@ -182,7 +183,7 @@ def test_collection_deletes_exactly_the_plan_and_subscribers_still_sync(stack, p
 def test_periodic_collection_runs_beside_publishing(stack, policy_weights):
     server = start_server(stack, keyframe_every=2, keep_keyframes=1, gc_interval_s=0.05)
     publisher = Publisher(server.addr, stack.weight_sync_token.get_secret_value(), "treatment", keyframe_every=2)
-    following = Following(Subscriber(server.addr, "treatment", "follower", max_backoff_s=0.2))
+    following = Following(Subscriber(server.addr, "treatment", "follower", max_backoff_s=0.2, token=SUBSCRIBE_TOKEN))
     try:
         versions = publish_versions(publisher, policy_weights, 9)  # keyframes v0, v2, v4, v6, v8
         assert following.until(8)[-1][0].version == 8
@@ -191,7 +192,7 @@ def test_periodic_collection_runs_beside_publishing(stack, policy_weights):
             assert time.monotonic() < deadline, stored_versions(stack, "treatment")
             time.sleep(0.05)
         assert server.server.versions_collected == 8
-        fresh = Following(Subscriber(server.addr, "treatment", "fresh"))
+        fresh = Following(Subscriber(server.addr, "treatment", "fresh", token=SUBSCRIBE_TOKEN))
         try:
             manifest, weights = fresh.next()
         finally:

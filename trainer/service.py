@@ -29,11 +29,11 @@ from trainer.loop import CONTROL, TREATMENT, Trainer
 log = logging.getLogger("trainer")
 
 
-def fetch_published(addr: str, arm: str, version: int) -> tuple[weights_pb2.Manifest, dict[str, torch.Tensor]]:
+def fetch_published(addr: str, token: str, arm: str, version: int) -> tuple[weights_pb2.Manifest, dict[str, torch.Tensor]]:
     """The manifest and weights weight_sync holds for one version of an arm."""
     from weight_sync.client import Subscriber
 
-    subscriber = Subscriber(addr, arm, worker_id="trainer-resume")
+    subscriber = Subscriber(addr, arm, worker_id="trainer-resume", token=token)
     try:
         for manifest, weights in subscriber.follow(have_version=version - 1):
             if manifest.version >= version:
@@ -60,7 +60,9 @@ async def serve(settings: TrainerSettings, stack: StackSettings) -> None:
         stack.state_dir,
         rewards,
         publishers,
-        fetch_weights=lambda arm, version: fetch_published(stack.weight_sync_addr, arm, version),
+        fetch_weights=lambda arm, version: fetch_published(
+            stack.weight_sync_addr, stack.weight_sync_token.get_secret_value(), arm, version
+        ),
     )
     redis = aioredis.from_url(stack.redis_url)
     heartbeat: asyncio.Task | None = None

@@ -6,37 +6,16 @@ server never looks inside a blob.
 from __future__ import annotations
 
 import logging
-import threading
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 
 import grpc
 import torch
 
 from rtrl.v1 import weights_pb2, weights_pb2_grpc
 from weight_sync import codec, lineage
-from weight_sync.checksum import xxh3_hex
+from weight_sync.stream import CHANNEL_OPTIONS, VersionStream, bearer
 
 log = logging.getLogger("weight_sync.client")
-
-# gRPC's own reconnect backoff starts at 1 s and grows to 120 s; a worker should
-# find a restarted server within a couple of seconds.
-CHANNEL_OPTIONS = [
-    ("grpc.initial_reconnect_backoff_ms", 100),
-    ("grpc.min_reconnect_backoff_ms", 100),
-    ("grpc.max_reconnect_backoff_ms", 2000),
-]
-# Worth subscribing again after: the server went away, or cannot build a path yet
-# (DATA_LOSS until the next keyframe repairs a corrupt chain). Anything else is a bug or misconfiguration.
-_RESUBSCRIBE = {
-    grpc.StatusCode.UNAVAILABLE,
-    grpc.StatusCode.CANCELLED,
-    grpc.StatusCode.DATA_LOSS,
-    grpc.StatusCode.UNKNOWN,
-    grpc.StatusCode.INTERNAL,
-    grpc.StatusCode.ABORTED,
-    grpc.StatusCode.DEADLINE_EXCEEDED,
-    grpc.StatusCode.RESOURCE_EXHAUSTED,
-}
 
 
 class Publisher:
@@ -53,7 +32,7 @@ class Publisher:
         self.keyframe_every = keyframe_every
         self._chunk_bytes = chunk_bytes
         self._timeout_s = timeout_s
-        self._metadata = (("authorization", f"Bearer {token}"),)
+        self._metadata = bearer(token)
         self._channel = grpc.insecure_channel(addr, options=CHANNEL_OPTIONS)
         self._stub = weights_pb2_grpc.WeightSyncStub(self._channel)
         self._parent: dict[str, torch.Tensor] | None = None
@@ -61,7 +40,7 @@ class Publisher:
 
     def latest(self) -> int:
         request = weights_pb2.LatestRequest(arm=self.arm)
-        return self._stub.Latest(request, timeout=self._timeout_s, wait_for_ready=True).version
+        return self._stub.Latest(request, metadata=self._metadata, timeout=self._timeout_s, wait_for_ready=True).version
 
     def publish(
         self,
@@ -77,7 +56,7 @@ class Publisher:
         more as a keyframe on top of the server's latest version.
         """
         snapshot = {name: tensor.detach().to("cpu", copy=True).contiguous() for name, tensor in weights.items()}
-        stats = dict(trained_through_event_ts_ms=trained_through_event_ts_ms, rollouts_trained=rollouts_trained, train_step=train_step)
+        stats = {"trained_through_event_ts_ms": trained_through_event_ts_ms, "rollouts_trained": rollouts_trained, "train_step": train_step}
         if self._parent is None:
             self._parent_version = self.latest()
         keyframe = self._parent is None or lineage.keyframe_due(self._parent_version + 1, self.keyframe_every)
@@ -115,25 +94,6 @@ def _publish_chunks(manifest: weights_pb2.Manifest, blob: bytes, chunk_bytes: in
         yield chunk
 
 
-def _assembled(chunks: Iterable[weights_pb2.WeightChunk]) -> Iterator[tuple[weights_pb2.Manifest, bytes]]:
-    """Whole versions (manifest, blob) out of a Subscribe stream."""
-    manifest: weights_pb2.Manifest | None = None
-    parts: list[bytes] = []
-    size = 0
-    for chunk in chunks:
-        if chunk.HasField("manifest"):
-            if manifest is not None:
-                raise codec.DecodeError(f"version {chunk.version} started before version {manifest.version} ended")
-            manifest, parts, size = chunk.manifest, [], 0
-        if manifest is None or chunk.version != manifest.version or chunk.offset != size:
-            raise codec.DecodeError(f"torn stream at version {chunk.version}, offset {chunk.offset}")
-        parts.append(chunk.data)
-        size += len(chunk.data)
-        if chunk.last:
-            yield manifest, b"".join(parts)
-            manifest = None
-
-
 class Subscriber:
     """Follows one arm's versions; run by an inference worker in a thread.
 
@@ -143,20 +103,20 @@ class Subscriber:
     weights it will apply the next delta to: read them, do not modify them in place.
     """
 
-    def __init__(self, addr: str, arm: str, worker_id: str, *, min_backoff_s: float = 0.1, max_backoff_s: float = 2.0) -> None:
+    def __init__(self, addr: str, arm: str, worker_id: str, *, token: str, min_backoff_s: float = 0.1, max_backoff_s: float = 2.0) -> None:
         self.arm = arm
         self.worker_id = worker_id
-        self._min_backoff_s = min_backoff_s
-        self._max_backoff_s = max_backoff_s
-        self._channel = grpc.insecure_channel(addr, options=CHANNEL_OPTIONS)
-        self._stub = weights_pb2_grpc.WeightSyncStub(self._channel)
-        self._stopped = threading.Event()
-        self._lock = threading.Lock()
-        self._call = None
-        # Times the stream was opened again (connection lost or a version discarded),
-        # and versions that failed verification and were thrown away.
-        self.resubscribes = 0
-        self.discarded = 0
+        self.stream = VersionStream(addr, arm, worker_id, token, min_backoff_s=min_backoff_s, max_backoff_s=max_backoff_s)
+
+    @property
+    def resubscribes(self) -> int:
+        """Times the stream was opened again (connection lost or a version discarded)."""
+        return self.stream.resubscribes
+
+    @property
+    def discarded(self) -> int:
+        """Versions that failed verification and were thrown away."""
+        return self.stream.discarded
 
     def follow(
         self, have_version: int = -1, weights: dict[str, torch.Tensor] | None = None
@@ -171,49 +131,26 @@ class Subscriber:
             raise ValueError("weights were given without the version they are")
         held_version, held = (have_version, weights) if weights is not None else (-1, None)
         yielded = have_version
-        backoff_s = self._min_backoff_s
-        while not self._stopped.is_set():
-            request = weights_pb2.SubscribeRequest(arm=self.arm, have_version=held_version, worker_id=self.worker_id, follow=True)
-            call = self._stub.Subscribe(request, wait_for_ready=True)
-            with self._lock:
-                self._call = call
-            if self._stopped.is_set():
-                call.cancel()
+        for manifest, blob in self.stream.follow(held_version):
             try:
-                for manifest, blob in _assembled(call):
-                    if not manifest.keyframe and manifest.parent_version != held_version:
-                        raise codec.ParentMismatch(f"{self.arm} v{manifest.version} is a delta on v{manifest.parent_version}, we hold v{held_version}")
-                    held = codec.decode(blob, manifest, held)
-                    held_version = manifest.version
-                    backoff_s = self._min_backoff_s
-                    if held_version > yielded:
-                        yielded = held_version
-                        yield manifest, held
+                if not manifest.keyframe and manifest.parent_version != held_version:
+                    raise codec.ParentMismatch(f"{self.arm} v{manifest.version} is a delta on v{manifest.parent_version}, we hold v{held_version}")
+                held = codec.decode(blob, manifest, held)
             except codec.DecodeError as exc:
                 # Our copy may be what is wrong, so start over from a keyframe.
-                log.error("%s: discarding a version of %s: %s; re-subscribing from a keyframe", self.worker_id, self.arm, exc)
-                self.discarded += 1
+                log.error("%s: discarding %s v%d: %s; re-subscribing from a keyframe", self.worker_id, self.arm, manifest.version, exc)
+                self.stream.reject()
                 held_version, held = -1, None
-            except grpc.RpcError as exc:
-                if self._stopped.is_set():
-                    return
-                if exc.code() not in _RESUBSCRIBE:
-                    raise
-                log.warning("%s: stream of %s ended (%s: %s); re-subscribing from v%d", self.worker_id, self.arm, exc.code().name, exc.details(), held_version)
-            finally:
-                call.cancel()
-            self.resubscribes += 1
-            self._stopped.wait(backoff_s)
-            backoff_s = min(backoff_s * 2, self._max_backoff_s)
+                continue
+            held_version = manifest.version
+            self.stream.accept(held_version)
+            if held_version > yielded:
+                yielded = held_version
+                yield manifest, held
 
     def stop(self) -> None:
         """End follow() (from any thread)."""
-        self._stopped.set()
-        with self._lock:
-            call = self._call
-        if call is not None:
-            call.cancel()
+        self.stream.stop()
 
     def close(self) -> None:
-        self.stop()
-        self._channel.close()
+        self.stream.close()

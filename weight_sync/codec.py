@@ -28,7 +28,14 @@ import zstandard
 import kernels
 from kernels import delta_cpu
 from kernels.delta import SparseDelta, bits_dtype
-from kernels.varint import from_planes, leb128_decode, leb128_encode, to_planes, unzigzag, zigzag
+from kernels.varint import (
+    from_planes,
+    leb128_decode,
+    leb128_encode,
+    to_planes,
+    unzigzag,
+    zigzag,
+)
 from rtrl.v1 import weights_pb2
 from weight_sync.checksum import xxh3_hex
 

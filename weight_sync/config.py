@@ -51,6 +51,10 @@ class WeightSyncSettings(BaseSettings):
     FAILED_PRECONDITION and the publisher resends a keyframe. Bounds what a new
     subscriber must download."""
 
+    blob_cache_bytes: int = Field(256 << 20, ge=0)
+    """Verified blobs kept in memory, so every subscriber of a new version costs one
+    read and one checksum between them rather than one each."""
+
     poll_interval_s: float = Field(0.5, gt=0, le=10)
     """A following subscriber re-reads the latest version this often, in case a pub/sub
     notification was missed."""

@@ -41,6 +41,7 @@ class WeightSyncServer:
         self.service = WeightSyncService(
             settings,
             token=stack.weight_sync_token.get_secret_value(),
+            subscribe_token=stack.weight_sync_subscribe_token.get_secret_value(),
             registry=self.registry,
             store=self.store,
         )

@@ -1,0 +1,214 @@
+"""Following one arm's versions as verified blobs, across dropped connections.
+
+VersionStream is the byte-level half of a subscriber, shared by the inference
+worker's Subscriber (which decodes each blob into weights) and by relays (which
+only pass blobs on). It never imports torch.
+
+A version arrives as WeightChunks; the first carries the manifest. When the stream
+breaks inside a version, the next Subscribe names the version, the offset reached
+and the blob checksum, and the server continues from there: what arrived is never
+sent again. A version is yielded only whole and only when its bytes hash to the
+manifest's blob checksum.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import grpc
+
+from rtrl.v1 import weights_pb2, weights_pb2_grpc
+from weight_sync.checksum import xxh3_hex
+
+log = logging.getLogger("weight_sync.stream")
+
+# gRPC's own reconnect backoff starts at 1 s and grows to 120 s; a worker should
+# find a restarted server within a couple of seconds.
+CHANNEL_OPTIONS = [
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 2000),
+    ("grpc.max_receive_message_length", 16 << 20),
+]
+# Worth subscribing again after: the server went away, or cannot build a path yet
+# (DATA_LOSS until the next keyframe repairs a corrupt chain). Anything else is a bug or misconfiguration.
+RESUBSCRIBE = frozenset(
+    {
+        grpc.StatusCode.UNAVAILABLE,
+        grpc.StatusCode.CANCELLED,
+        grpc.StatusCode.DATA_LOSS,
+        grpc.StatusCode.UNKNOWN,
+        grpc.StatusCode.INTERNAL,
+        grpc.StatusCode.ABORTED,
+        grpc.StatusCode.DEADLINE_EXCEEDED,
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+    }
+)
+
+
+class TornStream(Exception):
+    """Chunks that do not continue the version being received, or a blob that does not
+    match its manifest: the partial version is dropped, never yielded."""
+
+
+def bearer(token: str) -> tuple[tuple[str, str], ...]:
+    return (("authorization", f"Bearer {token}"),)
+
+
+@dataclass
+class Partial:
+    """The version being received: its manifest and the bytes so far."""
+
+    manifest: weights_pb2.Manifest
+    parts: list[bytes] = field(default_factory=list)
+    size: int = 0
+
+    def resume(self) -> weights_pb2.Resume:
+        return weights_pb2.Resume(version=self.manifest.version, offset=self.size, blob_checksum=self.manifest.blob_checksum)
+
+
+class Assembler:
+    """Whole versions out of WeightChunks, possibly spread over several streams."""
+
+    def __init__(self) -> None:
+        self.partial: Partial | None = None
+
+    def add(self, chunk: weights_pb2.WeightChunk) -> tuple[weights_pb2.Manifest, bytes] | None:
+        """The (manifest, blob) this chunk completes, else None. Raises TornStream."""
+        if chunk.HasField("manifest"):
+            if chunk.offset == 0:
+                self.partial = Partial(chunk.manifest)
+            elif not self._resumes(chunk):
+                self.partial = None
+                raise TornStream(f"v{chunk.version} resumed at offset {chunk.offset}, which is not where we stopped")
+        partial = self.partial
+        if partial is None or chunk.version != partial.manifest.version or chunk.offset != partial.size:
+            self.partial = None
+            raise TornStream(f"torn stream at v{chunk.version}, offset {chunk.offset}")
+        partial.parts.append(chunk.data)
+        partial.size += len(chunk.data)
+        if partial.size > partial.manifest.blob_size:
+            self.partial = None
+            raise TornStream(f"v{chunk.version} ran past its blob size {partial.manifest.blob_size}")
+        if not chunk.last:
+            return None
+        self.partial = None
+        blob = b"".join(partial.parts)
+        if len(blob) != partial.manifest.blob_size or xxh3_hex(blob) != partial.manifest.blob_checksum:
+            raise TornStream(
+                f"v{partial.manifest.version}: received {len(blob)} bytes hashing to {xxh3_hex(blob)}, "
+                f"manifest says {partial.manifest.blob_size} bytes, {partial.manifest.blob_checksum}"
+            )
+        return partial.manifest, blob
+
+    def _resumes(self, chunk: weights_pb2.WeightChunk) -> bool:
+        partial = self.partial
+        return (
+            partial is not None
+            and partial.manifest.version == chunk.manifest.version
+            and partial.manifest.blob_checksum == chunk.manifest.blob_checksum
+            and partial.size == chunk.offset
+        )
+
+
+class VersionStream:
+    """Follows one arm on a WeightSync server (or relay) and yields whole, checksummed blobs.
+
+    The caller says which version it holds (``held``), and after each yielded version
+    whether it accepted it (``accept``) or could not use it (``reject``: it then starts
+    over from a keyframe).
+    """
+
+    def __init__(
+        self,
+        addr: str,
+        arm: str,
+        worker_id: str,
+        token: str,
+        *,
+        min_backoff_s: float = 0.1,
+        max_backoff_s: float = 2.0,
+    ) -> None:
+        self.arm = arm
+        self.worker_id = worker_id
+        self._metadata = bearer(token)
+        self._min_backoff_s = min_backoff_s
+        self._max_backoff_s = max_backoff_s
+        self._channel = grpc.insecure_channel(addr, options=CHANNEL_OPTIONS)
+        self._stub = weights_pb2_grpc.WeightSyncStub(self._channel)
+        self._stopped = threading.Event()
+        self._lock = threading.Lock()
+        self._call = None
+        self.held = -1
+        self._assembler = Assembler()
+        self._rejected = False
+        # Times the stream was opened again, versions thrown away, and bytes received.
+        self.resubscribes = 0
+        self.discarded = 0
+        self.bytes_received = 0
+
+    def accept(self, version: int) -> None:
+        self.held = version
+
+    def reject(self) -> None:
+        self.discarded += 1
+        self.held = -1
+        self._rejected = True
+
+    def follow(self, have_version: int = -1) -> Iterator[tuple[weights_pb2.Manifest, bytes]]:
+        """Yield (manifest, blob) for each version on the path from have_version, then
+        each new one, until stop(). The caller must accept() or reject() each."""
+        self.held = have_version
+        backoff_s = self._min_backoff_s
+        while not self._stopped.is_set():
+            partial = self._assembler.partial
+            request = weights_pb2.SubscribeRequest(arm=self.arm, have_version=self.held, worker_id=self.worker_id, follow=True)
+            if partial is not None:
+                request.resume.CopyFrom(partial.resume())
+            call = self._stub.Subscribe(request, metadata=self._metadata, wait_for_ready=True)
+            with self._lock:
+                self._call = call
+            if self._stopped.is_set():
+                call.cancel()
+            try:
+                for chunk in call:
+                    self.bytes_received += len(chunk.data)
+                    version = self._assembler.add(chunk)
+                    if version is not None:
+                        backoff_s = self._min_backoff_s
+                        yield version
+                        if self._rejected:
+                            # The rest of this stream builds on what was rejected: start over from a keyframe.
+                            self._rejected = False
+                            break
+            except TornStream as exc:
+                log.error("%s: dropping a version of %s: %s", self.worker_id, self.arm, exc)
+                self.discarded += 1
+            except grpc.RpcError as exc:
+                if self._stopped.is_set():
+                    return
+                if exc.code() not in RESUBSCRIBE:
+                    raise
+                partial = self._assembler.partial
+                where = f", resuming v{partial.manifest.version} at byte {partial.size}" if partial else ""
+                log.warning("%s: stream of %s ended (%s: %s); re-subscribing from v%d%s", self.worker_id, self.arm, exc.code().name, exc.details(), self.held, where)
+            finally:
+                call.cancel()
+            self.resubscribes += 1
+            self._stopped.wait(backoff_s)
+            backoff_s = min(backoff_s * 2, self._max_backoff_s)
+
+    def stop(self) -> None:
+        """End follow() (from any thread)."""
+        self._stopped.set()
+        with self._lock:
+            call = self._call
+        if call is not None:
+            call.cancel()
+
+    def close(self) -> None:
+        self.stop()
+        self._channel.close()
