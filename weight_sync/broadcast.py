@@ -15,6 +15,7 @@ import hmac
 import logging
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
 from typing import Protocol
 
 import grpc
@@ -40,6 +41,10 @@ class VersionSource(Protocol):
         """The blob's bytes, None if it is gone (unverified: the Broadcaster checks)."""
         ...
 
+    def published(self, arm: str, version: int) -> None:
+        """Version ``version`` of the arm was committed: forget any older view of its head."""
+        ...
+
 
 def version_chunks(manifest: weights_pb2.Manifest, blob: bytes, chunk_bytes: int, start: int = 0) -> Iterator[weights_pb2.WeightChunk]:
     """One version as WeightChunks from byte ``start``: the first carries the manifest, the final one has last=True."""
@@ -53,6 +58,44 @@ def version_chunks(manifest: weights_pb2.Manifest, blob: bytes, chunk_bytes: int
         if offset == start:
             chunk.manifest.CopyFrom(manifest)
         yield chunk
+
+
+@dataclass(frozen=True)
+class Frame:
+    """A serialized WeightChunk, sent as the same bytes to every subscriber."""
+
+    wire: bytes
+    version: int
+    data_bytes: int
+    last: bool
+
+
+def frames(manifest: weights_pb2.Manifest, blob: bytes, chunk_bytes: int, start: int = 0) -> list[Frame]:
+    return [Frame(c.SerializeToString(), c.version, len(c.data), c.last) for c in version_chunks(manifest, blob, chunk_bytes, start)]
+
+
+def add_to_server(service: weights_pb2_grpc.WeightSyncServicer, server) -> None:
+    """Register ``service`` like the generated add_WeightSyncServicer_to_server, except
+    that Subscribe yields Frames: a version is serialized once, not once per subscriber."""
+    handlers = {
+        "Subscribe": grpc.unary_stream_rpc_method_handler(
+            service.Subscribe,
+            request_deserializer=weights_pb2.SubscribeRequest.FromString,
+            response_serializer=lambda frame: frame.wire,
+        ),
+        "Publish": grpc.stream_unary_rpc_method_handler(
+            service.Publish,
+            request_deserializer=weights_pb2.PublishChunk.FromString,
+            response_serializer=weights_pb2.PublishResponse.SerializeToString,
+        ),
+        "Latest": grpc.unary_unary_rpc_method_handler(
+            service.Latest,
+            request_deserializer=weights_pb2.LatestRequest.FromString,
+            response_serializer=weights_pb2.LatestResponse.SerializeToString,
+        ),
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("rtrl.v1.WeightSync", handlers),))
+    server.add_registered_method_handlers("rtrl.v1.WeightSync", handlers)
 
 
 class PublishedSignal:
@@ -74,33 +117,40 @@ class PublishedSignal:
             pass
 
 
-class VerifiedBlobs:
-    """An LRU of blobs that matched their manifests, bounded in bytes. Blobs are
-    immutable once committed, so a hit needs no second check."""
+@dataclass(frozen=True)
+class VerifiedVersion:
+    blob: bytes
+    frames: list[Frame]
+    """The whole version as sent from offset 0."""
+
+
+class VerifiedVersions:
+    """An LRU of versions whose blobs matched their manifests, with their serialized
+    chunks, bounded in bytes. Blobs are immutable once committed, so a hit needs no
+    second check."""
 
     def __init__(self, max_bytes: int) -> None:
         self.max_bytes = max_bytes
-        self._blobs: OrderedDict[tuple[str, int, str], bytes] = OrderedDict()
+        self._versions: OrderedDict[tuple[str, int, str], VerifiedVersion] = OrderedDict()
         self._bytes = 0
 
-    def get(self, manifest: weights_pb2.Manifest) -> bytes | None:
+    def get(self, manifest: weights_pb2.Manifest) -> VerifiedVersion | None:
         key = (manifest.arm, manifest.version, manifest.blob_checksum)
-        blob = self._blobs.get(key)
-        if blob is not None:
-            self._blobs.move_to_end(key)
-        return blob
+        found = self._versions.get(key)
+        if found is not None:
+            self._versions.move_to_end(key)
+        return found
 
-    def put(self, manifest: weights_pb2.Manifest, blob: bytes) -> None:
-        if len(blob) > self.max_bytes:
-            return
+    def put(self, manifest: weights_pb2.Manifest, version: VerifiedVersion) -> None:
+        size = 2 * len(version.blob)
         key = (manifest.arm, manifest.version, manifest.blob_checksum)
-        if key in self._blobs:
+        if size > self.max_bytes or key in self._versions:
             return
-        self._blobs[key] = blob
-        self._bytes += len(blob)
+        self._versions[key] = version
+        self._bytes += size
         while self._bytes > self.max_bytes:
-            _, evicted = self._blobs.popitem(last=False)
-            self._bytes -= len(evicted)
+            _, evicted = self._versions.popitem(last=False)
+            self._bytes -= 2 * len(evicted.blob)
 
 
 class Broadcaster(weights_pb2_grpc.WeightSyncServicer):
@@ -119,19 +169,30 @@ class Broadcaster(weights_pb2_grpc.WeightSyncServicer):
         self._bearers = tuple(f"Bearer {token}".encode() for token in subscribe_tokens)
         self._chunk_bytes = chunk_bytes
         self._poll_interval_s = poll_interval_s
-        self._verified = VerifiedBlobs(blob_cache_bytes)
+        self._verified = VerifiedVersions(blob_cache_bytes)
+        self._loading: dict[tuple[str, int, str], asyncio.Task] = {}
         self.signal = PublishedSignal()
         self.subscribers = 0
         self.bytes_sent = 0
         self.versions_sent = 0
         self.resumed = 0
 
+    def published(self, arm: str, version: int) -> None:
+        """Called on every new version of ``arm``: refresh the source's view, wake the streams."""
+        self._source.published(arm, version)
+        self.signal.notify(arm)
+
+    def verified(self, manifest: weights_pb2.Manifest, blob: bytes) -> None:
+        """Cache a version whose blob the caller has just checked against its manifest
+        (a publish), so its subscribers are served without reading it back."""
+        self._verified.put(manifest, VerifiedVersion(blob, frames(manifest, blob, self._chunk_bytes)))
+
     async def Latest(self, request: weights_pb2.LatestRequest, context) -> weights_pb2.LatestResponse:
         await self._authorize(context, self._bearers, "reading versions")
         arm = await valid_arm(request.arm, context)
         return weights_pb2.LatestResponse(version=await self._source.latest(arm))
 
-    async def Subscribe(self, request: weights_pb2.SubscribeRequest, context) -> AsyncIterator[weights_pb2.WeightChunk]:
+    async def Subscribe(self, request: weights_pb2.SubscribeRequest, context) -> AsyncIterator[Frame]:
         await self._authorize(context, self._bearers, "subscribing")
         arm = await valid_arm(request.arm, context)
         held = request.have_version
@@ -149,22 +210,20 @@ class Broadcaster(weights_pb2_grpc.WeightSyncServicer):
             while True:
                 latest = await self._source.latest(arm)
                 if latest >= 0 and held != latest:
-                    async for chunk in self._path_chunks(arm, held, latest, resume, context):
+                    async for frame in self._path_frames(arm, held, latest, resume, context):
                         resume = None
-                        if chunk.last:
-                            held = chunk.version
+                        if frame.last:
+                            held = frame.version
                             self.versions_sent += 1
-                        self.bytes_sent += len(chunk.data)
-                        yield chunk
+                        self.bytes_sent += frame.data_bytes
+                        yield frame
                 if not request.follow:
                     return
                 await self.signal.wait(arm, self._poll_interval_s)
         finally:
             self.subscribers -= 1
 
-    async def _path_chunks(
-        self, arm: str, held: int, latest: int, resume: weights_pb2.Resume | None, context
-    ) -> AsyncIterator[weights_pb2.WeightChunk]:
+    async def _path_frames(self, arm: str, held: int, latest: int, resume: weights_pb2.Resume | None, context) -> AsyncIterator[Frame]:
         """Chunks of every version from held to latest; a version whose blob turns out
         missing or corrupt is never sent, and the path is planned again without it."""
         unusable: set[int] = set()
@@ -182,23 +241,33 @@ class Broadcaster(weights_pb2_grpc.WeightSyncServicer):
                 )
             for version in path:
                 manifest = available[version]
-                blob = await self._verified_blob(manifest)
-                if blob is None:
+                verified = await self._verified_version(manifest)
+                if verified is None:
                     unusable.add(version)
                     break
-                start = 0
-                if resume is not None and resume.version == version and resume.blob_checksum == manifest.blob_checksum and resume.offset < len(blob):
-                    start = resume.offset
+                to_send = verified.frames
+                if resume is not None and resume.version == version and resume.blob_checksum == manifest.blob_checksum and 0 < resume.offset < len(verified.blob):
+                    to_send = frames(manifest, verified.blob, self._chunk_bytes, resume.offset)
                     self.resumed += 1
                 resume = None
-                for chunk in version_chunks(manifest, blob, self._chunk_bytes, start):
-                    yield chunk
+                for frame in to_send:
+                    yield frame
                 held = version
 
-    async def _verified_blob(self, manifest: weights_pb2.Manifest) -> bytes | None:
-        blob = self._verified.get(manifest)
-        if blob is not None:
-            return blob
+    async def _verified_version(self, manifest: weights_pb2.Manifest) -> VerifiedVersion | None:
+        verified = self._verified.get(manifest)
+        if verified is not None:
+            return verified
+        # Every stream of an arm wants the new version at once: one read and one hash serve them all.
+        key = (manifest.arm, manifest.version, manifest.blob_checksum)
+        loading = self._loading.get(key)
+        if loading is None:
+            loading = asyncio.create_task(self._load_version(manifest))
+            self._loading[key] = loading
+            loading.add_done_callback(lambda _: self._loading.pop(key, None))
+        return await asyncio.shield(loading)
+
+    async def _load_version(self, manifest: weights_pb2.Manifest) -> VerifiedVersion | None:
         blob = await self._source.blob(manifest)
         if blob is None:
             log.error("blob of %s v%d is missing: %s", manifest.arm, manifest.version, manifest.blob_uri)
@@ -206,8 +275,9 @@ class Broadcaster(weights_pb2_grpc.WeightSyncServicer):
         if len(blob) != manifest.blob_size or await asyncio.to_thread(xxh3_hex, blob) != manifest.blob_checksum:
             log.error("blob of %s v%d is corrupt (checksum mismatch): %s", manifest.arm, manifest.version, manifest.blob_uri)
             return None
-        self._verified.put(manifest, blob)
-        return blob
+        verified = VerifiedVersion(blob, frames(manifest, blob, self._chunk_bytes))
+        self._verified.put(manifest, verified)
+        return verified
 
     @staticmethod
     async def _authorize(context, bearers: tuple[bytes, ...], doing: str) -> None:

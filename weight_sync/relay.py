@@ -19,8 +19,8 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from rtrl.config import StackSettings
 from rtrl.runtime import until_stopped
-from rtrl.v1 import weights_pb2, weights_pb2_grpc
-from weight_sync.broadcast import Broadcaster
+from rtrl.v1 import weights_pb2
+from weight_sync.broadcast import Broadcaster, add_to_server
 from weight_sync.store import check_arm
 from weight_sync.stream import VersionStream
 
@@ -96,6 +96,9 @@ class RelayCache:
         found = self._versions.get(manifest.arm, {}).get(manifest.version)
         return None if found is None else found[1]
 
+    def published(self, arm: str, version: int) -> None:
+        """Nothing cached to forget: add() already holds the new version."""
+
 
 class RelayService(Broadcaster):
     async def Publish(self, request_iterator, context) -> weights_pb2.PublishResponse:
@@ -120,7 +123,7 @@ class Relay:
             arm: VersionStream(settings.upstream_addr, arm, f"relay-{stack.instance}", token) for arm in settings.arms
         }
         self._server = grpc.aio.server()
-        weights_pb2_grpc.add_WeightSyncServicer_to_server(self.service, self._server)
+        add_to_server(self.service, self._server)
         self.tasks: list[asyncio.Task] = []
         self.port = settings.port
 
@@ -155,7 +158,8 @@ class Relay:
 
     async def _received(self, manifest: weights_pb2.Manifest, blob: bytes) -> None:
         self.cache.add(manifest, blob)
-        self.service.signal.notify(manifest.arm)
+        self.service.verified(manifest, blob)
+        self.service.published(manifest.arm, manifest.version)
 
     def status(self) -> dict:
         return {

@@ -18,8 +18,8 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from rtrl import heartbeat
 from rtrl.config import StackSettings
 from rtrl.runtime import until_stopped
-from rtrl.v1 import weights_pb2_grpc
 from weight_sync import gc
+from weight_sync.broadcast import add_to_server
 from weight_sync.config import WeightSyncSettings
 from weight_sync.registry import PUBLISHED_PATTERN, Registry, arm_of_channel
 from weight_sync.servicer import WeightSyncService
@@ -46,7 +46,7 @@ class WeightSyncServer:
             store=self.store,
         )
         self._server = grpc.aio.server()
-        weights_pb2_grpc.add_WeightSyncServicer_to_server(self.service, self._server)
+        add_to_server(self.service, self._server)
         self.tasks: list[asyncio.Task] = []
         self.versions_collected = 0
 
@@ -78,7 +78,7 @@ class WeightSyncServer:
                 await pubsub.psubscribe(PUBLISHED_PATTERN)
                 async for message in pubsub.listen():
                     if message["type"] == "pmessage":
-                        self.service.signal.notify(arm_of_channel(message["channel"].decode()))
+                        self.service.published(arm_of_channel(message["channel"].decode()), int(message["data"]))
             except _REDIS_DOWN as exc:
                 log.warning("pub/sub listener lost Redis (%s); retrying in 1 s", exc)
                 await asyncio.sleep(1.0)

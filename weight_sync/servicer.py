@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import AsyncIterator
 
 import grpc
@@ -25,20 +26,83 @@ log = logging.getLogger("weight_sync")
 
 
 class RegistrySource:
-    """The VersionSource of the weight_sync server: manifests in Redis, blobs in the store."""
+    """The VersionSource of the weight_sync server: manifests in Redis, blobs in the store.
 
-    def __init__(self, registry: Registry, store: BlobStore) -> None:
+    When a version is published every following stream wakes at once; they share one
+    read of the arm's head (latest version and newest keyframe) and the manifests,
+    which never change once committed, instead of each asking Redis. A head is
+    re-read when a publish is announced, and at least every ``head_max_age_s`` in
+    case an announcement was missed.
+    """
+
+    def __init__(self, registry: Registry, store: BlobStore, head_max_age_s: float, max_manifests: int = 4096) -> None:
         self.registry = registry
         self.store = store
+        self._head_max_age_s = head_max_age_s
+        self._max_manifests = max_manifests
+        self._generation: dict[str, int] = {}
+        self._heads: dict[str, tuple[int, float, int, int | None]] = {}
+        self._reading: dict[str, tuple[int, asyncio.Task]] = {}
+        self._manifests: OrderedDict[tuple[str, int], weights_pb2.Manifest] = OrderedDict()
+
+    def published(self, arm: str, version: int) -> None:
+        cached = self._heads.get(arm)
+        if cached is None or cached[2] < version:
+            self._generation[arm] = self._generation.get(arm, 0) + 1
+
+    def committed(self, manifest: weights_pb2.Manifest) -> None:
+        """This server just committed ``manifest``: its head and manifest are known without asking Redis."""
+        arm = manifest.arm
+        cached = self._heads.get(arm)
+        newest_keyframe = manifest.version if manifest.keyframe else (None if cached is None else cached[3])
+        if manifest.keyframe or (cached is not None and cached[2] == manifest.version - 1):
+            generation = self._generation.get(arm, 0) + 1
+            self._generation[arm] = generation
+            self._heads[arm] = (generation, time.monotonic(), manifest.version, newest_keyframe)
+        else:
+            self.published(arm, manifest.version)
+        self._manifests[(arm, manifest.version)] = manifest
+
+    async def _head(self, arm: str) -> tuple[int, int | None]:
+        generation = self._generation.get(arm, 0)
+        cached = self._heads.get(arm)
+        if cached is not None and cached[0] == generation and time.monotonic() - cached[1] < self._head_max_age_s:
+            return cached[2], cached[3]
+        reading = self._reading.get(arm)
+        if reading is None or reading[0] != generation:
+            # A read that began before the latest announcement may miss that version: start another.
+            reading = (generation, asyncio.create_task(self._read_head(arm, generation)))
+            self._reading[arm] = reading
+        return await asyncio.shield(reading[1])
+
+    async def _read_head(self, arm: str, generation: int) -> tuple[int, int | None]:
+        read_at = time.monotonic()
+        latest = await self.registry.latest(arm)
+        newest_keyframe = await self.registry.newest_keyframe(arm, latest)
+        if self._generation.get(arm, 0) == generation:
+            self._heads[arm] = (generation, read_at, latest, newest_keyframe)
+        return latest, newest_keyframe
 
     async def latest(self, arm: str) -> int:
-        return await self.registry.latest(arm)
+        return (await self._head(arm))[0]
 
     async def newest_keyframe(self, arm: str, at_most: int) -> int | None:
+        latest, newest_keyframe = await self._head(arm)
+        if at_most >= latest and (newest_keyframe is None or newest_keyframe <= at_most):
+            return newest_keyframe
         return await self.registry.newest_keyframe(arm, at_most)
 
     async def manifests(self, arm: str, first: int, last: int) -> dict[int, weights_pb2.Manifest]:
-        return await self.registry.manifests(arm, first, last)
+        found = {v: m for v in range(first, last + 1) if (m := self._manifests.get((arm, v))) is not None}
+        missing = [v for v in range(first, last + 1) if v not in found]
+        if missing:
+            fetched = await self.registry.manifests(arm, missing[0], missing[-1])
+            for version, manifest in fetched.items():
+                self._manifests[(arm, version)] = manifest
+                found.setdefault(version, manifest)
+            while len(self._manifests) > self._max_manifests:
+                self._manifests.popitem(last=False)
+        return found
 
     async def blob(self, manifest: weights_pb2.Manifest) -> bytes | None:
         try:
@@ -52,8 +116,9 @@ class WeightSyncService(Broadcaster):
     for holders of the subscribe token (workers, relays) or the publish token."""
 
     def __init__(self, settings: WeightSyncSettings, token: str, subscribe_token: str, registry: Registry, store: BlobStore) -> None:
+        self._registry_source = RegistrySource(registry, store, head_max_age_s=settings.poll_interval_s / 2)
         super().__init__(
-            RegistrySource(registry, store),
+            self._registry_source,
             subscribe_tokens=(subscribe_token, token),
             chunk_bytes=settings.chunk_bytes,
             poll_interval_s=settings.poll_interval_s,
@@ -101,6 +166,9 @@ class WeightSyncService(Broadcaster):
             manifest.blob_uri = await asyncio.to_thread(self._store.write, arm, manifest.version, blob)
             if not await self._registry.commit(manifest):
                 await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"another publisher committed version {manifest.version} of arm {arm!r} first")
+        self._registry_source.committed(manifest)
+        self.verified(manifest, blob)
+        self.published(arm, manifest.version)
         self.versions_published += 1
         log.info("published %s v%d (%s, %d bytes)", arm, manifest.version, "keyframe" if manifest.keyframe else "delta", len(blob))
         return weights_pb2.PublishResponse(version=manifest.version)

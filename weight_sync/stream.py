@@ -32,6 +32,7 @@ CHANNEL_OPTIONS = [
     ("grpc.min_reconnect_backoff_ms", 100),
     ("grpc.max_reconnect_backoff_ms", 2000),
     ("grpc.max_receive_message_length", 16 << 20),
+    ("grpc.http2.lookahead_bytes", 16 << 20),
 ]
 # Worth subscribing again after: the server went away, or cannot build a path yet
 # (DATA_LOSS until the next keyframe repairs a corrupt chain). Anything else is a bug or misconfiguration.

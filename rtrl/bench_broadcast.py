@@ -1,0 +1,182 @@
+"""`rtrl bench broadcast`: how long one new version takes to reach 1, 2, 4 and 8 workers.
+
+Real processes on loopback: redis-server, the weight_sync server, optionally two
+relays, and one subscriber process per worker (rtrl.broadcast_probe). The versions
+are the MiniLM fine-tune of `rtrl bench codec` (22.7 M bf16 weights): a keyframe
+first, which every subscriber must hold before timing starts, then deltas of about
+180 KB, the steady state of real-time RL.
+
+Delivery time of a version = from the moment Publish returns (committed in the
+registry) until the last subscriber holds the whole blob, checksum-verified; the
+median over rounds. Decoding is each worker's own CPU work (`rtrl bench codec`
+measures it), so the probes do not decode: eight decoders on a 2-core machine would
+measure the machine, not the broadcast.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import redis
+from rich.console import Console
+from rich.progress import Progress
+from rich.table import Table
+
+from rtrl import heartbeat, procs
+from rtrl.config import StackSettings
+
+FANOUTS = (1, 2, 4, 8)
+PROBE_MODULE = "rtrl.broadcast_probe"
+RELAYS = 2
+
+
+@dataclass(frozen=True)
+class Topology:
+    name: str
+    subscribers: int
+    relays: int
+
+    @property
+    def arm(self) -> str:
+        return f"{self.name}-{self.subscribers}"
+
+
+class Probes:
+    """Subscriber processes, one per worker, and what they wrote."""
+
+    def __init__(self, addrs: list[str], arm: str, workdir: Path) -> None:
+        self.files = [workdir / f"{arm}-{i}.jsonl" for i in range(len(addrs))]
+        self.procs = [
+            procs.spawn(f"probe-{i}", [sys.executable, "-m", PROBE_MODULE, addr, arm, str(out)], workdir / f"{arm}-{i}.log")
+            for i, (addr, out) in enumerate(zip(addrs, self.files))
+        ]
+
+    def delivered(self, version: int, timeout_s: float = 60.0) -> list[float]:
+        """Each probe's delivery time of ``version``, waiting until all have it."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            times = [self._delivered(out, version) for out in self.files]
+            if all(t is not None for t in times):
+                return times
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"v{version} reached {sum(t is not None for t in times)} of {len(times)} subscribers in {timeout_s} s")
+            time.sleep(0.02)
+
+    @staticmethod
+    def _delivered(out: Path, version: int) -> float | None:
+        if not out.exists():
+            return None
+        for line in out.read_text().splitlines():
+            record = json.loads(line)
+            if record["version"] == version:
+                return record["delivered"]
+        return None
+
+    def stop(self) -> None:
+        for proc in self.procs:
+            proc.stop()
+
+
+def run_topology(topology: Topology, server_addr: str, relay_addrs: list[str], versions, stack: StackSettings, workdir: Path) -> dict:
+    from weight_sync.client import Publisher
+
+    addrs = [relay_addrs[i % len(relay_addrs)] for i in range(topology.subscribers)] if topology.relays else [server_addr] * topology.subscribers
+    probes = Probes(addrs, topology.arm, workdir)
+    publisher = Publisher(server_addr, stack.weight_sync_token.get_secret_value(), topology.arm, keyframe_every=1000)
+    try:
+        publisher.publish(versions[0])
+        probes.delivered(0)
+        times, firsts = [], []
+        for version, weights in enumerate(versions[1:], start=1):
+            time.sleep(0.2)  # let every stream settle back into waiting
+            publisher.publish(weights)
+            published = time.time()
+            delivered = probes.delivered(version)
+            times.append(max(delivered) - published)
+            firsts.append(min(delivered) - published)
+        return {
+            "subscribers": topology.subscribers,
+            "relays": topology.relays,
+            "delivery_s": statistics.median(times),
+            "first_delivery_s": statistics.median(firsts),
+            "rounds": len(times),
+        }
+    finally:
+        publisher.close()
+        probes.stop()
+
+
+def server_bytes_sent(client: redis.Redis, instance: str) -> int:
+    time.sleep(1.2)  # one heartbeat interval, so the figure is current
+    raw = client.get(heartbeat.key("weight_sync", instance))
+    return json.loads(raw)["bytes_sent"] if raw else 0
+
+
+def run(out: Path, console: Console, rounds: int = 5) -> dict:
+    from rtrl.bench_codec import minilm_versions
+
+    with console.status("MiniLM: fine-tuning for the versions to broadcast"):
+        versions = minilm_versions(5 + rounds, keep=1 + rounds)
+    from weight_sync import codec
+
+    delta_bytes = len(codec.encode(versions[0], versions[1]).blob)
+    keyframe_bytes = len(codec.encode(None, versions[0]).blob)
+    topologies = [Topology("direct", n, 0) for n in FANOUTS] + [Topology("relayed", n, RELAYS) for n in FANOUTS if n >= RELAYS]
+    results: dict = {"delta_bytes": delta_bytes, "keyframe_bytes": keyframe_bytes, "rounds": rounds, "topologies": []}
+    with tempfile.TemporaryDirectory(prefix="rtrl-bench-broadcast-") as tmp:
+        workdir = Path(tmp)
+        redis_proc = procs.start_redis(workdir / "redis", workdir / "redis.log")
+        stack = StackSettings(redis_url=f"redis://127.0.0.1:{redis_proc.port}/0", state_dir=workdir / "state", instance="bench")
+        port = procs.free_port()
+        env = {"RTRL_REDIS_URL": stack.redis_url, "RTRL_STATE_DIR": str(stack.state_dir), "RTRL_INSTANCE": "bench", "RTRL_WEIGHT_SYNC_PORT": str(port), "RTRL_WEIGHT_SYNC_GC_INTERVAL_S": "0"}
+        started = [redis_proc, procs.spawn("weight_sync", [sys.executable, "-m", "weight_sync"], workdir / "weight_sync.log", env=env, port=port)]
+        server_addr = f"127.0.0.1:{port}"
+        relay_arms = json.dumps([t.arm for t in topologies if t.relays])
+        relay_addrs = []
+        for i in range(RELAYS):
+            relay_port = procs.free_port()
+            relay_env = {"RTRL_WEIGHT_SYNC_RELAY_UPSTREAM_ADDR": server_addr, "RTRL_WEIGHT_SYNC_RELAY_PORT": str(relay_port), "RTRL_WEIGHT_SYNC_RELAY_ARMS": relay_arms}
+            started.append(procs.spawn(f"relay-{i}", [sys.executable, "-m", "weight_sync.relay"], workdir / f"relay-{i}.log", env=relay_env, port=relay_port))
+            relay_addrs.append(f"127.0.0.1:{relay_port}")
+        client = redis.Redis.from_url(stack.redis_url)
+        try:
+            for proc in started[1:]:
+                procs.wait_for_port(proc.port)
+            with Progress(console=console, transient=True) as progress:
+                task = progress.add_task("broadcasting", total=len(topologies))
+                for topology in topologies:
+                    progress.update(task, description=f"{topology.name}: {topology.subscribers} subscribers")
+                    before = server_bytes_sent(client, "bench")
+                    result = run_topology(topology, server_addr, relay_addrs, versions, stack, workdir)
+                    result["server_egress_per_delta_bytes"] = round((server_bytes_sent(client, "bench") - before - keyframe_bytes * min(topology.subscribers, topology.relays or topology.subscribers)) / rounds)
+                    results["topologies"].append(result)
+                    progress.advance(task)
+        finally:
+            client.close()
+            for proc in reversed(started):
+                proc.stop()
+    by = {(t["relays"], t["subscribers"]): t["delivery_s"] for t in results["topologies"]}
+    for n in FANOUTS[1:]:
+        results[f"fanout_{n}_vs_1"] = round(by[(0, n)] / by[(0, 1)], 2)
+    results["fanout_8_vs_1_relayed"] = round(by[(RELAYS, 8)] / by[(0, 1)], 2)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=2))
+    _print(results, out, console)
+    return results
+
+
+def _print(results: dict, out: Path, console: Console) -> None:
+    base = next(t["delivery_s"] for t in results["topologies"] if t["relays"] == 0 and t["subscribers"] == 1)
+    table = Table(title=f"bench broadcast -> {out} (delta {results['delta_bytes']:,} B, keyframe {results['keyframe_bytes']:,} B)", title_justify="left")
+    for column in ("topology", "subscribers", "delivery (median)", "vs 1 direct", "server egress / delta"):
+        table.add_column(column, justify="right")
+    for t in results["topologies"]:
+        name = f"{t['relays']} relays" if t["relays"] else "direct"
+        table.add_row(name, str(t["subscribers"]), f"{t['delivery_s'] * 1000:.1f} ms", f"{t['delivery_s'] / base:.2f}", f"{t['server_egress_per_delta_bytes']:,} B")
+    console.print(table)
