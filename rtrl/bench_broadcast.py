@@ -6,9 +6,10 @@ are the MiniLM fine-tune of `rtrl bench codec` (22.7 M bf16 weights): a keyframe
 first, which every subscriber must hold before timing starts, then deltas of about
 180 KB, the steady state of real-time RL.
 
-Delivery time of a version = from the moment Publish returns (committed in the
-registry) until the last subscriber holds the whole blob, checksum-verified; the
-median over rounds. Decoding is each worker's own CPU work (`rtrl bench codec`
+Delivery time of a version = from the moment the trainer's Publish call starts
+(after encoding) until the last subscriber holds the whole blob, checksum-verified;
+the median over rounds. It includes the upload and the commit, which cost the same
+whatever the fan-out. Decoding is each worker's own CPU work (`rtrl bench codec`
 measures it), so the probes do not decode: eight decoders on a 2-core machine would
 measure the machine, not the broadcast.
 """
@@ -96,7 +97,7 @@ def run_topology(topology: Topology, server_addr: str, relay_addrs: list[str], v
         for version, weights in enumerate(versions[1:], start=1):
             time.sleep(0.2)  # let every stream settle back into waiting
             publisher.publish(weights)
-            published = time.time()
+            published = publisher.last_upload_started_s
             delivered = probes.delivered(version)
             times.append(max(delivered) - published)
             firsts.append(min(delivered) - published)

@@ -9,24 +9,28 @@ machine would only measure the machine.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import sys
 import time
 
 from rtrl.config import StackSettings
-from weight_sync.stream import VersionStream
+from weight_sync.stream import AsyncVersionStream
 
 
-def main() -> None:
-    addr, arm, out = sys.argv[1:4]
+async def probe(addr: str, arm: str, out: str) -> None:
     token = StackSettings().weight_sync_subscribe_token.get_secret_value()
-    stream = VersionStream(addr, arm, f"probe-{out}", token)
-    with open(out, "a") as sink:
-        for manifest, blob in stream.follow():
+    stream = AsyncVersionStream(addr, arm, f"probe-{out}", token)
+    with open(out, "a") as sink:  # noqa: ASYNC230 - one short line per version; nothing else runs here
+        async for manifest, blob in stream.follow():
             delivered = time.time()
             stream.accept(manifest.version)
             sink.write(json.dumps({"version": manifest.version, "delivered": delivered, "bytes": len(blob)}) + "\n")
             sink.flush()
+
+
+def main() -> None:
+    asyncio.run(probe(*sys.argv[1:4]))
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ server never looks inside a blob.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Iterator, Mapping
 
 import grpc
@@ -37,6 +38,9 @@ class Publisher:
         self._stub = weights_pb2_grpc.WeightSyncStub(self._channel)
         self._parent: dict[str, torch.Tensor] | None = None
         self._parent_version = -1
+        # Wall-clock time (time.time()) the last Publish call started, after encoding:
+        # where the version leaves the trainer, for latency measurements.
+        self.last_upload_started_s = 0.0
 
     def latest(self) -> int:
         request = weights_pb2.LatestRequest(arm=self.arm)
@@ -77,6 +81,7 @@ class Publisher:
         encoded = codec.encode(None if keyframe else self._parent, weights)
         manifest = encoded.manifest(arm=self.arm, parent_version=parent_version, keyframe=keyframe, **stats)
         blob = encoded.blob
+        self.last_upload_started_s = time.time()
         response = self._stub.Publish(
             _publish_chunks(manifest, blob, self._chunk_bytes),
             metadata=self._metadata,

@@ -22,7 +22,7 @@ from rtrl.runtime import until_stopped
 from rtrl.v1 import weights_pb2
 from weight_sync.broadcast import Broadcaster, add_to_server
 from weight_sync.store import check_arm
-from weight_sync.stream import VersionStream
+from weight_sync.stream import AsyncVersionStream
 
 log = logging.getLogger("weight_sync.relay")
 
@@ -120,7 +120,7 @@ class Relay:
             blob_cache_bytes=settings.blob_cache_bytes,
         )
         self.streams = {
-            arm: VersionStream(settings.upstream_addr, arm, f"relay-{stack.instance}", token) for arm in settings.arms
+            arm: AsyncVersionStream(settings.upstream_addr, arm, f"relay-{stack.instance}", token) for arm in settings.arms
         }
         self._server = grpc.aio.server()
         add_to_server(self.service, self._server)
@@ -132,21 +132,21 @@ class Relay:
         if self.port == 0:
             raise RuntimeError(f"cannot bind {self.settings.bind_host}:{self.settings.port}")
         await self._server.start()
-        loop = asyncio.get_running_loop()
         # A follower that fails for good (a wrong token, say) ends its task, and the relay with it.
-        self.tasks = [asyncio.create_task(asyncio.to_thread(self._follow, arm, stream, loop)) for arm, stream in self.streams.items()]
+        self.tasks = [asyncio.create_task(self._follow(arm, stream)) for arm, stream in self.streams.items()]
         log.info("relay of %s listening on %s:%d", self.settings.upstream_addr, self.settings.bind_host, self.port)
         return self.port
 
     async def stop(self, grace_s: float = 0.5) -> None:
         for stream in self.streams.values():
-            stream.close()
+            stream.stop()
         await self._server.stop(grace_s)
-        await asyncio.wait(self.tasks, timeout=5)
+        if self.tasks:
+            await asyncio.wait(self.tasks, timeout=5)
 
-    def _follow(self, arm: str, stream: VersionStream, loop: asyncio.AbstractEventLoop) -> None:
+    async def _follow(self, arm: str, stream: AsyncVersionStream) -> None:
         held = -1
-        for manifest, blob in stream.follow(held):
+        async for manifest, blob in stream.follow(held):
             if not manifest.keyframe and manifest.parent_version != held:
                 log.error("relay: %s v%d is a delta on v%d but the relay holds v%d; starting over from a keyframe", arm, manifest.version, manifest.parent_version, held)
                 stream.reject()
@@ -154,12 +154,9 @@ class Relay:
                 continue
             held = manifest.version
             stream.accept(held)
-            asyncio.run_coroutine_threadsafe(self._received(manifest, blob), loop).result()
-
-    async def _received(self, manifest: weights_pb2.Manifest, blob: bytes) -> None:
-        self.cache.add(manifest, blob)
-        self.service.verified(manifest, blob)
-        self.service.published(manifest.arm, manifest.version)
+            self.cache.add(manifest, blob)
+            self.service.verified(manifest, blob)
+            self.service.published(manifest.arm, manifest.version)
 
     def status(self) -> dict:
         return {

@@ -13,9 +13,11 @@ manifest's blob checksum.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import threading
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 
 import grpc
@@ -115,33 +117,25 @@ class Assembler:
         )
 
 
-class VersionStream:
-    """Follows one arm on a WeightSync server (or relay) and yields whole, checksummed blobs.
+class AsyncVersionStream:
+    """Follows one arm on a WeightSync server (or relay) and yields whole, checksummed
+    blobs, on grpc.aio: relays and probes run it on their event loop; workers' threads
+    use VersionStream, which drives one on a private loop.
 
-    The caller says which version it holds (``held``), and after each yielded version
-    whether it accepted it (``accept``) or could not use it (``reject``: it then starts
-    over from a keyframe).
+    The caller says which version it holds (``follow(have_version)``) and, after each
+    yielded version, whether it accepted it (``accept``) or could not use it
+    (``reject``: the stream then starts over from a keyframe).
     """
 
-    def __init__(
-        self,
-        addr: str,
-        arm: str,
-        worker_id: str,
-        token: str,
-        *,
-        min_backoff_s: float = 0.1,
-        max_backoff_s: float = 2.0,
-    ) -> None:
+    def __init__(self, addr: str, arm: str, worker_id: str, token: str, *, min_backoff_s: float = 0.1, max_backoff_s: float = 2.0) -> None:
+        self.addr = addr
         self.arm = arm
         self.worker_id = worker_id
         self._metadata = bearer(token)
         self._min_backoff_s = min_backoff_s
         self._max_backoff_s = max_backoff_s
-        self._channel = grpc.insecure_channel(addr, options=CHANNEL_OPTIONS)
-        self._stub = weights_pb2_grpc.WeightSyncStub(self._channel)
-        self._stopped = threading.Event()
-        self._lock = threading.Lock()
+        self._stopped = False
+        self._wake: asyncio.Event | None = None
         self._call = None
         self.held = -1
         self._assembler = Assembler()
@@ -159,57 +153,113 @@ class VersionStream:
         self.held = -1
         self._rejected = True
 
-    def follow(self, have_version: int = -1) -> Iterator[tuple[weights_pb2.Manifest, bytes]]:
+    def stop(self) -> None:
+        """End follow(); call it on the stream's event loop."""
+        self._stopped = True
+        if self._call is not None:
+            self._call.cancel()
+        if self._wake is not None:
+            self._wake.set()
+
+    async def follow(self, have_version: int = -1) -> AsyncIterator[tuple[weights_pb2.Manifest, bytes]]:
         """Yield (manifest, blob) for each version on the path from have_version, then
         each new one, until stop(). The caller must accept() or reject() each."""
         self.held = have_version
+        self._wake = asyncio.Event()
         backoff_s = self._min_backoff_s
-        while not self._stopped.is_set():
-            partial = self._assembler.partial
-            request = weights_pb2.SubscribeRequest(arm=self.arm, have_version=self.held, worker_id=self.worker_id, follow=True)
-            if partial is not None:
-                request.resume.CopyFrom(partial.resume())
-            call = self._stub.Subscribe(request, metadata=self._metadata, wait_for_ready=True)
-            with self._lock:
-                self._call = call
-            if self._stopped.is_set():
-                call.cancel()
-            try:
-                for chunk in call:
-                    self.bytes_received += len(chunk.data)
-                    version = self._assembler.add(chunk)
-                    if version is not None:
-                        backoff_s = self._min_backoff_s
-                        yield version
-                        if self._rejected:
-                            # The rest of this stream builds on what was rejected: start over from a keyframe.
-                            self._rejected = False
-                            break
-            except TornStream as exc:
-                log.error("%s: dropping a version of %s: %s", self.worker_id, self.arm, exc)
-                self.discarded += 1
-            except grpc.RpcError as exc:
-                if self._stopped.is_set():
-                    return
-                if exc.code() not in RESUBSCRIBE:
-                    raise
+        async with grpc.aio.insecure_channel(self.addr, options=CHANNEL_OPTIONS) as channel:
+            stub = weights_pb2_grpc.WeightSyncStub(channel)
+            while not self._stopped:
                 partial = self._assembler.partial
-                where = f", resuming v{partial.manifest.version} at byte {partial.size}" if partial else ""
-                log.warning("%s: stream of %s ended (%s: %s); re-subscribing from v%d%s", self.worker_id, self.arm, exc.code().name, exc.details(), self.held, where)
-            finally:
-                call.cancel()
-            self.resubscribes += 1
-            self._stopped.wait(backoff_s)
-            backoff_s = min(backoff_s * 2, self._max_backoff_s)
+                request = weights_pb2.SubscribeRequest(arm=self.arm, have_version=self.held, worker_id=self.worker_id, follow=True)
+                if partial is not None:
+                    request.resume.CopyFrom(partial.resume())
+                self._call = call = stub.Subscribe(request, metadata=self._metadata, wait_for_ready=True)
+                try:
+                    async for chunk in call:
+                        self.bytes_received += len(chunk.data)
+                        version = self._assembler.add(chunk)
+                        if version is not None:
+                            backoff_s = self._min_backoff_s
+                            yield version
+                            if self._rejected:
+                                # The rest of this stream builds on what was rejected: start over from a keyframe.
+                                self._rejected = False
+                                break
+                except TornStream as exc:
+                    log.error("%s: dropping a version of %s: %s", self.worker_id, self.arm, exc)
+                    self.discarded += 1
+                except grpc.RpcError as exc:
+                    if self._stopped:
+                        return
+                    if exc.code() not in RESUBSCRIBE:
+                        raise
+                    partial = self._assembler.partial
+                    where = f", resuming v{partial.manifest.version} at byte {partial.size}" if partial else ""
+                    log.warning("%s: stream of %s ended (%s: %s); re-subscribing from v%d%s", self.worker_id, self.arm, exc.code().name, exc.details(), self.held, where)
+                finally:
+                    call.cancel()
+                    self._call = None
+                if self._stopped:
+                    return
+                self.resubscribes += 1
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._wake.wait(), backoff_s)
+                backoff_s = min(backoff_s * 2, self._max_backoff_s)
+
+
+class VersionStream:
+    """AsyncVersionStream for a worker's thread: follow() is a plain iterator that runs
+    the stream on a private event loop; stop() may be called from any thread."""
+
+    def __init__(self, addr: str, arm: str, worker_id: str, token: str, *, min_backoff_s: float = 0.1, max_backoff_s: float = 2.0) -> None:
+        self._stream = AsyncVersionStream(addr, arm, worker_id, token, min_backoff_s=min_backoff_s, max_backoff_s=max_backoff_s)
+        self._loop = asyncio.new_event_loop()
+        self._lock = threading.Lock()
+        self._stopped = False
+        self._following = False
+        self._close_requested = False
+
+    def __getattr__(self, name: str):
+        # held, resubscribes, discarded, bytes_received, arm, worker_id: the async stream's.
+        return getattr(self._stream, name)
+
+    def accept(self, version: int) -> None:
+        self._stream.accept(version)
+
+    def reject(self) -> None:
+        self._stream.reject()
+
+    def follow(self, have_version: int = -1) -> Iterator[tuple[weights_pb2.Manifest, bytes]]:
+        with self._lock:
+            if self._loop.is_closed():
+                return
+            self._following = True
+        versions = self._stream.follow(have_version)
+        try:
+            while not self._stopped:
+                try:
+                    yield self._loop.run_until_complete(anext(versions))
+                except StopAsyncIteration:
+                    return
+        finally:
+            self._loop.run_until_complete(versions.aclose())
+            with self._lock:
+                self._following = False
+                if self._close_requested:
+                    self._loop.close()
 
     def stop(self) -> None:
         """End follow() (from any thread)."""
-        self._stopped.set()
         with self._lock:
-            call = self._call
-        if call is not None:
-            call.cancel()
+            self._stopped = True
+            if not self._loop.is_closed():
+                self._loop.call_soon_threadsafe(self._stream.stop)
 
     def close(self) -> None:
+        """Stop, and release the loop once follow() has let go of it."""
         self.stop()
-        self._channel.close()
+        with self._lock:
+            self._close_requested = True
+            if not self._following and not self._loop.is_closed():
+                self._loop.close()
