@@ -150,7 +150,7 @@ def bench_codec(out: Path = typer.Option(Path("bench/results/codec.json"))) -> N
 
 @bench_app.command("broadcast")
 def bench_broadcast(
-    rounds: int = typer.Option(5, help="Deltas timed per topology."),
+    rounds: int = typer.Option(15, help="Deltas timed per topology."),
     out: Path = typer.Option(Path("bench/results/broadcast.json")),
 ) -> None:
     """Time for one new version to reach 1, 2, 4 and 8 subscriber processes, direct and through relays."""
