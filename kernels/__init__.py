@@ -2,16 +2,27 @@
 
 Each kernel has a portable torch path and faster device paths beside it, tested
 bit-identical against it: ``delta`` (torch), ``delta_cpu`` (numba, fused),
-``triton_delta`` (GPUs). ``delta_encode``/``delta_apply`` here pick the fastest path
-for the tensors' device.
+``triton_delta`` (GPUs); ``mxfp8`` (torch) and ``triton_mxfp8`` (GPUs) for serving
+fleets that run FP8. The functions here pick the fastest path for the tensors' device.
 """
 
 from __future__ import annotations
 
+import importlib
+
 import torch
 
 from kernels import delta as _torch_path
+from kernels import mxfp8 as _mxfp8_torch
 from kernels.delta import SparseDelta, bits_dtype
+from kernels.mxfp8 import MXFP8Tensor
+
+
+def _triton_or(module_name: str, fallback):
+    try:
+        return importlib.import_module(module_name)
+    except ImportError:
+        return fallback
 
 
 def _path(tensor: torch.Tensor):
@@ -20,11 +31,7 @@ def _path(tensor: torch.Tensor):
 
         return delta_cpu
     if tensor.device.type == "cuda":
-        try:
-            from kernels import triton_delta
-        except ImportError:
-            return _torch_path
-        return triton_delta
+        return _triton_or("kernels.triton_delta", _torch_path)
     return _torch_path
 
 
@@ -38,4 +45,15 @@ def delta_apply(old: torch.Tensor, delta: SparseDelta) -> torch.Tensor:
     return _path(old).delta_apply(old, delta)
 
 
-__all__ = ["SparseDelta", "bits_dtype", "delta_apply", "delta_encode"]
+def mxfp8_quantize(x: torch.Tensor) -> MXFP8Tensor:
+    """MXFP8 (E4M3 elements, one E8M0 scale per 32) of x, fused on GPUs."""
+    path = _triton_or("kernels.triton_mxfp8", _mxfp8_torch) if x.device.type == "cuda" else _mxfp8_torch
+    return path.mxfp8_quantize(x)
+
+
+def mxfp8_dequantize(data: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    path = _triton_or("kernels.triton_mxfp8", _mxfp8_torch) if data.device.type == "cuda" else _mxfp8_torch
+    return path.mxfp8_dequantize(data, scales, dtype)
+
+
+__all__ = ["MXFP8Tensor", "SparseDelta", "bits_dtype", "delta_apply", "delta_encode", "mxfp8_dequantize", "mxfp8_quantize"]
