@@ -63,10 +63,36 @@ def _leb128_decode(data, out):  # pragma: no cover - compiled
     return n, i
 
 
+@numba.njit(cache=True, nogil=True, boundscheck=False)
+def _zigzag_leb128_encode(values, out):  # pragma: no cover - compiled
+    low7 = np.uint64(0x7F)
+    seven = np.uint64(7)
+    n = 0
+    for i in range(values.size):
+        signed = values[i]
+        v = np.uint64((signed << 1) ^ (signed >> 63))
+        while v > low7:
+            out[n] = np.uint8(v & low7) | np.uint8(0x80)
+            v >>= seven
+            n += 1
+        out[n] = np.uint8(v)
+        n += 1
+    return n
+
+
 def leb128_encode(values: np.ndarray) -> bytes:
     values = np.ascontiguousarray(values, dtype=np.uint64)
     out = np.empty(values.size * 10, dtype=np.uint8)
     return out[: _leb128_encode(values, out)].tobytes()
+
+
+def zigzag_leb128_encode(values: np.ndarray, out: np.ndarray) -> memoryview:
+    """leb128_encode(zigzag(values)) for int64 values, in one pass, into ``out`` (uint8,
+    at least 10 bytes per value; reused between calls by its owner). A view into out."""
+    values = np.ascontiguousarray(values, dtype=np.int64)
+    if out.size < values.size * 10:
+        raise ValueError(f"{out.size} bytes may not hold {values.size} varints")
+    return memoryview(out)[: _zigzag_leb128_encode(values, out)]
 
 
 def leb128_decode(data: bytes, count: int) -> np.ndarray:

@@ -161,7 +161,6 @@ def paired_ratio(work: Callable[[], object], baseline: Callable[[], object], rep
 
 
 def measure(parent: Weights, new: Weights, repeats: int = 15) -> dict:
-    from rtrl.v1 import weights_pb2
     from weight_sync import codec
 
     full_bytes = sum(t.numel() * t.element_size() for t in new.values())
@@ -178,7 +177,8 @@ def measure(parent: Weights, new: Weights, repeats: int = 15) -> dict:
         for tensor in new.values():
             tensor.clone()
 
-    encode_vs_memcpy, memcpy_s = paired_ratio(lambda: codec.encode(parent, new), memcpy, repeats)
+    buffers = codec.EncodeBuffers()  # as a publisher keeps them from one step to the next
+    encode_vs_memcpy, memcpy_s = paired_ratio(lambda: codec.encode(parent, new, buffers), memcpy, repeats)
     apply_vs_memcpy, _ = paired_ratio(lambda: codec.decode(blob, manifest, parent), memcpy, repeats)
     return {
         "tensors": len(new),

@@ -41,6 +41,7 @@ class Publisher:
         # Wall-clock time (time.time()) the last Publish call started, after encoding:
         # where the version leaves the trainer, for latency measurements.
         self.last_upload_started_s = 0.0
+        self._buffers = codec.EncodeBuffers()
 
     def latest(self) -> int:
         request = weights_pb2.LatestRequest(arm=self.arm)
@@ -78,7 +79,7 @@ class Publisher:
         self._channel.close()
 
     def _send(self, weights: dict[str, torch.Tensor], parent_version: int, keyframe: bool, stats: dict[str, int]) -> int:
-        encoded = codec.encode(None if keyframe else self._parent, weights)
+        encoded = codec.encode(None if keyframe else self._parent, weights, self._buffers)
         manifest = encoded.manifest(arm=self.arm, parent_version=parent_version, keyframe=keyframe, **stats)
         blob = encoded.blob
         self.last_upload_started_s = time.time()
