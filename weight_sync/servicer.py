@@ -69,8 +69,9 @@ class RegistrySource:
         if cached is not None and cached[0] == generation and time.monotonic() - cached[1] < self._head_max_age_s:
             return cached[2], cached[3]
         reading = self._reading.get(arm)
-        if reading is None or reading[0] != generation:
-            # A read that began before the latest announcement may miss that version: start another.
+        # A read that began before the latest announcement may miss that version, and a
+        # finished one is the head that just aged out: start another.
+        if reading is None or reading[0] != generation or reading[1].done():
             reading = (generation, asyncio.create_task(self._read_head(arm, generation)))
             self._reading[arm] = reading
         return await asyncio.shield(reading[1])

@@ -189,6 +189,11 @@ class AsyncVersionStream:
                 except TornStream as exc:
                     log.error("%s: dropping a version of %s: %s", self.worker_id, self.arm, exc)
                     self.discarded += 1
+                except asyncio.CancelledError:
+                    # What grpc.aio raises for a call that stop() cancelled, instead of an RpcError.
+                    if self._stopped:
+                        return
+                    raise
                 except grpc.RpcError as exc:
                     if self._stopped:
                         return
