@@ -1,7 +1,7 @@
 """`rtrl bench broadcast`: how long one new version takes to reach 1, 2, 4 and 8 workers.
 
 Real processes on loopback: redis-server, the weight_sync server, optionally two
-relays, and one subscriber process per worker (rtrl.broadcast_probe). The versions
+relays, and subscriber probes (rtrl.broadcast_probe). The versions
 are the MiniLM fine-tune of `rtrl bench codec` (22.7 M bf16 weights): a keyframe
 first, which every subscriber must hold before timing starts, then deltas of about
 180 KB, the steady state of real-time RL.
@@ -9,13 +9,21 @@ first, which every subscriber must hold before timing starts, then deltas of abo
 Delivery time of a version = from the moment the trainer's Publish call starts
 (after encoding) until the last subscriber holds the whole blob, checksum-verified;
 the median over rounds. It includes the upload and the commit, which cost the same
-whatever the fan-out. Decoding is each worker's own CPU work (`rtrl bench codec`
-measures it), so the probes do not decode: eight decoders on a 2-core machine would
-measure the machine, not the broadcast.
+whatever the fan-out.
+
+Subscribers are measured two ways. ``connections``: one probe process holds every
+subscriber's own connection, so the server sees N independent streams while the
+receiving side costs this machine little (in production each worker has its own
+CPUs); this gives ``fanout_N_vs_1``. ``processes``: a process per subscriber, as
+workers are, all sharing this machine's cores with the server and relays; this
+gives ``fanout_N_vs_1_processes``, the pessimistic figure. Probes do not decode:
+decoding is each worker's own CPU work (`rtrl bench codec` measures it), and eight
+decoders on a 2-core machine would measure the machine, not the broadcast.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import statistics
 import sys
@@ -37,25 +45,37 @@ PROBE_MODULE = "rtrl.broadcast_probe"
 RELAYS = 2
 
 
+MODES = ("connections", "processes")
+
+
 @dataclass(frozen=True)
 class Topology:
-    name: str
     subscribers: int
     relays: int
+    mode: str
+    """``connections``: one probe process holds every subscriber's connection;
+    ``processes``: a process per subscriber, as a fleet of workers would be."""
 
     @property
     def arm(self) -> str:
-        return f"{self.name}-{self.subscribers}"
+        return f"{'relayed' if self.relays else 'direct'}-{self.mode}-{self.subscribers}"
 
 
 class Probes:
-    """Subscriber processes, one per worker, and what they wrote."""
+    """The subscribers of one topology and what they wrote: one process per subscriber
+    (``processes``), or one process holding every subscriber's connection (``connections``)."""
 
-    def __init__(self, addrs: list[str], arm: str, workdir: Path) -> None:
-        self.files = [workdir / f"{arm}-{i}.jsonl" for i in range(len(addrs))]
+    def __init__(self, addrs: list[str], arm: str, workdir: Path, mode: str) -> None:
+        prefix = workdir / f"{arm}-{mode}"
+        if mode == "processes":
+            self.files = [Path(f"{prefix}{i}-0.jsonl") for i in range(len(addrs))]
+            groups = [(f"{prefix}{i}", [addr]) for i, addr in enumerate(addrs)]
+        else:
+            self.files = [Path(f"{prefix}-{i}.jsonl") for i in range(len(addrs))]
+            groups = [(str(prefix), addrs)]
         self.procs = [
-            procs.spawn(f"probe-{i}", [sys.executable, "-m", PROBE_MODULE, addr, arm, str(out)], workdir / f"{arm}-{i}.log")
-            for i, (addr, out) in enumerate(zip(addrs, self.files))
+            procs.spawn(f"probe-{i}", [sys.executable, "-m", "rtrl.broadcast_probe", out_prefix, arm, *group], Path(f"{out_prefix}.log"))
+            for i, (out_prefix, group) in enumerate(groups)
         ]
 
     def delivered(self, version: int, timeout_s: float = 60.0) -> list[float]:
@@ -88,7 +108,7 @@ def run_topology(topology: Topology, server_addr: str, relay_addrs: list[str], v
     from weight_sync.client import Publisher
 
     addrs = [relay_addrs[i % len(relay_addrs)] for i in range(topology.subscribers)] if topology.relays else [server_addr] * topology.subscribers
-    probes = Probes(addrs, topology.arm, workdir)
+    probes = Probes(addrs, topology.arm, workdir, topology.mode)
     publisher = Publisher(server_addr, stack.weight_sync_token.get_secret_value(), topology.arm, keyframe_every=1000)
     try:
         publisher.publish(versions[0])
@@ -102,6 +122,7 @@ def run_topology(topology: Topology, server_addr: str, relay_addrs: list[str], v
             times.append(max(delivered) - published)
             firsts.append(min(delivered) - published)
         return {
+            "mode": topology.mode,
             "subscribers": topology.subscribers,
             "relays": topology.relays,
             "delivery_s": statistics.median(times),
@@ -127,9 +148,11 @@ def run(out: Path, console: Console, rounds: int = 15) -> dict:
     from weight_sync import codec
 
     keyframe_bytes = len(codec.encode(None, versions[0]).blob)
-    delta_sizes = [len(codec.encode(parent, new).blob) for parent, new in zip(versions, versions[1:])]
+    delta_sizes = [len(codec.encode(parent, new).blob) for parent, new in itertools.pairwise(versions)]
     delta_bytes = round(statistics.median(delta_sizes))
-    topologies = [Topology("direct", n, 0) for n in FANOUTS] + [Topology("relayed", n, RELAYS) for n in FANOUTS if n >= RELAYS]
+    topologies = [
+        Topology(n, relays, mode) for mode in MODES for relays in (0, RELAYS) for n in FANOUTS if n >= max(relays, 1)
+    ]
     results: dict = {"delta_bytes": delta_bytes, "keyframe_bytes": keyframe_bytes, "rounds": rounds, "topologies": []}
     with tempfile.TemporaryDirectory(prefix="rtrl-bench-broadcast-") as tmp:
         workdir = Path(tmp)
@@ -153,7 +176,7 @@ def run(out: Path, console: Console, rounds: int = 15) -> dict:
             with Progress(console=console, transient=True) as progress:
                 task = progress.add_task("broadcasting", total=len(topologies))
                 for topology in topologies:
-                    progress.update(task, description=f"{topology.name}: {topology.subscribers} subscribers")
+                    progress.update(task, description=topology.arm)
                     before = server_bytes_sent(client, "bench")
                     result = run_topology(topology, server_addr, relay_addrs, versions, stack, workdir)
                     # Egress in copies of the arm's versions: what the server's own streams carried.
@@ -165,11 +188,13 @@ def run(out: Path, console: Console, rounds: int = 15) -> dict:
             client.close()
             for proc in reversed(started):
                 proc.stop()
-    by = {(t["relays"], t["subscribers"]): t["delivery_s"] for t in results["topologies"]}
-    for n in FANOUTS[1:]:
-        results[f"fanout_{n}_vs_1"] = round(by[(0, n)] / by[(0, 1)], 2)
-        if (RELAYS, n) in by:
-            results[f"fanout_{n}_vs_1_relayed"] = round(by[(RELAYS, n)] / by[(0, 1)], 2)
+    by = {(t["mode"], t["relays"], t["subscribers"]): t["delivery_s"] for t in results["topologies"]}
+    for mode in MODES:
+        suffix = "" if mode == "connections" else "_processes"
+        for n in FANOUTS[1:]:
+            results[f"fanout_{n}_vs_1{suffix}"] = round(by[(mode, 0, n)] / by[(mode, 0, 1)], 2)
+            if (mode, RELAYS, n) in by:
+                results[f"fanout_{n}_vs_1_relayed{suffix}"] = round(by[(mode, RELAYS, n)] / by[(mode, 0, 1)], 2)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=2))
     _print(results, out, console)
@@ -177,11 +202,12 @@ def run(out: Path, console: Console, rounds: int = 15) -> dict:
 
 
 def _print(results: dict, out: Path, console: Console) -> None:
-    base = next(t["delivery_s"] for t in results["topologies"] if t["relays"] == 0 and t["subscribers"] == 1)
+    base = {t["mode"]: t["delivery_s"] for t in results["topologies"] if t["relays"] == 0 and t["subscribers"] == 1}
     table = Table(title=f"bench broadcast -> {out} (deltas ~{results['delta_bytes']:,} B, keyframe {results['keyframe_bytes']:,} B)", title_justify="left")
-    for column in ("topology", "subscribers", "delivery (median)", "vs 1 direct", "server egress (copies)"):
+    for column in ("probes", "topology", "subscribers", "delivery (median)", "vs 1 direct", "server egress (copies)"):
         table.add_column(column, justify="right")
     for t in results["topologies"]:
         name = f"{t['relays']} relays" if t["relays"] else "direct"
-        table.add_row(name, str(t["subscribers"]), f"{t['delivery_s'] * 1000:.1f} ms", f"{t['delivery_s'] / base:.2f}", f"{t['server_copies_per_version']:g}")
+        held_by = "1 process" if t["mode"] == "connections" else "1 per subscriber"
+        table.add_row(held_by, name, str(t["subscribers"]), f"{t['delivery_s'] * 1000:.1f} ms", f"{t['delivery_s'] / base[t['mode']]:.2f}", f"{t['server_copies_per_version']:g}")
     console.print(table)

@@ -34,9 +34,11 @@ def test_bench_broadcast_measures_every_topology(tmp_path, monkeypatch):
     out = tmp_path / "broadcast.json"
     results = bench_broadcast.run(out, Console(file=open(tmp_path / "console.txt", "w")), rounds=2)
     assert json.loads(out.read_text()) == results
-    shapes = [(t["relays"], t["subscribers"]) for t in results["topologies"]]
-    assert shapes == [(0, 1), (0, 2), (0, 4), (2, 2), (2, 4)]
+    shapes = [(t["mode"], t["relays"], t["subscribers"]) for t in results["topologies"]]
+    per_mode = [(0, 1), (0, 2), (0, 4), (2, 2), (2, 4)]
+    assert shapes == [(mode, *shape) for mode in ("connections", "processes") for shape in per_mode]
     assert all(t["delivery_s"] > 0 and t["rounds"] == 2 for t in results["topologies"])
-    copies = {(t["relays"], t["subscribers"]): t["server_copies_per_version"] for t in results["topologies"]}
-    assert copies == {(0, 1): 1, (0, 2): 2, (0, 4): 4, (2, 2): 2, (2, 4): 2}
-    assert set(results) >= {"fanout_2_vs_1", "fanout_4_vs_1", "fanout_4_vs_1_relayed", "delta_bytes", "keyframe_bytes"}
+    copies = {(t["mode"], t["relays"], t["subscribers"]): t["server_copies_per_version"] for t in results["topologies"]}
+    for mode in ("connections", "processes"):
+        assert [copies[(mode, *shape)] for shape in per_mode] == [1, 2, 4, 2, 2]
+    assert set(results) >= {"fanout_4_vs_1", "fanout_4_vs_1_relayed", "fanout_4_vs_1_processes", "delta_bytes", "keyframe_bytes"}

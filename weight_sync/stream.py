@@ -127,8 +127,19 @@ class AsyncVersionStream:
     (``reject``: the stream then starts over from a keyframe).
     """
 
-    def __init__(self, addr: str, arm: str, worker_id: str, token: str, *, min_backoff_s: float = 0.1, max_backoff_s: float = 2.0) -> None:
+    def __init__(
+        self,
+        addr: str,
+        arm: str,
+        worker_id: str,
+        token: str,
+        *,
+        min_backoff_s: float = 0.1,
+        max_backoff_s: float = 2.0,
+        channel_options: tuple[tuple[str, object], ...] = (),
+    ) -> None:
         self.addr = addr
+        self._channel_options = [*CHANNEL_OPTIONS, *channel_options]
         self.arm = arm
         self.worker_id = worker_id
         self._metadata = bearer(token)
@@ -167,7 +178,7 @@ class AsyncVersionStream:
         self.held = have_version
         self._wake = asyncio.Event()
         backoff_s = self._min_backoff_s
-        async with grpc.aio.insecure_channel(self.addr, options=CHANNEL_OPTIONS) as channel:
+        async with grpc.aio.insecure_channel(self.addr, options=self._channel_options) as channel:
             stub = weights_pb2_grpc.WeightSyncStub(channel)
             while not self._stopped:
                 partial = self._assembler.partial
