@@ -17,6 +17,10 @@ from rtrl import procs
 from rtrl.config import StackSettings
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# The Triton kernels' tests run on this CPU through Triton's interpreter. Triton reads
+# the variable once, when first imported, and torch or transformers may import it
+# before those test modules do; TRITON_INTERPRET=0 runs them on a GPU instead.
+os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(scope="session")

@@ -250,6 +250,17 @@ def test_any_tampered_blob_is_refused_never_misapplied(data):
     assert_bit_identical(decoded, weights)  # a byte zstd ignores (e.g. a frame's padding) changed nothing
 
 
+def test_a_frame_claiming_a_huge_size_is_refused_before_allocating():
+    # A flipped bit in a zstd frame header once made decode ask for a MemoryError's worth.
+    # (Found by test_any_tampered_blob_is_refused_never_misapplied: byte 4, XOR 208.)
+    parent, _, blob, manifest = _sparse_version()
+    tampered = bytearray(blob)
+    tampered[4] ^= 208  # the frame header descriptor: the content size field changes width
+    manifest.blob_checksum = xxh3_hex(bytes(tampered))
+    with pytest.raises(codec.DecodeError, match="claims"):
+        codec.decode(bytes(tampered), manifest, parent)
+
+
 def test_varint_and_planes_round_trip_and_refuse_truncation():
     from kernels.varint import from_planes, leb128_decode, leb128_encode, to_planes, unzigzag, zigzag
 

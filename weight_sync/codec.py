@@ -199,13 +199,16 @@ def decode(blob: bytes, manifest: weights_pb2.Manifest, parent: Weights | None) 
         parent = None
     view = memoryview(blob)
     decompressor = zstandard.ZstdDecompressor()
+    _check_sparse_against_parent(manifest, parent)
     gaps, values = _delta_sections(view, manifest, decompressor)
     weights: dict[str, torch.Tensor] = {}
     cursor = 0
     for meta in manifest.tensors:
         if meta.encoding == FULL:
-            payload = _decompress(decompressor, view, meta.offset, meta.length, f"tensor {meta.name} of {manifest.arm} v{manifest.version}")
-            tensor = tensor_from_bytes(payload, parse_dtype(meta.dtype), tuple(meta.shape))
+            dtype, shape = parse_dtype(meta.dtype), tuple(meta.shape)
+            size = int(np.prod(shape, dtype=np.int64)) * torch.empty((), dtype=dtype).element_size()
+            payload = _decompress(decompressor, view, meta.offset, meta.length, size, f"tensor {meta.name} of {manifest.arm} v{manifest.version}")
+            tensor = tensor_from_bytes(payload, dtype, shape)
         elif meta.encoding == SPARSE_DIFF:
             if cursor + meta.changed > len(gaps):
                 raise DecodeError(f"tensor {meta.name} claims {meta.changed} changes past the {len(gaps)} in the delta sections")
@@ -224,13 +227,32 @@ def decode(blob: bytes, manifest: weights_pb2.Manifest, parent: Weights | None) 
     return weights
 
 
-def _decompress(decompressor: zstandard.ZstdDecompressor, view: memoryview, offset: int, length: int, what: str) -> bytes:
+def _decompress(decompressor: zstandard.ZstdDecompressor, view: memoryview, offset: int, length: int, max_size: int, what: str) -> bytes:
+    """A section's bytes; a frame that claims more than max_size bytes is refused before
+    anything is allocated for it (a flipped bit in its header could ask for exabytes)."""
     if offset + length > len(view):
         raise DecodeError(f"{what} lies beyond the end of the blob")
+    frame = view[offset : offset + length]
     try:
-        return decompressor.decompress(view[offset : offset + length])
+        size = zstandard.frame_content_size(frame)
+        if not 0 <= size <= max_size:
+            raise DecodeError(f"{what}: its zstd frame claims {size} bytes, at most {max_size} expected")
+        return decompressor.decompress(frame, max_output_size=max_size)
     except zstandard.ZstdError as exc:
         raise DecodeError(f"{what}: {exc}") from exc
+
+
+def _check_sparse_against_parent(manifest: weights_pb2.Manifest, parent: Weights | None) -> None:
+    """Every sparse tensor needs its parent tensor, and cannot change more elements than
+    it has: checked before any section is decompressed, so a corrupt count allocates nothing."""
+    for meta in manifest.tensors:
+        if meta.encoding != SPARSE_DIFF:
+            continue
+        base = None if parent is None else parent.get(meta.name)
+        if base is None or list(base.shape) != list(meta.shape) or dtype_name(base.dtype) != meta.dtype:
+            raise ParentMismatch(f"tensor {meta.name} is a delta but the parent weights hold no {meta.dtype}{list(meta.shape)} tensor by that name")
+        if meta.changed > base.numel():
+            raise DecodeError(f"tensor {meta.name} claims {meta.changed} changes in {base.numel()} elements")
 
 
 def _delta_sections(view: memoryview, manifest: weights_pb2.Manifest, decompressor) -> tuple[np.ndarray, np.ndarray]:
@@ -244,8 +266,8 @@ def _delta_sections(view: memoryview, manifest: weights_pb2.Manifest, decompress
     positions = manifest.delta_positions
     value_section = manifest.delta_values
     try:
-        gaps = from_planes(_decompress(decompressor, view, positions.offset, positions.length, what), total)
-        values = unzigzag(leb128_decode(_decompress(decompressor, view, value_section.offset, value_section.length, what), total))
+        gaps = from_planes(_decompress(decompressor, view, positions.offset, positions.length, 8 * total, what), total)
+        values = unzigzag(leb128_decode(_decompress(decompressor, view, value_section.offset, value_section.length, 10 * total, what), total))
     except ValueError as exc:
         raise DecodeError(f"{what}: {exc}") from exc
     return gaps.view(np.int64), values

@@ -80,6 +80,13 @@ class RegistrySource:
         read_at = time.monotonic()
         latest = await self.registry.latest(arm)
         newest_keyframe = await self.registry.newest_keyframe(arm, latest)
+        cached = self._heads.get(arm)
+        if cached is not None and latest < cached[2]:
+            # The registry went back (flushed, or restored from an older copy): version
+            # numbers are being reused, so what was cached under them no longer holds.
+            log.warning("registry of %s went back from v%d to v%d; dropping cached manifests", arm, cached[2], latest)
+            for key in [key for key in self._manifests if key[0] == arm]:
+                del self._manifests[key]
         if self._generation.get(arm, 0) == generation:
             self._heads[arm] = (generation, read_at, latest, newest_keyframe)
         return latest, newest_keyframe
