@@ -43,6 +43,7 @@ SPARSE_DIFF = "sparse_diff"
 ZSTD_LEVEL = 3
 
 Weights = Mapping[str, torch.Tensor]
+_SIGNED = {width: np.dtype(f"<i{width}") for width in (1, 2, 4, 8)}
 
 
 class DecodeError(Exception):
@@ -69,10 +70,15 @@ def parse_dtype(name: str) -> torch.dtype:
 
 
 def tensor_bytes(tensor: torch.Tensor) -> np.ndarray:
-    """The tensor's raw bytes (C order, on the CPU) as a uint8 array, without a copy when possible."""
-    if tensor.device.type != "cpu" or not tensor.is_contiguous():
-        tensor = tensor.detach().cpu().contiguous()
-    return tensor.detach().reshape(-1).view(torch.uint8).numpy()
+    """The tensor's raw bytes (C order, on the CPU) as a uint8 array, without a copy when
+    possible. Called twice per tensor per publish, so it avoids every torch call it can."""
+    if tensor.requires_grad:
+        tensor = tensor.detach()
+    if not tensor.is_cpu or not tensor.is_contiguous():
+        tensor = tensor.cpu().contiguous()
+    if tensor.dim() != 1:
+        tensor = tensor.reshape(-1)
+    return tensor.view(torch.uint8).numpy()
 
 
 def tensor_checksum(tensor: torch.Tensor) -> str:
@@ -136,12 +142,11 @@ def encode(parent: Weights | None, new: Weights, buffers: EncodeBuffers | None =
     metas: list[weights_pb2.TensorMeta] = []
     offset = 0
     for name, tensor in new.items():
-        tensor = tensor.detach()
         raw = tensor_bytes(tensor)
         meta = weights_pb2.TensorMeta(name=name, shape=list(tensor.shape), dtype=dtype_name(tensor.dtype), checksum=xxh3_hex(raw))
         base = None if parent is None else parent.get(name)
         if base is not None and base.shape == tensor.shape and base.dtype == tensor.dtype:
-            meta.encoding, meta.changed = SPARSE_DIFF, _append_changes(changes, base.detach(), tensor, raw)
+            meta.encoding, meta.changed = SPARSE_DIFF, _append_changes(changes, base, tensor, raw)
         else:
             section = compressor.compress(raw)
             meta.encoding, meta.offset, meta.length = FULL, offset, len(section)
@@ -171,11 +176,11 @@ def _gaps(changes: delta_cpu.Changes) -> np.ndarray:
 def _append_changes(changes: delta_cpu.Changes, base: torch.Tensor, tensor: torch.Tensor, raw: np.ndarray) -> int:
     """Append tensor's changes against base; on the CPU straight from the numpy bytes at
     hand (torch's per-call overhead is a tenth of the work on small tensors)."""
-    bits = np.dtype(f"<i{tensor.element_size()}")
-    if tensor.device.type == "cpu" and base.device.type == "cpu":
+    if tensor.is_cpu and base.is_cpu:
+        bits = _SIGNED[tensor.element_size()]
         return changes.append(tensor_bytes(base).view(bits), raw.view(bits))
     # On a GPU its kernel finds the changes; only they come back to the host.
-    delta = kernels.delta_encode(base.to(tensor.device), tensor)
+    delta = kernels.delta_encode(base.detach().to(tensor.device), tensor.detach())
     return changes.extend(delta.positions.cpu().numpy(), delta.diffs.cpu().numpy())
 
 
