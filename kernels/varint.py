@@ -26,18 +26,22 @@ def unzigzag(codes: np.ndarray) -> np.ndarray:
 
 
 @numba.njit(cache=True, nogil=True, boundscheck=False)
+def _put_varint(v, out, n):  # pragma: no cover - compiled
+    """Write uint64 v as LEB128 at out[n:]; return the index after it."""
+    low7 = np.uint64(0x7F)
+    while v > low7:
+        out[n] = np.uint8(v & low7) | np.uint8(0x80)
+        v >>= np.uint64(7)
+        n += 1
+    out[n] = np.uint8(v)
+    return n + 1
+
+
+@numba.njit(cache=True, nogil=True, boundscheck=False)
 def _leb128_encode(values, out):  # pragma: no cover - compiled
     n = 0
-    low7 = np.uint64(0x7F)
-    seven = np.uint64(7)
     for i in range(values.size):
-        v = values[i]
-        while v > low7:
-            out[n] = np.uint8(v & low7) | np.uint8(0x80)
-            v >>= seven
-            n += 1
-        out[n] = np.uint8(v)
-        n += 1
+        n = _put_varint(values[i], out, n)
     return n
 
 
@@ -65,18 +69,10 @@ def _leb128_decode(data, out):  # pragma: no cover - compiled
 
 @numba.njit(cache=True, nogil=True, boundscheck=False)
 def _zigzag_leb128_encode(values, out):  # pragma: no cover - compiled
-    low7 = np.uint64(0x7F)
-    seven = np.uint64(7)
     n = 0
     for i in range(values.size):
         signed = values[i]
-        v = np.uint64((signed << 1) ^ (signed >> 63))
-        while v > low7:
-            out[n] = np.uint8(v & low7) | np.uint8(0x80)
-            v >>= seven
-            n += 1
-        out[n] = np.uint8(v)
-        n += 1
+        n = _put_varint(np.uint64((signed << 1) ^ (signed >> 63)), out, n)
     return n
 
 

@@ -75,3 +75,45 @@ def stack_env(stack_settings: StackSettings) -> dict[str, str]:
 @pytest.fixture
 def repo_root() -> Path:
     return Path(__file__).resolve().parent.parent
+
+
+# ---- weight_sync: a server in this process, its publisher, and real weights ----
+
+
+@pytest.fixture(scope="module")
+def policy_weights():
+    import torch
+
+    from rtrl.policy import build_model, state_dict_fp32
+
+    torch.set_num_threads(1)
+    return state_dict_fp32(build_model())
+
+
+@pytest.fixture
+def stack(redis_url, tmp_path) -> StackSettings:
+    return StackSettings(redis_url=redis_url, state_dir=tmp_path / "state")
+
+
+@pytest.fixture
+def server(stack):
+    from weight_sync_support import InProcessServer
+
+    from weight_sync.config import WeightSyncSettings
+
+    # Small chunks so every keyframe spans many WeightChunks.
+    handle = InProcessServer(WeightSyncSettings(port=procs.free_port(), chunk_bytes=64 * 1024, poll_interval_s=0.2), stack)
+    handle.start()
+    yield handle
+    handle.close()
+
+
+@pytest.fixture
+def publisher(server, stack):
+    from weight_sync_support import ARM
+
+    from weight_sync.client import Publisher
+
+    client = Publisher(server.addr, stack.weight_sync_token.get_secret_value(), ARM, keyframe_every=20)
+    yield client
+    client.close()

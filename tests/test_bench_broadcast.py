@@ -32,7 +32,8 @@ def test_bench_broadcast_measures_every_topology(tmp_path, monkeypatch):
     monkeypatch.setattr(bench_codec, "minilm_versions", tiny_versions)
     monkeypatch.setattr(bench_broadcast, "FANOUTS", (1, 2, 4))
     out = tmp_path / "broadcast.json"
-    results = bench_broadcast.run(out, Console(file=open(tmp_path / "console.txt", "w")), rounds=2)
+    with open(tmp_path / "console.txt", "w") as screen:
+        results = bench_broadcast.run(out, Console(file=screen), rounds=2)
     assert json.loads(out.read_text()) == results
     shapes = [(t["mode"], t["relays"], t["subscribers"]) for t in results["topologies"]]
     per_mode = [(0, 1), (0, 2), (0, 4), (2, 2), (2, 4)]

@@ -12,11 +12,10 @@ import uuid
 
 import boto3
 import pytest
-import torch
 from moto.server import ThreadedMotoServer
 
 # The in-process server and subscriber helpers of the local-store tests.
-from test_weight_sync import (
+from weight_sync_support import (
     SUBSCRIBE_TOKEN,
     Following,
     InProcessServer,
@@ -26,7 +25,6 @@ from test_weight_sync import (
 
 from rtrl import procs
 from rtrl.config import StackSettings
-from rtrl.policy import build_model, state_dict_fp32
 from weight_sync.client import Publisher, Subscriber
 from weight_sync.config import WeightSyncSettings
 from weight_sync.store import LocalBlobStore, open_store
@@ -56,12 +54,6 @@ def s3_bucket(s3_endpoint) -> str:
 def s3_keys(endpoint: str, bucket: str) -> list[str]:
     client = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1", aws_access_key_id="testing", aws_secret_access_key="testing")
     return sorted(item["Key"] for item in client.list_objects_v2(Bucket=bucket).get("Contents", []))
-
-
-@pytest.fixture(scope="module")
-def policy_weights() -> dict[str, torch.Tensor]:
-    torch.set_num_threads(1)
-    return state_dict_fp32(build_model())
 
 
 @pytest.fixture(params=["local", "s3"])

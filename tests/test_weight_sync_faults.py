@@ -23,10 +23,9 @@ from concurrent import futures
 import grpc
 import pytest
 import redis
-import torch
 from netfault import FaultProxy
 from subscriber_proc import weights_checksum
-from test_weight_sync import (
+from weight_sync_support import (
     ARM,
     SUBSCRIBE_TOKEN,
     Following,
@@ -38,7 +37,6 @@ from test_weight_sync import (
 
 from rtrl import procs
 from rtrl.config import StackSettings
-from rtrl.policy import build_model, state_dict_fp32
 from rtrl.v1 import weights_pb2, weights_pb2_grpc
 from weight_sync import codec, registry
 from weight_sync.broadcast import version_chunks
@@ -49,17 +47,6 @@ from weight_sync.stream import Assembler, TornStream, bearer
 
 pytestmark = pytest.mark.integration
 CHUNK_BYTES = 64 * 1024
-
-
-@pytest.fixture(scope="module")
-def policy_weights() -> dict[str, torch.Tensor]:
-    torch.set_num_threads(1)
-    return state_dict_fp32(build_model())
-
-
-@pytest.fixture
-def stack(redis_url, tmp_path) -> StackSettings:
-    return StackSettings(redis_url=redis_url, state_dir=tmp_path / "state")
 
 
 @pytest.fixture

@@ -11,12 +11,11 @@ import time
 import pytest
 import redis
 import redis.asyncio as aioredis
-import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
 # The in-process server and subscriber helpers of the weight_sync tests.
-from test_weight_sync import (
+from weight_sync_support import (
     SUBSCRIBE_TOKEN,
     Following,
     InProcessServer,
@@ -26,7 +25,6 @@ from test_weight_sync import (
 
 from rtrl import procs
 from rtrl.config import StackSettings
-from rtrl.policy import build_model, state_dict_fp32
 from rtrl.v1 import weights_pb2
 from weight_sync import gc, registry
 from weight_sync.client import Publisher, Subscriber
@@ -98,17 +96,6 @@ def test_plan_keeps_latest_and_its_path(latest, gaps, keep_keyframes):
     assert [k for k in keyframes if k in kept] == keyframes[-keep_keyframes:]
     assert kept == list(range(kept[0], latest + 1))  # only a prefix of history goes
     assert arm_plan.blob_uris == tuple(uri(v) for v in arm_plan.versions)
-
-
-@pytest.fixture(scope="module")
-def policy_weights() -> dict[str, torch.Tensor]:
-    torch.set_num_threads(1)
-    return state_dict_fp32(build_model())
-
-
-@pytest.fixture
-def stack(redis_url, tmp_path) -> StackSettings:
-    return StackSettings(redis_url=redis_url, state_dir=tmp_path / "state")
 
 
 def start_server(stack: StackSettings, **settings) -> InProcessServer:

@@ -15,15 +15,11 @@ import threading
 
 import grpc
 import pytest
-from test_weight_sync import (  # noqa: F401  (fixtures are found by name)
+from weight_sync_support import (
     SUBSCRIBE_TOKEN,
     Following,
     assert_bit_identical,
-    policy_weights,
     publish_versions,
-    publisher,
-    server,
-    stack,
     train_step,
 )
 
