@@ -1,14 +1,21 @@
 """User-behaviour signals the reward is built from: edit persistence and dissatisfaction.
 
-Both are pure functions of text, so they can be tested as tables and swapped
-independently (issue 4 replaces the rule classifier with a trained model behind
-the same ``is_dissatisfied(message) -> bool`` interface).
+Both are functions of text, so they can be tested as tables and swapped
+independently. Dissatisfaction has two scorers: the regex rules (``is_dissatisfied``,
+always available) and the trained classifier (``reward_stream.classifier``, when the
+packaged all-MiniLM-L6-v2 weights are installed); ``dissatisfaction`` picks the
+classifier when it loads and the rules otherwise.
 """
 
 from __future__ import annotations
 
+import functools
+import logging
 import re
+from collections.abc import Callable
 from difflib import SequenceMatcher
+
+log = logging.getLogger(__name__)
 
 
 def _non_empty_lines(text: str) -> list[str]:
@@ -73,3 +80,32 @@ def is_dissatisfied(message: str) -> bool:
     tests") are not dissatisfied.
     """
     return _DISSATISFIED.search(message) is not None
+
+
+def _rule_scores(messages: list[str]) -> list[float]:
+    return [1.0 if is_dissatisfied(m) else 0.0 for m in messages]
+
+
+@functools.cache
+def _scorer() -> Callable[[list[str]], list[float]]:
+    # Chosen once per process, on first use, so importing signals stays cheap and the
+    # log says once which scorer every reward of this process came from.
+    from reward_stream import classifier
+
+    try:
+        model = classifier.DissatisfactionClassifier(classifier.load_encoder(), classifier.load_head())
+    except ImportError as exc:
+        log.warning("dissatisfaction: rule fallback (trained classifier unavailable: %s)", exc)
+        return _rule_scores
+    log.info("dissatisfaction: trained classifier (%s + logistic head)", classifier.ENCODER_NAME)
+    return model.probability
+
+
+def dissatisfaction(messages: list[str]) -> list[float]:
+    """P(dissatisfied) per follow-up message, in order.
+
+    The trained classifier's probability when it can be loaded, else the rules as 1.0
+    or 0.0. Batch the messages of many rollouts into one call: the classifier embeds
+    them together and caches repeated messages.
+    """
+    return _scorer()(messages)
