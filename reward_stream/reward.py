@@ -1,4 +1,11 @@
-"""Reward function r1: from a rollout and the user signals joined to it, one scalar.
+"""Reward functions: from a rollout and the user signals joined to it, one scalar.
+
+The final reward is a versioned function of the components in RewardComponents;
+``FUNCTIONS`` maps each version string to its components and scalar, and every
+RewardRecord names the version that produced it. r1 is the default; r2 (below r1's
+description) is selectable by version, e.g. for replay (reward_stream/replay.py).
+
+Reward function r1:
 
     reward = persisted_fraction
              - 0.5 * dissatisfied
@@ -19,16 +26,56 @@
 * effort_penalty: 0.0005 per completion token, at most 0.05 — small, so it only
   breaks ties between otherwise equal completions in favour of the shorter one.
 
-A reward is ``defaulted`` when no user signal (persistence snapshot, follow-up or
-edit outcome) was joined, i.e. it rests only on the defaults above.
+Reward function r2:
+
+    reward = persisted_r2
+             - 0.5 * dissatisfied
+             - 1.25 * (1 - tool_call_validity)
+             - effort_penalty_r2
+             - latency_penalty(latency_s)
+
+* persisted_r2: the newest snapshot's persisted fraction p (as r1), trusted according
+  to how long after the edit it was taken: c(age) = 1 - exp(-age / 60 s), and
+  persisted_r2 = c * p + (1 - c) * PERSISTENCE_DEFAULT. A snapshot taken seconds
+  after the edit mostly says the user has not got round to rewriting it yet
+  (c(5 s) = 0.08), one taken minutes later is nearly the whole story
+  (c(60 s) = 0.63, c(180 s) = 0.95). The age is the snapshot's seconds_after_edit,
+  or, when unset, its event time minus the newest edit_shown's. Without a
+  snapshot the r1 rules apply (rejected: 0.0, otherwise 0.5).
+* dissatisfied: the highest P(dissatisfied) over the follow-ups from
+  signals.dissatisfaction (the trained classifier, or the r1 rules as 1.0/0.0 when
+  it cannot load), 0.0 without follow-ups. r1 keeps the rules so that a version
+  string always names the same function.
+* tool_call_validity: as r1. The invalid-call weight 1.25 exceeds
+  PERSISTENCE_DEFAULT + DISSATISFIED_WEIGHT (1.0), so a rollout whose calls all
+  broke (at best 0.5 - 1.25 = -0.75) always scores below the worst outcome of an
+  honest edit (rejected and complained about: -0.5): breaking a tool call can
+  never be a way to dodge a risky edit, which r1 (0.5 - 0.5 = 0.0) allowed.
+* effort_penalty_r2 = min(0.5, 0.2 * excess**2) with
+  excess = max(0, tokens / 512 - 1) + max(0, tool_calls / 8 - 1): nothing within
+  the budget, quadratic above it. Nonlinear on purpose: a linear per-token cost
+  rewards cutting every answer short, including the ones that needed the length,
+  while the hinge leaves normal answers alone and the square makes runaway ones
+  (loops, repeated tool calls) dominate any gain they could buy. The cap keeps the
+  reward bounded. Tokens are the completion tokens (the RolloutRecord carries no
+  separate thinking-token count or turn count yet).
+* latency_penalty = min(0.25, 0.05 * max(0, latency_s - 2)): small and hinged
+  because latency depends on serving load as much as on the policy; only the
+  policy's share above a 2 s budget (long generations) is worth pushing on.
+
+So r2 lies in [-2.5, 1.0]. A reward is ``defaulted`` when no user signal
+(persistence snapshot, follow-up or edit outcome) was joined, i.e. it rests only on
+the defaults above.
 """
 
 from __future__ import annotations
 
+import math
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
-from reward_stream.signals import is_dissatisfied, persisted_fraction
+from reward_stream.signals import dissatisfaction, is_dissatisfied, persisted_fraction
 from rtrl.v1 import reward_pb2, rollout_pb2, telemetry_pb2
 
 REWARD_FN_VERSION = "r1"
@@ -37,6 +84,16 @@ DISSATISFIED_WEIGHT = 0.5
 INVALID_TOOL_WEIGHT = 0.5
 EFFORT_PER_TOKEN = 0.0005
 EFFORT_CAP = 0.05
+
+PERSISTENCE_TRUST_TAU_S = 60.0
+INVALID_TOOL_WEIGHT_R2 = 1.25
+TOKEN_BUDGET = 512
+TOOL_CALL_BUDGET = 8
+EFFORT_WEIGHT_R2 = 0.2
+EFFORT_CAP_R2 = 0.5
+LATENCY_BUDGET_S = 2.0
+LATENCY_WEIGHT = 0.05
+LATENCY_CAP = 0.25
 
 # Fixed namespace so reward ids are stable across processes and releases.
 REWARD_ID_NAMESPACE = uuid.uuid5(uuid.NAMESPACE_URL, "https://rtrl/reward_id")
@@ -53,29 +110,21 @@ def _newest(events: Sequence[telemetry_pb2.TelemetryEvent], payload: str) -> tel
 def components(
     rollout: rollout_pb2.RolloutRecord, telemetry: Sequence[telemetry_pb2.TelemetryEvent]
 ) -> reward_pb2.RewardComponents:
+    """The r1 components (see the module docstring)."""
     shown = _newest(telemetry, "edit_shown")
     snapshot = _newest(telemetry, "persistence")
-    outcome = _newest(telemetry, "edit_outcome")
-    followups = [e.followup.message for e in telemetry if e.WhichOneof("payload") == "followup"]
-
     if snapshot is not None:
-        agent_text = shown.edit_shown.edit_text if shown is not None else rollout.completion_text
-        persisted = persisted_fraction(agent_text, snapshot.persistence.region_text)
-    elif outcome is not None and outcome.edit_outcome.outcome == _REJECTED:
-        persisted = 0.0
+        persisted = _snapshot_fraction(rollout, shown, snapshot)
     else:
-        persisted = PERSISTENCE_DEFAULT
-
-    calls = rollout.tool_calls
-    validity = sum(call.valid for call in calls) / len(calls) if calls else 1.0
-    return reward_pb2.RewardComponents(
+        persisted = _unobserved_persistence(telemetry)
+    followups = _followups(telemetry)
+    return _user_components(
+        rollout,
+        followups,
         persisted_fraction=persisted,
         persistence_observed=snapshot is not None,
         dissatisfied=1.0 if any(is_dissatisfied(m) for m in followups) else 0.0,
-        followup_observed=bool(followups),
-        tool_call_validity=validity,
         effort_penalty=min(EFFORT_CAP, EFFORT_PER_TOKEN * len(rollout.completion_token_ids)),
-        latency_s=rollout.latency_s,
     )
 
 
@@ -87,6 +136,100 @@ def reward(c: reward_pb2.RewardComponents) -> float:
         - INVALID_TOOL_WEIGHT * (1.0 - c.tool_call_validity)
         - c.effort_penalty
     )
+
+
+def persistence_trust(age_s: float) -> float:
+    """How far a snapshot taken ``age_s`` after the edit is trusted over the neutral default."""
+    return 1.0 - math.exp(-max(0.0, age_s) / PERSISTENCE_TRUST_TAU_S)
+
+
+def effort_penalty_r2(completion_tokens: int, tool_calls: int) -> float:
+    excess = max(0.0, completion_tokens / TOKEN_BUDGET - 1.0) + max(0.0, tool_calls / TOOL_CALL_BUDGET - 1.0)
+    return min(EFFORT_CAP_R2, EFFORT_WEIGHT_R2 * excess**2)
+
+
+def latency_penalty(latency_s: float) -> float:
+    return min(LATENCY_CAP, LATENCY_WEIGHT * max(0.0, latency_s - LATENCY_BUDGET_S))
+
+
+def components_r2(
+    rollout: rollout_pb2.RolloutRecord, telemetry: Sequence[telemetry_pb2.TelemetryEvent]
+) -> reward_pb2.RewardComponents:
+    """The r2 components; persisted_fraction holds the age-weighted value the scalar uses."""
+    shown = _newest(telemetry, "edit_shown")
+    snapshot = _newest(telemetry, "persistence")
+    if snapshot is not None:
+        age_s = snapshot.persistence.seconds_after_edit
+        if age_s <= 0 and shown is not None:
+            age_s = (snapshot.client_ts_ms - shown.client_ts_ms) / 1000
+        trust = persistence_trust(age_s)
+        persisted = trust * _snapshot_fraction(rollout, shown, snapshot) + (1.0 - trust) * PERSISTENCE_DEFAULT
+    else:
+        persisted = _unobserved_persistence(telemetry)
+    followups = _followups(telemetry)
+    return _user_components(
+        rollout,
+        followups,
+        persisted_fraction=persisted,
+        persistence_observed=snapshot is not None,
+        dissatisfied=max(dissatisfaction(followups)) if followups else 0.0,
+        effort_penalty=effort_penalty_r2(len(rollout.completion_token_ids), len(rollout.tool_calls)),
+    )
+
+
+def reward_r2(c: reward_pb2.RewardComponents) -> float:
+    """The r2 scalar (see the module docstring); in [-2.5, 1.0]."""
+    return (
+        c.persisted_fraction
+        - DISSATISFIED_WEIGHT * c.dissatisfied
+        - INVALID_TOOL_WEIGHT_R2 * (1.0 - c.tool_call_validity)
+        - c.effort_penalty
+        - latency_penalty(c.latency_s)
+    )
+
+
+def _snapshot_fraction(
+    rollout: rollout_pb2.RolloutRecord,
+    shown: telemetry_pb2.TelemetryEvent | None,
+    snapshot: telemetry_pb2.TelemetryEvent,
+) -> float:
+    agent_text = shown.edit_shown.edit_text if shown is not None else rollout.completion_text
+    return persisted_fraction(agent_text, snapshot.persistence.region_text)
+
+
+def _unobserved_persistence(telemetry: Sequence[telemetry_pb2.TelemetryEvent]) -> float:
+    outcome = _newest(telemetry, "edit_outcome")
+    rejected = outcome is not None and outcome.edit_outcome.outcome == _REJECTED
+    return 0.0 if rejected else PERSISTENCE_DEFAULT
+
+
+def _followups(telemetry: Sequence[telemetry_pb2.TelemetryEvent]) -> list[str]:
+    return [e.followup.message for e in telemetry if e.WhichOneof("payload") == "followup"]
+
+
+def _user_components(
+    rollout: rollout_pb2.RolloutRecord, followups: list[str], **parts: float
+) -> reward_pb2.RewardComponents:
+    """The components every version computes the same way, plus the version's own ``parts``."""
+    calls = rollout.tool_calls
+    return reward_pb2.RewardComponents(
+        followup_observed=bool(followups),
+        tool_call_validity=sum(call.valid for call in calls) / len(calls) if calls else 1.0,
+        latency_s=rollout.latency_s,
+        **parts,
+    )
+
+
+@dataclass(frozen=True)
+class RewardFunction:
+    """One version of the reward: how components are computed and folded into the scalar."""
+
+    version: str
+    components: Callable[[rollout_pb2.RolloutRecord, Sequence[telemetry_pb2.TelemetryEvent]], reward_pb2.RewardComponents]
+    scalar: Callable[[reward_pb2.RewardComponents], float]
+
+
+FUNCTIONS = {f.version: f for f in (RewardFunction("r1", components, reward), RewardFunction("r2", components_r2, reward_r2))}
 
 
 def reward_id(rollout_id: str, event_ids: Sequence[str], version: str = REWARD_FN_VERSION) -> str:
@@ -104,17 +247,19 @@ def reward_record(
     rollout: rollout_pb2.RolloutRecord,
     telemetry: Sequence[telemetry_pb2.TelemetryEvent],
     settled_ts_ms: int,
+    version: str = REWARD_FN_VERSION,
 ) -> reward_pb2.RewardRecord:
     """The RewardRecord for a settled rollout; ``telemetry`` excludes the RolloutRecord."""
-    parts = components(rollout, telemetry)
+    function = FUNCTIONS[version]
+    parts = function.components(rollout, telemetry)
     event_ids = sorted({rollout.event_id, *(e.event_id for e in telemetry)})
     return reward_pb2.RewardRecord(
-        reward_id=reward_id(rollout.rollout_id, event_ids),
+        reward_id=reward_id(rollout.rollout_id, event_ids, version),
         rollout_id=rollout.rollout_id,
         rollout=rollout,
         components=parts,
-        reward=reward(parts),
-        reward_fn_version=REWARD_FN_VERSION,
+        reward=function.scalar(parts),
+        reward_fn_version=version,
         defaulted=is_defaulted(telemetry),
         last_event_ts_ms=max((rollout.client_ts_ms, *(e.client_ts_ms for e in telemetry))),
         settled_ts_ms=settled_ts_ms,

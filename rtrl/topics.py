@@ -21,3 +21,8 @@ BY_PAYLOAD = {
     "persistence": PERSISTENCE,
     "followup": FOLLOWUP,
 }
+
+
+def reward_replay(version: str) -> str:
+    """Where a replay with reward-function ``version`` writes; created on demand, never by the stack."""
+    return f"rl.reward.replay.{version}"

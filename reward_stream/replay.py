@@ -1,0 +1,169 @@
+"""Replay: recompute rewards over retained telemetry with another reward-function version.
+
+    python -m reward_stream.replay r2   (stack and RTRL_REWARD_* settings from the environment)
+
+Reads every retained record of the input topics (telemetry.rollout.v1 and the
+telemetry topics) by partition assignment from the beginning up to the log end seen
+at start, re-joins them with the pure join and writes one RewardRecord per rollout
+to rl.reward.replay.<version> (or only returns them).
+
+It never touches the live stream: assignment joins no consumer group, nothing is
+ever committed (the live joiner's offsets stay where they are), and the output
+topic is not one the trainer reads.
+
+Determinism. The live join sees records in arrival order and settles on wall-clock
+deadlines; a replay must give the same rewards every time. So each partition's
+events are sorted by (client_ts_ms, event_id) and fed with an event-time clock:
+now_ms is the stream time, and a final tick past max_wait settles (or drops) what
+is still pending. settled_ts_ms is therefore event time, and the same retained log
+always yields the same records and reward_ids. A replay may join events the live
+join routed to .late (an event that arrived late in wall-clock terms but is inside
+the window in event time), so its rewards can differ from the live ones by design.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+
+from confluent_kafka import OFFSET_BEGINNING, Consumer, Producer, TopicPartition
+
+from reward_stream import join, reward
+from reward_stream.codec import MalformedEvent, PrivacyModeEvent, decode
+from rtrl import kafka, topics
+from rtrl.config import StackSettings
+from rtrl.v1 import reward_pb2
+
+
+@dataclass(frozen=True)
+class RetainedRecord:
+    """One input record as read back from Kafka. Produced by read_retained; consumed by rejoin."""
+
+    topic: str
+    partition: int
+    key: bytes | None
+    value: bytes | None
+
+
+@dataclass(frozen=True)
+class Replay:
+    """What a replay produced. Returned by rejoin and replay."""
+
+    version: str
+    records: tuple[reward_pb2.RewardRecord, ...]
+    """One per settled rollout, by partition and then settle order."""
+    skipped: int
+    """Input records that were malformed or from privacy-mode users (the live join skips them too)."""
+    dropped: int
+    """Rollouts with telemetry but no RolloutRecord."""
+    late: int
+    """Events for a rollout that had already settled in event time."""
+
+
+def read_retained(
+    settings: StackSettings, topic_names: tuple[str, ...] = topics.TELEMETRY, timeout_s: float = 60.0
+) -> list[RetainedRecord]:
+    """Every record of the topics (by default the join's inputs), up to the log ends seen when called."""
+    tps = kafka.partitions(settings, topic_names)
+    ends = kafka.end_offsets(settings, tps)
+    remaining = {tp for tp, end in ends.items() if end > 0}
+    # The group id is required by librdkafka but unused: assign() joins no group, and
+    # neither auto-commit nor commit() ever runs, so no group's offsets move.
+    consumer = Consumer(
+        kafka.consumer_config(settings, "rtrl-reward-replay", **{"enable.auto.offset.store": False})
+    )
+    consumer.assign([TopicPartition(t, p, OFFSET_BEGINNING) for t, p in remaining])
+    records: list[RetainedRecord] = []
+    deadline = time.monotonic() + timeout_s
+    try:
+        while remaining:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"replay could not read to the end of {sorted(remaining)}")
+            for msg in consumer.consume(500, timeout=0.2):
+                if msg.error() is not None:
+                    raise RuntimeError(f"replay read failed: {msg.error()}")
+                tp = (msg.topic(), msg.partition())
+                if msg.offset() < ends[tp]:
+                    records.append(RetainedRecord(msg.topic(), msg.partition(), msg.key(), msg.value()))
+                if msg.offset() + 1 >= ends[tp]:
+                    remaining.discard(tp)
+    finally:
+        consumer.close()
+    return records
+
+
+def rejoin(retained: list[RetainedRecord], config: join.JoinConfig, version: str) -> Replay:
+    """The pure part: join retained records per partition on an event-time clock."""
+    if version not in reward.FUNCTIONS:
+        raise KeyError(f"unknown reward function version {version!r}; known: {sorted(reward.FUNCTIONS)}")
+    by_partition: dict[int, list[join.Event]] = defaultdict(list)
+    skipped = 0
+    for record in retained:
+        try:
+            by_partition[record.partition].append(decode(record.topic, record.key, record.value))
+        except (MalformedEvent, PrivacyModeEvent):
+            skipped += 1
+    records: list[reward_pb2.RewardRecord] = []
+    dropped = late = 0
+    for partition in sorted(by_partition):
+        state = join.JoinState(config)
+        outputs: list[join.Output] = []
+        for event in sorted(by_partition[partition], key=lambda e: (e.client_ts_ms, e.event_id)):
+            state, out = join.step(state, event, max(state.stream_time_ms, event.client_ts_ms))
+            outputs.extend(out)
+        # Past every deadline and max_wait: everything still pending settles or is dropped.
+        state, out = join.tick(state, state.stream_time_ms + config.max_wait_ms + config.window_ms + 1)
+        outputs.extend(out)
+        for output in outputs:
+            if isinstance(output, join.Settled):
+                telemetry = [e.message for e in output.events]
+                records.append(reward.reward_record(output.rollout.message, telemetry, output.settled_ts_ms, version))
+            dropped += isinstance(output, join.Dropped)
+            late += isinstance(output, join.Late)
+    return Replay(version, tuple(records), skipped, dropped, late)
+
+
+def publish(settings: StackSettings, result: Replay, timeout_s: float = 30.0) -> str:
+    """Write the replayed records to their own topic; returns its name."""
+    topic = topics.reward_replay(result.version)
+    kafka.ensure_topics(settings, (topic,))
+    producer = Producer(kafka.producer_config(settings))
+    errors: list[str] = []
+
+    def on_delivery(err, msg) -> None:
+        if err is not None:
+            errors.append(str(err))
+
+    for record in result.records:
+        producer.produce(topic, record.SerializeToString(), key=record.rollout_id.encode(), on_delivery=on_delivery)
+    undelivered = producer.flush(timeout_s)
+    producer.close()
+    if undelivered or errors:
+        raise RuntimeError(f"replay to {topic}: {undelivered} undelivered, errors {errors[:3]}")
+    return topic
+
+
+def replay(settings: StackSettings, config: join.JoinConfig, version: str, write: bool = True) -> Replay:
+    result = rejoin(read_retained(settings), config, version)
+    if write:
+        publish(settings, result)
+    return result
+
+
+def main() -> None:
+    if len(sys.argv) != 2 or sys.argv[1] not in reward.FUNCTIONS:
+        print(f"usage: python -m reward_stream.replay VERSION  (one of {sorted(reward.FUNCTIONS)})\n{__doc__}")
+        raise SystemExit(2)
+    from reward_stream.config import RewardStreamSettings
+
+    result = replay(StackSettings(), RewardStreamSettings().join_config(), sys.argv[1])
+    print(
+        f"{topics.reward_replay(result.version)}: {len(result.records)} rewards, "
+        f"{result.skipped} skipped, {result.dropped} dropped, {result.late} late"
+    )
+
+
+if __name__ == "__main__":
+    main()

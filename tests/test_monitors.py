@@ -1,0 +1,180 @@
+"""Reward-hacking guards: behaviour shifts between policy versions raise alerts, stable streams do not."""
+
+from __future__ import annotations
+
+import pytest
+
+from reward_stream import monitors, reward, signals
+from rtrl.v1 import reward_pb2, rollout_pb2, telemetry_pb2
+
+EDIT_TEXT = "def f():\n    return 1\n"
+REJECTED = telemetry_pb2.EditOutcome(outcome=telemetry_pb2.EditOutcome.OUTCOME_REJECTED)
+
+
+@pytest.fixture(autouse=True)
+def rule_dissatisfaction(monkeypatch):
+    """r2 scores follow-ups with the rules here: these tests are about the monitor, and this
+    keeps them from loading the classifier's encoder."""
+    monkeypatch.setattr(reward, "dissatisfaction", lambda messages: [float(signals.is_dissatisfied(m)) for m in messages])
+
+
+def rollout_of(kind: str, i: int, version: int) -> tuple[rollout_pb2.RolloutRecord, list[telemetry_pb2.TelemetryEvent]]:
+    """Rollout i of a policy version behaving as ``kind``, with the telemetry the user sends back.
+
+    kept / rewritten: an edit whose snapshot (two minutes on) is unchanged / rewritten;
+    rejected: an edit rejected with a complaint; question: a clarifying question, no
+    code; dodge: no edit, a broken tool call instead.
+    """
+    rollout_id = f"v{version}-{kind}-{i}"
+    text = {"question": "Which file should I change?", "dodge": "Running the tests first."}.get(kind, EDIT_TEXT)
+    record = rollout_pb2.RolloutRecord(
+        event_id=f"{rollout_id}-r", rollout_id=rollout_id, client_ts_ms=1000, completion_text=text,
+        completion_token_ids=[5] * 40, version_spans=[rollout_pb2.VersionSpan(policy_version=version, start=0, end=40)],
+        tool_calls=[rollout_pb2.ToolCall(name="run", valid=False)] if kind == "dodge" else [],
+    )
+
+    def ev(suffix: str, ts: int, **payload) -> telemetry_pb2.TelemetryEvent:
+        return telemetry_pb2.TelemetryEvent(event_id=f"{rollout_id}-{suffix}", rollout_id=rollout_id, client_ts_ms=ts, **payload)
+
+    telemetry = []
+    if kind in ("kept", "rewritten"):
+        region = EDIT_TEXT if kind == "kept" else "x = 2\n"
+        telemetry = [
+            ev("s", 1010, edit_shown=telemetry_pb2.EditShown(edit_text=EDIT_TEXT)),
+            ev("p", 121_010, persistence=telemetry_pb2.PersistenceSnapshot(seconds_after_edit=120, region_text=region)),
+        ]
+    elif kind == "rejected":
+        telemetry = [
+            ev("s", 1010, edit_shown=telemetry_pb2.EditShown(edit_text=EDIT_TEXT)),
+            ev("o", 1020, edit_outcome=REJECTED),
+            ev("f", 1030, followup=telemetry_pb2.FollowUp(message="no, that broke the build")),
+        ]
+    return record, telemetry
+
+
+def stream(*phases: tuple[int, int, tuple[str, ...]], version_fn: str = "r1") -> list[reward_pb2.RewardRecord]:
+    """Reward records for (policy version, rollouts, behaviour cycle) phases, in order."""
+    records = []
+    for version, n, cycle in phases:
+        for i in range(n):
+            record, telemetry = rollout_of(cycle[i % len(cycle)], i, version)
+            records.append(reward.reward_record(record, telemetry, 200_000, version_fn))
+    return records
+
+
+def run(records: list[reward_pb2.RewardRecord], config: monitors.MonitorConfig | None = None) -> list[monitors.Alert]:
+    state = monitors.MonitorState(config or monitors.MonitorConfig())
+    alerts: list[monitors.Alert] = []
+    for record in records:
+        state, new = monitors.step(state, record)
+        alerts.extend(new)
+    return alerts
+
+
+HONEST = ("kept", "rewritten", "rejected", "kept")
+DODGING = ("kept", "rewritten", "dodge", "kept")  # breaks a tool call where it would have been rejected
+ASKING = ("kept", "rewritten", "question", "kept")
+
+MONITOR_CASES = {
+    # Same behaviour mix in both versions, different lengths: nothing to report.
+    "stable": ([(1, 100, HONEST), (2, 120, HONEST)], set()),
+    # Three versions in a row, all honest.
+    "stable_three_versions": ([(1, 80, HONEST), (2, 80, HONEST), (3, 80, HONEST)], set()),
+    # The new version breaks tool calls instead of risking edits.
+    "broken_tool_calls_to_dodge_edits": (
+        [(1, 100, HONEST), (2, 100, DODGING)],
+        # Under r1 the mean reward rises (0.355 -> 0.48) but too noisily to flag: only behaviour does.
+        {"broken_tool_call", "edit", "dissatisfied", "mean_tool_call_validity"},
+    ),
+    # The new version asks instead of editing where it used to be rejected.
+    "questions_instead_of_edits": (
+        [(1, 100, HONEST), (2, 100, ASKING)],
+        {"clarifying_question", "edit", "dissatisfied"},
+    ),
+    # The same hack with too few rollouts of the new version to tell.
+    "too_few_samples": ([(1, 100, HONEST), (2, 40, DODGING)], set()),
+    # A first version has nothing to be compared with.
+    "single_version": ([(1, 200, DODGING)], set()),
+}
+
+
+@pytest.mark.parametrize("phases, expected", MONITOR_CASES.values(), ids=MONITOR_CASES.keys())
+def test_monitor(phases, expected):
+    alerts = run(stream(*phases))
+    assert {a.metric for a in alerts} == expected
+    assert len(alerts) == len(expected)  # each (version, metric) alerts once
+    for alert in alerts:
+        assert abs(alert.z_score) >= 4 and abs(alert.value - alert.previous_value) >= 0.1
+        assert 0 < len(alert.examples) <= 5
+
+
+def test_broken_tool_call_alert_names_the_shift_and_examples():
+    alerts = run(stream((1, 100, HONEST), (2, 100, DODGING)))
+    [alert] = [a for a in alerts if a.metric == "broken_tool_call"]
+    assert (alert.previous_version, alert.version, alert.previous_value) == (1, 2, 0.0)
+    # Raised the first time the rule holds, so the rate is the dodge share at that point.
+    assert alert.value == pytest.approx(0.25, abs=0.02) and alert.z_score > 4
+    assert all(rollout_id.startswith("v2-dodge-") for rollout_id in alert.examples)
+
+
+def mean_reward(records: list[reward_pb2.RewardRecord]) -> float:
+    return sum(r.reward for r in records) / len(records)
+
+
+@pytest.mark.parametrize("version_fn, dodging_pays", [("r1", True), ("r2", False)])
+def test_hackable_reward_is_caught_by_the_monitor(version_fn, dodging_pays):
+    # Under r1 a broken tool call (0.5 - 0.5) beats a rejected, complained-about edit
+    # (0 - 0.5), so the dodging version earns MORE reward than the honest one: reward
+    # alone would call it progress. The behaviour monitor flags it whatever the reward says.
+    honest = stream((1, 100, HONEST), version_fn=version_fn)
+    dodging = stream((2, 100, DODGING), version_fn=version_fn)
+    assert (mean_reward(dodging) > mean_reward(honest)) is dodging_pays
+    metrics = {a.metric for a in run(honest + dodging)}
+    assert {"broken_tool_call", "edit"} <= metrics
+
+
+VERSION_CASES = {
+    # One version: that one.
+    "single": ([(3, 0, 40)], 3),
+    # A swap mid-rollout: the version that sampled most tokens.
+    "swap_late": ([(3, 0, 30), (4, 30, 40)], 3),
+    "swap_early": ([(3, 0, 10), (4, 10, 40)], 4),
+    # A tie goes to the newer version.
+    "tie": ([(3, 0, 20), (4, 20, 40)], 4),
+    # No spans: not attributable.
+    "none": ([], None),
+}
+
+
+@pytest.mark.parametrize("spans, expected", VERSION_CASES.values(), ids=VERSION_CASES.keys())
+def test_policy_version(spans, expected):
+    record = reward_pb2.RewardRecord(
+        rollout=rollout_pb2.RolloutRecord(version_spans=[rollout_pb2.VersionSpan(policy_version=v, start=s, end=e) for v, s, e in spans])
+    )
+    assert monitors.policy_version(record) == expected
+
+
+QUESTION_CASES = {
+    "plain_question": ("Which file should I change?", True),
+    "question_with_trailing_space": ("Do you want tests too?  \n", True),
+    "statement": ("Done, I renamed it.", False),
+    "code_then_question": ("```python\nx = 1\n```\nLike this?", False),
+    "indented_code_then_question": ("Change it to\n    return x\nok?", False),
+    "question_mid_text": ("Why? Because the build broke.", False),
+}
+
+
+@pytest.mark.parametrize("text, expected", QUESTION_CASES.values(), ids=QUESTION_CASES.keys())
+def test_is_clarifying_question(text, expected):
+    assert monitors.is_clarifying_question(text) is expected
+
+
+def test_unversioned_records_are_counted_not_compared():
+    state = monitors.MonitorState()
+    state, alerts = monitors.step(state, reward_pb2.RewardRecord(rollout_id="x"))
+    assert alerts == [] and state.unversioned["records"] == 1 and state.versions == {}
+
+
+def test_config_is_validated():
+    with pytest.raises(ValueError):
+        monitors.MonitorConfig(min_samples=1)
