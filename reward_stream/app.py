@@ -13,13 +13,12 @@ Configuration for faust-streaming 0.15.3 on Tansu (and on Apache Kafka alike):
     faust's 45 s default: a group forms in ~3 s on Tansu instead of ~23 s. aiokafka
     speaks only the classic consumer-group protocol, which is what Tansu needs.
 
-Known limitation (issue 4 fixes it): faust commits an event's offset once the
-agent has moved past it, i.e. before the rollout it belongs to settles. Pending
-rollouts and the settled-id memory live only in this process, so after a crash
-the events of rollouts that were pending are not re-read (those rollouts get no
-reward), and events re-read since the last commit start fresh rollouts: a
-re-read RolloutRecord can then yield a second reward for its rollout_id, with a
-different event_ids set and so a different reward_id.
+Exactly once: the agent reads a noack stream and acknowledges a record only when
+the Joiner says its outputs are durable (runtime.py explains the scheme), so
+faust's gap-aware commit never moves past a rollout that is still pending. Before
+the first record of a partition, its settled memory is read back from the output
+topics (recovery.py). stream_wait_empty is off: a rebalance must not wait for
+pending rollouts to settle, since their records are simply read again by the new owner.
 """
 
 from __future__ import annotations
@@ -30,8 +29,9 @@ import time
 import faust
 import redis.asyncio as aioredis
 
+from reward_stream import recovery
 from reward_stream.config import RewardStreamSettings
-from reward_stream.runtime import Joiner, OutRecord
+from reward_stream.runtime import Batch, Joiner
 from rtrl import heartbeat, topics
 from rtrl.config import StackSettings
 
@@ -56,6 +56,7 @@ def create_app(settings: RewardStreamSettings, stack: StackSettings) -> faust.Ap
         topic_partitions=stack.kafka_partitions,
         topic_allow_declare=False,
         topic_disable_leader=True,
+        stream_wait_empty=False,
         producer_acks=-1,
         datadir=str(stack.state_dir / "reward_stream"),
         web_port=settings.web_port,
@@ -66,25 +67,32 @@ def create_app(settings: RewardStreamSettings, stack: StackSettings) -> faust.Ap
     joiner = Joiner(settings.join_config())
     outputs = {name: app.topic(name) for name in (topics.REWARD, topics.REWARD_LATE, topics.REWARD_DLQ)}
 
-    async def publish(records: list[OutRecord]) -> None:
-        # Wait for the broker's acks before the agent takes the next event, so an
-        # event's offset is never committed ahead of the outputs it produced directly.
-        acks = [
-            await outputs[r.topic].send(key=r.key, value=r.value, headers=list(r.headers)) for r in records
-        ]
+    async def publish(batch: Batch) -> None:
+        # The broker acks every output before any input record behind it is acked,
+        # so no offset is ever committed ahead of what it produced.
+        acks = [await outputs[r.topic].send(key=r.key, value=r.value, headers=list(r.headers)) for r in batch.records]
         if acks:
             await asyncio.gather(*acks)
+        for event in batch.acks:
+            event.ack()
 
     @app.agent(app.topic(*topics.TELEMETRY), name="join")
     async def join_agent(stream):
-        async for event in stream.events():
+        async for event in stream.noack().events():
             message = event.message
-            records = joiner.feed(message.topic, message.partition, message.offset, message.key, message.value, now_ms())
-            await publish(records)
+            if not joiner.restored(message.partition):
+                settled = await asyncio.to_thread(recovery.settled_rollouts, stack, message.partition)
+                joiner.restore(message.partition, settled, now_ms())
+            batch = joiner.feed_record(message.topic, message.partition, message.offset, message.key, message.value, now_ms(), event)
+            await publish(batch)
 
     @app.timer(settings.tick_interval_s, name="deadline_tick")
     async def deadline_tick():
-        await publish(joiner.tick(now_ms()))
+        await publish(joiner.tick_batch(now_ms()))
+
+    @app.on_partitions_revoked.connect
+    async def on_revoked(app, revoked, **kwargs) -> None:
+        joiner.forget({tp.partition for tp in revoked})
 
     def status() -> dict:
         return {**joiner.status(), "assigned": len(app.consumer.assignment())}

@@ -71,6 +71,9 @@ class Event:
     rollout_id: str
     client_ts_ms: int
     message: object = None
+    handle: object = field(default=None, compare=False)
+    """The runtime's token for the input record, acknowledged once the outputs this
+    event leads to are durable (the join only carries it)."""
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,19 @@
-"""Between Kafka records and the pure join: decoding, per-partition state, counters.
+"""Between Kafka records and the pure join: decoding, per-partition state, counters,
+and which input records may be acknowledged.
 
 No faust here, so the whole record-in/records-out path is testable without a
 broker; app.py only moves these records to and from faust.
+
+Exactly-once without Kafka transactions. An input record is acknowledged (its
+offset may be committed) only once every output it leads to is durable: a record
+that joins a pending rollout stays unacknowledged until that rollout settles and
+its reward is acked by the broker. The committed offset of each input partition is
+therefore the low-water mark of the rollouts still pending there, and after a crash
+they are read again and joined again, to the same reward (reward_id depends only on
+the rollout and its events). Records read again whose rollout did settle must not
+settle it twice: before the first record of a partition is joined, the partition's
+settled memory is rebuilt from the reward and .late topics (restore()), so they
+come out as duplicates.
 """
 
 from __future__ import annotations
@@ -24,6 +36,16 @@ class OutRecord:
     key: bytes
     value: bytes
     headers: tuple[tuple[str, bytes], ...] = ()
+
+
+@dataclass(frozen=True)
+class Batch:
+    """What one input record or tick leads to. Produced by Joiner.feed_record/tick_batch;
+    consumed by app.py, which publishes ``records``, waits for the broker, then acks ``acks``."""
+
+    records: list[OutRecord]
+    acks: list[object]
+    """Handles of input records whose outputs are all in ``records`` (or that need none)."""
 
 
 @dataclass
@@ -55,9 +77,35 @@ class Joiner:
     def feed(
         self, topic: str, partition: int, offset: int, key: bytes | None, value: bytes | None, now_ms: int
     ) -> list[OutRecord]:
+        return self.feed_record(topic, partition, offset, key, value, now_ms).records
+
+    def tick(self, now_ms: int) -> list[OutRecord]:
+        return self.tick_batch(now_ms).records
+
+    def restored(self, partition: int) -> bool:
+        return partition in self.states
+
+    def restore(self, partition: int, settled: dict[str, frozenset[str]], now_ms: int) -> None:
+        """Start partition's state with the rollouts already settled (rollout_id -> event_ids
+        in their reward or .late records), remembered for settled_ttl_ms from now."""
+        state = join.JoinState(self.config)
+        expires = now_ms + self.config.settled_ttl_ms
+        for rollout_id, event_ids in settled.items():
+            state.settled[rollout_id] = join.SettledMark(expires, event_ids)
+        self.states[partition] = state
+
+    def forget(self, partitions: set[int]) -> None:
+        """Drop the state of partitions this worker no longer owns: their unacknowledged
+        records are read again by the new owner from the committed offsets."""
+        for partition in partitions:
+            self.states.pop(partition, None)
+
+    def feed_record(
+        self, topic: str, partition: int, offset: int, key: bytes | None, value: bytes | None, now_ms: int, handle: object = None
+    ) -> Batch:
         self.counters.events += 1
         try:
-            event = decode(topic, key, value)
+            event = decode(topic, key, value, handle)
         except MalformedEvent as exc:
             self.counters.dlq += 1
             headers = (
@@ -66,20 +114,23 @@ class Joiner:
                 ("source_partition", str(partition).encode()),
                 ("source_offset", str(offset).encode()),
             )
-            return [OutRecord(topics.REWARD_DLQ, key or b"", value or b"", headers)]
+            return Batch([OutRecord(topics.REWARD_DLQ, key or b"", value or b"", headers)], [handle])
         except PrivacyModeEvent:
             self.counters.privacy_dropped += 1
-            return []
+            return Batch([], [handle])
         state = self.states.get(partition) or join.JoinState(self.config)
         self.states[partition], outputs = join.step(state, event, now_ms)
-        return self._records(outputs)
+        return self._batch(outputs)
 
-    def tick(self, now_ms: int) -> list[OutRecord]:
+    def tick_batch(self, now_ms: int) -> Batch:
         records: list[OutRecord] = []
+        acks: list[object] = []
         for partition, state in list(self.states.items()):
             self.states[partition], outputs = join.tick(state, now_ms)
-            records.extend(self._records(outputs))
-        return records
+            batch = self._batch(outputs)
+            records.extend(batch.records)
+            acks.extend(batch.acks)
+        return Batch(records, acks)
 
     def pending(self) -> int:
         return sum(len(state.pending) for state in self.states.values())
@@ -87,9 +138,16 @@ class Joiner:
     def status(self) -> dict:
         return {**asdict(self.counters), "pending": self.pending(), "partitions": sorted(self.states)}
 
-    def _records(self, outputs: list[join.Output]) -> list[OutRecord]:
+    def _batch(self, outputs: list[join.Output]) -> Batch:
         records = []
+        acks = []
         for output in outputs:
+            if isinstance(output, join.Settled):
+                acks.extend(e.handle for e in (output.rollout, *output.events))
+            elif isinstance(output, join.Dropped):
+                acks.extend(e.handle for e in output.events)
+            else:
+                acks.append(output.event.handle)
             if isinstance(output, join.Settled):
                 record = reward.reward_record(
                     output.rollout.message, [e.message for e in output.events], output.settled_ts_ms
@@ -110,4 +168,4 @@ class Joiner:
             elif isinstance(output, join.Dropped):
                 self.counters.dropped += 1
                 log.debug("dropped rollout %s: no RolloutRecord within max_wait", output.rollout_id)
-        return records
+        return Batch(records, [handle for handle in acks if handle is not None])

@@ -1,0 +1,63 @@
+"""What a partition already settled, read back from the joiner's own outputs.
+
+The joiner keeps no state of its own on disk: the reward topic and the .late topic
+are its log. Both are keyed by rollout_id with the input topics' partition count,
+so partition p of each holds the outputs of input partition p. Reading them back to
+their end tells a restarted (or newly assigned) worker which rollouts settled and
+which events they consumed; records it reads again for those rollouts are then
+duplicates, not second rewards (see runtime.py).
+"""
+
+from __future__ import annotations
+
+import time
+
+from confluent_kafka import OFFSET_BEGINNING, Consumer, TopicPartition
+from google.protobuf.message import DecodeError
+
+from rtrl import kafka, topics
+from rtrl.config import StackSettings
+from rtrl.v1 import reward_pb2, rollout_pb2, telemetry_pb2
+
+
+def settled_rollouts(stack: StackSettings, partition: int, timeout_s: float = 30.0) -> dict[str, frozenset[str]]:
+    """rollout_id -> ids of the events already consumed for it, from partition's rewards and late records."""
+    tps = [TopicPartition(topics.REWARD, partition), TopicPartition(topics.REWARD_LATE, partition)]
+    ends = kafka.end_offsets(stack, tps)
+    waiting = {(tp.topic, tp.partition) for tp in tps if ends[(tp.topic, tp.partition)] > 0}
+    settled: dict[str, set[str]] = {}
+    if not waiting:
+        return {}
+    reader = Consumer({"bootstrap.servers": stack.kafka_bootstrap, "group.id": "rtrl-reward-recovery", "enable.auto.commit": False})
+    try:
+        reader.assign([TopicPartition(tp.topic, tp.partition, OFFSET_BEGINNING) for tp in tps if (tp.topic, tp.partition) in waiting])
+        deadline = time.monotonic() + timeout_s
+        while waiting:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"reading back partition {partition} of {sorted(t for t, _ in waiting)} took over {timeout_s} s")
+            for message in reader.consume(1000, timeout=0.2):
+                if message.error() is not None:
+                    continue
+                where = (message.topic(), message.partition())
+                _remember(settled, message.topic(), message.value(), dict(message.headers() or []))
+                if message.offset() + 1 >= ends[where]:
+                    waiting.discard(where)
+    finally:
+        reader.close()
+    return {rollout_id: frozenset(event_ids) for rollout_id, event_ids in settled.items()}
+
+
+def _remember(settled: dict[str, set[str]], topic: str, value: bytes, headers: dict[str, bytes]) -> None:
+    try:
+        if topic == topics.REWARD:
+            record = reward_pb2.RewardRecord.FromString(value)
+            settled.setdefault(record.rollout_id, set()).update(record.event_ids)
+        elif headers.get("kind") == b"rollout":
+            record = rollout_pb2.RolloutRecord.FromString(value)
+            settled.setdefault(record.rollout_id, set()).add(record.event_id)
+        else:
+            event = telemetry_pb2.TelemetryEvent.FromString(value)
+            settled.setdefault(event.rollout_id, set()).add(event.event_id)
+    except DecodeError:
+        # Only this service writes these topics; a record it cannot read changes nothing it must know.
+        return
