@@ -64,7 +64,7 @@ def create_app(settings: RewardStreamSettings, stack: StackSettings) -> faust.Ap
         web_host="127.0.0.1",
         autodiscover=False,
     )
-    joiner = Joiner(settings.join_config())
+    joiner = Joiner(settings.join_config(), settings.reward_fn_version)
     outputs = {name: app.topic(name) for name in (topics.REWARD, topics.REWARD_LATE, topics.REWARD_DLQ)}
 
     async def publish(batch: Batch) -> None:

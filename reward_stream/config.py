@@ -37,11 +37,19 @@ class RewardStreamSettings(BaseSettings):
     app_id: str = "rtrl-reward-stream"
     """faust application id; also the Kafka consumer group."""
 
+    reward_fn_version: str = "r1"
+    """Reward function the live stream settles with (reward_stream/reward.py: r1, r2).
+    Changing it changes every reward_id; recompute history with reward_stream.replay."""
+
     @model_validator(mode="after")
     def _check(self) -> RewardStreamSettings:
         if self.grace_s > self.window_s:
             raise ValueError(f"grace_s ({self.grace_s}) must be <= window_s ({self.window_s})")
         self.join_config()  # the join's own checks (grace <= window, max_wait covers the window)
+        from reward_stream.reward import FUNCTIONS
+
+        if self.reward_fn_version not in FUNCTIONS:
+            raise ValueError(f"reward_fn_version {self.reward_fn_version!r} is not one of {sorted(FUNCTIONS)}")
         return self
 
     def join_config(self) -> JoinConfig:

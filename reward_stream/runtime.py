@@ -69,8 +69,9 @@ class Joiner:
     feeds the same JoinState and stream time is tracked per partition.
     """
 
-    def __init__(self, config: join.JoinConfig) -> None:
+    def __init__(self, config: join.JoinConfig, reward_fn_version: str = reward.REWARD_FN_VERSION) -> None:
         self.config = config
+        self.reward_fn_version = reward_fn_version
         self.states: dict[int, join.JoinState] = {}
         self.counters = Counters()
 
@@ -150,7 +151,7 @@ class Joiner:
                 acks.append(output.event.handle)
             if isinstance(output, join.Settled):
                 record = reward.reward_record(
-                    output.rollout.message, [e.message for e in output.events], output.settled_ts_ms
+                    output.rollout.message, [e.message for e in output.events], output.settled_ts_ms, self.reward_fn_version
                 )
                 self.counters.settled += 1
                 self.counters.defaulted += record.defaulted
