@@ -159,6 +159,20 @@ def bench_broadcast(
     run(out, console, rounds=rounds)
 
 
+@bench_app.command("join")
+def bench_join(
+    rollouts: int = typer.Option(20_000, help="Rollouts of three records each in the load."),
+    spacing_ms: int = typer.Option(2, help="Event time between consecutive rollouts."),
+    live_rollouts: int = typer.Option(2_000, help="Rollouts produced in real time for the settle latency."),
+    live_rate: float = typer.Option(250.0, help="Live rollouts per second."),
+    out: Path = typer.Option(Path("bench/results/join.json")),
+) -> None:
+    """Reward-join events/s against a bare faust agent and a raw consumer, 2 workers vs 1, settle latency."""
+    from rtrl.bench_join import run
+
+    run(out, console, rollouts=rollouts, spacing_ms=spacing_ms, live_rollouts=live_rollouts, live_rate_per_s=live_rate)
+
+
 def main() -> None:
     app()
 

@@ -1,0 +1,439 @@
+"""`rtrl bench join`: reward-join throughput against its floors, scale-out, settle latency.
+
+One run starts its own Tansu and redis-server in a temp dir and produces one load:
+``rollouts`` rollouts of three records (a RolloutRecord of ~1.4 KB with 200 token
+ids and logprobs, an EditShown and a PersistenceSnapshot of ~0.5 KB), keyed by
+rollout_id over 4 partitions, event times ``spacing_ms`` apart (so with the default
+2 s window and 0.5 s grace a partition holds a few hundred pending rollouts and
+windows close by stream time), then one sentinel rollout per partition whose event
+time closes the last windows. Every measurement reads those same topics from the
+beginning with a fresh consumer group:
+
+* ``raw_consumer_events_per_s``: a bare confluent-kafka consumer, nothing decoded,
+  (events - 1) / (last receipt - first receipt);
+* ``faust_floor_events_per_s``: rtrl.bench_join_floor, a faust agent with the joiner's
+  settings that only counts, timed the same way in its own process;
+* ``events_per_s``: one ``python -m reward_stream`` worker, the records it read from
+  its first heartbeat that counted any to its first that counted them all (the
+  heartbeat comes once a second, so ~1 s of error; group formation and the read-back
+  of settled rollouts are left out as the floors leave out everything before their
+  first record). ``settle_events_per_s`` is the other view: 3 x (rollouts - 1) /
+  (last main-load reward's broker timestamp - first one's), valid only while the
+  join is exact; tiny loads, read within one heartbeat, use it as ``events_per_s``;
+* ``ratio_vs_floor`` = events_per_s / faust_floor_events_per_s;
+* ``scaleout_2_vs_1``: the same for two workers in one group (reward topics emptied
+  first, or the second run's read-back would make every record a duplicate);
+* ``p50/p99_settle_latency_s``: after the one-worker run has caught up, it stays up
+  while ``live_rollouts`` more are produced in real time (event time = wall clock).
+  A rollout's window can close at open + window + grace, open being its first
+  event's time; its settle latency is its reward's broker timestamp minus that
+  instant. Only rollouts closed by later traffic count (open <= last live event
+  - window - grace); the last ones close by the wall-clock deadline instead.
+
+Join quality is reported, not assumed: per joiner run, rewards against rollouts
+(``exact_*``: missing, doubled) and the workers' counters (settled, defaulted, late,
+dropped, duplicates). A backlog is where it breaks: the worker reads the four topics
+unevenly, so a partition's stream time runs ahead on one topic while another's
+records wait; rollouts then settle without events (defaulted, then late) or, if
+their RolloutRecord waits over max_wait_s of wall clock, are dropped.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+import tempfile
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import redis
+from confluent_kafka import OFFSET_BEGINNING, Consumer, Producer, TopicPartition
+from confluent_kafka.admin import AdminClient
+from rich.console import Console
+from rich.progress import Progress
+from rich.table import Table
+
+from reward_stream.config import RewardStreamSettings
+from rtrl import heartbeat, kafka, procs, topics
+from rtrl.config import StackSettings
+from rtrl.v1 import rollout_pb2, telemetry_pb2
+
+PARTITIONS = 4
+TOKENS = 200
+EDIT_TEXT = "".join(f"    value_{i} = compute(value_{i - 1}, scale={i})\n" for i in range(1, 12))
+SENTINEL = "sentinel-"
+LIVE = "live-"
+TIMEOUT_S = 300.0
+
+
+@dataclass(frozen=True)
+class Span:
+    """What one throughput measurement saw: how many events, between which instants (s)."""
+
+    events: int
+    first_s: float
+    last_s: float
+
+    @property
+    def events_per_s(self) -> float:
+        return (self.events - 1) / max(self.last_s - self.first_s, 1e-3)
+
+
+def rollout_records(rollout_id: str, ts_ms: int) -> list[tuple[str, bytes]]:
+    """The three records of one rollout, as (topic, value)."""
+    record = rollout_pb2.RolloutRecord(
+        event_id=str(uuid.uuid4()), rollout_id=rollout_id, session_id="bench", client_ts_ms=ts_ms,
+        model_name="bench-policy", completion_text=EDIT_TEXT[:200], latency_s=0.4,
+        completion_token_ids=[(7919 * i) % 50_000 for i in range(TOKENS)],
+        completion_logprobs=[-0.01 * (i % 97) for i in range(TOKENS)],
+    )
+    shown = telemetry_pb2.TelemetryEvent(
+        event_id=str(uuid.uuid4()), rollout_id=rollout_id, session_id="bench", client_ts_ms=ts_ms + 1,
+        edit_shown=telemetry_pb2.EditShown(file_path="src/bench.py", edit_text=EDIT_TEXT),
+    )
+    kept = telemetry_pb2.TelemetryEvent(
+        event_id=str(uuid.uuid4()), rollout_id=rollout_id, session_id="bench", client_ts_ms=ts_ms + 2,
+        persistence=telemetry_pb2.PersistenceSnapshot(seconds_after_edit=30, region_text=EDIT_TEXT),
+    )
+    return [(topics.ROLLOUT, record.SerializeToString()), (topics.EDIT, shown.SerializeToString()), (topics.PERSISTENCE, kept.SerializeToString())]
+
+
+def produce_load(stack: StackSettings, rollouts: int, spacing_ms: int, base_ms: int, close_after_ms: int, progress: Progress) -> tuple[list[str], int]:
+    """The main load plus one sentinel per partition; returns the rollout ids and the bytes produced."""
+    producer = Producer(kafka.producer_config(stack, **{"linger.ms": 20, "queue.buffering.max.messages": 200_000}))
+    task = progress.add_task("producing", total=rollouts)
+    ids, size = [], 0
+    for i in range(rollouts):
+        rollout_id = f"r{i:06d}"
+        for topic, value in rollout_records(rollout_id, base_ms + spacing_ms * i):
+            producer.produce(topic, value, key=rollout_id)
+            size += len(value)
+        ids.append(rollout_id)
+        if i % 500 == 0:
+            producer.poll(0)
+            progress.update(task, completed=i)
+    # Explicit partitions: a sentinel must advance every partition's stream time.
+    end_ms = base_ms + spacing_ms * rollouts + close_after_ms
+    for partition in range(PARTITIONS):
+        rollout_id = f"{SENTINEL}{partition}"
+        for topic, value in rollout_records(rollout_id, end_ms):
+            producer.produce(topic, value, key=rollout_id, partition=partition)
+        ids.append(rollout_id)
+    assert producer.flush(60) == 0, "the broker did not take the load"
+    progress.update(task, completed=rollouts)
+    return ids, size
+
+
+def raw_consume(stack: StackSettings, expected: int, progress: Progress) -> Span:
+    consumer = Consumer(kafka.consumer_config(stack, f"bench-join-raw-{uuid.uuid4().hex[:8]}"))
+    consumer.subscribe(list(topics.TELEMETRY))
+    task = progress.add_task("raw consumer", total=expected)
+    count, first = 0, None
+    deadline = time.monotonic() + TIMEOUT_S
+    try:
+        while count < expected:
+            assert time.monotonic() < deadline, f"raw consumer read {count} of {expected}"
+            batch = consumer.consume(1000, timeout=0.5)
+            now = time.time()
+            got = sum(1 for m in batch if m.error() is None)
+            if got and first is None:
+                first = now
+            count += got
+            progress.update(task, completed=count)
+        return Span(count, first, now)
+    finally:
+        consumer.close()
+
+
+def worker_env(stack: StackSettings, workdir: Path, app_id: str, instance: str) -> dict[str, str]:
+    return {
+        "RTRL_KAFKA_BOOTSTRAP": stack.kafka_bootstrap,
+        "RTRL_REDIS_URL": stack.redis_url,
+        "RTRL_STATE_DIR": str(workdir / instance),
+        "RTRL_KAFKA_PARTITIONS": str(PARTITIONS),
+        "RTRL_INSTANCE": instance,
+        "RTRL_REWARD_APP_ID": app_id,
+        "RTRL_REWARD_WEB_PORT": str(procs.free_port()),
+    }
+
+
+def faust_floor(stack: StackSettings, workdir: Path, expected: int, progress: Progress) -> Span:
+    out = workdir / "floor.json"
+    env = worker_env(stack, workdir, "bench-join-floor", "floor")
+    proc = procs.spawn("floor", [sys.executable, "-m", "rtrl.bench_join_floor", str(out), str(expected)], workdir / "floor.log", env=env)
+    task = progress.add_task("faust floor", total=expected)
+    deadline = time.monotonic() + TIMEOUT_S
+    try:
+        while True:
+            assert proc.alive(), (workdir / "floor.log").read_text()[-3000:]
+            assert time.monotonic() < deadline, f"faust floor stuck; see {workdir / 'floor.log'}"
+            counted = json.loads(out.read_text()) if out.exists() else {"events": 0}
+            progress.update(task, completed=counted["events"])
+            if counted["events"] >= expected:
+                return Span(counted["events"], counted["first_s"], counted["last_s"])
+            time.sleep(0.2)
+    finally:
+        proc.stop()
+
+
+def read_rewards(stack: StackSettings) -> list[tuple[str, int]]:
+    """(rollout_id, broker timestamp ms) of every reward record, read by assignment."""
+    tps = [TopicPartition(topics.REWARD, p) for p in range(PARTITIONS)]
+    ends = kafka.end_offsets(stack, tps)
+    remaining = {k for k, end in ends.items() if end > 0}
+    consumer = Consumer({"bootstrap.servers": stack.kafka_bootstrap, "group.id": "bench-join-read", "enable.auto.commit": False})
+    consumer.assign([TopicPartition(tp.topic, tp.partition, OFFSET_BEGINNING) for tp in tps])
+    rewards = []
+    deadline = time.monotonic() + 60
+    try:
+        while remaining:
+            assert time.monotonic() < deadline, f"could not read rewards up to the end of {remaining}"
+            for msg in consumer.consume(1000, timeout=0.2):
+                if msg.error() is None:
+                    rewards.append((msg.key().decode(), msg.timestamp()[1]))
+                    if msg.offset() + 1 >= ends[(msg.topic(), msg.partition())]:
+                        remaining.discard((msg.topic(), msg.partition()))
+    finally:
+        consumer.close()
+    return rewards
+
+
+def exactness(rewards: list[tuple[str, int]], ids: list[str]) -> dict:
+    """How far the rewards are from one per rollout: rollouts without one, extra rewards."""
+    got = [rollout_id for rollout_id, _ in rewards]
+    return {"missing": len(set(ids) - set(got)), "doubled": len(got) - len(set(got))}
+
+
+def rewards_span(rewards: list[tuple[str, int]], main_ids: set[str]) -> Span:
+    """Rollouts settle as the joiner reads them, three events each: the settle rate of the
+    main load, from its first reward's broker timestamp to its last one's."""
+    stamps = sorted(ts for rollout_id, ts in rewards if rollout_id in main_ids)
+    return Span(3 * len(stamps) - 2, stamps[0] / 1000, stamps[-1] / 1000)
+
+
+QUALITY = ("settled", "defaulted", "late", "dropped", "duplicates")
+
+
+class Joiners:
+    """``n`` reward_stream workers in one fresh group, watched through their heartbeats."""
+
+    def __init__(self, stack: StackSettings, workdir: Path, n: int) -> None:
+        self.instances = [f"join{n}w-{i}" for i in range(n)]
+        self.stack, self.workdir = stack, workdir
+        self.procs = [
+            procs.spawn(i, [sys.executable, "-m", "reward_stream"], workdir / f"{i}.log", env=worker_env(stack, workdir, f"bench-join-{n}w", i))
+            for i in self.instances
+        ]
+
+    def heartbeats(self, client: redis.Redis) -> list[dict]:
+        return [json.loads(raw) for raw in (client.get(heartbeat.key("reward_stream", i)) for i in self.instances) if raw]
+
+    def totals(self, client: redis.Redis) -> dict:
+        docs = self.heartbeats(client)
+        totals = {k: sum(doc[k] for doc in docs) for k in ("events", "pending", *QUALITY)}
+        return {**totals, "beats": len(docs)}
+
+    def read_until_idle(self, client: redis.Redis, events: int, progress: Progress, description: str) -> Span | None:
+        """Wait until the workers have read ``events`` records and hold nothing pending, and
+        every reward they settled is on the broker.
+
+        Returns the read rate between the first heartbeat that counted any event and the
+        first that counted them all (heartbeats come once a second, so this needs a load
+        that takes several seconds); None if one heartbeat saw it all."""
+        task = progress.add_task(description, total=events)
+        deadline = time.monotonic() + TIMEOUT_S
+        first = last = None
+        while True:
+            totals = self.totals(client)
+            for proc in self.procs:
+                assert proc.alive(), (self.workdir / f"{proc.name}.log").read_text()[-3000:]
+            assert time.monotonic() < deadline, f"{description}: {totals} after {TIMEOUT_S:.0f} s; logs in {self.workdir}"
+            now = time.time()
+            if first is None and totals["events"] > 0:
+                first = (now, totals["events"])
+            if last is None and totals["events"] >= events:
+                last = (now, totals["events"])
+            progress.update(task, completed=min(totals["events"], events))
+            if last is not None and totals["pending"] == 0 and totals["beats"] == len(self.instances):
+                break
+            time.sleep(0.1)
+        # The counter moves when a reward is handed to the producer; wait until the broker holds them.
+        tps = [TopicPartition(topics.REWARD, p) for p in range(PARTITIONS)]
+        while sum(kafka.end_offsets(self.stack, tps).values()) < totals["settled"]:
+            assert time.monotonic() < deadline, f"{description}: rewards settled but not all written"
+            time.sleep(0.2)
+        if last[1] == first[1]:
+            return None
+        return Span(last[1] - first[1] + 1, first[0], last[0])
+
+    def stop(self) -> None:
+        for proc in self.procs:
+            proc.stop(timeout_s=20)
+
+
+def produce_live(stack: StackSettings, rollouts: int, rate_per_s: float, progress: Progress) -> dict[str, int]:
+    """Rollouts produced in real time; returns rollout_id -> event time of its first event."""
+    producer = Producer(kafka.producer_config(stack))
+    task = progress.add_task("live rollouts", total=rollouts)
+    opened, start = {}, time.monotonic()
+    for i in range(rollouts):
+        time.sleep(max(0.0, start + i / rate_per_s - time.monotonic()))
+        rollout_id = f"{LIVE}{i:06d}"
+        opened[rollout_id] = int(time.time() * 1000)
+        for topic, value in rollout_records(rollout_id, opened[rollout_id]):
+            producer.produce(topic, value, key=rollout_id)
+        producer.poll(0)
+        progress.update(task, completed=i + 1)
+    assert producer.flush(30) == 0
+    return opened
+
+
+def settle_latencies(rewards: list[tuple[str, int]], opened: dict[str, int], close_after_ms: int) -> list[float]:
+    last_open = max(opened.values())
+    return sorted(
+        (ts - opened[rollout_id] - close_after_ms) / 1000
+        for rollout_id, ts in rewards
+        if rollout_id in opened and opened[rollout_id] <= last_open - close_after_ms
+    )
+
+
+def empty_reward_topics(stack: StackSettings) -> None:
+    admin = AdminClient({"bootstrap.servers": stack.kafka_bootstrap})
+    outputs = [topics.REWARD, topics.REWARD_LATE, topics.REWARD_DLQ]
+    for future in admin.delete_topics(outputs).values():
+        future.result(timeout=20)
+    deadline = time.monotonic() + 20
+    while set(outputs) & set(admin.list_topics(timeout=5).topics):
+        assert time.monotonic() < deadline, "reward topics still listed after deletion"
+        time.sleep(0.1)
+    kafka.ensure_topics(stack)
+
+
+def percentile(values: list[float], q: float) -> float:
+    return values[min(len(values) - 1, round(q * (len(values) - 1)))]
+
+
+def run(out: Path, console: Console, rollouts: int = 20_000, spacing_ms: int = 2, live_rollouts: int = 2_000, live_rate_per_s: float = 250.0) -> dict:
+    join_settings = RewardStreamSettings()
+    close_after_ms = round((join_settings.window_s + join_settings.grace_s) * 1000)
+    if live_rollouts / live_rate_per_s <= 1.2 * close_after_ms / 1000:
+        raise ValueError(f"live rollouts must keep coming well past one window + grace ({close_after_ms} ms) to close any by stream time")
+    with tempfile.TemporaryDirectory(prefix="rtrl-bench-join-") as tmp:
+        workdir = Path(tmp)
+        tansu = procs.start_tansu(workdir / "tansu.log")
+        redis_proc = procs.start_redis(workdir / "redis", workdir / "redis.log")
+        stack = StackSettings(
+            kafka_bootstrap=f"127.0.0.1:{tansu.port}", redis_url=f"redis://127.0.0.1:{redis_proc.port}/0",
+            kafka_partitions=PARTITIONS, state_dir=workdir / "state",
+        )
+        client = redis.Redis.from_url(stack.redis_url)
+        try:
+            kafka.ensure_topics(stack)
+            with Progress(console=console, transient=True) as progress:
+                # Event time ends well before now, so the live rollouts' windows start fresh.
+                base_ms = int(time.time() * 1000) - spacing_ms * rollouts - 10 * close_after_ms
+                ids, load_bytes = produce_load(stack, rollouts, spacing_ms, base_ms, close_after_ms, progress)
+                events = 3 * len(ids)
+                raw = raw_consume(stack, events, progress)
+                floor = faust_floor(stack, workdir, events, progress)
+                main_ids = {i for i in ids if not i.startswith(SENTINEL)}
+
+                one = Joiners(stack, workdir, 1)
+                try:
+                    read_one = one.read_until_idle(client, events, progress, "joiner, 1 worker")
+                    opened = produce_live(stack, live_rollouts, live_rate_per_s, progress)
+                    one.read_until_idle(client, events + 3 * live_rollouts, progress, "live rollouts settling")
+                    time.sleep(1.1)  # one more heartbeat, so the counters are final
+                    quality_one = one.totals(client)
+                finally:
+                    one.stop()
+                ids += list(opened)
+                rewards_one = read_rewards(stack)
+                latencies = settle_latencies(rewards_one, opened, close_after_ms)
+
+                empty_reward_topics(stack)
+                two = Joiners(stack, workdir, 2)
+                try:
+                    read_two = two.read_until_idle(client, events + 3 * live_rollouts, progress, "joiner, 2 workers")
+                    time.sleep(1.1)  # one more heartbeat, so the counters are final
+                    quality_two = two.totals(client)
+                    partitions_two = [doc["partitions"] for doc in two.heartbeats(client)]
+                finally:
+                    two.stop()
+                rewards_two = read_rewards(stack)
+        finally:
+            client.close()
+            redis_proc.stop()
+            tansu.stop()
+    settle_one, settle_two = rewards_span(rewards_one, main_ids), rewards_span(rewards_two, main_ids)
+    # Loads read within one heartbeat (tests) fall back to the settle rate.
+    one_rate = (read_one or settle_one).events_per_s
+    two_rate = (read_two or settle_two).events_per_s
+    results = {
+        "rollouts": rollouts,
+        "events": events,
+        "mean_event_bytes": round(load_bytes / (3 * rollouts)),
+        "partitions": PARTITIONS,
+        "spacing_ms": spacing_ms,
+        "window_s": join_settings.window_s,
+        "grace_s": join_settings.grace_s,
+        "raw_consumer_events_per_s": round(raw.events_per_s),
+        "faust_floor_events_per_s": round(floor.events_per_s),
+        "events_per_s": round(one_rate),
+        "events_per_s_2_workers": round(two_rate),
+        "ratio_vs_floor": round(one_rate / floor.events_per_s, 3),
+        "floor_vs_raw": round(floor.events_per_s / raw.events_per_s, 3),
+        "scaleout_2_vs_1": round(two_rate / one_rate, 3),
+        "rate_source": "heartbeats" if read_one and read_two else "rewards",
+        "settle_events_per_s": round(settle_one.events_per_s),
+        "settle_events_per_s_2_workers": round(settle_two.events_per_s),
+        "rewards_1_worker": len(rewards_one),
+        "rewards_2_workers": len(rewards_two),
+        "exact_1_worker": exactness(rewards_one, ids),
+        "exact_2_workers": exactness(rewards_two, ids),
+        "join_1_worker": {k: quality_one[k] for k in QUALITY},
+        "join_2_workers": {k: quality_two[k] for k in QUALITY},
+        "partitions_2_workers": partitions_two,
+        "live_rollouts": live_rollouts,
+        "live_rate_per_s": live_rate_per_s,
+        "latency_samples": len(latencies),
+        "p50_settle_latency_s": round(statistics.median(latencies), 4),
+        "p99_settle_latency_s": round(percentile(latencies, 0.99), 4),
+    }
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=2))
+    _print(results, out, console)
+    return results
+
+
+def _print(r: dict, out: Path, console: Console) -> None:
+    table = Table(
+        title=f"bench join -> {out} ({r['events']:,} events of ~{r['mean_event_bytes']} B, {r['partitions']} partitions)",
+        title_justify="left",
+    )
+    for column in ("reader", "events/s", "vs faust floor", "vs raw consumer"):
+        table.add_column(column, justify="right")
+    floor, raw = r["faust_floor_events_per_s"], r["raw_consumer_events_per_s"]
+    for name, rate in (
+        ("raw confluent-kafka consumer", raw),
+        ("bare faust agent (floor)", floor),
+        ("reward_stream, 1 worker", r["events_per_s"]),
+        ("reward_stream, 2 workers", r["events_per_s_2_workers"]),
+    ):
+        table.add_row(name, f"{rate:,}", f"{rate / floor:.2f}", f"{rate / raw:.3f}")
+    console.print(table)
+    for run in ("1_worker", "2_workers"):
+        j, e = r[f"join_{run}"], r[f"exact_{run}"]
+        console.print(
+            f"{run.replace('_', ' ')}: {r[f'rewards_{run}']:,} rewards for {r['rollouts'] + r['partitions'] + r['live_rollouts']:,} rollouts "
+            f"({e['missing']:,} missing, {e['doubled']:,} doubled); join: {j['settled']:,} settled, {j['defaulted']:,} defaulted, "
+            f"{j['late']:,} late, {j['dropped']:,} dropped"
+        )
+    console.print(
+        f"ratio_vs_floor {r['ratio_vs_floor']:.2f} (target >= 0.8), scaleout_2_vs_1 {r['scaleout_2_vs_1']:.2f} (target >= 1.6), "
+        f"settle latency p50 {r['p50_settle_latency_s'] * 1000:.0f} ms, p99 {r['p99_settle_latency_s'] * 1000:.0f} ms "
+        f"over {r['latency_samples']} live rollouts at {r['live_rate_per_s']:g}/s"
+    )

@@ -1,0 +1,89 @@
+"""The faust floor of `rtrl bench join`: a bare agent that only counts input records.
+
+python -m rtrl.bench_join_floor OUT EXPECTED. Same faust settings and the same
+read path as reward_stream/app.py (one agent over the four telemetry topics, a
+noack stream, each event acked at once), so the difference against the joiner is
+the join itself and its publishing. Stack settings come from RTRL_* variables and
+the group from RTRL_REWARD_APP_ID.
+
+It writes OUT (JSON: events, first_s, last_s in time.time()) twice a second and
+once more when EXPECTED events have been counted; the bench stops it. The span from
+the first to the last counted event leaves group formation out.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import faust
+
+from reward_stream.config import RewardStreamSettings
+from rtrl import topics
+from rtrl.config import StackSettings
+
+
+def create_app(settings: RewardStreamSettings, stack: StackSettings, out: Path, expected: int) -> faust.App:
+    session_timeout_s = stack.kafka_session_timeout_ms / 1000
+    app = faust.App(
+        settings.app_id,
+        broker="kafka://" + stack.kafka_bootstrap,
+        broker_session_timeout=session_timeout_s,
+        broker_heartbeat_interval=max(session_timeout_s / 3, 0.5),
+        broker_rebalance_timeout=max(session_timeout_s, 10.0),
+        consumer_auto_offset_reset="earliest",
+        key_serializer="raw",
+        value_serializer="raw",
+        topic_partitions=stack.kafka_partitions,
+        topic_allow_declare=False,
+        topic_disable_leader=True,
+        stream_wait_empty=False,
+        datadir=str(stack.state_dir / "bench_join_floor"),
+        web_port=settings.web_port,
+        web_bind="127.0.0.1",
+        web_host="127.0.0.1",
+        autodiscover=False,
+    )
+    counted = {"events": 0, "first_s": None, "last_s": None}
+
+    def write() -> None:
+        tmp = out.with_suffix(".tmp")
+        tmp.write_text(json.dumps(counted))
+        tmp.replace(out)
+
+    @app.agent(app.topic(*topics.TELEMETRY), name="count")
+    async def count_agent(stream):
+        async for event in stream.noack().events():
+            now = time.time()
+            if counted["first_s"] is None:
+                counted["first_s"] = now
+            counted["last_s"] = now
+            counted["events"] += 1
+            event.ack()
+            if counted["events"] == expected:
+                write()
+
+    @app.timer(0.5, name="report")
+    async def report():
+        write()
+
+    return app
+
+
+def main() -> None:
+    out, expected = Path(sys.argv[1]).resolve(), int(sys.argv[2])
+    settings, stack = RewardStreamSettings(), StackSettings()
+    stack.state_dir.mkdir(parents=True, exist_ok=True)  # faust's worker changes into it
+    app = create_app(settings, stack, out, expected)
+    app.finalize()
+    app.worker_init()
+    app.worker_init_post_autodiscover()
+    worker = faust.Worker(app, loglevel="warn", quiet=True, workdir=str(stack.state_dir))
+    worker.spinner = None
+    worker.execute_from_commandline()
+
+
+if __name__ == "__main__":
+    main()
