@@ -19,9 +19,10 @@ come out as duplicates.
 from __future__ import annotations
 
 import logging
+from collections import deque
 from dataclasses import asdict, dataclass
 
-from reward_stream import join, reward
+from reward_stream import join, monitors, reward
 from reward_stream.codec import MalformedEvent, PrivacyModeEvent, decode
 from rtrl import topics
 
@@ -74,6 +75,9 @@ class Joiner:
         self.reward_fn_version = reward_fn_version
         self.states: dict[int, join.JoinState] = {}
         self.counters = Counters()
+        self.monitor = monitors.MonitorState()
+        # The newest reward-hacking alerts, shown in the heartbeat (and so in rtrl status).
+        self.alerts: deque[monitors.Alert] = deque(maxlen=20)
 
     def feed(
         self, topic: str, partition: int, offset: int, key: bytes | None, value: bytes | None, now_ms: int
@@ -137,7 +141,12 @@ class Joiner:
         return sum(len(state.pending) for state in self.states.values())
 
     def status(self) -> dict:
-        return {**asdict(self.counters), "pending": self.pending(), "partitions": sorted(self.states)}
+        return {
+            **asdict(self.counters),
+            "pending": self.pending(),
+            "partitions": sorted(self.states),
+            "alerts": [asdict(alert) for alert in self.alerts],
+        }
 
     def _batch(self, outputs: list[join.Output]) -> Batch:
         records = []
@@ -155,6 +164,10 @@ class Joiner:
                 )
                 self.counters.settled += 1
                 self.counters.defaulted += record.defaulted
+                self.monitor, alerts = monitors.step(self.monitor, record)
+                for alert in alerts:
+                    log.warning("reward-hacking alert: %s moved %.3f -> %.3f from v%d to v%d (z %.1f), e.g. %s", alert.metric, alert.previous_value, alert.value, alert.previous_version, alert.version, alert.z_score, ", ".join(alert.examples))
+                self.alerts.extend(alerts)
                 records.append(OutRecord(topics.REWARD, output.rollout_id.encode(), record.SerializeToString()))
             elif isinstance(output, join.Late):
                 self.counters.late += 1

@@ -178,3 +178,27 @@ def test_unversioned_records_are_counted_not_compared():
 def test_config_is_validated():
     with pytest.raises(ValueError):
         monitors.MonitorConfig(min_samples=1)
+
+
+def test_the_live_joiner_reports_alerts_in_its_status():
+    # The runtime feeds every settled reward to the monitor: a version that starts
+    # dodging with broken tool calls shows up in the heartbeat status.
+    from reward_stream.join import JoinConfig
+    from reward_stream.runtime import Joiner
+    from rtrl import topics
+
+    joiner = Joiner(JoinConfig(window_ms=1000, grace_ms=0, deadline_slack_ms=0, max_wait_ms=2000, settled_ttl_ms=10_000))
+    phases = [(1, 80, ("kept", "rewritten")), (2, 80, ("dodge",))]
+    for version, n, cycle in phases:
+        for i in range(n):
+            record, telemetry = rollout_of(cycle[i % len(cycle)], i, version)
+            joiner.feed(topics.ROLLOUT, 0, 0, record.rollout_id.encode(), record.SerializeToString(), now_ms=0)
+            for event in telemetry:
+                topic = topics.BY_PAYLOAD[event.WhichOneof("payload")]
+                joiner.feed(topic, 0, 0, event.rollout_id.encode(), event.SerializeToString(), now_ms=0)
+        joiner.tick(now_ms=10_000 * version)
+    alerts = joiner.status()["alerts"]
+    assert "broken_tool_call" in {a["metric"] for a in alerts}
+    broken = next(a for a in alerts if a["metric"] == "broken_tool_call")
+    assert (broken["previous_version"], broken["version"]) == (1, 2)
+    assert all(rid.startswith("v2-dodge") for rid in broken["examples"])
