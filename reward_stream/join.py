@@ -21,6 +21,14 @@ The functions are pure in spirit under one rule: a state passed in is consumed,
 and only the returned state may be used afterwards. Given the same sequence of
 (event, now_ms) calls, the outputs are always the same.
 
+Cost. Settling must not scan every pending rollout on every event: in a backlog a
+partition holds thousands, and a scan per event made the join quadratic. Pending
+rollouts are indexed instead: a heap by event-time close, insertion order (= first
+arrival, since now_ms never goes back) for the wall-clock deadline, and rollouts
+whose window closed without a RolloutRecord wait apart (``incomplete``) in heaps by
+their two max-wait expiries. Each event costs O(log n) plus what it settles.
+Outputs of one call come out in first-arrival order, as a scan would give them.
+
 Memory. A settled (or dropped) rollout's id and event ids are remembered for
 settled_ttl_ms of wall clock, to tell a late event from a redelivered duplicate;
 after that its id is forgotten, and an event for it opens a new pending rollout
@@ -29,6 +37,8 @@ after that its id is forgotten, and an event for it opens a new pending rollout
 
 from __future__ import annotations
 
+import heapq
+import itertools
 from dataclasses import dataclass, field, replace
 from typing import Literal, Union
 
@@ -85,6 +95,8 @@ class Pending:
     rollout: Event | None
     events: tuple[Event, ...]
     event_ids: frozenset[str]
+    seq: int = 0
+    """Order of first arrival within the partition."""
 
 
 @dataclass(frozen=True)
@@ -100,7 +112,20 @@ class JoinState:
     config: JoinConfig
     stream_time_ms: int = 0
     pending: dict[str, Pending] = field(default_factory=dict)
+    """Open windows, in first-arrival order."""
+    incomplete: dict[str, Pending] = field(default_factory=dict)
+    """Closed windows still waiting for their RolloutRecord (until max_wait_ms)."""
     settled: dict[str, SettledMark] = field(default_factory=dict)
+    close_heap: list[tuple[int, int, str]] = field(default_factory=list)
+    """(event time its window closes at, seq, rollout_id) of pending rollouts; stale entries are skipped."""
+    expiry_heaps: tuple[list, list] = field(default_factory=lambda: ([], []))
+    """(wall-clock, event-time) heaps of (max-wait expiry, seq, rollout_id) of incomplete rollouts."""
+    arrivals: itertools.count = field(default_factory=itertools.count)
+
+    @property
+    def waiting(self) -> int:
+        """Rollouts not settled yet, open or incomplete."""
+        return len(self.pending) + len(self.incomplete)
 
 
 # Outputs. Produced by step/tick; consumed by the runtime (app.py), which turns
@@ -149,16 +174,36 @@ def step(state: JoinState, event: Event, now_ms: int) -> tuple[JoinState, list[O
     rollout_id = event.rollout_id
     mark = state.settled.get(rollout_id)
     pending = state.pending.get(rollout_id)
+    incomplete = state.incomplete.get(rollout_id)
     if mark is not None:
         outputs.append(Duplicate(event) if event.event_id in mark.event_ids else Late(event))
+    elif incomplete is not None:
+        if event.event_id in incomplete.event_ids:
+            outputs.append(Duplicate(event))
+        elif event.kind == "rollout":
+            # Its window closed while it waited for this: it settles now.
+            del state.incomplete[rollout_id]
+            config = state.config
+            stream_time_ms = max(state.stream_time_ms, event.client_ts_ms)
+            trigger = "stream_time" if stream_time_ms >= incomplete.open_ts_ms + config.window_ms + config.grace_ms else "deadline"
+            outputs.append(Settled(rollout_id, event, incomplete.events, now_ms, trigger))
+            state.settled[rollout_id] = SettledMark(now_ms + state.config.settled_ttl_ms, incomplete.event_ids | {event.event_id})
+        else:
+            state.incomplete[rollout_id] = replace(
+                incomplete, events=(*incomplete.events, event), event_ids=incomplete.event_ids | {event.event_id}
+            )
     elif pending is None:
+        seq = next(state.arrivals)
         state.pending[rollout_id] = Pending(
             open_ts_ms=event.client_ts_ms,
             first_arrival_ms=now_ms,
             rollout=event if event.kind == "rollout" else None,
             events=() if event.kind == "rollout" else (event,),
             event_ids=frozenset((event.event_id,)),
+            seq=seq,
         )
+        config = state.config
+        heapq.heappush(state.close_heap, (event.client_ts_ms + config.window_ms + config.grace_ms, seq, rollout_id))
     elif event.event_id in pending.event_ids or (event.kind == "rollout" and pending.rollout is not None):
         # A second RolloutRecord under a new event_id is a producer retry with a fresh
         # id; the first one holds the tokens the trainer will use.
@@ -182,26 +227,40 @@ def tick(state: JoinState, now_ms: int) -> tuple[JoinState, list[Output]]:
 
 def _settle_ready(state: JoinState, now_ms: int) -> list[Output]:
     config = state.config
-    # A linear scan: pending holds about (rollouts/s per partition) x window, a few hundred.
-    outputs: list[Output] = []
-    for rollout_id, pending in list(state.pending.items()):
-        by_stream_time = state.stream_time_ms >= pending.open_ts_ms + config.window_ms + config.grace_ms
-        by_deadline = now_ms >= pending.first_arrival_ms + config.window_ms + config.deadline_slack_ms
-        if not (by_stream_time or by_deadline):
-            continue
+    closing: dict[str, str] = {}
+    # Event-time closes: the heap's stale entries (settled rollouts) are skipped.
+    while state.close_heap and state.close_heap[0][0] <= state.stream_time_ms:
+        _, seq, rollout_id = heapq.heappop(state.close_heap)
+        pending = state.pending.get(rollout_id)
+        if pending is not None and pending.seq == seq:
+            closing[rollout_id] = "stream_time"
+    # Wall-clock deadlines: pending is in first-arrival order, so the due ones are a prefix.
+    for rollout_id, pending in state.pending.items():
+        if now_ms < pending.first_arrival_ms + config.window_ms + config.deadline_slack_ms:
+            break
+        closing.setdefault(rollout_id, "deadline")
+    outputs: list[tuple[int, Output]] = []
+    for rollout_id, trigger in closing.items():
+        pending = state.pending.pop(rollout_id)
         if pending.rollout is not None:
-            trigger = "stream_time" if by_stream_time else "deadline"
-            outputs.append(Settled(rollout_id, pending.rollout, pending.events, now_ms, trigger))
-        elif (
-            now_ms >= pending.first_arrival_ms + config.max_wait_ms
-            or state.stream_time_ms >= pending.open_ts_ms + config.max_wait_ms
-        ):
-            outputs.append(Dropped(rollout_id, pending.events))
+            outputs.append((pending.seq, Settled(rollout_id, pending.rollout, pending.events, now_ms, trigger)))
+            state.settled[rollout_id] = SettledMark(now_ms + config.settled_ttl_ms, pending.event_ids)
         else:
-            continue
-        del state.pending[rollout_id]
-        state.settled[rollout_id] = SettledMark(now_ms + config.settled_ttl_ms, pending.event_ids)
-    return outputs
+            state.incomplete[rollout_id] = pending
+            by_wall, by_event = state.expiry_heaps
+            heapq.heappush(by_wall, (pending.first_arrival_ms + config.max_wait_ms, pending.seq, rollout_id))
+            heapq.heappush(by_event, (pending.open_ts_ms + config.max_wait_ms, pending.seq, rollout_id))
+    # Incomplete rollouts whose RolloutRecord never came, on either clock.
+    for heap, clock in zip(state.expiry_heaps, (now_ms, state.stream_time_ms)):
+        while heap and heap[0][0] <= clock:
+            _, seq, rollout_id = heapq.heappop(heap)
+            incomplete = state.incomplete.get(rollout_id)
+            if incomplete is not None and incomplete.seq == seq:
+                del state.incomplete[rollout_id]
+                outputs.append((seq, Dropped(rollout_id, incomplete.events)))
+                state.settled[rollout_id] = SettledMark(now_ms + config.settled_ttl_ms, incomplete.event_ids)
+    outputs.sort(key=lambda pair: pair[0])
+    return [output for _, output in outputs]
 
 
 def _forget_expired(state: JoinState, now_ms: int) -> None:

@@ -138,7 +138,7 @@ class Joiner:
         return Batch(records, acks)
 
     def pending(self) -> int:
-        return sum(len(state.pending) for state in self.states.values())
+        return sum(state.waiting for state in self.states.values())
 
     def status(self) -> dict:
         return {
