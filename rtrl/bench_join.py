@@ -20,6 +20,8 @@ beginning with a fresh consumer group:
   first record). ``settle_events_per_s`` is the other view: 3 x (rollouts - 1) /
   (last main-load reward's broker timestamp - first one's), valid only while the
   join is exact; tiny loads, read within one heartbeat, use it as ``events_per_s``;
+* ``joiner_inprocess_events_per_s``: Joiner.feed_record alone on the same records
+  in production order, no broker (the join's own CPU cost, its best case);
 * ``ratio_vs_floor`` = events_per_s / faust_floor_events_per_s;
 * ``scaleout_2_vs_1``: the same for two workers in one group (reward topics emptied
   first, or the second run's read-back would make every record a duplicate);
@@ -42,10 +44,12 @@ from __future__ import annotations
 
 import json
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
 import uuid
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -57,6 +61,7 @@ from rich.progress import Progress
 from rich.table import Table
 
 from reward_stream.config import RewardStreamSettings
+from reward_stream.runtime import Joiner
 from rtrl import heartbeat, kafka, procs, topics
 from rtrl.config import StackSettings
 from rtrl.v1 import rollout_pb2, telemetry_pb2
@@ -312,12 +317,43 @@ def empty_reward_topics(stack: StackSettings) -> None:
     kafka.ensure_topics(stack)
 
 
+def joiner_inprocess(rollouts: int, spacing_ms: int, base_ms: int) -> Span:
+    """Joiner.feed_record alone on the same load, decoded in this process, each partition's
+    records in production order (every topic aligned, as no broker delivers them): the
+    ceiling of the join's own CPU cost, without faust or publishing."""
+    joiner = Joiner(RewardStreamSettings().join_config())
+    records = []
+    for i in range(rollouts):
+        rollout_id = f"r{i:06d}"
+        partition = zlib.crc32(rollout_id.encode()) % PARTITIONS
+        records.extend((topic, partition, rollout_id.encode(), value) for topic, value in rollout_records(rollout_id, base_ms + spacing_ms * i))
+    now_ms = int(time.time() * 1000)
+    start = time.perf_counter()
+    for offset, (topic, partition, key, value) in enumerate(records):
+        joiner.feed_record(topic, partition, offset, key, value, now_ms, offset)
+    elapsed = time.perf_counter() - start
+    return Span(len(records), 0.0, elapsed)
+
+
+def code_version() -> str:
+    """The commit measured (``+dirty`` when reward_stream/ differs from it; empty outside
+    a git checkout): the join changes under this benchmark, so a figure names its code."""
+    repo = Path(__file__).resolve().parent.parent
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=repo, capture_output=True, text=True, check=False).stdout.strip()
+
+    head = git("rev-parse", "--short", "HEAD")
+    return f"{head}+dirty" if head and git("status", "--porcelain", "--", "reward_stream") else head
+
+
 def percentile(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, round(q * (len(values) - 1)))]
 
 
 def run(out: Path, console: Console, rollouts: int = 20_000, spacing_ms: int = 2, live_rollouts: int = 2_000, live_rate_per_s: float = 250.0) -> dict:
     join_settings = RewardStreamSettings()
+    code = code_version()
     close_after_ms = round((join_settings.window_s + join_settings.grace_s) * 1000)
     if live_rollouts / live_rate_per_s <= 1.2 * close_after_ms / 1000:
         raise ValueError(f"live rollouts must keep coming well past one window + grace ({close_after_ms} ms) to close any by stream time")
@@ -337,6 +373,8 @@ def run(out: Path, console: Console, rollouts: int = 20_000, spacing_ms: int = 2
                 base_ms = int(time.time() * 1000) - spacing_ms * rollouts - 10 * close_after_ms
                 ids, load_bytes = produce_load(stack, rollouts, spacing_ms, base_ms, close_after_ms, progress)
                 events = 3 * len(ids)
+                with console.status("joiner in-process"):
+                    inprocess = joiner_inprocess(rollouts, spacing_ms, base_ms)
                 raw = raw_consume(stack, events, progress)
                 floor = faust_floor(stack, workdir, events, progress)
                 main_ids = {i for i in ids if not i.startswith(SENTINEL)}
@@ -373,6 +411,7 @@ def run(out: Path, console: Console, rollouts: int = 20_000, spacing_ms: int = 2
     one_rate = (read_one or settle_one).events_per_s
     two_rate = (read_two or settle_two).events_per_s
     results = {
+        "code": code,
         "rollouts": rollouts,
         "events": events,
         "mean_event_bytes": round(load_bytes / (3 * rollouts)),
@@ -382,6 +421,7 @@ def run(out: Path, console: Console, rollouts: int = 20_000, spacing_ms: int = 2
         "grace_s": join_settings.grace_s,
         "raw_consumer_events_per_s": round(raw.events_per_s),
         "faust_floor_events_per_s": round(floor.events_per_s),
+        "joiner_inprocess_events_per_s": round(inprocess.events_per_s),
         "events_per_s": round(one_rate),
         "events_per_s_2_workers": round(two_rate),
         "ratio_vs_floor": round(one_rate / floor.events_per_s, 3),
@@ -420,6 +460,7 @@ def _print(r: dict, out: Path, console: Console) -> None:
     for name, rate in (
         ("raw confluent-kafka consumer", raw),
         ("bare faust agent (floor)", floor),
+        ("Joiner.feed_record in-process, aligned", r["joiner_inprocess_events_per_s"]),
         ("reward_stream, 1 worker", r["events_per_s"]),
         ("reward_stream, 2 workers", r["events_per_s_2_workers"]),
     ):

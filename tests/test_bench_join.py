@@ -13,9 +13,9 @@ from rtrl.bench_join import run
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 KEYS = {
-    "rollouts", "events", "mean_event_bytes", "partitions", "spacing_ms", "window_s", "grace_s",
-    "raw_consumer_events_per_s", "faust_floor_events_per_s", "events_per_s", "events_per_s_2_workers",
-    "ratio_vs_floor", "floor_vs_raw", "scaleout_2_vs_1", "rate_source", "settle_events_per_s", "settle_events_per_s_2_workers",
+    "code", "rollouts", "events", "mean_event_bytes", "partitions", "spacing_ms", "window_s", "grace_s",
+    "raw_consumer_events_per_s", "faust_floor_events_per_s", "joiner_inprocess_events_per_s", "events_per_s",
+    "events_per_s_2_workers", "ratio_vs_floor", "floor_vs_raw", "scaleout_2_vs_1", "rate_source", "settle_events_per_s", "settle_events_per_s_2_workers",
     "rewards_1_worker", "rewards_2_workers", "exact_1_worker", "exact_2_workers", "join_1_worker", "join_2_workers",
     "partitions_2_workers",
     "live_rollouts", "live_rate_per_s", "latency_samples", "p50_settle_latency_s", "p99_settle_latency_s",
@@ -36,7 +36,7 @@ def test_tiny_load_every_key_exact_counts(tmp_path):
         assert results[f"exact_{run_}"] == {"missing": 0, "doubled": 0}, run_
         join = results[f"join_{run_}"]
         assert (join["settled"], join["defaulted"], join["late"], join["dropped"]) == (rollouts, 0, 0, 0), run_
-    for key in ("raw_consumer_events_per_s", "faust_floor_events_per_s", "events_per_s", "events_per_s_2_workers",
+    for key in ("raw_consumer_events_per_s", "faust_floor_events_per_s", "joiner_inprocess_events_per_s", "events_per_s", "events_per_s_2_workers",
                 "ratio_vs_floor", "scaleout_2_vs_1", "settle_events_per_s", "settle_events_per_s_2_workers", "p50_settle_latency_s", "p99_settle_latency_s"):
         assert results[key] > 0, key
     assert results["latency_samples"] > 0
