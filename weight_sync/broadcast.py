@@ -28,6 +28,13 @@ from weight_sync.store import check_arm
 log = logging.getLogger("weight_sync")
 
 
+def retrieve_exception(task: asyncio.Task) -> None:
+    """Mark a shared task's failure as seen: every awaiter gets it through shield(), but
+    if all of them were cancelled first, asyncio would log it as never retrieved."""
+    if not task.cancelled():
+        task.exception()
+
+
 class VersionSource(Protocol):
     """What a Broadcaster serves from."""
 
@@ -265,6 +272,7 @@ class Broadcaster(weights_pb2_grpc.WeightSyncServicer):
             loading = asyncio.create_task(self._load_version(manifest))
             self._loading[key] = loading
             loading.add_done_callback(lambda _: self._loading.pop(key, None))
+            loading.add_done_callback(retrieve_exception)
         return await asyncio.shield(loading)
 
     async def _load_version(self, manifest: weights_pb2.Manifest) -> VerifiedVersion | None:

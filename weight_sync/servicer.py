@@ -16,7 +16,7 @@ import grpc
 
 from rtrl.v1 import weights_pb2
 from weight_sync import lineage
-from weight_sync.broadcast import Broadcaster, valid_arm
+from weight_sync.broadcast import Broadcaster, retrieve_exception, valid_arm
 from weight_sync.checksum import xxh3_hex
 from weight_sync.config import WeightSyncSettings
 from weight_sync.registry import Registry
@@ -73,6 +73,7 @@ class RegistrySource:
         # finished one is the head that just aged out: start another.
         if reading is None or reading[0] != generation or reading[1].done():
             reading = (generation, asyncio.create_task(self._read_head(arm, generation)))
+            reading[1].add_done_callback(retrieve_exception)
             self._reading[arm] = reading
         return await asyncio.shield(reading[1])
 
