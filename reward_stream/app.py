@@ -42,9 +42,10 @@ def now_ms() -> int:
     return int(time.time() * 1000)
 
 
-def create_app(settings: RewardStreamSettings, stack: StackSettings) -> faust.App:
+def faust_app(settings: RewardStreamSettings, stack: StackSettings, datadir: str) -> faust.App:
+    """A faust App configured as the module docstring explains (shared with the bench's floor agent)."""
     session_timeout_s = stack.kafka_session_timeout_ms / 1000
-    app = faust.App(
+    return faust.App(
         settings.app_id,
         broker="kafka://" + stack.kafka_bootstrap,
         broker_session_timeout=session_timeout_s,
@@ -58,12 +59,16 @@ def create_app(settings: RewardStreamSettings, stack: StackSettings) -> faust.Ap
         topic_disable_leader=True,
         stream_wait_empty=False,
         producer_acks=-1,
-        datadir=str(stack.state_dir / "reward_stream"),
+        datadir=str(stack.state_dir / datadir),
         web_port=settings.web_port,
         web_bind="127.0.0.1",
         web_host="127.0.0.1",
         autodiscover=False,
     )
+
+
+def create_app(settings: RewardStreamSettings, stack: StackSettings) -> faust.App:
+    app = faust_app(settings, stack, "reward_stream")
     joiner = Joiner(settings.join_config(), settings.reward_fn_version)
     outputs = {name: app.topic(name) for name in (topics.REWARD, topics.REWARD_LATE, topics.REWARD_DLQ)}
 

@@ -20,32 +20,14 @@ from pathlib import Path
 
 import faust
 
+from reward_stream.app import faust_app
 from reward_stream.config import RewardStreamSettings
 from rtrl import topics
 from rtrl.config import StackSettings
 
 
 def create_app(settings: RewardStreamSettings, stack: StackSettings, out: Path, expected: int) -> faust.App:
-    session_timeout_s = stack.kafka_session_timeout_ms / 1000
-    app = faust.App(
-        settings.app_id,
-        broker="kafka://" + stack.kafka_bootstrap,
-        broker_session_timeout=session_timeout_s,
-        broker_heartbeat_interval=max(session_timeout_s / 3, 0.5),
-        broker_rebalance_timeout=max(session_timeout_s, 10.0),
-        consumer_auto_offset_reset="earliest",
-        key_serializer="raw",
-        value_serializer="raw",
-        topic_partitions=stack.kafka_partitions,
-        topic_allow_declare=False,
-        topic_disable_leader=True,
-        stream_wait_empty=False,
-        datadir=str(stack.state_dir / "bench_join_floor"),
-        web_port=settings.web_port,
-        web_bind="127.0.0.1",
-        web_host="127.0.0.1",
-        autodiscover=False,
-    )
+    app = faust_app(settings, stack, "bench_join_floor")
     counted = {"events": 0, "first_s": None, "last_s": None}
 
     def write() -> None:
