@@ -24,6 +24,8 @@ pending rollouts to settle, since their records are simply read again by the new
 from __future__ import annotations
 
 import asyncio
+import logging
+import os
 import time
 
 import faust
@@ -36,6 +38,7 @@ from rtrl import heartbeat, topics
 from rtrl.config import StackSettings
 
 SERVICE = "reward_stream"
+log = logging.getLogger("reward_stream")
 
 
 def now_ms() -> int:
@@ -72,13 +75,31 @@ def create_app(settings: RewardStreamSettings, stack: StackSettings) -> faust.Ap
     joiner = Joiner(settings.join_config(), settings.reward_fn_version)
     outputs = {name: app.topic(name) for name in (topics.REWARD, topics.REWARD_LATE, topics.REWARD_DLQ)}
 
+    in_flight: set[asyncio.Future] = set()
+
     async def publish(batch: Batch) -> None:
-        # The broker acks every output before any input record behind it is acked,
-        # so no offset is ever committed ahead of what it produced.
-        acks = [await outputs[r.topic].send(key=r.key, value=r.value, headers=list(r.headers)) for r in batch.records]
-        if acks:
-            await asyncio.gather(*acks)
-        for event in batch.acks:
+        """Send the batch's outputs and ack its inputs once the broker has acked all of
+        them, so no offset is ever committed ahead of what it produced. The agent does
+        not wait for those acks (that cost one produce request per output); it waits
+        only when max_in_flight batches are outstanding."""
+        if not batch.records:
+            for event in batch.acks:
+                event.ack()
+            return
+        sent = asyncio.gather(*[await outputs[r.topic].send(key=r.key, value=r.value, headers=list(r.headers)) for r in batch.records])
+        in_flight.add(sent)
+        sent.add_done_callback(lambda done: _delivered(done, batch.acks))
+        if len(in_flight) >= settings.max_in_flight:
+            await asyncio.wait(in_flight, return_when=asyncio.FIRST_COMPLETED)
+
+    def _delivered(done: asyncio.Future, acks: list) -> None:
+        in_flight.discard(done)
+        if done.cancelled() or done.exception() is not None:
+            # An output the broker refused: its inputs stay unacknowledged, and a process
+            # that carried on would commit past them. Exit; the restart re-reads them.
+            log.critical("publishing outputs failed (%s); exiting so the inputs are read again", done if done.cancelled() else done.exception())
+            os._exit(70)
+        for event in acks:
             event.ack()
 
     @app.agent(app.topic(*topics.TELEMETRY), name="join")

@@ -37,6 +37,10 @@ class RewardStreamSettings(BaseSettings):
     app_id: str = "rtrl-reward-stream"
     """faust application id; also the Kafka consumer group."""
 
+    max_in_flight: int = Field(256, ge=1)
+    """Batches of outputs sent but not yet acked by the broker before the agent waits;
+    their input records stay unacknowledged until then."""
+
     reward_fn_version: str = "r1"
     """Reward function the live stream settles with (reward_stream/reward.py: r1, r2).
     Changing it changes every reward_id; recompute history with reward_stream.replay."""
