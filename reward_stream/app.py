@@ -136,7 +136,11 @@ def create_app(settings: RewardStreamSettings, stack: StackSettings) -> faust.Ap
 
 def run(settings: RewardStreamSettings, stack: StackSettings) -> None:
     """Run a worker until SIGTERM/SIGINT (faust's Worker installs the handlers)."""
-    app = create_app(settings, stack)
+    run_worker(create_app(settings, stack), stack)
+
+
+def run_worker(app: faust.App, stack: StackSettings) -> None:
+    """Run ``app`` as a faust worker (shared with the bench's floor agent)."""
     app.finalize()
     app.worker_init()
     app.worker_init_post_autodiscover()

@@ -154,22 +154,19 @@ class Joiner:
         for output in outputs:
             if isinstance(output, join.Settled):
                 acks.extend(e.handle for e in (output.rollout, *output.events))
-            elif isinstance(output, join.Dropped):
-                acks.extend(e.handle for e in output.events)
-            else:
-                acks.append(output.event.handle)
-            if isinstance(output, join.Settled):
                 record = reward.reward_record(
                     output.rollout.message, [e.message for e in output.events], output.settled_ts_ms, self.reward_fn_version
                 )
                 self.counters.settled += 1
                 self.counters.defaulted += record.defaulted
-                self.monitor, alerts = monitors.step(self.monitor, record)
-                for alert in alerts:
-                    log.warning("reward-hacking alert: %s moved %.3f -> %.3f from v%d to v%d (z %.1f), e.g. %s", alert.metric, alert.previous_value, alert.value, alert.previous_version, alert.version, alert.z_score, ", ".join(alert.examples))
-                self.alerts.extend(alerts)
+                self._watch(record)
                 records.append(OutRecord(topics.REWARD, output.rollout_id.encode(), record.SerializeToString()))
+            elif isinstance(output, join.Dropped):
+                acks.extend(e.handle for e in output.events)
+                self.counters.dropped += 1
+                log.debug("dropped rollout %s: no RolloutRecord within max_wait", output.rollout_id)
             elif isinstance(output, join.Late):
+                acks.append(output.event.handle)
                 self.counters.late += 1
                 event = output.event
                 source = topics.ROLLOUT if event.kind == "rollout" else topics.BY_PAYLOAD[event.kind]
@@ -177,9 +174,17 @@ class Joiner:
                 records.append(
                     OutRecord(topics.REWARD_LATE, event.rollout_id.encode(), event.message.SerializeToString(), headers)
                 )
-            elif isinstance(output, join.Duplicate):
+            else:
+                acks.append(output.event.handle)
                 self.counters.duplicates += 1
-            elif isinstance(output, join.Dropped):
-                self.counters.dropped += 1
-                log.debug("dropped rollout %s: no RolloutRecord within max_wait", output.rollout_id)
         return Batch(records, [handle for handle in acks if handle is not None])
+
+    def _watch(self, record) -> None:
+        """Feed a settled reward to the hacking monitor; log and keep what it raises."""
+        self.monitor, alerts = monitors.step(self.monitor, record)
+        for alert in alerts:
+            log.warning(
+                "reward-hacking alert: %s moved %.3f -> %.3f from v%d to v%d (z %.1f), e.g. %s",
+                alert.metric, alert.previous_value, alert.value, alert.previous_version, alert.version, alert.z_score, ", ".join(alert.examples),
+            )
+        self.alerts.extend(alerts)

@@ -73,6 +73,8 @@ class Probes:
         else:
             self.files = [Path(f"{prefix}-{i}.jsonl") for i in range(len(addrs))]
             groups = [(str(prefix), addrs)]
+        self._seen: dict[Path, dict[int, float]] = {}
+        self._read_to: dict[Path, int] = {}
         self.procs = [
             procs.spawn(f"probe-{i}", [sys.executable, "-m", "rtrl.broadcast_probe", out_prefix, arm, *group], Path(f"{out_prefix}.log"))
             for i, (out_prefix, group) in enumerate(groups)
@@ -89,15 +91,19 @@ class Probes:
                 raise TimeoutError(f"v{version} reached {sum(t is not None for t in times)} of {len(times)} subscribers in {timeout_s} s")
             time.sleep(0.02)
 
-    @staticmethod
-    def _delivered(out: Path, version: int) -> float | None:
-        if not out.exists():
-            return None
-        for line in out.read_text().splitlines():
-            record = json.loads(line)
-            if record["version"] == version:
-                return record["delivered"]
-        return None
+    def _delivered(self, out: Path, version: int) -> float | None:
+        """Read only what the probe appended since the last look (whole lines)."""
+        seen = self._seen.setdefault(out, {})
+        if version not in seen and out.exists():
+            with out.open("rb") as lines:
+                lines.seek(self._read_to.get(out, 0))
+                for line in lines:
+                    if not line.endswith(b"\n"):
+                        break
+                    self._read_to[out] = self._read_to.get(out, 0) + len(line)
+                    record = json.loads(line)
+                    seen[record["version"]] = record["delivered"]
+        return seen.get(version)
 
     def stop(self) -> None:
         for proc in self.procs:

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import faust
 
-from reward_stream.app import faust_app
+from reward_stream.app import faust_app, run_worker
 from reward_stream.config import RewardStreamSettings
 from rtrl import topics
 from rtrl.config import StackSettings
@@ -58,13 +58,7 @@ def main() -> None:
     out, expected = Path(sys.argv[1]).resolve(), int(sys.argv[2])
     settings, stack = RewardStreamSettings(), StackSettings()
     stack.state_dir.mkdir(parents=True, exist_ok=True)  # faust's worker changes into it
-    app = create_app(settings, stack, out, expected)
-    app.finalize()
-    app.worker_init()
-    app.worker_init_post_autodiscover()
-    worker = faust.Worker(app, loglevel="warn", quiet=True, workdir=str(stack.state_dir))
-    worker.spinner = None
-    worker.execute_from_commandline()
+    run_worker(create_app(settings, stack, out, expected), stack)
 
 
 if __name__ == "__main__":

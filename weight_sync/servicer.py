@@ -11,6 +11,7 @@ import logging
 import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator
+from typing import NamedTuple
 
 import grpc
 
@@ -23,6 +24,15 @@ from weight_sync.registry import Registry
 from weight_sync.store import BlobStore
 
 log = logging.getLogger("weight_sync")
+
+
+class _Head(NamedTuple):
+    """An arm's head as read from Redis (or known from this server's own commit)."""
+
+    generation: int
+    read_at: float
+    latest: int
+    newest_keyframe: int | None
 
 
 class RegistrySource:
@@ -41,24 +51,24 @@ class RegistrySource:
         self._head_max_age_s = head_max_age_s
         self._max_manifests = max_manifests
         self._generation: dict[str, int] = {}
-        self._heads: dict[str, tuple[int, float, int, int | None]] = {}
+        self._heads: dict[str, _Head] = {}
         self._reading: dict[str, tuple[int, asyncio.Task]] = {}
         self._manifests: OrderedDict[tuple[str, int], weights_pb2.Manifest] = OrderedDict()
 
     def published(self, arm: str, version: int) -> None:
         cached = self._heads.get(arm)
-        if cached is None or cached[2] < version:
+        if cached is None or cached.latest < version:
             self._generation[arm] = self._generation.get(arm, 0) + 1
 
     def committed(self, manifest: weights_pb2.Manifest) -> None:
         """This server just committed ``manifest``: its head and manifest are known without asking Redis."""
         arm = manifest.arm
         cached = self._heads.get(arm)
-        newest_keyframe = manifest.version if manifest.keyframe else (None if cached is None else cached[3])
-        if manifest.keyframe or (cached is not None and cached[2] == manifest.version - 1):
+        newest_keyframe = manifest.version if manifest.keyframe else (None if cached is None else cached.newest_keyframe)
+        if manifest.keyframe or (cached is not None and cached.latest == manifest.version - 1):
             generation = self._generation.get(arm, 0) + 1
             self._generation[arm] = generation
-            self._heads[arm] = (generation, time.monotonic(), manifest.version, newest_keyframe)
+            self._heads[arm] = _Head(generation, time.monotonic(), manifest.version, newest_keyframe)
         else:
             self.published(arm, manifest.version)
         self._manifests[(arm, manifest.version)] = manifest
@@ -66,8 +76,8 @@ class RegistrySource:
     async def _head(self, arm: str) -> tuple[int, int | None]:
         generation = self._generation.get(arm, 0)
         cached = self._heads.get(arm)
-        if cached is not None and cached[0] == generation and time.monotonic() - cached[1] < self._head_max_age_s:
-            return cached[2], cached[3]
+        if cached is not None and cached.generation == generation and time.monotonic() - cached.read_at < self._head_max_age_s:
+            return cached.latest, cached.newest_keyframe
         reading = self._reading.get(arm)
         # A read that began before the latest announcement may miss that version, and a
         # finished one is the head that just aged out: start another.
@@ -82,14 +92,14 @@ class RegistrySource:
         latest = await self.registry.latest(arm)
         newest_keyframe = await self.registry.newest_keyframe(arm, latest)
         cached = self._heads.get(arm)
-        if cached is not None and latest < cached[2]:
+        if cached is not None and latest < cached.latest:
             # The registry went back (flushed, or restored from an older copy): version
             # numbers are being reused, so what was cached under them no longer holds.
-            log.warning("registry of %s went back from v%d to v%d; dropping cached manifests", arm, cached[2], latest)
+            log.warning("registry of %s went back from v%d to v%d; dropping cached manifests", arm, cached.latest, latest)
             for key in [key for key in self._manifests if key[0] == arm]:
                 del self._manifests[key]
         if self._generation.get(arm, 0) == generation:
-            self._heads[arm] = (generation, read_at, latest, newest_keyframe)
+            self._heads[arm] = _Head(generation, read_at, latest, newest_keyframe)
         return latest, newest_keyframe
 
     async def latest(self, arm: str) -> int:
