@@ -107,9 +107,12 @@ def create_app(settings: RewardStreamSettings, stack: StackSettings) -> faust.Ap
         async for event in stream.noack().events():
             message = event.message
             if not joiner.restored(message.partition):
+                positions = await asyncio.to_thread(recovery.input_positions, stack, settings.app_id, message.partition)
                 settled = await asyncio.to_thread(recovery.settled_rollouts, stack, message.partition)
-                joiner.restore(message.partition, settled, now_ms())
-            batch = joiner.feed_record(message.topic, message.partition, message.offset, message.key, message.value, now_ms(), event)
+                joiner.restore(message.partition, settled, now_ms(), positions)
+            batch = joiner.feed_record(
+                message.topic, message.partition, message.offset, message.key, message.value, now_ms(), event, app.consumer.highwater(message.tp)
+            )
             await publish(batch)
 
     @app.timer(settings.tick_interval_s, name="deadline_tick")

@@ -20,7 +20,7 @@ class PrivacyModeEvent(Exception):
     """
 
 
-def decode(topic: str, key: bytes | None, value: bytes | None, handle: object = None) -> Event:
+def decode(topic: str, key: bytes | None, value: bytes | None, handle: object = None, caught_up: bool = True) -> Event:
     if not value:
         raise MalformedEvent("empty value")
     message: rollout_pb2.RolloutRecord | telemetry_pb2.TelemetryEvent
@@ -49,4 +49,4 @@ def decode(topic: str, key: bytes | None, value: bytes | None, handle: object = 
     # on the wrong partition and would be joined with nothing.
     if key is not None and key != message.rollout_id.encode():
         raise MalformedEvent(f"key {key!r} differs from rollout_id {message.rollout_id!r}")
-    return Event(kind, message.event_id, message.rollout_id, message.client_ts_ms, message, handle)
+    return Event(kind, message.event_id, message.rollout_id, message.client_ts_ms, message, handle, caught_up)

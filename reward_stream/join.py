@@ -4,15 +4,30 @@ Pure logic, no I/O: ``step(state, event, now_ms)`` feeds one decoded event and
 ``tick(state, now_ms)`` advances wall-clock time; both return the new state and
 the outputs (Settled, Dropped, Late, Duplicate) for the runtime to publish.
 
-Time. Event time is the payload's ``client_ts_ms``; stream time is the largest
-event time this partition has seen. A rollout's window opens at the event time of
-its first event and it settles when either
+Time. Event time is the payload's ``client_ts_ms``. A partition is fed by four
+sources (the rollout, edit, persistence and follow-up topics), and a consumer far
+behind reads them unevenly: it can hand over thousands of edit records before the
+first RolloutRecord of the same minute. Stream time therefore follows the slowest
+source that still has records to read (as Kafka Streams aligns its inputs): each
+event says whether it was the newest record of its source when read
+(``Event.caught_up``, the runtime's lag hint), and
+
+  * while some sources are behind, stream time is the smallest newest event time
+    among those sources (a behind source not read at all yet holds it still);
+  * when every source is caught up, it is the largest event time seen;
+
+and it never goes back. A source that is caught up cannot hold stream time back:
+whatever it delivers next was produced after now. A rollout's window opens at the
+event time of its first event and it settles when either
   * stream time >= open + window_ms + grace_ms (event time: deterministic on replay), or
   * now_ms >= first arrival (wall clock) + window_ms + deadline_slack_ms, so a
     partition that goes quiet still settles what it holds.
 Settling needs the RolloutRecord (a reward without tokens is useless to the
 trainer): an expired window without one keeps waiting until max_wait_ms (wall
-clock since first arrival, or event time since open) and is then dropped.
+clock since first arrival, or event time since open) and is then dropped. The wall
+clock rules only apply while no source is behind: a partition catching up on a
+backlog has its records waiting to be read, and settling on the wall clock would
+settle rollouts whose telemetry is simply further down another topic.
 
 State ownership. ``JoinState`` is a frozen dataclass, but the pending and settled
 maps inside it are plain dicts that ``step``/``tick`` update in place: copying the
@@ -43,6 +58,15 @@ from dataclasses import dataclass, field, replace
 from typing import Literal, Union
 
 EventKind = Literal["rollout", "edit_shown", "edit_outcome", "persistence", "followup"]
+
+# The input log each kind of event is read from; stream time is tracked per source.
+SOURCE: dict[str, str] = {
+    "rollout": "rollout",
+    "edit_shown": "edit",
+    "edit_outcome": "edit",
+    "persistence": "persistence",
+    "followup": "followup",
+}
 
 
 @dataclass(frozen=True)
@@ -84,6 +108,9 @@ class Event:
     handle: object = field(default=None, compare=False)
     """The runtime's token for the input record, acknowledged once the outputs this
     event leads to are durable (the join only carries it)."""
+    caught_up: bool = field(default=True, compare=False)
+    """Whether this was the newest record of its source partition when it was read;
+    False while the runtime knows of later records still to come (a backlog)."""
 
 
 @dataclass(frozen=True)
@@ -111,6 +138,11 @@ class JoinState:
 
     config: JoinConfig
     stream_time_ms: int = 0
+    behind: set[str] = field(default_factory=set)
+    """Sources with records still to read, as far as the runtime knows: at start,
+    those whose committed offset is short of their end; then per event."""
+    source_time_ms: dict[str, int] = field(default_factory=dict)
+    """Newest event time read from each source."""
     pending: dict[str, Pending] = field(default_factory=dict)
     """Open windows, in first-arrival order."""
     incomplete: dict[str, Pending] = field(default_factory=dict)
@@ -171,6 +203,7 @@ def step(state: JoinState, event: Event, now_ms: int) -> tuple[JoinState, list[O
     """Feed one event; returns the new state and what to publish (consumes ``state``)."""
     outputs: list[Output] = []
     _forget_expired(state, now_ms)
+    state = _advance_stream_time(state, event)
     rollout_id = event.rollout_id
     mark = state.settled.get(rollout_id)
     pending = state.pending.get(rollout_id)
@@ -184,8 +217,8 @@ def step(state: JoinState, event: Event, now_ms: int) -> tuple[JoinState, list[O
             # Its window closed while it waited for this: it settles now.
             del state.incomplete[rollout_id]
             config = state.config
-            stream_time_ms = max(state.stream_time_ms, event.client_ts_ms)
-            trigger = "stream_time" if stream_time_ms >= incomplete.open_ts_ms + config.window_ms + config.grace_ms else "deadline"
+            closed = state.stream_time_ms >= incomplete.open_ts_ms + config.window_ms + config.grace_ms
+            trigger = "stream_time" if closed else "deadline"
             outputs.append(Settled(rollout_id, event, incomplete.events, now_ms, trigger))
             state.settled[rollout_id] = SettledMark(now_ms + state.config.settled_ttl_ms, incomplete.event_ids | {event.event_id})
         else:
@@ -214,9 +247,42 @@ def step(state: JoinState, event: Event, now_ms: int) -> tuple[JoinState, list[O
         state.pending[rollout_id] = replace(
             pending, events=(*pending.events, event), event_ids=pending.event_ids | {event.event_id}
         )
-    state = replace(state, stream_time_ms=max(state.stream_time_ms, event.client_ts_ms))
     outputs.extend(_settle_ready(state, now_ms))
     return state, outputs
+
+
+def _advance_stream_time(state: JoinState, event: Event) -> JoinState:
+    source = SOURCE[event.kind]
+    source_time = state.source_time_ms
+    if event.client_ts_ms > source_time.get(source, -1):
+        source_time[source] = event.client_ts_ms
+    if event.caught_up:
+        state.behind.discard(source)
+    else:
+        state.behind.add(source)
+    return _recompute_stream_time(state)
+
+
+def _recompute_stream_time(state: JoinState) -> JoinState:
+    source_time = state.source_time_ms
+    if state.behind:
+        candidate = min(source_time.get(s, -1) for s in state.behind)
+    else:
+        candidate = max(source_time.values(), default=-1)
+    if candidate > state.stream_time_ms:
+        return replace(state, stream_time_ms=candidate)
+    return state
+
+
+def skip(state: JoinState, source: str, caught_up: bool, now_ms: int) -> tuple[JoinState, list[Output]]:
+    """A record of ``source`` was read that the join never sees (malformed or private):
+    it still says how far that source has been read (consumes ``state``)."""
+    if caught_up:
+        state.behind.discard(source)
+    else:
+        state.behind.add(source)
+    state = _recompute_stream_time(state)
+    return state, _settle_ready(state, now_ms)
 
 
 def tick(state: JoinState, now_ms: int) -> tuple[JoinState, list[Output]]:
@@ -234,8 +300,9 @@ def _settle_ready(state: JoinState, now_ms: int) -> list[Output]:
         pending = state.pending.get(rollout_id)
         if pending is not None and pending.seq == seq:
             closing[rollout_id] = "stream_time"
-    # Wall-clock deadlines: pending is in first-arrival order, so the due ones are a prefix.
-    for rollout_id, pending in state.pending.items():
+    # Wall-clock deadlines (not while catching up): pending is in first-arrival order,
+    # so the due ones are a prefix.
+    for rollout_id, pending in () if state.behind else state.pending.items():
         if now_ms < pending.first_arrival_ms + config.window_ms + config.deadline_slack_ms:
             break
         closing.setdefault(rollout_id, "deadline")
@@ -250,8 +317,10 @@ def _settle_ready(state: JoinState, now_ms: int) -> list[Output]:
             by_wall, by_event = state.expiry_heaps
             heapq.heappush(by_wall, (pending.first_arrival_ms + config.max_wait_ms, pending.seq, rollout_id))
             heapq.heappush(by_event, (pending.open_ts_ms + config.max_wait_ms, pending.seq, rollout_id))
-    # Incomplete rollouts whose RolloutRecord never came, on either clock.
-    for heap, clock in zip(state.expiry_heaps, (now_ms, state.stream_time_ms)):
+    # Incomplete rollouts whose RolloutRecord never came, on either clock (the wall
+    # clock only while no source is behind).
+    wall_clock = -1 if state.behind else now_ms
+    for heap, clock in zip(state.expiry_heaps, (wall_clock, state.stream_time_ms)):
         while heap and heap[0][0] <= clock:
             _, seq, rollout_id = heapq.heappop(heap)
             incomplete = state.incomplete.get(rollout_id)

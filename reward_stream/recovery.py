@@ -61,3 +61,25 @@ def _remember(settled: dict[str, set[str]], topic: str, value: bytes, headers: d
     except DecodeError:
         # Only this service writes these topics; a record it cannot read changes nothing it must know.
         return
+
+
+def input_positions(stack: StackSettings, group: str, partition: int, timeout_s: float = 10.0) -> dict[str, tuple[int, int]]:
+    """Input topic -> (offset ``group`` resumes partition at, the partition's end offset).
+
+    The resume point is the committed offset, or the log start when nothing is
+    committed (the joiner reads from the earliest record then). What lies in between
+    is the backlog the join must read before trusting the wall clock (join.py)."""
+    tps = [TopicPartition(topic, partition) for topic in topics.TELEMETRY]
+    ends = kafka.end_offsets(stack, tps, timeout_s)
+    reader = Consumer({"bootstrap.servers": stack.kafka_bootstrap, "group.id": group, "enable.auto.commit": False})
+    try:
+        committed = reader.committed(tps, timeout=timeout_s)
+        positions = {}
+        for tp in committed:
+            start = tp.offset
+            if start < 0:
+                start, _ = reader.get_watermark_offsets(TopicPartition(tp.topic, partition), timeout=timeout_s, cached=False)
+            positions[tp.topic] = (start, ends[(tp.topic, partition)])
+        return positions
+    finally:
+        reader.close()

@@ -14,6 +14,12 @@ the rollout and its events). Records read again whose rollout did settle must no
 settle it twice: before the first record of a partition is joined, the partition's
 settled memory is rebuilt from the reward and .late topics (restore()), so they
 come out as duplicates.
+
+Lag hints. The join's stream time follows the slowest source still behind (see
+join.py), so every record is fed with whether it was the newest of its topic
+partition when read: its offset against the larger of the partition's end when
+this worker took it over (exact, from restore()) and the consumer's highwater
+from its latest fetch (for what was produced since).
 """
 
 from __future__ import annotations
@@ -27,6 +33,8 @@ from reward_stream.codec import MalformedEvent, PrivacyModeEvent, decode
 from rtrl import topics
 
 log = logging.getLogger(__name__)
+
+SOURCE_OF_TOPIC = {topics.ROLLOUT: join.SOURCE["rollout"], **{topic: join.SOURCE[kind] for kind, topic in topics.BY_PAYLOAD.items()}}
 
 
 @dataclass(frozen=True)
@@ -74,6 +82,8 @@ class Joiner:
         self.config = config
         self.reward_fn_version = reward_fn_version
         self.states: dict[int, join.JoinState] = {}
+        self.start_ends: dict[tuple[str, int], int] = {}
+        """(topic, partition) -> the offset after its last record when this worker took it over."""
         self.counters = Counters()
         self.monitor = monitors.MonitorState()
         # The newest reward-hacking alerts, shown in the heartbeat (and so in rtrl status).
@@ -90,10 +100,24 @@ class Joiner:
     def restored(self, partition: int) -> bool:
         return partition in self.states
 
-    def restore(self, partition: int, settled: dict[str, frozenset[str]], now_ms: int) -> None:
+    def restore(
+        self,
+        partition: int,
+        settled: dict[str, frozenset[str]],
+        now_ms: int,
+        positions: dict[str, tuple[int, int]] | None = None,
+    ) -> None:
         """Start partition's state with the rollouts already settled (rollout_id -> event_ids
-        in their reward or .late records), remembered for settled_ttl_ms from now."""
-        state = join.JoinState(self.config)
+        in their reward or .late records), remembered for settled_ttl_ms from now.
+
+        ``positions`` maps each input topic to (where this worker starts reading it, its
+        end offset) for that partition; topics with records in between start behind."""
+        behind = set()
+        for topic, (start, end) in (positions or {}).items():
+            self.start_ends[(topic, partition)] = end
+            if start < end:
+                behind.add(SOURCE_OF_TOPIC[topic])
+        state = join.JoinState(self.config, behind=behind)
         expires = now_ms + self.config.settled_ttl_ms
         for rollout_id, event_ids in settled.items():
             state.settled[rollout_id] = join.SettledMark(expires, event_ids)
@@ -104,26 +128,43 @@ class Joiner:
         records are read again by the new owner from the committed offsets."""
         for partition in partitions:
             self.states.pop(partition, None)
+        self.start_ends = {tp: end for tp, end in self.start_ends.items() if tp[1] not in partitions}
 
     def feed_record(
-        self, topic: str, partition: int, offset: int, key: bytes | None, value: bytes | None, now_ms: int, handle: object = None
+        self,
+        topic: str,
+        partition: int,
+        offset: int,
+        key: bytes | None,
+        value: bytes | None,
+        now_ms: int,
+        handle: object = None,
+        highwater: int | None = None,
     ) -> Batch:
+        """Join one input record. ``highwater`` is the consumer's latest known end of the
+        record's partition (None when unknown: the record counts as the newest)."""
         self.counters.events += 1
-        try:
-            event = decode(topic, key, value, handle)
-        except MalformedEvent as exc:
-            self.counters.dlq += 1
-            headers = (
-                ("error", str(exc).encode()),
-                ("source_topic", topic.encode()),
-                ("source_partition", str(partition).encode()),
-                ("source_offset", str(offset).encode()),
-            )
-            return Batch([OutRecord(topics.REWARD_DLQ, key or b"", value or b"", headers)], [handle])
-        except PrivacyModeEvent:
-            self.counters.privacy_dropped += 1
-            return Batch([], [handle])
+        caught_up = offset + 1 >= max(self.start_ends.get((topic, partition), 0), highwater or 0)
         state = self.states.get(partition) or join.JoinState(self.config)
+        try:
+            event = decode(topic, key, value, handle, caught_up)
+        except (MalformedEvent, PrivacyModeEvent) as exc:
+            self.states[partition], outputs = join.skip(state, SOURCE_OF_TOPIC[topic], caught_up, now_ms)
+            batch = self._batch(outputs)
+            if isinstance(exc, PrivacyModeEvent):
+                self.counters.privacy_dropped += 1
+            else:
+                self.counters.dlq += 1
+                headers = (
+                    ("error", str(exc).encode()),
+                    ("source_topic", topic.encode()),
+                    ("source_partition", str(partition).encode()),
+                    ("source_offset", str(offset).encode()),
+                )
+                batch.records.append(OutRecord(topics.REWARD_DLQ, key or b"", value or b"", headers))
+            if handle is not None:
+                batch.acks.append(handle)
+            return batch
         self.states[partition], outputs = join.step(state, event, now_ms)
         return self._batch(outputs)
 

@@ -15,7 +15,7 @@ import pytest
 from reward_stream import join, reward
 from reward_stream.runtime import Joiner
 from rtrl import topics
-from rtrl.v1 import rollout_pb2, telemetry_pb2
+from rtrl.v1 import reward_pb2, rollout_pb2, telemetry_pb2
 
 CONFIG = join.JoinConfig(window_ms=1000, grace_ms=200, deadline_slack_ms=500, max_wait_ms=5000, settled_ttl_ms=10000)
 
@@ -30,6 +30,8 @@ class E:
     ts: int
     now: int
     payload: str = ""
+    caught_up: bool = True
+    """False: the runtime knew of later records on this event's source (a backlog)."""
 
 
 @dataclass(frozen=True)
@@ -189,18 +191,114 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("steps, expected", CASES.values(), ids=CASES.keys())
-def test_join_cases(steps, expected):
-    state = join.JoinState(CONFIG)
+def run_case(steps, behind=()) -> list[tuple]:
+    state = join.JoinState(CONFIG, behind=set(behind))
     got = []
     for index, item in enumerate(steps):
         if isinstance(item, T):
             state, outputs = join.tick(state, item.now)
         else:
-            event = join.Event(item.kind, item.event_id, item.rollout_id, item.ts, message(item))
+            event = join.Event(item.kind, item.event_id, item.rollout_id, item.ts, message(item), caught_up=item.caught_up)
             state, outputs = join.step(state, event, item.now)
         got.extend((index, summarize(o)) for o in outputs)
-    assert got == expected
+    return got
+
+
+@pytest.mark.parametrize("steps, expected", CASES.values(), ids=CASES.keys())
+def test_join_cases(steps, expected):
+    assert run_case(steps) == expected
+
+
+# A worker far behind reads its sources unevenly. Here the rollout topic of a partition
+# is read well ahead of the persistence topic; both start behind (``behind``: what the
+# runtime knows from committed vs end offsets when it takes the partition over).
+ROLLOUTS_FIRST = [
+    E("rollout", "a1", "r1", 1000, now=0, caught_up=False),
+    E("rollout", "b1", "r2", 1500, now=1, caught_up=False),
+    E("rollout", "c1", "r3", 6000, now=2),
+    T(9000),
+    E("persistence", "a2", "r1", 1010, now=9001, caught_up=False, payload="x = 1"),
+    E("persistence", "b2", "r2", 1510, now=9002, caught_up=False, payload="x = 1"),
+    E("persistence", "c2", "r3", 6010, now=9003, payload="x = 1"),
+    T(20000),
+]
+
+BACKLOG_CASES = {
+    # Stream time waits for the slower source, and the wall clock (9000 is far past
+    # every deadline) does not settle anything while a source is behind: every rollout
+    # settles with its snapshot, r1 and r2 on stream time once the snapshots catch up,
+    # r3 on its long-past deadline as soon as nothing is behind.
+    "slowest_source_holds_stream_time": (
+        ROLLOUTS_FIRST,
+        {"rollout", "persistence"},
+        [
+            (6, ("settled", "r1", "stream_time", "observed", ("a1", "a2"))),
+            (6, ("settled", "r2", "stream_time", "observed", ("b1", "b2"))),
+            (6, ("settled", "r3", "deadline", "observed", ("c1", "c2"))),
+        ],
+    ),
+    # The same reads without lag hints: the rollout topic alone moves stream time to
+    # 6000, r1 and r2 settle with defaults and their snapshots come too late. This is
+    # what the hints are for.
+    "without_hints_a_backlog_settles_early": (
+        [E(e.kind, e.event_id, e.rollout_id, e.ts, e.now, e.payload) if isinstance(e, E) else e for e in ROLLOUTS_FIRST],
+        set(),
+        [
+            (2, ("settled", "r1", "stream_time", "defaulted", ("a1",))),
+            (2, ("settled", "r2", "stream_time", "defaulted", ("b1",))),
+            (3, ("settled", "r3", "deadline", "defaulted", ("c1",))),
+            (4, ("late", "a2")),
+            (5, ("late", "b2")),
+            (6, ("late", "c2")),
+        ],
+    ),
+    # A source behind that has not delivered anything yet holds stream time still,
+    # however far ahead the others are (the first RolloutRecord may be minutes down the log).
+    "unread_source_holds_stream_time": (
+        [
+            E("edit_shown", "a1", "r1", 1000, now=0),
+            E("edit_shown", "b1", "r2", 60000, now=1),
+            T(40000),
+            E("rollout", "a2", "r1", 1001, now=40001, caught_up=False),
+            E("rollout", "b2", "r2", 60001, now=40002),
+        ],
+        {"rollout"},
+        [
+            (4, ("settled", "r1", "stream_time", "defaulted", ("a1", "a2"))),
+            (4, ("settled", "r2", "deadline", "defaulted", ("b1", "b2"))),
+        ],
+    ),
+    # Once the last source catches up, the wall clock counts again: r1 (deadline
+    # 1500) settles on the first call after that, not before.
+    "deadline_resumes_when_caught_up": (
+        [
+            E("rollout", "a1", "r1", 1000, now=0),
+            T(5000),
+            E("followup", "b1", "r2", 1001, now=5001, caught_up=False, payload="thanks"),
+            T(6000),
+            E("followup", "b2", "r2", 1002, now=6001, payload="thanks"),
+        ],
+        {"followup"},
+        [(4, ("settled", "r1", "deadline", "defaulted", ("a1",)))],
+    ),
+    # A RolloutRecord far down its topic is not given up by the wall clock while
+    # catching up (max wait 5000 has long passed at 9000); it joins when read, and the
+    # rollout settles on its deadline (stream time 1001 has not closed the window).
+    "no_wall_clock_drop_while_catching_up": (
+        [
+            E("persistence", "a1", "r1", 1000, now=0, payload="x = 1"),
+            T(9000),
+            E("rollout", "a2", "r1", 1001, now=9001),
+        ],
+        {"rollout"},
+        [(2, ("settled", "r1", "deadline", "observed", ("a1", "a2")))],
+    ),
+}
+
+
+@pytest.mark.parametrize("steps, behind, expected", BACKLOG_CASES.values(), ids=BACKLOG_CASES.keys())
+def test_backlog_cases(steps, behind, expected):
+    assert run_case(steps, behind) == expected
 
 
 def test_grace_longer_than_window_is_rejected():
@@ -235,3 +333,27 @@ def test_joiner_keeps_one_state_per_partition():
     [settled] = joiner.tick(now_ms=1500)
     assert settled.topic == topics.REWARD and settled.key == b"r1"
     assert joiner.status()["settled"] == 1 and joiner.status()["defaulted"] == 1
+
+
+def test_joiner_lag_hints_come_from_offsets_and_skipped_records():
+    joiner = Joiner(CONFIG)
+    # Partition 0 is taken over with two follow-ups still unread (offsets 5 and 6).
+    positions = {topics.ROLLOUT: (3, 3), topics.EDIT: (0, 0), topics.PERSISTENCE: (0, 0), topics.FOLLOWUP: (5, 7)}
+    joiner.restore(0, {}, now_ms=0, positions=positions)
+    record = rollout_pb2.RolloutRecord(event_id="a1", rollout_id="r1", client_ts_ms=1000).SerializeToString()
+    assert joiner.feed_record(topics.ROLLOUT, 0, 3, b"r1", record, now_ms=0, highwater=4).records == []
+    assert joiner.tick(now_ms=5000) == []  # past the deadline, but the follow-ups are still to come
+    thanks = telemetry_pb2.TelemetryEvent(
+        event_id="a2", rollout_id="r1", client_ts_ms=1100, followup=telemetry_pb2.FollowUp(message="thanks")
+    ).SerializeToString()
+    assert joiner.feed_record(topics.FOLLOWUP, 0, 5, b"r1", thanks, now_ms=5001, highwater=7).records == []
+    assert joiner.tick(now_ms=6000) == []
+    # The last follow-up is a privacy-mode one the join never sees; reading it still
+    # catches the source up, and r1 settles at once, with the follow-up before it.
+    private = telemetry_pb2.TelemetryEvent(
+        event_id="p1", rollout_id="r2", client_ts_ms=1200, privacy_mode=True, followup=telemetry_pb2.FollowUp(message="secret")
+    ).SerializeToString()
+    batch = joiner.feed_record(topics.FOLLOWUP, 0, 6, b"r2", private, now_ms=6001, handle="h6", highwater=7)
+    [settled] = batch.records
+    assert settled.topic == topics.REWARD and set(reward_pb2.RewardRecord.FromString(settled.value).event_ids) == {"a1", "a2"}
+    assert "h6" in batch.acks and joiner.counters.privacy_dropped == 1
