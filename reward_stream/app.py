@@ -14,7 +14,8 @@ Configuration for faust-streaming 0.15.3 on Tansu (and on Apache Kafka alike):
     speaks only the classic consumer-group protocol, which is what Tansu needs.
 
 Exactly once: the agent reads a noack stream and acknowledges a record only when
-the Joiner says its outputs are durable (runtime.py explains the scheme), so
+the Joiner says its outputs are durable (runtime.py explains the scheme, and
+publisher.py how the outputs are sent and their inputs acknowledged), so
 faust's gap-aware commit never moves past a rollout that is still pending. Before
 the first record of a partition, its settled memory is read back from the output
 topics (recovery.py). stream_wait_empty is off: a rebalance must not wait for
@@ -24,8 +25,8 @@ pending rollouts to settle, since their records are simply read again by the new
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
-import os
 import time
 
 import faust
@@ -33,7 +34,8 @@ import redis.asyncio as aioredis
 
 from reward_stream import recovery
 from reward_stream.config import RewardStreamSettings
-from reward_stream.runtime import Batch, Joiner
+from reward_stream.publisher import OutputPublisher
+from reward_stream.runtime import Joiner
 from rtrl import heartbeat, topics
 from rtrl.config import StackSettings
 
@@ -73,34 +75,8 @@ def faust_app(settings: RewardStreamSettings, stack: StackSettings, datadir: str
 def create_app(settings: RewardStreamSettings, stack: StackSettings) -> faust.App:
     app = faust_app(settings, stack, "reward_stream")
     joiner = Joiner(settings.join_config(), settings.reward_fn_version)
-    outputs = {name: app.topic(name) for name in (topics.REWARD, topics.REWARD_LATE, topics.REWARD_DLQ)}
-
-    in_flight: set[asyncio.Future] = set()
-
-    async def publish(batch: Batch) -> None:
-        """Send the batch's outputs and ack its inputs once the broker has acked all of
-        them, so no offset is ever committed ahead of what it produced. The agent does
-        not wait for those acks (that cost one produce request per output); it waits
-        only when max_in_flight batches are outstanding."""
-        if not batch.records:
-            for event in batch.acks:
-                event.ack()
-            return
-        sent = asyncio.gather(*[await outputs[r.topic].send(key=r.key, value=r.value, headers=list(r.headers)) for r in batch.records])
-        in_flight.add(sent)
-        sent.add_done_callback(lambda done: _delivered(done, batch.acks))
-        if len(in_flight) >= settings.max_in_flight:
-            await asyncio.wait(in_flight, return_when=asyncio.FIRST_COMPLETED)
-
-    def _delivered(done: asyncio.Future, acks: list) -> None:
-        in_flight.discard(done)
-        if done.cancelled() or done.exception() is not None:
-            # An output the broker refused: its inputs stay unacknowledged, and a process
-            # that carried on would commit past them. Exit; the restart re-reads them.
-            log.critical("publishing outputs failed (%s); exiting so the inputs are read again", done if done.cancelled() else done.exception())
-            os._exit(70)
-        for event in acks:
-            event.ack()
+    publisher = OutputPublisher(stack, settings.max_in_flight)
+    highwater = app.consumer.highwater
 
     @app.agent(app.topic(*topics.TELEMETRY), name="join")
     async def join_agent(stream):
@@ -111,20 +87,33 @@ def create_app(settings: RewardStreamSettings, stack: StackSettings) -> faust.Ap
                 settled = await asyncio.to_thread(recovery.settled_rollouts, stack, message.partition)
                 joiner.restore(message.partition, settled, now_ms(), positions)
             batch = joiner.feed_record(
-                message.topic, message.partition, message.offset, message.key, message.value, now_ms(), event, app.consumer.highwater(message.tp)
+                message.topic, message.partition, message.offset, message.key, message.value, now_ms(), event,
+                functools.partial(highwater, message.tp),
             )
-            await publish(batch)
+            publisher.publish(batch)
+            if publisher.full():
+                await publisher.wait_for_room()
 
     @app.timer(settings.tick_interval_s, name="deadline_tick")
     async def deadline_tick():
-        await publish(joiner.tick_batch(now_ms()))
+        publisher.publish(joiner.tick_batch(now_ms()))
+        # Delivery reports are only served by poll(): when the input goes quiet, this is
+        # what still acknowledges the last records.
+        publisher.poll()
+
+    @app.on_before_shutdown.connect
+    async def on_shutdown(app, **kwargs) -> None:
+        # Outputs delivered now are acknowledged now: fewer records to read again next
+        # time. In the loop's thread, where acknowledging is safe; bounded, since
+        # whatever is left is simply read again.
+        publisher.flush(5.0)
 
     @app.on_partitions_revoked.connect
     async def on_revoked(app, revoked, **kwargs) -> None:
         joiner.forget({tp.partition for tp in revoked})
 
     def status() -> dict:
-        return {**joiner.status(), "assigned": len(app.consumer.assignment())}
+        return {**joiner.status(), "assigned": len(app.consumer.assignment()), "in_flight": publisher.in_flight()}
 
     @app.task
     async def heartbeat_task():

@@ -37,9 +37,9 @@ class RewardStreamSettings(BaseSettings):
     app_id: str = "rtrl-reward-stream"
     """faust application id; also the Kafka consumer group."""
 
-    max_in_flight: int = Field(256, ge=1)
-    """Batches of outputs sent but not yet acked by the broker before the agent waits;
-    their input records stay unacknowledged until then."""
+    max_in_flight: int = Field(20_000, ge=1)
+    """Output records handed to the producer but not yet acked by the broker before the
+    agent waits; their input records stay unacknowledged until then."""
 
     reward_fn_version: str = "r1"
     """Reward function the live stream settles with (reward_stream/reward.py: r1, r2).

@@ -29,12 +29,12 @@ clock rules only apply while no source is behind: a partition catching up on a
 backlog has its records waiting to be read, and settling on the wall clock would
 settle rollouts whose telemetry is simply further down another topic.
 
-State ownership. ``JoinState`` is a frozen dataclass, but the pending and settled
-maps inside it are plain dicts that ``step``/``tick`` update in place: copying the
-settled-id memory (minutes of rollouts) on every event would dominate the cost.
-The functions are pure in spirit under one rule: a state passed in is consumed,
-and only the returned state may be used afterwards. Given the same sequence of
-(event, now_ms) calls, the outputs are always the same.
+State ownership. ``step``/``tick`` update the ``JoinState`` (and the ``Pending``
+entries in it) in place: copying the settled-id memory (minutes of rollouts), or
+even one pending rollout, on every event would dominate the cost. The functions are
+pure in spirit under one rule: a state passed in is consumed, and only the returned
+state may be used afterwards. Given the same sequence of (event, now_ms) calls, the
+outputs are always the same; the outputs themselves are never changed afterwards.
 
 Cost. Settling must not scan every pending rollout on every event: in a backlog a
 partition holds thousands, and a scan per event made the join quadratic. Pending
@@ -54,7 +54,8 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from dataclasses import dataclass, field, replace
+from collections.abc import Set
+from dataclasses import dataclass, field
 from typing import Literal, Union
 
 EventKind = Literal["rollout", "edit_shown", "edit_outcome", "persistence", "followup"]
@@ -113,15 +114,16 @@ class Event:
     False while the runtime knows of later records still to come (a backlog)."""
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Pending:
     """A rollout whose window is still open (or which still lacks its RolloutRecord)."""
 
     open_ts_ms: int
     first_arrival_ms: int
     rollout: Event | None
-    events: tuple[Event, ...]
-    event_ids: frozenset[str]
+    events: list[Event]
+    """Telemetry events gathered, in arrival order."""
+    event_ids: set[str]
     seq: int = 0
     """Order of first arrival within the partition."""
 
@@ -129,10 +131,10 @@ class Pending:
 @dataclass(frozen=True)
 class SettledMark:
     expires_ms: int
-    event_ids: frozenset[str]
+    event_ids: Set[str]
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class JoinState:
     """Join state of one partition. See the module docstring for the ownership rule."""
 
@@ -219,20 +221,20 @@ def step(state: JoinState, event: Event, now_ms: int) -> tuple[JoinState, list[O
             config = state.config
             closed = state.stream_time_ms >= incomplete.open_ts_ms + config.window_ms + config.grace_ms
             trigger = "stream_time" if closed else "deadline"
-            outputs.append(Settled(rollout_id, event, incomplete.events, now_ms, trigger))
-            state.settled[rollout_id] = SettledMark(now_ms + state.config.settled_ttl_ms, incomplete.event_ids | {event.event_id})
+            outputs.append(Settled(rollout_id, event, tuple(incomplete.events), now_ms, trigger))
+            incomplete.event_ids.add(event.event_id)
+            state.settled[rollout_id] = SettledMark(now_ms + state.config.settled_ttl_ms, incomplete.event_ids)
         else:
-            state.incomplete[rollout_id] = replace(
-                incomplete, events=(*incomplete.events, event), event_ids=incomplete.event_ids | {event.event_id}
-            )
+            incomplete.events.append(event)
+            incomplete.event_ids.add(event.event_id)
     elif pending is None:
         seq = next(state.arrivals)
         state.pending[rollout_id] = Pending(
             open_ts_ms=event.client_ts_ms,
             first_arrival_ms=now_ms,
             rollout=event if event.kind == "rollout" else None,
-            events=() if event.kind == "rollout" else (event,),
-            event_ids=frozenset((event.event_id,)),
+            events=[] if event.kind == "rollout" else [event],
+            event_ids={event.event_id},
             seq=seq,
         )
         config = state.config
@@ -242,11 +244,11 @@ def step(state: JoinState, event: Event, now_ms: int) -> tuple[JoinState, list[O
         # id; the first one holds the tokens the trainer will use.
         outputs.append(Duplicate(event))
     elif event.kind == "rollout":
-        state.pending[rollout_id] = replace(pending, rollout=event, event_ids=pending.event_ids | {event.event_id})
+        pending.rollout = event
+        pending.event_ids.add(event.event_id)
     else:
-        state.pending[rollout_id] = replace(
-            pending, events=(*pending.events, event), event_ids=pending.event_ids | {event.event_id}
-        )
+        pending.events.append(event)
+        pending.event_ids.add(event.event_id)
     outputs.extend(_settle_ready(state, now_ms))
     return state, outputs
 
@@ -270,7 +272,7 @@ def _recompute_stream_time(state: JoinState) -> JoinState:
     else:
         candidate = max(source_time.values(), default=-1)
     if candidate > state.stream_time_ms:
-        return replace(state, stream_time_ms=candidate)
+        state.stream_time_ms = candidate
     return state
 
 
@@ -310,7 +312,7 @@ def _settle_ready(state: JoinState, now_ms: int) -> list[Output]:
     for rollout_id, trigger in closing.items():
         pending = state.pending.pop(rollout_id)
         if pending.rollout is not None:
-            outputs.append((pending.seq, Settled(rollout_id, pending.rollout, pending.events, now_ms, trigger)))
+            outputs.append((pending.seq, Settled(rollout_id, pending.rollout, tuple(pending.events), now_ms, trigger)))
             state.settled[rollout_id] = SettledMark(now_ms + config.settled_ttl_ms, pending.event_ids)
         else:
             state.incomplete[rollout_id] = pending
@@ -326,7 +328,7 @@ def _settle_ready(state: JoinState, now_ms: int) -> list[Output]:
             incomplete = state.incomplete.get(rollout_id)
             if incomplete is not None and incomplete.seq == seq:
                 del state.incomplete[rollout_id]
-                outputs.append((seq, Dropped(rollout_id, incomplete.events)))
+                outputs.append((seq, Dropped(rollout_id, tuple(incomplete.events))))
                 state.settled[rollout_id] = SettledMark(now_ms + config.settled_ttl_ms, incomplete.event_ids)
     outputs.sort(key=lambda pair: pair[0])
     return [output for _, output in outputs]

@@ -70,6 +70,7 @@ the defaults above.
 
 from __future__ import annotations
 
+import hashlib
 import math
 import uuid
 from collections.abc import Callable, Sequence
@@ -97,6 +98,7 @@ LATENCY_CAP = 0.25
 
 # Fixed namespace so reward ids are stable across processes and releases.
 REWARD_ID_NAMESPACE = uuid.uuid5(uuid.NAMESPACE_URL, "https://rtrl/reward_id")
+_NAMESPACE_BYTES = REWARD_ID_NAMESPACE.bytes
 
 _REJECTED = telemetry_pb2.EditOutcome.OUTCOME_REJECTED
 
@@ -233,9 +235,17 @@ FUNCTIONS = {f.version: f for f in (RewardFunction("r1", components, reward), Re
 
 
 def reward_id(rollout_id: str, event_ids: Sequence[str], version: str = REWARD_FN_VERSION) -> str:
-    """Same rollout, same contributing events, same reward function => same id."""
+    """Same rollout, same contributing events, same reward function => same id.
+
+    The RFC 4122 version-5 UUID of the name in REWARD_ID_NAMESPACE, exactly as
+    ``str(uuid.uuid5(...))`` gives it, without building a UUID object (a third of
+    the cost of a reward record on the joiner's hot path)."""
     name = "\x1f".join((version, rollout_id, *sorted(event_ids)))
-    return str(uuid.uuid5(REWARD_ID_NAMESPACE, name))
+    digest = bytearray(hashlib.sha1(_NAMESPACE_BYTES + name.encode()).digest()[:16])
+    digest[6] = (digest[6] & 0x0F) | 0x50  # version 5
+    digest[8] = (digest[8] & 0x3F) | 0x80  # RFC 4122 variant
+    h = digest.hex()
+    return f"{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}"
 
 
 def is_defaulted(telemetry: Sequence[telemetry_pb2.TelemetryEvent]) -> bool:

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 from reward_stream import join, monitors, reward
@@ -139,12 +140,15 @@ class Joiner:
         value: bytes | None,
         now_ms: int,
         handle: object = None,
-        highwater: int | None = None,
+        highwater: Callable[[], int | None] | None = None,
     ) -> Batch:
-        """Join one input record. ``highwater`` is the consumer's latest known end of the
-        record's partition (None when unknown: the record counts as the newest)."""
+        """Join one input record. ``highwater`` returns the consumer's latest known end of
+        the record's partition (None when unknown); it is only asked once the record is
+        past the end known at takeover. Without it a record counts as the newest."""
         self.counters.events += 1
-        caught_up = offset + 1 >= max(self.start_ends.get((topic, partition), 0), highwater or 0)
+        caught_up = offset + 1 >= self.start_ends.get((topic, partition), 0)
+        if caught_up and highwater is not None:
+            caught_up = offset + 1 >= (highwater() or 0)
         state = self.states.get(partition) or join.JoinState(self.config)
         try:
             event = decode(topic, key, value, handle, caught_up)

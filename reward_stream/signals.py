@@ -32,10 +32,15 @@ def persisted_fraction(agent_text: str, region_text: str) -> float:
     across other kept lines may count as rewritten. An agent text with no
     non-empty lines persisted nothing: 0.0.
     """
+    if agent_text == region_text:
+        # Kept as it was: the common case, and the diff's costliest.
+        return 1.0 if agent_text.strip() else 0.0
     agent_lines = _non_empty_lines(agent_text)
     if not agent_lines:
         return 0.0
     region_lines = _non_empty_lines(region_text)
+    if agent_lines == region_lines:
+        return 1.0
     # autojunk would treat frequent lines (e.g. "}" or "pass") as junk in long regions.
     matcher = SequenceMatcher(a=agent_lines, b=region_lines, autojunk=False)
     kept = sum(block.size for block in matcher.get_matching_blocks())

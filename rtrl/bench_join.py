@@ -34,10 +34,11 @@ beginning with a fresh consumer group:
 
 Join quality is reported, not assumed: per joiner run, rewards against rollouts
 (``exact_*``: missing, doubled) and the workers' counters (settled, defaulted, late,
-dropped, duplicates). A backlog is where it breaks: the worker reads the four topics
-unevenly, so a partition's stream time runs ahead on one topic while another's
-records wait; rollouts then settle without events (defaulted, then late) or, if
-their RolloutRecord waits over max_wait_s of wall clock, are dropped.
+dropped, duplicates). A backlog is the hard case: a worker reads the four topics
+unevenly (whole seconds of one topic's event time before another's), and the join
+stays exact only because stream time follows the slowest source still behind and the
+wall clock waits until the partition has caught up (reward_stream/join.py). On this
+load every count but ``settled`` must be 0.
 """
 
 from __future__ import annotations

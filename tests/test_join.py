@@ -341,19 +341,19 @@ def test_joiner_lag_hints_come_from_offsets_and_skipped_records():
     positions = {topics.ROLLOUT: (3, 3), topics.EDIT: (0, 0), topics.PERSISTENCE: (0, 0), topics.FOLLOWUP: (5, 7)}
     joiner.restore(0, {}, now_ms=0, positions=positions)
     record = rollout_pb2.RolloutRecord(event_id="a1", rollout_id="r1", client_ts_ms=1000).SerializeToString()
-    assert joiner.feed_record(topics.ROLLOUT, 0, 3, b"r1", record, now_ms=0, highwater=4).records == []
+    assert joiner.feed_record(topics.ROLLOUT, 0, 3, b"r1", record, now_ms=0, highwater=lambda: 4).records == []
     assert joiner.tick(now_ms=5000) == []  # past the deadline, but the follow-ups are still to come
     thanks = telemetry_pb2.TelemetryEvent(
         event_id="a2", rollout_id="r1", client_ts_ms=1100, followup=telemetry_pb2.FollowUp(message="thanks")
     ).SerializeToString()
-    assert joiner.feed_record(topics.FOLLOWUP, 0, 5, b"r1", thanks, now_ms=5001, highwater=7).records == []
+    assert joiner.feed_record(topics.FOLLOWUP, 0, 5, b"r1", thanks, now_ms=5001, highwater=lambda: 7).records == []
     assert joiner.tick(now_ms=6000) == []
     # The last follow-up is a privacy-mode one the join never sees; reading it still
     # catches the source up, and r1 settles at once, with the follow-up before it.
     private = telemetry_pb2.TelemetryEvent(
         event_id="p1", rollout_id="r2", client_ts_ms=1200, privacy_mode=True, followup=telemetry_pb2.FollowUp(message="secret")
     ).SerializeToString()
-    batch = joiner.feed_record(topics.FOLLOWUP, 0, 6, b"r2", private, now_ms=6001, handle="h6", highwater=7)
+    batch = joiner.feed_record(topics.FOLLOWUP, 0, 6, b"r2", private, now_ms=6001, handle="h6", highwater=lambda: 7)
     [settled] = batch.records
     assert settled.topic == topics.REWARD and set(reward_pb2.RewardRecord.FromString(settled.value).event_ids) == {"a1", "a2"}
     assert "h6" in batch.acks and joiner.counters.privacy_dropped == 1
