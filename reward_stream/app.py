@@ -15,7 +15,9 @@ Configuration for faust-streaming 0.15.3 on Tansu (and on Apache Kafka alike):
 
 Exactly once: the agent reads a noack stream and acknowledges a record only when
 the Joiner says its outputs are durable (runtime.py explains the scheme, and
-publisher.py how the outputs are sent and their inputs acknowledged), so
+publisher.py how the outputs are sent and their inputs acknowledged), and then only
+in offset order per partition (acks.py: faust alone would commit past a single
+pending record), so
 faust's gap-aware commit never moves past a rollout that is still pending. Before
 the first record of a partition, its settled memory is read back from the output
 topics (recovery.py). stream_wait_empty is off: a rebalance must not wait for
@@ -33,6 +35,7 @@ import faust
 import redis.asyncio as aioredis
 
 from reward_stream import recovery
+from reward_stream.acks import OrderedAcks
 from reward_stream.config import RewardStreamSettings
 from reward_stream.publisher import OutputPublisher
 from reward_stream.runtime import Joiner
@@ -75,7 +78,8 @@ def faust_app(settings: RewardStreamSettings, stack: StackSettings, datadir: str
 def create_app(settings: RewardStreamSettings, stack: StackSettings) -> faust.App:
     app = faust_app(settings, stack, "reward_stream")
     joiner = Joiner(settings.join_config(), settings.reward_fn_version)
-    publisher = OutputPublisher(stack, settings.max_in_flight)
+    ordered = OrderedAcks()
+    publisher = OutputPublisher(stack, settings.max_in_flight, ordered.done)
     highwater = app.consumer.highwater
 
     @app.agent(app.topic(*topics.TELEMETRY), name="join")
@@ -87,8 +91,8 @@ def create_app(settings: RewardStreamSettings, stack: StackSettings) -> faust.Ap
                 settled = await asyncio.to_thread(recovery.settled_rollouts, stack, message.partition)
                 joiner.restore(message.partition, settled, now_ms(), positions)
             batch = joiner.feed_record(
-                message.topic, message.partition, message.offset, message.key, message.value, now_ms(), event,
-                functools.partial(highwater, message.tp),
+                message.topic, message.partition, message.offset, message.key, message.value, now_ms(),
+                ordered.read(message.tp, event), functools.partial(highwater, message.tp),
             )
             publisher.publish(batch)
             if publisher.full():
@@ -111,9 +115,10 @@ def create_app(settings: RewardStreamSettings, stack: StackSettings) -> faust.Ap
     @app.on_partitions_revoked.connect
     async def on_revoked(app, revoked, **kwargs) -> None:
         joiner.forget({tp.partition for tp in revoked})
+        ordered.forget(set(revoked))
 
     def status() -> dict:
-        return {**joiner.status(), "assigned": len(app.consumer.assignment()), "in_flight": publisher.in_flight()}
+        return {**joiner.status(), "assigned": len(app.consumer.assignment()), "in_flight": publisher.in_flight(), "unacked": ordered.waiting()}
 
     @app.task
     async def heartbeat_task():

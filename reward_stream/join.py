@@ -54,7 +54,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from collections.abc import Set
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from typing import Literal, Union
 
@@ -93,7 +93,12 @@ class JoinConfig:
             raise ValueError("max_wait_ms must cover the window plus grace and deadline slack")
 
 
-@dataclass(frozen=True)
+# The per-record types (Event here, the outputs below, Batch and OutRecord in
+# runtime.py) are never changed after they are built, but they are not frozen: a frozen
+# dataclass costs ~2 us more to build, paid for every record on the joiner's hot path.
+
+
+@dataclass(slots=True)
 class Event:
     """One decoded input record. Produced by codec.decode; consumed by step.
 
@@ -131,7 +136,7 @@ class Pending:
 @dataclass(frozen=True)
 class SettledMark:
     expires_ms: int
-    event_ids: Set[str]
+    event_ids: AbstractSet[str]
 
 
 @dataclass(slots=True)
@@ -166,7 +171,7 @@ class JoinState:
 # Settled into a RewardRecord and publishes Late to the .late topic.
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Settled:
     rollout_id: str
     rollout: Event
@@ -176,7 +181,7 @@ class Settled:
     trigger: Literal["stream_time", "deadline"]
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Dropped:
     """A rollout whose RolloutRecord never arrived within max_wait_ms."""
 
@@ -184,14 +189,14 @@ class Dropped:
     events: tuple[Event, ...]
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Late:
     """A new event for a rollout that has already settled (or been dropped)."""
 
     event: Event
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Duplicate:
     """An event whose event_id this rollout has already seen (a redelivery)."""
 

@@ -30,17 +30,26 @@ EXIT_OUTPUT_REFUSED = 70
 
 
 class OutputPublisher:
-    def __init__(self, stack: StackSettings, max_in_flight: int, on_refused: Callable[[str], None] | None = None) -> None:
+    def __init__(
+        self,
+        stack: StackSettings,
+        max_in_flight: int,
+        release: Callable[[object], None],
+        on_refused: Callable[[str], None] | None = None,
+    ) -> None:
         self.producer = Producer(kafka.producer_config(stack, **{"linger.ms": 5, "queue.buffering.max.messages": 4 * max_in_flight}))
         self.max_in_flight = max_in_flight
+        self.release = release
+        """Called with each input handle once its outputs are durable (OrderedAcks.done)."""
         self.on_refused = on_refused or _exit
 
     def publish(self, batch: Batch) -> None:
         """Hand the batch's outputs to the producer; its inputs are acknowledged once the
         broker holds all of them (at once if there are none)."""
+        release = self.release
         if not batch.records:
-            for event in batch.acks:
-                event.ack()
+            for handle in batch.acks:
+                release(handle)
             return
         remaining = [len(batch.records)]
         acks = batch.acks
@@ -51,8 +60,8 @@ class OutputPublisher:
                 return
             remaining[0] -= 1
             if remaining[0] == 0:
-                for event in acks:
-                    event.ack()
+                for handle in acks:
+                    release(handle)
 
         for record in batch.records:
             self.producer.produce(record.topic, record.value, record.key, headers=list(record.headers), on_delivery=delivered)

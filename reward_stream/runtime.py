@@ -38,7 +38,7 @@ log = logging.getLogger(__name__)
 SOURCE_OF_TOPIC = {topics.ROLLOUT: join.SOURCE["rollout"], **{topic: join.SOURCE[kind] for kind, topic in topics.BY_PAYLOAD.items()}}
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class OutRecord:
     """A record to publish. Produced by Joiner; consumed by app.py's publisher."""
 
@@ -48,7 +48,7 @@ class OutRecord:
     headers: tuple[tuple[str, bytes], ...] = ()
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Batch:
     """What one input record or tick leads to. Produced by Joiner.feed_record/tick_batch;
     consumed by app.py, which publishes ``records``, waits for the broker, then acks ``acks``."""
