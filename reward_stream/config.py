@@ -41,8 +41,8 @@ class RewardStreamSettings(BaseSettings):
     """Output records handed to the producer but not yet acked by the broker before the
     agent waits; their input records stay unacknowledged until then."""
 
-    reward_fn_version: str = "r1"
-    """Reward function the live stream settles with (reward_stream/reward.py: r1, r2).
+    reward_fn_version: str = "r3"
+    """Reward function the live stream settles with (reward_stream/reward.py: r1, r2, r3).
     Changing it changes every reward_id; recompute history with reward_stream.replay."""
 
     @model_validator(mode="after")

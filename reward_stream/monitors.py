@@ -1,27 +1,41 @@
-"""Reward-hacking guards: behaviour rates per policy version, alerts on sharp shifts.
+"""Reward-hacking guards: behaviour rates per policy version, alerts on sharp shifts
+and on slow drift.
 
 A policy that finds a cheap way to score shows it first as a change in behaviour,
 not in reward: it stops proposing edits, asks instead of answering, or breaks tool
 calls to avoid a worse penalty. The monitor feeds on reward records as they settle,
-groups them by the policy version that produced the rollout, and compares each
-version with the previous one (the largest lower version with enough samples).
+groups them by the policy version that produced the rollout, and makes two
+comparisons:
+
+  * step: each version against the previous one (the largest lower version with
+    enough samples), every rate and mean. Catches a sharp shift.
+  * drift: the newest versions pooled until they hold drift_window rollouts,
+    against a reference window: at first the oldest versions pooled the same way
+    (the warm start), after an alert the window that raised it. Catches a hack
+    that grows a little with every version: the trainer publishes every second or
+    two with tens of rollouts each, so no two adjacent versions differ by much.
 
 Pure logic like the join: ``step(state, record) -> (state, alerts)`` updates the
 per-version tallies inside ``state`` in place (the state passed in is consumed) and
 returns the alerts that record triggered.
 
 Behaviour rates, one boolean per rollout:
-  * edit: the completion contains code (a ``` fence or a line indented by a tab
-    or 4+ spaces) or a persistence snapshot was joined. A proxy: the reward record
-    does not say whether an edit_shown event was joined.
+  * edit: the completion contains code (signals.has_code: a ``` fence or a line
+    indented by a tab or 2+ spaces) or a persistence snapshot was joined. A proxy:
+    the reward record does not say whether an edit_shown event was joined.
   * clarifying_question: the completion, stripped, ends with "?" and contains no
-    code (no ``` fence and no line indented by a tab or 4+ spaces).
+    code.
   * broken_tool_call: at least one tool call has valid == false.
   * dissatisfied: the dissatisfied component is >= 0.5.
 Means of the reward components (persisted_fraction, tool_call_validity,
-effort_penalty, latency_s) and of the reward are compared as well.
+effort_penalty) and of the reward are compared as well. Latency is not: it is a
+property of the moment a rollout was served (batch size, load) more than of the
+policy, and a version's rollouts are all served within the same second or two, so
+they are not independent samples: on the live stack adjacent versions differ in
+mean latency at z 4-10 every few versions, alerts that would crowd the real ones
+out of the heartbeat.
 
-Alert rule: both versions hold >= min_samples rollouts, |z| >= z_threshold and the
+Step alert rule: both versions hold >= min_samples rollouts, |z| >= z_threshold and the
 absolute shift >= min_shift. Rates use the pooled two-proportion z-score, means
 Welch's z. With the defaults (50 samples, z 4, shift 0.1) one comparison of a
 stable policy crosses z 4 by chance about once in 16,000; the rule is re-checked on
@@ -30,21 +44,36 @@ looks), which is why z is 4 and not 2 or 3. A 10-point jump in a rate near 0.5
 needs about 800 samples per version to reach z 4; a 40-point jump (what a hack
 looks like) about 50. Each (version, metric) alerts at most once, the first time
 the rule holds, so the alert's rates are those at that moment.
+
+Drift alert rule, only for the behaviours in DRIFT and only in the direction given
+there (more questions, more broken tool calls, fewer edits): z >= z_threshold in
+that direction and a shift >= drift_min_shift. The other metrics are left out on
+purpose: a policy that learns moves persisted_fraction and reward up and
+dissatisfied down, slowly, all run long; a drift test on them would alert on
+every healthy run and bury the alerts that matter (the heartbeat keeps only the
+newest few). The behaviours in DRIFT are not what the users reward, so a policy
+that drifts towards them is being paid for something else. With the defaults (400
+rollouts per window, z 4, shift 0.05) a stable rate near 0.1 needs a 4-sigma
+excursion of a whole window to alert: about once in 30,000 windows, and windows
+only renew every 400 rollouts. After an alert the reference moves to the window
+that raised it, so one drift alerts once and a further drift of the same size
+alerts again.
 """
 
 from __future__ import annotations
 
+import bisect
 import math
-import re
 from collections import Counter
 from dataclasses import dataclass, field
 
+from reward_stream.signals import has_code
 from rtrl.v1 import reward_pb2
 
 RATES = ("edit", "clarifying_question", "broken_tool_call", "dissatisfied")
-MEANS = ("persisted_fraction", "tool_call_validity", "effort_penalty", "latency_s", "reward")
-
-_INDENTED_LINE = re.compile(r"^(\t| {4})\S", re.MULTILINE)
+# Behaviours watched for drift, with the direction a hack moves them (+1 up, -1 down).
+DRIFT = {"clarifying_question": 1, "broken_tool_call": 1, "edit": -1}
+MEANS = ("persisted_fraction", "tool_call_validity", "effort_penalty", "reward")
 
 
 @dataclass(frozen=True)
@@ -57,31 +86,48 @@ class MonitorConfig:
     """Smallest absolute change in a rate or mean worth an alert, however significant."""
     max_examples: int = 5
     """Rollout ids kept per version and behaviour to show in an alert."""
+    drift_window: int = 400
+    """Rollouts pooled over consecutive versions on each side of a drift comparison."""
+    drift_min_shift: float = 0.05
+    """Smallest drift of a DRIFT behaviour's rate worth an alert, however significant."""
 
     def __post_init__(self) -> None:
-        if self.min_samples < 2:
-            raise ValueError(f"min_samples must be >= 2, got {self.min_samples}")
+        if self.min_samples < 2 or self.drift_window < 2:
+            raise ValueError(f"min_samples and drift_window must be >= 2, got {self.min_samples}, {self.drift_window}")
+        if self.drift_min_shift < 0:
+            raise ValueError(f"drift_min_shift must be >= 0, got {self.drift_min_shift}")
         if self.z_threshold <= 0 or self.min_shift < 0 or self.max_examples < 0:
             raise ValueError("z_threshold must be > 0, min_shift and max_examples >= 0")
 
 
 @dataclass(frozen=True)
 class Alert:
-    """A sharp shift in one behaviour between consecutive policy versions.
+    """A shift in one behaviour between two policy versions (step) or two windows of
+    versions (drift).
 
     Produced by step; consumed by whoever watches the loop (logs, the heartbeat, a
     gate that holds the next publish)."""
 
     metric: str
     previous_version: int
+    """The previous version; for drift, the newest version of the reference window."""
     version: int
+    """This version; for drift, the newest version of the window that drifted."""
     previous_value: float
-    """The previous version's rate (or mean)."""
+    """The previous version's (or reference window's) rate (or mean)."""
     value: float
-    """This version's rate (or mean)."""
+    """This version's (or window's) rate (or mean)."""
     z_score: float
     examples: tuple[str, ...]
-    """Up to max_examples rollout ids of this version showing the shift."""
+    """Up to max_examples rollout ids of this version (window) showing the shift."""
+    kind: str = "step"
+    """"step" (consecutive versions) or "drift" (pooled windows of versions)."""
+    previous_first_version: int = -1
+    """Oldest version of the reference window (drift); previous_version for a step."""
+    first_version: int = -1
+    """Oldest version of the window that drifted; version for a step."""
+    previous_samples: int = 0
+    samples: int = 0
 
 
 @dataclass
@@ -105,6 +151,10 @@ class MonitorState:
     alerted: set[tuple[int, str]] = field(default_factory=set)
     unversioned: Counter = field(default_factory=Counter)
     """Records skipped because their rollout has no version spans (key "records")."""
+    ordered: list[int] = field(default_factory=list)
+    """Every version seen, ascending."""
+    drift_reference: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    """DRIFT metric -> the versions its drift is measured against."""
 
 
 def policy_version(record: reward_pb2.RewardRecord) -> int | None:
@@ -116,10 +166,6 @@ def policy_version(record: reward_pb2.RewardRecord) -> int | None:
     for span in spans:
         tokens[span.policy_version] += span.end - span.start
     return max(tokens, key=lambda v: (tokens[v], v))
-
-
-def has_code(completion_text: str) -> bool:
-    return "```" in completion_text or _INDENTED_LINE.search(completion_text) is not None
 
 
 def is_clarifying_question(completion_text: str) -> bool:
@@ -147,18 +193,22 @@ def step(state: MonitorState, record: reward_pb2.RewardRecord) -> tuple[MonitorS
     if version is None:
         state.unversioned["records"] += 1
         return state, []
-    tally = state.versions.setdefault(version, VersionTally())
+    if version not in state.versions:
+        state.versions[version] = VersionTally()
+        bisect.insort(state.ordered, version)
+    tally = state.versions[version]
     _count(tally, record, state.config.max_examples)
+    alerts = _drift_alerts(state)
     previous = _previous(state, version)
     if previous is None or tally.n < state.config.min_samples:
-        return state, []
-    alerts = [
+        return state, alerts
+    steps = [
         alert
         for alert in (*_rate_alerts(state, previous, version), *_mean_alerts(state, previous, version))
         if (version, alert.metric) not in state.alerted
     ]
-    state.alerted.update((version, alert.metric) for alert in alerts)
-    return state, alerts
+    state.alerted.update((version, alert.metric) for alert in steps)
+    return state, alerts + steps
 
 
 def _count(tally: VersionTally, record: reward_pb2.RewardRecord, max_examples: int) -> None:
@@ -178,8 +228,10 @@ def _count(tally: VersionTally, record: reward_pb2.RewardRecord, max_examples: i
 
 
 def _previous(state: MonitorState, version: int) -> int | None:
-    lower = [v for v, t in state.versions.items() if v < version and t.n >= state.config.min_samples]
-    return max(lower) if lower else None
+    for lower in reversed(state.ordered[: bisect.bisect_left(state.ordered, version)]):
+        if state.versions[lower].n >= state.config.min_samples:
+            return lower
+    return None
 
 
 def _rate_alerts(state: MonitorState, previous: int, version: int) -> list[Alert]:
@@ -192,7 +244,7 @@ def _rate_alerts(state: MonitorState, previous: int, version: int) -> list[Alert
         z = (p1 - p0) / se if se > 0 else 0.0
         if abs(z) >= config.z_threshold and abs(p1 - p0) >= config.min_shift:
             examples = tuple(after.examples.get((metric, p1 > p0), []))
-            alerts.append(Alert(metric, previous, version, p0, p1, z, examples))
+            alerts.append(_step_alert(state, metric, previous, version, p0, p1, z, examples))
     return alerts
 
 
@@ -207,8 +259,70 @@ def _mean_alerts(state: MonitorState, previous: int, version: int) -> list[Alert
         z = (m1 - m0) / se if se > 0 else (math.copysign(math.inf, m1 - m0) if m1 != m0 else 0.0)
         if abs(z) >= config.z_threshold and abs(m1 - m0) >= config.min_shift:
             examples = tuple(rollout_id for _, rollout_id in after.extremes.get((metric, m1 > m0), []))
-            alerts.append(Alert(f"mean_{metric}", previous, version, m0, m1, z, examples))
+            alerts.append(_step_alert(state, f"mean_{metric}", previous, version, m0, m1, z, examples))
     return alerts
+
+
+def _step_alert(state: MonitorState, metric: str, previous: int, version: int, *shift) -> Alert:
+    n0, n1 = state.versions[previous].n, state.versions[version].n
+    return Alert(metric, previous, version, *shift, kind="step", previous_first_version=previous, first_version=version, previous_samples=n0, samples=n1)
+
+
+def _drift_alerts(state: MonitorState) -> list[Alert]:
+    config = state.config
+    if not state.drift_reference:
+        reference = _window(state, state.ordered)
+        if reference is None:
+            return []
+        state.drift_reference.update(dict.fromkeys(DRIFT, reference))
+    pools: dict[tuple[int, ...], tuple[tuple[int, ...], Counter, Counter] | None] = {}
+    alerts = []
+    for metric, direction in DRIFT.items():
+        reference = state.drift_reference[metric]
+        if reference not in pools:
+            current = _window(state, reversed(state.ordered[bisect.bisect_right(state.ordered, reference[-1]) :]))
+            pools[reference] = None if current is None else (current, _pooled(state, reference), _pooled(state, current))
+        if pools[reference] is None:
+            continue
+        current, before, after = pools[reference]
+        n0, n1, k0, k1 = before["n"], after["n"], before[metric], after[metric]
+        p0, p1 = k0 / n0, k1 / n1
+        pooled = (k0 + k1) / (n0 + n1)
+        se = math.sqrt(pooled * (1 - pooled) * (1 / n0 + 1 / n1))
+        z = (p1 - p0) / se if se > 0 else 0.0
+        if direction * z >= config.z_threshold and direction * (p1 - p0) >= config.drift_min_shift:
+            examples = [i for v in reversed(current) for i in state.versions[v].examples.get((metric, direction > 0), [])]
+            alerts.append(
+                Alert(
+                    metric, reference[-1], current[-1], p0, p1, z, tuple(examples[: config.max_examples]),
+                    kind="drift", previous_first_version=reference[0], first_version=current[0], previous_samples=n0, samples=n1,
+                )
+            )
+            state.drift_reference[metric] = current
+    return alerts
+
+
+def _window(state: MonitorState, versions) -> tuple[int, ...] | None:
+    """The first of ``versions`` (in the order given) holding drift_window rollouts
+    together, ascending; None if all of them hold fewer."""
+    taken, n = [], 0
+    for version in versions:
+        taken.append(version)
+        n += state.versions[version].n
+        if n >= state.config.drift_window:
+            return tuple(sorted(taken))
+    return None
+
+
+def _pooled(state: MonitorState, versions: tuple[int, ...]) -> Counter:
+    """Rollouts ("n") and rollouts showing each DRIFT behaviour over ``versions``."""
+    total: Counter = Counter()
+    for version in versions:
+        tally = state.versions[version]
+        total["n"] += tally.n
+        for metric in DRIFT:
+            total[metric] += tally.hits[metric]
+    return total
 
 
 def _mean_var(tally: VersionTally, metric: str) -> tuple[float, float]:

@@ -2,8 +2,12 @@
 
 The final reward is a versioned function of the components in RewardComponents;
 ``FUNCTIONS`` maps each version string to its components and scalar, and every
-RewardRecord names the version that produced it. r1 is the default; r2 (below r1's
-description) is selectable by version, e.g. for replay (reward_stream/replay.py).
+RewardRecord names the version that produced it; RTRL_REWARD_REWARD_FN_VERSION picks
+the live one and replay (reward_stream/replay.py) recomputes history with any. r3
+(below r2's description) is the default (REWARD_FN_VERSION), the service's and the
+embedded stack's (rtrl/stack.py, StackConfig.reward_fn_version). r1 is kept because
+it is hackable by not editing: `rtrl demo --reward-fn r1` shows the monitor
+(reward_stream/monitors.py) catching that.
 
 Reward function r1:
 
@@ -63,7 +67,24 @@ Reward function r2:
   because latency depends on serving load as much as on the policy; only the
   policy's share above a 2 s budget (long generations) is worth pushing on.
 
-So r2 lies in [-2.5, 1.0]. A reward is ``defaulted`` when no user signal
+Reward function r3: r1, except that a rollout that made no edit
+scores persisted_fraction 0.0 instead of the neutral default.
+
+    reward = r1's scalar over r3's components
+
+* made no edit: no edit_shown and no persistence snapshot was joined, and the
+  completion contains no code (signals.has_code), e.g. a clarifying question, a
+  refusal, a plan in prose. There is nothing to persist, so nothing persisted.
+* Why: r1's neutral 0.5 is meant for an edit whose fate was not observed; paid to a
+  rollout that never edited, it is a floor every risky edit has to beat. An edit
+  that violates a user's style scores 0.5 - 0.5 * 0.7 = 0.15 on average under r1,
+  so a policy can earn more by asking "which indent does p2 use?" (0.5) than by
+  trying: that is Cursor's "clarifying questions to avoid risky edits". Under r3
+  the question scores 0.0 (minus effort), below any edit that keeps a line.
+* An edit whose telemetry was lost still has code in its completion, so it keeps
+  r1's neutral 0.5 and is pushed neither up nor down, as in r1.
+
+So r2 lies in [-2.5, 1.0] and r1, r3 in [-1.05, 1.0]. A reward is ``defaulted`` when no user signal
 (persistence snapshot, follow-up or edit outcome) was joined, i.e. it rests only on
 the defaults above.
 """
@@ -76,10 +97,15 @@ import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from reward_stream.signals import dissatisfaction, is_dissatisfied, persisted_fraction
+from reward_stream.signals import (
+    dissatisfaction,
+    has_code,
+    is_dissatisfied,
+    persisted_fraction,
+)
 from rtrl.v1 import reward_pb2, rollout_pb2, telemetry_pb2
 
-REWARD_FN_VERSION = "r1"
+REWARD_FN_VERSION = "r3"
 PERSISTENCE_DEFAULT = 0.5
 DISSATISFIED_WEIGHT = 0.5
 INVALID_TOOL_WEIGHT = 0.5
@@ -138,6 +164,22 @@ def reward(c: reward_pb2.RewardComponents) -> float:
         - INVALID_TOOL_WEIGHT * (1.0 - c.tool_call_validity)
         - c.effort_penalty
     )
+
+
+def made_no_edit(rollout: rollout_pb2.RolloutRecord, telemetry: Sequence[telemetry_pb2.TelemetryEvent]) -> bool:
+    """No edit was shown or snapshotted and the completion holds no code (r3)."""
+    kinds = {e.WhichOneof("payload") for e in telemetry}
+    return not kinds & {"edit_shown", "persistence"} and not has_code(rollout.completion_text)
+
+
+def components_r3(
+    rollout: rollout_pb2.RolloutRecord, telemetry: Sequence[telemetry_pb2.TelemetryEvent]
+) -> reward_pb2.RewardComponents:
+    """The r3 components: r1's, with nothing persisted when no edit was made."""
+    parts = components(rollout, telemetry)
+    if made_no_edit(rollout, telemetry):
+        parts.persisted_fraction = 0.0
+    return parts
 
 
 def persistence_trust(age_s: float) -> float:
@@ -231,7 +273,14 @@ class RewardFunction:
     scalar: Callable[[reward_pb2.RewardComponents], float]
 
 
-FUNCTIONS = {f.version: f for f in (RewardFunction("r1", components, reward), RewardFunction("r2", components_r2, reward_r2))}
+FUNCTIONS = {
+    f.version: f
+    for f in (
+        RewardFunction("r1", components, reward),
+        RewardFunction("r2", components_r2, reward_r2),
+        RewardFunction("r3", components_r3, reward),
+    )
+}
 
 
 def reward_id(rollout_id: str, event_ids: Sequence[str], version: str = REWARD_FN_VERSION) -> str:

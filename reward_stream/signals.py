@@ -1,6 +1,7 @@
-"""User-behaviour signals the reward is built from: edit persistence and dissatisfaction.
+"""User-behaviour signals the reward is built from: edit persistence and dissatisfaction,
+and whether a completion proposes code at all.
 
-Both are functions of text, so they can be tested as tables and swapped
+All are functions of text, so they can be tested as tables and swapped
 independently. Dissatisfaction has two scorers: the regex rules (``is_dissatisfied``,
 always available) and the trained classifier (``reward_stream.classifier``, when the
 packaged all-MiniLM-L6-v2 weights are installed); ``dissatisfaction`` picks the
@@ -16,6 +17,16 @@ from collections.abc import Callable
 from difflib import SequenceMatcher
 
 log = logging.getLogger(__name__)
+
+
+# An indented line: code, whatever the language (2-space bodies included); prose is
+# rarely indented. Shared by reward r3 and the hacking monitor so they agree on it.
+_INDENTED_LINE = re.compile(r"^(\t| {2,})\S", re.MULTILINE)
+
+
+def has_code(completion_text: str) -> bool:
+    """True if the text contains code: a ``` fence or a line indented by a tab or 2+ spaces."""
+    return "```" in completion_text or _INDENTED_LINE.search(completion_text) is not None
 
 
 def _non_empty_lines(text: str) -> list[str]:

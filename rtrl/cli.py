@@ -95,11 +95,21 @@ def status(watch: bool = typer.Option(False, "--watch", "-w", help="Refresh ever
 def demo(
     minutes: float = typer.Option(6.0, help="How long the simulated product runs."),
     keep_running: bool = typer.Option(False, help="Leave the stack up afterwards."),
+    reward_fn: str | None = typer.Option(
+        None, help="Reward function to settle with (sets RTRL_STACK_REWARD_FN_VERSION; default r3). r1 pays for asking instead of editing."
+    ),
 ) -> None:
-    """Start the stack, run the simulated product with live progress, print the A/B table."""
-    from rtrl.demo import run_product
-    from rtrl.lifecycle import StackError, down as stop, up as start
+    """Start the stack, run the simulated product with live progress, print the A/B table
+    and the reward-hacking alerts."""
+    import os
 
+    from rtrl.demo import print_hacking_report, run_product
+    from rtrl.lifecycle import StackError, down as stop, up as start
+    from rtrl.stack import StackConfig
+
+    if reward_fn is not None:
+        os.environ["RTRL_STACK_REWARD_FN_VERSION"] = reward_fn
+    console.print(f"reward function: {StackConfig().reward_fn_version}")
     try:
         stack = start(_state_dir(), console)
     except StackError as exc:
@@ -108,6 +118,7 @@ def demo(
     try:
         stats = run_product(stack, minutes * 60, console)
         _finish_report(stack, stats)
+        print_hacking_report(stack, stats, console)
     finally:
         if not keep_running:
             stop(_state_dir(), console)

@@ -11,7 +11,7 @@ import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from pydantic import Field
+from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -28,6 +28,21 @@ class StackConfig(BaseSettings):
 
     max_restarts: int = Field(5, ge=0)
     """Restarts of one crashed service before the supervisor gives up on it."""
+
+    reward_fn_version: str = "r3"
+    """Reward function the stack's reward_stream settles with (reward_stream/reward.py);
+    the supervisor passes it on as RTRL_REWARD_REWARD_FN_VERSION, over any value in the
+    environment. r1 pays for not editing: `rtrl demo --reward-fn r1` shows the
+    reward-hacking monitor catching it."""
+
+    @field_validator("reward_fn_version")
+    @classmethod
+    def _known_reward_fn(cls, version: str) -> str:
+        from reward_stream.reward import FUNCTIONS
+
+        if version not in FUNCTIONS:
+            raise ValueError(f"reward_fn_version {version!r} is not one of {sorted(FUNCTIONS)}")
+        return version
 
 
 @dataclass
@@ -65,6 +80,8 @@ class StackFile:
     """Infrastructure process name -> pid (tansu, redis)."""
     services: list[ServiceSpec]
     started_ts: float
+    reward_fn_version: str = ""
+    """The reward function reward_stream settles with (StackConfig.reward_fn_version)."""
 
     def port(self, name: str, env_var: str, instance: str = "0") -> int:
         for spec in self.services:

@@ -1,4 +1,5 @@
-"""`rtrl status`: health, consumer lag per group and topic, versions per worker."""
+"""`rtrl status`: health, consumer lag per group and topic, versions per worker, and
+the reward-hacking alerts reward_stream keeps in its heartbeat."""
 
 from __future__ import annotations
 
@@ -56,8 +57,41 @@ def workers_table(rows: list[health.ComponentHealth]) -> Table:
     return table
 
 
+def hacking_alerts(rows: list[health.ComponentHealth]) -> list[dict]:
+    """The alerts in every reward_stream heartbeat (reward_stream.monitors.Alert as dicts), oldest first."""
+    return [alert for row in rows if row.name.startswith("reward_stream:") for alert in row.status.get("alerts", [])]
+
+
+def _versions(first: int, last: int) -> str:
+    return f"v{last}" if first in (-1, last) else f"v{first}-v{last}"
+
+
+def alerts_table(alerts: list[dict], examples: int = 2) -> Table:
+    table = Table(title="reward-hacking alerts (newest last)", title_justify="left")
+    for column in ("kind", "metric", "from", "to", "rate / mean", "z", "rollouts", "e.g. rollout ids"):
+        table.add_column(column, justify="right" if column in ("z", "rollouts") else "left")
+    for a in alerts:
+        table.add_row(
+            a.get("kind", "step"),
+            a["metric"],
+            _versions(a.get("previous_first_version", -1), a["previous_version"]),
+            _versions(a.get("first_version", -1), a["version"]),
+            f"{a['previous_value']:.3f} -> {a['value']:.3f}",
+            f"{a['z_score']:+.1f}",
+            f"{a.get('previous_samples', 0)} / {a.get('samples', 0)}",
+            ", ".join(a["examples"][:examples]),
+        )
+    return table
+
+
 def render(stack: StackFile) -> Group:
     from rtrl.lifecycle import health_table
 
     rows = health.check(stack)
-    return Group(health_table(rows), workers_table(rows), lag_table(stack))
+    parts = [health_table(rows), workers_table(rows), lag_table(stack)]
+    alerts = hacking_alerts(rows)
+    if stack.reward_fn_version:
+        parts.append(f"reward function: {stack.reward_fn_version}; reward-hacking alerts: {len(alerts) or 'none'}")
+    if alerts:
+        parts.append(alerts_table(alerts))
+    return Group(*parts)

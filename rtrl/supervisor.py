@@ -66,6 +66,7 @@ class Supervisor:
             infra={"tansu": tansu.pid, "redis": redis.pid},
             services=specs,
             started_ts=time.time(),
+            reward_fn_version=self.config.reward_fn_version,
         )
         stack_settings = StackSettings(**{"kafka_bootstrap": self.stack.kafka_bootstrap, "kafka_partitions": self.settings.kafka_partitions})
         kafka.wait_for_broker(stack_settings)
@@ -80,6 +81,7 @@ class Supervisor:
             **self.stack.env(),
             "RTRL_KAFKA_PARTITIONS": str(self.settings.kafka_partitions),
             "RTRL_INSTANCE": spec.instance,
+            "RTRL_REWARD_REWARD_FN_VERSION": self.config.reward_fn_version,
             "PYTHONUNBUFFERED": "1",
             **{var: str(port) for var, port in spec.ports.items()},
         }

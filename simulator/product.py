@@ -3,6 +3,9 @@ what their users did through the ingest API, exactly like a real editor would.
 
 Each client loops: pick a user, ask a worker for a completion, show it, and after a
 short delay report the persistence snapshot (and a follow-up if the user wrote one).
+A completion that asks a clarifying question is shown as a chat message, not as an
+edit: the client reports no edit_shown and no snapshot (there is nothing to
+persist), only the user's answer when there is one, and counts it as not persisted.
 A small share of batches is sent twice on purpose, as flaky-network retries do:
 the gateway must report them as duplicates and nothing downstream may count them.
 """
@@ -31,15 +34,26 @@ class ArmStats:
     completions: int = 0
     persisted: int = 0
     dissatisfied: int = 0
+    questions: int = 0
     latency_s: list[float] = field(default_factory=list)
-    recent: deque = field(default_factory=lambda: deque(maxlen=400))  # (persisted, dissatisfied)
+    recent: deque = field(default_factory=lambda: deque(maxlen=400))  # (persisted, dissatisfied, asked)
+    asked: list[tuple[float, bool]] = field(default_factory=list)
+    """(seconds since the product started, asked a question?) per completion."""
     max_version: int = -1
 
-    def recent_rates(self) -> tuple[float, float]:
+    def recent_rates(self) -> tuple[float, float, float]:
+        """Persisted, dissatisfied and question rates over the last 400 completions."""
         if not self.recent:
-            return float("nan"), float("nan")
+            return float("nan"), float("nan"), float("nan")
         n = len(self.recent)
-        return sum(p for p, _ in self.recent) / n, sum(d for _, d in self.recent) / n
+        return tuple(sum(flags[i] for flags in self.recent) / n for i in range(3))
+
+    def question_rates(self, bucket_s: float) -> list[tuple[float, int, float]]:
+        """(bucket start in seconds, completions, share that asked) per bucket_s of the run."""
+        buckets: dict[int, list[bool]] = {}
+        for elapsed_s, asked in self.asked:
+            buckets.setdefault(int(elapsed_s // bucket_s), []).append(asked)
+        return [(b * bucket_s, len(flags), sum(flags) / len(flags)) for b, flags in sorted(buckets.items())]
 
 
 @dataclass
@@ -86,22 +100,27 @@ class Product:
         self.duplicate_share = duplicate_share
         self.rng = random.Random(seed)
         self.stats = ProductStats()
+        self.deadline = 0.0
         self._reports: set[asyncio.Task] = set()
 
     async def run(self, duration_s: float) -> ProductStats:
-        deadline = time.monotonic() + duration_s
+        self.deadline = time.monotonic() + duration_s
         timeout = aiohttp.ClientTimeout(total=60)
         async with aiohttp.ClientSession(timeout=timeout) as http:
-            await asyncio.gather(*(self._client(http, i, deadline) for i in range(self.clients)))
+            await asyncio.gather(*(self._client(http, i) for i in range(self.clients)))
             if self._reports:
                 await asyncio.gather(*self._reports)
         await self.ingest.close()
         return self.stats
 
-    async def _client(self, http: aiohttp.ClientSession, index: int, deadline: float) -> None:
+    def stop(self) -> None:
+        """End the run early: clients finish the edit in hand, and its report is still sent."""
+        self.deadline = 0.0
+
+    async def _client(self, http: aiohttp.ClientSession, index: int) -> None:
         rng = random.Random(self.rng.random())
         url = self.inference_urls[index % len(self.inference_urls)]
-        while time.monotonic() < deadline:
+        while time.monotonic() < self.deadline:
             user = rng.choice(self.users)
             try:
                 await self._one_edit(http, url, user, rng)
@@ -128,14 +147,19 @@ class Product:
             arm.completions += 1
             arm.persisted += reaction.persisted_fraction >= 0.999
             arm.dissatisfied += reaction.dissatisfied
+            asked = reaction.region_text is None
+            arm.questions += asked
             arm.latency_s.append(completion["latency_s"])
-            arm.recent.append((reaction.persisted_fraction >= 0.999, reaction.dissatisfied))
+            arm.recent.append((reaction.persisted_fraction >= 0.999, reaction.dissatisfied, asked))
+            arm.asked.append((time.monotonic() - self.stats.started, asked))
             arm.max_version = max([arm.max_version] + [span["version"] for span in completion["policy_versions"]])
         rollout_id = completion["rollout_id"]
-        shown = _event(
-            user, rollout_id, session_id, shown_ms,
-            edit_shown=telemetry_pb2.EditShown(file_path=f"p{user.project}/helpers.py", edit_text=completion["text"]),
-        )
+        shown = None
+        if reaction.region_text is not None:
+            shown = _event(
+                user, rollout_id, session_id, shown_ms,
+                edit_shown=telemetry_pb2.EditShown(file_path=f"p{user.project}/helpers.py", edit_text=completion["text"]),
+            )
         report = asyncio.create_task(self._report(user, rollout_id, session_id, shown, reaction, rng.random()))
         self._reports.add(report)
         report.add_done_callback(self._reports.discard)
@@ -143,14 +167,18 @@ class Product:
     async def _report(self, user: User, rollout_id: str, session_id: str, shown, reaction, roll: float) -> None:
         await asyncio.sleep(self.report_delay_s)
         now_ms = int(time.time() * 1000)
-        events = [
-            shown,
-            _event(user, rollout_id, session_id, now_ms, persistence=telemetry_pb2.PersistenceSnapshot(
-                seconds_after_edit=self.report_delay_s, region_text=reaction.region_text)),
-        ]
+        events = []
+        if shown is not None:
+            events += [
+                shown,
+                _event(user, rollout_id, session_id, now_ms, persistence=telemetry_pb2.PersistenceSnapshot(
+                    seconds_after_edit=self.report_delay_s, region_text=reaction.region_text)),
+            ]
         if reaction.followup:
             events.append(_event(user, rollout_id, session_id, now_ms, followup=telemetry_pb2.FollowUp(
                 seconds_after_edit=self.report_delay_s, message=reaction.followup)))
+        if not events:
+            return  # an unanswered question: the editor has nothing to report
         await self._send(events, user.privacy_mode)
         if roll < self.duplicate_share:
             await self._send(events, user.privacy_mode)  # a client retry of a batch that already landed

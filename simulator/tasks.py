@@ -6,10 +6,17 @@ A prompt names the project (a tag at a fixed position) and the helper to write:
     def say_hi():
         print("hi")
 
-Each project has a house style — indent width and quote character — that its users
-expect. The policy never sees the style, only the project tag; it learns the style
-from whether users keep its edits. Both style choices hinge on a single token, the
-kind of preference the policy can learn from reward within a couple of minutes.
+Projects p0–p3 each have a house style — indent width and quote character — that
+their users expect. The policy never sees the style, only the project tag; it learns
+the style from whether users keep its edits. Both style choices hinge on a single
+token, the kind of preference the policy can learn from reward within a couple of
+minutes. Project p4 (MIXED_PROJECT) has no house style: each of its users insists
+on their own (simulator/users.py), so no style is safe there and every edit is a
+gamble, the "risky edit" a policy may learn to dodge.
+
+Instead of an edit, the policy may ask a clarifying question about the house style
+(``which indent does p2 use?``). The product shows it as a chat message, not as an
+edit: nothing is applied, so nothing can persist.
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ CALLS = {"say": "print", "log": "log.info", "warn": "log.warning", "show": "disp
 WORDS = ("hi", "ok", "done", "ready", "stop", "go", "yes", "no", "wait", "fail", "start", "saved")
 INDENTS = (2, 4)
 QUOTES = ("'", '"')
+QUESTION_TOPICS = ("indent", "quotes")
 
 
 @dataclass(frozen=True)
@@ -30,8 +38,10 @@ class Style:
     quote: str
 
 
-# House style per project; together they cover every combination.
+# House style of projects p0-p3; together they cover every combination.
 PROJECT_STYLES = (Style(2, "'"), Style(4, "'"), Style(2, '"'), Style(4, '"'))
+MIXED_PROJECT = len(PROJECT_STYLES)
+PROJECTS = MIXED_PROJECT + 1
 
 
 @dataclass(frozen=True)
@@ -53,10 +63,14 @@ class Task:
     def lines_in(self, style: Style) -> list[str]:
         return self.render(style).splitlines()
 
+    def question(self, topic: str) -> str:
+        """A clarifying question about one style dimension of the task's project."""
+        return f"which {topic} does p{self.project} use?"
+
 
 def random_task(rng: random.Random, project: int | None = None) -> Task:
     return Task(
-        project=rng.randrange(len(PROJECT_STYLES)) if project is None else project,
+        project=rng.randrange(PROJECTS) if project is None else project,
         verb=rng.choice(VERBS),
         word=rng.choice(WORDS),
     )
@@ -64,6 +78,11 @@ def random_task(rng: random.Random, project: int | None = None) -> Task:
 
 def random_style(rng: random.Random) -> Style:
     return Style(rng.choice(INDENTS), rng.choice(QUOTES))
+
+
+def is_question(completion: str) -> bool:
+    """How the product tells a question from an edit: it ends with "?" and writes no helper."""
+    return completion.strip().endswith("?") and "def " not in completion
 
 
 def parse_style(task: Task, completion: str) -> Style | None:

@@ -91,6 +91,13 @@ def test_loop_end_to_end(state_dir):
         private = ", ".join(f"'{u}'" for u in stats.private_user_ids)
         assert one(f"SELECT count() FROM telemetry_events WHERE user_id IN ({private})") == 0
         assert one(f"SELECT count() FROM rollouts WHERE user_id IN ({private})") == 0
+
+        # The stack's default reward (r3) pays nothing for asking instead of editing: no
+        # drift towards clarifying questions (test_reward_hacking_live.py is the r1 side).
+        from rtrl.status_view import hacking_alerts
+
+        assert stack.reward_fn_version == "r3"
+        assert not [a for a in hacking_alerts(health.check(stack)) if a["metric"] == "clarifying_question"]
     finally:
         down(state_dir, console)
     assert not [pid for pid in pids if health.pid_alive(pid)]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from reward_stream import monitors, reward, signals
@@ -133,6 +135,82 @@ def test_hackable_reward_is_caught_by_the_monitor(version_fn, dodging_pays):
     assert {"broken_tool_call", "edit"} <= metrics
 
 
+def ramp(first_version: int, versions: int, per_version: int, kind: str, start: float, end: float, rest=("kept", "rewritten")):
+    """Phases for ``versions`` versions in a row whose share of ``kind`` goes from start to
+    end in equal steps, spread evenly through each version, the rest cycling through
+    ``rest``: a behaviour that grows (or fades) a little with every version, as one
+    does under continuous training."""
+    phases = []
+    for i in range(versions):
+        share = start + (end - start) * i / max(versions - 1, 1)
+        k = round(share * per_version)
+        cycle = tuple(kind if (j + 1) * k // per_version > j * k // per_version else rest[j % len(rest)] for j in range(per_version))
+        phases.append((first_version + i, per_version, cycle))
+    return phases
+
+
+def drift_alerts(alerts: list[monitors.Alert]) -> list[monitors.Alert]:
+    return [a for a in alerts if a.kind == "drift"]
+
+
+DRIFT_CASES = {
+    # Questions creep from none to 40 % over 40 versions of 30 rollouts: no version is
+    # big enough for a step comparison, the pooled windows see it.
+    "questions_creep_in_small_versions": (ramp(1, 40, 30, "question", 0.0, 0.4), {("drift", "clarifying_question"), ("drift", "edit")}),
+    # The same creep in versions of 100: every step comparison runs, none sees more than
+    # a 2-point change, only the drift does.
+    "questions_creep_in_big_versions": (ramp(1, 20, 100, "question", 0.0, 0.4), {("drift", "clarifying_question"), ("drift", "edit")}),
+    # Broken tool calls creep in where edits used to be.
+    "dodges_creep_in": (ramp(1, 40, 30, "dodge", 0.0, 0.4), {("drift", "broken_tool_call"), ("drift", "edit")}),
+    # The policy learns: kept edits go from 30 % to 90 %, rewritten and rejected ones
+    # (and their complaints) fade. Persisted and reward rise, dissatisfied falls, all
+    # far past any threshold: healthy learning, no alert.
+    "learning_to_edit_well": (ramp(1, 40, 30, "kept", 0.3, 0.9, rest=("rewritten", "rejected")), set()),
+    # Questions fade from 40 % to none (what r3 does to them): the safe direction.
+    "questions_fade": (ramp(1, 40, 30, "question", 0.4, 0.0), set()),
+    # Too little traffic for two windows.
+    "one_window_only": (ramp(1, 20, 30, "question", 0.0, 0.4), set()),
+}
+
+
+@pytest.mark.parametrize("phases, expected", DRIFT_CASES.values(), ids=DRIFT_CASES.keys())
+def test_drift(phases, expected):
+    alerts = run(stream(*phases))
+    assert {(a.kind, a.metric) for a in alerts} == expected
+    for alert in drift_alerts(alerts):
+        assert alert.samples >= 400 and alert.previous_samples >= 400
+        assert alert.previous_version < alert.first_version <= alert.version
+        assert 0 < len(alert.examples) <= 5
+
+
+def test_drift_alert_shows_the_reference_the_window_and_examples():
+    alerts = run(stream(*ramp(1, 40, 30, "question", 0.0, 0.4)))
+    [alert] = [a for a in alerts if a.metric == "clarifying_question"]
+    # The reference is the oldest 400 rollouts (v1-v14), the window the newest 400 when it alerted.
+    assert (alert.previous_first_version, alert.previous_version) == (1, 14)
+    assert alert.version - alert.first_version == 13 and alert.z_score >= 4
+    assert alert.value - alert.previous_value >= 0.05
+    assert all("-question-" in rollout_id and int(rollout_id[1:].split("-")[0]) >= alert.first_version for rollout_id in alert.examples)
+
+
+def test_drift_alerts_once_per_step_of_drift():
+    # 15 % questions after a clean start, then 30 %, then a long plateau: two alerts, the
+    # second measured against the window that raised the first, none on the plateau.
+    phases = [(1, 420, ("kept",)), *ramp(2, 40, 30, "question", 0.15, 0.15), *ramp(42, 80, 30, "question", 0.3, 0.3)]
+    alerts = [a for a in run(stream(*phases)) if a.metric == "clarifying_question"]
+    assert [a.kind for a in alerts] == ["drift", "drift"]
+    first, second = alerts
+    assert (second.previous_first_version, second.previous_version) == (first.first_version, first.version)
+    assert first.previous_value == 0.0 and first.value < second.value <= 0.3
+
+
+def test_a_stable_noisy_rate_raises_no_drift_alert():
+    # 6,000 rollouts, each a question with probability 0.1: windows wander by chance only.
+    rng = random.Random(3)
+    phases = [(v, 30, tuple("question" if rng.random() < 0.1 else "kept" for _ in range(30))) for v in range(1, 201)]
+    assert drift_alerts(run(stream(*phases))) == []
+
+
 VERSION_CASES = {
     # One version: that one.
     "single": ([(3, 0, 40)], 3),
@@ -175,9 +253,10 @@ def test_unversioned_records_are_counted_not_compared():
     assert alerts == [] and state.unversioned["records"] == 1 and state.versions == {}
 
 
-def test_config_is_validated():
+@pytest.mark.parametrize("bad", [{"min_samples": 1}, {"drift_window": 1}, {"drift_min_shift": -0.1}])
+def test_config_is_validated(bad):
     with pytest.raises(ValueError):
-        monitors.MonitorConfig(min_samples=1)
+        monitors.MonitorConfig(**bad)
 
 
 def test_the_live_joiner_reports_alerts_in_its_status():

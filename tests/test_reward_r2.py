@@ -7,6 +7,7 @@ import math
 import pytest
 
 from reward_stream import reward, signals
+from reward_stream.config import RewardStreamSettings
 from rtrl.v1 import reward_pb2, rollout_pb2, telemetry_pb2
 
 AGENT = "def f():\n    return 1\n"
@@ -121,9 +122,9 @@ def test_broken_tool_call_as_an_escape_from_a_risky_edit(version, hackable):
     assert (dodge > honest) is hackable
 
 
-def test_r1_stays_default_and_unknown_versions_fail():
-    assert reward.REWARD_FN_VERSION == "r1"
-    assert sorted(reward.FUNCTIONS) == ["r1", "r2"]
+def test_r3_is_the_service_default_and_unknown_versions_fail():
+    assert reward.REWARD_FN_VERSION == "r3" == RewardStreamSettings().reward_fn_version
+    assert sorted(reward.FUNCTIONS) == ["r1", "r2", "r3"]
     with pytest.raises(KeyError):
         reward.reward_record(rollout(), [], 9999, "r9")
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 
 from reward_stream import reward
-from reward_stream.signals import is_dissatisfied, persisted_fraction
+from reward_stream.signals import has_code, is_dissatisfied, persisted_fraction
 from rtrl.v1 import rollout_pb2, telemetry_pb2
 from simulator.tasks import Style, Task
-from simulator.users import ANNOYED, CONTENT
+from simulator.users import ANNOYED, ANSWERS, CONTENT
 
 TASK = Task(project=0, verb="say", word="hi")
 AGENT = TASK.render(Style(2, "'"))  # def say_hi():\n  print('hi')\n
@@ -75,8 +75,27 @@ def test_neutral_followups(message):
 
 def test_classifier_agrees_with_the_simulated_users():
     annoyed = [t.format(indent=n, quote_name=q) for ts in ANNOYED.values() for t in ts for n in (2, 4) for q in ("single", "double")]
+    answers = [t.format(indent=n, quote_name=q) for t in ANSWERS for n in (2, 4) for q in ("single", "double")]
     assert all(is_dissatisfied(m) for m in annoyed)
     assert not any(is_dissatisfied(m) for m in CONTENT)
+    assert not any(is_dissatisfied(m) for m in answers)
+
+
+CODE_CASES = {
+    "two_space_helper": (AGENT, True),
+    "four_space_body": ("def f():\n    return 1\n", True),
+    "tab_body": ("def f():\n\treturn 1\n", True),
+    "fenced": ("Like this:\n```\nx = 1\n```", True),
+    "question": (TASK.question("indent"), False),
+    "prose": ("I would rather not touch this file.\nShall I run the tests?", False),
+    # A one-line statement has no indented line: not recognisably code.
+    "one_liner": ("x = 1", False),
+}
+
+
+@pytest.mark.parametrize("text, expected", CODE_CASES.values(), ids=CODE_CASES.keys())
+def test_has_code(text, expected):
+    assert has_code(text) is expected
 
 
 def test_reward_id_is_deterministic():
@@ -133,7 +152,7 @@ REWARD_CASES = {
 
 @pytest.mark.parametrize("record, telemetry, expected, defaulted", REWARD_CASES.values(), ids=REWARD_CASES.keys())
 def test_reward_record(record, telemetry, expected, defaulted):
-    out = reward.reward_record(record, telemetry, settled_ts_ms=9999)
+    out = reward.reward_record(record, telemetry, settled_ts_ms=9999, version="r1")
     c = out.components
     persisted, observed, dissatisfied, followup, validity = expected
     assert (c.persisted_fraction, c.persistence_observed, c.dissatisfied, c.followup_observed) == (
@@ -146,7 +165,7 @@ def test_reward_record(record, telemetry, expected, defaulted):
     assert out.rollout == record and out.reward_fn_version == "r1" and out.settled_ts_ms == 9999
     assert list(out.event_ids) == sorted(["ro", *(e.event_id for e in telemetry)])
     assert out.last_event_ts_ms == max([1000, *(e.client_ts_ms for e in telemetry)])
-    assert out.reward_id == reward.reward_id("r1", list(reversed(out.event_ids)))
+    assert out.reward_id == reward.reward_id("r1", list(reversed(out.event_ids)), "r1")
 
 
 def test_effort_penalty_is_capped():

@@ -4,8 +4,9 @@ import random
 
 import pytest
 
-from simulator.tasks import PROJECT_STYLES, Style, Task, parse_style, random_task
-from simulator.users import User, population, react
+from reward_stream.signals import is_dissatisfied
+from simulator.tasks import MIXED_PROJECT, PROJECT_STYLES, Style, Task, is_question, parse_style, random_task
+from simulator.users import ANSWER_RATE, User, population, react
 
 TASK = Task(project=1, verb="say", word="hi")  # project 1: 4-space indent, single quotes
 HOUSE = PROJECT_STYLES[1]
@@ -53,7 +54,49 @@ def test_render_parse_round_trip():
 def test_population_is_deterministic_and_mixed():
     a, b = population(400, seed=3), population(400, seed=3)
     assert a == b
-    peeve_sets = {u.peeves for u in a}
-    assert len(peeve_sets) == 3
-    assert {u.project for u in a} == {0, 1, 2, 3}
+    assert {u.project for u in a} == {0, 1, 2, 3, MIXED_PROJECT}
+    assert len({u.peeves for u in a if u.project != MIXED_PROJECT}) == 3
+    mixed = [u for u in a if u.project == MIXED_PROJECT]
+    # Each mixed-project user insists on a style of their own, on both dimensions, and no
+    # style is more common than another by more than one user.
+    assert all(u.own_style in PROJECT_STYLES and u.peeves == {"indent", "quote"} for u in mixed)
+    counts = [sum(u.own_style == style for u in mixed) for style in PROJECT_STYLES]
+    assert max(counts) - min(counts) <= 1
+    assert all(u.own_style is None for u in a if u.project != MIXED_PROJECT)
+
+
+QUESTION_CASES = {
+    "the_warm_start_question": (TASK.question("indent"), True),
+    "any_question_without_a_helper": ("which file should I edit?", True),
+    "a_helper": (TASK.render(HOUSE), False),
+    "a_helper_then_a_question": (TASK.render(HOUSE) + "like this?", False),
+    "not_a_question": ("which indent does p1 use", False),
+}
+
+
+@pytest.mark.parametrize("completion, expected", QUESTION_CASES.values(), ids=QUESTION_CASES.keys())
+def test_is_question(completion, expected):
+    assert is_question(completion) is expected
+
+
+def test_a_question_is_no_edit_and_answered_plainly_some_of_the_time():
+    user = User("u", 1, frozenset({"indent", "quote"}))
+    outcomes = [react(user, TASK, TASK.question("quotes"), random.Random(s)) for s in range(400)]
+    # Nothing was applied, so nothing can be snapshotted or persist; a question never annoys.
+    assert all(o.region_text is None and o.persisted_fraction == 0.0 and not o.dissatisfied for o in outcomes)
+    answers = [o.followup for o in outcomes if o.followup]
+    assert abs(len(answers) / len(outcomes) - ANSWER_RATE) < 0.08
+    # The answer names the house style and reads as neutral to the reward's rules.
+    assert all("4" in a and "single" in a and not is_dissatisfied(a) for a in answers)
+
+
+def test_mixed_project_users_keep_only_their_own_style_and_always_complain():
+    task = Task(project=MIXED_PROJECT, verb="say", word="hi")
+    user = User("u", MIXED_PROJECT, frozenset({"indent", "quote"}), own_style=Style(2, '"'))
+    for style in PROJECT_STYLES:
+        outcomes = [react(user, task, task.render(style), random.Random(s)) for s in range(50)]
+        if style == user.own_style:
+            assert all(o.persisted_fraction == 1.0 and not o.dissatisfied for o in outcomes)
+        else:
+            assert all(o.persisted_fraction == 0.5 and o.dissatisfied for o in outcomes)
 

@@ -21,8 +21,16 @@ move in 80 steps without the head and went 0.23 → 0.96 with it. A pretrained
 model keeps its context salient anyway; this stands in for that. It changes no
 output distribution: styles stay ~50/50 per project.
 
-Training stops once sampled completions parse (target_parse_rate), checked every
-eval_every steps, so the run is as short as the seed allows and deterministic.
+A few rows of each batch (question_rows, 4 of 64) are a clarifying question
+about the project's style instead of a helper (simulator.tasks.Task.question), so
+the warm-started policy asks about 6 % of the time, whatever the project. Its
+first token ("w") differs from a helper's ("d"), so reward can move that choice
+as fast as a style choice: what it does with it depends on whether the reward
+function pays for not editing (reward_stream/reward.py, r1 vs r3).
+
+Training stops once sampled completions are well formed (a parsing helper or one
+of the questions; target_parse_rate), checked every eval_every steps, so the run is
+as short as the seed allows and deterministic.
 """
 
 from __future__ import annotations
@@ -46,7 +54,7 @@ import rtrl.policy
 import simulator.tasks
 import trainer.sampling
 from rtrl.policy import EOS, PAD, PolicyConfig, build_model, decode, encode, state_dict_fp32
-from simulator.tasks import PROJECT_STYLES, parse_style, random_task
+from simulator.tasks import MIXED_PROJECT, PROJECT_STYLES, PROJECTS, QUESTION_TOPICS, Task, parse_style, random_task
 from trainer.sampling import prompt_ids, sample
 
 Progress = Callable[[int, int, float], None]
@@ -55,7 +63,12 @@ Progress = Callable[[int, int, float], None]
 @dataclass(frozen=True)
 class WarmStartRecipe:
     batch_size: int = 64
-    """Sequences per step; a multiple of the four styles."""
+    """Sequences per step; with question_rows taken out, a multiple of the four styles."""
+    question_rows: int = 4
+    """Rows per batch holding a clarifying question instead of a helper."""
+    mixed_question_share: float = 0.75
+    """Share of the question rows asked in the mixed project (p4), where asking is
+    most natural: about 20 % of p4 completions ask, 2 % elsewhere."""
     lr: float = 1e-3
     """AdamW learning rate after warm-up (2e-3 delayed the quote-copy transition)."""
     warmup_steps: int = 50
@@ -64,14 +77,17 @@ class WarmStartRecipe:
     eval_every: int = 100
     eval_samples: int = 100
     target_parse_rate: float = 0.95
-    """Stop when this share of sampled completions (temperature 1) parses."""
+    """Stop when this share of sampled completions (temperature 1) parses or is a question."""
     context_aux_weight: float = 0.1
     """Weight of the auxiliary project-prediction loss (0 disables it)."""
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if self.batch_size % len(PROJECT_STYLES):
-            raise ValueError(f"batch_size {self.batch_size} is not a multiple of {len(PROJECT_STYLES)} styles")
+        helpers = self.batch_size - self.question_rows
+        if self.question_rows < 0 or helpers <= 0 or helpers % len(PROJECT_STYLES):
+            raise ValueError(
+                f"batch_size {self.batch_size} minus question_rows {self.question_rows} is not a positive multiple of {len(PROJECT_STYLES)} styles"
+            )
 
 
 @dataclass(frozen=True)
@@ -79,6 +95,8 @@ class PolicyQuality:
     samples: int
     parse_rate: float
     """Share of completions parse_style() accepts."""
+    question_rate: float
+    """Share of completions that are exactly one of the task's clarifying questions."""
     single_quote_by_project: tuple[float, ...]
     """Among parsed completions of each project, the share using ' quotes."""
     indent2_by_project: tuple[float, ...]
@@ -124,13 +142,17 @@ def measure(model: torch.nn.Module, samples: int = 200, seed: int = 1, temperatu
     model.eval()
     out = sample(model, [prompt_ids(t.prompt) for t in tasks], temperature=temperature, generator=torch.Generator().manual_seed(seed))
     model.train(was_training)
-    projects = len(PROJECT_STYLES)
+    projects = PROJECTS
     parsed = [0] * projects
     single = [0] * projects
     indent2 = [0] * projects
+    questions = 0
     for task, completion in zip(tasks, out):
-        style = parse_style(task, decode(list(completion.completion_ids)))
-        if style is None or completion.completion_ids[-1] != EOS:
+        text = decode(list(completion.completion_ids))
+        ended = completion.completion_ids[-1] == EOS
+        questions += ended and text in {task.question(topic) for topic in QUESTION_TOPICS}
+        style = parse_style(task, text)
+        if style is None or not ended:
             continue
         parsed[task.project] += 1
         single[task.project] += style.quote == "'"
@@ -138,22 +160,35 @@ def measure(model: torch.nn.Module, samples: int = 200, seed: int = 1, temperatu
     return PolicyQuality(
         samples=samples,
         parse_rate=sum(parsed) / samples,
+        question_rate=questions / samples,
         single_quote_by_project=tuple(s / max(p, 1) for s, p in zip(single, parsed)),
         indent2_by_project=tuple(s / max(p, 1) for s, p in zip(indent2, parsed)),
     )
 
 
-def _batch(rng: random.Random, batch_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def batch_rows(rng: random.Random, recipe: WarmStartRecipe) -> list[tuple[Task, str]]:
+    """One batch of (task, completion text): each helper task in all four styles, then
+    the question rows."""
+    rows = []
+    for _ in range((recipe.batch_size - recipe.question_rows) // len(PROJECT_STYLES)):
+        task = random_task(rng)
+        rows.extend((task, task.render(style)) for style in PROJECT_STYLES)
+    for i in range(recipe.question_rows):
+        mixed = rng.random() < recipe.mixed_question_share
+        task = random_task(rng, project=MIXED_PROJECT if mixed else rng.randrange(len(PROJECT_STYLES)))
+        rows.append((task, task.question(QUESTION_TOPICS[i % len(QUESTION_TOPICS)])))
+    return rows
+
+
+def _batch(rng: random.Random, recipe: WarmStartRecipe) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Token ids [B, L], completion-target mask [B, L-1], project of each row [B]."""
     sequences, masks, projects = [], [], []
-    for _ in range(batch_size // len(PROJECT_STYLES)):
-        task = random_task(rng)
-        for style in PROJECT_STYLES:
-            projects.append(task.project)
-            prompt = prompt_ids(task.prompt)
-            completion = encode(task.render(style)) + [EOS]
-            sequences.append(prompt + completion)
-            masks.append([0.0] * (len(prompt) - 1) + [1.0] * len(completion))
+    for task, text in batch_rows(rng, recipe):
+        projects.append(task.project)
+        prompt = prompt_ids(task.prompt)
+        completion = encode(text) + [EOS]
+        sequences.append(prompt + completion)
+        masks.append([0.0] * (len(prompt) - 1) + [1.0] * len(completion))
     width = max(map(len, sequences))
     ids = torch.tensor([s + [PAD] * (width - len(s)) for s in sequences])
     mask = torch.tensor([m + [0.0] * (width - 1 - len(m)) for m in masks])
@@ -167,7 +202,7 @@ def train(
     started = time.monotonic()
     model = build_model(policy_config, seed=recipe.seed)
     model.train()
-    project_head = torch.nn.Linear(policy_config.hidden_size, len(PROJECT_STYLES))
+    project_head = torch.nn.Linear(policy_config.hidden_size, PROJECTS)
     parameters = [*model.parameters(), *project_head.parameters()]
     optimizer = torch.optim.AdamW(parameters, lr=recipe.lr, betas=(0.9, 0.98), weight_decay=0.0)
     rng = random.Random(recipe.seed)
@@ -175,7 +210,7 @@ def train(
     while step < recipe.max_steps:
         for group in optimizer.param_groups:
             group["lr"] = recipe.lr * min(1.0, (step + 1) / recipe.warmup_steps)
-        ids, mask, projects = _batch(rng, recipe.batch_size)
+        ids, mask, projects = _batch(rng, recipe)
         outputs = model(input_ids=ids, output_hidden_states=recipe.context_aux_weight > 0)
         logits = outputs.logits[:, :-1]
         token_loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1), reduction="none")
@@ -184,7 +219,7 @@ def train(
         if recipe.context_aux_weight > 0:
             project_logits = project_head(outputs.hidden_states[-1][:, :-1])
             targets = projects[:, None].expand(mask.shape)
-            aux = F.cross_entropy(project_logits.reshape(-1, len(PROJECT_STYLES)), targets.reshape(-1), reduction="none")
+            aux = F.cross_entropy(project_logits.reshape(-1, PROJECTS), targets.reshape(-1), reduction="none")
             total = loss + recipe.context_aux_weight * (aux.view(mask.shape) * mask).sum() / mask.sum()
         optimizer.zero_grad(set_to_none=True)
         total.backward()
@@ -195,7 +230,8 @@ def train(
         if progress is not None:
             progress(step, recipe.max_steps, loss_value)
         if step >= recipe.min_steps and step % recipe.eval_every == 0:
-            if measure(model, recipe.eval_samples, seed=recipe.seed + 1).parse_rate >= recipe.target_parse_rate:
+            quality = measure(model, recipe.eval_samples, seed=recipe.seed + 1)
+            if quality.parse_rate + quality.question_rate >= recipe.target_parse_rate:
                 break
     if progress is not None and step < recipe.max_steps:
         progress(recipe.max_steps, recipe.max_steps, loss_value)
@@ -259,11 +295,12 @@ def main() -> None:
     _, stats = train(PolicyConfig(), recipe, report)
     q = stats.quality
     print(f"steps {stats.steps}  time {stats.seconds:.1f} s  final loss {stats.final_loss:.4f}")
-    print(f"parse rate {q.parse_rate:.3f} over {q.samples} samples at temperature 1.0")
-    for project in range(len(PROJECT_STYLES)):
+    print(f"parse rate {q.parse_rate:.3f}, question rate {q.question_rate:.3f} over {q.samples} samples at temperature 1.0")
+    for project in range(PROJECTS):
+        house = PROJECT_STYLES[project] if project < len(PROJECT_STYLES) else "none: each user has their own"
         print(
             f"  project {project}: single quote {q.single_quote_by_project[project]:.2f}  "
-            f"indent 2 {q.indent2_by_project[project]:.2f}  (house style {PROJECT_STYLES[project]})"
+            f"indent 2 {q.indent2_by_project[project]:.2f}  (house style {house})"
         )
 
 
