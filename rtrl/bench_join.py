@@ -268,8 +268,13 @@ class Joiners:
             time.sleep(0.1)
         # The counter moves when a reward is handed to the producer; wait until the broker holds them.
         tps = [TopicPartition(topics.REWARD, p) for p in range(PARTITIONS)]
-        while sum(kafka.end_offsets(self.stack, tps).values()) < totals["settled"]:
-            assert time.monotonic() < deadline, f"{description}: rewards settled but not all written"
+        while sum((written := kafka.end_offsets(self.stack, tps)).values()) < totals["settled"]:
+            alive = [proc.alive() for proc in self.procs]
+            assert time.monotonic() < deadline and all(alive), (
+                f"{description}: {totals['settled']} rewards settled, {sum(written.values())} on the broker "
+                f"({ {tp[1]: end for tp, end in written.items()} }); workers alive {alive}; "
+                f"heartbeats {self.heartbeats(client)}; logs in {self.workdir}"
+            )
             time.sleep(0.2)
         if last[1] == first[1]:
             return None
