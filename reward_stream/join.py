@@ -263,14 +263,15 @@ def _advance_stream_time(state: JoinState, event: Event) -> JoinState:
     source_time = state.source_time_ms
     if event.client_ts_ms > source_time.get(source, -1):
         source_time[source] = event.client_ts_ms
-    if event.caught_up:
+    return _read_from(state, source, event.caught_up)
+
+
+def _read_from(state: JoinState, source: str, caught_up: bool) -> JoinState:
+    """A record of ``source`` was read: mark whether the source is behind, move stream time."""
+    if caught_up:
         state.behind.discard(source)
     else:
         state.behind.add(source)
-    return _recompute_stream_time(state)
-
-
-def _recompute_stream_time(state: JoinState) -> JoinState:
     source_time = state.source_time_ms
     if state.behind:
         candidate = min(source_time.get(s, -1) for s in state.behind)
@@ -284,11 +285,7 @@ def _recompute_stream_time(state: JoinState) -> JoinState:
 def skip(state: JoinState, source: str, caught_up: bool, now_ms: int) -> tuple[JoinState, list[Output]]:
     """A record of ``source`` was read that the join never sees (malformed or private):
     it still says how far that source has been read (consumes ``state``)."""
-    if caught_up:
-        state.behind.discard(source)
-    else:
-        state.behind.add(source)
-    state = _recompute_stream_time(state)
+    state = _read_from(state, source, caught_up)
     return state, _settle_ready(state, now_ms)
 
 

@@ -76,7 +76,7 @@ class OutputPublisher:
 
     async def wait_for_room(self) -> None:
         """Hold the caller while max_in_flight outputs await the broker's acknowledgement."""
-        while len(self.producer) >= self.max_in_flight:
+        while self.full():
             await asyncio.sleep(0.002)
             self.producer.poll(0)
 
