@@ -49,4 +49,5 @@ def decode(topic: str, key: bytes | None, value: bytes | None, handle: object = 
     # on the wrong partition and would be joined with nothing.
     if key is not None and key != message.rollout_id.encode():
         raise MalformedEvent(f"key {key!r} differs from rollout_id {message.rollout_id!r}")
-    return Event(kind, message.event_id, message.rollout_id, message.client_ts_ms, message, handle, caught_up)
+    raw = value if kind == "rollout" else None
+    return Event(kind, message.event_id, message.rollout_id, message.client_ts_ms, message, handle, caught_up, raw)

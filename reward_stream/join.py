@@ -117,6 +117,9 @@ class Event:
     caught_up: bool = field(default=True, compare=False)
     """Whether this was the newest record of its source partition when it was read;
     False while the runtime knows of later records still to come (a backlog)."""
+    raw: bytes | None = field(default=None, compare=False, repr=False)
+    """The record's value as read, kept for RolloutRecords so their reward can carry
+    the rollout without encoding it again (reward.encode_with_rollout)."""
 
 
 @dataclass(slots=True)

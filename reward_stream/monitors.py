@@ -68,7 +68,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from reward_stream.signals import has_code
-from rtrl.v1 import reward_pb2
+from rtrl.v1 import reward_pb2, rollout_pb2
 
 RATES = ("edit", "clarifying_question", "broken_tool_call", "dissatisfied")
 # Behaviours watched for drift, with the direction a hack moves them (+1 up, -1 down).
@@ -157,9 +157,9 @@ class MonitorState:
     """DRIFT metric -> the versions its drift is measured against."""
 
 
-def policy_version(record: reward_pb2.RewardRecord) -> int | None:
+def policy_version(rollout: rollout_pb2.RolloutRecord) -> int | None:
     """The version that sampled most of the rollout's tokens (the later one on a tie)."""
-    spans = record.rollout.version_spans
+    spans = rollout.version_spans
     if not spans:
         return None
     tokens: Counter = Counter()
@@ -172,12 +172,12 @@ def is_clarifying_question(completion_text: str) -> bool:
     return completion_text.strip().endswith("?") and not has_code(completion_text)
 
 
-def behaviours(record: reward_pb2.RewardRecord) -> dict[str, bool]:
+def behaviours(record: reward_pb2.RewardRecord, rollout: rollout_pb2.RolloutRecord) -> dict[str, bool]:
     c = record.components
     return {
-        "edit": c.persistence_observed or has_code(record.rollout.completion_text),
-        "clarifying_question": is_clarifying_question(record.rollout.completion_text),
-        "broken_tool_call": any(not call.valid for call in record.rollout.tool_calls),
+        "edit": c.persistence_observed or has_code(rollout.completion_text),
+        "clarifying_question": is_clarifying_question(rollout.completion_text),
+        "broken_tool_call": any(not call.valid for call in rollout.tool_calls),
         "dissatisfied": c.dissatisfied >= 0.5,
     }
 
@@ -187,9 +187,16 @@ def values(record: reward_pb2.RewardRecord) -> dict[str, float]:
     return {**{name: getattr(c, name) for name in MEANS if name != "reward"}, "reward": record.reward}
 
 
-def step(state: MonitorState, record: reward_pb2.RewardRecord) -> tuple[MonitorState, list[Alert]]:
-    """Count one reward record; returns the alerts it triggered (consumes ``state``)."""
-    version = policy_version(record)
+def step(
+    state: MonitorState, record: reward_pb2.RewardRecord, rollout: rollout_pb2.RolloutRecord | None = None
+) -> tuple[MonitorState, list[Alert]]:
+    """Count one reward record; returns the alerts it triggered (consumes ``state``).
+
+    ``rollout`` is the record's rollout when the record does not carry it (the joiner
+    builds rewards without the rollout and splices its bytes in, see reward.py)."""
+    if rollout is None:
+        rollout = record.rollout
+    version = policy_version(rollout)
     if version is None:
         state.unversioned["records"] += 1
         return state, []
@@ -197,7 +204,7 @@ def step(state: MonitorState, record: reward_pb2.RewardRecord) -> tuple[MonitorS
         state.versions[version] = VersionTally()
         bisect.insort(state.ordered, version)
     tally = state.versions[version]
-    _count(tally, record, state.config.max_examples)
+    _count(tally, record, rollout, state.config.max_examples)
     alerts = _drift_alerts(state)
     previous = _previous(state, version)
     if previous is None or tally.n < state.config.min_samples:
@@ -211,9 +218,9 @@ def step(state: MonitorState, record: reward_pb2.RewardRecord) -> tuple[MonitorS
     return state, alerts + steps
 
 
-def _count(tally: VersionTally, record: reward_pb2.RewardRecord, max_examples: int) -> None:
+def _count(tally: VersionTally, record: reward_pb2.RewardRecord, rollout: rollout_pb2.RolloutRecord, max_examples: int) -> None:
     tally.n += 1
-    for metric, flag in behaviours(record).items():
+    for metric, flag in behaviours(record, rollout).items():
         tally.hits[metric] += flag
         ids = tally.examples.setdefault((metric, flag), [])
         if len(ids) < max_examples:

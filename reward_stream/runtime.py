@@ -70,6 +70,11 @@ class Counters:
     dlq: int = 0
     dropped: int = 0
     privacy_dropped: int = 0
+    first_event_ms: int = 0
+    """Wall clock when the first record was read (0: none yet)."""
+    last_event_ms: int = 0
+    """Wall clock when the latest record was read: a worker whose input has records but
+    whose last_event_ms stands still is stuck; benchmarks time reads with the pair."""
 
 
 class Joiner:
@@ -145,7 +150,11 @@ class Joiner:
         """Join one input record. ``highwater`` returns the consumer's latest known end of
         the record's partition (None when unknown); it is only asked once the record is
         past the end known at takeover. Without it a record counts as the newest."""
-        self.counters.events += 1
+        counters = self.counters
+        counters.events += 1
+        if not counters.first_event_ms:
+            counters.first_event_ms = now_ms
+        counters.last_event_ms = now_ms
         caught_up = offset + 1 >= self.start_ends.get((topic, partition), 0)
         if caught_up and highwater is not None:
             caught_up = offset + 1 >= (highwater() or 0)
@@ -199,13 +208,15 @@ class Joiner:
         for output in outputs:
             if isinstance(output, join.Settled):
                 acks.extend(e.handle for e in (output.rollout, *output.events))
+                rollout = output.rollout
                 record = reward.reward_record(
-                    output.rollout.message, [e.message for e in output.events], output.settled_ts_ms, self.reward_fn_version
+                    rollout.message, [e.message for e in output.events], output.settled_ts_ms, self.reward_fn_version, with_rollout=False
                 )
                 self.counters.settled += 1
                 self.counters.defaulted += record.defaulted
-                self._watch(record)
-                records.append(OutRecord(topics.REWARD, output.rollout_id.encode(), record.SerializeToString()))
+                self._watch(record, rollout.message)
+                value = reward.encode_with_rollout(record, rollout.raw) if rollout.raw is not None else _with_copy(record, rollout.message)
+                records.append(OutRecord(topics.REWARD, output.rollout_id.encode(), value))
             elif isinstance(output, join.Dropped):
                 acks.extend(e.handle for e in output.events)
                 self.counters.dropped += 1
@@ -224,12 +235,18 @@ class Joiner:
                 self.counters.duplicates += 1
         return Batch(records, [handle for handle in acks if handle is not None])
 
-    def _watch(self, record) -> None:
+    def _watch(self, record, rollout) -> None:
         """Feed a settled reward to the hacking monitor; log and keep what it raises."""
-        self.monitor, alerts = monitors.step(self.monitor, record)
+        self.monitor, alerts = monitors.step(self.monitor, record, rollout)
         for alert in alerts:
             log.warning(
                 "reward-hacking alert: %s moved %.3f -> %.3f from v%d to v%d (z %.1f), e.g. %s",
                 alert.metric, alert.previous_value, alert.value, alert.previous_version, alert.version, alert.z_score, ", ".join(alert.examples),
             )
         self.alerts.extend(alerts)
+
+
+def _with_copy(record, rollout) -> bytes:
+    """For an Event built without its raw bytes (tests building events by hand)."""
+    record.rollout.CopyFrom(rollout)
+    return record.SerializeToString()

@@ -13,13 +13,13 @@ beginning with a fresh consumer group:
   (events - 1) / (last receipt - first receipt);
 * ``faust_floor_events_per_s``: rtrl.bench_join_floor, a faust agent with the joiner's
   settings that only counts, timed the same way in its own process;
-* ``events_per_s``: one ``python -m reward_stream`` worker, the records it read from
-  its first heartbeat that counted any to its first that counted them all (the
-  heartbeat comes once a second, so ~1 s of error; group formation and the read-back
-  of settled rollouts are left out as the floors leave out everything before their
-  first record). ``settle_events_per_s`` is the other view: 3 x (rollouts - 1) /
+* ``events_per_s``: one ``python -m reward_stream`` worker, (events - 1) / (its
+  latest read - its first), both clocked by the worker and reported in its heartbeat
+  (first_event_ms, last_event_ms): group formation is left out as the floors leave
+  out everything before their first record; the read-back of settled rollouts on
+  takeover is in. ``settle_events_per_s`` is the other view: 3 x (rollouts - 1) /
   (last main-load reward's broker timestamp - first one's), valid only while the
-  join is exact; tiny loads, read within one heartbeat, use it as ``events_per_s``;
+  join is exact;
 * ``joiner_inprocess_events_per_s``: Joiner.feed_record alone on the same records
   in production order, no broker (the join's own CPU cost, its best case);
 * ``ratio_vs_floor`` = events_per_s / faust_floor_events_per_s;
@@ -207,6 +207,26 @@ def read_rewards(stack: StackSettings) -> list[tuple[str, int]]:
     return rewards
 
 
+def read_all_rewards(stack: StackSettings, idle_s: float = 3.0) -> str:
+    """Every reward record, read until none came for ``idle_s`` (end offsets not trusted):
+    a diagnosis when the broker seems to hold fewer rewards than the workers settled."""
+    consumer = Consumer({"bootstrap.servers": stack.kafka_bootstrap, "group.id": "bench-join-diagnosis", "enable.auto.commit": False})
+    consumer.assign([TopicPartition(topics.REWARD, p, OFFSET_BEGINNING) for p in range(PARTITIONS)])
+    keys: list[str] = []
+    offsets: dict[int, int] = {}
+    last = time.monotonic()
+    try:
+        while time.monotonic() - last < idle_s:
+            for msg in consumer.consume(1000, timeout=0.2):
+                if msg.error() is None:
+                    keys.append(msg.key().decode())
+                    offsets[msg.partition()] = max(offsets.get(msg.partition(), -1), msg.offset())
+                    last = time.monotonic()
+    finally:
+        consumer.close()
+    return f"{len(keys)} records, {len(set(keys))} rollouts, last offsets {dict(sorted(offsets.items()))}"
+
+
 def exactness(rewards: list[tuple[str, int]], ids: list[str]) -> dict:
     """How far the rewards are from one per rollout: rollouts without one, extra rewards."""
     got = [rollout_id for rollout_id, _ in rewards]
@@ -242,43 +262,49 @@ class Joiners:
         totals = {k: sum(doc[k] for doc in docs) for k in ("events", "pending", *QUALITY)}
         return {**totals, "beats": len(docs)}
 
-    def read_until_idle(self, client: redis.Redis, events: int, progress: Progress, description: str) -> Span | None:
+    def read_until_idle(self, client: redis.Redis, events: int, progress: Progress, description: str) -> Span:
         """Wait until the workers have read ``events`` records and hold nothing pending, and
         every reward they settled is on the broker.
 
-        Returns the read rate between the first heartbeat that counted any event and the
-        first that counted them all (heartbeats come once a second, so this needs a load
-        that takes several seconds); None if one heartbeat saw it all."""
+        Returns the span from the workers' first read to their latest, as they clock it
+        themselves to the millisecond (the heartbeats only say when to look, once a second:
+        too coarse to time a run of ten)."""
         task = progress.add_task(description, total=events)
         deadline = time.monotonic() + TIMEOUT_S
-        first = last = None
+        done = False
         while True:
             totals = self.totals(client)
             for proc in self.procs:
                 assert proc.alive(), (self.workdir / f"{proc.name}.log").read_text()[-3000:]
             assert time.monotonic() < deadline, f"{description}: {totals} after {TIMEOUT_S:.0f} s; logs in {self.workdir}"
-            now = time.time()
-            if first is None and totals["events"] > 0:
-                first = (now, totals["events"])
-            if last is None and totals["events"] >= events:
-                last = (now, totals["events"])
+            done = done or totals["events"] >= events
             progress.update(task, completed=min(totals["events"], events))
-            if last is not None and totals["pending"] == 0 and totals["beats"] == len(self.instances):
+            if done and totals["pending"] == 0 and totals["beats"] == len(self.instances):
                 break
             time.sleep(0.1)
         # The counter moves when a reward is handed to the producer; wait until the broker holds them.
         tps = [TopicPartition(topics.REWARD, p) for p in range(PARTITIONS)]
+        drained_since = None
         while sum((written := kafka.end_offsets(self.stack, tps)).values()) < totals["settled"]:
             alive = [proc.alive() for proc in self.procs]
+            # Nothing left in the workers' producers: what is missing now will not come.
+            if all(doc["in_flight"] == 0 for doc in self.heartbeats(client)):
+                drained_since = drained_since or time.monotonic()
+            else:
+                drained_since = None
+            if drained_since and time.monotonic() - drained_since > 15:
+                deadline = 0.0
+            if time.monotonic() > deadline or not all(alive):
+                totals["records read back"] = read_all_rewards(self.stack)
             assert time.monotonic() < deadline and all(alive), (
-                f"{description}: {totals['settled']} rewards settled, {sum(written.values())} on the broker "
+                f"{description}: {totals['settled']} rewards settled, {sum(written.values())} on the broker by end offsets, "
+                f"{totals.get('records read back')} read back "
                 f"({ {tp[1]: end for tp, end in written.items()} }); workers alive {alive}; "
                 f"heartbeats {self.heartbeats(client)}; logs in {self.workdir}"
             )
             time.sleep(0.2)
-        if last[1] == first[1]:
-            return None
-        return Span(last[1] - first[1] + 1, first[0], last[0])
+        docs = self.heartbeats(client)
+        return Span(sum(d["events"] for d in docs), min(d["first_event_ms"] for d in docs) / 1000, max(d["last_event_ms"] for d in docs) / 1000)
 
     def stop(self) -> None:
         for proc in self.procs:
@@ -413,9 +439,7 @@ def run(out: Path, console: Console, rollouts: int = 20_000, spacing_ms: int = 2
             redis_proc.stop()
             tansu.stop()
     settle_one, settle_two = rewards_span(rewards_one, main_ids), rewards_span(rewards_two, main_ids)
-    # Loads read within one heartbeat (tests) fall back to the settle rate.
-    one_rate = (read_one or settle_one).events_per_s
-    two_rate = (read_two or settle_two).events_per_s
+    one_rate, two_rate = read_one.events_per_s, read_two.events_per_s
     results = {
         "code": code,
         "rollouts": rollouts,
@@ -433,7 +457,7 @@ def run(out: Path, console: Console, rollouts: int = 20_000, spacing_ms: int = 2
         "ratio_vs_floor": round(one_rate / floor.events_per_s, 3),
         "floor_vs_raw": round(floor.events_per_s / raw.events_per_s, 3),
         "scaleout_2_vs_1": round(two_rate / one_rate, 3),
-        "rate_source": "heartbeats" if read_one and read_two else "rewards",
+        "rate_source": "worker clocks",
         "settle_events_per_s": round(settle_one.events_per_s),
         "settle_events_per_s_2_workers": round(settle_two.events_per_s),
         "rewards_1_worker": len(rewards_one),

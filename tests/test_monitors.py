@@ -226,10 +226,8 @@ VERSION_CASES = {
 
 @pytest.mark.parametrize("spans, expected", VERSION_CASES.values(), ids=VERSION_CASES.keys())
 def test_policy_version(spans, expected):
-    record = reward_pb2.RewardRecord(
-        rollout=rollout_pb2.RolloutRecord(version_spans=[rollout_pb2.VersionSpan(policy_version=v, start=s, end=e) for v, s, e in spans])
-    )
-    assert monitors.policy_version(record) == expected
+    rollout = rollout_pb2.RolloutRecord(version_spans=[rollout_pb2.VersionSpan(policy_version=v, start=s, end=e) for v, s, e in spans])
+    assert monitors.policy_version(rollout) == expected
 
 
 QUESTION_CASES = {
