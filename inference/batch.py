@@ -1,22 +1,32 @@
-"""One static micro-batch decoded in lockstep with the model's KV cache.
+"""Continuous batching: the sequences of one arm, decoded together, joining and
+leaving the batch at any step boundary.
 
-Prompts are left-padded so every row's next token sits in the last column; each
-row's position ids count only its real tokens, so a padded row computes exactly
-what it would alone. Rows leave the batch (and the cache) as soon as they finish.
-Every step samples one token per row under one weight version, so the version of a
-token is a per-step fact, not a per-row one.
+A request is admitted with a prefill of its prompt into a free row of the arm's
+SlotCache, which samples its first token. From then on, every step feeds each row
+its last sampled token and samples the next, one forward over all rows (model.py).
+A row leaves as soon as it finishes, and the last row moves into its place. The
+batch never waits for its slowest member, and a new request never waits for a
+batch to drain.
+
+Versions. Each step samples under one weight version (Params), and every token
+records the version that sampled it. When the engine swaps versions between steps,
+the rows already running either keep the keys and values computed under the old
+weights ("keep": the next forward of each row runs under the new weights over the
+old cache) or recompute them ("recompute": every row's tokens so far are prefilled
+again under the new weights first, so the rest of the sequence is generated as if
+the new weights had produced its context).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
-from transformers import DynamicCache
 
+from inference.model import Params, SlotCache, decode_step, prefill
 from inference.sampling import sample
-from rtrl.policy import EOS, PAD, decode
+from rtrl.policy import EOS, PolicyConfig, decode
 
 SwapPolicy = Literal["keep", "recompute"]
 FinishReason = Literal["stop", "length"]
@@ -32,6 +42,8 @@ class SequenceParams:
     top_p: float
     seed: int
     stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+    """Generate exactly max_tokens (benchmarks that must match another generator's lengths)."""
 
 
 @dataclass(frozen=True)
@@ -45,115 +57,107 @@ class SequenceResult:
     text: str
 
 
-class DecodeBatch:
+@dataclass
+class Row:
+    params: SequenceParams
+    owner: object
+    """The engine's handle for the request (returned with its result)."""
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    position: int = 0
+    """Tokens in the cache: the prompt and every generated token but the last."""
+
+
+class RunningBatch:
     """Not thread-safe: owned by the engine thread. Call under torch.inference_mode()."""
 
-    def __init__(self, model: torch.nn.Module, sequences: list[SequenceParams], version: int) -> None:
-        self.model = model
-        self.version = version
-        n = len(sequences)
-        self.prompt_width = max(len(s.prompt_ids) for s in sequences)
-        width = self.prompt_width + max(s.max_tokens for s in sequences)
-        self.ids = torch.full((n, width), PAD, dtype=torch.long)
-        self.mask = torch.ones((n, width), dtype=torch.long)
-        for row, seq in enumerate(sequences):
-            pad = self.prompt_width - len(seq.prompt_ids)
-            self.ids[row, pad : self.prompt_width] = torch.tensor(seq.prompt_ids)
-            self.mask[row, :pad] = 0
-        self.prompt_lens = torch.tensor([len(s.prompt_ids) for s in sequences])
-        self.max_tokens = torch.tensor([s.max_tokens for s in sequences])
-        self.temperature = torch.tensor([s.temperature for s in sequences], dtype=torch.float32)
-        self.top_p = torch.tensor([s.top_p for s in sequences], dtype=torch.float32)
-        self.seeds = torch.tensor([s.seed for s in sequences], dtype=torch.int64)
-        self.logprobs = torch.zeros((n, width - self.prompt_width), dtype=torch.float32)
-        self.stops = [s.stop for s in sequences]
-        # rows[i] is the original index of active row i.
-        self.rows = torch.arange(n)
-        self.step_versions: list[int] = []
-        self.cache: DynamicCache | None = None
-        self._recompute = False
+    def __init__(self, config: PolicyConfig, slots: int) -> None:
+        self.cache = SlotCache(config, slots)
+        self.slots = slots
+        self.rows: list[Row] = []
 
-    @property
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def free(self) -> int:
+        return self.slots - len(self.rows)
+
     def generated(self) -> int:
-        return len(self.step_versions)
+        """The most tokens any running row has generated."""
+        return max((len(r.tokens) for r in self.rows), default=0)
 
-    @property
-    def done(self) -> bool:
-        return len(self.rows) == 0
+    def admit(self, params: Params, version: int, requests: list[tuple[SequenceParams, object]]) -> list[tuple[object, SequenceResult]]:
+        """Prefill ``requests`` (sequence, owner) into free rows and sample their first
+        tokens under ``version``; returns those already finished (owner, result)."""
+        if len(requests) > self.free():
+            raise ValueError(f"{len(requests)} requests for {self.free()} free rows")
+        first = len(self.rows)
+        new = [Row(seq, owner, position=len(seq.prompt_ids)) for seq, owner in requests]
+        self.rows.extend(new)
+        logits = prefill(params, self.cache, first, [list(seq.prompt_ids) for seq, _ in requests])
+        return self._sample(logits, range(first, len(self.rows)), version)
 
-    def swap(self, version: int, policy: SwapPolicy) -> None:
-        """The model's weights were just replaced: tag later tokens with ``version``;
-        "recompute" rebuilds the cache of everything so far under the new weights."""
-        self.version = version
-        self._recompute = self._recompute or policy == "recompute"
-
-    def step(self) -> list[tuple[int, SequenceResult]]:
-        """Sample the next token of every active row; returns the rows that finished
-        as (original index, result). The first call is the prefill."""
-        t = self.generated
-        end = self.prompt_width + t
-        if self.cache is None or self._recompute:
-            mask = self.mask[:, :end]
-            positions = (mask.cumsum(-1) - 1).clamp_min(0)
-            out = self.model(
-                input_ids=self.ids[:, :end], attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=1
-            )
-            self._recompute = False
-        else:
-            out = self.model(
-                input_ids=self.ids[:, end - 1 : end],
-                attention_mask=self.mask[:, :end],
-                position_ids=(self.prompt_lens + t - 1).unsqueeze(-1),
-                past_key_values=self.cache,
-                use_cache=True,
-            )
-        self.cache = out.past_key_values
-        tokens, logprobs = sample(out.logits[:, -1], self.temperature, self.top_p, self.seeds, t)
-        self.ids[:, end] = tokens
-        self.logprobs[:, t] = logprobs
-        self.step_versions.append(self.version)
-        finished = (tokens == EOS) | (self.max_tokens <= t + 1)
-        stopped_text = self._check_stops(finished, end + 1)
-        if not bool(finished.any()):
+    def step(self, params: Params, version: int) -> list[tuple[object, SequenceResult]]:
+        """One token for every row under ``version``; returns the rows that finished."""
+        if not self.rows:
             return []
-        done = finished.nonzero().squeeze(-1).tolist()
-        results = [(int(self.rows[i]), self._result(i, end + 1, stopped_text.get(i))) for i in done]
-        self._keep(torch.nonzero(~finished).squeeze(-1))
-        return results
+        tokens = torch.tensor([r.tokens[-1] for r in self.rows])
+        positions = torch.tensor([r.position for r in self.rows])
+        logits = decode_step(params, self.cache, tokens, positions)
+        for r in self.rows:
+            r.position += 1
+        return self._sample(logits, range(len(self.rows)), version)
 
-    def _check_stops(self, finished: torch.Tensor, end: int) -> dict[int, str]:
-        """Marks rows whose text now contains a stop string; returns their truncated text."""
-        stopped: dict[int, str] = {}
-        if not any(self.stops):
-            return stopped
-        for i, stops in enumerate(self.stops):
-            if not stops or finished[i]:
-                continue
-            text = decode(self.ids[i, self.prompt_width : end].tolist())
-            hits = [text.find(s) for s in stops if s in text]
+    def recompute(self, params: Params) -> None:
+        """Rebuild every row's cache under ``params`` (the "recompute" swap policy)."""
+        if self.rows:
+            prefill(params, self.cache, 0, [[*r.params.prompt_ids, *r.tokens[:-1]] for r in self.rows])
+
+    def _sample(self, logits: torch.Tensor, indices: range, version: int) -> list[tuple[object, SequenceResult]]:
+        rows = [self.rows[i] for i in indices]
+        tokens, logprobs = sample(
+            logits,
+            torch.tensor([r.params.temperature for r in rows], dtype=torch.float32),
+            torch.tensor([r.params.top_p for r in rows], dtype=torch.float32),
+            torch.tensor([r.params.seed for r in rows], dtype=torch.int64),
+            torch.tensor([len(r.tokens) for r in rows], dtype=torch.int64),
+        )
+        finished: list[tuple[int, SequenceResult]] = []
+        for i, row, token, logprob in zip(indices, rows, tokens.tolist(), logprobs.tolist()):
+            row.tokens.append(token)
+            row.logprobs.append(logprob)
+            row.versions.append(version)
+            result = self._finished(row)
+            if result is not None:
+                finished.append((i, result))
+        done = [(self.rows[i].owner, result) for i, result in finished]
+        for i, _ in sorted(finished, key=lambda f: f[0], reverse=True):
+            self._remove(i)
+        return done
+
+    def _finished(self, row: Row) -> SequenceResult | None:
+        p = row.params
+        text = None
+        if p.stop:
+            generated = decode(row.tokens)
+            hits = [generated.find(s) for s in p.stop if s in generated]
             if hits:
-                finished[i] = True
-                stopped[i] = text[: min(hits)]
-        return stopped
-
-    def _result(self, i: int, end: int, stopped_text: str | None) -> SequenceResult:
-        token_ids = self.ids[i, self.prompt_width : end].tolist()
-        hit_eos = token_ids[-1] == EOS
+                text = generated[: min(hits)]
+        eos = row.tokens[-1] == EOS and not p.ignore_eos
+        if text is None and not eos and len(row.tokens) < p.max_tokens:
+            return None
         return SequenceResult(
-            token_ids=tuple(token_ids),
-            logprobs=tuple(self.logprobs[i, : len(token_ids)].tolist()),
-            versions=tuple(self.step_versions),
-            finish_reason="stop" if hit_eos or stopped_text is not None else "length",
-            text=stopped_text if stopped_text is not None else decode(token_ids),
+            token_ids=tuple(row.tokens),
+            logprobs=tuple(row.logprobs),
+            versions=tuple(row.versions),
+            finish_reason="stop" if eos or text is not None else "length",
+            text=text if text is not None else decode(row.tokens),
         )
 
-    def _keep(self, keep: torch.Tensor) -> None:
-        if len(keep) == len(self.rows):
-            return
-        self.rows = self.rows[keep]
-        if len(keep) == 0:
-            return
-        for name in ("ids", "mask", "prompt_lens", "max_tokens", "temperature", "top_p", "seeds", "logprobs"):
-            setattr(self, name, getattr(self, name)[keep])
-        self.stops = [self.stops[i] for i in keep.tolist()]
-        self.cache.batch_select_indices(keep)
+    def _remove(self, i: int) -> None:
+        last = len(self.rows) - 1
+        if i != last:
+            self.cache.move(last, i, self.rows[last].position)
+            self.rows[i] = self.rows[last]
+        self.rows.pop()

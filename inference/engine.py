@@ -1,10 +1,15 @@
-"""The serving engine: one policy model per arm, one thread that owns all torch work.
+"""The serving engine: one policy per arm, one thread that owns all torch work.
 
-Requests queue per arm; the engine thread takes up to ``max_batch`` waiting requests
-of one arm and decodes them as a static micro-batch (requests that arrive meanwhile
-wait for the next batch). New weights are staged from any thread and applied by the
-engine thread only between decode steps, so no token is ever sampled from a
-half-copied version, and every token records the version that sampled it.
+Requests queue per arm. The engine thread runs each arm's requests as a continuous
+batch (batch.py): a request joins at the next step boundary, with a prefill of its
+prompt, and leaves as soon as it finishes. Up to ``max_batch`` requests per arm run
+at once. The forward pass is model.py's lean Llama over a slot KV cache.
+
+Weights. A new version is staged from any thread: it is checked and turned into
+its own immutable Params there. The engine thread swaps it in between two decode
+steps by replacing one reference, so no token is ever sampled from a half-copied
+version. Every token records the version that sampled it. Rows running at the swap
+keep or recompute their cache (EngineConfig.swap_policy).
 """
 
 from __future__ import annotations
@@ -20,8 +25,9 @@ from typing import Callable
 
 import torch
 
-from inference.batch import DecodeBatch, SequenceParams, SequenceResult, SwapPolicy
-from rtrl.policy import BOS, PolicyConfig, build_model, encode, load_weights, state_dict_fp32
+from inference.batch import RunningBatch, SequenceParams, SequenceResult, SwapPolicy
+from inference.model import Params
+from rtrl.policy import BOS, PolicyConfig, build_model, encode, state_dict_fp32
 
 log = logging.getLogger(__name__)
 
@@ -41,9 +47,9 @@ class ArmNotReady(TimeoutError):
 @dataclass(frozen=True)
 class EngineConfig:
     max_batch: int = 32
-    """Most requests decoded together in one micro-batch."""
+    """Most requests of one arm decoded together."""
     batch_wait_s: float = 0.002
-    """How long a batch start waits for more requests of the same arm to arrive."""
+    """When an arm is idle, how long its first request waits for others to share its prefill."""
     swap_policy: SwapPolicy = "keep"
     """On a swap, in-flight rows keep their KV cache ("keep") or re-prefill under the new weights ("recompute")."""
     ready_timeout_s: float = 30.0
@@ -79,6 +85,9 @@ class _Pending:
     arm: str
     submitted: float
     future: Future = field(default_factory=Future)
+    on_token: Callable[[int, float, int], None] | None = None
+    streamed: int = 0
+    """Tokens already handed to on_token."""
     started: float = 0.0
     ttft_s: float = 0.0
 
@@ -89,6 +98,9 @@ class EngineStats:
     tokens: int = 0
     swaps: int = 0
     batches: int = 0
+    """Prefills: groups of requests admitted together."""
+    steps: int = 0
+    """Decode steps, each over every running request of one arm."""
 
 
 class Engine:
@@ -101,12 +113,13 @@ class Engine:
         """on_applied(arm, version) runs on the engine thread once a version is live;
         on_step(arm, tokens_so_far) runs on the engine thread after every decode step."""
         self.config = config
-        self.models = {arm: build_model(config.policy) for arm in ARMS}
-        reference = self.models[ARMS[0]]
+        reference = build_model(config.policy)
         self._shapes = {name: tuple(t.shape) for name, t in reference.state_dict().items()}
         self._required = frozenset(state_dict_fp32(reference))
+        self._params: dict[str, Params | None] = {arm: None for arm in ARMS}
+        self._batches = {arm: RunningBatch(config.policy, config.max_batch) for arm in ARMS}
         self._versions = {arm: -1 for arm in ARMS}
-        self._staged: dict[str, tuple[int, dict[str, torch.Tensor]]] = {}
+        self._staged: dict[str, tuple[int, Params]] = {}
         self._waiting: dict[str, deque[_Pending]] = {arm: deque() for arm in ARMS}
         self._cond = threading.Condition(threading.RLock())
         self._stopping = False
@@ -143,6 +156,12 @@ class Engine:
         with self._cond:
             return max(self._versions[arm], self._staged.get(arm, (-1, None))[0])
 
+    def live_weights(self, arm: str) -> dict[str, torch.Tensor]:
+        """The weights ``arm`` serves now, under the trainer's names (read-only views)."""
+        self._check_arm(arm)
+        params = self._params[arm]
+        return {} if params is None else params.state_dict()
+
     def ready(self) -> bool:
         return self.failure is None and all(v >= 0 for v in self.versions().values())
 
@@ -156,12 +175,16 @@ class Engine:
         ignores it) if the arm already holds or has staged this version or a newer one."""
         self._check_arm(arm)
         self._check_weights(weights)
+        if version <= self.held_version(arm):
+            log.info("ignoring %s v%d: already at v%d", arm, version, self.held_version(arm))
+            return False
+        params = Params.from_state_dict(weights, self.config.policy)
         with self._cond:
             newest = self.held_version(arm)
             if version <= newest:
                 log.info("ignoring %s v%d: already at v%d", arm, version, newest)
                 return False
-            self._staged[arm] = (version, weights)
+            self._staged[arm] = (version, params)
             self._cond.notify_all()
         return True
 
@@ -175,8 +198,13 @@ class Engine:
         top_p: float = 1.0,
         seed: int | None = None,
         stop: tuple[str, ...] = (),
+        ignore_eos: bool = False,
+        on_token: Callable[[int, float, int], None] | None = None,
     ) -> Future:
-        """Queue a request; the future resolves to a Completion (or ArmNotReady)."""
+        """Queue a request; the future resolves to a Completion (or ArmNotReady).
+
+        ``on_token(token_id, logprob, version)`` streams each token as it is sampled,
+        on the engine thread (keep it short: it holds up every request)."""
         self._check_arm(arm)
         context = self.config.policy.max_positions
         if not 0 < len(prompt_ids) < context:
@@ -190,10 +218,11 @@ class Engine:
             top_p=float(top_p),
             seed=secrets.randbits(63) if seed is None else seed,
             stop=tuple(stop),
+            ignore_eos=ignore_eos,
         )
         if not 0 <= params.seed < 2**63:
             raise ValueError(f"seed must be in [0, 2**63), got {params.seed}")
-        pending = _Pending(params, arm, time.monotonic())
+        pending = _Pending(params, arm, time.monotonic(), on_token=on_token)
         with self._cond:
             if self._stopping:
                 raise RuntimeError("inference engine stopped")
@@ -206,7 +235,7 @@ class Engine:
         return self.submit(arm, prompt_ids, **kwargs).result()
 
     def _check_arm(self, arm: str) -> None:
-        if arm not in self.models:
+        if arm not in self._params:
             raise ValueError(f"unknown arm {arm!r}; expected one of {ARMS}")
 
     def _check_weights(self, weights: dict[str, torch.Tensor]) -> None:
@@ -221,13 +250,17 @@ class Engine:
 
     def _run(self) -> None:
         try:
-            while True:
-                self._apply_staged()
-                picked = self._next_batch()
-                if picked is None:
-                    return
-                if picked:
-                    self._decode(*picked)
+            with torch.inference_mode():
+                while True:
+                    self._apply_staged()
+                    admissions = self._take_work()
+                    if admissions is None:
+                        return
+                    for arm, pendings in admissions.items():
+                        self._admit(arm, pendings)
+                    for arm, batch in self._batches.items():
+                        if batch:
+                            self._step(arm, batch)
         except BaseException as exc:
             # A dead engine must not leave callers waiting forever; the server sees
             # `failure` and exits so the supervisor restarts the worker.
@@ -238,41 +271,52 @@ class Engine:
                 for queue in self._waiting.values():
                     while queue:
                         _fail(queue.popleft(), RuntimeError(f"inference engine crashed: {exc!r}"))
+                for batch in self._batches.values():
+                    for row in batch.rows:
+                        _fail(row.owner, RuntimeError(f"inference engine crashed: {exc!r}"))
             raise
 
-    def _apply_staged(self) -> set[str]:
+    def _apply_staged(self) -> None:
         with self._cond:
             staged, self._staged = self._staged, {}
-        for arm, (version, weights) in staged.items():
-            with torch.no_grad():
-                load_weights(self.models[arm], weights)
+        for arm, (version, params) in staged.items():
+            self._params[arm] = params
+            if self.config.swap_policy == "recompute":
+                self._batches[arm].recompute(params)
             with self._cond:
                 self._versions[arm] = version
             self.stats.swaps += 1
             log.debug("%s now serving v%d", arm, version)
             if self.on_applied is not None:
                 self.on_applied(arm, version)
-        return set(staged)
 
-    def _next_batch(self) -> tuple[str, list[_Pending]] | None:
-        """Blocks until there is work: (arm, requests), [] when weights were staged, None on stop."""
+    def _take_work(self) -> dict[str, list[_Pending]] | None:
+        """Requests to admit now, per arm (possibly none while batches run or versions
+        wait to be applied); blocks while there is nothing to do; None on stop."""
         with self._cond:
             while not self._stopping:
-                if self._staged:
-                    return []
                 now = time.monotonic()
                 self._expire_unready(now)
-                heads = [(q[0].submitted, arm) for arm, q in self._waiting.items() if q and self._versions[arm] >= 0]
-                if heads:
-                    oldest, arm = min(heads)
-                    queue = self._waiting[arm]
-                    wait = oldest + self.config.batch_wait_s - now
-                    if len(queue) >= self.config.max_batch or wait <= 0:
-                        return arm, [queue.popleft() for _ in range(min(len(queue), self.config.max_batch))]
-                    self._cond.wait(wait)
-                    continue
-                unready = [q[0].submitted + self.config.ready_timeout_s for q in self._waiting.values() if q]
-                self._cond.wait(max(min(unready) - now, 0.001) if unready else None)
+                running = any(self._batches.values())
+                admissions: dict[str, list[_Pending]] = {}
+                next_wait: float | None = None
+                for arm, queue in self._waiting.items():
+                    free = self._batches[arm].free()
+                    if not queue or self._versions[arm] < 0 or not free:
+                        continue
+                    # An idle arm lets its first request wait a moment for company: one
+                    # prefill for several requests. A busy one admits at every step.
+                    wait = queue[0].submitted + self.config.batch_wait_s - now
+                    if self._batches[arm] or len(queue) >= free or wait <= 0:
+                        admissions[arm] = [queue.popleft() for _ in range(min(len(queue), free))]
+                    else:
+                        next_wait = wait if next_wait is None else min(next_wait, wait)
+                if admissions or running or self._staged:
+                    return admissions
+                if next_wait is None:
+                    unready = [q[0].submitted + self.config.ready_timeout_s for arm, q in self._waiting.items() if q and self._versions[arm] < 0]
+                    next_wait = max(min(unready) - now, 0.001) if unready else None
+                self._cond.wait(next_wait)
             return None
 
     def _expire_unready(self, now: float) -> None:
@@ -282,30 +326,39 @@ class Engine:
             while queue and now - queue[0].submitted >= self.config.ready_timeout_s:
                 _fail(queue.popleft(), ArmNotReady(f"arm {arm!r} has no weights after {self.config.ready_timeout_s:g} s"))
 
-    def _decode(self, arm: str, pendings: list[_Pending]) -> None:
+    def _admit(self, arm: str, pendings: list[_Pending]) -> None:
         self.stats.batches += 1
         started = time.monotonic()
         for p in pendings:
             p.started = started
-        try:
-            with torch.inference_mode():
-                batch = DecodeBatch(self.models[arm], [p.params for p in pendings], self._versions[arm])
-                while not batch.done:
-                    if batch.generated and arm in self._apply_staged():
-                        batch.swap(self._versions[arm], self.config.swap_policy)
-                    finished = batch.step()
-                    now = time.monotonic()
-                    if batch.generated == 1:
-                        for p in pendings:
-                            p.ttft_s = now - p.submitted
-                    for row, result in finished:
-                        self._finish(pendings[row], result, now)
-                    if self.on_step is not None:
-                        self.on_step(arm, batch.generated)
-        except BaseException as exc:
-            for p in pendings:
-                _fail(p, exc)
-            raise
+        finished = self._batches[arm].admit(self._params[arm], self._versions[arm], [(p.params, p) for p in pendings])
+        now = time.monotonic()
+        for p in pendings:
+            p.ttft_s = now - p.submitted
+        self._stream(self._batches[arm], finished)
+        self._finish_all(finished, now)
+
+    def _step(self, arm: str, batch: RunningBatch) -> None:
+        self.stats.steps += 1
+        generated = batch.generated() + 1
+        finished = batch.step(self._params[arm], self._versions[arm])
+        self._stream(batch, finished)
+        self._finish_all(finished, time.monotonic())
+        if self.on_step is not None:
+            self.on_step(arm, generated)
+
+    def _stream(self, batch: RunningBatch, finished: list[tuple[_Pending, SequenceResult]]) -> None:
+        """Hand each request with on_token the tokens it got since the last call."""
+        for row in batch.rows:
+            if row.owner.on_token is not None:
+                _send(row.owner, row.tokens, row.logprobs, row.versions)
+        for pending, result in finished:
+            if pending.on_token is not None:
+                _send(pending, result.token_ids, result.logprobs, result.versions)
+
+    def _finish_all(self, finished: list[tuple[_Pending, SequenceResult]], now: float) -> None:
+        for pending, result in finished:
+            self._finish(pending, result, now)
 
     def _finish(self, pending: _Pending, result: SequenceResult, now: float) -> None:
         self.stats.completions += 1
@@ -321,6 +374,12 @@ class Engine:
                 latency_s=now - pending.submitted,
             )
         )
+
+
+def _send(pending: _Pending, tokens, logprobs, versions) -> None:
+    for i in range(pending.streamed, len(tokens)):
+        pending.on_token(tokens[i], logprobs[i], versions[i])
+    pending.streamed = len(tokens)
 
 
 def _fail(pending: _Pending, exc: BaseException) -> None:

@@ -367,16 +367,16 @@ def joiner_inprocess(rollouts: int, spacing_ms: int, base_ms: int) -> Span:
     return Span(len(records), 0.0, elapsed)
 
 
-def code_version() -> str:
-    """The commit measured (``+dirty`` when reward_stream/ differs from it; empty outside
-    a git checkout): the join changes under this benchmark, so a figure names its code."""
+def code_version(watched: str = "reward_stream") -> str:
+    """The commit measured (``+dirty`` when ``watched`` differs from it; empty outside a
+    git checkout): the code changes under a benchmark, so a figure names its code."""
     repo = Path(__file__).resolve().parent.parent
 
     def git(*args: str) -> str:
         return subprocess.run(["git", *args], cwd=repo, capture_output=True, text=True, check=False).stdout.strip()
 
     head = git("rev-parse", "--short", "HEAD")
-    return f"{head}+dirty" if head and git("status", "--porcelain", "--", "reward_stream") else head
+    return f"{head}+dirty" if head and git("status", "--porcelain", "--", watched) else head
 
 
 def percentile(values: list[float], q: float) -> float:

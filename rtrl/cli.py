@@ -184,6 +184,19 @@ def bench_join(
     run(out, console, rollouts=rollouts, spacing_ms=spacing_ms, live_rollouts=live_rollouts, live_rate_per_s=live_rate)
 
 
+@bench_app.command("engine")
+def bench_engine(
+    concurrency: int = typer.Option(8, help="Requests in flight at once (and HF generate()'s batch)."),
+    max_tokens: int = typer.Option(48, help="Tokens per completion, on both sides."),
+    phase_s: float = typer.Option(10.0, help="Seconds per measured phase."),
+    out: Path = typer.Option(Path("bench/results/engine.json")),
+) -> None:
+    """Engine tokens/s against HF generate() on the same model and prompts, and the slowdown while versions arrive."""
+    from rtrl.bench_engine import run
+
+    run(out, console, concurrency=concurrency, max_tokens=max_tokens, phase_s=phase_s)
+
+
 def main() -> None:
     app()
 

@@ -187,7 +187,7 @@ def test_weights_follow_weight_sync(stack_settings):
             while server.engine.versions() != {"control": 0, "treatment": 1}:
                 assert time.monotonic() < deadline, server.engine.versions()
                 await asyncio.sleep(0.05)
-            live = state_dict_fp32(server.engine.models["treatment"])
+            live = server.engine.live_weights("treatment")
             for name, tensor in state_dict_fp32(published[("treatment", 1)]).items():
                 assert torch.equal(live[name], tensor), name
             async with aiohttp.ClientSession() as http:
