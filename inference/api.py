@@ -33,6 +33,8 @@ class CompletionBody(BaseModel):
     stop: str | list[str] | None = None
     client_ts_ms: int | None = Field(None, ge=0)
     prompt_group_id: str = ""
+    stream: bool = False
+    """Server-sent events: a chunk per token as it is sampled, then the whole answer."""
 
     def stop_strings(self) -> tuple[str, ...]:
         if self.stop is None:

@@ -11,6 +11,7 @@ privacy mode produce no record. Answers:
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 import uuid
@@ -28,7 +29,7 @@ from inference.records import RolloutContext, rollout_record
 from inference.weights import WeightFollower
 from rtrl import heartbeat, kafka, topics
 from rtrl.config import StackSettings
-from rtrl.policy import PolicyConfig
+from rtrl.policy import PolicyConfig, decode
 from rtrl.runtime import until_stopped
 
 log = logging.getLogger("inference")
@@ -148,12 +149,14 @@ class InferenceServer:
     async def _healthz(self, request: web.Request) -> web.Response:
         return web.json_response({"ready": self.engine.ready(), "versions": self.engine.versions(), "worker_id": self.worker_id})
 
-    async def _completions(self, request: web.Request) -> web.Response:
+    async def _completions(self, request: web.Request) -> web.StreamResponse:
         received = time.monotonic()
         received_ms = int(time.time() * 1000)
+        tokens: asyncio.Queue[tuple[int, float, int]] = asyncio.Queue()
         try:
             body = CompletionBody.model_validate_json(await request.read())
             arm = body.arm or assign_arm(body.user_id, self.settings.treatment_fraction)
+            on_token = (lambda *token: self._loop.call_soon_threadsafe(tokens.put_nowait, token)) if body.stream else None
             future = self.engine.submit(
                 arm,
                 prompt_token_ids(body.prompt),
@@ -162,6 +165,7 @@ class InferenceServer:
                 top_p=body.top_p or self.settings.top_p,
                 seed=body.seed,
                 stop=body.stop_strings(),
+                on_token=on_token,
             )
         except (ValidationError, ValueError) as exc:
             self.counters.rejected += 1
@@ -169,13 +173,19 @@ class InferenceServer:
         except RuntimeError as exc:
             self.counters.unavailable += 1
             return web.json_response({"error": str(exc)}, status=503)
+        rollout_id = str(uuid.uuid4())
+        waiting = asyncio.wrap_future(future)
+        stream, streamed = None, 0
+        if body.stream:
+            stream, streamed = await self._stream_tokens(request, rollout_id, body, tokens, waiting)
         try:
-            completion = await asyncio.wrap_future(future)
+            completion = await waiting
         except (ArmNotReady, RuntimeError) as exc:
             self.counters.unavailable += 1
+            if stream is not None:
+                await stream.write(_event({"error": str(exc)}))
+                return stream
             return web.json_response({"error": str(exc)}, status=503)
-
-        rollout_id = str(uuid.uuid4())
         if body.privacy_mode:
             self.counters.private += 1
         else:
@@ -196,7 +206,41 @@ class InferenceServer:
                 topics.ROLLOUT, record.SerializeToString(), key=rollout_id, headers=kafka.traceparent_headers(traceparent)
             )
             self.counters.records += 1
-        return web.json_response(completion_response(rollout_id, self.model_name, completion, time.monotonic() - received))
+        answer = completion_response(rollout_id, self.model_name, completion, time.monotonic() - received)
+        if stream is None:
+            return web.json_response(answer)
+        # The text streamed so far stops short of any stop string; the rest comes here.
+        await stream.write(_event({**answer, "delta": completion.result.text[streamed:]}))
+        await stream.write(b"data: [DONE]\n\n")
+        return stream
+
+    async def _stream_tokens(
+        self, request: web.Request, rollout_id: str, body: CompletionBody, tokens: asyncio.Queue, waiting: asyncio.Future
+    ) -> tuple[web.StreamResponse, int]:
+        """Send a server-sent event per token until the completion is done; returns the
+        response and how many characters of text it sent. The last characters, as many
+        as the longest stop string, are held back: they could still turn out to be part
+        of one (the final event sends what remains of the answer's text)."""
+        stream = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await stream.prepare(request)
+        holdback = max((len(s) for s in body.stop_strings()), default=0)
+        text, sent = "", 0
+        while not (waiting.done() and tokens.empty()):
+            getter = asyncio.ensure_future(tokens.get())
+            await asyncio.wait({getter, waiting}, return_when=asyncio.FIRST_COMPLETED)
+            if not getter.done():
+                getter.cancel()
+                continue
+            token, logprob, version = getter.result()
+            text += decode([token])
+            delta = text[sent : max(sent, len(text) - holdback)]
+            sent += len(delta)
+            await stream.write(_event({"rollout_id": rollout_id, "token_id": token, "logprob": logprob, "policy_version": version, "delta": delta}))
+        return stream, sent
+
+
+def _event(payload: dict) -> bytes:
+    return b"data: " + json.dumps(payload).encode() + b"\n\n"
 
 
 async def serve(stack: StackSettings, settings: InferenceSettings) -> None:

@@ -125,6 +125,43 @@ def test_completions_produce_one_rollout_record_each(stack_settings):
         client.close()
 
 
+def test_streamed_completion_matches_its_answer_and_record(stack_settings):
+    # stream=true: one server-sent event per token as sampled, text held back so no part
+    # of a stop string is ever sent, then the whole answer; the rollout record is the same.
+    settings = InferenceSettings(http_port=0, follow_weights=False, max_tokens=40)
+
+    async def scenario(body: dict) -> list[dict]:
+        engine = Engine(EngineConfig())
+        server = InferenceServer(stack_settings, settings, engine=engine)
+        await server.start()
+        try:
+            engine.stage("control", 0, state_dict_fp32(build_model(seed=1)))
+            engine.stage("treatment", 0, state_dict_fp32(build_model(seed=1)))
+            async with aiohttp.ClientSession() as http:
+                async with http.post(f"http://127.0.0.1:{server.port}/v1/completions", json=body) as resp:
+                    assert resp.status == 200 and resp.headers["Content-Type"].startswith("text/event-stream")
+                    raw = (await resp.read()).decode()
+        finally:
+            await server.stop()
+        chunks = [c.removeprefix("data: ") for c in raw.split("\n\n") if c]
+        assert chunks[-1] == "[DONE]"
+        return [json.loads(c) for c in chunks[:-1]]
+
+    base = {"prompt": "@p1 say hi\n", "user_id": "u", "session_id": "s", "arm": "control", "seed": 5}
+    free = asyncio.run(scenario({**base, "stream": True}))
+    *tokens, answer = free
+    assert [t["token_id"] for t in tokens] == list(next(r for r in read_rollouts(stack_settings) if r.rollout_id == answer["rollout_id"]).completion_token_ids)
+    assert "".join(t["delta"] for t in free) == answer["text"] and len(tokens) == answer["usage"]["completion_tokens"]
+    assert {t["rollout_id"] for t in tokens} == {answer["rollout_id"]} and all(t["policy_version"] == 0 for t in tokens)
+
+    stop = answer["text"][5:8]
+    cut = answer["text"].find(stop)
+    stopped = asyncio.run(scenario({**base, "stream": True, "stop": stop}))
+    assert stopped[-1]["text"] == answer["text"][:cut] and stopped[-1]["finish_reason"] == "stop"
+    assert "".join(t["delta"] for t in stopped) == answer["text"][:cut]
+    assert all(stop not in "".join(t["delta"] for t in stopped[:i]) for i in range(len(stopped)))
+
+
 def test_arm_without_weights_answers_503(stack_settings):
     settings = InferenceSettings(http_port=0, follow_weights=False, ready_timeout_s=0.3)
 
