@@ -79,11 +79,11 @@ def hf_generate(model, prompts: list[list[int]], batch: int, max_tokens: int, se
 
 def engine_phase(
     engine: Engine, name: str, prompts: list[list[int]], concurrency: int, max_tokens: int, seconds: float,
-    progress: Progress, swap: tuple[float, list[dict[str, torch.Tensor]]] | None = None,
+    progress: Progress, swap: tuple[float, list[dict[str, torch.Tensor]]] | None = None, label: str = "",
 ) -> Phase:
     """Keep ``concurrency`` requests in flight for ``seconds``; with ``swap`` = (every_s,
     weight sets), stage a new version every every_s from another thread."""
-    task = progress.add_task(name, total=seconds)
+    task = progress.add_task(label or name, total=seconds)
     lock = threading.Lock()
     state = {"tokens": 0, "in_flight": 0, "next": 0, "last": 0.0}
     idle = threading.Event()
@@ -158,7 +158,7 @@ def run(out: Path, console: Console, concurrency: int = 8, max_tokens: int = 48,
                     for swapping in (False, True):
                         name = f"engine_{policy}_{'swaps' if swapping else 'steady'}"
                         swap = (swap_every_s, sets) if swapping else None
-                        phases.setdefault(name, []).append(engine_phase(engine, f"{name} {r + 1}", prompts, concurrency, max_tokens, phase_s, progress, swap))
+                        phases.setdefault(name, []).append(engine_phase(engine, name, prompts, concurrency, max_tokens, phase_s, progress, swap, f"{name} {r + 1}"))
             finally:
                 engine.stop()
 
