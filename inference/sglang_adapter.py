@@ -1,0 +1,147 @@
+"""The SGLang backend's serving side: one completion from SGLang's /generate, returned
+as the embedded engine's Completion, so inference.records.rollout_record builds the
+same RolloutRecord for both backends.
+
+The request carries our token ids (the server runs with ``--skip-tokenizer-init``;
+the policy's vocabulary is characters) and streams, so the time to the first token is
+measured as the embedded engine measures it. The final chunk carries every token, its
+log-prob, and ``meta_info.weight_versions``: the spans of tokens each weight version
+sampled, which the sidecar's mid-generation swaps split (inference/sglang_sidecar.py).
+
+Log-probs are those of the distribution each token was actually sampled from, as in
+inference/sampling.py. SGLang's ``output_token_logprobs`` are that distribution for
+plain temperature sampling; greedy and nucleus sampling draw from a truncated one, so
+for them the renormalized log-probs come from SGLang's sampling mask instead.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from inference.batch import SequenceParams, SequenceResult
+from inference.engine import Completion
+from rtrl.policy import VOCAB_SIZE, decode
+
+
+class SGLangGenerationError(RuntimeError):
+    """SGLang answered /generate with an error or ended the request without finishing it."""
+
+
+def request_body(params: SequenceParams) -> dict[str, Any]:
+    """The /generate body for ``params`` (streaming, with log-probs)."""
+    if params.stop:
+        raise ValueError(f"stop strings {params.stop!r} need SGLang's tokenizer, which this backend skips; stop on EOS or max_tokens")
+    truncated = params.temperature == 0 or params.top_p < 1
+    sampling = {
+        "max_new_tokens": params.max_tokens,
+        "temperature": params.temperature,
+        "top_p": params.top_p,
+        "sampling_seed": params.seed,
+        "ignore_eos": params.ignore_eos,
+    }
+    if params.top_p < 1 and params.temperature > 0:
+        # SGLang's sampling mask needs a finite top_k; the whole vocabulary truncates nothing.
+        sampling["top_k"] = VOCAB_SIZE
+    return {
+        "input_ids": list(params.prompt_ids),
+        "sampling_params": sampling,
+        "return_logprob": True,
+        "return_sampling_mask": truncated,
+        "stream": True,
+    }
+
+
+def completion_from_response(
+    response: dict[str, Any], params: SequenceParams, arm: str, *, ttft_s: float, latency_s: float
+) -> Completion:
+    """The engine's Completion for SGLang's final /generate chunk."""
+    meta = response["meta_info"]
+    finish = meta.get("finish_reason") or {}
+    if finish.get("type") not in ("stop", "length"):
+        raise SGLangGenerationError(f"SGLang ended request {meta.get('id')} with finish_reason {finish or None}: {finish.get('message', '')}")
+    token_ids = tuple(response["output_ids"])
+    if "output_token_sampling_logprobs" in meta:
+        logprobs = tuple(float(x) for x in meta["output_token_sampling_logprobs"])
+    else:
+        logprobs = tuple(float(entry[0]) for entry in meta["output_token_logprobs"])
+    versions = versions_per_token(meta.get("weight_versions") or [], len(token_ids))
+    if len(logprobs) != len(token_ids):
+        raise SGLangGenerationError(f"SGLang returned {len(token_ids)} tokens but {len(logprobs)} log-probs")
+    result = SequenceResult(
+        token_ids=token_ids,
+        logprobs=logprobs,
+        versions=versions,
+        finish_reason=finish["type"],
+        text=decode(list(token_ids)),
+    )
+    # SGLang queues inside the server; its queue time is part of ttft_s here.
+    return Completion(prompt_ids=params.prompt_ids, params=params, arm=arm, result=result, queue_s=0.0, ttft_s=ttft_s, latency_s=latency_s)
+
+
+def versions_per_token(spans: Sequence[dict[str, Any]], n_tokens: int) -> tuple[int, ...]:
+    """Expand SGLang's ``weight_versions`` spans ({version, start, end}) to one policy
+    version per token, checking that they cover the tokens exactly, in order."""
+    versions: list[int] = []
+    for span in spans:
+        if span["start"] != len(versions) or span["end"] < span["start"]:
+            raise SGLangGenerationError(f"weight_versions {list(spans)} do not tile tokens [0, {n_tokens})")
+        try:
+            version = int(span["version"])
+        except ValueError:
+            raise SGLangGenerationError(
+                f"SGLang labels weights {span['version']!r}, not an rtrl policy version: launch it with --weight-version <n>"
+            ) from None
+        versions.extend([version] * (span["end"] - span["start"]))
+    if len(versions) != n_tokens:
+        raise SGLangGenerationError(f"weight_versions {list(spans)} cover {len(versions)} of {n_tokens} tokens")
+    return tuple(versions)
+
+
+def generate(
+    url: str,
+    arm: str,
+    params: SequenceParams,
+    *,
+    timeout_s: float = 300.0,
+    on_tokens: Callable[[int], None] | None = None,
+) -> Completion:
+    """One completion from the SGLang server at ``url``. ``on_tokens`` is called with
+    the number of tokens generated so far each time the stream reports progress."""
+    request = urllib.request.Request(
+        f"{url.rstrip('/')}/generate",
+        data=json.dumps(request_body(params)).encode(),
+        headers={"Content-Type": "application/json"},
+        method="POST",
+    )
+    started = time.monotonic()
+    ttft_s = None
+    last: dict[str, Any] | None = None
+    try:
+        stream = urllib.request.urlopen(request, timeout=timeout_s)
+    except urllib.error.HTTPError as exc:
+        raise SGLangGenerationError(f"SGLang /generate refused the request (HTTP {exc.code}): {exc.read().decode(errors='replace')}") from None
+    with stream:
+        for raw in stream:
+            line = raw.strip()
+            if not line.startswith(b"data:"):
+                continue
+            data = line[len(b"data:") :].strip()
+            if data == b"[DONE]":
+                break
+            chunk = json.loads(data)
+            if "error" in chunk:
+                raise SGLangGenerationError(f"SGLang /generate failed: {chunk['error']}")
+            if ttft_s is None and chunk["output_ids"]:
+                ttft_s = time.monotonic() - started
+            if on_tokens is not None:
+                on_tokens(len(chunk["output_ids"]))
+            last = chunk
+    if last is None:
+        raise SGLangGenerationError("SGLang's /generate stream ended without a result")
+    latency_s = time.monotonic() - started
+    return completion_from_response(last, params, arm, ttft_s=latency_s if ttft_s is None else ttft_s, latency_s=latency_s)

@@ -1,0 +1,370 @@
+"""The SGLang backend's weight sidecar: weight_sync versions pushed into a running server.
+
+Runs next to one SGLang server (``python -m inference.sglang_sidecar``). It follows an
+arm's versions exactly as the embedded worker does (inference/weights.py: the
+Subscriber rebuilds every version's full tensors from keyframes and deltas) and swaps
+each one into SGLang mid-generation over SGLang 0.5.23's HTTP weight protocol:
+
+    /pause_generation → /begin_weight_update → /update_weights_from_tensor
+        → /end_weight_update → /continue_generation
+
+The pause is what makes the swap land between two decode steps: without it SGLang
+waits for every running request to finish first. ``in_place`` keeps the running
+requests' KV cache (computed by the old weights, like the embedded engine's "keep");
+``retract`` sends them back to the queue to be re-prefilled under the new weights
+(like "recompute") and flushes the cache. Every token's version comes back in the
+response's ``meta_info.weight_versions`` (see inference/sglang_adapter.py).
+
+Two things SGLang 0.5.23 does not refuse, so the sidecar checks them itself before it
+pauses anything: a tensor whose shape differs from the served parameter kills the
+server's scheduler (an AssertionError in its weight loader takes the whole server
+down), and a tensor with an unknown name is skipped while the server still reports
+the new version. A version must therefore match the served checkpoint exactly
+(``served_inventory``); one that does not is rejected and never sent.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import logging
+import pickle
+import signal
+import struct
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+log = logging.getLogger(__name__)
+
+PauseMode = Literal["in_place", "retract"]
+
+
+class SidecarSettings(BaseSettings):
+    """Settings of one sidecar (env prefix ``RTRL_SGLANG_SIDECAR_``); weight_sync's
+    address and subscribe token come from rtrl.config.StackSettings."""
+
+    model_config = SettingsConfigDict(env_prefix="RTRL_SGLANG_SIDECAR_", extra="ignore")
+
+    url: str = "http://127.0.0.1:30000"
+    """Base URL of the SGLang server this sidecar feeds."""
+
+    model_dir: Path
+    """The checkpoint directory the server was launched from: its safetensors headers
+    are the names and shapes every version must match."""
+
+    arm: Literal["control", "treatment"] = "treatment"
+    """The arm whose versions this server serves."""
+
+    pause_mode: PauseMode = "in_place"
+    """``in_place``: running requests keep their KV cache across the swap;
+    ``retract``: they are re-prefilled under the new weights."""
+
+    max_attempts: int = Field(3, ge=1, le=20)
+    """Tries per version when SGLang refuses a step, before the refusal is reported."""
+
+    backoff_s: float = Field(0.5, gt=0, le=30)
+    """Wait after the first refused try; doubled after each further one."""
+
+    retry_s: float = Field(5.0, gt=0, le=600)
+    """After a reported refusal, how long until the same (or a newer) version is tried again."""
+
+    http_timeout_s: float = Field(120.0, gt=0, le=3600)
+    """Timeout of one HTTP call to SGLang (the tensor upload is the longest)."""
+
+
+class SGLangRefused(RuntimeError):
+    """SGLang answered a step of the weight protocol with an HTTP error or success=false."""
+
+    def __init__(self, step: str, status: int, message: str) -> None:
+        super().__init__(f"SGLang refused {step} (HTTP {status}): {message}")
+        self.step, self.status, self.message = step, status, message
+
+
+class WeightUpdateRefused(RuntimeError):
+    """Every attempt to swap a version in was refused. Generation was resumed after each
+    attempt and the version is still pending: the next apply tries it again."""
+
+    def __init__(self, version: int, attempts: int, last: SGLangRefused) -> None:
+        super().__init__(f"v{version} not applied after {attempts} attempts; last: {last}")
+        self.version, self.attempts, self.last = version, attempts, last
+
+
+class WeightsRejected(ValueError):
+    """A version does not fit the served model; it is never sent to SGLang."""
+
+
+class SGLangWeights:
+    """SGLang 0.5.23's weight-update HTTP protocol, one method per step.
+
+    Each method raises SGLangRefused when the server refuses the step, and lets
+    connection errors propagate (the server is not there to refuse anything)."""
+
+    def __init__(self, url: str, timeout_s: float = 120.0) -> None:
+        self.url = url.rstrip("/")
+        self.timeout_s = timeout_s
+
+    def pause(self, mode: PauseMode) -> None:
+        self._post("pause", "/pause_generation", {"mode": mode})
+
+    def begin(self) -> None:
+        self._post("begin", "/begin_weight_update", {})
+
+    def update(self, serialized: str, *, weight_version: str, flush_cache: bool) -> None:
+        """Load the tensors of ``serialized`` (see serialize_named_tensors) and label
+        the weights ``weight_version``. ``flush_cache`` must be false while requests are
+        paused in place (SGLang refuses to flush a cache that running requests use)."""
+        body = {"serialized_named_tensors": [serialized], "flush_cache": flush_cache, "weight_version": weight_version}
+        self._post("update", "/update_weights_from_tensor", body)
+
+    def end(self) -> None:
+        self._post("end", "/end_weight_update", {})
+
+    def continue_generation(self) -> None:
+        self._post("continue", "/continue_generation", {})
+
+    def weight_version(self) -> str:
+        """The label of the weights the server serves now."""
+        with urllib.request.urlopen(f"{self.url}/model_info", timeout=self.timeout_s) as response:
+            return json.loads(response.read())["weight_version"]
+
+    def _post(self, step: str, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        request = urllib.request.Request(
+            f"{self.url}{path}", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}, method="POST"
+        )
+        try:
+            with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
+                answer = json.loads(response.read() or b"{}")
+        except urllib.error.HTTPError as exc:
+            raise SGLangRefused(step, exc.code, _error_message(exc)) from None
+        # /pause_generation and /continue_generation answer {"status": "ok"}, the weight
+        # steps {"success": bool, "message": str}.
+        if answer.get("success") is False:
+            raise SGLangRefused(step, 200, answer.get("message", ""))
+        return answer
+
+
+def _error_message(exc: urllib.error.HTTPError) -> str:
+    body = exc.read().decode(errors="replace")
+    try:
+        return json.loads(body).get("message", body)
+    except (ValueError, AttributeError):
+        return body
+
+
+def serialize_named_tensors(tensors: Mapping[str, Any]) -> str:
+    """The ``serialized_named_tensors`` entry SGLang's HTTP endpoint takes: a base64
+    plain pickle of ``[(name, tensor), ...]``. Plain pickle carries the bytes inside
+    (SGLang's safe unpickler accepts torch's storage rebuild); torch's multiprocessing
+    pickler would instead pass shared-memory handles only valid on this host."""
+    named = [(name, tensor.detach().cpu().contiguous()) for name, tensor in tensors.items()]
+    return base64.b64encode(pickle.dumps(named, protocol=pickle.HIGHEST_PROTOCOL)).decode("ascii")
+
+
+def served_inventory(model_dir: Path) -> dict[str, tuple[int, ...]]:
+    """Name → shape of every tensor in the checkpoint's safetensors files, read from
+    their headers (no tensor data is loaded)."""
+    inventory: dict[str, tuple[int, ...]] = {}
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors in {model_dir}")
+    for path in files:
+        with open(path, "rb") as f:
+            (length,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(length))
+        inventory.update({name: tuple(meta["shape"]) for name, meta in header.items() if name != "__metadata__"})
+    return inventory
+
+
+def check_fits(version: int, tensors: Mapping[str, Any], inventory: Mapping[str, tuple[int, ...]]) -> None:
+    """Raise WeightsRejected unless ``tensors`` has exactly the served names and shapes:
+    a partial version would leave old tensors under the new version's label."""
+    unknown = sorted(set(tensors) - set(inventory))
+    missing = sorted(set(inventory) - set(tensors))
+    wrong = sorted(f"{name} {tuple(t.shape)} (served {inventory[name]})" for name, t in tensors.items() if name in inventory and tuple(t.shape) != inventory[name])
+    if unknown or missing or wrong:
+        raise WeightsRejected(f"v{version} does not fit the served model: unknown {unknown[:5]}, missing {missing[:5]}, wrong shape {wrong[:5]}")
+
+
+class SGLangSidecar:
+    """Holds the newest version not yet live on the server and swaps it in.
+
+    ``stage`` (from the follower thread, or a test) keeps one pending version — a newer
+    one replaces an older one still pending, since every version carries full tensors.
+    ``apply_pending`` swaps it in; a refused version stays pending until it applies or a
+    newer one replaces it, and generation is resumed after every attempt."""
+
+    def __init__(self, weights: SGLangWeights, inventory: Mapping[str, tuple[int, ...]], settings: SidecarSettings) -> None:
+        self.weights = weights
+        self.inventory = dict(inventory)
+        self.settings = settings
+        self.applied_version = _policy_version(weights.weight_version())
+        self._cond = threading.Condition()
+        self._apply_lock = threading.Lock()
+        self._pending: tuple[int, Mapping[str, Any]] | None = None
+        self._stopped = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self._subscriber = None
+
+    @property
+    def pending_version(self) -> int | None:
+        with self._cond:
+            return None if self._pending is None else self._pending[0]
+
+    def stage(self, version: int, tensors: Mapping[str, Any]) -> bool:
+        """Make ``version`` the next to apply. False (ignored) if the server already
+        has, or is about to get, this version or a newer one; WeightsRejected if it
+        does not fit the served model."""
+        check_fits(version, tensors, self.inventory)
+        with self._cond:
+            newest = max(self.applied_version, -1 if self._pending is None else self._pending[0])
+            if version <= newest:
+                log.info("ignoring v%d: already at v%d", version, newest)
+                return False
+            self._pending = (version, tensors)
+            self._cond.notify_all()
+        return True
+
+    def apply_pending(self) -> int | None:
+        """Swap the pending version in; return it (None if nothing was pending).
+        Raises WeightUpdateRefused once ``max_attempts`` tries were refused."""
+        with self._apply_lock:
+            with self._cond:
+                pending = self._pending
+            if pending is None:
+                return None
+            version, tensors = pending
+            serialized = serialize_named_tensors(tensors)
+            attempts = self.settings.max_attempts
+            for attempt in range(1, attempts + 1):
+                try:
+                    self._swap(version, serialized)
+                    break
+                except SGLangRefused as exc:
+                    log.warning("v%d: attempt %d/%d refused: %s", version, attempt, attempts, exc)
+                    if attempt == attempts:
+                        raise WeightUpdateRefused(version, attempts, exc) from exc
+                    time.sleep(self.settings.backoff_s * 2 ** (attempt - 1))
+            with self._cond:
+                self.applied_version = version
+                if self._pending is pending:
+                    self._pending = None
+            log.info("v%d live on %s (pause mode %s)", version, self.weights.url, self.settings.pause_mode)
+            return version
+
+    def _swap(self, version: int, serialized: str) -> None:
+        """One attempt. The server is resumed whatever happens once it was paused, and a
+        session this attempt opened is closed before that."""
+        mode = self.settings.pause_mode
+        self.weights.pause(mode)
+        try:
+            self.weights.begin()
+            try:
+                # Retracted requests no longer hold KV, so the cache the old weights
+                # filled can be flushed; paused in place they still use it.
+                self.weights.update(serialized, weight_version=str(version), flush_cache=mode == "retract")
+            finally:
+                self.weights.end()
+        finally:
+            self.weights.continue_generation()
+
+    def recover(self) -> None:
+        """Undo what a sidecar that died mid-swap left behind: an open weight-update
+        session (which would refuse every later begin) and a paused server."""
+        try:
+            self.weights.end()
+        except SGLangRefused as exc:
+            log.debug("no weight-update session to close: %s", exc.message)
+        self.weights.continue_generation()
+
+    # ---- the running service: one thread follows weight_sync, one applies ----
+
+    def start(self, addr: str, token: str, worker_id: str) -> SGLangSidecar:
+        self.recover()
+        self._threads = [
+            threading.Thread(target=self._follow, args=(addr, token, worker_id), name="sglang-follow", daemon=True),
+            threading.Thread(target=self._apply_loop, name="sglang-apply", daemon=True),
+        ]
+        for thread in self._threads:
+            thread.start()
+        return self
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        self._stopped.set()
+        with self._cond:
+            if self._subscriber is not None:
+                self._subscriber.stop()
+            self._cond.notify_all()
+        for thread in self._threads:
+            thread.join(timeout_s)
+
+    def _follow(self, addr: str, token: str, worker_id: str) -> None:
+        """As inference.weights.WeightFollower: a Subscriber that gives up is replaced
+        after retry_s, and versions the server already holds are ignored."""
+        from weight_sync.client import Subscriber
+
+        while not self._stopped.is_set():
+            subscriber = Subscriber(addr, self.settings.arm, worker_id, token=token)
+            with self._cond:
+                self._subscriber = subscriber
+            if self._stopped.is_set():
+                break
+            try:
+                for manifest, tensors in subscriber.follow():
+                    try:
+                        self.stage(manifest.version, tensors)
+                    except WeightsRejected as exc:
+                        log.error("%s", exc)
+            except Exception:  # retried on purpose: the sidecar must keep following
+                log.exception("following %s weights from %s failed; starting over in %.1f s", self.settings.arm, addr, self.settings.retry_s)
+            finally:
+                subscriber.close()
+            self._stopped.wait(self.settings.retry_s)
+
+    def _apply_loop(self) -> None:
+        while not self._stopped.is_set():
+            with self._cond:
+                while self._pending is None and not self._stopped.is_set():
+                    self._cond.wait()
+            if self._stopped.is_set():
+                return
+            try:
+                self.apply_pending()
+            except Exception:  # retried on purpose: the version stays pending
+                log.exception("swapping v%s into %s failed; trying again in %.1f s", self.pending_version, self.weights.url, self.settings.retry_s)
+                self._stopped.wait(self.settings.retry_s)
+
+
+def _policy_version(label: str) -> int:
+    try:
+        return int(label)
+    except ValueError:
+        raise ValueError(f"SGLang serves weight version {label!r}, not an rtrl policy version: launch it with --weight-version <n>") from None
+
+
+def main() -> None:
+    # Configuration first: a bad setting fails before torch is imported.
+    from rtrl.config import StackSettings
+
+    settings = SidecarSettings()
+    stack = StackSettings()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+
+    sidecar = SGLangSidecar(SGLangWeights(settings.url, settings.http_timeout_s), served_inventory(settings.model_dir), settings)
+    sidecar.start(stack.weight_sync_addr, stack.weight_sync_subscribe_token.get_secret_value(), f"sglang-sidecar-{stack.instance}")
+    stop = threading.Event()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda *_: stop.set())
+    stop.wait()
+    sidecar.stop()
+
+
+if __name__ == "__main__":
+    main()
