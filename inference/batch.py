@@ -76,6 +76,8 @@ class RunningBatch:
         self.cache = SlotCache(config, slots)
         self.slots = slots
         self.rows: list[Row] = []
+        self._sampling: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        """Every row's (temperature, top_p, seed), rebuilt only when rows join or leave."""
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -95,6 +97,7 @@ class RunningBatch:
         first = len(self.rows)
         new = [Row(seq, owner, position=len(seq.prompt_ids)) for seq, owner in requests]
         self.rows.extend(new)
+        self._sampling = None
         logits = prefill(params, self.cache, first, [list(seq.prompt_ids) for seq, _ in requests])
         return self._sample(logits, range(first, len(self.rows)), version)
 
@@ -103,8 +106,8 @@ class RunningBatch:
         if not self.rows:
             return []
         tokens = torch.tensor([r.tokens[-1] for r in self.rows])
-        positions = torch.tensor([r.position for r in self.rows])
-        logits = decode_step(params, self.cache, tokens, positions)
+        positions = [r.position for r in self.rows]
+        logits = decode_step(params, self.cache, tokens, torch.tensor(positions), max(positions) + 1)
         for r in self.rows:
             r.position += 1
         return self._sample(logits, range(len(self.rows)), version)
@@ -116,13 +119,15 @@ class RunningBatch:
 
     def _sample(self, logits: torch.Tensor, indices: range, version: int) -> list[tuple[object, SequenceResult]]:
         rows = [self.rows[i] for i in indices]
-        tokens, logprobs = sample(
-            logits,
-            torch.tensor([r.params.temperature for r in rows], dtype=torch.float32),
-            torch.tensor([r.params.top_p for r in rows], dtype=torch.float32),
-            torch.tensor([r.params.seed for r in rows], dtype=torch.int64),
-            torch.tensor([len(r.tokens) for r in rows], dtype=torch.int64),
-        )
+        if len(rows) == len(self.rows) and self._sampling is not None:
+            temperature, top_p, seeds = self._sampling
+        else:
+            temperature = torch.tensor([r.params.temperature for r in rows], dtype=torch.float32)
+            top_p = torch.tensor([r.params.top_p for r in rows], dtype=torch.float32)
+            seeds = torch.tensor([r.params.seed for r in rows], dtype=torch.int64)
+            if len(rows) == len(self.rows):
+                self._sampling = (temperature, top_p, seeds)
+        tokens, logprobs = sample(logits, temperature, top_p, seeds, torch.tensor([len(r.tokens) for r in rows], dtype=torch.int64))
         finished: list[tuple[int, SequenceResult]] = []
         for i, row, token, logprob in zip(indices, rows, tokens.tolist(), logprobs.tolist()):
             row.tokens.append(token)
@@ -156,6 +161,7 @@ class RunningBatch:
         )
 
     def _remove(self, i: int) -> None:
+        self._sampling = None
         last = len(self.rows) - 1
         if i != last:
             self.cache.move(last, i, self.rows[last].position)

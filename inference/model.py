@@ -41,7 +41,8 @@ class Layer:
     qkv: torch.Tensor
     """[hidden, 5 * hidden]: the q, k and v projections side by side, then q and k
     already rotated by half (the rotary embedding's rotate_half, a signed permutation
-    of rows), so rope is two products and a sum; input norm folded in."""
+    of rows), so rope is two products and a sum; input norm and, in q, the attention
+    scale folded in."""
     out: torch.Tensor
     gate_up: torch.Tensor
     """[hidden, 2 * intermediate]: gate and up projections, post-attention norm folded in."""
@@ -88,7 +89,9 @@ class Params:
         for i in range(config.num_layers):
             p = f"model.layers.{i}."
             q, k, v = (get(p + f"self_attn.{n}_proj.weight") for n in "qkv")
-            qkv = torch.cat([q, k, v, rotated(p + "self_attn.q_proj.weight"), rotated(p + "self_attn.k_proj.weight")])
+            # The attention's 1/sqrt(head_dim) is folded into q (rope is linear, so before it is the same).
+            scale = head_dim**-0.5
+            qkv = torch.cat([q * scale, k, v, rotated(p + "self_attn.q_proj.weight") * scale, rotated(p + "self_attn.k_proj.weight")])
             layers.append(
                 Layer(
                     qkv=(qkv * get(p + "input_layernorm.weight")[None, :]).T.contiguous(),
@@ -117,17 +120,18 @@ def rope_tables(config: PolicyConfig) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 class SlotCache:
-    """Keys and values of up to ``slots`` sequences, [layers, slots, heads, positions, head_dim]."""
+    """Keys and values of up to ``slots`` sequences: values [layers, slots, heads,
+    positions, head_dim], keys transposed [layers, slots, heads, head_dim, positions]
+    so q @ k^T reads them in their own layout."""
 
     def __init__(self, config: PolicyConfig, slots: int) -> None:
         head_dim = config.hidden_size // config.num_heads
-        shape = (config.num_layers, slots, config.num_heads, config.max_positions, head_dim)
-        self.k = torch.zeros(shape)
-        self.v = torch.zeros(shape)
+        self.k = torch.zeros((config.num_layers, slots, config.num_heads, head_dim, config.max_positions))
+        self.v = torch.zeros((config.num_layers, slots, config.num_heads, config.max_positions, head_dim))
 
     def move(self, src: int, dst: int, length: int) -> None:
         """Copy row ``src``'s first ``length`` positions into row ``dst``."""
-        self.k[:, dst, :, :length] = self.k[:, src, :, :length]
+        self.k[:, dst, :, :, :length] = self.k[:, src, :, :, :length]
         self.v[:, dst, :, :length] = self.v[:, src, :, :length]
 
 
@@ -142,29 +146,29 @@ def _mlp(x: torch.Tensor, layer: Layer) -> torch.Tensor:
     return x + torch.matmul(F.silu(gate) * up, layer.down)
 
 
-def decode_step(params: Params, cache: SlotCache, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+def decode_step(params: Params, cache: SlotCache, tokens: torch.Tensor, positions: torch.Tensor, length: int) -> torch.Tensor:
     """Feed one token to each of rows 0..n-1 (``tokens``/``positions`` [n]); returns
     next-token logits [n, vocab]. Row i's token goes in at ``positions[i]``, after
-    the cached keys/values of its earlier positions."""
+    the cached keys/values of its earlier positions; ``length`` = max(positions) + 1."""
     cfg = params.config
     n, heads = tokens.shape[0], cfg.num_heads
     head_dim = cfg.hidden_size // heads
     rows = torch.arange(n)
-    length = int(positions.max()) + 1
     # A row attends to its own positions 0..positions[i]; later slots hold other data.
     hidden = (torch.arange(length)[None, :] > positions[:, None])[:, None, None, :]
-    scale = head_dim**-0.5
     cos, sin = params.cos[positions][:, None, None, :], params.sin[positions][:, None, None, :]
     x = params.embed[tokens]
     for i, layer in enumerate(params.layers):
         qkv = torch.mm(_rms(x), layer.qkv).view(n, 5, heads, head_dim)
         q, k = (qkv[:, :2] * cos + qkv[:, 3:] * sin).unbind(1)
-        cache.k[i, rows, :, positions] = k
+        cache.k[i, rows, :, :, positions] = k
         cache.v[i, rows, :, positions] = qkv[:, 2]
         # One query per row: a plain softmax over its keys beats the fused kernel's setup.
-        scores = torch.matmul(q[:, :, None, :], cache.k[i, :n, :, :length].transpose(-1, -2)).mul_(scale)
+        scores = torch.matmul(q[:, :, None, :], cache.k[i, :n, :, :, :length])
         attn = torch.matmul(scores.masked_fill_(hidden, float("-inf")).softmax(-1), cache.v[i, :n, :, :length])
-        x = _mlp(x + torch.mm(attn.reshape(n, cfg.hidden_size), layer.out), layer)
+        x = torch.addmm(x, attn.reshape(n, cfg.hidden_size), layer.out)
+        gate, up = torch.mm(_rms(x), layer.gate_up).chunk(2, dim=-1)
+        x = torch.addmm(x, F.silu(gate) * up, layer.down)
     return torch.mm(_rms(x), params.lm_head)
 
 
@@ -190,9 +194,9 @@ def prefill(params: Params, cache: SlotCache, first_row: int, sequences: list[li
         q, k = (qkv[:, :, :2] * cos[:, :, None] + qkv[:, :, 3:] * sin[:, :, None]).unbind(2)
         k = k.transpose(1, 2)
         v = qkv[:, :, 2].transpose(1, 2)
-        cache.k[i, rows, :, :width] = k
+        cache.k[i, rows, :, :, :width] = k.transpose(-1, -2)
         cache.v[i, rows, :, :width] = v
-        attn = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=mask)
+        attn = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=mask, scale=1.0)  # q is pre-scaled
         x = _mlp(x + torch.matmul(attn.transpose(1, 2).reshape(m, width, cfg.hidden_size), layer.out), layer)
     last = x[torch.arange(m), lengths - 1]
     return torch.mm(_rms(last), params.lm_head)

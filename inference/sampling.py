@@ -8,7 +8,6 @@ never changes what a request samples.
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 # Greedy (temperature 0) is the limit of a very low temperature: the softmax
@@ -16,31 +15,34 @@ import torch
 MIN_TEMPERATURE = 1e-4
 
 
-def _fmix32(x: np.ndarray) -> np.ndarray:
-    """MurmurHash3's finalizer on uint32 (numpy wraps the products mod 2**32): a
-    bijection on 32-bit values with full avalanche."""
-    x = x ^ (x >> np.uint32(16))
-    x = x * np.uint32(0x85EBCA6B)
-    x = x ^ (x >> np.uint32(13))
-    x = x * np.uint32(0xC2B2AE35)
-    return x ^ (x >> np.uint32(16))
+_M32 = 0xFFFFFFFF
+
+
+def _fmix32(x: int) -> int:
+    """MurmurHash3's finalizer: a bijection on 32-bit values with full avalanche."""
+    x ^= x >> 16
+    x = (x * 0x85EBCA6B) & _M32
+    x ^= x >> 13
+    x = (x * 0xC2B2AE35) & _M32
+    return x ^ (x >> 16)
 
 
 def counter_uniform(seeds: torch.Tensor, counter: int | torch.Tensor) -> torch.Tensor:
     """A uniform in [0, 1) per row, a pure function of (seed, counter); float64.
 
-    In numpy rather than torch: a few dozen integer ops on eight values cost ~10x
-    less there, and this runs on every decode step."""
-    s = seeds.numpy().astype(np.uint64)
-    lo, hi = (s & 0xFFFFFFFF).astype(np.uint32), (s >> np.uint64(32)).astype(np.uint32)
-    c = np.broadcast_to(np.asarray(torch.as_tensor(counter).numpy(), dtype=np.int64) & 0xFFFFFFFF, lo.shape).astype(np.uint32)
-    with np.errstate(over="ignore"):
-        x = _fmix32(lo ^ _fmix32(c ^ np.uint32(0x9E3779B9)))
-        x = _fmix32(x ^ hi ^ np.uint32(0x7F4A7C15))
-        y = _fmix32(x ^ np.uint32(0x632BE5AB))
-    # 53 random bits: 32 from x, 21 from y.
-    bits = (x.astype(np.uint64) << np.uint64(21)) | (y >> np.uint32(11)).astype(np.uint64)
-    return torch.from_numpy(bits.astype(np.float64) / float(1 << 53))
+    On Python ints, row by row: for the few rows of a decode step that is ~3x
+    cheaper than the same few dozen integer ops as tensor (or numpy) calls, and it
+    runs on every step."""
+    seed_list = seeds.tolist()
+    counters = counter.tolist() if isinstance(counter, torch.Tensor) and counter.dim() else [int(counter)] * len(seed_list)
+    out = []
+    for seed, count in zip(seed_list, counters):
+        x = _fmix32((seed & _M32) ^ _fmix32((count & _M32) ^ 0x9E3779B9))
+        x = _fmix32(x ^ ((seed >> 32) & _M32) ^ 0x7F4A7C15)
+        y = _fmix32(x ^ 0x632BE5AB)
+        # 53 random bits: 32 from x, 21 from y.
+        out.append(((x << 21) | (y >> 11)) / 9007199254740992.0)
+    return torch.tensor(out, dtype=torch.float64)
 
 
 def sampling_logprobs(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:

@@ -142,7 +142,7 @@ def test_model_matches_transformers_forward():
     seqs = [prompt_token_ids(p) for p in PROMPTS[:3]]
     with torch.inference_mode():
         logits = prefill(params, cache, 0, seqs)
-        after = decode_step(params, cache, torch.tensor([40, 41, 42]), torch.tensor([len(s) for s in seqs]))
+        after = decode_step(params, cache, torch.tensor([40, 41, 42]), torch.tensor([len(s) for s in seqs]), max(len(s) for s in seqs) + 1)
         for row, seq in enumerate(seqs):
             torch.testing.assert_close(logits[row], hf(input_ids=torch.tensor([seq])).logits[0, -1], atol=1e-5, rtol=0)
             torch.testing.assert_close(after[row], hf(input_ids=torch.tensor([seq + [40 + row]])).logits[0, -1], atol=1e-5, rtol=0)
