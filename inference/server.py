@@ -11,6 +11,7 @@ privacy mode produce no record. Answers:
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import time
@@ -78,7 +79,7 @@ class InferenceServer:
         if self.settings.follow_weights:
             self._followers = [
                 WeightFollower(
-                    self.engine, self.stack.weight_sync_addr, self.stack.weight_sync_subscribe_token.get_secret_value(), arm, self.worker_id
+                    functools.partial(self.engine.stage, arm), self.stack.weight_sync_addr, self.stack.weight_sync_subscribe_token.get_secret_value(), arm, self.worker_id
                 ).start()
                 for arm in ARMS
             ]

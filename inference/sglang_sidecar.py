@@ -42,6 +42,8 @@ from typing import Any, Literal
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from inference.weights import WeightFollower
+
 log = logging.getLogger(__name__)
 
 PauseMode = Literal["in_place", "retract"]
@@ -210,8 +212,8 @@ class SGLangSidecar:
         self._apply_lock = threading.Lock()
         self._pending: tuple[int, Mapping[str, Any]] | None = None
         self._stopped = threading.Event()
-        self._threads: list[threading.Thread] = []
-        self._subscriber = None
+        self._thread: threading.Thread | None = None
+        self._follower: WeightFollower | None = None
 
     @property
     def pending_version(self) -> int | None:
@@ -287,46 +289,22 @@ class SGLangSidecar:
     # ---- the running service: one thread follows weight_sync, one applies ----
 
     def start(self, addr: str, token: str, worker_id: str) -> SGLangSidecar:
+        """Follow the arm's versions from weight_sync (inference.weights.WeightFollower,
+        as the embedded worker does) and swap each into the server from a thread of its own."""
         self.recover()
-        self._threads = [
-            threading.Thread(target=self._follow, args=(addr, token, worker_id), name="sglang-follow", daemon=True),
-            threading.Thread(target=self._apply_loop, name="sglang-apply", daemon=True),
-        ]
-        for thread in self._threads:
-            thread.start()
+        self._follower = WeightFollower(self.stage, addr, token, self.settings.arm, worker_id, self.settings.retry_s).start()
+        self._thread = threading.Thread(target=self._apply_loop, name="sglang-apply", daemon=True)
+        self._thread.start()
         return self
 
     def stop(self, timeout_s: float = 5.0) -> None:
         self._stopped.set()
+        if self._follower is not None:
+            self._follower.stop(timeout_s)
         with self._cond:
-            if self._subscriber is not None:
-                self._subscriber.stop()
             self._cond.notify_all()
-        for thread in self._threads:
-            thread.join(timeout_s)
-
-    def _follow(self, addr: str, token: str, worker_id: str) -> None:
-        """As inference.weights.WeightFollower: a Subscriber that gives up is replaced
-        after retry_s, and versions the server already holds are ignored."""
-        from weight_sync.client import Subscriber
-
-        while not self._stopped.is_set():
-            subscriber = Subscriber(addr, self.settings.arm, worker_id, token=token)
-            with self._cond:
-                self._subscriber = subscriber
-            if self._stopped.is_set():
-                break
-            try:
-                for manifest, tensors in subscriber.follow():
-                    try:
-                        self.stage(manifest.version, tensors)
-                    except WeightsRejected as exc:
-                        log.error("%s", exc)
-            except Exception:  # retried on purpose: the sidecar must keep following
-                log.exception("following %s weights from %s failed; starting over in %.1f s", self.settings.arm, addr, self.settings.retry_s)
-            finally:
-                subscriber.close()
-            self._stopped.wait(self.settings.retry_s)
+        if self._thread is not None:
+            self._thread.join(timeout_s)
 
     def _apply_loop(self) -> None:
         while not self._stopped.is_set():

@@ -1,24 +1,30 @@
-"""Feeding the engine from weight_sync: one thread per arm follows the arm's versions."""
+"""Feeding a server from weight_sync: one thread per arm follows the arm's versions
+(the embedded engine's worker and the SGLang sidecar both use it)."""
 
 from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 
-from inference.engine import Engine
+import torch
 
 log = logging.getLogger(__name__)
 
 
 class WeightFollower:
-    """Stages every new version of ``arm`` that weight_sync streams into ``engine``.
+    """Hands every version of ``arm`` that weight_sync streams to ``stage(version,
+    weights)``, which returns whether it took the version (False: already held).
 
     The Subscriber re-subscribes by itself when weight_sync restarts; if it gives up
     (an error it does not retry), a fresh one starts from scratch after ``retry_s``,
-    and the engine ignores versions it already holds."""
+    and ``stage`` ignores versions it already holds. An exception from ``stage`` is
+    logged and the stream goes on: one unusable version must not stop the next."""
 
-    def __init__(self, engine: Engine, addr: str, token: str, arm: str, worker_id: str, retry_s: float = 2.0) -> None:
-        self.engine = engine
+    def __init__(
+        self, stage: Callable[[int, dict[str, torch.Tensor]], bool], addr: str, token: str, arm: str, worker_id: str, retry_s: float = 2.0
+    ) -> None:
+        self.stage = stage
         self.addr = addr
         self.token = token
         self.arm = arm
@@ -52,8 +58,11 @@ class WeightFollower:
                 break
             try:
                 for manifest, weights in subscriber.follow():
-                    if self.engine.stage(self.arm, manifest.version, weights):
-                        log.info("staged %s v%d from %s", self.arm, manifest.version, self.addr)
+                    try:
+                        if self.stage(manifest.version, weights):
+                            log.info("staged %s v%d from %s", self.arm, manifest.version, self.addr)
+                    except ValueError as exc:
+                        log.error("%s v%d from %s not staged: %s", self.arm, manifest.version, self.addr, exc)
             except Exception:  # retried on purpose: the worker must keep following
                 log.exception("following %s weights from %s failed; starting over in %.1f s", self.arm, self.addr, self.retry_s)
             finally:
