@@ -197,6 +197,18 @@ def bench_engine(
     run(out, console, concurrency=concurrency, max_tokens=max_tokens, phase_s=phase_s)
 
 
+@bench_app.command("trainer")
+def bench_trainer(
+    batch: int = typer.Option(64, help="Rollouts per training step."),
+    steps: int = typer.Option(10, help="Steps per side per round (3 rounds, alternating)."),
+    out: Path = typer.Option(Path("bench/results/trainer.json")),
+) -> None:
+    """Training-step tokens/s against a bare torch loop doing the same forward/backward on the same batch."""
+    from rtrl.bench_trainer import run
+
+    run(out, console, batch_size=batch, steps=steps)
+
+
 def main() -> None:
     app()
 
