@@ -137,7 +137,7 @@ class RunningBatch:
             if result is not None:
                 finished.append((i, result))
         done = [(self.rows[i].owner, result) for i, result in finished]
-        for i, _ in sorted(finished, key=lambda f: f[0], reverse=True):
+        for i, _ in reversed(finished):  # highest row first: a removal moves the last row
             self._remove(i)
         return done
 

@@ -340,7 +340,7 @@ class Engine:
 
     def _step(self, arm: str, batch: RunningBatch) -> None:
         self.stats.steps += 1
-        generated = batch.generated() + 1
+        generated = batch.generated() + 1 if self.on_step is not None else 0
         finished = batch.step(self._params[arm], self._versions[arm])
         self._stream(batch, finished)
         self._finish_all(finished, time.monotonic())

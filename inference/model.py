@@ -71,9 +71,9 @@ class Params:
         def get(name: str) -> torch.Tensor:
             return weights[name].detach().to(torch.float32)
 
-        def fold(norm: str, *matrices: str) -> torch.Tensor:
+        def fold(norm: str, *matrices: torch.Tensor) -> torch.Tensor:
             """The matrices stacked, scaled by the norm weight on their input side, transposed."""
-            return (torch.cat([get(m) for m in matrices]) * get(norm)[None, :]).T.contiguous()
+            return (torch.cat(matrices) * get(norm)[None, :]).T.contiguous()
 
         head_dim = config.hidden_size // config.num_heads
         half = head_dim // 2
@@ -82,21 +82,17 @@ class Params:
         source_row = torch.where(within < half, torch.arange(config.hidden_size) + half, torch.arange(config.hidden_size) - half)
         sign = torch.where(within < half, -1.0, 1.0)[:, None]
 
-        def rotated(name: str) -> torch.Tensor:
-            return get(name)[source_row] * sign
-
+        # The attention's 1/sqrt(head_dim) is folded into q (rope is linear, so before it is the same).
+        scale = head_dim**-0.5
         layers = []
         for i in range(config.num_layers):
             p = f"model.layers.{i}."
             q, k, v = (get(p + f"self_attn.{n}_proj.weight") for n in "qkv")
-            # The attention's 1/sqrt(head_dim) is folded into q (rope is linear, so before it is the same).
-            scale = head_dim**-0.5
-            qkv = torch.cat([q * scale, k, v, rotated(p + "self_attn.q_proj.weight") * scale, rotated(p + "self_attn.k_proj.weight")])
             layers.append(
                 Layer(
-                    qkv=(qkv * get(p + "input_layernorm.weight")[None, :]).T.contiguous(),
+                    qkv=fold(p + "input_layernorm.weight", q * scale, k, v, q[source_row] * sign * scale, k[source_row] * sign),
                     out=get(p + "self_attn.o_proj.weight").T.contiguous(),
-                    gate_up=fold(p + "post_attention_layernorm.weight", p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"),
+                    gate_up=fold(p + "post_attention_layernorm.weight", get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")),
                     down=get(p + "mlp.down_proj.weight").T.contiguous(),
                 )
             )
@@ -104,7 +100,7 @@ class Params:
         head = "lm_head.weight" if "lm_head.weight" in weights else "model.embed_tokens.weight"
         cos, sin = rope_tables(config)
         source = {name: get(name).clone() for name in weights}
-        return cls(config, source["model.embed_tokens.weight"], tuple(layers), fold("model.norm.weight", head), cos, sin, source)
+        return cls(config, source["model.embed_tokens.weight"], tuple(layers), fold("model.norm.weight", get(head)), cos, sin, source)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The weights this version was built from, under the trainer's names (read-only)."""
@@ -141,9 +137,12 @@ def _rms(x: torch.Tensor) -> torch.Tensor:
     return x * torch.rsqrt(x.square().sum(-1, keepdim=True).mul_(1.0 / x.shape[-1]).add_(RMS_EPS))
 
 
-def _mlp(x: torch.Tensor, layer: Layer) -> torch.Tensor:
-    gate, up = torch.matmul(_rms(x), layer.gate_up).chunk(2, dim=-1)
-    return x + torch.matmul(F.silu(gate) * up, layer.down)
+def _out_and_mlp(x: torch.Tensor, attn: torch.Tensor, layer: Layer) -> torch.Tensor:
+    """The rest of a layer after attention, on [tokens, hidden]: output projection and
+    MLP, each added to the residual in one addmm."""
+    x = torch.addmm(x, attn, layer.out)
+    gate, up = torch.mm(_rms(x), layer.gate_up).chunk(2, dim=-1)
+    return torch.addmm(x, F.silu(gate) * up, layer.down)
 
 
 def decode_step(params: Params, cache: SlotCache, tokens: torch.Tensor, positions: torch.Tensor, length: int) -> torch.Tensor:
@@ -166,9 +165,7 @@ def decode_step(params: Params, cache: SlotCache, tokens: torch.Tensor, position
         # One query per row: a plain softmax over its keys beats the fused kernel's setup.
         scores = torch.matmul(q[:, :, None, :], cache.k[i, :n, :, :, :length])
         attn = torch.matmul(scores.masked_fill_(hidden, float("-inf")).softmax(-1), cache.v[i, :n, :, :length])
-        x = torch.addmm(x, attn.reshape(n, cfg.hidden_size), layer.out)
-        gate, up = torch.mm(_rms(x), layer.gate_up).chunk(2, dim=-1)
-        x = torch.addmm(x, F.silu(gate) * up, layer.down)
+        x = _out_and_mlp(x, attn.reshape(n, cfg.hidden_size), layer)
     return torch.mm(_rms(x), params.lm_head)
 
 
@@ -197,7 +194,8 @@ def prefill(params: Params, cache: SlotCache, first_row: int, sequences: list[li
         cache.k[i, rows, :, :, :width] = k.transpose(-1, -2)
         cache.v[i, rows, :, :width] = v
         attn = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=mask, scale=1.0)  # q is pre-scaled
-        x = _mlp(x + torch.matmul(attn.transpose(1, 2).reshape(m, width, cfg.hidden_size), layer.out), layer)
+        flat = _out_and_mlp(x.reshape(m * width, cfg.hidden_size), attn.transpose(1, 2).reshape(m * width, cfg.hidden_size), layer)
+        x = flat.view(m, width, cfg.hidden_size)
     last = x[torch.arange(m), lengths - 1]
     return torch.mm(_rms(last), params.lm_head)
 

@@ -215,7 +215,7 @@ class Joiner:
                 self.counters.settled += 1
                 self.counters.defaulted += record.defaulted
                 self._watch(record, rollout.message)
-                value = reward.encode_with_rollout(record, rollout.raw) if rollout.raw is not None else _with_copy(record, rollout.message)
+                value = reward.encode_with_rollout(record, rollout.raw)
                 records.append(OutRecord(topics.REWARD, output.rollout_id.encode(), value))
             elif isinstance(output, join.Dropped):
                 acks.extend(e.handle for e in output.events)
@@ -245,8 +245,3 @@ class Joiner:
             )
         self.alerts.extend(alerts)
 
-
-def _with_copy(record, rollout) -> bytes:
-    """For an Event built without its raw bytes (tests building events by hand)."""
-    record.rollout.CopyFrom(rollout)
-    return record.SerializeToString()
