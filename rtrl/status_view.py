@@ -52,8 +52,32 @@ def workers_table(rows: list[health.ComponentHealth]) -> Table:
             s = row.status
             reward_mean = s.get("reward_mean")
             reward = "–" if reward_mean is None else f"{reward_mean:.3f}"
-            detail = f"step {s.get('step', 0)}, reward mean {reward}, dropped stale {s.get('dropped_stale', 0)}"
+            detail = f"step {s.get('step', 0)}, reward mean {reward}, dropped stale {s.get('dropped_stale', 0)}, eval gate refused {s.get('refused', 0)}"
             table.add_row(row.name, "0 (pinned)", f"{s.get('version', '-')} (published)", detail)
+    return table
+
+
+def gate_refusals(rows: list[health.ComponentHealth]) -> list[dict]:
+    """The eval gate's most recent refusals from every trainer heartbeat (trainer.loop.Trainer._refuse)."""
+    return [refusal for row in rows if row.name.startswith("trainer:") for refusal in row.status.get("refusals", [])]
+
+
+def refusals_table(refusals: list[dict]) -> Table:
+    table = Table(title="eval gate refusals (newest last)", title_justify="left")
+    for column in ("step", "rollouts", "checker", "candidate", "published", "control", "why"):
+        table.add_column(column, justify="left" if column in ("checker", "why") else "right")
+    for refusal in refusals:
+        for checker, score in refusal["candidate"].items():
+            failed = [r for r in refusal["regressions"] if r.startswith(f"{checker} ")]
+            table.add_row(
+                str(refusal["step"]),
+                str(refusal.get("rollouts", "")),
+                checker,
+                f"{score:.3f}",
+                f"{refusal['published'][checker]:.3f}",
+                f"{refusal['control'][checker]:.3f}",
+                "[red]" + "; ".join(failed) + "[/]" if failed else "ok",
+            )
     return table
 
 
@@ -94,4 +118,7 @@ def render(stack: StackFile) -> Group:
         parts.append(f"reward function: {stack.reward_fn_version}; reward-hacking alerts: {len(alerts) or 'none'}")
     if alerts:
         parts.append(alerts_table(alerts))
+    refusals = gate_refusals(rows)
+    if refusals:
+        parts.append(refusals_table(refusals))
     return Group(*parts)

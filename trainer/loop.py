@@ -1,14 +1,18 @@
-"""The near-continuous RL loop: consume rewards, step, publish, then commit offsets.
+"""The near-continuous RL loop: consume rewards, step, judge, publish, then commit.
 
-Order per step: train on every pending rollout, publish the new treatment weights,
-and only then commit the Kafka offsets of everything consumed so far (trained or
-dropped). A crash between publish and commit replays at most that one batch.
-Pending never exceeds batch_size (polls ask for at most the room left), so a step
-always takes all of it and committing the consumer's positions is exact.
+Order per step: train on every pending rollout (a candidate), journal the candidate
+(its rollout ids and the consumer positions after them), run the eval gate, then
+either publish the candidate as the next treatment version or refuse it and restore
+the weights and optimizer state of the published version. The journal records the
+outcome; the Kafka offsets are committed last, for lag monitoring only: on restart
+the consumer seeks to the journal's positions (trainer/journal.py says why offsets
+alone are not enough). Pending never exceeds batch_size (polls ask for at most the
+room left), so a step always takes all of it and the positions after it are exact.
 """
 
 from __future__ import annotations
 
+import copy
 import logging
 import threading
 import time
@@ -19,7 +23,7 @@ from pathlib import Path
 from typing import Protocol
 
 import torch
-from confluent_kafka import KafkaError, KafkaException
+from confluent_kafka import KafkaError, KafkaException, TopicPartition
 from google.protobuf.message import DecodeError
 
 from rtrl.policy import PolicyConfig, build_model, load_weights, state_dict_fp32
@@ -27,6 +31,8 @@ from rtrl.v1 import reward_pb2, weights_pb2
 from trainer import checkpoint
 from trainer.batch import Drop, SeenRollouts, TrainSample, collate, drop_stale, to_sample
 from trainer.config import TrainerSettings
+from trainer.evaluation import EvalGate, EvalSuite, Verdict
+from trainer.journal import Journal, position_key
 from trainer.step import StepMetrics, build_optimizer, rl_step
 from trainer.warmstart import WarmStartRecipe, ensure_warm_start, load_warm_start
 
@@ -35,6 +41,8 @@ log = logging.getLogger("trainer")
 CONTROL, TREATMENT = "control", "treatment"
 # With nothing pending, commit the offsets of dropped records at most this often.
 IDLE_COMMIT_S = 1.0
+# Refusals kept in the heartbeat for `rtrl status`.
+REFUSALS_SHOWN = 5
 
 
 class WeightPublisher(Protocol):
@@ -73,6 +81,13 @@ class TrainerStatus:
     publish_s: float | None = None
     event_to_publish_s: float | None = None
     """Wall clock at publish minus the newest event time trained on."""
+    eval_s: float | None = None
+    gate: dict | None = None
+    """The last verdict of the eval gate (Verdict.summary())."""
+    refused: int = 0
+    """Candidates the eval gate refused since this process started."""
+    refusals: tuple[dict, ...] = ()
+    """The most recent refusals: step, time and the verdict's scores."""
 
 
 class Trainer:
@@ -102,6 +117,11 @@ class Trainer:
         self.rewards: deque[float] = deque(maxlen=settings.reward_window_steps)
         self.uncommitted = False
         self.last_commit_at = time.monotonic()
+        self.journal = Journal(self.checkpoint_dir)
+        self.positions: dict[str, int] = {}
+        """Next offset to read per "topic:partition", everything before it consumed."""
+        self.refused = 0
+        self.refusals: deque[dict] = deque(maxlen=REFUSALS_SHOWN)
         self.status = TrainerStatus()
 
     def start(self) -> None:
@@ -124,10 +144,18 @@ class Trainer:
         if latest < 0:
             self.version = self.publishers[TREATMENT].publish(warm)
             log.info("published the warm start %s as treatment v%d", path.name, self.version)
-            # A new registry is a new lineage: a checkpoint left from an earlier one must not be resumed.
+            # A new registry is a new lineage: a checkpoint or journal left from an earlier one must not be resumed.
+            self.journal.reset(version=self.version)
             self.save_checkpoint()
         else:
             self._resume(latest)
+        self._remember_published()
+        suite = EvalSuite(self.settings.eval_tasks, max_new_tokens=self.settings.eval_max_new_tokens)
+        control = suite.score(self.ref_model)
+        published = control if self.version == 0 else suite.score(self.model)
+        self.gate = EvalGate(suite, self.settings.eval_tolerance, control=control, published=published)
+        log.info("eval gate: control %s, published v%d %s", control.as_dict(), self.version, published.as_dict())
+        self.consumer.subscribe([self.settings.topic], on_assign=self._on_assign)
         self.status = self._status(None)
 
     def _resume(self, latest: int) -> None:
@@ -150,6 +178,32 @@ class Trainer:
                 self.optimizer.load_state_dict(saved.optimizer)
             log.info("resumed from published treatment v%d at step %d (checkpoint: %s)", latest, self.step, saved and f"v{saved.version}")
         self.version = latest
+        replayed = self.journal.replay(latest)
+        if replayed.in_flight_published:
+            self.journal.published(replayed.step, latest)
+            log.info("the candidate of step %d was published as v%d before the crash", replayed.step, latest)
+        elif replayed.last_published_version != latest:
+            log.warning(
+                "journal ends at v%d but the registry holds v%d: resuming from the committed offsets; rollouts may be retrained",
+                replayed.last_published_version, latest,
+            )
+        # Refused candidates advance the step counter without a version.
+        self.step = max(self.step, replayed.step)
+        self.positions = dict(replayed.positions)
+        for rollout_id in replayed.recent_ids:
+            self.seen.admit(rollout_id)
+        log.info("resuming at %s with %d recent rollout ids", self.positions or "the committed offsets", len(replayed.recent_ids))
+
+    def _on_assign(self, consumer, partitions: list[TopicPartition]) -> None:
+        for partition in partitions:
+            resume = self.positions.get(position_key(partition.topic, partition.partition))
+            if resume is not None:
+                partition.offset = resume
+        consumer.assign(partitions)
+
+    def _remember_published(self) -> None:
+        """The state to return to when the gate refuses a candidate."""
+        self.published_state = (state_dict_fp32(self.model), copy.deepcopy(self.optimizer.state_dict()))
 
     def run(self, stop: threading.Event) -> None:
         while not stop.is_set():
@@ -171,6 +225,7 @@ class Trainer:
             if message.error() is not None:
                 raise KafkaException(message.error())
             self.uncommitted = True
+            self.positions[position_key(message.topic(), message.partition())] = message.offset() + 1
             try:
                 record = reward_pb2.RewardRecord.FromString(message.value())
             except DecodeError:
@@ -206,15 +261,26 @@ class Trainer:
             ref_model=self.ref_model, is_cap=s.is_cap, kl_coef=s.kl_coef, grad_clip=s.grad_clip, std_normalize=s.std_normalize,
         )
         self.step += 1
-        self.rollouts_trained += len(fresh)
+        self.journal.candidate(self.step, self.positions, (sample.rollout_id for sample in fresh))
+        stepped = time.monotonic()
+        verdict = self.gate.judge(self.model)
+        judged = time.monotonic()
+        if not verdict.accepted:
+            self._refuse(verdict, len(fresh))
+            self.commit()
+            self.status = self._status(metrics, verdict, batch_wait_s=batch_wait_s, step_s=stepped - started, eval_s=judged - stepped)
+            return
         trained_through = max(sample.last_event_ts_ms for sample in fresh)
-        published = time.monotonic()
         self.version = self.publishers[TREATMENT].publish(
             state_dict_fp32(self.model),
             trained_through_event_ts_ms=trained_through,
-            rollouts_trained=self.rollouts_trained,
+            rollouts_trained=self.rollouts_trained + len(fresh),
             train_step=self.step,
         )
+        self.journal.published(self.step, self.version)
+        self.rollouts_trained += len(fresh)
+        self.gate.accept(verdict)
+        self._remember_published()
         done = time.monotonic()
         self.commit()
         if self.step % s.checkpoint_every == 0:
@@ -222,15 +288,32 @@ class Trainer:
         self.rewards.append(metrics.reward_mean)
         self.status = self._status(
             metrics,
+            verdict,
             batch_wait_s=batch_wait_s,
-            step_s=published - started,
-            publish_s=done - published,
+            step_s=stepped - started,
+            eval_s=judged - stepped,
+            publish_s=done - judged,
             event_to_publish_s=time.time() - trained_through / 1000 if trained_through else None,
         )
         log.info(
-            "step %d -> v%d rollouts %d reward %.3f kl %.4f entropy %.3f grad_norm %.3f clipped %.3f stale %d step %.3fs publish %.3fs",
+            "step %d -> v%d rollouts %d reward %.3f kl %.4f entropy %.3f grad_norm %.3f clipped %.3f stale %d "
+            "eval %s step %.3fs eval %.3fs publish %.3fs",
             self.step, self.version, metrics.rollouts, metrics.reward_mean, metrics.kl, metrics.entropy,
-            metrics.grad_norm, metrics.clipped_fraction, stale, published - started, done - published,
+            metrics.grad_norm, metrics.clipped_fraction, stale, verdict.candidate.as_dict(),
+            stepped - started, judged - stepped, done - judged,
+        )
+
+    def _refuse(self, verdict: Verdict, rollouts: int) -> None:
+        """Back to the published version's weights and optimizer state; the batch stays consumed."""
+        self.journal.refused(self.step, verdict.summary())
+        weights, optimizer_state = self.published_state
+        load_weights(self.model, weights)
+        self.optimizer.load_state_dict(copy.deepcopy(optimizer_state))
+        self.refused += 1
+        self.refusals.append({"step": self.step, "ts_ms": int(time.time() * 1000), "rollouts": rollouts, **verdict.summary()})
+        log.warning(
+            "eval gate refused the candidate of step %d (%d rollouts); v%d stays: %s",
+            self.step, rollouts, self.version, "; ".join(verdict.regressions),
         )
 
     def commit(self) -> None:
@@ -256,8 +339,9 @@ class Trainer:
                 optimizer=self.optimizer.state_dict(),
             ),
         )
+        self.journal.compact(self.version, keep_ids=self.settings.dedup_capacity)
 
-    def _status(self, metrics: StepMetrics | None, **latency: float | None) -> TrainerStatus:
+    def _status(self, metrics: StepMetrics | None, verdict: Verdict | None = None, **latency: float | None) -> TrainerStatus:
         previous = self.status
         return TrainerStatus(
             step=self.step,
@@ -270,6 +354,9 @@ class Trainer:
             grad_norm=metrics.grad_norm if metrics else previous.grad_norm,
             dropped_stale=self.drops[Drop.STALE],
             dropped={str(reason): n for reason, n in self.drops.items()},
+            gate=verdict.summary() if verdict else previous.gate,
+            refused=self.refused,
+            refusals=tuple(self.refusals),
             **latency,
         )
 

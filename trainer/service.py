@@ -17,11 +17,11 @@ import threading
 
 import redis.asyncio as aioredis
 import torch
+from confluent_kafka import Consumer
 
-from rtrl import topics
 from rtrl.config import StackSettings
 from rtrl.heartbeat import beat_forever
-from rtrl.kafka import consumer
+from rtrl.kafka import consumer_config
 from rtrl.v1 import weights_pb2
 from trainer.config import TrainerSettings
 from trainer.loop import CONTROL, TREATMENT, Trainer
@@ -54,7 +54,8 @@ async def serve(settings: TrainerSettings, stack: StackSettings) -> None:
 
     token = stack.weight_sync_token.get_secret_value()
     publishers = {arm: Publisher(stack.weight_sync_addr, token, arm, settings.keyframe_every) for arm in (CONTROL, TREATMENT)}
-    rewards = consumer(stack, topics.REWARD, group_id=settings.consumer_group)
+    # The trainer subscribes itself: it seeks to its journal's positions on assignment.
+    rewards = Consumer(consumer_config(stack, settings.consumer_group))
     trainer = Trainer(
         settings,
         stack.state_dir,
