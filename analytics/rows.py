@@ -16,7 +16,7 @@ from google.protobuf.message import DecodeError
 
 from analytics import schema
 from rtrl import topics
-from rtrl.v1 import reward_pb2, rollout_pb2, telemetry_pb2
+from rtrl.v1 import reward_pb2, rollout_pb2, telemetry_pb2, trainer_pb2
 
 ARM_NAMES = {1: "control", 2: "treatment"}
 _EPOCH = datetime(1970, 1, 1, tzinfo=timezone.utc)
@@ -36,6 +36,12 @@ COLUMNS: dict[str, tuple[str, ...]] = {
         "reward_id", "rollout_id", "topic", "arm", "policy_version", "rollout_ts", "completion_tokens", "latency_s",
         "persisted_fraction", "persistence_observed", "dissatisfied", "followup_observed", "tool_call_validity",
         "effort_penalty", "reward", "defaulted", "reward_fn_version", "last_event_ts", "settled_ts", "event_count",
+    ),
+    schema.TRAINER_STEPS: (
+        "step_id", "lineage", "step", "base_version", "version", "published", "ts", "rollouts", "tokens", "reward_mean",
+        "loss", "kl", "entropy", "clipped_fraction", "ratio_mean", "grad_norm", "advantage_abs_mean", "staleness",
+        "dropped", "eval_candidate", "eval_published", "eval_regressions", "batch_wait_s", "step_s", "eval_s",
+        "publish_s", "traceparent",
     ),
     schema.DEAD_LETTERS: ("topic", "partition", "offset", "key", "reason", "headers_json", "value_b64", "ingested_ts"),
 }
@@ -80,6 +86,8 @@ def convert(record: KafkaRecord, now_ms: int) -> Row:
             return reward_row(reward_pb2.RewardRecord.FromString(value), record.topic)
         if record.topic in (topics.EDIT, topics.PERSISTENCE, topics.FOLLOWUP):
             return telemetry_row(telemetry_pb2.TelemetryEvent.FromString(value))
+        if record.topic == topics.TRAINER_STEPS:
+            return trainer_step_row(trainer_pb2.TrainerStep.FromString(value))
     except DecodeError as exc:
         return dead_letter(record, f"does not decode as the topic's message: {exc}", now_ms)
     return dead_letter(record, "topic has no table", now_ms)
@@ -130,6 +138,20 @@ def reward_row(rec: reward_pb2.RewardRecord, topic: str) -> Row:
             parts.persistence_observed, parts.dissatisfied, parts.followup_observed, parts.tool_call_validity,
             parts.effort_penalty, rec.reward, rec.defaulted, rec.reward_fn_version, ts(rec.last_event_ts_ms),
             ts(rec.settled_ts_ms), len(rec.event_ids),
+        ),
+    )
+
+
+def trainer_step_row(step: trainer_pb2.TrainerStep) -> Row:
+    return Row(
+        schema.TRAINER_STEPS,
+        (
+            step.step_id, step.lineage, step.step, step.base_version, step.version, step.published, ts(step.ts_ms),
+            step.rollouts, step.tokens, step.reward_mean, step.loss, step.kl, step.entropy, step.clipped_fraction,
+            step.ratio_mean, step.grad_norm, step.advantage_abs_mean,
+            {bucket.staleness: bucket.rollouts for bucket in step.staleness}, dict(step.dropped),
+            dict(step.eval_candidate), dict(step.eval_published), list(step.eval_regressions),
+            step.batch_wait_s, step.step_s, step.eval_s, step.publish_s, step.traceparent,
         ),
     )
 

@@ -12,6 +12,7 @@ ROLLOUTS = "rollouts"
 TELEMETRY = "telemetry_events"
 REWARDS = "rewards"
 DEAD_LETTERS = "dead_letters"
+TRAINER_STEPS = "trainer_steps"
 
 DDL = (
     f"""
@@ -90,6 +91,37 @@ CREATE TABLE IF NOT EXISTS {DEAD_LETTERS} (
     value_b64 String,
     ingested_ts DateTime64(3, 'UTC')
 ) ENGINE = ReplacingMergeTree ORDER BY (topic, partition, offset)
+""",
+    f"""
+CREATE TABLE IF NOT EXISTS {TRAINER_STEPS} (
+    step_id String,
+    lineage LowCardinality(String),
+    step UInt32,
+    base_version Int64,
+    version Int64,
+    published Bool,
+    ts DateTime64(3, 'UTC'),
+    rollouts UInt32,
+    tokens UInt32,
+    reward_mean Float64,
+    loss Float64,
+    kl Float64,
+    entropy Float64,
+    clipped_fraction Float64,
+    ratio_mean Float64,
+    grad_norm Float64,
+    advantage_abs_mean Float64,
+    staleness Map(Int64, UInt32),
+    dropped Map(String, UInt64),
+    eval_candidate Map(String, Float64),
+    eval_published Map(String, Float64),
+    eval_regressions Array(String),
+    batch_wait_s Float64,
+    step_s Float64,
+    eval_s Float64,
+    publish_s Float64,
+    traceparent String
+) ENGINE = ReplacingMergeTree ORDER BY step_id
 """,
 )
 

@@ -7,6 +7,7 @@ embedded stack and a production cluster differ in configuration alone.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Literal
 
 from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -48,6 +49,13 @@ class StackSettings(BaseSettings):
 
     instance: str = "0"
     """Instance name of this process (several workers of one service differ here)."""
+
+    otel_exporter: Literal["file", "none"] = "file"
+    """Where OpenTelemetry spans and metrics go: ``file`` writes JSON lines under
+    ``<state_dir>/otel/`` (readable on the embedded stack); ``none`` drops them."""
+
+    otel_metric_interval_s: float = Field(10.0, gt=0)
+    """How often OpenTelemetry metrics are exported."""
 
     def resolved_clickhouse_url(self) -> str:
         return self.clickhouse_url or f"chdb://{(self.state_dir / 'chdb').resolve()}"

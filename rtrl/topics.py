@@ -9,10 +9,11 @@ ROLLOUT = "telemetry.rollout.v1"
 REWARD = "rl.reward.v1"
 REWARD_LATE = "rl.reward.v1.late"
 REWARD_DLQ = "rl.reward.v1.dlq"
+TRAINER_STEPS = "rl.trainer.steps.v1"
 
 # Co-partitioned by rollout_id: one joiner partition sees everything about a rollout.
 TELEMETRY = (EDIT, PERSISTENCE, FOLLOWUP, ROLLOUT)
-ALL = (*TELEMETRY, REWARD, REWARD_LATE, REWARD_DLQ)
+ALL = (*TELEMETRY, REWARD, REWARD_LATE, REWARD_DLQ, TRAINER_STEPS)
 
 # Which topic an ingest event goes to, by the TelemetryEvent payload it carries.
 BY_PAYLOAD = {

@@ -117,3 +117,28 @@ def publisher(server, stack):
     client = Publisher(server.addr, stack.weight_sync_token.get_secret_value(), ARM, keyframe_every=20)
     yield client
     client.close()
+
+
+# ---- OpenTelemetry: in-memory SDK behind the API the services use ----
+
+
+@pytest.fixture(scope="session")
+def otel_memory():
+    """(span exporter, metric reader) installed as this process's global providers.
+
+    Global providers can be set once per process, so every test that inspects spans or
+    metrics shares them: clear the span exporter first, compare metric sums by delta."""
+    from opentelemetry import metrics, trace
+    from opentelemetry.sdk.metrics import MeterProvider
+    from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    spans = InMemorySpanExporter()
+    tracer_provider = TracerProvider()
+    tracer_provider.add_span_processor(SimpleSpanProcessor(spans))
+    trace.set_tracer_provider(tracer_provider)
+    reader = InMemoryMetricReader()
+    metrics.set_meter_provider(MeterProvider(metric_readers=[reader]))
+    return spans, reader

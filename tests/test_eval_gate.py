@@ -66,6 +66,54 @@ def test_gate_refuses_a_regression_beyond_tolerance_against_either_reference():
         EvalGate(suite, 1.5, control=scores, published=scores)
 
 
+def _trainer_steps_in_clickhouse(stack_settings, tmp_path) -> list[dict]:
+    """Read the trainer-steps topic back and put it through the analytics sink into chdb."""
+    from confluent_kafka import Consumer
+
+    from analytics import schema
+    from analytics.query import client_query_fn, connect
+    from analytics.rows import KafkaRecord
+    from analytics.sink import Sink
+    from rtrl import topics
+    from rtrl.config import StackSettings
+    from rtrl.kafka import consumer_config
+
+    consumer = Consumer(consumer_config(stack_settings, "test-trainer-steps"))
+    consumer.subscribe([topics.TRAINER_STEPS])
+    records = []
+    deadline = time.monotonic() + 30
+    while len(records) < 3 and time.monotonic() < deadline:
+        for message in consumer.consume(10, timeout=0.5):
+            assert message.error() is None, message.error()
+            records.append(KafkaRecord(message.topic(), message.partition(), message.offset(), message.key(), message.value()))
+    consumer.close()
+    client = connect(StackSettings(state_dir=tmp_path / "analytics"))
+    schema.create_tables(client)
+    sink = Sink(_NoCommits(), client, batch_size=100, flush_interval_s=1.0)
+    for record in records:
+        sink.add(record)
+    sink.flush()
+    return client_query_fn(client)(f"SELECT * FROM {schema.TRAINER_STEPS} FINAL ORDER BY step")
+
+
+class _NoCommits:
+    def commit(self, offsets, asynchronous):
+        pass
+
+
+def _metric_points(reader, name: str) -> dict[tuple, float]:
+    """Sum of a counter's points by attribute values."""
+    out: dict[tuple, float] = {}
+    for resource_metrics in reader.get_metrics_data().resource_metrics:
+        for scope in resource_metrics.scope_metrics:
+            for metric in scope.metrics:
+                if metric.name == name:
+                    for point in metric.data.data_points:
+                        key = tuple(point.attributes.values())
+                        out[key] = out.get(key, 0) + point.value
+    return out
+
+
 def _wait(predicate, timeout_s: float, what: str) -> None:
     deadline = time.monotonic() + timeout_s
     while not predicate():
@@ -76,15 +124,16 @@ def _wait(predicate, timeout_s: float, what: str) -> None:
 
 @pytest.mark.integration
 @pytest.mark.timeout(300)
-def test_a_harmful_update_is_refused_and_never_reaches_a_worker(stack_settings, server):
-    from confluent_kafka import Consumer
+def test_a_harmful_update_is_refused_and_never_reaches_a_worker(stack_settings, server, otel_memory, tmp_path):
+    from confluent_kafka import Consumer, Producer
     from trainer_support import install_warm_start, produce, reward_record, sampled_rollouts, warm_model
     from weight_sync_support import SUBSCRIBE_TOKEN
 
-    from rtrl.kafka import consumer_config
+    from rtrl.kafka import consumer_config, producer_config
     from rtrl.status_view import refusals_table, workers_table
     from trainer.config import TrainerSettings
     from trainer.loop import CONTROL, TREATMENT, Trainer
+    from trainer.metrics import StepExporter
     from trainer.service import fetch_published
     from weight_sync.client import Publisher, Subscriber
 
@@ -93,12 +142,16 @@ def test_a_harmful_update_is_refused_and_never_reaches_a_worker(stack_settings, 
     token = stack_settings.weight_sync_token.get_secret_value()
     publishers = {arm: Publisher(server.addr, token, arm) for arm in (CONTROL, TREATMENT)}
     settings = TrainerSettings(lr=1e-3, batch_size=32, min_batch=32, max_staleness=100, eval_tolerance=0.1)
+    exporter = StepExporter(Producer(producer_config(stack_settings)))
+    spans, reader = otel_memory
+    spans.clear()
     trainer = Trainer(
         settings,
         stack_settings.state_dir,
         Consumer(consumer_config(stack_settings, settings.consumer_group)),
         publishers,
         fetch_weights=lambda arm, version: fetch_published(server.addr, token, arm, version),
+        on_step=exporter,
     )
     trainer.start()
     assert trainer.version == 0
@@ -152,6 +205,22 @@ def test_a_harmful_update_is_refused_and_never_reaches_a_worker(stack_settings, 
         model = build_model(PolicyConfig())
         load_weights(model, v1_weights)
         assert EvalSuite(settings.eval_tasks).score(model).well_formed >= status["refusals"][0]["published"]["well_formed"] - 0.1
+
+        # Every judged candidate has a step record in ClickHouse and a span and metrics in OpenTelemetry.
+        exporter.flush()
+        assert exporter.failed == 0
+        steps = _trainer_steps_in_clickhouse(stack_settings, tmp_path)
+        assert [(s["step"], s["published"], s["version"], s["rollouts"]) for s in steps] == [(1, False, -1, 32), (2, False, -1, 32), (3, True, 1, 32)]
+        for row in steps:
+            assert row["staleness"] == {0: 32} and row["eval_candidate"].keys() == {"well_formed", "house_style"}
+            assert row["grad_norm"] > 0 and row["entropy"] > 0 and row["tokens"] > 32
+            assert bool(row["eval_regressions"]) is not row["published"]
+        assert steps[0]["eval_candidate"]["well_formed"] == pytest.approx(status["refusals"][0]["candidate"]["well_formed"])
+        step_spans = [span for span in spans.get_finished_spans() if span.name == "trainer.step"]
+        assert [span.attributes["rtrl.trainer.published"] for span in step_spans] == [False, False, True]
+        assert {row["traceparent"].split("-")[2] for row in steps} == {f"{span.context.span_id:016x}" for span in step_spans}
+        outcomes = _metric_points(reader, "rtrl.trainer.steps")
+        assert outcomes[("refused",)] >= 2 and outcomes[("published",)] >= 1
     finally:
         stop.set()
         loop.join(timeout=30)

@@ -43,6 +43,8 @@ class TrainSample:
     oldest_version: int
     """Oldest policy version that produced any of the completion's tokens."""
     last_event_ts_ms: int
+    traceparent: str = ""
+    """W3C traceparent of the rollout's trace (the training step's span links to it)."""
 
 
 def to_sample(record: reward_pb2.RewardRecord, max_positions: int) -> TrainSample | Drop:
@@ -77,6 +79,7 @@ def to_sample(record: reward_pb2.RewardRecord, max_positions: int) -> TrainSampl
         reward=float(record.reward),
         oldest_version=min(s.policy_version for s in spans),
         last_event_ts_ms=int(record.last_event_ts_ms),
+        traceparent=rollout.traceparent,
     )
 
 

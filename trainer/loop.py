@@ -25,10 +25,12 @@ from typing import Protocol
 import torch
 from confluent_kafka import KafkaError, KafkaException, TopicPartition
 from google.protobuf.message import DecodeError
+from opentelemetry import trace
 
 from rtrl.policy import PolicyConfig, build_model, load_weights, state_dict_fp32
-from rtrl.v1 import reward_pb2, weights_pb2
+from rtrl.v1 import reward_pb2, trainer_pb2, weights_pb2
 from trainer import checkpoint
+from trainer import metrics as step_metrics
 from trainer.batch import Drop, SeenRollouts, TrainSample, collate, drop_stale, to_sample
 from trainer.config import TrainerSettings
 from trainer.evaluation import EvalGate, EvalSuite, Verdict
@@ -37,6 +39,7 @@ from trainer.step import StepMetrics, build_optimizer, rl_step
 from trainer.warmstart import WarmStartRecipe, ensure_warm_start, load_warm_start
 
 log = logging.getLogger("trainer")
+_tracer = trace.get_tracer("rtrl.trainer")
 
 CONTROL, TREATMENT = "control", "treatment"
 # With nothing pending, commit the offsets of dropped records at most this often.
@@ -99,6 +102,7 @@ class Trainer:
         publishers: Mapping[str, WeightPublisher],
         fetch_weights: FetchWeights,
         policy_config: PolicyConfig = PolicyConfig(),
+        on_step: Callable[[trainer_pb2.TrainerStep, int], None] | None = None,
     ) -> None:
         self.settings = settings
         self.state_dir = Path(state_dir)
@@ -122,6 +126,8 @@ class Trainer:
         """Next offset to read per "topic:partition", everything before it consumed."""
         self.refused = 0
         self.refusals: deque[dict] = deque(maxlen=REFUSALS_SHOWN)
+        self.on_step = on_step
+        self.dropped_recorded: Counter[Drop] = Counter()
         self.status = TrainerStatus()
 
     def start(self) -> None:
@@ -248,6 +254,7 @@ class Trainer:
     def train_pending(self) -> None:
         started = time.monotonic()
         batch_wait_s = started - self.first_pending_at
+        staleness = [self.version - sample.oldest_version for sample in self.pending]
         fresh, stale = drop_stale(self.pending, self.version, self.settings.max_staleness)
         self.pending = []
         if stale:
@@ -255,6 +262,30 @@ class Trainer:
         if not fresh:
             self.commit()
             return
+        base_version = self.version
+        with _tracer.start_as_current_span("trainer.step", links=step_metrics.links(s.traceparent for s in fresh)) as span:
+            metrics, verdict, timings = self._candidate(fresh, started, batch_wait_s)
+            span.set_attributes({
+                "rtrl.trainer.step": self.step, "rtrl.policy.base_version": base_version, "rtrl.policy.version": self.version,
+                "rtrl.trainer.published": verdict.accepted, "rtrl.trainer.rollouts": len(fresh),
+            })
+            record = step_metrics.step_record(
+                lineage=self.warm_start, step=self.step, base_version=base_version,
+                version=self.version if verdict.accepted else -1, ts_ms=int(time.time() * 1000), metrics=metrics,
+                verdict=verdict, staleness=staleness, dropped=self._dropped_since_last_record(), timings=timings,
+                traceparent=step_metrics.traceparent_of(span),
+            )
+        if self.on_step is not None:
+            self.on_step(record, self.version)
+        log.info(
+            "step %d -> %s rollouts %d reward %.3f kl %.4f entropy %.3f grad_norm %.3f clipped %.3f stale %d eval %s %s",
+            self.step, f"v{self.version}" if verdict.accepted else "refused", metrics.rollouts, metrics.reward_mean,
+            metrics.kl, metrics.entropy, metrics.grad_norm, metrics.clipped_fraction, stale, verdict.candidate.as_dict(),
+            " ".join(f"{phase} {seconds:.3f}s" for phase, seconds in timings.items()),
+        )
+
+    def _candidate(self, fresh: list[TrainSample], started: float, batch_wait_s: float) -> tuple[StepMetrics, Verdict, dict[str, float]]:
+        """Train, journal, judge, then publish or refuse."""
         s = self.settings
         metrics = rl_step(
             self.model, self.optimizer, collate(fresh),
@@ -265,11 +296,12 @@ class Trainer:
         stepped = time.monotonic()
         verdict = self.gate.judge(self.model)
         judged = time.monotonic()
+        timings = {"batch_wait": batch_wait_s, "step": stepped - started, "eval": judged - stepped}
         if not verdict.accepted:
             self._refuse(verdict, len(fresh))
             self.commit()
-            self.status = self._status(metrics, verdict, batch_wait_s=batch_wait_s, step_s=stepped - started, eval_s=judged - stepped)
-            return
+            self.status = self._status(metrics, verdict, batch_wait_s=batch_wait_s, step_s=timings["step"], eval_s=timings["eval"])
+            return metrics, verdict, timings
         trained_through = max(sample.last_event_ts_ms for sample in fresh)
         self.version = self.publishers[TREATMENT].publish(
             state_dict_fp32(self.model),
@@ -281,7 +313,7 @@ class Trainer:
         self.rollouts_trained += len(fresh)
         self.gate.accept(verdict)
         self._remember_published()
-        done = time.monotonic()
+        timings["publish"] = time.monotonic() - judged
         self.commit()
         if self.step % s.checkpoint_every == 0:
             self.save_checkpoint()
@@ -290,18 +322,17 @@ class Trainer:
             metrics,
             verdict,
             batch_wait_s=batch_wait_s,
-            step_s=stepped - started,
-            eval_s=judged - stepped,
-            publish_s=done - judged,
+            step_s=timings["step"],
+            eval_s=timings["eval"],
+            publish_s=timings["publish"],
             event_to_publish_s=time.time() - trained_through / 1000 if trained_through else None,
         )
-        log.info(
-            "step %d -> v%d rollouts %d reward %.3f kl %.4f entropy %.3f grad_norm %.3f clipped %.3f stale %d "
-            "eval %s step %.3fs eval %.3fs publish %.3fs",
-            self.step, self.version, metrics.rollouts, metrics.reward_mean, metrics.kl, metrics.entropy,
-            metrics.grad_norm, metrics.clipped_fraction, stale, verdict.candidate.as_dict(),
-            stepped - started, judged - stepped, done - judged,
-        )
+        return metrics, verdict, timings
+
+    def _dropped_since_last_record(self) -> dict[str, int]:
+        delta = {str(reason): n - self.dropped_recorded[reason] for reason, n in self.drops.items() if n > self.dropped_recorded[reason]}
+        self.dropped_recorded = self.drops.copy()
+        return delta
 
     def _refuse(self, verdict: Verdict, rollouts: int) -> None:
         """Back to the published version's weights and optimizer state; the batch stays consumed."""

@@ -17,14 +17,16 @@ import threading
 
 import redis.asyncio as aioredis
 import torch
-from confluent_kafka import Consumer
+from confluent_kafka import Consumer, Producer
 
 from rtrl.config import StackSettings
 from rtrl.heartbeat import beat_forever
-from rtrl.kafka import consumer_config
+from rtrl import otel
+from rtrl.kafka import consumer_config, producer_config
 from rtrl.v1 import weights_pb2
 from trainer.config import TrainerSettings
 from trainer.loop import CONTROL, TREATMENT, Trainer
+from trainer.metrics import StepExporter
 
 log = logging.getLogger("trainer")
 
@@ -56,6 +58,8 @@ async def serve(settings: TrainerSettings, stack: StackSettings) -> None:
     publishers = {arm: Publisher(stack.weight_sync_addr, token, arm, settings.keyframe_every) for arm in (CONTROL, TREATMENT)}
     # The trainer subscribes itself: it seeks to its journal's positions on assignment.
     rewards = Consumer(consumer_config(stack, settings.consumer_group))
+    otel.configure("trainer", stack)
+    exporter = StepExporter(Producer(producer_config(stack)))
     trainer = Trainer(
         settings,
         stack.state_dir,
@@ -64,6 +68,7 @@ async def serve(settings: TrainerSettings, stack: StackSettings) -> None:
         fetch_weights=lambda arm, version: fetch_published(
             stack.weight_sync_addr, stack.weight_sync_token.get_secret_value(), arm, version
         ),
+        on_step=exporter,
     )
     redis = aioredis.from_url(stack.redis_url)
     heartbeat: asyncio.Task | None = None
@@ -77,6 +82,7 @@ async def serve(settings: TrainerSettings, stack: StackSettings) -> None:
         if heartbeat is not None:
             heartbeat.cancel()
         rewards.close()
+        exporter.flush()
         for publisher in publishers.values():
             publisher.close()
         await redis.aclose()

@@ -1,0 +1,164 @@
+"""Per-step metrics: one TrainerStep record per judged candidate, to Kafka (and from
+there to ClickHouse through the analytics sink) and to OpenTelemetry.
+
+OpenTelemetry gets the same numbers as instruments of the ``rtrl.trainer`` meter and
+one ``trainer.step`` span per candidate, linked to the traces of the rollouts it
+trained on (their W3C traceparent travels in the rollout record). Without an SDK
+configured (rtrl.otel) both are no-ops.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from collections.abc import Iterable, Mapping, Sequence
+
+from confluent_kafka import Producer
+from opentelemetry import metrics, trace
+
+from rtrl import topics
+from rtrl.v1 import trainer_pb2
+from trainer.evaluation import Verdict
+from trainer.step import StepMetrics
+
+log = logging.getLogger("trainer")
+
+# OpenTelemetry's default limit of links per span.
+MAX_LINKS = 128
+
+_meter = metrics.get_meter("rtrl.trainer")
+_steps = _meter.create_counter("rtrl.trainer.steps", unit="{step}", description="Candidates judged, by outcome")
+_rollouts = _meter.create_counter("rtrl.trainer.rollouts", unit="{rollout}", description="Rollouts in published versions")
+_dropped = _meter.create_counter("rtrl.trainer.dropped", unit="{rollout}", description="Reward records not trained on, by reason")
+_staleness = _meter.create_histogram(
+    "rtrl.trainer.staleness", unit="{version}", description="Versions between the trainer and a rollout's oldest token",
+    explicit_bucket_boundaries_advisory=[0, 1, 2, 4, 8, 16, 32],
+)
+_duration = _meter.create_histogram("rtrl.trainer.phase.duration", unit="s", description="Time per step phase")
+_gauges = {
+    name: _meter.create_gauge(f"rtrl.trainer.{name}", description=description)
+    for name, description in (
+        ("reward_mean", "Mean reward of the step's batch"),
+        ("kl", "Token mean of log π − log π_ref (k1)"),
+        ("entropy", "Token mean entropy of the policy on the batch (nats)"),
+        ("clipped_fraction", "Share of tokens whose importance ratio hit the cap"),
+        ("grad_norm", "Gradient norm before clipping"),
+        ("version", "Treatment version the trainer holds"),
+    )
+}
+_eval = _meter.create_gauge("rtrl.trainer.eval.score", description="Eval-gate checker score of the candidate")
+
+
+def staleness_buckets(staleness: Iterable[int]) -> list[trainer_pb2.StalenessBucket]:
+    counts = Counter(staleness)
+    return [trainer_pb2.StalenessBucket(staleness=s, rollouts=n) for s, n in sorted(counts.items())]
+
+
+def step_record(
+    *,
+    lineage: str,
+    step: int,
+    base_version: int,
+    version: int,
+    ts_ms: int,
+    metrics: StepMetrics,
+    verdict: Verdict,
+    staleness: Sequence[int],
+    dropped: Mapping[str, int],
+    timings: Mapping[str, float],
+    traceparent: str = "",
+) -> trainer_pb2.TrainerStep:
+    return trainer_pb2.TrainerStep(
+        step_id=f"{lineage}:{step}",
+        lineage=lineage,
+        step=step,
+        base_version=base_version,
+        version=version,
+        published=verdict.accepted,
+        ts_ms=ts_ms,
+        rollouts=metrics.rollouts,
+        tokens=metrics.tokens,
+        reward_mean=metrics.reward_mean,
+        loss=metrics.loss,
+        kl=metrics.kl,
+        entropy=metrics.entropy,
+        clipped_fraction=metrics.clipped_fraction,
+        ratio_mean=metrics.ratio_mean,
+        grad_norm=metrics.grad_norm,
+        advantage_abs_mean=metrics.advantage_abs_mean,
+        staleness=staleness_buckets(staleness),
+        dropped=dict(dropped),
+        eval_candidate=verdict.candidate.as_dict(),
+        eval_published=verdict.published.as_dict(),
+        eval_regressions=list(verdict.regressions),
+        traceparent=traceparent,
+        **{f"{phase}_s": seconds for phase, seconds in timings.items()},
+    )
+
+
+def record_instruments(record: trainer_pb2.TrainerStep, version: int) -> None:
+    outcome = {"outcome": "published" if record.published else "refused"}
+    _steps.add(1, outcome)
+    if record.published:
+        _rollouts.add(record.rollouts)
+    for reason, n in record.dropped.items():
+        if n:
+            _dropped.add(n, {"reason": reason})
+    for bucket in record.staleness:
+        for _ in range(bucket.rollouts):
+            _staleness.record(bucket.staleness)
+    for phase in ("batch_wait", "step", "eval", "publish"):
+        _duration.record(getattr(record, f"{phase}_s"), {"phase": phase})
+    for name, gauge in _gauges.items():
+        gauge.set(version if name == "version" else getattr(record, name), outcome if name != "version" else None)
+    for checker, score in record.eval_candidate.items():
+        _eval.set(score, {"checker": checker, **outcome})
+
+
+def links(traceparents: Iterable[str]) -> list[trace.Link]:
+    """Span links to the rollouts' traces (at most MAX_LINKS; malformed ones skipped)."""
+    out: list[trace.Link] = []
+    for traceparent in traceparents:
+        parts = traceparent.split("-")
+        if len(parts) != 4 or len(parts[1]) != 32 or len(parts[2]) != 16:
+            continue
+        try:
+            context = trace.SpanContext(int(parts[1], 16), int(parts[2], 16), is_remote=True, trace_flags=trace.TraceFlags(int(parts[3], 16)))
+        except ValueError:
+            continue
+        if context.is_valid:
+            out.append(trace.Link(context))
+        if len(out) == MAX_LINKS:
+            break
+    return out
+
+
+def traceparent_of(span: trace.Span) -> str:
+    context = span.get_span_context()
+    if not context.is_valid:
+        return ""
+    return f"00-{context.trace_id:032x}-{context.span_id:016x}-{int(context.trace_flags):02x}"
+
+
+class StepExporter:
+    """Sends each TrainerStep to Kafka (idempotent producer, keyed by lineage) and to
+    the OpenTelemetry instruments. Sends are asynchronous: a step never waits on them."""
+
+    def __init__(self, producer: Producer, topic: str = topics.TRAINER_STEPS) -> None:
+        self._producer = producer
+        self._topic = topic
+        self.failed = 0
+
+    def __call__(self, record: trainer_pb2.TrainerStep, version: int) -> None:
+        record_instruments(record, version)
+        self._producer.produce(self._topic, record.SerializeToString(), key=record.lineage.encode(), on_delivery=self._delivered)
+        self._producer.poll(0)
+
+    def _delivered(self, err, msg) -> None:
+        if err is not None:
+            self.failed += 1
+            log.warning("trainer step record not delivered to %s: %s", self._topic, err)
+
+    def flush(self, timeout_s: float = 10.0) -> None:
+        if self._producer.flush(timeout_s):
+            log.warning("trainer step records still unsent after %.0f s", timeout_s)
