@@ -1,0 +1,370 @@
+"""The training step on several processes: the same optimizer step as rl_step, with
+the model sharded by FSDP and the batch's rows split between ranks.
+
+FSDP2 (``fully_shard`` per decoder layer, then the root) is the wrapper: in torch
+2.13 it runs forward, backward, gradient clipping and AdamW on CPU with gloo, and it
+keeps parameter names and the tied embedding as they are, so published weights have
+the unwrapped model's keys.
+
+Under torchrun, rank 0 consumes rewards and broadcasts each batch (broadcast_batch),
+every rank calls sharded_rl_step, and rank 0 publishes full_state_dict.
+``python -m trainer.distributed`` trains on synthetic production-shaped batches, on
+one process with rl_step or under torchrun with sharded_rl_step, so the two can be
+compared step by step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import dataclasses
+import json
+import logging
+import os
+import random
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
+
+from trainer.batch import TrainBatch, TrainSample, collate
+from trainer.objective import leave_one_out_advantages, policy_gradient_loss
+from trainer.step import StepMetrics, build_optimizer, rl_step, token_logprobs
+
+log = logging.getLogger("trainer.distributed")
+
+
+@dataclass(frozen=True)
+class World:
+    """This process's place among the training ranks."""
+
+    rank: int
+    world_size: int
+
+
+def init_world(backend: str | None = None) -> World | None:
+    """Join the process group torchrun describes in the environment; None when not
+    launched by torchrun with more than one process."""
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return None
+    if backend is None:
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    dist.init_process_group(backend)
+    return World(rank=dist.get_rank(), world_size=dist.get_world_size())
+
+
+def close_world() -> None:
+    """Leave the process group once every rank is done with its collectives; every
+    rank must call it."""
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def shard(model: torch.nn.Module, world: World) -> torch.nn.Module:
+    """Shard a LlamaForCausalLM in place: each decoder layer is its own FSDP unit (its
+    weights are gathered only while it runs), the root holds the embedding, which the
+    LM head shares, and the final norm."""
+    device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    if device_type == "cuda":
+        model.to(torch.device("cuda", torch.cuda.current_device()))
+    mesh = init_device_mesh(device_type, (world.world_size,))
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def row_range(rows: int, world: World) -> tuple[int, int]:
+    """This rank's contiguous rows; the first ``rows % world_size`` ranks take one more."""
+    base, extra = divmod(rows, world.world_size)
+    start = world.rank * base + min(world.rank, extra)
+    return start, start + base + (world.rank < extra)
+
+
+def slice_rows(batch: TrainBatch, start: int, stop: int) -> TrainBatch:
+    return TrainBatch(
+        input_ids=batch.input_ids[start:stop],
+        target_mask=batch.target_mask[start:stop],
+        behaviour_logprobs=batch.behaviour_logprobs[start:stop],
+        temperature=batch.temperature[start:stop],
+        rewards=batch.rewards[start:stop],
+        groups=batch.groups[start:stop],
+    )
+
+
+def broadcast_batch(batch: TrainBatch | None, world: World) -> TrainBatch:
+    """Rank 0's batch on every rank (the others pass None)."""
+    box = [batch if world.rank == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+@dataclass(frozen=True)
+class LocalObjective:
+    loss: torch.Tensor
+    """This rank's share of the batch's loss, times world_size, to backpropagate."""
+    sums: torch.Tensor
+    """Float64 [loss, kl, clipped, ratio, entropy] summed over this rank's completion
+    tokens; all-reduced and divided by the batch's tokens they are rl_step's metrics."""
+
+
+def local_objective(
+    model: torch.nn.Module,
+    batch: TrainBatch,
+    advantages: torch.Tensor,
+    world: World,
+    *,
+    ref_model: torch.nn.Module | None = None,
+    is_cap: float = 2.0,
+    kl_coef: float = 0.0,
+) -> LocalObjective:
+    """rl_step's objective on this rank's rows of the whole batch.
+
+    policy_gradient_loss divides the rows' sum by the rows' tokens; scaled by
+    rows_tokens / batch_tokens that is the rows' share of the whole batch's loss, and
+    by world_size because FSDP averages gradients over ranks, so the reduced gradient
+    is rl_step's. A rank without tokens (fewer rows than ranks) runs its models on a
+    placeholder row with a zero loss, since FSDP's gathers and reductions need every
+    rank.
+    """
+    batch_tokens = batch.target_mask.sum().item()
+    start, stop = row_range(len(batch.rewards), world)
+    local_tokens = batch.target_mask[start:stop].sum().item()
+    if local_tokens == 0:
+        start, stop = 0, 1
+    device = next(model.parameters()).device
+    rows = slice_rows(batch, start, stop)
+    rows = dataclasses.replace(
+        rows,
+        input_ids=rows.input_ids.to(device),
+        target_mask=rows.target_mask.to(device),
+        behaviour_logprobs=rows.behaviour_logprobs.to(device),
+        temperature=rows.temperature.to(device),
+    )
+    ref_logp = None
+    if ref_model is not None:
+        with torch.no_grad():
+            ref_logp, _ = token_logprobs(ref_model, rows)
+    logp, entropy = token_logprobs(model, rows)
+    sums = torch.zeros(5, dtype=torch.float64, device=device)
+    if local_tokens == 0:
+        return LocalObjective(loss=logp.sum() * 0.0, sums=sums)
+    terms = policy_gradient_loss(
+        logp,
+        rows.behaviour_logprobs,
+        advantages[start:stop].to(device),
+        rows.target_mask,
+        ref_logp=ref_logp,
+        is_cap=is_cap,
+        kl_coef=kl_coef,
+    )
+    means = [terms.loss.item(), terms.kl, terms.clipped_fraction, terms.ratio_mean]
+    sums[:4] = torch.tensor(means, dtype=torch.float64) * local_tokens
+    sums[4] = (entropy * rows.target_mask).sum().double()
+    return LocalObjective(loss=terms.loss * (local_tokens * world.world_size / batch_tokens), sums=sums)
+
+
+def sharded_rl_step(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    batch: TrainBatch,
+    world: World,
+    *,
+    ref_model: torch.nn.Module | None = None,
+    is_cap: float = 2.0,
+    kl_coef: float = 0.0,
+    grad_clip: float = 1.0,
+    std_normalize: bool = False,
+) -> StepMetrics:
+    """rl_step on a sharded model; every rank passes the whole batch and trains on its
+    rows. Advantages come from the whole batch, so comparison groups may span ranks."""
+    batch_tokens = batch.target_mask.sum().item()
+    if batch_tokens == 0:
+        raise ValueError("no completion tokens in the batch")
+    advantages = torch.tensor(leave_one_out_advantages(batch.rewards, batch.groups, std_normalize=std_normalize))
+    model.train()
+    local = local_objective(model, batch, advantages, world, ref_model=ref_model, is_cap=is_cap, kl_coef=kl_coef)
+    optimizer.zero_grad(set_to_none=True)
+    local.loss.backward()
+    grad_norm = _clip_global_grad_norm(model, grad_clip)
+    optimizer.step()
+    model.eval()
+    dist.all_reduce(local.sums)
+    loss, kl, clipped, ratio, entropy = (local.sums / batch_tokens).tolist()
+    return StepMetrics(
+        loss=loss,
+        kl=kl,
+        entropy=entropy,
+        grad_norm=grad_norm,
+        reward_mean=sum(batch.rewards) / len(batch.rewards),
+        advantage_abs_mean=advantages.abs().mean().item(),
+        clipped_fraction=clipped,
+        ratio_mean=ratio,
+        rollouts=len(batch.rewards),
+        tokens=int(batch_tokens),
+    )
+
+
+def _clip_global_grad_norm(model: torch.nn.Module, max_norm: float) -> float:
+    """clip_grad_norm_ by the norm of the full gradients: over FSDP2's sharded
+    gradients get_total_norm already reduces across ranks and returns it replicated."""
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    total = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
+    if isinstance(total, DTensor):
+        total = total.full_tensor()
+    torch.nn.utils.clip_grads_with_norm_(model.parameters(), max_norm, total)
+    return total.item()
+
+
+def full_state_dict(model: torch.nn.Module, world: World) -> dict[str, torch.Tensor] | None:
+    """The unsharded fp32 weights on rank 0 (None elsewhere), with the keys
+    rtrl.policy.state_dict_fp32 gives the unwrapped model. Every rank must call it;
+    tensors are gathered one at a time, so no rank holds more than one beyond its shards."""
+    seen: set[int] = set()
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        if id(tensor) in seen:
+            continue
+        seen.add(id(tensor))
+        full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+        if world.rank == 0:
+            out[name] = full.detach().to("cpu", torch.float32).contiguous().clone()
+    return out if world.rank == 0 else None
+
+
+# The synthetic run behind ``python -m trainer.distributed``.
+
+BATCH_ROWS = (8, 5, 1, 7, 4, 3)
+"""Rows per step, cycled: uneven splits, and one batch smaller than two ranks."""
+BEHAVIOUR_NOISE = 0.4
+"""Std of the noise on the behaviour log-probs (nats): about 4% of tokens hit is_cap 2."""
+KL_COEF, IS_CAP, LEARNING_RATE = 0.05, 2.0, 1e-3
+GRAD_CLIP = 0.5
+"""Below about half the steps' gradient norms, so clipping by the global norm matters."""
+
+
+def synthetic_batches(model: torch.nn.Module, steps: int, seed: int) -> list[TrainBatch]:
+    """Production-shaped batches: task prompts repeated 1-4 times (one comparison
+    group each), completions in a random house style, sometimes cut off before EOS,
+    rewarded when the style is the project's; behaviour log-probs are ``model``'s at
+    the sampling temperature plus noise, as if sampled by a slightly different policy."""
+    from inference.engine import prompt_token_ids
+    from rtrl.policy import EOS, encode
+    from simulator.tasks import PROJECT_STYLES, random_style, random_task
+
+    rng = random.Random(seed)
+    noise = torch.Generator().manual_seed(seed)
+    batches = []
+    for step in range(steps):
+        rows = BATCH_ROWS[step % len(BATCH_ROWS)]
+        samples: list[TrainSample] = []
+        while len(samples) < rows:
+            task = random_task(rng)
+            temperature = rng.choice((0.7, 1.0))
+            for _ in range(min(rng.randint(1, 4), rows - len(samples))):
+                style = random_style(rng)
+                completion = encode(task.render(style)) + [EOS]
+                completion = completion[: rng.randint(len(completion) // 2, len(completion))]
+                house = PROJECT_STYLES[task.project] if task.project < len(PROJECT_STYLES) else random_style(rng)
+                samples.append(TrainSample(
+                    rollout_id=f"s{step}-r{len(samples)}",
+                    group=task.prompt,
+                    prompt_ids=tuple(prompt_token_ids(task.prompt)),
+                    completion_ids=tuple(completion),
+                    behaviour_logprobs=(0.0,) * len(completion),
+                    temperature=temperature,
+                    reward=float(style == house) + 0.1 * rng.random(),
+                    oldest_version=0,
+                    last_event_ts_ms=0,
+                ))
+        batch = collate(samples)
+        with torch.no_grad():
+            logp, _ = token_logprobs(model, batch)
+        jitter = BEHAVIOUR_NOISE * torch.randn(logp.shape, generator=noise)
+        batches.append(dataclasses.replace(batch, behaviour_logprobs=(logp + jitter) * batch.target_mask))
+    return batches
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, required=True)
+    parser.add_argument("--out", type=Path, required=True, help="JSON of per-step metrics (written by rank 0)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--weights", type=Path, help="also save the final weights here (safetensors)")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+
+    from safetensors.torch import save_file
+
+    from rtrl.policy import build_model, state_dict_fp32
+
+    world = init_world()
+    rank, world_size = (world.rank, world.world_size) if world else (0, 1)
+    model = build_model(seed=args.seed)
+    initial = state_dict_fp32(model)
+    ref = copy.deepcopy(model)
+    batches = synthetic_batches(model, args.steps, args.seed) if rank == 0 else None
+    if world:
+        batches = [broadcast_batch(batches[i] if rank == 0 else None, world) for i in range(args.steps)]
+        shard(model, world)
+        shard(ref, world)
+    optimizer = build_optimizer(model, LEARNING_RATE)
+    hyper = {"ref_model": ref, "is_cap": IS_CAP, "kl_coef": KL_COEF, "grad_clip": GRAD_CLIP}
+    history: list[StepMetrics] = []
+    for step, batch in enumerate(batches):
+        if world:
+            metrics = sharded_rl_step(model, optimizer, batch, world, **hyper)
+        else:
+            metrics = rl_step(model, optimizer, batch, **hyper)
+        history.append(metrics)
+        if rank == 0:
+            log.info(
+                "step %d rows %d tokens %d loss %.5f kl %.5f grad_norm %.4f clipped %.3f",
+                step, metrics.rollouts, metrics.tokens, metrics.loss, metrics.kl, metrics.grad_norm, metrics.clipped_fraction,
+            )
+    final = full_state_dict(model, world) if world else state_dict_fp32(model)
+    if rank == 0:
+        _write_report(args.out, world_size, history, initial, final)
+        if args.weights:
+            save_file(final, str(args.weights))
+    if world:
+        close_world()
+        # Gloo's worker threads can still hold the last collectives' tensors, and
+        # releasing them during interpreter shutdown aborts the process (SIGABRT in
+        # about one run in ten), so leave without the shutdown.
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
+
+
+def _write_report(
+    out: Path, world_size: int, history: list[StepMetrics], initial: dict[str, torch.Tensor], final: dict[str, torch.Tensor]
+) -> None:
+    moved = sum(((final[k] - initial[k]) ** 2).sum().item() for k in initial) ** 0.5
+    report = {
+        "world_size": world_size,
+        "rows": [m.rollouts for m in history],
+        "tokens": [m.tokens for m in history],
+        "losses": [m.loss for m in history],
+        "grad_norms": [m.grad_norm for m in history],
+        "kl": [m.kl for m in history],
+        "entropy": [m.entropy for m in history],
+        "clipped_fraction": [m.clipped_fraction for m in history],
+        "ratio_mean": [m.ratio_mean for m in history],
+        "weight_keys": list(final),
+        "weight_change_l2": moved,
+        "final_checksum": sum(t.double().sum().item() for t in final.values()),
+    }
+    out.write_text(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    main()
