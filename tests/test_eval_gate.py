@@ -181,7 +181,7 @@ def test_a_harmful_update_is_refused_and_never_reaches_a_worker(stack_settings, 
             worker.next(timeout_s=2)
         # The refused weights were put back: the model is v0 again, bit for bit.
         for name, tensor in v0_weights.items():
-            assert torch.equal(trainer.model.state_dict()[name], tensor), name
+            assert torch.equal(trainer.learner.model.state_dict()[name], tensor), name
         replayed = Journal(stack_settings.state_dir / "trainer").replay(0)
         assert set(replayed.refused) == {r.rollout_id for r in poisoned} and replayed.trained == ()
 
@@ -196,7 +196,7 @@ def test_a_harmful_update_is_refused_and_never_reaches_a_worker(stack_settings, 
 
         # Honest rewards (the same rollouts, paid for parsing) at the default learning rate ship,
         # built on v0, not on a refused candidate. (Any first Adam step at 1e-3 is too big for this model.)
-        for group in trainer.optimizer.param_groups:
+        for group in trainer.learner.optimizer.param_groups:
             group["lr"] = TrainerSettings().lr
         honest = [reward_record(*row[:4], reward=1.0 if row[4] else 0.0) for row in rows[:32]]
         produce(stack_settings.kafka_bootstrap, honest)

@@ -38,6 +38,23 @@ def _kill_9(service: procs.Proc) -> None:
     service.popen.wait()
 
 
+def _trainer_env(stack_env: dict[str, str], weight_sync_addr: str, repo_root) -> dict[str, str]:
+    return {
+        **stack_env,
+        "PYTHONPATH": str(repo_root),
+        "RTRL_WEIGHT_SYNC_ADDR": weight_sync_addr,
+        "RTRL_TRAINER_BATCH_SIZE": "16",
+        "RTRL_TRAINER_MIN_BATCH": "1",
+        "RTRL_TRAINER_MAX_WAIT_S": "0.3",
+        "RTRL_TRAINER_MAX_STALENESS": "1000",
+        "RTRL_TRAINER_CHECKPOINT_EVERY": "7",
+        "RTRL_TRAINER_EVAL_TASKS": "16",
+        # Every candidate is judged, none refused: these tests are about delivery, test_eval_gate about refusals.
+        "RTRL_TRAINER_EVAL_TOLERANCE": "1.0",
+        "OMP_NUM_THREADS": "1",
+    }
+
+
 @pytest.mark.timeout(600)
 def test_kill_9_mid_training_trains_every_rollout_exactly_once(stack_settings, stack_env, server, tmp_path, repo_root):
     from trainer_support import install_warm_start, produce, reward_record, sampled_rollouts, warm_model
@@ -57,20 +74,7 @@ def test_kill_9_mid_training_trains_every_rollout_exactly_once(stack_settings, s
 
     token = stack_settings.weight_sync_token.get_secret_value()
     registry = Publisher(server.addr, token, TREATMENT)
-    env = {
-        **stack_env,
-        "PYTHONPATH": str(repo_root),
-        "RTRL_WEIGHT_SYNC_ADDR": server.addr,
-        "RTRL_TRAINER_BATCH_SIZE": "16",
-        "RTRL_TRAINER_MIN_BATCH": "1",
-        "RTRL_TRAINER_MAX_WAIT_S": "0.3",
-        "RTRL_TRAINER_MAX_STALENESS": "1000",
-        "RTRL_TRAINER_CHECKPOINT_EVERY": "7",
-        "RTRL_TRAINER_EVAL_TASKS": "16",
-        # Every candidate is judged, none refused: this test is about delivery, test_eval_gate about refusals.
-        "RTRL_TRAINER_EVAL_TOLERANCE": "1.0",
-        "OMP_NUM_THREADS": "1",
-    }
+    env = _trainer_env(stack_env, server.addr, repo_root)
     log_path = tmp_path / "trainer.log"
 
     def start() -> procs.Proc:
@@ -117,4 +121,77 @@ def test_kill_9_mid_training_trains_every_rollout_exactly_once(stack_settings, s
         assert log.count("resum") >= 2 and "Traceback" not in log
     finally:
         trainer.stop()
+        registry.close()
+
+
+@pytest.mark.timeout(600)
+def test_the_trainer_service_runs_sharded_under_torchrun(stack_settings, stack_env, server, tmp_path, repo_root):
+    """`torchrun --nproc_per_node 2 -m trainer`: two gloo ranks hold the FSDP shards,
+    rank 0 consumes, judges and publishes; stopped with SIGTERM and started again, it
+    resumes from its checkpoint and journal and still trains every rollout once."""
+    from safetensors.torch import load_file
+    from trainer_support import install_warm_start, produce, reward_record, sampled_rollouts, warm_model
+
+    from rtrl.policy import state_dict_fp32
+    from trainer.checkpoint import load
+    from trainer.journal import Journal
+    from trainer.loop import TREATMENT
+    from trainer.service import fetch_published
+    from trainer.warmstart import cache_path
+    from weight_sync.client import Publisher
+
+    torch.set_num_threads(1)
+    install_warm_start(stack_settings.state_dir)
+    rng = random.Random(3)
+    rows = sampled_rollouts(warm_model(), 32, seed=4)
+    records = [reward_record(*rows[i % len(rows)][:4], reward=rng.random()) for i in range(160)]
+    token = stack_settings.weight_sync_token.get_secret_value()
+    registry = Publisher(server.addr, token, TREATMENT)
+    env = {**_trainer_env(stack_env, server.addr, repo_root), "RTRL_TRAINER_CHECKPOINT_EVERY": "3"}
+    log_path = tmp_path / "torchrun.log"
+    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "trainer"]
+
+    def trained() -> int:
+        latest = registry.latest()
+        return fetch_published(server.addr, token, TREATMENT, latest)[0].rollouts_trained if latest > 0 else 0
+
+    def wait_until(condition, timeout_s: float, what: str, service: procs.Proc) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not condition():
+            assert time.monotonic() < deadline, f"{what}\n{log_path.read_text()[-4000:]}"
+            assert service.alive(), log_path.read_text()[-4000:]
+            time.sleep(0.1)
+
+    produce(stack_settings.kafka_bootstrap, records[:96])
+    group = procs.spawn("torchrun", argv, log_path, env=env)
+    try:
+        wait_until(lambda: trained() >= 96, 240, "the sharded trainer did not train the first records", group)
+        # torchrun itself exits non-zero on SIGTERM (it re-raises the signal); what matters
+        # is that rank 0 stopped cleanly and wrote a checkpoint of what it published.
+        group.stop(timeout_s=60)
+        assert log_path.read_text().count("trainer stopped at step") == 1, log_path.read_text()[-4000:]
+        saved = load(stack_settings.state_dir / "trainer")
+        assert saved.version == registry.latest() and isinstance(next(iter(saved.optimizer["state"])), str)
+
+        produce(stack_settings.kafka_bootstrap, records[96:])
+        group = procs.spawn("torchrun", argv, log_path, env=env)
+        wait_until(lambda: trained() >= len(records), 240, "the sharded trainer did not train the rest after a restart", group)
+        group.stop(timeout_s=60)
+        assert log_path.read_text().count("trainer stopped at step") == 2, log_path.read_text()[-4000:]
+
+        latest = registry.latest()
+        manifest, weights = fetch_published(server.addr, token, TREATMENT, latest)
+        assert manifest.rollouts_trained == len(records)
+        journal = Journal(stack_settings.state_dir / "trainer").replay(latest)
+        assert sorted(journal.recent_ids) == sorted(r.rollout_id for r in records)
+        log = log_path.read_text()
+        assert "rank 1 of 2 following rank 0" in log and "resumed from checkpoint" in log
+        # (torchrun's own SignalException traceback on SIGTERM is expected; a rank's is not.)
+        assert "[rank0]: Traceback" not in log and "[rank1]: Traceback" not in log
+        # The published weights are the whole model, moved away from the warm start.
+        warm = load_file(str(cache_path(stack_settings.state_dir)))
+        assert weights.keys() == state_dict_fp32(warm_model()).keys()
+        assert any(not torch.equal(weights[name], warm[name]) for name in weights)
+    finally:
+        group.stop()
         registry.close()

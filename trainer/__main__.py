@@ -1,10 +1,15 @@
 """``python -m trainer``: settings are parsed before torch is imported, so a bad
-configuration fails at once."""
+configuration fails at once.
+
+Under ``torchrun --nproc_per_node N -m trainer`` the same service trains a model
+sharded over N processes (trainer/learner.py): rank 0 consumes, judges and publishes.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
 
 from rtrl.config import StackSettings
 from trainer.config import TrainerSettings
@@ -14,9 +19,17 @@ def main() -> None:
     settings = TrainerSettings()
     stack = StackSettings()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    from trainer.distributed import close_world, init_world
     from trainer.service import serve
 
-    asyncio.run(serve(settings, stack))
+    world = init_world()
+    asyncio.run(serve(settings, stack, world))
+    if world is not None:
+        close_world()
+        # Gloo's threads may still hold the last collectives' tensors; releasing them
+        # during interpreter shutdown can abort the process (trainer/distributed.py).
+        logging.shutdown()
+        os._exit(0)
 
 
 if __name__ == "__main__":

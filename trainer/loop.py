@@ -12,7 +12,6 @@ room left), so a step always takes all of it and the positions after it are exac
 
 from __future__ import annotations
 
-import copy
 import logging
 import threading
 import time
@@ -27,7 +26,7 @@ from confluent_kafka import KafkaError, KafkaException, TopicPartition
 from google.protobuf.message import DecodeError
 from opentelemetry import trace
 
-from rtrl.policy import PolicyConfig, build_model, load_weights, state_dict_fp32
+from rtrl.policy import PolicyConfig, build_model, load_weights
 from rtrl.v1 import reward_pb2, trainer_pb2, weights_pb2
 from trainer import checkpoint
 from trainer import metrics as step_metrics
@@ -35,7 +34,9 @@ from trainer.batch import Drop, SeenRollouts, TrainSample, collate, drop_stale, 
 from trainer.config import TrainerSettings
 from trainer.evaluation import EvalGate, EvalSuite, Verdict
 from trainer.journal import Journal, position_key
-from trainer.step import StepMetrics, build_optimizer, rl_step
+from trainer.distributed import World
+from trainer.learner import LocalLearner, ShardedLearner
+from trainer.step import StepMetrics
 from trainer.warmstart import WarmStartRecipe, ensure_warm_start, load_warm_start
 
 log = logging.getLogger("trainer")
@@ -46,6 +47,9 @@ CONTROL, TREATMENT = "control", "treatment"
 IDLE_COMMIT_S = 1.0
 # Refusals kept in the heartbeat for `rtrl status`.
 REFUSALS_SHOWN = 5
+
+
+Learner = LocalLearner | ShardedLearner
 
 
 class WeightPublisher(Protocol):
@@ -103,6 +107,7 @@ class Trainer:
         fetch_weights: FetchWeights,
         policy_config: PolicyConfig = PolicyConfig(),
         on_step: Callable[[trainer_pb2.TrainerStep, int], None] | None = None,
+        world: World | None = None,
     ) -> None:
         self.settings = settings
         self.state_dir = Path(state_dir)
@@ -127,6 +132,7 @@ class Trainer:
         self.refused = 0
         self.refusals: deque[dict] = deque(maxlen=REFUSALS_SHOWN)
         self.on_step = on_step
+        self.world = world
         self.dropped_recorded: Counter[Drop] = Counter()
         self.status = TrainerStatus()
 
@@ -136,12 +142,18 @@ class Trainer:
         path = ensure_warm_start(self.state_dir, policy_config=self.policy_config, recipe=WarmStartRecipe(seed=self.settings.seed))
         self.warm_start = path.name
         warm = load_warm_start(path)
-        self.model = build_model(self.policy_config)
-        load_weights(self.model, warm)
-        self.ref_model = build_model(self.policy_config)
-        load_weights(self.ref_model, warm)
-        self.ref_model.requires_grad_(False)
-        self.optimizer = build_optimizer(self.model, self.settings.lr, self.settings.weight_decay)
+        model = build_model(self.policy_config)
+        load_weights(model, warm)
+        ref_model = build_model(self.policy_config)
+        load_weights(ref_model, warm)
+        ref_model.requires_grad_(False)
+        suite = EvalSuite(self.settings.eval_tasks, max_new_tokens=self.settings.eval_max_new_tokens)
+        # Scored before sharding: a sharded model only runs with every rank taking part.
+        control = suite.score(ref_model)
+        if self.world is None:
+            self.learner: Learner = LocalLearner(model, ref_model, self.settings)
+        else:
+            self.learner = ShardedLearner(model, ref_model, self.settings, self.world)
 
         if self.publishers[CONTROL].latest() < 0:
             self.publishers[CONTROL].publish(warm)
@@ -155,10 +167,8 @@ class Trainer:
             self.save_checkpoint()
         else:
             self._resume(latest)
-        self._remember_published()
-        suite = EvalSuite(self.settings.eval_tasks, max_new_tokens=self.settings.eval_max_new_tokens)
-        control = suite.score(self.ref_model)
-        published = control if self.version == 0 else suite.score(self.model)
+        self.learner.remember()
+        published = control if self.version == 0 else suite.score(self.learner.eval_model())
         self.gate = EvalGate(suite, self.settings.eval_tolerance, control=control, published=published)
         log.info("eval gate: control %s, published v%d %s", control.as_dict(), self.version, published.as_dict())
         self.consumer.subscribe([self.settings.topic], on_assign=self._on_assign)
@@ -170,18 +180,15 @@ class Trainer:
             log.warning("ignoring checkpoint v%d from warm start %s: not in this registry's lineage", saved.version, saved.warm_start)
             saved = None
         if saved is not None and saved.version == latest:
-            load_weights(self.model, saved.model)
-            self.optimizer.load_state_dict(saved.optimizer)
+            self.learner.load(saved.model, saved.optimizer)
             self.step, self.rollouts_trained = saved.step, saved.rollouts_trained
             log.info("resumed from checkpoint at step %d, treatment v%d", self.step, latest)
         else:
             # Published past the checkpoint (or have none): continue from what the fleet serves.
             manifest, weights = self.fetch_weights(TREATMENT, latest)
-            load_weights(self.model, weights)
+            # Adam moments a few steps old beat starting them from zero.
+            self.learner.load(weights, saved.optimizer if saved is not None else None)
             self.step, self.rollouts_trained = manifest.train_step, manifest.rollouts_trained
-            if saved is not None:
-                # Adam moments a few steps old beat starting them from zero.
-                self.optimizer.load_state_dict(saved.optimizer)
             log.info("resumed from published treatment v%d at step %d (checkpoint: %s)", latest, self.step, saved and f"v{saved.version}")
         self.version = latest
         replayed = self.journal.replay(latest)
@@ -207,9 +214,6 @@ class Trainer:
                 partition.offset = resume
         consumer.assign(partitions)
 
-    def _remember_published(self) -> None:
-        """The state to return to when the gate refuses a candidate."""
-        self.published_state = (state_dict_fp32(self.model), copy.deepcopy(self.optimizer.state_dict()))
 
     def run(self, stop: threading.Event) -> None:
         while not stop.is_set():
@@ -286,15 +290,11 @@ class Trainer:
 
     def _candidate(self, fresh: list[TrainSample], started: float, batch_wait_s: float) -> tuple[StepMetrics, Verdict, dict[str, float]]:
         """Train, journal, judge, then publish or refuse."""
-        s = self.settings
-        metrics = rl_step(
-            self.model, self.optimizer, collate(fresh),
-            ref_model=self.ref_model, is_cap=s.is_cap, kl_coef=s.kl_coef, grad_clip=s.grad_clip, std_normalize=s.std_normalize,
-        )
+        metrics = self.learner.step(collate(fresh))
         self.step += 1
         self.journal.candidate(self.step, self.positions, (sample.rollout_id for sample in fresh))
         stepped = time.monotonic()
-        verdict = self.gate.judge(self.model)
+        verdict = self.gate.judge(self.learner.eval_model())
         judged = time.monotonic()
         timings = {"batch_wait": batch_wait_s, "step": stepped - started, "eval": judged - stepped}
         if not verdict.accepted:
@@ -304,7 +304,7 @@ class Trainer:
             return metrics, verdict, timings
         trained_through = max(sample.last_event_ts_ms for sample in fresh)
         self.version = self.publishers[TREATMENT].publish(
-            state_dict_fp32(self.model),
+            self.learner.weights(),
             trained_through_event_ts_ms=trained_through,
             rollouts_trained=self.rollouts_trained + len(fresh),
             train_step=self.step,
@@ -312,10 +312,10 @@ class Trainer:
         self.journal.published(self.step, self.version)
         self.rollouts_trained += len(fresh)
         self.gate.accept(verdict)
-        self._remember_published()
+        self.learner.remember()
         timings["publish"] = time.monotonic() - judged
         self.commit()
-        if self.step % s.checkpoint_every == 0:
+        if self.step % self.settings.checkpoint_every == 0:
             self.save_checkpoint()
         self.rewards.append(metrics.reward_mean)
         self.status = self._status(
@@ -337,9 +337,7 @@ class Trainer:
     def _refuse(self, verdict: Verdict, rollouts: int) -> None:
         """Back to the published version's weights and optimizer state; the batch stays consumed."""
         self.journal.refused(self.step, verdict.summary())
-        weights, optimizer_state = self.published_state
-        load_weights(self.model, weights)
-        self.optimizer.load_state_dict(copy.deepcopy(optimizer_state))
+        self.learner.restore()
         self.refused += 1
         self.refusals.append({"step": self.step, "ts_ms": int(time.time() * 1000), "rollouts": rollouts, **verdict.summary()})
         log.warning(
@@ -359,6 +357,7 @@ class Trainer:
         self.last_commit_at = time.monotonic()
 
     def save_checkpoint(self) -> None:
+        weights, optimizer_state = self.learner.state()
         checkpoint.save(
             self.checkpoint_dir,
             checkpoint.Checkpoint(
@@ -366,8 +365,8 @@ class Trainer:
                 version=self.version,
                 rollouts_trained=self.rollouts_trained,
                 warm_start=self.warm_start,
-                model=state_dict_fp32(self.model),
-                optimizer=self.optimizer.state_dict(),
+                model=weights,
+                optimizer=optimizer_state,
             ),
         )
         self.journal.compact(self.version, keep_ids=self.settings.dedup_capacity)

@@ -25,7 +25,11 @@ from rtrl import otel
 from rtrl.kafka import consumer_config, producer_config
 from rtrl.v1 import weights_pb2
 from trainer.config import TrainerSettings
+from rtrl.policy import PolicyConfig, build_model, load_weights
+from trainer.distributed import World
+from trainer.learner import ShardedLearner
 from trainer.loop import CONTROL, TREATMENT, Trainer
+from trainer.warmstart import WarmStartRecipe, ensure_warm_start, load_warm_start
 from trainer.metrics import StepExporter
 
 log = logging.getLogger("trainer")
@@ -45,10 +49,32 @@ def fetch_published(addr: str, token: str, arm: str, version: int) -> tuple[weig
         subscriber.close()
 
 
-async def serve(settings: TrainerSettings, stack: StackSettings) -> None:
+def follow_rank_zero(settings: TrainerSettings, stack: StackSettings, world: World) -> None:
+    """A rank other than 0 under torchrun: hold its shards and do what rank 0 says.
+
+    It ignores SIGTERM and SIGINT (torchrun forwards them to every rank): rank 0 stops
+    after the current step and then closes the group, which ends this loop. Runs in
+    the main thread (signal handlers can only be set there).
+    """
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, signal.SIG_IGN)
+    warm = load_warm_start(ensure_warm_start(stack.state_dir, recipe=WarmStartRecipe(seed=settings.seed)))
+    model, ref_model = build_model(PolicyConfig()), build_model(PolicyConfig())
+    load_weights(model, warm)
+    load_weights(ref_model, warm)
+    ref_model.requires_grad_(False)
+    learner = ShardedLearner(model, ref_model, settings, world)
+    log.info("rank %d of %d following rank 0", world.rank, world.world_size)
+    learner.follow()
+
+
+async def serve(settings: TrainerSettings, stack: StackSettings, world: World | None = None) -> None:
     from weight_sync.client import Publisher
 
     torch.set_num_threads(1)
+    if world is not None and world.rank != 0:
+        follow_rank_zero(settings, stack, world)
+        return
     stop = threading.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -69,6 +95,7 @@ async def serve(settings: TrainerSettings, stack: StackSettings) -> None:
             stack.weight_sync_addr, stack.weight_sync_token.get_secret_value(), arm, version
         ),
         on_step=exporter,
+        world=world,
     )
     redis = aioredis.from_url(stack.redis_url)
     heartbeat: asyncio.Task | None = None
@@ -78,6 +105,8 @@ async def serve(settings: TrainerSettings, stack: StackSettings) -> None:
         log.info("trainer up: treatment v%d, step %d", trainer.version, trainer.step)
         await asyncio.to_thread(trainer.run, stop)
         log.info("trainer stopped at step %d, treatment v%d", trainer.step, trainer.version)
+        if world is not None:
+            trainer.learner.close()
     finally:
         if heartbeat is not None:
             heartbeat.cancel()
