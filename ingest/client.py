@@ -1,8 +1,11 @@
 """The product side of ingest: build TelemetryEvents and publish them over HTTP.
 
 ``IngestClient.publish`` resends only what the gateway could not take (RETRY results,
-429/5xx answers, connection errors) with exponential backoff and jitter. Resending is
-safe because the gateway deduplicates by event_id.
+429/5xx answers, connection errors) with exponential backoff and jitter, waiting at
+least the ``Retry-After`` of a 429. Resending is safe because the gateway deduplicates
+by event_id. A refused API key (401/403) raises ``IngestAuthError`` at once.
+
+``ingest.sdk`` builds the durable, batching client for product code on top of this.
 """
 
 from __future__ import annotations
@@ -12,9 +15,10 @@ import json
 import random
 import time
 import uuid
-from typing import Mapping, Sequence
+from typing import Callable, Mapping, Sequence
 
 import aiohttp
+import aiohttp.abc
 from google.protobuf import json_format
 
 from rtrl.v1 import ingest_pb2, telemetry_pb2
@@ -27,6 +31,16 @@ class IngestError(RuntimeError):
     """The gateway refused a whole request (malformed or oversized): resending will not help."""
 
 
+class IngestAuthError(IngestError):
+    """The gateway refused the API key: missing, unknown or revoked (401), or not allowed
+    to send these events (403). Resending with the same key will not help."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(f"HTTP {status}: {message}")
+        self.status = status
+        self.message = message
+
+
 class IngestClient:
     def __init__(
         self,
@@ -37,8 +51,12 @@ class IngestClient:
         max_delay_s: float = 2.0,
         timeout_s: float = 10.0,
         max_batch: int = 500,
+        api_key: str | None = None,
         rng: random.Random | None = None,
+        resolver_factory: Callable[[], aiohttp.abc.AbstractResolver] | None = None,
     ) -> None:
+        """``resolver_factory``: host-name resolution for the session (aiohttp's threaded
+        resolver by default), called on the loop that first publishes."""
         if max_attempts < 1 or max_batch < 1:
             raise ValueError("max_attempts and max_batch must be >= 1")
         self._url = http_url.rstrip("/") + "/v1/events"
@@ -47,7 +65,11 @@ class IngestClient:
         self._max_delay_s = max_delay_s
         self._timeout = aiohttp.ClientTimeout(total=timeout_s)
         self._max_batch = max_batch
+        self._headers = {"Content-Type": "application/json"}
+        if api_key is not None:
+            self._headers["Authorization"] = f"Bearer {api_key}"
         self._rng = rng or random.Random()
+        self._resolver_factory = resolver_factory
         self._session: aiohttp.ClientSession | None = None
 
     async def publish(self, events: Sequence[telemetry_pb2.TelemetryEvent]) -> list[ingest_pb2.EventResult]:
@@ -73,16 +95,20 @@ class IngestClient:
         results: list[ingest_pb2.EventResult | None] = [None] * len(events)
         pending = list(range(len(events)))
         last_error = ""
+        retry_after_s = 0.0
         for attempt in range(self._max_attempts):
             if attempt:
-                await asyncio.sleep(self._backoff_s(attempt))
+                await asyncio.sleep(max(self._backoff_s(attempt), retry_after_s))
             try:
-                answer = await self._post([events[i] for i in pending])
-            except (aiohttp.ClientConnectionError, asyncio.TimeoutError, _ServerError) as exc:
-                last_error = f"{type(exc).__name__}: {exc}"
+                answer, retry_after_s = await self._post([events[i] for i in pending])
+            except _Throttled as exc:
+                last_error, retry_after_s = str(exc), exc.retry_after_s
+                continue
+            except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, asyncio.TimeoutError, _ServerError) as exc:
+                last_error, retry_after_s = f"{type(exc).__name__}: {exc}", 0.0
                 continue
             still_pending = []
-            for i, result in zip(pending, answer.results):
+            for i, result in zip(pending, answer.results, strict=True):
                 results[i] = result
                 if result.status == RETRY:
                     still_pending.append(i)
@@ -96,11 +122,13 @@ class IngestClient:
                 )
         return results
 
-    async def _post(self, events: list[telemetry_pb2.TelemetryEvent]) -> ingest_pb2.PublishEventsResponse:
+    async def _post(self, events: list[telemetry_pb2.TelemetryEvent]) -> tuple[ingest_pb2.PublishEventsResponse, float]:
+        """The gateway's answer and how long it asked us to wait before resending its RETRYs."""
         if self._session is None:
-            self._session = aiohttp.ClientSession(timeout=self._timeout)
+            connector = aiohttp.TCPConnector(resolver=self._resolver_factory()) if self._resolver_factory else None
+            self._session = aiohttp.ClientSession(timeout=self._timeout, connector=connector)
         body = json_format.MessageToJson(ingest_pb2.PublishEventsRequest(events=events), indent=None)
-        async with self._session.post(self._url, data=body, headers={"Content-Type": "application/json"}) as response:
+        async with self._session.post(self._url, data=body, headers=self._headers) as response:
             text = await response.text()
             if response.status >= 500:
                 raise _ServerError(f"HTTP {response.status}: {text[:200]}")
@@ -108,12 +136,19 @@ class IngestClient:
             document = json.loads(text) if text else {}
         except json.JSONDecodeError:
             document = {"error": text[:200]}
+        message = document.get("error", text[:200]) if isinstance(document, dict) else text[:200]
+        retry_after_s = _retry_after_s(response.headers.get("Retry-After")) if response.status == 429 else 0.0
+        if response.status in (401, 403):
+            raise IngestAuthError(response.status, message)
+        if response.status == 429 and "error" in document:
+            # Throttled as a whole (a rate limit), not per event: nothing was looked at.
+            raise _Throttled(f"HTTP 429: {message}", retry_after_s)
         if "error" in document or response.status not in (200, 207, 400, 429):
-            raise IngestError(f"HTTP {response.status}: {document.get('error', text[:200])}")
+            raise IngestError(f"HTTP {response.status}: {message}")
         answer = json_format.ParseDict(document, ingest_pb2.PublishEventsResponse())
         if len(answer.results) != len(events):
             raise IngestError(f"gateway answered {len(answer.results)} results for {len(events)} events")
-        return answer
+        return answer, retry_after_s
 
     def _backoff_s(self, attempt: int) -> float:
         # Half fixed, half random: spreads retries of many clients without ever retrying at once.
@@ -123,6 +158,22 @@ class IngestClient:
 
 class _ServerError(Exception):
     """A 5xx answer: the gateway or its dependencies failed; the request may be resent."""
+
+
+class _Throttled(Exception):
+    """A 429 refusing the whole request; resend after ``retry_after_s``."""
+
+    def __init__(self, message: str, retry_after_s: float) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+def _retry_after_s(header: str | None) -> float:
+    """Seconds from a ``Retry-After`` header; the HTTP-date form is read as 'soon'."""
+    try:
+        return max(0.0, float(header)) if header else 0.0
+    except ValueError:
+        return 0.0
 
 
 def make_event(

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
@@ -40,12 +42,29 @@ class IngestSettings(BaseSettings):
     retry_after_s: int = Field(1, ge=0)
     """The ``Retry-After`` header sent with a 429."""
 
+    auth_required: bool = True
+    """Refuse requests without a valid API key (ingest/auth.py). Off only for local experiments."""
+
+    key_cache_ttl_s: float = Field(1.0, gt=0, le=300)
+    """How long a gateway trusts a key record it read from Redis: a revocation takes effect within this."""
+
+    tls_cert_file: Path | None = None
+    """PEM certificate chain: when set (with tls_key_file), both listeners speak TLS only."""
+
+    tls_key_file: Path | None = None
+    """PEM private key of tls_cert_file."""
+
     @model_validator(mode="after")
     def _claim_outlives_produce(self) -> IngestSettings:
         # A claim that expired while its produce is still in flight would let a resend
         # produce the same event a second time.
         if self.claim_ttl_s * 1000 <= self.produce_timeout_ms:
             raise ValueError(f"claim_ttl_s ({self.claim_ttl_s} s) must exceed produce_timeout_ms ({self.produce_timeout_ms} ms)")
+        if (self.tls_cert_file is None) != (self.tls_key_file is None):
+            raise ValueError("set both tls_cert_file and tls_key_file, or neither")
+        for path in (self.tls_cert_file, self.tls_key_file):
+            if path is not None and not path.is_file():
+                raise ValueError(f"TLS file {path} does not exist")
         if self.http_port == self.grpc_port:
             raise ValueError(f"http_port and grpc_port must differ, both are {self.http_port}")
         return self

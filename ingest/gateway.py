@@ -1,32 +1,39 @@
 """The transport-independent core of ingest: validate, deduplicate, produce.
 
-Both the HTTP and the gRPC front ends hand their batches to ``Gateway.publish`` and
-only translate its per-event results into their own status codes.
+Both the HTTP and the gRPC front ends authenticate the request (ingest/auth.py) and
+hand its batch to ``Gateway.publish``; they only translate its per-event results
+into their own status codes.
 
-Dedup protocol (Redis key ``rtrl:ingest:event:<event_id>``):
-  1. claim: ``SET key pending NX EX claim_ttl_s`` — if the key held ``done`` the event
-     is a DUPLICATE; if it held ``pending`` another request is writing it: RETRY.
-  2. produce to ``topics.BY_PAYLOAD[payload]`` keyed by rollout_id and wait for the ack.
+Dedup protocol (Redis key ``rtrl:ingest:event:<event_id>``), one script call per batch:
+  1. claim: ``SET key pending NX GET EX claim_ttl_s`` — if the key held ``done`` the
+     event is a DUPLICATE; if it held ``pending`` another request is writing it: RETRY.
+  2. produce to ``topics.BY_PAYLOAD[payload]`` keyed by rollout_id and wait for the acks.
   3. ack: ``SET key done EX dedup_ttl_s`` → ACCEPTED. Produce failure: ``DEL key`` → RETRY,
      so the client's resend is not mistaken for a duplicate.
 A gateway that dies between 2 and 3 leaves a pending claim that expires after
 ``claim_ttl_s``; a resend then writes the event again, which is why every consumer
 deduplicates by event_id too (at-least-once here, exactly-once after the consumers).
 
-Privacy-mode events are never produced: an atomic script marks the event_id done and
-increments ``rtrl:privacy:<payload>``, so a resend is not counted twice.
+Privacy: an event flagged ``privacy_mode`` by the client, or from a user in the
+``rtrl:ingest:private-users`` set, is never produced. The same script marks its event_id
+done and increments ``rtrl:privacy:<payload>``, so a resend is not counted twice.
+
+Trace context: each batch is one ``ingest publish`` span (a child of the client's
+``traceparent``, if it sent one), and every record carries the span's W3C
+``traceparent`` in its Kafka headers (the client's own when no SDK records spans).
 """
 
 from __future__ import annotations
 
-import asyncio
 import time
 from dataclasses import asdict, dataclass
 from typing import Awaitable, Callable, Protocol, Sequence
 
 import redis.asyncio as aioredis
-from confluent_kafka import KafkaException
+from opentelemetry import trace
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
+from ingest.auth import PRIVATE_USERS, ApiKey
 from ingest.validation import validate
 from rtrl import topics
 from rtrl.v1 import ingest_pb2, telemetry_pb2
@@ -41,21 +48,48 @@ RETRY = ingest_pb2.EventResult.STATUS_RETRY
 
 _PENDING = b"pending"
 _DONE = b"done"
+PAYLOADS = ("edit_shown", "edit_outcome", "persistence", "followup")
 
-# KEYS: dedup key, privacy counter; ARGV: dedup ttl. 1 if counted, 0 if seen before.
-_PRIVACY_SCRIPT = """
-if redis.call('SET', KEYS[1], 'done', 'NX', 'EX', ARGV[1]) then
-  redis.call('INCR', KEYS[2])
-  return 1
+# What the claim script answers per event.
+CLAIMED, SEEN, BEING_WRITTEN, PRIVATE_COUNTED, PRIVATE_SEEN = range(5)
+
+# KEYS: n dedup keys, the private-users set, then the privacy counters in PAYLOADS order.
+# ARGV: claim ttl, dedup ttl, then per event: user_id, flagged (0/1), payload index (1-based).
+_CLAIM_SCRIPT = """
+local n = #KEYS - 1 - 4
+local out = {}
+for i = 1, n do
+  local user, flagged, kind = ARGV[3 * i], ARGV[3 * i + 1], tonumber(ARGV[3 * i + 2])
+  if flagged == '1' or redis.call('SISMEMBER', KEYS[n + 1], user) == 1 then
+    if redis.call('SET', KEYS[i], 'done', 'NX', 'EX', ARGV[2]) then
+      redis.call('INCR', KEYS[n + 1 + kind])
+      out[i] = 3
+    else
+      out[i] = 4
+    end
+  else
+    local previous = redis.call('SET', KEYS[i], 'pending', 'NX', 'GET', 'EX', ARGV[1])
+    if not previous then
+      out[i] = 0
+    elseif previous == 'done' then
+      out[i] = 1
+    else
+      out[i] = 2
+    end
+  end
 end
-return 0
+return out
 """
+
+_tracer = trace.get_tracer("rtrl.ingest")
+_propagator = TraceContextTextMapPropagator()
 
 
 class Producer(Protocol):
-    """What the gateway needs from rtrl.kafka.AsyncProducer: a send resolved on broker ack."""
+    """What the gateway needs from rtrl.kafka.AsyncProducer: a batch send resolved once
+    the broker has acknowledged (or failed) every record."""
 
-    def send(self, topic: str, value: bytes, key: str, headers: list[tuple[str, bytes]] | None = None) -> Awaitable: ...
+    def send_batch(self, records: list[tuple[str, bytes, str, list[tuple[str, bytes]]]]) -> Awaitable[list[BaseException | None]]: ...
 
 
 @dataclass
@@ -67,6 +101,7 @@ class GatewayCounters:
     rejected: int = 0
     retry: int = 0
     privacy: int = 0
+    """Privacy-mode events counted (never published)."""
 
 
 def dedup_key(event_id: str) -> str:
@@ -98,16 +133,34 @@ class Gateway:
         self._claim_ttl_s = claim_ttl_s
         self._max_inflight = max_inflight
         self._clock_ms = clock_ms
-        self._privacy = redis.register_script(_PRIVACY_SCRIPT)
+        self._claim = redis.register_script(_CLAIM_SCRIPT)
         self.inflight = 0
         self.counters = GatewayCounters()
 
     def status(self) -> dict:
         return {**asdict(self.counters), "inflight": self.inflight}
 
-    async def publish(self, events: Sequence[telemetry_pb2.TelemetryEvent]) -> list[ingest_pb2.EventResult]:
+    async def publish(
+        self, events: Sequence[telemetry_pb2.TelemetryEvent], *, key: ApiKey | None = None, traceparent: str = ""
+    ) -> list[ingest_pb2.EventResult]:
         """One result per event, in order. Good events are written even when others in the
-        batch are rejected; only RETRY results are worth sending again."""
+        batch are rejected; only RETRY results are worth sending again. ``key`` limits
+        the event types (None: the gateway runs without authentication)."""
+        parent = _propagator.extract({"traceparent": traceparent}) if traceparent else None
+        with _tracer.start_as_current_span("ingest publish", context=parent, kind=trace.SpanKind.PRODUCER) as span:
+            span.set_attributes({
+                "messaging.system": "kafka", "messaging.operation.type": "publish", "messaging.batch.message_count": len(events),
+            })
+            if key is not None:
+                span.set_attribute("rtrl.client_id", key.client_id)
+            carrier: dict[str, str] = {}
+            _propagator.inject(carrier)
+            headers = [("traceparent", (carrier.get("traceparent") or traceparent).encode())] if carrier or traceparent else []
+            return await self._publish(events, key, headers)
+
+    async def _publish(
+        self, events: Sequence[telemetry_pb2.TelemetryEvent], key: ApiKey | None, headers: list[tuple[str, bytes]]
+    ) -> list[ingest_pb2.EventResult]:
         now_ms = self._clock_ms()
         results: list[ingest_pb2.EventResult | None] = [None] * len(events)
         first_seen: dict[str, int] = {}
@@ -117,6 +170,10 @@ class Gateway:
             rejection = validate(event, now_ms)
             if rejection is not None:
                 results[i] = _result(event, REJECTED, rejection.field, rejection.reason)
+            elif key is not None and not key.allows(event.WhichOneof("payload")):
+                results[i] = _result(
+                    event, REJECTED, "payload", f"the API key of client {key.client_id!r} may not send {event.WhichOneof('payload')} events"
+                )
             elif event.event_id in first_seen:
                 repeats.append((i, first_seen[event.event_id]))
             else:
@@ -129,7 +186,7 @@ class Gateway:
         # Reserve the capacity before the first await so concurrent requests see it.
         self.inflight += len(admitted)
         try:
-            outcomes = await self._write([events[i] for i in admitted])
+            outcomes = await self._write([events[i] for i in admitted], headers)
         finally:
             self.inflight -= len(admitted)
         for i, outcome in zip(admitted, outcomes):
@@ -141,63 +198,54 @@ class Gateway:
         self._count(events, results)
         return results
 
-    async def _write(self, events: list[telemetry_pb2.TelemetryEvent]) -> list[ingest_pb2.EventResult]:
+    async def _write(self, events: list[telemetry_pb2.TelemetryEvent], headers: list[tuple[str, bytes]]) -> list[ingest_pb2.EventResult]:
         if not events:
             return []
-        async with self._redis.pipeline(transaction=False) as pipe:
-            for event in events:
-                if event.privacy_mode:
-                    await self._privacy(
-                        keys=[dedup_key(event.event_id), privacy_key(event.WhichOneof("payload"))],
-                        args=[self._dedup_ttl_s],
-                        client=pipe,
-                    )
-                else:
-                    pipe.set(dedup_key(event.event_id), _PENDING, nx=True, ex=self._claim_ttl_s, get=True)
-            claims = await pipe.execute()
+        keys = [dedup_key(event.event_id) for event in events]
+        keys.append(PRIVATE_USERS)
+        keys.extend(privacy_key(payload) for payload in PAYLOADS)
+        args: list[object] = [self._claim_ttl_s, self._dedup_ttl_s]
+        for event in events:
+            args.extend((event.user_id, 1 if event.privacy_mode else 0, PAYLOADS.index(event.WhichOneof("payload")) + 1))
+        claims = await self._claim(keys=keys, args=args)
 
         results: list[ingest_pb2.EventResult | None] = [None] * len(events)
         to_produce: list[int] = []
         for i, (event, claim) in enumerate(zip(events, claims)):
-            if event.privacy_mode:
-                results[i] = _result(event, ACCEPTED if claim == 1 else DUPLICATE)
-            elif claim is None:
+            if claim == CLAIMED:
                 to_produce.append(i)
-            elif claim == _DONE:
+            elif claim in (SEEN, PRIVATE_SEEN):
                 results[i] = _result(event, DUPLICATE)
+            elif claim == PRIVATE_COUNTED:
+                # ACCEPTED for the client (it must not resend); counted apart from published events.
+                results[i] = _result(event, ACCEPTED)
+                self.counters.privacy += 1
+                self.counters.accepted -= 1
             else:
                 results[i] = _result(event, RETRY, "event_id", "another request is writing this event_id, retry later")
+        if not to_produce:
+            return results
 
-        acks = await asyncio.gather(*(self._send(events[i]) for i in to_produce), return_exceptions=True)
+        # send_batch enqueues in batch order before anything is awaited, so events of
+        # one rollout keep their order on its partition.
+        errors = await self._producer.send_batch([
+            (topics.BY_PAYLOAD[events[i].WhichOneof("payload")], events[i].SerializeToString(), events[i].rollout_id, headers)
+            for i in to_produce
+        ])
         async with self._redis.pipeline(transaction=False) as pipe:
-            for i, ack in zip(to_produce, acks):
-                if isinstance(ack, (KafkaException, BufferError)):
-                    pipe.delete(dedup_key(events[i].event_id))
-                    results[i] = _result(events[i], RETRY, "", f"broker did not take the event: {ack}")
-                elif isinstance(ack, BaseException):
-                    raise ack
+            for i, error in zip(to_produce, errors):
+                if error is not None:
+                    pipe.delete(keys[i])
+                    results[i] = _result(events[i], RETRY, "", f"broker did not take the event: {error}")
                 else:
-                    pipe.set(dedup_key(events[i].event_id), _DONE, ex=self._dedup_ttl_s)
+                    pipe.set(keys[i], _DONE, ex=self._dedup_ttl_s)
                     results[i] = _result(events[i], ACCEPTED)
             await pipe.execute()
         return results
 
-    def _send(self, event: telemetry_pb2.TelemetryEvent) -> Awaitable:
-        topic = topics.BY_PAYLOAD[event.WhichOneof("payload")]
-        # send() enqueues synchronously, in batch order, before anything is awaited,
-        # so events of one rollout keep their order on its partition.
-        try:
-            return self._producer.send(topic, event.SerializeToString(), key=event.rollout_id)
-        except BufferError as exc:  # librdkafka's local queue is full
-            failed = asyncio.get_running_loop().create_future()
-            failed.set_exception(exc)
-            return failed
-
     def _count(self, events: Sequence[telemetry_pb2.TelemetryEvent], results: list[ingest_pb2.EventResult]) -> None:
-        for event, result in zip(events, results):
-            if result.status == ACCEPTED and event.privacy_mode:
-                self.counters.privacy += 1
-            elif result.status == ACCEPTED:
+        for result in results:
+            if result.status == ACCEPTED:
                 self.counters.accepted += 1
             elif result.status == DUPLICATE:
                 self.counters.duplicate += 1

@@ -1,14 +1,25 @@
 """The ingest process: HTTP and gRPC front ends over one Gateway, plus its heartbeat.
 
+Every request carries an API key (``Authorization: Bearer <key>``; gRPC metadata
+``authorization``), checked against ingest/auth.py before its body is looked at.
+
 HTTP ``POST /v1/events`` takes the protobuf JSON mapping of PublishEventsRequest
 (camelCase or original field names) and answers a JSON PublishEventsResponse:
   200  every event ACCEPTED or DUPLICATE
   207  some events REJECTED, the rest ACCEPTED/DUPLICATE (read the per-event results)
   400  every event REJECTED; or the body is not a PublishEventsRequest / too many events
        (then the body is ``{"error": ...}`` and no event was looked at)
-  429  at least one event is RETRY (``Retry-After`` set); the others' results are final
-gRPC ``rtrl.v1.Ingest/PublishEvents`` always answers OK with the same per-event results
-(INVALID_ARGUMENT only for an oversized batch).
+  401  no API key, an unknown one, a revoked or expired one (``{"error": ...}``)
+  403  the key may send none of the batch's event types
+  413  the body is larger than max_body_bytes
+  429  at least one event is RETRY (``Retry-After`` set); the others' results are final;
+       or the key's rate limit is spent (``{"error": ...}``, nothing was looked at)
+gRPC ``rtrl.v1.Ingest/PublishEvents`` answers OK with the same per-event results, or:
+  INVALID_ARGUMENT    the request does not parse, is oversized, or every event is invalid
+                      (the details name each event's field and reason)
+  UNAUTHENTICATED     / PERMISSION_DENIED as 401 / 403
+  RESOURCE_EXHAUSTED  rate limit spent, or no event admitted (backpressure); trailing
+                      metadata ``retry-after`` in seconds
 """
 
 from __future__ import annotations
@@ -16,25 +27,78 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
+import ssl
 from dataclasses import dataclass
 
 import grpc
 import redis.asyncio as aioredis
 from aiohttp import web
 from google.protobuf import json_format
+from google.protobuf.message import DecodeError
 
+from ingest.auth import ApiKey, KeyCache, RateLimiter
 from ingest.config import IngestSettings
-from ingest.gateway import REJECTED, RETRY, Gateway
+from ingest.gateway import REJECTED, RETRY, Gateway, wall_clock_ms as gateway_clock_ms
 from rtrl import heartbeat, kafka
 from rtrl.config import StackSettings
 from rtrl.runtime import until_stopped
-from rtrl.v1 import ingest_pb2, ingest_pb2_grpc
+from rtrl.v1 import ingest_pb2
 
 log = logging.getLogger("ingest")
 
 SERVICE = "ingest"
 _GATEWAY = web.AppKey("gateway", Gateway)
 _SETTINGS = web.AppKey("settings", IngestSettings)
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """A whole request refused before its events were looked at."""
+
+    http_status: int
+    grpc_code: grpc.StatusCode
+    message: str
+    retry_after_s: float = 0.0
+
+
+class Door:
+    """Authentication and rate limiting, shared by both front ends."""
+
+    def __init__(self, keys: KeyCache | None, limiter: RateLimiter | None) -> None:
+        self._keys = keys
+        self._limiter = limiter
+
+    async def admit(self, authorization: str, events: list) -> tuple[ApiKey | None, Refusal | None]:
+        if self._keys is None:
+            return None, None
+        scheme, _, token = authorization.partition(" ")
+        if scheme.lower() != "bearer" or not token.strip():
+            return None, Refusal(401, grpc.StatusCode.UNAUTHENTICATED, "missing API key: send 'Authorization: Bearer <key>'")
+        key = await self._keys.lookup(token.strip())
+        if key is None:
+            return None, Refusal(401, grpc.StatusCode.UNAUTHENTICATED, "unknown API key")
+        why = key.usable(gateway_clock_ms())
+        if why is not None:
+            return key, Refusal(401, grpc.StatusCode.UNAUTHENTICATED, why)
+        kinds = {event.WhichOneof("payload") for event in events} - {None}
+        if kinds and not any(key.allows(kind) for kind in kinds):
+            allowed = ", ".join(sorted(key.scopes))
+            return key, Refusal(
+                403, grpc.StatusCode.PERMISSION_DENIED,
+                f"the API key of client {key.client_id!r} may send only {allowed}, not {', '.join(sorted(kinds))}",
+            )
+        wait_s = await self._limiter.take(key, len(events))
+        if wait_s > 0:
+            return key, Refusal(
+                429, grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"rate limit of client {key.client_id!r} ({key.rate_per_s:g} events/s) spent: retry in {wait_s:.2f} s",
+                retry_after_s=wait_s,
+            )
+        return key, None
+
+
+_DOOR = web.AppKey("door", Door)
 
 
 def http_status(results: list[ingest_pb2.EventResult]) -> int:
@@ -46,10 +110,11 @@ def http_status(results: list[ingest_pb2.EventResult]) -> int:
     return 200
 
 
-def build_http_app(gateway: Gateway, settings: IngestSettings) -> web.Application:
+def build_http_app(gateway: Gateway, settings: IngestSettings, door: Door | None = None) -> web.Application:
     app = web.Application(client_max_size=settings.max_body_bytes)
     app[_GATEWAY] = gateway
     app[_SETTINGS] = settings
+    app[_DOOR] = door or Door(None, None)
     app.router.add_post("/v1/events", _post_events)
     app.router.add_get("/healthz", _healthz)
     return app
@@ -64,7 +129,11 @@ async def _post_events(request: web.Request) -> web.Response:
         return _error(400, f"body is not the JSON form of rtrl.v1.PublishEventsRequest: {exc}")
     if len(batch.events) > settings.max_batch:
         return _error(400, f"batch has {len(batch.events)} events, at most {settings.max_batch} allowed: split it")
-    results = await gateway.publish(batch.events)
+    key, refusal = await request.app[_DOOR].admit(request.headers.get("Authorization", ""), batch.events)
+    if refusal is not None:
+        headers = {"Retry-After": str(math.ceil(refusal.retry_after_s))} if refusal.retry_after_s else None
+        return _error(refusal.http_status, refusal.message, headers)
+    results = await gateway.publish(batch.events, key=key, traceparent=request.headers.get("traceparent", ""))
     status = http_status(results)
     headers = {"Retry-After": str(settings.retry_after_s)} if status == 429 else None
     body = json_format.MessageToJson(ingest_pb2.PublishEventsResponse(results=results), indent=None)
@@ -75,19 +144,49 @@ async def _healthz(request: web.Request) -> web.Response:
     return web.json_response({"status": "ok", **request.app[_GATEWAY].status()})
 
 
-def _error(status: int, message: str) -> web.Response:
-    return web.Response(status=status, text=json.dumps({"error": message}), content_type="application/json")
+def _error(status: int, message: str, headers: dict[str, str] | None = None) -> web.Response:
+    return web.Response(status=status, text=json.dumps({"error": message}), content_type="application/json", headers=headers)
 
 
-class IngestServicer(ingest_pb2_grpc.IngestServicer):
-    def __init__(self, gateway: Gateway, max_batch: int) -> None:
+class IngestServicer:
+    """``rtrl.v1.Ingest/PublishEvents`` over raw bytes: a request that does not parse is
+    answered INVALID_ARGUMENT with the parser's reason (a generated servicer would
+    fail it as INTERNAL before any code of ours ran)."""
+
+    def __init__(self, gateway: Gateway, settings: IngestSettings, door: Door) -> None:
         self._gateway = gateway
-        self._max_batch = max_batch
+        self._settings = settings
+        self._door = door
 
-    async def PublishEvents(self, request: ingest_pb2.PublishEventsRequest, context: grpc.aio.ServicerContext) -> ingest_pb2.PublishEventsResponse:
-        if len(request.events) > self._max_batch:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"batch has {len(request.events)} events, at most {self._max_batch} allowed")
-        return ingest_pb2.PublishEventsResponse(results=await self._gateway.publish(request.events))
+    def handler(self) -> grpc.GenericRpcHandler:
+        method = grpc.unary_unary_rpc_method_handler(
+            self.publish_events, request_deserializer=None, response_serializer=ingest_pb2.PublishEventsResponse.SerializeToString
+        )
+        return grpc.method_handlers_generic_handler("rtrl.v1.Ingest", {"PublishEvents": method})
+
+    async def publish_events(self, raw: bytes, context: grpc.aio.ServicerContext) -> ingest_pb2.PublishEventsResponse:
+        try:
+            request = ingest_pb2.PublishEventsRequest.FromString(raw)
+        except DecodeError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"request is not a serialized rtrl.v1.PublishEventsRequest: {exc}")
+        events = request.events
+        if len(events) > self._settings.max_batch:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"batch has {len(events)} events, at most {self._settings.max_batch} allowed")
+        metadata = dict(context.invocation_metadata() or ())
+        key, refusal = await self._door.admit(metadata.get("authorization", ""), events)
+        if refusal is not None:
+            if refusal.retry_after_s:
+                context.set_trailing_metadata((("retry-after", str(math.ceil(refusal.retry_after_s))),))
+            await context.abort(refusal.grpc_code, refusal.message)
+        results = await self._gateway.publish(events, key=key, traceparent=metadata.get("traceparent", ""))
+        statuses = {r.status for r in results}
+        if results and statuses == {REJECTED}:
+            problems = "; ".join(f"event {i} ({r.event_id[:40]!r}): {r.field}: {r.error}" for i, r in enumerate(results[:20]))
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"every event is invalid: {problems}")
+        if results and statuses == {RETRY}:
+            context.set_trailing_metadata((("retry-after", str(self._settings.retry_after_s)),))
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"no event admitted: {results[0].error}")
+        return ingest_pb2.PublishEventsResponse(results=results)
 
 
 @dataclass
@@ -126,20 +225,42 @@ async def start(stack: StackSettings, settings: IngestSettings) -> IngestServer:
         max_inflight=settings.max_inflight,
     )
 
-    runner = web.AppRunner(build_http_app(gateway, settings), access_log=None)
+    door = Door(KeyCache(redis, settings.key_cache_ttl_s), RateLimiter(redis)) if settings.auth_required else Door(None, None)
+    if not settings.auth_required:
+        log.warning("RTRL_INGEST_AUTH_REQUIRED=false: accepting events without an API key")
+
+    runner = web.AppRunner(build_http_app(gateway, settings, door), access_log=None)
     await runner.setup()
-    await web.TCPSite(runner, settings.bind_host, settings.http_port).start()
+    await web.TCPSite(runner, settings.bind_host, settings.http_port, ssl_context=_http_tls(settings)).start()
 
     options = [("grpc.max_receive_message_length", settings.max_body_bytes)]
     grpc_server = grpc.aio.server(options=options)
-    ingest_pb2_grpc.add_IngestServicer_to_server(IngestServicer(gateway, settings.max_batch), grpc_server)
-    if grpc_server.add_insecure_port(f"{settings.bind_host}:{settings.grpc_port}") == 0:
-        raise RuntimeError(f"cannot bind gRPC to {settings.bind_host}:{settings.grpc_port}")
+    grpc_server.add_generic_rpc_handlers((IngestServicer(gateway, settings, door).handler(),))
+    address = f"{settings.bind_host}:{settings.grpc_port}"
+    credentials = _grpc_tls(settings)
+    bound = grpc_server.add_secure_port(address, credentials) if credentials else grpc_server.add_insecure_port(address)
+    if bound == 0:
+        raise RuntimeError(f"cannot bind gRPC to {address}")
     await grpc_server.start()
 
     beats = asyncio.create_task(heartbeat.beat_forever(redis, SERVICE, stack.instance, gateway.status))
     log.info("ingest listening: http %s:%d, grpc %s:%d", settings.bind_host, settings.http_port, settings.bind_host, settings.grpc_port)
     return IngestServer(gateway, producer, redis, runner, grpc_server, beats)
+
+
+def _http_tls(settings: IngestSettings) -> ssl.SSLContext | None:
+    if settings.tls_cert_file is None:
+        return None
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.minimum_version = ssl.TLSVersion.TLSv1_2
+    context.load_cert_chain(settings.tls_cert_file, settings.tls_key_file)
+    return context
+
+
+def _grpc_tls(settings: IngestSettings) -> grpc.ServerCredentials | None:
+    if settings.tls_cert_file is None:
+        return None
+    return grpc.ssl_server_credentials([(settings.tls_key_file.read_bytes(), settings.tls_cert_file.read_bytes())])
 
 
 async def serve(stack: StackSettings, settings: IngestSettings) -> None:

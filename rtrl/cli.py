@@ -14,6 +14,8 @@ from rich.console import Console
 app = typer.Typer(help="rtrl: real-time reinforcement learning from product telemetry.", no_args_is_help=True)
 bench_app = typer.Typer(help="Benchmarks; each writes bench/results/<name>.json.", no_args_is_help=True)
 app.add_typer(bench_app, name="bench")
+keys_app = typer.Typer(help="API keys of product clients (stored hashed in Redis; RTRL_REDIS_URL).", no_args_is_help=True)
+app.add_typer(keys_app, name="keys")
 console = Console()
 
 
@@ -207,6 +209,85 @@ def bench_trainer(
     from rtrl.bench_trainer import run
 
     run(out, console, batch_size=batch, steps=steps)
+
+
+@bench_app.command("ingest")
+def bench_ingest(
+    events: int = typer.Option(60_000, help="Events per round and side."),
+    batch: int = typer.Option(500, help="Events per gateway request."),
+    concurrency: int = typer.Option(8, help="Gateway requests in flight."),
+    rounds: int = typer.Option(3, help="Alternating rounds; the best of each side is reported."),
+    out: Path = typer.Option(Path("bench/results/ingest.json")),
+) -> None:
+    """Events/s through the gateway against a bare confluent-kafka producer on the same broker."""
+    from rtrl.bench_ingest import run
+
+    run(out, console, events_per_round=events, batch=batch, concurrency=concurrency, rounds=rounds)
+
+
+def _redis_call(function, *args, **kwargs):
+    import asyncio
+
+    import redis.asyncio as aioredis
+
+    from rtrl.config import StackSettings
+
+    async def call():
+        redis = aioredis.Redis.from_url(StackSettings().redis_url)
+        try:
+            return await function(redis, *args, **kwargs)
+        finally:
+            await redis.aclose()
+
+    return asyncio.run(call())
+
+
+@keys_app.command("create")
+def keys_create(
+    client: str = typer.Argument(..., help="Client id the key belongs to."),
+    events: str = typer.Option("*", help="Comma-separated event types it may send (edit_shown, edit_outcome, persistence, followup) or *."),
+    rate: float = typer.Option(0.0, help="Events per second (0: unlimited)."),
+    burst: float = typer.Option(None, help="Largest burst in events (default: one second's worth)."),
+) -> None:
+    """Issue a key; it is printed once and stored only as its hash."""
+    from ingest.auth import issue_key
+
+    key = _redis_call(issue_key, client, scopes=set(events.split(",")), rate_per_s=rate, burst=burst)
+    console.print(key)
+
+
+@keys_app.command("rotate")
+def keys_rotate(
+    client: str = typer.Argument(...),
+    grace_s: float = typer.Option(3600.0, help="How long the client's current keys keep working."),
+) -> None:
+    """Issue a new key for a client; its current keys expire after the grace period."""
+    from ingest.auth import rotate_keys
+
+    console.print(_redis_call(rotate_keys, client, grace_s))
+
+
+@keys_app.command("revoke")
+def keys_revoke(key: str = typer.Argument(..., help="The key, or its SHA-256 as `rtrl keys list` shows it.")) -> None:
+    """Revoke one key at once (gateways notice within RTRL_INGEST_KEY_CACHE_TTL_S)."""
+    from ingest.auth import revoke_key
+
+    if not _redis_call(revoke_key, key):
+        console.print("[red]no such key[/]")
+        raise typer.Exit(1)
+
+
+@keys_app.command("list")
+def keys_list(client: str = typer.Argument(...)) -> None:
+    """A client's keys (hashes), scopes, limits and state."""
+    from rich.table import Table
+
+    from ingest.auth import list_keys
+
+    table = Table("key sha256", "events", "rate/s", "revoked", "expires (ms)", "created (ms)")
+    for row in _redis_call(list_keys, client):
+        table.add_row(row["key_hash"][:16] + "…", row["scopes"], row["rate_per_s"], row["revoked"], row["expires_ms"], row["created_ms"])
+    console.print(table)
 
 
 def main() -> None:

@@ -71,10 +71,27 @@ async def _drive(product: Product, duration_s: float, console: Console, redis_ur
     return await run
 
 
+def simulator_key(redis_url: str) -> str:
+    """An API key for the simulated product (a new one per run; keys are cheap)."""
+    import redis.asyncio as aioredis
+
+    from ingest.auth import issue_key
+
+    async def issue() -> str:
+        redis = aioredis.Redis.from_url(redis_url)
+        try:
+            return await issue_key(redis, "simulated-product")
+        finally:
+            await redis.aclose()
+
+    return asyncio.run(issue())
+
+
 def run_product(stack: StackFile, duration_s: float, console: Console, **product_options) -> ProductStats:
     product = Product(
         stack.urls("inference", "RTRL_INFERENCE_HTTP_PORT"),
         stack.urls("ingest", "RTRL_INGEST_HTTP_PORT")[0],
+        api_key=simulator_key(stack.redis_url),
         **product_options,
     )
     return asyncio.run(_drive(product, duration_s, console, stack.redis_url))

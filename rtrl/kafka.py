@@ -112,6 +112,41 @@ class AsyncProducer:
         self._producer.produce(topic, value, key=key.encode(), headers=headers or [], on_delivery=on_delivery)
         return future
 
+    def send_batch(self, records: list[tuple[str, bytes, str, list[tuple[str, bytes]]]]) -> asyncio.Future:
+        """Produce (topic, value, key, headers) records in order; the future resolves once
+        every one is acknowledged or failed, to a list of per-record errors (None for
+        acknowledged). One wake-up of the event loop per batch, not per record."""
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        errors: list[BaseException | None] = [None] * len(records)
+        left = [len(records)]
+        lock = threading.Lock()
+
+        def settle() -> None:
+            # Called from the poll thread (deliveries) and this one (a full local queue).
+            with lock:
+                left[0] -= 1
+                done = left[0] == 0
+            if done:
+                loop.call_soon_threadsafe(_set_result, future, errors)
+
+        for index, (topic, value, key, headers) in enumerate(records):
+            def on_delivery(err, msg, index=index) -> None:
+                if err is not None:
+                    errors[index] = KafkaException(err)
+                settle()
+
+            try:
+                self._producer.produce(topic, value, key=key.encode(), headers=headers, on_delivery=on_delivery)
+            except BufferError as exc:  # librdkafka's local queue is full: this one and the rest fail
+                for rest in range(index, len(records)):
+                    errors[rest] = exc
+                    settle()
+                break
+        if not records:
+            future.set_result(errors)
+        return future
+
     def pending(self) -> int:
         return len(self._producer)
 

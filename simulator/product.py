@@ -85,6 +85,7 @@ class Product:
         inference_urls: list[str],
         ingest_url: str,
         *,
+        api_key: str | None = None,
         users: int = 400,
         clients: int = 48,
         report_delay_s: float = 0.3,
@@ -93,7 +94,7 @@ class Product:
         seed: int = 7,
     ) -> None:
         self.inference_urls = inference_urls
-        self.ingest = IngestClient(ingest_url)
+        self.ingest = IngestClient(ingest_url, api_key=api_key)
         self.users = population(users, seed=seed, privacy_share=privacy_share)
         self.clients = clients
         self.report_delay_s = report_delay_s

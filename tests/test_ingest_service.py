@@ -39,7 +39,8 @@ def collect_kafka_clients(stack_settings):
 
 
 def ingest_settings(**overrides) -> IngestSettings:
-    return IngestSettings(http_port=free_port(), grpc_port=free_port(), **overrides)
+    # Delivery semantics without keys; tests/test_ingest_auth.py covers authentication.
+    return IngestSettings(http_port=free_port(), grpc_port=free_port(), **{"auth_required": False, **overrides})
 
 
 def shown(rollout: str, **kw):
@@ -195,19 +196,17 @@ def test_client_gives_up_with_retry_when_nothing_listens():
 
 
 class FailingProducer:
-    def send(self, topic, value, key, headers=None):
-        future = asyncio.get_running_loop().create_future()
-        future.set_exception(KafkaException("broker down"))
-        return future
+    async def send_batch(self, records):
+        return [KafkaException("broker down") for _ in records]
 
 
 class RecordingProducer:
     def __init__(self):
         self.sent = []
 
-    async def send(self, topic, value, key, headers=None):
-        self.sent.append((topic, key, value))
-        return (0, len(self.sent) - 1)
+    async def send_batch(self, records):
+        self.sent.extend((topic, key, value) for topic, value, key, _ in records)
+        return [None for _ in records]
 
 
 def test_failed_produce_releases_the_claim_so_the_resend_is_not_a_duplicate(redis_url):
@@ -241,7 +240,10 @@ def test_failed_produce_releases_the_claim_so_the_resend_is_not_a_duplicate(redi
 
 def test_ingest_process_accepts_events_and_stops_cleanly_on_sigterm(stack_settings, stack_env, tmp_path, repo_root):
     http_port, grpc_port = free_port(), free_port()
-    env = {**stack_env, "RTRL_INGEST_HTTP_PORT": str(http_port), "RTRL_INGEST_GRPC_PORT": str(grpc_port), "PYTHONPATH": str(repo_root)}
+    env = {
+        **stack_env, "RTRL_INGEST_HTTP_PORT": str(http_port), "RTRL_INGEST_GRPC_PORT": str(grpc_port),
+        "RTRL_INGEST_AUTH_REQUIRED": "false", "PYTHONPATH": str(repo_root),
+    }
     proc = procs.spawn("ingest", [sys.executable, "-m", "ingest"], tmp_path / "ingest.log", env=env, port=http_port)
     event = followup("r1")
     try:

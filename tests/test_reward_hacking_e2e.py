@@ -50,8 +50,11 @@ def drift_alerts(stack) -> list[dict]:
 
 
 async def drive_until_alert(stack) -> tuple[list[dict], float]:
+    from rtrl.demo import simulator_key
+
     product = Product(
-        stack.urls("inference", "RTRL_INFERENCE_HTTP_PORT"), stack.urls("ingest", "RTRL_INGEST_HTTP_PORT")[0], users=400, clients=32
+        stack.urls("inference", "RTRL_INFERENCE_HTTP_PORT"), stack.urls("ingest", "RTRL_INGEST_HTTP_PORT")[0],
+        api_key=await asyncio.to_thread(simulator_key, stack.redis_url), users=400, clients=32,
     )
     run = asyncio.create_task(product.run(MAX_PRODUCT_S))
     started = time.monotonic()

@@ -1,0 +1,213 @@
+"""`rtrl bench ingest`: events/s through the gateway against a bare producer.
+
+On a fresh Tansu broker and Redis, the gateway (``python -m ingest``, API keys
+required, as deployed) takes batches of realistic ~1 KB events over gRPC from
+``concurrency`` clients in this process. The baseline is a bare confluent-kafka
+producer in this process sending the same serialized events, keyed the same way,
+to the same topics of the same broker. The two alternate for ``rounds`` rounds;
+each figure is the best round, and ``ratio`` is gateway / raw.
+
+Every gateway event is also checked: all ACCEPTED, and the broker's end offsets
+grew by exactly the number sent (nothing lost, nothing doubled).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import sys
+import tempfile
+import time
+import uuid
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from rtrl import procs, topics
+from rtrl.bench_join import code_version
+from rtrl.config import StackSettings
+
+EVENT_BYTES = 1024
+
+
+@dataclass(frozen=True)
+class IngestBench:
+    events_per_s: float
+    raw_producer_events_per_s: float
+    ratio: float
+    event_bytes: int
+    batch: int
+    concurrency: int
+    events_per_round: int
+    rounds: int
+    gateway_rounds: list[float]
+    raw_rounds: list[float]
+    exact: bool
+    code_version: str
+
+
+def make_events(n: int, seed: int = 0) -> list:
+    """Edit-shown events of about EVENT_BYTES serialized, over many rollouts."""
+    from ingest.client import make_event
+    from rtrl.v1 import telemetry_pb2
+
+    now_ms = time.time_ns() // 1_000_000
+    body = ("    return helper(value)  # keep the house style\n" * 40)[: EVENT_BYTES - 190]
+    events = []
+    for i in range(n):
+        event = make_event(
+            f"rollout-{seed}-{i // 4}", f"session-{i // 64}", f"user-{i % 997}",
+            edit_shown=telemetry_pb2.EditShown(file_path=f"src/module_{i % 50}.py", edit_text=body),
+            client_ts_ms=now_ms,
+        )
+        events.append(event)
+    return events
+
+
+def raw_round(stack: StackSettings, events: list) -> float:
+    from confluent_kafka import Producer
+
+    from rtrl.kafka import producer_config
+
+    records = [(topics.BY_PAYLOAD[e.WhichOneof("payload")], e.SerializeToString(), e.rollout_id.encode()) for e in events]
+    producer = Producer(producer_config(stack))
+    started = time.perf_counter()
+    for topic, value, key in records:
+        while True:
+            try:
+                producer.produce(topic, value, key=key)
+                break
+            except BufferError:
+                producer.poll(0.01)
+        producer.poll(0)
+    left = producer.flush(60)
+    elapsed = time.perf_counter() - started
+    if left:
+        raise RuntimeError(f"raw producer: {left} events unacknowledged after 60 s")
+    return len(records) / elapsed
+
+
+async def gateway_round(addr: str, key: str, events: list, batch: int, concurrency: int) -> tuple[float, int]:
+    """(events/s, events not ACCEPTED)."""
+    import grpc
+
+    from rtrl.v1 import ingest_pb2
+
+    bodies = [
+        ingest_pb2.PublishEventsRequest(events=events[start : start + batch]).SerializeToString()
+        for start in range(0, len(events), batch)
+    ]
+    queue: asyncio.Queue[bytes] = asyncio.Queue()
+    for body in bodies:
+        queue.put_nowait(body)
+    refused = 0
+    async with grpc.aio.insecure_channel(addr, options=[("grpc.max_receive_message_length", 64 << 20)]) as channel:
+        call = channel.unary_unary("/rtrl.v1.Ingest/PublishEvents", request_serializer=None, response_deserializer=ingest_pb2.PublishEventsResponse.FromString)
+        metadata = (("authorization", f"Bearer {key}"),)
+
+        async def client() -> None:
+            nonlocal refused
+            while not queue.empty():
+                body = queue.get_nowait()
+                answer = await call(body, metadata=metadata, timeout=60)
+                refused += sum(r.status != ingest_pb2.EventResult.STATUS_ACCEPTED for r in answer.results)
+
+        started = time.perf_counter()
+        await asyncio.gather(*(client() for _ in range(concurrency)))
+        elapsed = time.perf_counter() - started
+    return len(events) / elapsed, refused
+
+
+def _end_total(stack: StackSettings) -> int:
+    from rtrl import kafka
+
+    return sum(kafka.end_offsets(stack, kafka.partitions(stack, (topics.EDIT,))).values())
+
+
+def run(
+    out: Path, console: Console, *, events_per_round: int = 60_000, batch: int = 500, concurrency: int = 8, rounds: int = 3
+) -> IngestBench:
+    import redis.asyncio as aioredis
+
+    from ingest.auth import issue_key
+    from rtrl.kafka import ensure_topics, wait_for_broker
+
+    with tempfile.TemporaryDirectory(prefix="rtrl-bench-ingest-") as tmp:
+        tmp_path = Path(tmp)
+        tansu = procs.start_tansu(tmp_path / "tansu.log")
+        redis_proc = procs.start_redis(tmp_path / "redis", tmp_path / "redis.log")
+        gateway = None
+        try:
+            stack = StackSettings(
+                kafka_bootstrap=f"127.0.0.1:{tansu.port}", redis_url=f"redis://127.0.0.1:{redis_proc.port}/0", state_dir=tmp_path / "state"
+            )
+            wait_for_broker(stack)
+            ensure_topics(stack)
+            http_port, grpc_port = procs.free_port(), procs.free_port()
+            env = {
+                "RTRL_KAFKA_BOOTSTRAP": stack.kafka_bootstrap, "RTRL_REDIS_URL": stack.redis_url, "RTRL_STATE_DIR": str(stack.state_dir),
+                "RTRL_INGEST_HTTP_PORT": str(http_port), "RTRL_INGEST_GRPC_PORT": str(grpc_port),
+                "RTRL_INGEST_MAX_INFLIGHT": str(batch * concurrency * 2), "RTRL_OTEL_EXPORTER": "none",
+                "PYTHONPATH": str(Path(__file__).resolve().parent.parent) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+            }
+            gateway = procs.spawn("ingest", [sys.executable, "-m", "ingest"], tmp_path / "ingest.log", env=env, port=grpc_port)
+            procs.wait_for_port(grpc_port, timeout_s=60)
+
+            async def issue() -> str:
+                client = aioredis.Redis.from_url(stack.redis_url)
+                try:
+                    return await issue_key(client, "bench")
+                finally:
+                    await client.aclose()
+
+            key = asyncio.run(issue())
+            # Warm both paths (connections, topic metadata, the gateway's scripts).
+            raw_round(stack, make_events(2_000, seed=-1))
+            asyncio.run(gateway_round(f"127.0.0.1:{grpc_port}", key, make_events(2_000, seed=-2), batch, concurrency))
+
+            gateway_rates, raw_rates, refused, sent = [], [], 0, 0
+            before = _end_total(stack)
+            for round_index in range(rounds):
+                raw_rates.append(raw_round(stack, make_events(events_per_round, seed=2 * round_index)))
+                rate, not_accepted = asyncio.run(
+                    gateway_round(f"127.0.0.1:{grpc_port}", key, make_events(events_per_round, seed=2 * round_index + 1), batch, concurrency)
+                )
+                gateway_rates.append(rate)
+                refused += not_accepted
+                sent += 2 * events_per_round
+                console.print(f"round {round_index + 1}/{rounds}: raw producer {raw_rates[-1]:,.0f} events/s, gateway {rate:,.0f} events/s")
+            exact = refused == 0 and _end_total(stack) - before == sent
+        finally:
+            if gateway is not None:
+                gateway.stop()
+            redis_proc.stop()
+            tansu.stop()
+
+    best_gateway, best_raw = max(gateway_rates), max(raw_rates)
+    result = IngestBench(
+        events_per_s=round(best_gateway),
+        raw_producer_events_per_s=round(best_raw),
+        ratio=round(best_gateway / best_raw, 3),
+        event_bytes=len(make_events(1)[0].SerializeToString()),
+        batch=batch,
+        concurrency=concurrency,
+        events_per_round=events_per_round,
+        rounds=rounds,
+        gateway_rounds=[round(r) for r in gateway_rates],
+        raw_rounds=[round(r) for r in raw_rates],
+        exact=exact,
+        code_version=code_version("ingest"),
+    )
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(asdict(result), indent=2) + "\n")
+    table = Table(title=f"rtrl bench ingest ({result.event_bytes} B events, batches of {batch}, {concurrency} in flight)", title_justify="left")
+    for column in ("path", "events/s (best round)", "rounds", "ratio"):
+        table.add_column(column, justify="left" if column == "path" else "right")
+    table.add_row("bare confluent-kafka producer", f"{best_raw:,.0f}", ", ".join(f"{r:,.0f}" for r in raw_rates), "1.00")
+    table.add_row("gateway (gRPC, keys, dedup, validation)", f"{best_gateway:,.0f}", ", ".join(f"{r:,.0f}" for r in gateway_rates), f"{result.ratio:.2f}")
+    console.print(table)
+    console.print(f"exact: {exact} (every gateway event ACCEPTED, topic end offsets grew by exactly what was sent)")
+    return result
