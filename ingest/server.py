@@ -15,11 +15,12 @@ HTTP ``POST /v1/events`` takes the protobuf JSON mapping of PublishEventsRequest
   429  at least one event is RETRY (``Retry-After`` set); the others' results are final;
        or the key's rate limit is spent (``{"error": ...}``, nothing was looked at)
 gRPC ``rtrl.v1.Ingest/PublishEvents`` answers OK with the same per-event results, or:
-  INVALID_ARGUMENT    the request does not parse, is oversized, or every event is invalid
-                      (the details name each event's field and reason)
+  INVALID_ARGUMENT    the request does not parse, has too many events, or every event is
+                      invalid (the details name each event's field and reason)
   UNAUTHENTICATED     / PERMISSION_DENIED as 401 / 403
   RESOURCE_EXHAUSTED  rate limit spent, or no event admitted (backpressure); trailing
-                      metadata ``retry-after`` in seconds
+                      metadata ``retry-after`` in seconds. Also, from gRPC itself and
+                      without ``retry-after``, a message over max_body_bytes.
 """
 
 from __future__ import annotations
@@ -73,6 +74,8 @@ class Door:
         if self._keys is None:
             return None, None
         scheme, _, token = authorization.partition(" ")
+        if not authorization.isascii():
+            return None, Refusal(401, grpc.StatusCode.UNAUTHENTICATED, "malformed API key: not ASCII")
         if scheme.lower() != "bearer" or not token.strip():
             return None, Refusal(401, grpc.StatusCode.UNAUTHENTICATED, "missing API key: send 'Authorization: Bearer <key>'")
         key = await self._keys.lookup(token.strip())
@@ -122,9 +125,18 @@ def build_http_app(gateway: Gateway, settings: IngestSettings, door: Door | None
 
 async def _post_events(request: web.Request) -> web.Response:
     gateway, settings = request.app[_GATEWAY], request.app[_SETTINGS]
-    raw = await request.read()
     try:
-        batch = json_format.Parse(raw.decode("utf-8"), ingest_pb2.PublishEventsRequest())
+        raw = await request.read()
+    except web.RequestPayloadError as exc:
+        return _error(400, f"body does not decode: {exc}")
+    except web.HTTPRequestEntityTooLarge:
+        return _error(413, f"body is larger than {settings.max_body_bytes} bytes: split the batch")
+    try:
+        text = raw.decode("utf-8")
+        batch = json_format.Parse(text, ingest_pb2.PublishEventsRequest())
+        problem = _json_type_error(json.loads(text), ingest_pb2.PublishEventsRequest.DESCRIPTOR, "PublishEventsRequest")
+        if problem:
+            raise json_format.ParseError(problem)
     except (UnicodeDecodeError, json_format.ParseError) as exc:
         return _error(400, f"body is not the JSON form of rtrl.v1.PublishEventsRequest: {exc}")
     if len(batch.events) > settings.max_batch:
@@ -138,6 +150,29 @@ async def _post_events(request: web.Request) -> web.Response:
     headers = {"Retry-After": str(settings.retry_after_s)} if status == 429 else None
     body = json_format.MessageToJson(ingest_pb2.PublishEventsResponse(results=results), indent=None)
     return web.Response(status=status, text=body, content_type="application/json", headers=headers)
+
+
+def _json_type_error(value, descriptor, path: str) -> str | None:
+    """Where the JSON has a type the proto3 JSON mapping does not allow but protobuf's
+    Python parser takes: [] or "" for a message, a bool for a number, 1.5 for an enum."""
+    if not isinstance(value, dict):
+        return f"{path} must be a JSON object"
+    for field in descriptor.fields:
+        for key in {field.name, field.json_name}:
+            item = value.get(key)
+            if item is None:
+                continue
+            for i, element in enumerate(item if field.is_repeated and isinstance(item, list) else [item]):
+                where = f"{path}.{key}[{i}]" if field.is_repeated else f"{path}.{key}"
+                if field.message_type is not None:
+                    problem = _json_type_error(element, field.message_type, where)
+                    if problem:
+                        return problem
+                elif isinstance(element, bool) and field.cpp_type != field.CPPTYPE_BOOL:
+                    return f"{where} must not be a bool"
+                elif isinstance(element, float) and field.enum_type is not None:
+                    return f"{where} must be an enum name or number"
+    return None
 
 
 async def _healthz(request: web.Request) -> web.Response:
