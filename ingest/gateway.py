@@ -10,9 +10,12 @@ Dedup protocol (Redis key ``rtrl:ingest:event:<event_id>``), one script call per
   2. produce to ``topics.BY_PAYLOAD[payload]`` keyed by rollout_id and wait for the acks.
   3. ack: ``SET key done EX dedup_ttl_s`` → ACCEPTED. Produce failure: ``DEL key`` → RETRY,
      so the client's resend is not mistaken for a duplicate.
-A gateway that dies between 2 and 3 leaves a pending claim that expires after
-``claim_ttl_s``; a resend then writes the event again, which is why every consumer
-deduplicates by event_id too (at-least-once here, exactly-once after the consumers).
+Each claimed event is also recorded in the ``rtrl:ingest:inflight`` hash until step 3
+ends. A gateway that dies between 2 and 3 leaves that record behind: a resend gets
+RETRY (even after the claim's TTL) until a recovery sweep (ingest/recovery.py), run
+by every gateway at start and every ``claim_ttl_s``, reads the topic and either marks
+the event done (it landed) or releases it (it did not). So no event is written twice
+even across a kill -9; every consumer still deduplicates by event_id as well.
 
 Privacy: an event flagged ``privacy_mode`` by the client, or from a user in the
 ``rtrl:ingest:private-users`` set, is never produced. The same script marks its event_id
@@ -53,13 +56,19 @@ PAYLOADS = ("edit_shown", "edit_outcome", "persistence", "followup")
 # What the claim script answers per event.
 CLAIMED, SEEN, BEING_WRITTEN, PRIVATE_COUNTED, PRIVATE_SEEN = range(5)
 
-# KEYS: n dedup keys, the private-users set, then the privacy counters in PAYLOADS order.
-# ARGV: claim ttl, dedup ttl, then per event: user_id, flagged (0/1), payload index (1-based).
+INFLIGHT = "rtrl:ingest:inflight"
+"""Hash: dedup key -> "<claim ms>|<payload index>" of every event being produced. It
+outlives the claim's TTL, so a gateway killed mid-produce leaves a record that the
+recovery sweep (ingest/recovery.py) settles by reading the topic."""
+
+# KEYS: n dedup keys, the private-users set, the privacy counters in PAYLOADS order, INFLIGHT.
+# ARGV: claim ttl, dedup ttl, now ms, then per event: user_id, flagged (0/1), payload index (1-based).
 _CLAIM_SCRIPT = """
-local n = #KEYS - 1 - 4
+local n = #KEYS - 1 - 4 - 1
+local inflight = KEYS[#KEYS]
 local out = {}
 for i = 1, n do
-  local user, flagged, kind = ARGV[3 * i], ARGV[3 * i + 1], tonumber(ARGV[3 * i + 2])
+  local user, flagged, kind = ARGV[3 * i + 1], ARGV[3 * i + 2], tonumber(ARGV[3 * i + 3])
   if flagged == '1' or redis.call('SISMEMBER', KEYS[n + 1], user) == 1 then
     if redis.call('SET', KEYS[i], 'done', 'NX', 'EX', ARGV[2]) then
       redis.call('INCR', KEYS[n + 1 + kind])
@@ -67,9 +76,12 @@ for i = 1, n do
     else
       out[i] = 4
     end
+  elseif redis.call('HEXISTS', inflight, KEYS[i]) == 1 then
+    out[i] = 2
   else
     local previous = redis.call('SET', KEYS[i], 'pending', 'NX', 'GET', 'EX', ARGV[1])
     if not previous then
+      redis.call('HSET', inflight, KEYS[i], ARGV[3] .. '|' .. kind)
       out[i] = 0
     elseif previous == 'done' then
       out[i] = 1
@@ -204,7 +216,8 @@ class Gateway:
         keys = [dedup_key(event.event_id) for event in events]
         keys.append(PRIVATE_USERS)
         keys.extend(privacy_key(payload) for payload in PAYLOADS)
-        args: list[object] = [self._claim_ttl_s, self._dedup_ttl_s]
+        keys.append(INFLIGHT)
+        args: list[object] = [self._claim_ttl_s, self._dedup_ttl_s, self._clock_ms()]
         for event in events:
             args.extend((event.user_id, 1 if event.privacy_mode else 0, PAYLOADS.index(event.WhichOneof("payload")) + 1))
         claims = await self._claim(keys=keys, args=args)
@@ -240,6 +253,7 @@ class Gateway:
                 else:
                     pipe.set(keys[i], _DONE, ex=self._dedup_ttl_s)
                     results[i] = _result(events[i], ACCEPTED)
+            pipe.hdel(INFLIGHT, *(keys[i] for i in to_produce))
             await pipe.execute()
         return results
 

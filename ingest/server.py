@@ -234,11 +234,14 @@ class IngestServer:
     http_runner: web.AppRunner
     grpc_server: grpc.aio.Server
     heartbeat_task: asyncio.Task
+    recovery_task: asyncio.Task
 
     async def stop(self, grace_s: float = 5.0) -> None:
         # Stop taking requests first, then let in-flight produces reach the broker.
         await self.grpc_server.stop(grace_s)
         await self.http_runner.cleanup()
+        self.recovery_task.cancel()
+        await asyncio.gather(self.recovery_task, return_exceptions=True)
         self.heartbeat_task.cancel()
         await asyncio.gather(self.heartbeat_task, return_exceptions=True)
         undelivered = await asyncio.to_thread(self.producer.close)
@@ -279,8 +282,24 @@ async def start(stack: StackSettings, settings: IngestSettings) -> IngestServer:
     await grpc_server.start()
 
     beats = asyncio.create_task(heartbeat.beat_forever(redis, SERVICE, stack.instance, gateway.status))
+    recovery = asyncio.create_task(_recover_forever(stack, settings))
     log.info("ingest listening: http %s:%d, grpc %s:%d", settings.bind_host, settings.http_port, settings.bind_host, settings.grpc_port)
-    return IngestServer(gateway, producer, redis, runner, grpc_server, beats)
+    return IngestServer(gateway, producer, redis, runner, grpc_server, beats, recovery)
+
+
+async def _recover_forever(stack: StackSettings, settings: IngestSettings) -> None:
+    """Settle events abandoned mid-produce by any gateway (ingest/recovery.py), now and
+    every half claim TTL. A failed sweep is logged and tried again next time."""
+    from ingest.recovery import sweep
+
+    while True:
+        try:
+            await asyncio.to_thread(
+                sweep, stack, stack.redis_url, older_than_ms=settings.claim_ttl_s * 1000, dedup_ttl_s=settings.dedup_ttl_s
+            )
+        except Exception:  # noqa: BLE001 - the next sweep retries; requests meanwhile get RETRY, never a duplicate
+            log.exception("recovery sweep failed")
+        await asyncio.sleep(max(settings.claim_ttl_s / 2, 0.5))
 
 
 def _http_tls(settings: IngestSettings) -> ssl.SSLContext | None:

@@ -1,0 +1,754 @@
+"""The SDK for product code: typed event helpers and ``Telemetry``, a durable batching client.
+
+Product code reports an event and moves on; the event must still reach the gateway if
+the gateway is down, the network drops or the product process is killed. So
+``Telemetry`` appends every event to an on-disk ``Spool`` (fsynced) before the call
+returns, and a background thread sends what the spool holds, oldest first, through
+``IngestClient``'s retries. An event leaves the spool only once the gateway gave a final
+answer: ACCEPTED, DUPLICATE, or REJECTED (reported, never resent). Anything may thus be
+sent twice (after a crash, a cut connection, a lost answer); the gateway deduplicates
+by event_id, so the second copy is answered DUPLICATE and written nowhere. (Except
+events a gateway was producing when it was killed: their claims expire and the resend
+is written again; see ingest/gateway.py. Consumers deduplicate by event_id for that.)
+
+    with Telemetry("http://ingest:8081", api_key=key, spool_dir="/var/lib/app/telemetry") as t:
+        t.edit_shown(rollout_id=r, session_id=s, user_id=u, file_path="a.py", edit_text=text)
+
+Spool layout (one process per directory, enforced with ``flock`` on ``LOCK``):
+  ``<n>.seg``   records ``u32 length | u32 crc32 | serialized TelemetryEvent``, appended only
+  ``<n>.acks``  ``u64`` offsets of that segment's records that got a final answer
+A segment is deleted once every record in it is answered. A record torn by a crash
+mid-append fails its length or CRC check and is cut off at the next start: its
+``append`` never returned, so nobody was promised it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import collections
+import fcntl
+import logging
+import os
+import random
+import socket
+import struct
+import threading
+import time
+import urllib.parse
+import weakref
+import zlib
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Self
+
+import aiohttp.abc
+from aiohttp.abc import ResolveResult
+
+from ingest.client import IngestClient, IngestError, make_event
+from rtrl.v1 import ingest_pb2, telemetry_pb2
+
+log = logging.getLogger("ingest.sdk")
+
+ACCEPTED = ingest_pb2.EventResult.STATUS_ACCEPTED
+DUPLICATE = ingest_pb2.EventResult.STATUS_DUPLICATE
+REJECTED = ingest_pb2.EventResult.STATUS_REJECTED
+
+_RECORD_HEADER = struct.Struct(">II")
+_ACK = struct.Struct(">Q")
+
+
+# ---- typed helpers: one per payload, keyword arguments named as in telemetry.proto ----
+
+
+def edit_shown(
+    *, rollout_id: str, session_id: str, user_id: str, file_path: str, edit_text: str,
+    privacy_mode: bool = False, client_ts_ms: int | None = None,
+) -> telemetry_pb2.TelemetryEvent:
+    """The product showed the user an edit written by the policy."""
+    payload = telemetry_pb2.EditShown(file_path=file_path, edit_text=edit_text)
+    return make_event(rollout_id, session_id, user_id, edit_shown=payload, privacy_mode=privacy_mode, client_ts_ms=client_ts_ms)
+
+
+def edit_outcome(
+    *, rollout_id: str, session_id: str, user_id: str, outcome: int | str,
+    privacy_mode: bool = False, client_ts_ms: int | None = None,
+) -> telemetry_pb2.TelemetryEvent:
+    """What the user did with the edit right away: ``"accepted"``/``"rejected"`` or an ``EditOutcome.Outcome``."""
+    if isinstance(outcome, str):
+        outcome = telemetry_pb2.EditOutcome.Outcome.Value("OUTCOME_" + outcome.upper())
+    payload = telemetry_pb2.EditOutcome(outcome=outcome)
+    return make_event(rollout_id, session_id, user_id, edit_outcome=payload, privacy_mode=privacy_mode, client_ts_ms=client_ts_ms)
+
+
+def persistence_snapshot(
+    *, rollout_id: str, session_id: str, user_id: str, seconds_after_edit: float, region_text: str,
+    privacy_mode: bool = False, client_ts_ms: int | None = None,
+) -> telemetry_pb2.TelemetryEvent:
+    """The edited region as it looked ``seconds_after_edit`` after the edit was applied."""
+    payload = telemetry_pb2.PersistenceSnapshot(seconds_after_edit=seconds_after_edit, region_text=region_text)
+    return make_event(rollout_id, session_id, user_id, persistence=payload, privacy_mode=privacy_mode, client_ts_ms=client_ts_ms)
+
+
+def followup(
+    *, rollout_id: str, session_id: str, user_id: str, seconds_after_edit: float, message: str,
+    privacy_mode: bool = False, client_ts_ms: int | None = None,
+) -> telemetry_pb2.TelemetryEvent:
+    """A message the user sent after seeing the edit."""
+    payload = telemetry_pb2.FollowUp(seconds_after_edit=seconds_after_edit, message=message)
+    return make_event(rollout_id, session_id, user_id, followup=payload, privacy_mode=privacy_mode, client_ts_ms=client_ts_ms)
+
+
+# ---- the spool ----
+
+
+class SpoolFull(RuntimeError):
+    """The spool holds max_spool_bytes of undelivered events: the event was not recorded.
+    The gateway has been unreachable (or refusing the key) for a long time."""
+
+
+class SpoolLocked(RuntimeError):
+    """Another process uses this spool directory; two senders would resend each other's events."""
+
+
+@dataclass(frozen=True)
+class SpooledEvent:
+    """Produced by Spool.oldest; consumed by the sender, which acks it by ``seq``."""
+
+    seq: int
+    payload: bytes
+    """A serialized TelemetryEvent."""
+    spooled_at: float
+    """time.monotonic() of the append (of the start, for records found on disk)."""
+
+
+@dataclass(eq=False)
+class _Segment:
+    number: int
+    directory: Path
+    size: int = 0
+    acks_size: int = 0
+    unanswered: int = 0
+
+    @property
+    def path(self) -> Path:
+        return self.directory / f"{self.number:016d}.seg"
+
+    @property
+    def acks_path(self) -> Path:
+        return self.directory / f"{self.number:016d}.acks"
+
+
+@dataclass(frozen=True)
+class _Slot:
+    segment: _Segment
+    offset: int
+    payload: bytes
+    spooled_at: float
+
+
+class Spool:
+    """Length-prefixed, CRC-checked records in append-only segment files, bounded in bytes.
+    Thread-safe: product threads append while the sender reads and acks."""
+
+    def __init__(self, directory: str | os.PathLike, *, max_bytes: int, segment_bytes: int, fsync: bool = True) -> None:
+        self.directory = Path(directory)
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self._max_bytes = max_bytes
+        self._segment_bytes = segment_bytes
+        self._fsync = fsync
+        self._lock = threading.Lock()
+        self._lock_file = open(self.directory / "LOCK", "a+b")
+        try:
+            fcntl.flock(self._lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self._lock_file.close()
+            raise SpoolLocked(f"spool {self.directory} is in use by another process") from None
+        self._unanswered: collections.OrderedDict[int, _Slot] = collections.OrderedDict()
+        self._next_seq = 0
+        self._bytes = 0
+        self._active: _Segment | None = None
+        self._active_fd: int | None = None
+        self._next_segment = 1
+        self._load()
+
+    # -- product threads --
+
+    def append(self, payloads: Sequence[bytes]) -> list[int]:
+        """Record payloads durably (one write, one fsync); their sequence numbers, in order."""
+        if not payloads:
+            return []
+        frames = [_RECORD_HEADER.pack(len(p), zlib.crc32(p)) + p for p in payloads]
+        size = sum(len(f) for f in frames)
+        with self._lock:
+            if self._lock_file.closed:
+                raise RuntimeError(f"spool {self.directory} is closed")
+            if self._bytes + size > self._max_bytes:
+                raise SpoolFull(
+                    f"spool {self.directory} holds {self._bytes} bytes of undelivered events ({len(self._unanswered)} events); "
+                    f"{size} more would pass max_spool_bytes={self._max_bytes}"
+                )
+            segment, fd = self._segment_for(size)
+            try:
+                data = memoryview(b"".join(frames))
+                while data:
+                    data = data[os.write(fd, data) :]
+                if self._fsync:
+                    os.fsync(fd)
+            except BaseException:
+                # A partial record would hide every record appended after it at the next start.
+                os.ftruncate(fd, segment.size)
+                raise
+            now = time.monotonic()
+            seqs = []
+            offset = segment.size
+            for frame, payload in zip(frames, payloads, strict=True):
+                self._unanswered[self._next_seq] = _Slot(segment, offset, payload, now)
+                seqs.append(self._next_seq)
+                self._next_seq += 1
+                offset += len(frame)
+            segment.size += size
+            segment.unanswered += len(frames)
+            self._bytes += size
+            return seqs
+
+    # -- the sender --
+
+    def oldest_spooled_at(self) -> float | None:
+        with self._lock:
+            return next(iter(self._unanswered.values())).spooled_at if self._unanswered else None
+
+    def oldest(self, limit: int, max_bytes: int | None = None) -> list[SpooledEvent]:
+        """Up to ``limit`` unanswered events, oldest first, of at most ``max_bytes`` together
+        (but always at least one)."""
+        with self._lock:
+            out, size = [], 0
+            for seq, slot in self._unanswered.items():
+                size += len(slot.payload)
+                if len(out) == limit or (out and max_bytes is not None and size > max_bytes):
+                    break
+                out.append(SpooledEvent(seq, slot.payload, slot.spooled_at))
+            return out
+
+    def ack(self, seqs: Iterable[int]) -> None:
+        """These events got a final answer: forget them, durably, and free whole segments."""
+        with self._lock:
+            answered: dict[_Segment, list[int]] = collections.defaultdict(list)
+            for seq in seqs:
+                slot = self._unanswered.pop(seq, None)
+                if slot is not None:
+                    answered[slot.segment].append(slot.offset)
+            for segment, offsets in answered.items():
+                segment.unanswered -= len(offsets)
+                if segment.unanswered == 0:
+                    self._drop(segment)
+                else:
+                    # Without this, a restart would resend the answered part of the segment
+                    # (harmless, DUPLICATE) but only while the gateway still remembers it.
+                    with open(segment.acks_path, "ab") as acks:
+                        acks.write(b"".join(_ACK.pack(o) for o in offsets))
+                        acks.flush()
+                        if self._fsync:
+                            os.fsync(acks.fileno())
+                    segment.acks_size += _ACK.size * len(offsets)
+                    self._bytes += _ACK.size * len(offsets)
+
+    # -- anyone --
+
+    def __len__(self) -> int:
+        return len(self._unanswered)
+
+    @property
+    def bytes(self) -> int:
+        """Bytes on disk, counted against max_bytes."""
+        return self._bytes
+
+    @property
+    def last_seq(self) -> int:
+        """Sequence number of the latest append (-1 before any)."""
+        return self._next_seq - 1
+
+    def unanswered_through(self, seq: int) -> bool:
+        """Whether any event appended at or before ``seq`` still waits for an answer."""
+        with self._lock:
+            return bool(self._unanswered) and next(iter(self._unanswered)) <= seq
+
+    def close(self) -> None:
+        """Release the directory. What is unanswered stays on disk for the next Spool."""
+        with self._lock:
+            self._close_active()
+            if not self._lock_file.closed:
+                self._lock_file.close()
+
+    # -- internals, called with the lock held (or from __init__) --
+
+    def _segment_for(self, size: int) -> tuple[_Segment, int]:
+        active = self._active
+        if active is not None and active.size > 0 and active.size + size > self._segment_bytes:
+            self._close_active()
+        if self._active is None:
+            segment = _Segment(self._next_segment, self.directory)
+            self._next_segment += 1
+            # O_APPEND: after a failed write is truncated away, the next one lands at the new end.
+            # 0o600: events carry the user's code and messages.
+            self._active_fd = os.open(segment.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND, 0o600)
+            if self._fsync:
+                _fsync_dir(self.directory)  # the new file's name must survive a power cut too
+            self._active = segment
+        return self._active, self._active_fd
+
+    def _close_active(self) -> None:
+        if self._active_fd is not None:
+            os.close(self._active_fd)
+        self._active = self._active_fd = None
+
+    def _drop(self, segment: _Segment) -> None:
+        if segment is self._active:
+            self._close_active()
+        segment.path.unlink()  # first: an .acks file without its .seg is ignored at load
+        segment.acks_path.unlink(missing_ok=True)
+        self._bytes -= segment.size + segment.acks_size
+
+    def _load(self) -> None:
+        started = time.monotonic()
+        segments = sorted(int(p.stem) for p in self.directory.glob("*.seg") if p.stem.isdigit())
+        for number in segments:
+            segment = _Segment(number, self.directory)
+            data = segment.path.read_bytes()
+            records, end = _scan(data)
+            if end < len(data):
+                log.warning("spool %s: cut %d bytes of a torn record at the end of %s", self.directory, len(data) - end, segment.path.name)
+                with open(segment.path, "r+b") as file:
+                    file.truncate(end)
+                    os.fsync(file.fileno())
+            answered = _read_acks(segment.acks_path)
+            segment.size, segment.acks_size = end, _ACK.size * len(answered)
+            for offset, payload in records:
+                if offset not in answered:
+                    self._unanswered[self._next_seq] = _Slot(segment, offset, payload, started)
+                    self._next_seq += 1
+                    segment.unanswered += 1
+            self._bytes += segment.size + segment.acks_size
+            if segment.unanswered == 0:
+                self._drop(segment)
+        for acks in self.directory.glob("*.acks"):
+            if not acks.with_suffix(".seg").exists():
+                acks.unlink()
+        self._next_segment = (segments[-1] + 1) if segments else 1
+        if self._unanswered:
+            log.info("spool %s: %d undelivered events from an earlier run will be resent", self.directory, len(self._unanswered))
+
+
+def _scan(data: bytes) -> tuple[list[tuple[int, bytes]], int]:
+    """The intact records of a segment as (offset, payload), and where the intact part ends."""
+    records, offset = [], 0
+    while offset + _RECORD_HEADER.size <= len(data):
+        length, crc = _RECORD_HEADER.unpack_from(data, offset)
+        start = offset + _RECORD_HEADER.size
+        end = start + length
+        # length 0 also stops at a zero-filled tail, which a file system may leave after a crash.
+        if length == 0 or end > len(data) or zlib.crc32(data[start:end]) != crc:
+            break
+        records.append((offset, data[start:end]))
+        offset = end
+    return records, offset
+
+
+def _read_acks(path: Path) -> set[int]:
+    if not path.exists():
+        return set()
+    data = path.read_bytes()
+    whole = len(data) - len(data) % _ACK.size  # a torn last ack only means one resend
+    return {offset for (offset,) in _ACK.iter_unpack(data[:whole])}
+
+
+def _fsync_dir(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+# ---- the client ----
+
+
+@dataclass(frozen=True)
+class TelemetrySettings:
+    max_batch: int = 500
+    """Most events per request; at most the gateway's RTRL_INGEST_MAX_BATCH (1,000 by default)."""
+
+    max_batch_bytes: int = 4 * 1024 * 1024
+    """Most serialized event bytes per request. The JSON body is larger (up to ~6x for text
+    full of escapes) and must stay under the gateway's RTRL_INGEST_MAX_BODY_BYTES (64 MiB)."""
+
+    linger_s: float = 0.05
+    """How long the sender waits for a batch to fill before sending a partial one: latency
+    against requests. flush() and close() do not wait for it."""
+
+    max_spool_bytes: int = 256 * 1024 * 1024
+    """Disk the spool may use; a report beyond it raises SpoolFull instead of dropping anything."""
+
+    segment_bytes: int = 4 * 1024 * 1024
+    """Size at which the spool starts a new segment file. Space is freed a whole segment at
+    a time, so one slow event holds at most this much disk."""
+
+    fsync: bool = True
+    """fsync each append before the call returns. Off, a report survives the process being
+    killed (the page cache has it) but not the machine losing power."""
+
+    request_timeout_s: float = 10.0
+    """Total time of one HTTP request to the gateway."""
+
+    attempts_per_round: int = 4
+    """IngestClient attempts per batch before the sender puts the batch back and backs off
+    (the events stay spooled and are resent forever)."""
+
+    base_delay_s: float = 0.05
+    """First backoff delay, both within a round and between rounds without progress."""
+
+    max_delay_s: float = 5.0
+    """Longest backoff between rounds without progress (gateway down, key refused)."""
+
+    close_timeout_s: float = 10.0
+    """How long close(), and the exit hook for clients never closed, wait for delivery."""
+
+    max_rejected_kept: int = 1000
+    """Most recent REJECTED events kept in Telemetry.rejected."""
+
+    def __post_init__(self) -> None:
+        if min(self.max_batch, self.max_batch_bytes, self.attempts_per_round) < 1 or self.max_rejected_kept < 0:
+            raise ValueError("max_batch, max_batch_bytes and attempts_per_round must be >= 1, max_rejected_kept >= 0")
+        if min(self.linger_s, self.base_delay_s, self.close_timeout_s) < 0 or self.request_timeout_s <= 0:
+            raise ValueError("linger_s, base_delay_s and close_timeout_s must be >= 0, request_timeout_s > 0")
+        if self.max_delay_s < self.base_delay_s:
+            raise ValueError(f"max_delay_s ({self.max_delay_s}) must be >= base_delay_s ({self.base_delay_s})")
+        if not 0 < self.segment_bytes <= self.max_spool_bytes:
+            raise ValueError(f"segment_bytes ({self.segment_bytes}) must be in 1..max_spool_bytes ({self.max_spool_bytes})")
+
+
+@dataclass(frozen=True)
+class RejectedEvent:
+    """Produced by the sender for an event the gateway REJECTED; consumed by on_rejected
+    callbacks and readers of Telemetry.rejected. Final: the event is not resent."""
+
+    event: telemetry_pb2.TelemetryEvent
+    field: str
+    error: str
+
+
+@dataclass
+class DeliveryStats:
+    """The gateway's answers per event since this Telemetry started."""
+
+    accepted: int = 0
+    duplicate: int = 0
+    """Events the gateway already had: resends after a lost answer, a cut or a restart."""
+    rejected: int = 0
+    retry: int = 0
+    """RETRY answers, and events given up on after a round of connection errors or 5xx
+    answers; all of them were sent again later."""
+    refused_requests: int = 0
+    """Requests the gateway refused whole (IngestError: a refused key, a malformed batch)."""
+
+    @property
+    def answered(self) -> int:
+        return self.accepted + self.duplicate + self.rejected
+
+
+_open_clients: weakref.WeakSet[Telemetry] = weakref.WeakSet()
+
+
+class Telemetry:
+    """Report events from any thread; a background thread delivers them. See the module doc.
+
+    The reporting methods take the keyword arguments of the module's helpers of the same
+    name and return the event (its event_id is the dedup key). When they return, the event
+    is on disk; they raise SpoolFull rather than drop it."""
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        spool_dir: str | os.PathLike,
+        api_key: str | None = None,
+        settings: TelemetrySettings | None = None,
+        on_rejected: Callable[[RejectedEvent], None] | None = None,
+    ) -> None:
+        settings = settings or TelemetrySettings()
+        if urllib.parse.urlsplit(url).scheme not in ("http", "https"):
+            raise ValueError(f"the gateway URL must be http(s)://host:port, got {url!r}")
+        self.settings = settings
+        self.stats = DeliveryStats()
+        self.rejected: collections.deque[RejectedEvent] = collections.deque(maxlen=settings.max_rejected_kept)
+        self.last_error: BaseException | None = None
+        """Why the latest round delivered nothing; None after a round with answers."""
+        self._url = url
+        self._api_key = api_key
+        self._on_rejected = on_rejected
+        self._spool = Spool(spool_dir, max_bytes=settings.max_spool_bytes, segment_bytes=settings.segment_bytes, fsync=settings.fsync)
+        self._wake = threading.Condition()
+        self._hurry = 0  # flush() calls waiting: send partial batches without lingering
+        self._stopping = False
+        self._closed = False
+        self._fatal: BaseException | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._round: asyncio.Task | None = None
+        self._sender = threading.Thread(target=self._run, name="rtrl-telemetry-sender", daemon=True)
+        self._sender.start()
+        _open_clients.add(self)
+
+    # -- reporting: durable when the call returns --
+
+    def edit_shown(
+        self, *, rollout_id: str, session_id: str, user_id: str, file_path: str, edit_text: str,
+        privacy_mode: bool = False, client_ts_ms: int | None = None,
+    ) -> telemetry_pb2.TelemetryEvent:
+        return self._report(edit_shown(
+            rollout_id=rollout_id, session_id=session_id, user_id=user_id, file_path=file_path, edit_text=edit_text,
+            privacy_mode=privacy_mode, client_ts_ms=client_ts_ms,
+        ))
+
+    def edit_outcome(
+        self, *, rollout_id: str, session_id: str, user_id: str, outcome: int | str,
+        privacy_mode: bool = False, client_ts_ms: int | None = None,
+    ) -> telemetry_pb2.TelemetryEvent:
+        return self._report(edit_outcome(
+            rollout_id=rollout_id, session_id=session_id, user_id=user_id, outcome=outcome,
+            privacy_mode=privacy_mode, client_ts_ms=client_ts_ms,
+        ))
+
+    def persistence_snapshot(
+        self, *, rollout_id: str, session_id: str, user_id: str, seconds_after_edit: float, region_text: str,
+        privacy_mode: bool = False, client_ts_ms: int | None = None,
+    ) -> telemetry_pb2.TelemetryEvent:
+        return self._report(persistence_snapshot(
+            rollout_id=rollout_id, session_id=session_id, user_id=user_id, seconds_after_edit=seconds_after_edit,
+            region_text=region_text, privacy_mode=privacy_mode, client_ts_ms=client_ts_ms,
+        ))
+
+    def followup(
+        self, *, rollout_id: str, session_id: str, user_id: str, seconds_after_edit: float, message: str,
+        privacy_mode: bool = False, client_ts_ms: int | None = None,
+    ) -> telemetry_pb2.TelemetryEvent:
+        return self._report(followup(
+            rollout_id=rollout_id, session_id=session_id, user_id=user_id, seconds_after_edit=seconds_after_edit,
+            message=message, privacy_mode=privacy_mode, client_ts_ms=client_ts_ms,
+        ))
+
+    def send(self, events: Sequence[telemetry_pb2.TelemetryEvent]) -> None:
+        """Report ready-made events with one spool write (and one fsync): on disk when this
+        returns, or SpoolFull and none of them is."""
+        if self._closed:
+            raise RuntimeError("Telemetry is closed")
+        self._spool.append([event.SerializeToString() for event in events])
+        with self._wake:
+            self._wake.notify_all()
+
+    def _report(self, event: telemetry_pb2.TelemetryEvent) -> telemetry_pb2.TelemetryEvent:
+        self.send([event])
+        return event
+
+    # -- delivery --
+
+    @property
+    def pending(self) -> int:
+        """Events spooled and not answered yet."""
+        return len(self._spool)
+
+    def flush(self, timeout_s: float | None = None) -> bool:
+        """Wait until every event reported before this call is answered; False on timeout.
+
+        Raises the gateway's IngestError (e.g. IngestAuthError for a refused key) when
+        waiting longer cannot help; the events stay spooled either way."""
+        target = self._spool.last_seq
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        with self._wake:
+            self._hurry += 1
+            self._wake.notify_all()
+            try:
+                while self._spool.unanswered_through(target):
+                    if self._fatal is not None:
+                        raise RuntimeError("the telemetry sender thread failed") from self._fatal
+                    if isinstance(self.last_error, IngestError):
+                        raise self.last_error
+                    if self._stopping and not self._sender.is_alive():
+                        return False
+                    remaining = None if deadline is None else deadline - time.monotonic()
+                    if remaining is not None and remaining <= 0:
+                        return False
+                    self._wake.wait(remaining)
+                return True
+            finally:
+                self._hurry -= 1
+
+    def close(self, timeout_s: float | None = None) -> bool:
+        """Flush for up to timeout_s (settings.close_timeout_s by default), stop the sender
+        and release the spool. True if everything was delivered; the rest stays spooled
+        and is sent by the next Telemetry on the same spool_dir. A refused key is logged
+        here, not raised (last_error has it)."""
+        if self._closed:
+            return not self.pending
+        timeout_s = self.settings.close_timeout_s if timeout_s is None else timeout_s
+        try:
+            delivered = self.flush(timeout_s)
+        except IngestError as exc:
+            # Cleanup must finish (and not hide the caller's own exception); flush() raises
+            # this, close() says it and leaves the events spooled.
+            log.error("telemetry: closing while the gateway refuses the request: %s", exc)
+            delivered = False
+        finally:
+            self._closed = True
+            self._stop()
+            _open_clients.discard(self)
+        if not delivered:
+            log.warning("telemetry: %d events not delivered yet; they stay in %s for the next start", self.pending, self._spool.directory)
+        return delivered
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+    def _stop(self) -> None:
+        with self._wake:
+            self._stopping = True
+            self._wake.notify_all()
+            loop, current = self._loop, self._round
+        if loop is not None and current is not None and not loop.is_closed():
+            # An answer lost here only means a resend (a DUPLICATE) at the next start.
+            loop.call_soon_threadsafe(current.cancel)
+        self._sender.join(timeout=self.settings.request_timeout_s)
+        if self._sender.is_alive():
+            log.error("telemetry sender did not stop; leaving spool %s locked until exit", self._spool.directory)
+        else:
+            self._spool.close()
+
+    # -- the sender thread --
+
+    def _run(self) -> None:
+        loop = asyncio.new_event_loop()
+        self._loop = loop
+        s = self.settings
+        client = IngestClient(
+            self._url, api_key=self._api_key, max_attempts=s.attempts_per_round, base_delay_s=s.base_delay_s,
+            max_delay_s=s.max_delay_s, timeout_s=s.request_timeout_s, max_batch=s.max_batch,
+            resolver_factory=_InlineResolver,
+        )
+        rng = random.Random()
+        idle_rounds = 0
+        try:
+            while True:
+                backoff = 0.0
+                if idle_rounds:
+                    ceiling = min(s.max_delay_s, s.base_delay_s * 2 ** idle_rounds)
+                    backoff = ceiling / 2 + rng.uniform(0, ceiling / 2)
+                batch = self._next_batch(time.monotonic() + backoff)
+                if batch is None:
+                    break
+                with self._wake:
+                    if self._stopping:
+                        break
+                    self._round = loop.create_task(self._deliver(client, batch))
+                try:
+                    progressed = loop.run_until_complete(self._round)
+                except asyncio.CancelledError:
+                    break
+                finally:
+                    self._round = None
+                idle_rounds = 0 if progressed else idle_rounds + 1
+        except BaseException as exc:
+            log.exception("telemetry sender failed; events stay in %s", self._spool.directory)
+            self._fatal = exc
+        finally:
+            loop.run_until_complete(client.close())
+            loop.close()
+            with self._wake:
+                self._wake.notify_all()
+
+    def _next_batch(self, not_before: float) -> list[SpooledEvent] | None:
+        """The next batch once there is one worth sending, or None when stopping."""
+        s = self.settings
+        with self._wake:
+            while not self._stopping:
+                now = time.monotonic()
+                oldest_at = self._spool.oldest_spooled_at()
+                if oldest_at is None or now < not_before:
+                    self._wake.wait(None if oldest_at is None else not_before - now)
+                    continue
+                send_at = oldest_at + s.linger_s
+                if len(self._spool) >= s.max_batch or self._hurry or now >= send_at:
+                    return self._spool.oldest(s.max_batch, s.max_batch_bytes)
+                self._wake.wait(send_at - now)
+            return None
+
+    async def _deliver(self, client: IngestClient, batch: list[SpooledEvent]) -> bool:
+        """Send one batch; ack what got a final answer. Whether anything did."""
+        events = [telemetry_pb2.TelemetryEvent.FromString(item.payload) for item in batch]
+        try:
+            results = await client.publish(events)
+        except IngestError as exc:
+            self._failed(exc)
+            return False
+        answered, rejected = [], []
+        for item, event, result in zip(batch, events, results, strict=True):
+            if result.status == ACCEPTED:
+                self.stats.accepted += 1
+            elif result.status == DUPLICATE:
+                self.stats.duplicate += 1
+            elif result.status == REJECTED:
+                self.stats.rejected += 1
+                rejected.append(RejectedEvent(event, result.field, result.error))
+            else:
+                self.stats.retry += 1
+                continue
+            answered.append(item.seq)
+        self._spool.ack(answered)
+        for item in rejected:
+            log.warning("telemetry event %s rejected by the gateway: %s: %s", item.event.event_id, item.field, item.error)
+            self.rejected.append(item)
+            if self._on_rejected is not None:
+                try:
+                    self._on_rejected(item)
+                except Exception:  # the product's callback must not stop delivery of everything else
+                    log.exception("telemetry: on_rejected callback failed for event %s", item.event.event_id)
+        self.last_error = None if answered else RuntimeError(f"every event got RETRY, the first: {results[0].error}")
+        with self._wake:
+            self._wake.notify_all()
+        return bool(answered)
+
+    def _failed(self, error: BaseException) -> None:
+        self.stats.refused_requests += 1
+        if isinstance(error, IngestError) and str(error) != str(self.last_error):
+            log.error("telemetry: the gateway refused the request, events stay spooled: %s", error)
+        self.last_error = error
+        with self._wake:
+            self._wake.notify_all()
+
+
+class _InlineResolver(aiohttp.abc.AbstractResolver):
+    """getaddrinfo on the sender's thread. aiohttp's default resolver hands it to a
+    thread pool, and thread pools refuse work once the interpreter is exiting: exactly
+    when the exit hook flushes clients that were never closed."""
+
+    async def resolve(self, host: str, port: int = 0, family: socket.AddressFamily = socket.AF_INET) -> list[ResolveResult]:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, family=family, flags=socket.AI_ADDRCONFIG)
+        return [
+            ResolveResult(hostname=host, host=address[0], port=address[1], family=af, proto=proto, flags=socket.AI_NUMERICHOST)
+            for af, _, proto, _, address in infos
+            if af in (socket.AF_INET, socket.AF_INET6)
+        ]
+
+    async def close(self) -> None:
+        pass
+
+
+@atexit.register
+def _flush_open_clients() -> None:
+    for telemetry in list(_open_clients):
+        try:
+            telemetry.close()
+        except Exception:  # nobody is left to raise to: say it, the events stay spooled
+            log.exception("telemetry: flush at exit failed; undelivered events stay in the spool")
