@@ -23,7 +23,8 @@ from ingest import sdk
 from ingest.auth import issue_key
 from ingest.client import IngestAuthError
 from ingest.gateway import dedup_key
-from ingest.sdk import Spool, SpoolFull, SpoolLocked, Telemetry, TelemetrySettings
+from ingest.sdk import Telemetry, TelemetrySettings
+from ingest.spool import Spool, SpoolFull, SpoolLocked
 from rtrl import kafka, procs, topics
 from rtrl.procs import free_port
 from rtrl.v1 import telemetry_pb2
