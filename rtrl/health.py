@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from dataclasses import dataclass
@@ -82,3 +83,29 @@ def check(stack: StackFile) -> list[ComponentHealth]:
             age = now - beat["ts"]
             rows.append(ComponentHealth(spec.key, ok, detail or f"heartbeat {age:.1f} s ago", beat))
     return rows
+
+
+def main() -> None:
+    """``python -m rtrl.health SERVICE``: exit 0 if this instance's heartbeat is in Redis
+    (a container health check; the instance is RTRL_INSTANCE, the hostname in compose/)."""
+    import sys
+
+    from rtrl.config import StackSettings
+
+    if len(sys.argv) != 2:
+        sys.exit("usage: python -m rtrl.health SERVICE")
+    settings = StackSettings()
+    client = redis.Redis.from_url(settings.redis_url, socket_timeout=3)
+    try:
+        raw = client.get(heartbeat.key(sys.argv[1], settings.instance))
+    finally:
+        client.close()
+    if raw is None:
+        sys.exit(f"no heartbeat for {sys.argv[1]}:{settings.instance}")
+    ok, detail = _ready(sys.argv[1], json.loads(raw))
+    if not ok:
+        sys.exit(f"{sys.argv[1]}:{settings.instance} not ready: {detail}")
+
+
+if __name__ == "__main__":
+    main()

