@@ -158,8 +158,16 @@ def by_version(query_fn: QueryFn, bucket_size: int | None = None, max_buckets: i
     ]
 
 
-def write_html(path: Path | str, ab_rows: list[ABRow], version_rows: list[VersionRow], *, title: str = "rtrl A/B report") -> Path:
-    """A self-contained HTML page: the A/B table, the per-version table and the plot."""
+def write_html(
+    path: Path | str,
+    ab_rows: list[ABRow],
+    version_rows: list[VersionRow],
+    *,
+    title: str = "rtrl A/B report",
+    extra_figures: tuple[tuple[str, str, bytes], ...] = (),
+) -> Path:
+    """A self-contained HTML page: the A/B table, the per-version table and the plots
+    (``extra_figures``: (heading, description, PNG), e.g. analytics.training_report)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     png = base64.b64encode(_plot_png(ab_rows, version_rows)).decode()
@@ -176,6 +184,10 @@ def write_html(path: Path | str, ab_rows: list[ABRow], version_rows: list[Versio
         for v in version_rows
     )
     definitions = html.escape(__doc__.split("\n", 2)[2].strip())
+    extra = "".join(
+        f'<h2>{html.escape(heading)}</h2>\n<img alt="{html.escape(description)}" src="data:image/png;base64,{base64.b64encode(png).decode()}">\n'
+        for heading, description, png in extra_figures
+    )
     path.write_text(
         f"""<!doctype html>
 <html><head><meta charset="utf-8"><title>{html.escape(title)}</title>
@@ -188,6 +200,7 @@ td,th{{border:1px solid #ccc;padding:4px 10px;text-align:right}}td:first-child,t
 <h2>By policy version</h2>
 <img alt="persisted and dissatisfied rate by policy version" src="data:image/png;base64,{png}">
 <table><tr><th>arm</th><th>policy version</th><th>rewards</th><th>persisted</th><th>dissatisfied</th><th>reward mean</th><th>latency p50</th></tr>{version_body}</table>
+{extra}
 <h2>Definitions</h2><pre>{definitions}</pre>
 </body></html>
 """,
@@ -197,7 +210,9 @@ td,th{{border:1px solid #ccc;padding:4px 10px;text-align:right}}td:first-child,t
 
 
 def render(query_fn: QueryFn, path: Path | str, bucket_size: int | None = None) -> Path:
-    return write_html(path, ab_table(query_fn), by_version(query_fn, bucket_size))
+    from analytics.training_report import figures
+
+    return write_html(path, ab_table(query_fn), by_version(query_fn, bucket_size), extra_figures=figures(query_fn).items)
 
 
 def _plot_png(ab_rows: list[ABRow], version_rows: list[VersionRow]) -> bytes:

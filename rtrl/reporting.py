@@ -85,6 +85,7 @@ def ab_rich_table(rows, window: str, title: str) -> Table:
 
 def print_report(stack: StackFile | None, console: Console, html: Path = Path("reports/report.html"), state_dir: Path | None = None) -> list:
     from analytics.report import ab_table, by_version, write_html
+    from analytics.training_report import figures
 
     query = query_function(stack, state_dir)
     rows = ab_table(query)
@@ -93,6 +94,6 @@ def print_report(stack: StackFile | None, console: Console, html: Path = Path("r
         return rows
     console.print(ab_rich_table(rows, "all", "A/B: control (frozen policy) vs treatment (real-time RL), whole run"))
     console.print(ab_rich_table(rows, "last_half", "A/B, second half of the run"))
-    path = write_html(html, rows, by_version(query))
+    path = write_html(html, rows, by_version(query), extra_figures=figures(query).items)
     console.print(f"HTML report with plots against policy version: {path.resolve()}")
     return rows

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# System prerequisites of the embedded stack: Python 3.11 and redis-server.
+# System prerequisites: Python 3.11 and redis-server (the embedded stack), chromium (the report test).
 # Installs redis-server with apt-get where it is missing, or says exactly what to do.
 set -euo pipefail
 
@@ -16,5 +16,15 @@ if ! command -v redis-server >/dev/null 2>&1; then
     echo "redis-server is not installed and cannot be installed automatically here." >&2
     echo "Install it (Debian/Ubuntu: sudo apt-get install redis-server; macOS: brew install redis) and re-run." >&2
     exit 1
+  fi
+fi
+
+# Headless Chromium renders `rtrl report` in its test (tests/test_report_render.py).
+if ! command -v chromium >/dev/null 2>&1 && ! command -v chromium-browser >/dev/null 2>&1 && ! command -v google-chrome >/dev/null 2>&1; then
+  if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+    echo "installing chromium with apt-get (for the report rendering test)"
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null
+  else
+    echo "note: chromium is not installed; tests/test_report_render.py will fail until it is (apt-get install chromium)" >&2
   fi
 fi
