@@ -9,6 +9,7 @@ only after the outputs they produced are durable.
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import time
 from dataclasses import dataclass
@@ -19,6 +20,8 @@ from confluent_kafka.admin import AdminClient, NewTopic
 from rtrl import topics
 from rtrl.config import StackSettings
 
+
+log = logging.getLogger("rtrl.kafka")
 
 def ensure_topics(settings: StackSettings, names: tuple[str, ...] = topics.ALL, timeout_s: float = 20.0) -> None:
     """Create the topics with the configured partition count; existing ones are kept.
@@ -96,8 +99,13 @@ class AsyncProducer:
         self._poller.start()
 
     def _poll(self) -> None:
+        # A delivery callback that raises (say, its event loop already closed) must not
+        # end this thread: every later send's future would then wait forever.
         while self._running:
-            self._producer.poll(0.05)
+            try:
+                self._producer.poll(0.05)
+            except Exception:  # noqa: BLE001 - logged; the thread serves every other send
+                log.exception("a Kafka delivery callback failed")
 
     def send(self, topic: str, value: bytes, key: str, headers: list[tuple[str, bytes]] | None = None) -> asyncio.Future:
         loop = asyncio.get_running_loop()
