@@ -20,7 +20,7 @@ import time
 from dataclasses import dataclass
 
 import redis
-from confluent_kafka import Consumer, TopicPartition
+from confluent_kafka import Consumer, KafkaError, TopicPartition
 
 from ingest.gateway import INFLIGHT, PAYLOADS
 from rtrl import kafka, topics
@@ -31,6 +31,9 @@ log = logging.getLogger("ingest.recovery")
 
 # Tansu's timestamp index is approximate: start this much before the oldest claim.
 LOOKBACK_MS = 5_000
+# A sweep that cannot read its window by then fails; the next sweep tries again (and
+# resends of the events in question keep getting RETRY meanwhile, never a duplicate).
+READ_TIMEOUT_S = 30.0
 
 
 @dataclass(frozen=True)
@@ -89,14 +92,16 @@ def _event_ids_on(stack: StackSettings, names: list[str], since_ms: int, wanted:
         if not assign:
             return found
         consumer.assign(assign)
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + READ_TIMEOUT_S
         while remaining:
             if time.monotonic() > deadline:
-                raise TimeoutError(f"recovery could not read to the end of {remaining}")
+                raise TimeoutError(f"recovery could not read to the end of {remaining} within {READ_TIMEOUT_S} s")
             for message in consumer.consume(1000, timeout=1.0):
-                if message.error() is not None:
-                    continue  # partition EOF
                 where = (message.topic(), message.partition())
+                if message.error() is not None:
+                    if message.error().code() == KafkaError._PARTITION_EOF:
+                        remaining.pop(where, None)
+                    continue
                 event_id = telemetry_pb2.TelemetryEvent.FromString(message.value()).event_id
                 if event_id in wanted:
                     found.add(event_id)

@@ -30,6 +30,7 @@ import json
 import logging
 import math
 import ssl
+import threading
 from dataclasses import dataclass
 
 import grpc
@@ -238,6 +239,7 @@ class IngestServer:
 
     async def stop(self, grace_s: float = 5.0) -> None:
         # Stop taking requests first, then let in-flight produces reach the broker.
+        log.info("ingest stopping: draining requests (grace %.0f s)", grace_s)
         await self.grpc_server.stop(grace_s)
         await self.http_runner.cleanup()
         self.recovery_task.cancel()
@@ -248,6 +250,7 @@ class IngestServer:
         if undelivered:
             log.warning("%d events were still undelivered at shutdown (their clients got no ACCEPTED)", undelivered)
         await self.redis.aclose()
+        log.info("ingest stopped")
 
 
 async def start(stack: StackSettings, settings: IngestSettings) -> IngestServer:
@@ -294,12 +297,38 @@ async def _recover_forever(stack: StackSettings, settings: IngestSettings) -> No
 
     while True:
         try:
-            await asyncio.to_thread(
+            await _in_daemon_thread(
                 sweep, stack, stack.redis_url, older_than_ms=settings.claim_ttl_s * 1000, dedup_ttl_s=settings.dedup_ttl_s
             )
         except Exception:  # noqa: BLE001 - the next sweep retries; requests meanwhile get RETRY, never a duplicate
             log.exception("recovery sweep failed")
         await asyncio.sleep(max(settings.claim_ttl_s / 2, 0.5))
+
+
+async def _in_daemon_thread(function, *args, **kwargs):
+    """``asyncio.to_thread`` on a daemon thread: a sweep still reading Kafka when the
+    gateway stops must not hold the process (asyncio.run waits for its default executor)."""
+    loop = asyncio.get_running_loop()
+    future = loop.create_future()
+
+    def settle(setter, value) -> None:
+        if not future.done():
+            setter(value)
+
+    def run() -> None:
+        try:
+            result = function(*args, **kwargs)
+        except BaseException as exc:  # noqa: BLE001 - handed to the awaiting task
+            outcome = (future.set_exception, exc)
+        else:
+            outcome = (future.set_result, result)
+        try:
+            loop.call_soon_threadsafe(settle, *outcome)
+        except RuntimeError:
+            pass  # the loop closed: nobody is waiting any more
+
+    threading.Thread(target=run, name="ingest-recovery", daemon=True).start()
+    return await future
 
 
 def _http_tls(settings: IngestSettings) -> ssl.SSLContext | None:
