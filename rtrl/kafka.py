@@ -225,10 +225,14 @@ def end_offsets(settings: StackSettings, tps: list[TopicPartition], timeout_s: f
     """The offset after each partition's last record.
 
     Tansu answers ListOffsets(latest) with the base offset of the last record batch
-    plus one, which undercounts when that batch holds several records. So read the
-    batch at high-1 and take its last record's offset + 1 (exact on Apache Kafka too).
+    plus one, which undercounts when that batch holds several records (thousands, from
+    a fast producer). So read from high-1 to the partition's EOF and take the last
+    record's offset + 1 (exact on Apache Kafka too).
     """
-    probe = Consumer({"bootstrap.servers": settings.kafka_bootstrap, "group.id": "rtrl-end-offsets", "enable.auto.commit": False})
+    probe = Consumer({
+        "bootstrap.servers": settings.kafka_bootstrap, "group.id": "rtrl-end-offsets", "enable.auto.commit": False,
+        "enable.partition.eof": True,
+    })
     try:
         ends: dict[tuple[str, int], int] = {}
         to_read: list[TopicPartition] = []
@@ -243,10 +247,11 @@ def end_offsets(settings: StackSettings, tps: list[TopicPartition], timeout_s: f
         waiting = {(tp.topic, tp.partition) for tp in to_read}
         deadline = time.monotonic() + timeout_s
         while waiting and time.monotonic() < deadline:
-            for msg in probe.consume(500, timeout=0.2):
+            for msg in probe.consume(5000, timeout=0.2):
+                key = (msg.topic(), msg.partition())
                 if msg.error() is None:
-                    key = (msg.topic(), msg.partition())
                     ends[key] = max(ends[key], msg.offset() + 1)
+                elif msg.error().code() == KafkaError._PARTITION_EOF:
                     waiting.discard(key)
         return ends
     finally:
