@@ -238,18 +238,18 @@ class IngestServer:
     recovery_task: asyncio.Task
 
     async def stop(self, grace_s: float = 5.0) -> None:
-        # Stop taking requests first, then let in-flight produces reach the broker.
+        # Stop taking requests first, then let in-flight produces reach the broker. Every
+        # step is bounded, so a stuck one is logged by name and shutdown still ends.
         log.info("ingest stopping: draining requests (grace %.0f s)", grace_s)
-        await self.grpc_server.stop(grace_s)
-        await self.http_runner.cleanup()
         self.recovery_task.cancel()
-        await asyncio.gather(self.recovery_task, return_exceptions=True)
         self.heartbeat_task.cancel()
-        await asyncio.gather(self.heartbeat_task, return_exceptions=True)
-        undelivered = await asyncio.to_thread(self.producer.close)
+        await _bounded("gRPC drain", self.grpc_server.stop(grace_s), grace_s + 2)
+        await _bounded("HTTP drain", self.http_runner.cleanup(), grace_s)
+        await _bounded("background tasks", asyncio.gather(self.recovery_task, self.heartbeat_task, return_exceptions=True), 2)
+        undelivered = await _bounded("producer flush", _in_daemon_thread(self.producer.close), 15)
         if undelivered:
             log.warning("%d events were still undelivered at shutdown (their clients got no ACCEPTED)", undelivered)
-        await self.redis.aclose()
+        await _bounded("Redis close", self.redis.aclose(), 2)
         log.info("ingest stopped")
 
 
@@ -303,6 +303,15 @@ async def _recover_forever(stack: StackSettings, settings: IngestSettings) -> No
         except Exception:  # noqa: BLE001 - the next sweep retries; requests meanwhile get RETRY, never a duplicate
             log.exception("recovery sweep failed")
         await asyncio.sleep(max(settings.claim_ttl_s / 2, 0.5))
+
+
+async def _bounded(step: str, awaitable, timeout_s: float):
+    """``awaitable``'s result, or None (logged) if it takes longer than ``timeout_s``."""
+    try:
+        return await asyncio.wait_for(awaitable, timeout_s)
+    except TimeoutError:
+        log.warning("stopping: %s did not finish within %.0f s; going on", step, timeout_s)
+        return None
 
 
 async def _in_daemon_thread(function, *args, **kwargs):
