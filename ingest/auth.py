@@ -103,6 +103,21 @@ async def issue_key(
     return api_key
 
 
+def call_sync(redis_url: str, function, *args, **kwargs):
+    """``await function(redis, *args, **kwargs)`` from synchronous code (the CLI, the demo,
+    the bench), on a client opened and closed around the call."""
+    import asyncio
+
+    async def call():
+        redis = aioredis.Redis.from_url(redis_url)
+        try:
+            return await function(redis, *args, **kwargs)
+        finally:
+            await redis.aclose()
+
+    return asyncio.run(call())
+
+
 async def revoke_key(redis: aioredis.Redis, api_key_or_hash: str) -> bool:
     """Revoke one key (given as the key or its hash); False if it does not exist."""
     digest = api_key_or_hash if len(api_key_or_hash) == 64 and not api_key_or_hash.startswith("rtrl_") else key_hash(api_key_or_hash)

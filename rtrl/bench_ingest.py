@@ -150,9 +150,7 @@ def _end_total(stack: StackSettings) -> int:
 def run(
     out: Path, console: Console, *, events_per_round: int = 60_000, batch: int = 500, concurrency: int = 8, rounds: int = 3
 ) -> IngestBench:
-    import redis.asyncio as aioredis
-
-    from ingest.auth import issue_key
+    from ingest.auth import call_sync, issue_key
     from rtrl.kafka import ensure_topics, wait_for_broker
 
     with tempfile.TemporaryDirectory(prefix="rtrl-bench-ingest-") as tmp:
@@ -176,14 +174,7 @@ def run(
             gateway = procs.spawn("ingest", [sys.executable, "-m", "ingest"], tmp_path / "ingest.log", env=env, port=grpc_port)
             procs.wait_for_port(grpc_port, timeout_s=60)
 
-            async def issue() -> str:
-                client = aioredis.Redis.from_url(stack.redis_url)
-                try:
-                    return await issue_key(client, "bench")
-                finally:
-                    await client.aclose()
-
-            key = asyncio.run(issue())
+            key = call_sync(stack.redis_url, issue_key, "bench")
             # Warm both paths (connections, topic metadata, the gateway's scripts).
             raw_round(stack, make_events(2_000, seed=-1))
             asyncio.run(gateway_round(f"127.0.0.1:{grpc_port}", key, make_events(2_000, seed=-2), batch, concurrency))

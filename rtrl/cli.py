@@ -226,20 +226,10 @@ def bench_ingest(
 
 
 def _redis_call(function, *args, **kwargs):
-    import asyncio
-
-    import redis.asyncio as aioredis
-
+    from ingest.auth import call_sync
     from rtrl.config import StackSettings
 
-    async def call():
-        redis = aioredis.Redis.from_url(StackSettings().redis_url)
-        try:
-            return await function(redis, *args, **kwargs)
-        finally:
-            await redis.aclose()
-
-    return asyncio.run(call())
+    return call_sync(StackSettings().redis_url, function, *args, **kwargs)
 
 
 @keys_app.command("create")

@@ -73,18 +73,9 @@ async def _drive(product: Product, duration_s: float, console: Console, redis_ur
 
 def simulator_key(redis_url: str) -> str:
     """An API key for the simulated product (a new one per run; keys are cheap)."""
-    import redis.asyncio as aioredis
+    from ingest.auth import call_sync, issue_key
 
-    from ingest.auth import issue_key
-
-    async def issue() -> str:
-        redis = aioredis.Redis.from_url(redis_url)
-        try:
-            return await issue_key(redis, "simulated-product")
-        finally:
-            await redis.aclose()
-
-    return asyncio.run(issue())
+    return call_sync(redis_url, issue_key, "simulated-product")
 
 
 def run_product(stack: StackFile, duration_s: float, console: Console, **product_options) -> ProductStats:

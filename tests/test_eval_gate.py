@@ -19,6 +19,7 @@ import time
 import pytest
 import torch
 from rich.console import Console
+from test_analytics import RecordingConsumer
 from weight_sync_support import Following
 
 from rtrl.health import ComponentHealth
@@ -89,16 +90,11 @@ def _trainer_steps_in_clickhouse(stack_settings, tmp_path) -> list[dict]:
     consumer.close()
     client = connect(StackSettings(state_dir=tmp_path / "analytics"))
     schema.create_tables(client)
-    sink = Sink(_NoCommits(), client, batch_size=100, flush_interval_s=1.0)
+    sink = Sink(RecordingConsumer(), client, batch_size=100, flush_interval_s=1.0)
     for record in records:
         sink.add(record)
     sink.flush()
     return client_query_fn(client)(f"SELECT * FROM {schema.TRAINER_STEPS} FINAL ORDER BY step")
-
-
-class _NoCommits:
-    def commit(self, offsets, asynchronous):
-        pass
 
 
 def _metric_points(reader, name: str) -> dict[tuple, float]:
