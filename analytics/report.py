@@ -1,12 +1,15 @@
 """The A/B report: control (frozen policy) vs treatment (live RL), read from the sink's tables.
 
-Definitions (rewards on ``rl.reward.v1`` only; every table read with FINAL so replays count once):
+Definitions (rewards on ``rl.reward.v1`` only; each reward_id and rollout_id counts once:
+the A/B table reads the tables with FINAL, the per-version table the A/B views, which
+keep one value per id):
   persisted_rate     share of rewards whose edit was observed persisting in full:
                      ``persistence_observed AND persisted_fraction >= 0.999``. A rollout whose
                      window closed without a persistence snapshot counts as not persisted.
   dissatisfied_rate  share of rewards with ``dissatisfied > 0`` (a follow-up classified as dissatisfied).
   reward_mean        mean scalar reward.
   latency_p50_s      exact median of the rollouts' serving latency (rollouts table).
+  policy version     the highest version among a rollout's spans (it may span a swap).
   relative_change    (treatment - control) / control; None for counts or a zero control.
 ``last_half`` keeps rollouts whose event time is in the later half of the run's span
 (the span of rollout timestamps over both tables), when treatment has had time to learn.
@@ -19,19 +22,22 @@ import html
 import io
 import math
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
+from analytics import schema
 from analytics.query import QueryFn
+from analytics.schema import PERSISTED_THRESHOLD
 from rtrl import topics
 
-PERSISTED_THRESHOLD = 0.999
 ARMS = ("control", "treatment")
 COUNT_METRICS = ("rollouts", "rewards")
 RATE_METRICS = ("persisted_rate", "dissatisfied_rate", "reward_mean", "latency_p50_s")
+LATENCY_QUANTILES = {"latency_p50_s": 0.5, "latency_p90_s": 0.9, "latency_p99_s": 0.99}
 
 _REWARDS = f"rewards FINAL WHERE topic = '{topics.REWARD}'"
 _REWARD_AGGREGATES = f"""count() AS rewards,
@@ -74,6 +80,31 @@ class VersionRow:
     dissatisfied_rate: float | None
     reward_mean: float | None
     latency_p50_s: float | None
+
+
+@dataclass(frozen=True)
+class HourRow:
+    """A/B metrics of one arm, policy version and hour of the rollouts' event time: rates and
+    means over its rewards (analytics.schema.REWARD_VALUES), the rest over its rollouts."""
+
+    arm: str
+    policy_version: int
+    hour: datetime
+    rollouts: int
+    rewards: int
+    persisted_rate: float | None
+    dissatisfied_rate: float | None
+    followup_rate: float | None
+    defaulted_rate: float | None
+    reward_mean: float | None
+    persisted_fraction: float | None
+    dissatisfied: float | None
+    tool_call_validity: float | None
+    effort_penalty: float | None
+    clarifying_question_rate: float | None
+    latency_p50_s: float | None
+    latency_p90_s: float | None
+    latency_p99_s: float | None
 
 
 def arm_metrics(query_fn: QueryFn, since_ms: int | None = None) -> dict[str, ArmMetrics]:
@@ -131,31 +162,72 @@ def ab_table(query_fn: QueryFn) -> list[ABRow]:
 
 
 def by_version(query_fn: QueryFn, bucket_size: int | None = None, max_buckets: int = 20) -> list[VersionRow]:
-    """Reward metrics per arm and policy-version bucket (the max version of each rollout's spans).
-    Without a bucket_size, buckets are sized so treatment gets at most ``max_buckets`` of them."""
+    """Reward metrics per arm and policy-version bucket, from the A/B views; the latency is
+    that of the bucket's rollouts. Without a bucket_size, buckets are sized so treatment gets
+    at most ``max_buckets`` of them."""
     if bucket_size is None:
-        (row,) = query_fn(f"SELECT max(policy_version) AS hi, min(policy_version) AS lo FROM {_REWARDS}")
+        (row,) = query_fn(f"SELECT max(policy_version) AS hi, min(policy_version) AS lo FROM {schema.AB_REWARDS}")
         spread = int(row["hi"] or 0) - int(row["lo"] or 0) + 1
         bucket_size = max(1, math.ceil(spread / max_buckets))
     b = int(bucket_size)
-    result = query_fn(
-        f"SELECT arm, intDiv(policy_version, {b}) * {b} AS version_bucket, {_REWARD_AGGREGATES}, "
-        f"quantileExactInclusive(0.5)(latency_s) AS latency_p50_s FROM {_REWARDS} "
-        "GROUP BY arm, version_bucket ORDER BY arm, version_bucket"
-    )
+    keys = {"arm": "arm", "version": f"intDiv(policy_version, {b}) * {b}"}
+    rewards = _from_view(query_fn, schema.AB_REWARDS, schema.REWARD_VALUES, keys)
+    rollouts = _from_view(query_fn, schema.AB_ROLLOUTS, schema.ROLLOUT_VALUES, keys)
     return [
         VersionRow(
-            arm=r["arm"],
-            policy_version=int(r["version_bucket"]),
+            arm=arm,
+            policy_version=int(version),
             bucket_size=b,
-            rewards=int(r["rewards"]),
+            rewards=int(r["ids"]),
             persisted_rate=_number(r["persisted_rate"]),
             dissatisfied_rate=_number(r["dissatisfied_rate"]),
             reward_mean=_number(r["reward_mean"]),
-            latency_p50_s=_number(r["latency_p50_s"]),
+            latency_p50_s=_number(rollouts.get((arm, version), {}).get("latency_p50_s")),
         )
-        for r in result
+        for (arm, version), r in sorted(rewards.items())
     ]
+
+
+def by_hour(query_fn: QueryFn) -> list[HourRow]:
+    """The A/B metrics per arm, policy version and hour, from the A/B views."""
+    keys = {"arm": "arm", "version": "policy_version", "hour_s": "toUnixTimestamp(hour)"}
+    rewards = _from_view(query_fn, schema.AB_REWARDS, schema.REWARD_VALUES, keys)
+    rollouts = _from_view(query_fn, schema.AB_ROLLOUTS, schema.ROLLOUT_VALUES, keys)
+    rows = []
+    for arm, version, hour_s in sorted(set(rewards) | set(rollouts)):
+        r, o = rewards.get((arm, version, hour_s), {}), rollouts.get((arm, version, hour_s), {})
+        rows.append(
+            HourRow(
+                arm=arm,
+                policy_version=int(version),
+                hour=datetime.fromtimestamp(int(hour_s), UTC),
+                rollouts=int(o.get("ids", 0)),
+                rewards=int(r.get("ids", 0)),
+                **{name: _number(r.get(name)) for name in schema.REWARD_VALUES},
+                clarifying_question_rate=_number(o.get("clarifying_question_rate")),
+                **{name: _number(o.get(name)) for name in LATENCY_QUANTILES},
+            )
+        )
+    return rows
+
+
+def _from_view(query_fn: QueryFn, view: str, values: dict[str, str], keys: dict[str, str]) -> dict[tuple, dict]:
+    """Per group of ``keys`` (alias -> expression over the view's key columns): ``ids``, the
+    number of distinct ids, and each of ``values`` as its mean (latency_s as quantiles).
+    The groups' id -> values maps are merged first, so an id in several parts counts once."""
+    metrics = ["length(tupleElement(m, 1)) AS ids"]
+    for index, name in enumerate(values, start=2):
+        array = f"tupleElement(m, {index})"
+        if name == "latency_s":
+            metrics += [f"arrayReduce('quantileExactInclusive({q})', {array}) AS {metric}" for metric, q in LATENCY_QUANTILES.items()]
+        else:
+            metrics.append(f"arrayAvg({array}) AS {name}")
+    groups = ", ".join(f"{expression} AS {alias}" for alias, expression in keys.items())
+    rows = query_fn(
+        f"SELECT {', '.join(keys)}, {', '.join(metrics)} FROM "
+        f"(SELECT {groups}, maxMapMerge(by_id) AS m FROM {view} GROUP BY {', '.join(keys)})"
+    )
+    return {tuple(row[alias] for alias in keys): row for row in rows}
 
 
 def write_html(

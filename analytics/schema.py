@@ -4,15 +4,81 @@ Every table is a ReplacingMergeTree ordered by its id, so a record the sink writ
 twice (a replay after a crash between insert and offset commit) collapses into one
 row at merge time. Merges are lazy: queries that count must use ``FINAL`` or
 ``count(DISTINCT id)``.
+
+The A/B views. Two materialized views keep the A/B metrics per arm, policy version
+(the highest version among the rollout's spans) and hour of the rollout's event time:
+``ab_rewards_hourly`` from ``rewards`` (the record on rl.reward.v1 carries the arm, the
+version and every component) and ``ab_rollouts_hourly`` from ``rollouts`` (every served
+rollout, rewarded yet or not: counts, latency, clarifying questions).
+
+A view fires on every INSERT into its source and aggregates the inserted block, not
+the table, so a replayed row arrives a second time. Anything built on sum or count
+(sumState, countState, SummingMergeTree, quantileState) would count it twice, and the
+target's merges cannot undo that: they combine states, they do not see rows. A state
+a duplicate cannot change has to be idempotent (merging x with x gives x), like a set
+or a maximum, and an exact count or mean over a set needs the set's members. So each
+view keeps one state per (arm, version, hour): ``maxMap`` keyed by the source's dedup
+id (reward_id, rollout_id) with one value array per metric, i.e. the map
+id -> (values). A replay re-inserts the same id with the same values and the max
+leaves them as they were; counts are the number of keys, rates the mean of a 0/1
+value, means the mean of a value, quantiles exact over the values. Counts and rates
+come from the same keys, so a rate's numerator and denominator are always the same
+rewards. uniqExactState(id) would dedup the counts but not the means; one map keeps
+both. The price is storage: 8 bytes per value per id plus the id, i.e. the view
+pre-groups the data (read by (arm, version, hour) range, no FINAL) rather than shrinking it.
+Should one id come back with different values (the deterministic reward_id rules that
+out for a reward), the view keeps each value's maximum where the table keeps the last row.
+
+The targets are AggregatingMergeTree ordered by (arm, policy_version, hour); read them
+with ``maxMapMerge(by_id)`` grouped by that key or a coarser one, such as version buckets
+over all hours (analytics.report): the merged map still holds each id once.
+
+A view only sees inserts made after it exists. ``create_tables`` therefore backfills a
+target from its source when it creates the view or finds its target empty: the same
+SELECT over the whole source table. The states make that overlap harmless: rows the
+view and the backfill both saw, or two sinks backfilling at once, count once.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
+
+from rtrl import topics
 
 ROLLOUTS = "rollouts"
 TELEMETRY = "telemetry_events"
 REWARDS = "rewards"
 DEAD_LETTERS = "dead_letters"
 TRAINER_STEPS = "trainer_steps"
+AB_REWARDS = "ab_rewards_hourly"
+AB_ROLLOUTS = "ab_rollouts_hourly"
+
+PERSISTED_THRESHOLD = 0.999
+# reward_stream.monitors.is_clarifying_question in SQL: ends with "?" and holds no code
+# (signals.has_code: a ``` fence or a line indented by a tab or 2+ spaces). After the "?"
+# only ASCII whitespace is skipped, where Python's strip() also skips Unicode spaces.
+CLARIFYING_QUESTION = (
+    r"match(completion_text, '\\?\\s*$') AND position(completion_text, '```') = 0 "
+    r"AND NOT match(completion_text, '(?m)^(\\t| {2,})\\S')"
+)
+
+# Per-id values kept by the A/B views, in the order of their value arrays (name -> source
+# expression). Each is read back as its mean, except latency_s, read as quantiles.
+REWARD_VALUES = {
+    "persisted_rate": f"persistence_observed AND persisted_fraction >= {PERSISTED_THRESHOLD}",
+    "dissatisfied_rate": "dissatisfied > 0",
+    "followup_rate": "followup_observed",
+    "defaulted_rate": "defaulted",
+    "reward_mean": "reward",
+    "persisted_fraction": "persisted_fraction",
+    "dissatisfied": "dissatisfied",
+    "tool_call_validity": "tool_call_validity",
+    "effort_penalty": "effort_penalty",
+}
+ROLLOUT_VALUES = {
+    "clarifying_question_rate": CLARIFYING_QUESTION,
+    "latency_s": "latency_s",
+}
 
 DDL = (
     f"""
@@ -126,7 +192,59 @@ CREATE TABLE IF NOT EXISTS {TRAINER_STEPS} (
 )
 
 
+@dataclass(frozen=True)
+class View:
+    """A materialized view into an AggregatingMergeTree target, and the SELECT that both
+    the view (over each inserted block) and the backfill (over the whole source) run."""
+
+    name: str
+    target: str
+    target_ddl: str
+    select: str
+
+    @property
+    def ddl(self) -> str:
+        return f"CREATE MATERIALIZED VIEW IF NOT EXISTS {self.name} TO {self.target} AS {self.select}"
+
+
+def _ab_view(target: str, source: str, id_column: str, version: str, ts: str, values: dict[str, str], where: str = "") -> View:
+    """The view of one source per (arm, policy_version, hour): ``by_id`` is the maxMap state
+    id -> one Float64 per entry of ``values``."""
+    arrays = ", ".join(f"[toFloat64({expression})]" for expression in values.values())
+    select = (
+        f"SELECT arm, {version} AS policy_version, toStartOfHour({ts}) AS hour, maxMapState([{id_column}], {arrays}) AS by_id "
+        f"FROM {source}{where} GROUP BY arm, policy_version, hour"
+    )
+    target_ddl = f"""
+CREATE TABLE IF NOT EXISTS {target} (
+    arm LowCardinality(String),
+    policy_version Int64,
+    hour DateTime('UTC'),
+    by_id AggregateFunction(maxMap, Array(String), {", ".join("Array(Float64)" for _ in values)})
+) ENGINE = AggregatingMergeTree ORDER BY (arm, policy_version, hour)
+"""
+    return View(f"{target}_mv", target, target_ddl, select)
+
+
+VIEWS = (
+    _ab_view(AB_REWARDS, REWARDS, "reward_id", "policy_version", "rollout_ts", REWARD_VALUES, f" WHERE topic = '{topics.REWARD}'"),
+    _ab_view(AB_ROLLOUTS, ROLLOUTS, "rollout_id", "policy_version_max", "ts", ROLLOUT_VALUES),
+)
+
+
 def create_tables(client) -> None:
     """Idempotent: safe on every start-up."""
     for statement in DDL:
         client.command(statement)
+    for view in VIEWS:
+        client.command(view.target_ddl)
+        created = not int(client.command(f"EXISTS TABLE {view.name}"))
+        client.command(view.ddl)
+        # Also when the target is empty: a crash between creating the view and its backfill.
+        if created or not int(client.command(f"SELECT count() FROM {view.target}")):
+            backfill(client, view)
+
+
+def backfill(client, view: View) -> None:
+    """Aggregate the whole source table into the view's target. Duplicate-safe like the view."""
+    client.command(f"INSERT INTO {view.target} {view.select}")

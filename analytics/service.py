@@ -9,17 +9,33 @@ import threading
 import redis.asyncio as aioredis
 from aiohttp import web
 from confluent_kafka import Consumer
+from opentelemetry import metrics
 
 from analytics import query, schema
 from analytics.config import AnalyticsSettings
 from analytics.sink import Sink
-from rtrl import heartbeat, kafka, topics
+from rtrl import heartbeat, kafka, otel, topics
 from rtrl.config import StackSettings
 from rtrl.runtime import until_stopped
 
 log = logging.getLogger("analytics")
 
 SERVICE = "analytics"
+
+
+def _observe(sink: Sink, consumer: Consumer, group: str) -> None:
+    """The sink's counters and its consumer's lag as OpenTelemetry (and so Prometheus) metrics."""
+    meter = metrics.get_meter("rtrl.analytics")
+    otel.observe(meter, "rtrl.analytics.consumed", "counter", lambda: [(sink.consumed, {})], unit="{record}", description="Records read")
+    otel.observe(
+        meter, "rtrl.analytics.inserted", "counter", lambda: [(n, {"table": table}) for table, n in sink.inserted.items()],
+        unit="{row}", description="Rows inserted, per table (a replay after a crash inserts some twice; tables dedup by id)",
+    )
+    otel.observe(meter, "rtrl.analytics.pending", "gauge", lambda: [(sink.status()["pending"], {})], unit="{row}", description="Rows buffered, not yet inserted")
+    otel.observe(
+        meter, "rtrl.consumer.lag", "gauge", lambda: [(n, {"group": group, **where}) for n, where in otel.consumer_lag(consumer)],
+        unit="{record}", description="Records behind the partition's high watermark",
+    )
 
 
 async def serve(stack: StackSettings, settings: AnalyticsSettings, stop: asyncio.Event | None = None) -> None:
@@ -39,6 +55,7 @@ async def serve(stack: StackSettings, settings: AnalyticsSettings, stop: asyncio
     redis = aioredis.Redis.from_url(stack.redis_url)
     stopping = threading.Event()
     sink_task = asyncio.create_task(asyncio.to_thread(sink.run, stopping))
+    _observe(sink, consumer, settings.group_id)
     beats = asyncio.create_task(heartbeat.beat_forever(redis, SERVICE, stack.instance, sink.status))
     log.info("analytics sink on %s, query endpoint %s:%d", stack.resolved_clickhouse_url(), settings.bind_host, settings.query_port)
     try:
@@ -60,4 +77,5 @@ def main() -> None:
     settings = AnalyticsSettings()
     stack = StackSettings()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    otel.configure(SERVICE, stack)
     asyncio.run(serve(stack, settings))

@@ -17,8 +17,10 @@ def main() -> None:
     import torch
 
     torch.set_num_threads(1)
-    from inference.server import serve
+    from inference.server import SERVICE, serve
+    from rtrl import otel
 
+    otel.configure(SERVICE, stack)
     asyncio.run(serve(stack, settings))
 
 

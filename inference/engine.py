@@ -101,6 +101,8 @@ class EngineStats:
     """Prefills: groups of requests admitted together."""
     steps: int = 0
     """Decode steps, each over every running request of one arm."""
+    swap_pause_s: float = 0.0
+    """Time decoding stood still for swaps (the rows' re-prefill included, under "recompute")."""
 
 
 class Engine:
@@ -280,12 +282,14 @@ class Engine:
         with self._cond:
             staged, self._staged = self._staged, {}
         for arm, (version, params) in staged.items():
+            paused = time.perf_counter()
             self._params[arm] = params
             if self.config.swap_policy == "recompute":
                 self._batches[arm].recompute(params)
             with self._cond:
                 self._versions[arm] = version
             self.stats.swaps += 1
+            self.stats.swap_pause_s += time.perf_counter() - paused
             log.debug("%s now serving v%d", arm, version)
             if self.on_applied is not None:
                 self.on_applied(arm, version)

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import redis.asyncio as aioredis
 from aiohttp import web
+from opentelemetry import metrics, trace
 from pydantic import ValidationError
 
 from inference.api import CompletionBody, completion_response
@@ -28,12 +29,13 @@ from inference.config import InferenceSettings
 from inference.engine import ARMS, ArmNotReady, Engine, EngineConfig, prompt_token_ids
 from inference.records import RolloutContext, rollout_record
 from inference.weights import WeightFollower
-from rtrl import heartbeat, kafka, topics
+from rtrl import heartbeat, kafka, otel, topics
 from rtrl.config import StackSettings
 from rtrl.policy import PolicyConfig, decode
 from rtrl.runtime import until_stopped
 
 log = logging.getLogger("inference")
+_tracer = trace.get_tracer("rtrl.inference")
 
 SERVICE = "inference"
 APPLIED_KEY = "rtrl:applied:{arm}:{version}"
@@ -90,6 +92,7 @@ class InferenceServer:
         await self.runner.setup()
         await web.TCPSite(self.runner, self.settings.bind_host, self.settings.http_port).start()
         self.port = self.runner.addresses[0][1]
+        self._observe()
         self.heartbeat_task = asyncio.create_task(self._beat_forever())
         log.info("%s listening on http://%s:%d", self.worker_id, self.settings.bind_host, self.port)
 
@@ -130,6 +133,29 @@ class InferenceServer:
             "unavailable": self.counters.unavailable,
         }
 
+    def _observe(self) -> None:
+        """The engine's and the API's counters as OpenTelemetry (and so Prometheus) metrics."""
+        meter = metrics.get_meter("rtrl.inference")
+        stats, counters = self.engine.stats, self.counters
+        for name, unit, description in (
+            ("completions", "{completion}", "Completions finished"),
+            ("tokens", "{token}", "Tokens sampled"),
+            ("swaps", "{swap}", "Weight versions swapped in"),
+        ):
+            otel.observe(meter, f"rtrl.inference.{name}", "counter", lambda name=name: [(getattr(stats, name), {})], unit=unit, description=description)
+        otel.observe(meter, "rtrl.inference.swap.pause", "counter", lambda: [(stats.swap_pause_s, {})], unit="s", description="Time decoding stood still for weight swaps")
+        otel.observe(
+            meter, "rtrl.inference.requests", "counter",
+            lambda: [(counters.records, {"outcome": "recorded"}), (counters.private, {"outcome": "private"}),
+                     (counters.rejected, {"outcome": "rejected"}), (counters.unavailable, {"outcome": "unavailable"})],
+            unit="{request}", description="Completion requests by outcome (rejected: 400, unavailable: 503)",
+        )
+        otel.observe(
+            meter, "rtrl.inference.policy.version", "gauge", lambda: [(v, {"arm": arm}) for arm, v in self.engine.versions().items()],
+            description="Policy version each arm serves (-1: none yet)",
+        )
+        otel.observe(meter, "rtrl.inference.queue_depth", "gauge", lambda: [(self.engine.queue_depth(), {})], unit="{request}", description="Requests waiting for the engine")
+
     async def _beat_forever(self) -> None:
         while True:
             if self.engine.failure is not None:
@@ -138,19 +164,40 @@ class InferenceServer:
             await asyncio.sleep(self.settings.heartbeat_interval_s)
 
     def _applied_from_engine_thread(self, arm: str, version: int) -> None:
-        applied_ms = int(time.time() * 1000)
-        self._loop.call_soon_threadsafe(self._record_applied, arm, version, applied_ms)
+        self._loop.call_soon_threadsafe(self._record_applied, arm, version, time.time_ns())
 
-    def _record_applied(self, arm: str, version: int, applied_ms: int) -> None:
+    def _record_applied(self, arm: str, version: int, applied_ns: int) -> None:
         log.info("%s serving %s v%d", self.worker_id, arm, version)
+        self._trace_apply(arm, version, applied_ns)
+        applied_ms = applied_ns // 1_000_000
         task = asyncio.create_task(self.redis.hset(APPLIED_KEY.format(arm=arm, version=version), self.worker_id, applied_ms))
         self._background.add(task)
         task.add_done_callback(self._background.discard)
+
+    def _trace_apply(self, arm: str, version: int, applied_ns: int) -> None:
+        """The ``weights apply`` span: from the version staged to it serving, a child
+        of the weight_sync commit (through the manifest's traceparent)."""
+        staged = next((f.staged(version) for f in self._followers if f.arm == arm and f.staged(version)), None)
+        traceparent, staged_ns = staged or ("", applied_ns)
+        attributes = {"rtrl.arm": arm, "rtrl.policy.version": version, "rtrl.worker_id": self.worker_id}
+        span = _tracer.start_span("weights apply", context=otel.parent(traceparent), attributes=attributes, start_time=staged_ns)
+        span.end(end_time=applied_ns)
 
     async def _healthz(self, request: web.Request) -> web.Response:
         return web.json_response({"ready": self.engine.ready(), "versions": self.engine.versions(), "worker_id": self.worker_id})
 
     async def _completions(self, request: web.Request) -> web.StreamResponse:
+        """The serving span is the root of the rollout's trace (or a child of the
+        client's ``traceparent``); the record and the answer carry its traceparent, so
+        the client's events and the reward continue the trace."""
+        attributes = {"http.request.method": "POST", "url.path": request.path, "rtrl.worker_id": self.worker_id}
+        parent = otel.parent(request.headers.get("traceparent", ""))
+        with _tracer.start_as_current_span("POST /v1/completions", context=parent, kind=trace.SpanKind.SERVER, attributes=attributes) as span:
+            response = await self._complete(request, span)
+            span.set_attribute("http.response.status_code", response.status)
+            return response
+
+    async def _complete(self, request: web.Request, span: trace.Span) -> web.StreamResponse:
         received = time.monotonic()
         received_ms = int(time.time() * 1000)
         tokens: asyncio.Queue[tuple[int, float, int]] = asyncio.Queue()
@@ -175,6 +222,8 @@ class InferenceServer:
             self.counters.unavailable += 1
             return web.json_response({"error": str(exc)}, status=503)
         rollout_id = str(uuid.uuid4())
+        traceparent = otel.traceparent_of(span) or request.headers.get("traceparent", "")
+        span.set_attributes({"rtrl.rollout_id": rollout_id, "rtrl.arm": arm})
         waiting = asyncio.wrap_future(future)
         stream, streamed = None, 0
         if body.stream:
@@ -190,7 +239,6 @@ class InferenceServer:
         if body.privacy_mode:
             self.counters.private += 1
         else:
-            traceparent = request.headers.get("traceparent", "")
             context = RolloutContext(
                 rollout_id=rollout_id,
                 session_id=body.session_id,
@@ -203,11 +251,13 @@ class InferenceServer:
                 traceparent=traceparent,
             )
             record = rollout_record(context, completion)
-            await self.producer.send(
-                topics.ROLLOUT, record.SerializeToString(), key=rollout_id, headers=kafka.traceparent_headers(traceparent)
-            )
+            publish = otel.kafka_attributes("publish", topics.ROLLOUT, key=rollout_id)
+            with _tracer.start_as_current_span(f"publish {topics.ROLLOUT}", kind=trace.SpanKind.PRODUCER, attributes=publish) as producing:
+                headers = kafka.traceparent_headers(otel.traceparent_of(producing) or traceparent)
+                await self.producer.send(topics.ROLLOUT, record.SerializeToString(), key=rollout_id, headers=headers)
             self.counters.records += 1
-        answer = completion_response(rollout_id, self.model_name, completion, time.monotonic() - received)
+        answer = {**completion_response(rollout_id, self.model_name, completion, time.monotonic() - received), "traceparent": traceparent}
+        span.set_attribute("rtrl.policy.versions", [s["version"] for s in answer["policy_versions"]])
         if stream is None:
             return web.json_response(answer)
         # The text streamed so far stops short of any stop string; the rest comes here.

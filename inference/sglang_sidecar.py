@@ -39,12 +39,15 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
+from opentelemetry import trace
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from inference.weights import WeightFollower
+from rtrl import otel
 
 log = logging.getLogger(__name__)
+_tracer = trace.get_tracer("rtrl.sglang_sidecar")
 
 PauseMode = Literal["in_place", "retract"]
 
@@ -243,17 +246,22 @@ class SGLangSidecar:
             if pending is None:
                 return None
             version, tensors = pending
-            serialized = serialize_named_tensors(tensors)
-            attempts = self.settings.max_attempts
-            for attempt in range(1, attempts + 1):
-                try:
-                    self._swap(version, serialized)
-                    break
-                except SGLangRefused as exc:
-                    log.warning("v%d: attempt %d/%d refused: %s", version, attempt, attempts, exc)
-                    if attempt == attempts:
-                        raise WeightUpdateRefused(version, attempts, exc) from exc
-                    time.sleep(self.settings.backoff_s * 2 ** (attempt - 1))
+            staged = self._follower.staged(version) if self._follower is not None else None
+            traceparent, staged_ns = staged or ("", time.time_ns())
+            attributes = {"rtrl.arm": self.settings.arm, "rtrl.policy.version": version, "rtrl.sglang.url": self.weights.url}
+            # The apply span of the embedded worker's kind, a child of the version's weight_sync commit.
+            with _tracer.start_as_current_span("weights apply", context=otel.parent(traceparent), attributes=attributes, start_time=staged_ns):
+                serialized = serialize_named_tensors(tensors)
+                attempts = self.settings.max_attempts
+                for attempt in range(1, attempts + 1):
+                    try:
+                        self._swap(version, serialized)
+                        break
+                    except SGLangRefused as exc:
+                        log.warning("v%d: attempt %d/%d refused: %s", version, attempt, attempts, exc)
+                        if attempt == attempts:
+                            raise WeightUpdateRefused(version, attempts, exc) from exc
+                        time.sleep(self.settings.backoff_s * 2 ** (attempt - 1))
             with self._cond:
                 self.applied_version = version
                 if self._pending is pending:
@@ -334,7 +342,7 @@ def main() -> None:
     settings = SidecarSettings()
     stack = StackSettings()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-
+    otel.configure("sglang_sidecar", stack)
     sidecar = SGLangSidecar(SGLangWeights(settings.url, settings.http_timeout_s), served_inventory(settings.model_dir), settings)
     sidecar.start(stack.weight_sync_addr, stack.weight_sync_subscribe_token.get_secret_value(), f"sglang-sidecar-{stack.instance}")
     stop = threading.Event()

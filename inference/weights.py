@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
+from collections import OrderedDict
 from collections.abc import Callable
 
 import torch
@@ -19,7 +21,10 @@ class WeightFollower:
     The Subscriber re-subscribes by itself when weight_sync restarts; if it gives up
     (an error it does not retry), a fresh one starts from scratch after ``retry_s``,
     and ``stage`` ignores versions it already holds. An exception from ``stage`` is
-    logged and the stream goes on: one unusable version must not stop the next."""
+    logged and the stream goes on: one unusable version must not stop the next.
+
+    ``staged(version)`` tells when a version was staged and the traceparent of the
+    weight_sync span that committed it: the worker's apply span continues that trace."""
 
     def __init__(
         self, stage: Callable[[int, dict[str, torch.Tensor]], bool], addr: str, token: str, arm: str, worker_id: str, retry_s: float = 2.0
@@ -33,6 +38,7 @@ class WeightFollower:
         self._stopped = threading.Event()
         self._lock = threading.Lock()
         self._subscriber = None
+        self._staged: OrderedDict[int, tuple[str, int]] = OrderedDict()
         self._thread = threading.Thread(target=self._run, name=f"weights-{arm}", daemon=True)
 
     def start(self) -> WeightFollower:
@@ -45,6 +51,17 @@ class WeightFollower:
             if self._subscriber is not None:
                 self._subscriber.stop()
         self._thread.join(timeout_s)
+
+    def staged(self, version: int) -> tuple[str, int] | None:
+        """(traceparent, time.time_ns() when staged) of a version this follower staged."""
+        with self._lock:
+            return self._staged.get(version)
+
+    def _remember(self, version: int, traceparent: str) -> None:
+        with self._lock:
+            self._staged[version] = (traceparent, time.time_ns())
+            while len(self._staged) > 64:
+                self._staged.popitem(last=False)
 
     def _run(self) -> None:
         # Imported here so the engine and its unit tests do not need the gRPC client.
@@ -60,6 +77,7 @@ class WeightFollower:
                 for manifest, weights in subscriber.follow():
                     try:
                         if self.stage(manifest.version, weights):
+                            self._remember(manifest.version, manifest.traceparent)
                             log.info("staged %s v%d from %s", self.arm, manifest.version, self.addr)
                     except ValueError as exc:
                         log.error("%s v%d from %s not staged: %s", self.arm, manifest.version, self.addr, exc)

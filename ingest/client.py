@@ -72,12 +72,14 @@ class IngestClient:
         self._resolver_factory = resolver_factory
         self._session: aiohttp.ClientSession | None = None
 
-    async def publish(self, events: Sequence[telemetry_pb2.TelemetryEvent]) -> list[ingest_pb2.EventResult]:
+    async def publish(self, events: Sequence[telemetry_pb2.TelemetryEvent], *, traceparent: str = "") -> list[ingest_pb2.EventResult]:
         """One result per event, in order. Events still RETRY after the last attempt are
-        returned as RETRY with the last error; everything else is final."""
+        returned as RETRY with the last error; everything else is final. ``traceparent``
+        (the completion's, when the events are about one rollout) puts the gateway's
+        span into the rollout's trace."""
         results: list[ingest_pb2.EventResult] = []
         for start in range(0, len(events), self._max_batch):
-            results.extend(await self._publish_batch(events[start : start + self._max_batch]))
+            results.extend(await self._publish_batch(events[start : start + self._max_batch], traceparent))
         return results
 
     async def close(self) -> None:
@@ -91,7 +93,7 @@ class IngestClient:
     async def __aexit__(self, *exc) -> None:
         await self.close()
 
-    async def _publish_batch(self, events: Sequence[telemetry_pb2.TelemetryEvent]) -> list[ingest_pb2.EventResult]:
+    async def _publish_batch(self, events: Sequence[telemetry_pb2.TelemetryEvent], traceparent: str) -> list[ingest_pb2.EventResult]:
         results: list[ingest_pb2.EventResult | None] = [None] * len(events)
         pending = list(range(len(events)))
         last_error = ""
@@ -100,7 +102,7 @@ class IngestClient:
             if attempt:
                 await asyncio.sleep(max(self._backoff_s(attempt), retry_after_s))
             try:
-                answer, retry_after_s = await self._post([events[i] for i in pending])
+                answer, retry_after_s = await self._post([events[i] for i in pending], traceparent)
             except _Throttled as exc:
                 last_error, retry_after_s = str(exc), exc.retry_after_s
                 continue
@@ -122,13 +124,14 @@ class IngestClient:
                 )
         return results
 
-    async def _post(self, events: list[telemetry_pb2.TelemetryEvent]) -> tuple[ingest_pb2.PublishEventsResponse, float]:
+    async def _post(self, events: list[telemetry_pb2.TelemetryEvent], traceparent: str) -> tuple[ingest_pb2.PublishEventsResponse, float]:
         """The gateway's answer and how long it asked us to wait before resending its RETRYs."""
         if self._session is None:
             connector = aiohttp.TCPConnector(resolver=self._resolver_factory()) if self._resolver_factory else None
             self._session = aiohttp.ClientSession(timeout=self._timeout, connector=connector)
         body = json_format.MessageToJson(ingest_pb2.PublishEventsRequest(events=events), indent=None)
-        async with self._session.post(self._url, data=body, headers=self._headers) as response:
+        headers = {**self._headers, "traceparent": traceparent} if traceparent else self._headers
+        async with self._session.post(self._url, data=body, headers=headers) as response:
             text = await response.text()
             if response.status >= 500:
                 raise _ServerError(f"HTTP {response.status}: {text[:200]}")

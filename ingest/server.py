@@ -31,18 +31,20 @@ import logging
 import math
 import ssl
 import threading
-from dataclasses import dataclass
+from collections import Counter
+from dataclasses import dataclass, fields
 
 import grpc
 import redis.asyncio as aioredis
 from aiohttp import web
 from google.protobuf import json_format
 from google.protobuf.message import DecodeError
+from opentelemetry import metrics
 
 from ingest.auth import ApiKey, KeyCache, RateLimiter
 from ingest.config import IngestSettings
 from ingest.gateway import REJECTED, RETRY, Gateway, wall_clock_ms as gateway_clock_ms
-from rtrl import heartbeat, kafka
+from rtrl import heartbeat, kafka, otel
 from rtrl.config import StackSettings
 from rtrl.runtime import until_stopped
 from rtrl.v1 import ingest_pb2
@@ -70,8 +72,16 @@ class Door:
     def __init__(self, keys: KeyCache | None, limiter: RateLimiter | None) -> None:
         self._keys = keys
         self._limiter = limiter
+        self.refused: Counter[int] = Counter()
+        """Requests refused, by HTTP status (401, 403, 429)."""
 
     async def admit(self, authorization: str, events: list) -> tuple[ApiKey | None, Refusal | None]:
+        key, refusal = await self._admit(authorization, events)
+        if refusal is not None:
+            self.refused[refusal.http_status] += 1
+        return key, refusal
+
+    async def _admit(self, authorization: str, events: list) -> tuple[ApiKey | None, Refusal | None]:
         if self._keys is None:
             return None, None
         scheme, _, token = authorization.partition(" ")
@@ -284,10 +294,26 @@ async def start(stack: StackSettings, settings: IngestSettings) -> IngestServer:
         raise RuntimeError(f"cannot bind gRPC to {address}")
     await grpc_server.start()
 
+    _observe(gateway, door)
     beats = asyncio.create_task(heartbeat.beat_forever(redis, SERVICE, stack.instance, gateway.status))
     recovery = asyncio.create_task(_recover_forever(stack, settings))
     log.info("ingest listening: http %s:%d, grpc %s:%d", settings.bind_host, settings.http_port, settings.bind_host, settings.grpc_port)
     return IngestServer(gateway, producer, redis, runner, grpc_server, beats, recovery)
+
+
+def _observe(gateway: Gateway, door: Door) -> None:
+    """The gateway's counters as OpenTelemetry (and so Prometheus) metrics."""
+    meter = metrics.get_meter("rtrl.ingest")
+    counters = gateway.counters
+    otel.observe(
+        meter, "rtrl.ingest.events", "counter", lambda: [(getattr(counters, f.name), {"outcome": f.name}) for f in fields(counters)],
+        unit="{event}", description="Events answered, by outcome (privacy: counted, never published)",
+    )
+    otel.observe(
+        meter, "rtrl.ingest.refused_requests", "counter", lambda: [(n, {"http_status": str(status)}) for status, n in door.refused.items()],
+        unit="{request}", description="Requests refused before any event was looked at: 401 key, 403 scope, 429 rate limit",
+    )
+    otel.observe(meter, "rtrl.ingest.inflight", "gauge", lambda: [(gateway.inflight, {})], unit="{event}", description="Events claimed and not yet acked by the broker")
 
 
 async def _recover_forever(stack: StackSettings, settings: IngestSettings) -> None:
@@ -369,4 +395,5 @@ def main() -> None:
     settings = IngestSettings()
     stack = StackSettings()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    otel.configure(SERVICE, stack)
     asyncio.run(serve(stack, settings))

@@ -33,13 +33,14 @@ import time
 
 import faust
 import redis.asyncio as aioredis
+from opentelemetry import metrics
 
 from reward_stream import recovery
 from reward_stream.acks import OrderedAcks
 from reward_stream.config import RewardStreamSettings
 from reward_stream.publisher import OutputPublisher
 from reward_stream.runtime import Joiner
-from rtrl import heartbeat, topics
+from rtrl import heartbeat, otel, topics
 from rtrl.config import StackSettings
 
 SERVICE = "reward_stream"
@@ -82,10 +83,15 @@ def create_app(settings: RewardStreamSettings, stack: StackSettings) -> faust.Ap
     publisher = OutputPublisher(stack, settings.max_in_flight, ordered.done)
     highwater = app.consumer.highwater
 
+    read: dict = {}
+    """Offset of the newest record read, per topic partition (consumer lag)."""
+    _observe(joiner, publisher, settings.app_id, lambda: [(tp, max(0, (highwater(tp) or 0) - offset - 1)) for tp, offset in list(read.items())])
+
     @app.agent(app.topic(*topics.TELEMETRY), name="join")
     async def join_agent(stream):
         async for event in stream.noack().events():
             message = event.message
+            read[message.tp] = message.offset
             if not joiner.restored(message.partition):
                 positions = await asyncio.to_thread(recovery.input_positions, stack, settings.app_id, message.partition)
                 settled = await asyncio.to_thread(recovery.settled_rollouts, stack, message.partition)
@@ -131,8 +137,27 @@ def create_app(settings: RewardStreamSettings, stack: StackSettings) -> faust.Ap
     return app
 
 
+def _observe(joiner: Joiner, publisher: OutputPublisher, group: str, lag) -> None:
+    """The joiner's counters and the consumer's lag as OpenTelemetry (and so Prometheus) metrics."""
+    meter = metrics.get_meter("rtrl.reward_stream")
+    counters = joiner.counters
+    outcomes = ("settled", "defaulted", "duplicates", "late", "dlq", "dropped", "privacy_dropped")
+    otel.observe(meter, "rtrl.reward_stream.records", "counter", lambda: [(counters.events, {})], unit="{record}", description="Input records read")
+    otel.observe(
+        meter, "rtrl.reward_stream.outcomes", "counter", lambda: [(getattr(counters, name), {"outcome": name}) for name in outcomes],
+        unit="{record}", description="Rollouts settled (defaulted: without a user signal) and records set aside, by outcome",
+    )
+    otel.observe(meter, "rtrl.reward_stream.pending", "gauge", lambda: [(joiner.pending(), {})], unit="{rollout}", description="Rollouts waiting for their window to close")
+    otel.observe(meter, "rtrl.reward_stream.in_flight", "gauge", lambda: [(publisher.in_flight(), {})], unit="{record}", description="Outputs not yet acked by the broker")
+    otel.observe(
+        meter, "rtrl.consumer.lag", "gauge", lambda: [(n, {"group": group, "topic": tp.topic, "partition": str(tp.partition)}) for tp, n in lag()],
+        unit="{record}", description="Records behind the partition's high watermark",
+    )
+
+
 def run(settings: RewardStreamSettings, stack: StackSettings) -> None:
     """Run a worker until SIGTERM/SIGINT (faust's Worker installs the handlers)."""
+    otel.configure(SERVICE, stack)
     run_worker(create_app(settings, stack), stack)
 
 

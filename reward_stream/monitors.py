@@ -74,6 +74,8 @@ RATES = ("edit", "clarifying_question", "broken_tool_call", "dissatisfied")
 # Behaviours watched for drift, with the direction a hack moves them (+1 up, -1 down).
 DRIFT = {"clarifying_question": 1, "broken_tool_call": 1, "edit": -1}
 MEANS = ("persisted_fraction", "tool_call_validity", "effort_penalty", "reward")
+# Newest versions whose mean reward the heartbeat carries (the reward trend in rtrl status).
+REWARD_VERSIONS_SHOWN = 60
 
 
 @dataclass(frozen=True)
@@ -232,6 +234,17 @@ def _count(tally: VersionTally, record: reward_pb2.RewardRecord, rollout: rollou
             # Keep the max_examples largest (high) or smallest values, as (value, id) pairs.
             kept = sorted([*tally.extremes.get((metric, high), []), (value, record.rollout_id)], reverse=high)
             tally.extremes[(metric, high)] = kept[:max_examples]
+
+
+def reward_by_version(state: MonitorState, newest: int = REWARD_VERSIONS_SHOWN) -> list[dict]:
+    """Rollouts and mean reward of the newest ``newest`` versions and of the oldest (the
+    warm start, which the control arm serves), oldest first. Produced for the heartbeat;
+    consumed by rtrl.status_view's reward trend, which adds up the workers' counts."""
+    shown = sorted({*state.ordered[:1], *state.ordered[-newest:]})
+    return [
+        {"version": v, "rollouts": state.versions[v].n, "reward_mean": state.versions[v].sums["reward"] / state.versions[v].n}
+        for v in shown
+    ]
 
 
 def _previous(state: MonitorState, version: int) -> int | None:

@@ -29,11 +29,25 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
+from opentelemetry import metrics, trace
+
 from reward_stream import join, monitors, reward
 from reward_stream.codec import MalformedEvent, PrivacyModeEvent, decode
-from rtrl import topics
+from rtrl import kafka, otel, topics
 
 log = logging.getLogger(__name__)
+_tracer = trace.get_tracer("rtrl.reward_stream")
+_meter = metrics.get_meter("rtrl.reward_stream")
+_reward = _meter.create_histogram(
+    "rtrl.reward.value", description="Rewards settled, by arm and whether the window closed without a user signal",
+    explicit_bucket_boundaries_advisory=[-1.0, -0.5, -0.25, 0.0, 0.25, 0.5, 0.75, 1.0],
+)
+_component = _meter.create_histogram(
+    "rtrl.reward.component", description="Reward components of settled rewards, by arm and component",
+    explicit_bucket_boundaries_advisory=[0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 1.0],
+)
+_ARMS = {1: "control", 2: "treatment"}
+COMPONENTS = ("persisted_fraction", "dissatisfied", "tool_call_validity", "effort_penalty")
 
 SOURCE_OF_TOPIC = {topics.ROLLOUT: join.SOURCE["rollout"], **{topic: join.SOURCE[kind] for kind, topic in topics.BY_PAYLOAD.items()}}
 
@@ -200,6 +214,7 @@ class Joiner:
             "pending": self.pending(),
             "partitions": sorted(self.states),
             "alerts": [asdict(alert) for alert in self.alerts],
+            "reward_by_version": monitors.reward_by_version(self.monitor),
         }
 
     def _batch(self, outputs: list[join.Output]) -> Batch:
@@ -215,8 +230,9 @@ class Joiner:
                 self.counters.settled += 1
                 self.counters.defaulted += record.defaulted
                 self._watch(record, rollout.message)
+                self._observe(record, rollout.message, len(output.events))
                 value = reward.encode_with_rollout(record, rollout.raw)
-                records.append(OutRecord(topics.REWARD, output.rollout_id.encode(), value))
+                records.append(OutRecord(topics.REWARD, output.rollout_id.encode(), value, tuple(kafka.traceparent_headers(record.traceparent))))
             elif isinstance(output, join.Dropped):
                 acks.extend(e.handle for e in output.events)
                 self.counters.dropped += 1
@@ -234,6 +250,24 @@ class Joiner:
                 acks.append(output.event.handle)
                 self.counters.duplicates += 1
         return Batch(records, [handle for handle in acks if handle is not None])
+
+    @staticmethod
+    def _observe(record, rollout, events: int) -> None:
+        """The reward's metrics, and its ``reward settle`` span: a child of the
+        rollout's serving span, the reward's place in the rollout's trace, which the
+        training step links to."""
+        arm = _ARMS.get(rollout.arm, "unspecified")
+        _reward.record(record.reward, {"arm": arm, "defaulted": record.defaulted})
+        for name in COMPONENTS:
+            _component.record(getattr(record.components, name), {"arm": arm, "component": name})
+        attributes = {
+            **otel.kafka_attributes("publish", topics.REWARD, key=record.rollout_id),
+            "rtrl.rollout_id": record.rollout_id, "rtrl.reward": record.reward, "rtrl.reward.defaulted": record.defaulted,
+            "rtrl.reward.fn_version": record.reward_fn_version, "rtrl.reward.events": events,
+        }
+        span = _tracer.start_span("reward settle", context=otel.parent(rollout.traceparent), kind=trace.SpanKind.PRODUCER, attributes=attributes)
+        record.traceparent = otel.traceparent_of(span)
+        span.end()
 
     def _watch(self, record, rollout) -> None:
         """Feed a settled reward to the hacking monitor; log and keep what it raises."""

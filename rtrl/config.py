@@ -50,12 +50,28 @@ class StackSettings(BaseSettings):
     instance: str = "0"
     """Instance name of this process (several workers of one service differ here)."""
 
-    otel_exporter: Literal["file", "none"] = "file"
+    otel_exporter: Literal["file", "otlp", "none"] = "file"
     """Where OpenTelemetry spans and metrics go: ``file`` writes JSON lines under
-    ``<state_dir>/otel/`` (readable on the embedded stack); ``none`` drops them."""
+    ``<state_dir>/otel/`` (readable on the embedded stack); ``otlp`` sends them over
+    OTLP/gRPC to ``otlp_endpoint`` (a collector, in production); ``none`` drops them."""
+
+    otlp_endpoint: str = "http://127.0.0.1:4317"
+    """OTLP/gRPC endpoint of the OpenTelemetry collector (``otel_exporter=otlp``)."""
+
+    otel_trace_sample_ratio: float = Field(1.0, ge=0, le=1)
+    """Share of traces recorded. The root decides (a rollout's serving span, a training
+    step) and every span in its trace follows, in every service."""
 
     otel_metric_interval_s: float = Field(10.0, gt=0)
-    """How often OpenTelemetry metrics are exported."""
+    """How often OpenTelemetry metrics are exported (the Prometheus endpoint is read
+    at scrape time instead)."""
+
+    metrics_port: int = Field(0, ge=0, le=65535)
+    """Port of this process's Prometheus ``/metrics`` endpoint; 0 serves none. The
+    embedded stack gives every process a free one (``rtrl status`` lists them)."""
+
+    metrics_bind_host: str = "127.0.0.1"
+    """Address the Prometheus endpoint listens on (``0.0.0.0`` in a container)."""
 
     def resolved_clickhouse_url(self) -> str:
         return self.clickhouse_url or f"chdb://{(self.state_dir / 'chdb').resolve()}"

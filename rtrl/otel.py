@@ -1,24 +1,48 @@
-"""OpenTelemetry set-up shared by every service.
+"""OpenTelemetry set-up shared by every service, and the trace-context helpers.
 
-The services only use the OpenTelemetry API (tracers, meters); this installs the
-SDK behind it, with the exporter the stack's configuration names. On the embedded
-stack spans and metrics go to JSON-lines files under ``<state_dir>/otel/``, one
-pair per service instance, so they can be read with ``jq`` or loaded into anything.
+The services only use the OpenTelemetry API (tracers, meters); ``configure`` installs
+the SDK behind it with the exporters the stack's configuration names:
+
+- ``RTRL_OTEL_EXPORTER=file`` (the embedded stack): spans and metrics go to JSON-lines
+  files under ``<state_dir>/otel/``, one pair per service instance, readable with
+  ``jq`` or loadable into anything;
+- ``otlp`` (production): OTLP/gRPC to the collector at ``RTRL_OTLP_ENDPOINT``;
+- ``RTRL_METRICS_PORT`` (any exporter): a Prometheus ``/metrics`` endpoint, read at
+  scrape time. The OpenTelemetry names map to Prometheus conventions there:
+  ``rtrl.ingest.events`` with unit ``{event}`` is ``rtrl_ingest_events_total``,
+  a duration in ``s`` gets ``_seconds``.
+
+One rollout is one trace. Its serving span (inference) is the root; the client's
+events (ingest) and the reward that settles it (reward_stream) are its children,
+joined by the W3C ``traceparent`` each record carries. A training step has many
+rollouts, so its span starts a trace of its own with a link to each reward; the
+weight_sync commit of the version it shipped and every worker's apply span follow
+it as children, through the manifest's ``traceparent``.
 """
 
 from __future__ import annotations
 
 import atexit
+import logging
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
+from opentelemetry import context as otel_context
 from opentelemetry import metrics, trace
+from opentelemetry.metrics import CallbackOptions, Meter, Observation
 from opentelemetry.sdk.metrics import MeterProvider
-from opentelemetry.sdk.metrics.export import ConsoleMetricExporter, PeriodicExportingMetricReader
+from opentelemetry.sdk.metrics.export import ConsoleMetricExporter, MetricReader, PeriodicExportingMetricReader
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter
+from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter, SpanExporter
+from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
 
 from rtrl.config import StackSettings
+
+log = logging.getLogger(__name__)
+
+MAX_LINKS = 128
+"""Links per span, at most (a training step of 1,000 rollouts links the first 128)."""
 
 
 def otel_dir(stack: StackSettings) -> Path:
@@ -26,32 +50,152 @@ def otel_dir(stack: StackSettings) -> Path:
 
 
 def configure(service: str, stack: StackSettings) -> None:
-    """Install tracer and meter providers for this process (once, at start-up)."""
-    if stack.otel_exporter == "none":
-        return
+    """Install tracer and meter providers for this process (once, at start-up), and
+    serve the Prometheus endpoint if ``stack.metrics_port`` names one."""
     resource = Resource.create({"service.name": f"rtrl-{service}", "service.instance.id": stack.instance})
-    directory = otel_dir(stack)
-    directory.mkdir(parents=True, exist_ok=True)
-    stem = f"{service}-{stack.instance}"
-    spans = open(directory / f"{stem}.spans.jsonl", "a", encoding="utf-8")
-    samples = open(directory / f"{stem}.metrics.jsonl", "a", encoding="utf-8")
+    readers: list[MetricReader] = []
+    closing: list[Callable[[], None]] = []
+    span_exporter: SpanExporter | None = None
+    if stack.otel_exporter == "file":
+        directory = otel_dir(stack)
+        directory.mkdir(parents=True, exist_ok=True)
+        stem = f"{service}-{stack.instance}"
+        spans = open(directory / f"{stem}.spans.jsonl", "a", encoding="utf-8")
+        samples = open(directory / f"{stem}.metrics.jsonl", "a", encoding="utf-8")
+        closing += [spans.close, samples.close]
+        span_exporter = ConsoleSpanExporter(out=spans, formatter=lambda span: span.to_json(indent=None) + "\n")
+        metric_exporter = ConsoleMetricExporter(out=samples, formatter=lambda data: data.to_json(indent=None) + "\n")
+    elif stack.otel_exporter == "otlp":
+        from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import OTLPMetricExporter
+        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
 
-    tracer_provider = TracerProvider(resource=resource)
-    tracer_provider.add_span_processor(
-        BatchSpanProcessor(ConsoleSpanExporter(out=spans, formatter=lambda span: span.to_json(indent=None) + "\n"))
-    )
-    reader = PeriodicExportingMetricReader(
-        ConsoleMetricExporter(out=samples, formatter=lambda data: data.to_json(indent=None) + "\n"),
-        export_interval_millis=stack.otel_metric_interval_s * 1000,
-    )
-    meter_provider = MeterProvider(resource=resource, metric_readers=[reader])
+        insecure = stack.otlp_endpoint.startswith("http://")
+        span_exporter = OTLPSpanExporter(endpoint=stack.otlp_endpoint, insecure=insecure)
+        metric_exporter = OTLPMetricExporter(endpoint=stack.otlp_endpoint, insecure=insecure)
+    if span_exporter is not None:
+        readers.append(PeriodicExportingMetricReader(metric_exporter, export_interval_millis=stack.otel_metric_interval_s * 1000))
+    if stack.metrics_port:
+        readers.append(_serve_prometheus(stack.metrics_bind_host, stack.metrics_port))
+    if span_exporter is None and not readers:
+        return
+    sampler = ParentBased(TraceIdRatioBased(stack.otel_trace_sample_ratio))
+    tracer_provider = TracerProvider(resource=resource, sampler=sampler)
+    if span_exporter is not None:
+        tracer_provider.add_span_processor(BatchSpanProcessor(span_exporter))
+    meter_provider = MeterProvider(resource=resource, metric_readers=readers)
     trace.set_tracer_provider(tracer_provider)
     metrics.set_meter_provider(meter_provider)
 
     def shutdown() -> None:
         tracer_provider.shutdown()
         meter_provider.shutdown()
-        spans.close()
-        samples.close()
+        for close in closing:
+            close()
 
     atexit.register(shutdown)
+
+
+def _serve_prometheus(host: str, port: int) -> MetricReader:
+    from opentelemetry.exporter.prometheus import PrometheusMetricReader
+    from prometheus_client import start_http_server
+
+    try:
+        start_http_server(port, addr=host)
+    except OSError as exc:
+        raise RuntimeError(f"cannot serve Prometheus metrics on {host}:{port} (RTRL_METRICS_PORT): {exc}") from exc
+    log.info("Prometheus metrics on http://%s:%d/metrics", host, port)
+    # No "target_info" series and no otel_scope_* labels: the names already say which
+    # service a series belongs to, and Prometheus's own job/instance labels which process.
+    return PrometheusMetricReader(disable_target_info=True, scope_info_enabled=False)
+
+
+# -- trace context -----------------------------------------------------------------
+
+
+def parent(traceparent: str) -> otel_context.Context | None:
+    """The context to start a child span of a W3C ``traceparent`` received from another
+    process; None when it is empty or malformed (the span then starts a new trace)."""
+    span_context = _span_context(traceparent)
+    return trace.set_span_in_context(trace.NonRecordingSpan(span_context)) if span_context is not None else None
+
+
+def traceparent_of(span: trace.Span) -> str:
+    """The W3C ``traceparent`` of ``span`` ("" for a non-recording one)."""
+    span_context = span.get_span_context()
+    if not span_context.is_valid:
+        return ""
+    return f"00-{span_context.trace_id:032x}-{span_context.span_id:016x}-{int(span_context.trace_flags):02x}"
+
+
+def links(traceparents: Iterable[str]) -> list[trace.Link]:
+    """Span links to the spans these traceparents name (at most MAX_LINKS; empty and
+    malformed ones skipped)."""
+    out: list[trace.Link] = []
+    for traceparent in traceparents:
+        span_context = _span_context(traceparent)
+        if span_context is not None:
+            out.append(trace.Link(span_context))
+            if len(out) == MAX_LINKS:
+                break
+    return out
+
+
+def _span_context(traceparent: str) -> trace.SpanContext | None:
+    parts = traceparent.split("-")
+    if len(parts) != 4 or len(parts[1]) != 32 or len(parts[2]) != 16 or len(parts[3]) != 2:
+        return None
+    try:
+        span_context = trace.SpanContext(int(parts[1], 16), int(parts[2], 16), is_remote=True, trace_flags=trace.TraceFlags(int(parts[3], 16)))
+    except ValueError:
+        return None
+    return span_context if span_context.is_valid else None
+
+
+def kafka_attributes(operation: str, topic: str, *, key: str | None = None, partition: int | None = None, offset: int | None = None) -> dict:
+    """Messaging semantic-convention attributes of a span that sends or processes a Kafka record."""
+    attributes: dict = {"messaging.system": "kafka", "messaging.operation.type": operation, "messaging.destination.name": topic}
+    if key is not None:
+        attributes["messaging.kafka.message.key"] = key
+    if partition is not None:
+        attributes["messaging.destination.partition.id"] = str(partition)
+    if offset is not None:
+        attributes["messaging.kafka.offset"] = offset
+    return attributes
+
+
+# -- metrics read from a service's own counters ------------------------------------
+
+Reading = Callable[[], Iterable[tuple[float, dict]]]
+
+
+def observe(meter: Meter, name: str, kind: str, read: Reading, *, unit: str = "", description: str = "") -> None:
+    """An asynchronous instrument whose value is read from the service's own counters
+    when metrics are collected, so the hot path pays nothing for it. ``kind`` is
+    ``counter`` (monotonic) or ``gauge``; ``read`` returns (value, attributes) pairs."""
+
+    def callback(options: CallbackOptions) -> Iterable[Observation]:
+        try:
+            return [Observation(value, attributes) for value, attributes in read()]
+        except Exception:  # a reading must never take down the exporter
+            log.exception("reading metric %s failed", name)
+            return []
+
+    create = {"counter": meter.create_observable_counter, "gauge": meter.create_observable_gauge}[kind]
+    create(name, callbacks=[callback], unit=unit, description=description)
+
+
+def consumer_lag(consumer) -> list[tuple[float, dict]]:
+    """Records behind the partition's end, per assigned partition, of a confluent-kafka
+    Consumer (position against the cached high watermark: no broker round trip)."""
+    out = []
+    try:
+        positions = consumer.position(consumer.assignment())
+        for tp in positions:
+            if tp.offset < 0:
+                continue
+            _, high = consumer.get_watermark_offsets(tp, cached=True)
+            if high is not None and high >= 0:
+                out.append((float(max(0, high - tp.offset)), {"topic": tp.topic, "partition": str(tp.partition)}))
+    except RuntimeError:  # closed (shutting down): nothing to report
+        return []
+    return out

@@ -1,7 +1,10 @@
-"""`rtrl status`: health, consumer lag per group and topic, versions per worker, and
-the reward-hacking alerts reward_stream keeps in its heartbeat."""
+"""`rtrl status`: health, consumer lag per group and topic, versions per worker, the
+reward trend per arm, and the reward-hacking alerts reward_stream keeps in its heartbeat."""
 
 from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 from rich.console import Group
 from rich.table import Table
@@ -16,6 +19,16 @@ CONSUMER_GROUPS = {
     "trainer": (topics.REWARD,),
     "analytics": topics.ALL,
 }
+
+# Sparkline blocks, lowest first.
+SPARKS = "▁▂▃▄▅▆▇█"
+# Points in a reward trend's sparkline.
+TREND_POINTS = 30
+# Rollouts pooled into each point of a trend: the newest version always has only a few
+# settled rewards, and the mean of three is noise, not trend.
+TREND_MIN_ROLLOUTS = 20
+# A fitted change over the window smaller than this reads as flat (1% of r1's range).
+TREND_FLAT = 0.02
 
 
 def lag_table(stack: StackFile) -> Table:
@@ -108,11 +121,128 @@ def alerts_table(alerts: list[dict], examples: int = 2) -> Table:
     return table
 
 
+def sparkline(values: Sequence[float]) -> str:
+    """One block per value, from ▁ for the smallest to █ for the largest; equal values sit mid-height."""
+    if not values:
+        return ""
+    low, high = min(values), max(values)
+    if high == low:
+        return SPARKS[3] * len(values)
+    return "".join(SPARKS[min(len(SPARKS) - 1, int((v - low) / (high - low) * len(SPARKS)))] for v in values)
+
+
+def fitted_change(values: Sequence[float]) -> float:
+    """Change from the first to the last point along the least-squares line through values:
+    one noisy end point does not swing it the way last minus first would."""
+    k = len(values)
+    if k < 2:
+        return 0.0
+    mid, mean = (k - 1) / 2, sum(values) / k
+    slope = sum((x - mid) * (y - mean) for x, y in enumerate(values)) / sum((x - mid) ** 2 for x in range(k))
+    return slope * (k - 1)
+
+
+@dataclass(frozen=True)
+class TrendPoint:
+    """The settled rewards of consecutive policy versions."""
+
+    first_version: int
+    last_version: int
+    rollouts: int
+    reward_mean: float
+
+
+def reward_totals(rows: list[health.ComponentHealth]) -> dict[int, tuple[int, float]]:
+    """Policy version -> (rollouts, sum of their rewards) over every reward_stream heartbeat
+    (reward_stream.monitors.reward_by_version); each worker counts the partitions it read."""
+    totals: dict[int, tuple[int, float]] = {}
+    for row in rows:
+        if row.name.startswith("reward_stream:"):
+            for entry in row.status.get("reward_by_version", []):
+                n, total = totals.get(entry["version"], (0, 0.0))
+                totals[entry["version"]] = (n + entry["rollouts"], total + entry["rollouts"] * entry["reward_mean"])
+    return totals
+
+
+def pool(totals: dict[int, tuple[int, float]], min_rollouts: int = TREND_MIN_ROLLOUTS) -> list[TrendPoint]:
+    """Consecutive versions pooled from the newest back until each point holds min_rollouts,
+    oldest first. The oldest versions left over join the oldest point, or are the only one."""
+    groups: list[list[int]] = []
+    taken: list[int] = []
+    for version in sorted(totals, reverse=True):
+        taken.append(version)
+        if sum(totals[v][0] for v in taken) >= min_rollouts:
+            groups.append(taken)
+            taken = []
+    if taken and groups:
+        groups[-1].extend(taken)
+    elif taken:
+        groups.append(taken)
+    points = []
+    for group in reversed(groups):
+        n = sum(totals[v][0] for v in group)
+        points.append(TrendPoint(min(group), max(group), n, sum(totals[v][1] for v in group) / n))
+    return points
+
+
+def control_versions(rows: list[health.ComponentHealth]) -> set[int]:
+    """The versions inference workers serve the control arm; v0 until one reports, since the
+    trainer pins control to the warm start (trainer.loop.Trainer.start)."""
+    served = {row.status.get("versions", {}).get("control", -1) for row in rows if row.name.startswith("inference:")}
+    return {v for v in served if v >= 0} or {0}
+
+
+def _change(points: list[TrendPoint]) -> str:
+    if len(points) < 2:
+        return "–"
+    change = fitted_change([p.reward_mean for p in points])
+    if change >= TREND_FLAT:
+        return f"[green]rising {change:+.3f}[/]"
+    if change <= -TREND_FLAT:
+        return f"[red]falling {change:+.3f}[/]"
+    return f"flat {change:+.3f}"
+
+
+def trend_table(rows: list[health.ComponentHealth]) -> Table | str:
+    """Mean settled reward per arm over the newest policy versions. Control's version also
+    holds treatment's rollouts of it (the warm start, before the first publish): the same weights."""
+    totals = reward_totals(rows)
+    if not totals:
+        return "reward trend: no rewards yet"
+    control = control_versions(rows)
+    arms = {
+        "control": pool({v: t for v, t in totals.items() if v in control}),
+        "treatment": pool({v: t for v, t in totals.items() if v not in control}),
+    }
+    control_n = sum(p.rollouts for p in arms["control"])
+    control_mean = sum(p.rollouts * p.reward_mean for p in arms["control"]) / control_n if control_n else None
+    table = Table(title=f"reward trend (mean reward, a point per {TREND_MIN_ROLLOUTS}+ rollouts of consecutive versions)", title_justify="left")
+    for column in ("arm", "latest", "change", f"last {TREND_POINTS} points", "versions", "rollouts", "vs control"):
+        table.add_column(column, justify="right" if column in ("latest", "rollouts", "vs control") else "left")
+    for arm, points in arms.items():
+        window = points[-TREND_POINTS:]
+        if not window:
+            table.add_row(arm, "–", "–", "no rewards yet", "", "0", "")
+            continue
+        latest = window[-1].reward_mean
+        versus = "" if arm == "control" or control_mean is None else f"{latest - control_mean:+.3f}"
+        table.add_row(
+            arm,
+            f"{latest:.3f}",
+            _change(window),
+            sparkline([p.reward_mean for p in window]),
+            _versions(window[0].first_version, window[-1].last_version),
+            str(sum(p.rollouts for p in window)),
+            versus,
+        )
+    return table
+
+
 def render(stack: StackFile) -> Group:
     from rtrl.lifecycle import health_table
 
     rows = health.check(stack)
-    parts = [health_table(rows), workers_table(rows), lag_table(stack)]
+    parts = [health_table(rows), workers_table(rows), trend_table(rows), lag_table(stack)]
     alerts = hacking_alerts(rows)
     if stack.reward_fn_version:
         parts.append(f"reward function: {stack.reward_fn_version}; reward-hacking alerts: {len(alerts) or 'none'}")

@@ -21,12 +21,12 @@ log = logging.getLogger("rtrl.supervisor")
 
 # Port environment variables each service reads.
 PORTS = {
-    "weight_sync": ("RTRL_WEIGHT_SYNC_PORT",),
-    "trainer": (),
-    "reward_stream": ("RTRL_REWARD_WEB_PORT",),
-    "analytics": ("RTRL_ANALYTICS_QUERY_PORT",),
-    "inference": ("RTRL_INFERENCE_HTTP_PORT",),
-    "ingest": ("RTRL_INGEST_HTTP_PORT", "RTRL_INGEST_GRPC_PORT"),
+    "weight_sync": ("RTRL_WEIGHT_SYNC_PORT", "RTRL_METRICS_PORT"),
+    "trainer": ("RTRL_METRICS_PORT",),
+    "reward_stream": ("RTRL_REWARD_WEB_PORT", "RTRL_METRICS_PORT"),
+    "analytics": ("RTRL_ANALYTICS_QUERY_PORT", "RTRL_METRICS_PORT"),
+    "inference": ("RTRL_INFERENCE_HTTP_PORT", "RTRL_METRICS_PORT"),
+    "ingest": ("RTRL_INGEST_HTTP_PORT", "RTRL_INGEST_GRPC_PORT", "RTRL_METRICS_PORT"),
 }
 
 

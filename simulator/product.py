@@ -161,11 +161,11 @@ class Product:
                 user, rollout_id, session_id, shown_ms,
                 edit_shown=telemetry_pb2.EditShown(file_path=f"p{user.project}/helpers.py", edit_text=completion["text"]),
             )
-        report = asyncio.create_task(self._report(user, rollout_id, session_id, shown, reaction, rng.random()))
+        report = asyncio.create_task(self._report(user, rollout_id, completion.get("traceparent", ""), session_id, shown, reaction, rng.random()))
         self._reports.add(report)
         report.add_done_callback(self._reports.discard)
 
-    async def _report(self, user: User, rollout_id: str, session_id: str, shown, reaction, roll: float) -> None:
+    async def _report(self, user: User, rollout_id: str, traceparent: str, session_id: str, shown, reaction, roll: float) -> None:
         await asyncio.sleep(self.report_delay_s)
         now_ms = int(time.time() * 1000)
         events = []
@@ -180,13 +180,13 @@ class Product:
                 seconds_after_edit=self.report_delay_s, message=reaction.followup)))
         if not events:
             return  # an unanswered question: the editor has nothing to report
-        await self._send(events, user.privacy_mode)
+        await self._send(events, user.privacy_mode, traceparent)
         if roll < self.duplicate_share:
-            await self._send(events, user.privacy_mode)  # a client retry of a batch that already landed
+            await self._send(events, user.privacy_mode, traceparent)  # a client retry of a batch that already landed
 
-    async def _send(self, events, private: bool) -> None:
+    async def _send(self, events, private: bool, traceparent: str) -> None:
         try:
-            results = await self.ingest.publish(events)
+            results = await self.ingest.publish(events, traceparent=traceparent)
         except Exception as exc:  # the SDK already retried; count what we could not deliver
             self.stats.events_failed += len(events)
             self.stats.last_error = f"ingest: {type(exc).__name__}: {exc}"

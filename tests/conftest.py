@@ -122,12 +122,25 @@ def publisher(server, stack):
 # ---- OpenTelemetry: in-memory SDK behind the API the services use ----
 
 
-@pytest.fixture(scope="session")
-def otel_memory():
-    """(span exporter, metric reader) installed as this process's global providers.
+class _Recording:
+    """A sampler that records spans only while a test asks for them (otel_memory):
+    once installed the providers are global, and every later test's services would
+    otherwise pile their spans up in memory."""
 
-    Global providers can be set once per process, so every test that inspects spans or
-    metrics shares them: clear the span exporter first, compare metric sums by delta."""
+    def __init__(self) -> None:
+        self.on = False
+
+    def should_sample(self, parent_context, trace_id, name, kind=None, attributes=None, links=None, trace_state=None):
+        from opentelemetry.sdk.trace.sampling import Decision, SamplingResult
+
+        return SamplingResult(Decision.RECORD_AND_SAMPLE if self.on else Decision.DROP, attributes if self.on else None)
+
+    def get_description(self) -> str:
+        return "on while a test uses otel_memory"
+
+
+@pytest.fixture(scope="session")
+def _otel_providers():
     from opentelemetry import metrics, trace
     from opentelemetry.sdk.metrics import MeterProvider
     from opentelemetry.sdk.metrics.export import InMemoryMetricReader
@@ -136,9 +149,24 @@ def otel_memory():
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
     spans = InMemorySpanExporter()
-    tracer_provider = TracerProvider()
+    recording = _Recording()
+    tracer_provider = TracerProvider(sampler=recording)
     tracer_provider.add_span_processor(SimpleSpanProcessor(spans))
     trace.set_tracer_provider(tracer_provider)
     reader = InMemoryMetricReader()
     metrics.set_meter_provider(MeterProvider(metric_readers=[reader]))
-    return spans, reader
+    return spans, reader, recording
+
+
+@pytest.fixture
+def otel_memory(_otel_providers):
+    """(span exporter, metric reader) installed as this process's global providers.
+
+    Global providers can be set once per process, so every test that inspects spans or
+    metrics shares them: spans are recorded only during such a test (and cleared after
+    it); compare metric sums by delta."""
+    spans, reader, recording = _otel_providers
+    recording.on = True
+    yield spans, reader
+    recording.on = False
+    spans.clear()

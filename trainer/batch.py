@@ -44,7 +44,8 @@ class TrainSample:
     """Oldest policy version that produced any of the completion's tokens."""
     last_event_ts_ms: int
     traceparent: str = ""
-    """W3C traceparent of the rollout's trace (the training step's span links to it)."""
+    """W3C traceparent of the reward's span in the rollout's trace (the serving span's,
+    from a joiner that records none); the training step's span links to it."""
 
 
 def to_sample(record: reward_pb2.RewardRecord, max_positions: int) -> TrainSample | Drop:
@@ -79,7 +80,7 @@ def to_sample(record: reward_pb2.RewardRecord, max_positions: int) -> TrainSampl
         reward=float(record.reward),
         oldest_version=min(s.policy_version for s in spans),
         last_event_ts_ms=int(record.last_event_ts_ms),
-        traceparent=rollout.traceparent,
+        traceparent=record.traceparent or rollout.traceparent,
     )
 
 

@@ -26,6 +26,7 @@ from confluent_kafka import KafkaError, KafkaException, TopicPartition
 from google.protobuf.message import DecodeError
 from opentelemetry import trace
 
+from rtrl import otel
 from rtrl.policy import PolicyConfig, build_model, load_weights
 from rtrl.v1 import reward_pb2, trainer_pb2, weights_pb2
 from trainer import checkpoint
@@ -267,7 +268,7 @@ class Trainer:
             self.commit()
             return
         base_version = self.version
-        with _tracer.start_as_current_span("trainer.step", links=step_metrics.links(s.traceparent for s in fresh)) as span:
+        with _tracer.start_as_current_span("trainer.step", links=otel.links(s.traceparent for s in fresh)) as span:
             metrics, verdict, timings = self._candidate(fresh, started, batch_wait_s)
             span.set_attributes({
                 "rtrl.trainer.step": self.step, "rtrl.policy.base_version": base_version, "rtrl.policy.version": self.version,
@@ -277,7 +278,7 @@ class Trainer:
                 lineage=self.warm_start, step=self.step, base_version=base_version,
                 version=self.version if verdict.accepted else -1, ts_ms=int(time.time() * 1000), metrics=metrics,
                 verdict=verdict, staleness=staleness, dropped=self._dropped_since_last_record(), timings=timings,
-                traceparent=step_metrics.traceparent_of(span),
+                traceparent=otel.traceparent_of(span),
             )
         if self.on_step is not None:
             self.on_step(record, self.version)

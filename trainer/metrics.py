@@ -2,8 +2,8 @@
 there to ClickHouse through the analytics sink) and to OpenTelemetry.
 
 OpenTelemetry gets the same numbers as instruments of the ``rtrl.trainer`` meter and
-one ``trainer.step`` span per candidate, linked to the traces of the rollouts it
-trained on (their W3C traceparent travels in the rollout record). Without an SDK
+one ``trainer.step`` span per candidate, linked to the reward spans of the rollouts
+it trained on (their W3C traceparent travels in the reward record). Without an SDK
 configured (rtrl.otel) both are no-ops.
 """
 
@@ -14,7 +14,7 @@ from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 
 from confluent_kafka import Producer
-from opentelemetry import metrics, trace
+from opentelemetry import metrics
 
 from rtrl import topics
 from rtrl.v1 import trainer_pb2
@@ -22,9 +22,6 @@ from trainer.evaluation import Verdict
 from trainer.step import StepMetrics
 
 log = logging.getLogger("trainer")
-
-# OpenTelemetry's default limit of links per span.
-MAX_LINKS = 128
 
 _meter = metrics.get_meter("rtrl.trainer")
 _steps = _meter.create_counter("rtrl.trainer.steps", unit="{step}", description="Candidates judged, by outcome")
@@ -113,31 +110,6 @@ def record_instruments(record: trainer_pb2.TrainerStep, version: int) -> None:
         gauge.set(version if name == "version" else getattr(record, name), outcome if name != "version" else None)
     for checker, score in record.eval_candidate.items():
         _eval.set(score, {"checker": checker, **outcome})
-
-
-def links(traceparents: Iterable[str]) -> list[trace.Link]:
-    """Span links to the rollouts' traces (at most MAX_LINKS; malformed ones skipped)."""
-    out: list[trace.Link] = []
-    for traceparent in traceparents:
-        parts = traceparent.split("-")
-        if len(parts) != 4 or len(parts[1]) != 32 or len(parts[2]) != 16:
-            continue
-        try:
-            context = trace.SpanContext(int(parts[1], 16), int(parts[2], 16), is_remote=True, trace_flags=trace.TraceFlags(int(parts[3], 16)))
-        except ValueError:
-            continue
-        if context.is_valid:
-            out.append(trace.Link(context))
-        if len(out) == MAX_LINKS:
-            break
-    return out
-
-
-def traceparent_of(span: trace.Span) -> str:
-    context = span.get_span_context()
-    if not context.is_valid:
-        return ""
-    return f"00-{context.trace_id:032x}-{context.span_id:016x}-{int(context.trace_flags):02x}"
 
 
 class StepExporter:

@@ -18,6 +18,7 @@ import threading
 import redis.asyncio as aioredis
 import torch
 from confluent_kafka import Consumer, Producer
+from opentelemetry import metrics
 
 from rtrl.config import StackSettings
 from rtrl.heartbeat import beat_forever
@@ -85,6 +86,11 @@ async def serve(settings: TrainerSettings, stack: StackSettings, world: World | 
     # The trainer subscribes itself: it seeks to its journal's positions on assignment.
     rewards = Consumer(consumer_config(stack, settings.consumer_group))
     otel.configure("trainer", stack)
+    otel.observe(
+        metrics.get_meter("rtrl.trainer"), "rtrl.consumer.lag", "gauge",
+        lambda: [(n, {"group": settings.consumer_group, **where}) for n, where in otel.consumer_lag(rewards)],
+        unit="{record}", description="Records behind the partition's high watermark",
+    )
     exporter = StepExporter(Producer(producer_config(stack)))
     trainer = Trainer(
         settings,

@@ -19,7 +19,9 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import grpc
+from opentelemetry import metrics
 
+from rtrl import otel
 from rtrl.v1 import weights_pb2, weights_pb2_grpc
 from weight_sync import lineage
 from weight_sync.checksum import xxh3_hex
@@ -301,3 +303,10 @@ async def valid_arm(arm: str, context) -> str:
         return check_arm(arm)
     except ValueError as exc:
         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+
+
+def observe_fanout(prefix: str, service: Broadcaster) -> None:
+    """A broadcaster's (server's or relay's) fan-out as OpenTelemetry (and so Prometheus) metrics."""
+    meter = metrics.get_meter(prefix)
+    otel.observe(meter, f"{prefix}.subscribers", "gauge", lambda: [(service.subscribers, {})], unit="{subscriber}", description="Open Subscribe streams")
+    otel.observe(meter, f"{prefix}.sent", "counter", lambda: [(service.bytes_sent, {})], unit="By", description="Weight bytes streamed to subscribers")

@@ -11,12 +11,15 @@ from collections.abc import Iterator, Mapping
 
 import grpc
 import torch
+from opentelemetry import trace
 
+from rtrl import otel
 from rtrl.v1 import weights_pb2, weights_pb2_grpc
 from weight_sync import codec, lineage
 from weight_sync.stream import CHANNEL_OPTIONS, VersionStream, bearer
 
 log = logging.getLogger("weight_sync.client")
+_tracer = trace.get_tracer("rtrl.weight_sync")
 
 
 class Publisher:
@@ -82,13 +85,17 @@ class Publisher:
         encoded = codec.encode(None if keyframe else self._parent, weights, self._buffers)
         manifest = encoded.manifest(arm=self.arm, parent_version=parent_version, keyframe=keyframe, **stats)
         blob = encoded.blob
-        self.last_upload_started_s = time.time()
-        response = self._stub.Publish(
-            _publish_chunks(manifest, blob, self._chunk_bytes),
-            metadata=self._metadata,
-            timeout=self._timeout_s,
-            wait_for_ready=True,
-        )
+        attributes = {"rpc.system": "grpc", "rpc.method": "rtrl.v1.WeightSync/Publish", "rtrl.arm": self.arm, "rtrl.weights.keyframe": keyframe, "rtrl.weights.bytes": len(blob)}
+        with _tracer.start_as_current_span("weights publish", kind=trace.SpanKind.CLIENT, attributes=attributes) as span:
+            manifest.traceparent = otel.traceparent_of(span)
+            self.last_upload_started_s = time.time()
+            response = self._stub.Publish(
+                _publish_chunks(manifest, blob, self._chunk_bytes),
+                metadata=self._metadata,
+                timeout=self._timeout_s,
+                wait_for_ready=True,
+            )
+            span.set_attribute("rtrl.policy.version", response.version)
         return response.version
 
 

@@ -14,17 +14,20 @@ import asyncio
 import logging
 
 import grpc
+from opentelemetry import trace
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from rtrl import otel
 from rtrl.config import StackSettings
 from rtrl.runtime import until_stopped
 from rtrl.v1 import weights_pb2
-from weight_sync.broadcast import Broadcaster, add_to_server
+from weight_sync.broadcast import Broadcaster, add_to_server, observe_fanout
 from weight_sync.store import check_arm
 from weight_sync.stream import AsyncVersionStream
 
 log = logging.getLogger("weight_sync.relay")
+_tracer = trace.get_tracer("rtrl.relay")
 
 
 class RelaySettings(BaseSettings):
@@ -132,6 +135,7 @@ class Relay:
         if self.port == 0:
             raise RuntimeError(f"cannot bind {self.settings.bind_host}:{self.settings.port}")
         await self._server.start()
+        observe_fanout("rtrl.relay", self.service)
         # A follower that fails for good (a wrong token, say) ends its task, and the relay with it.
         self.tasks = [asyncio.create_task(self._follow(arm, stream)) for arm, stream in self.streams.items()]
         log.info("relay of %s listening on %s:%d", self.settings.upstream_addr, self.settings.bind_host, self.port)
@@ -154,6 +158,10 @@ class Relay:
                 continue
             held = manifest.version
             stream.accept(held)
+            # A span in the version's trace (a child of its weight_sync commit): which
+            # relays a version passed through on its way to the workers.
+            attributes = {"rtrl.arm": arm, "rtrl.policy.version": held, "rtrl.relay.upstream": self.settings.upstream_addr}
+            _tracer.start_span("weights relay", context=otel.parent(manifest.traceparent), attributes=attributes).end()
             self.cache.add(manifest, blob)
             self.service.verified(manifest, blob)
             self.service.published(manifest.arm, manifest.version)
@@ -183,6 +191,7 @@ def main() -> None:
     settings = RelaySettings()
     stack = StackSettings()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    otel.configure("relay", stack)
     asyncio.run(serve(settings, stack))
 
 

@@ -13,13 +13,14 @@ import logging
 import grpc
 import redis.asyncio as aioredis
 from redis.exceptions import ConnectionError as RedisConnectionError
+from opentelemetry import metrics
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from rtrl import heartbeat
+from rtrl import heartbeat, otel
 from rtrl.config import StackSettings
 from rtrl.runtime import until_stopped
 from weight_sync import gc
-from weight_sync.broadcast import add_to_server
+from weight_sync.broadcast import add_to_server, observe_fanout
 from weight_sync.config import WeightSyncSettings
 from weight_sync.registry import PUBLISHED_PATTERN, Registry, arm_of_channel
 from weight_sync.servicer import WeightSyncService
@@ -57,6 +58,16 @@ class WeightSyncServer:
             raise RuntimeError(f"cannot bind {self.settings.bind_host}:{self.settings.port}")
         await self._server.start()
         self.tasks = [asyncio.create_task(self._listen()), asyncio.create_task(self._heartbeat())]
+        observe_fanout("rtrl.weight_sync", self.service)
+        meter = metrics.get_meter("rtrl.weight_sync")
+        otel.observe(
+            meter, "rtrl.weight_sync.versions_published", "counter",
+            lambda: [(self.service.versions_published, {})], unit="{version}", description="Versions committed by this server",
+        )
+        otel.observe(
+            meter, "rtrl.weight_sync.latest_version", "gauge",
+            lambda: [(v, {"arm": arm}) for arm, v in self.service.latest.items()], description="Newest version this server committed, per arm",
+        )
         if self.settings.gc_interval_s > 0:
             self.tasks.append(asyncio.create_task(self._collect_garbage()))
         log.info("weight_sync listening on %s:%d, blobs in %s", self.settings.bind_host, self.port, self.store.url)
@@ -134,4 +145,5 @@ def main() -> None:
     settings = WeightSyncSettings()
     stack = StackSettings()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    otel.configure("weight_sync", stack)
     asyncio.run(serve(settings, stack))

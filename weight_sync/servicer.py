@@ -14,7 +14,9 @@ from collections.abc import AsyncIterator
 from typing import NamedTuple
 
 import grpc
+from opentelemetry import trace
 
+from rtrl import otel
 from rtrl.v1 import weights_pb2
 from weight_sync import lineage
 from weight_sync.broadcast import Broadcaster, retrieve_exception, valid_arm
@@ -24,6 +26,7 @@ from weight_sync.registry import Registry
 from weight_sync.store import BlobStore
 
 log = logging.getLogger("weight_sync")
+_tracer = trace.get_tracer("rtrl.weight_sync")
 
 
 class _Head(NamedTuple):
@@ -149,6 +152,8 @@ class WeightSyncService(Broadcaster):
         self._store = store
         self._publish_locks: dict[str, asyncio.Lock] = {}
         self.versions_published = 0
+        self.latest: dict[str, int] = {}
+        """The newest version this server committed, per arm."""
 
     async def Publish(self, request_iterator: AsyncIterator[weights_pb2.PublishChunk], context) -> weights_pb2.PublishResponse:
         await self._authorize(context, self._publish_bearer, "publishing")
@@ -164,7 +169,18 @@ class WeightSyncService(Broadcaster):
         if manifest is None:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "empty publish")
         arm = await valid_arm(manifest.arm, context)
-        blob = b"".join(parts)
+        with _tracer.start_as_current_span(
+            "weights commit", context=otel.parent(manifest.traceparent), kind=trace.SpanKind.SERVER,
+            attributes={"rpc.system": "grpc", "rpc.method": "rtrl.v1.WeightSync/Publish", "rtrl.arm": arm},
+        ) as span:
+            await self._commit(manifest, b"".join(parts), context, span)
+        return weights_pb2.PublishResponse(version=manifest.version)
+
+    async def _commit(self, manifest: weights_pb2.Manifest, blob: bytes, context, span: trace.Span) -> None:
+        """Store the blob, then commit the manifest as the arm's next version (the
+        registry's compare-and-set decides between concurrent publishers). The stored
+        manifest carries this span's traceparent: each worker's apply span is its child."""
+        arm = manifest.arm
         if len(blob) != manifest.blob_size or xxh3_hex(blob) != manifest.blob_checksum:
             await context.abort(
                 grpc.StatusCode.DATA_LOSS,
@@ -182,6 +198,8 @@ class WeightSyncService(Broadcaster):
                 # In a publish, parent_version is the compare-and-set token; stored keyframes say -1.
                 manifest.parent_version = -1
             manifest.created_ts_ms = int(time.time() * 1000)
+            manifest.traceparent = otel.traceparent_of(span) or manifest.traceparent
+            span.set_attributes({"rtrl.policy.version": manifest.version, "rtrl.weights.keyframe": manifest.keyframe})
             manifest.blob_uri = await asyncio.to_thread(self._store.write, arm, manifest.version, blob)
             if not await self._registry.commit(manifest):
                 await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"another publisher committed version {manifest.version} of arm {arm!r} first")
@@ -189,5 +207,5 @@ class WeightSyncService(Broadcaster):
         self.verified(manifest, blob)
         self.published(arm, manifest.version)
         self.versions_published += 1
+        self.latest[arm] = max(self.latest.get(arm, -1), manifest.version)
         log.info("published %s v%d (%s, %d bytes)", arm, manifest.version, "keyframe" if manifest.keyframe else "delta", len(blob))
-        return weights_pb2.PublishResponse(version=manifest.version)
