@@ -43,6 +43,7 @@ COLUMNS: dict[str, tuple[str, ...]] = {
         "dropped", "eval_candidate", "eval_published", "eval_regressions", "batch_wait_s", "step_s", "eval_s",
         "publish_s", "traceparent",
     ),
+    schema.LATE: ("event_id", "rollout_id", "source_topic", "kind", "event_ts", "ingested_ts"),
     schema.DEAD_LETTERS: ("topic", "partition", "offset", "key", "reason", "headers_json", "value_b64", "ingested_ts"),
 }
 
@@ -82,8 +83,10 @@ def convert(record: KafkaRecord, now_ms: int) -> Row:
         value = record.value or b""
         if record.topic == topics.ROLLOUT:
             return rollout_row(rollout_pb2.RolloutRecord.FromString(value))
-        if record.topic in (topics.REWARD, topics.REWARD_LATE):
+        if record.topic == topics.REWARD:
             return reward_row(reward_pb2.RewardRecord.FromString(value), record.topic)
+        if record.topic == topics.REWARD_LATE:
+            return late_row(record, now_ms)
         if record.topic in (topics.EDIT, topics.PERSISTENCE, topics.FOLLOWUP):
             return telemetry_row(telemetry_pb2.TelemetryEvent.FromString(value))
         if record.topic == topics.TRAINER_STEPS:
@@ -91,6 +94,22 @@ def convert(record: KafkaRecord, now_ms: int) -> Row:
     except DecodeError as exc:
         return dead_letter(record, f"does not decode as the topic's message: {exc}", now_ms)
     return dead_letter(record, "topic has no table", now_ms)
+
+
+def late_row(record: KafkaRecord, now_ms: int) -> Row:
+    """An input the joiner set aside on rl.reward.v1.late: the record as it was read
+    (a RolloutRecord or a TelemetryEvent, per its ``source_topic`` header)."""
+    headers = {name: (value or b"").decode("utf-8", "replace") for name, value in record.headers}
+    source = headers.get("source_topic", "")
+    if source == topics.ROLLOUT:
+        message = rollout_pb2.RolloutRecord.FromString(record.value or b"")
+        event_ts = message.client_ts_ms
+    elif source in (topics.EDIT, topics.PERSISTENCE, topics.FOLLOWUP):
+        message = telemetry_pb2.TelemetryEvent.FromString(record.value or b"")
+        event_ts = message.client_ts_ms
+    else:
+        return dead_letter(record, f"late record from unknown source_topic {source!r}", now_ms)
+    return Row(schema.LATE, (message.event_id, message.rollout_id, source, headers.get("kind", ""), ts(event_ts), ts(now_ms)))
 
 
 def version_range(rollout: rollout_pb2.RolloutRecord) -> tuple[int, int]:

@@ -49,6 +49,7 @@ ROLLOUTS = "rollouts"
 TELEMETRY = "telemetry_events"
 REWARDS = "rewards"
 DEAD_LETTERS = "dead_letters"
+LATE = "late_records"
 TRAINER_STEPS = "trainer_steps"
 AB_REWARDS = "ab_rewards_hourly"
 AB_ROLLOUTS = "ab_rollouts_hourly"
@@ -157,6 +158,19 @@ CREATE TABLE IF NOT EXISTS {DEAD_LETTERS} (
     value_b64 String,
     ingested_ts DateTime64(3, 'UTC')
 ) ENGINE = ReplacingMergeTree ORDER BY (topic, partition, offset)
+""",
+    # rl.reward.v1.late: inputs that arrived after their rollout settled (the records
+    # themselves are in rollouts / telemetry_events already). One row per input, so a
+    # joiner that writes one again after a crash does not count it twice.
+    f"""
+CREATE TABLE IF NOT EXISTS {LATE} (
+    event_id String,
+    rollout_id String,
+    source_topic LowCardinality(String),
+    kind LowCardinality(String),
+    event_ts DateTime64(3, 'UTC'),
+    ingested_ts DateTime64(3, 'UTC')
+) ENGINE = ReplacingMergeTree ORDER BY (source_topic, event_id)
 """,
     f"""
 CREATE TABLE IF NOT EXISTS {TRAINER_STEPS} (

@@ -217,6 +217,9 @@ class SGLangSidecar:
         self._stopped = threading.Event()
         self._thread: threading.Thread | None = None
         self._follower: WeightFollower | None = None
+        self.swaps = 0
+        self.swap_pause_s = 0.0
+        """Time the server stood paused for swaps (pause to continue, every attempt)."""
 
     @property
     def pending_version(self) -> int | None:
@@ -274,6 +277,7 @@ class SGLangSidecar:
         session this attempt opened is closed before that."""
         mode = self.settings.pause_mode
         self.weights.pause(mode)
+        paused = time.perf_counter()
         try:
             self.weights.begin()
             try:
@@ -284,6 +288,8 @@ class SGLangSidecar:
                 self.weights.end()
         finally:
             self.weights.continue_generation()
+            self.swap_pause_s += time.perf_counter() - paused
+        self.swaps += 1
 
     def recover(self) -> None:
         """Undo what a sidecar that died mid-swap left behind: an open weight-update
@@ -328,6 +334,20 @@ class SGLangSidecar:
                 self._stopped.wait(self.settings.retry_s)
 
 
+def _observe(sidecar: SGLangSidecar) -> None:
+    """The sidecar's swaps as OpenTelemetry (and so Prometheus) metrics."""
+    from opentelemetry import metrics
+
+    meter = metrics.get_meter("rtrl.sglang_sidecar")
+    arm = {"arm": sidecar.settings.arm}
+    otel.observe(meter, "rtrl.sglang_sidecar.swaps", "counter", lambda: [(sidecar.swaps, arm)], unit="{swap}", description="Versions swapped into SGLang")
+    otel.observe(
+        meter, "rtrl.sglang_sidecar.swap.pause", "counter", lambda: [(sidecar.swap_pause_s, arm)], unit="s",
+        description="Time SGLang stood paused for weight swaps",
+    )
+    otel.observe(meter, "rtrl.sglang_sidecar.policy.version", "gauge", lambda: [(sidecar.applied_version, arm)], description="Policy version SGLang serves")
+
+
 def _policy_version(label: str) -> int:
     try:
         return int(label)
@@ -344,6 +364,7 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     otel.configure("sglang_sidecar", stack)
     sidecar = SGLangSidecar(SGLangWeights(settings.url, settings.http_timeout_s), served_inventory(settings.model_dir), settings)
+    _observe(sidecar)
     sidecar.start(stack.weight_sync_addr, stack.weight_sync_subscribe_token.get_secret_value(), f"sglang-sidecar-{stack.instance}")
     stop = threading.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):

@@ -24,6 +24,10 @@ class StackSettings(BaseSettings):
     kafka_partitions: int = Field(4, ge=1, le=256)
     """Partition count of every telemetry and reward topic (they must be equal)."""
 
+    kafka_replication_factor: int = Field(1, ge=1)
+    """Replication factor of the topics rtrl creates (Tansu: 1; a Kafka cluster whose
+    ``min.insync.replicas`` is 2 needs at least 3, or every ``acks=all`` produce fails)."""
+
     kafka_session_timeout_ms: int = Field(6000, ge=1000)
     """Consumer-group session timeout. Tansu forms groups in ~3 s at 6 s, ~23 s at 45 s."""
 

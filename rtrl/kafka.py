@@ -24,7 +24,8 @@ from rtrl.config import StackSettings
 log = logging.getLogger("rtrl.kafka")
 
 def ensure_topics(settings: StackSettings, names: tuple[str, ...] = topics.ALL, timeout_s: float = 20.0) -> None:
-    """Create the topics with the configured partition count; existing ones are kept.
+    """Create the topics with the configured partition count and replication factor
+    (retention is the broker's default); existing ones are kept.
 
     Refuses to run against existing topics whose partition count differs, since the
     joiner relies on every topic being co-partitioned by rollout_id.
@@ -34,7 +35,7 @@ def ensure_topics(settings: StackSettings, names: tuple[str, ...] = topics.ALL, 
     wrong = {n: len(existing[n].partitions) for n in names if n in existing and len(existing[n].partitions) != settings.kafka_partitions}
     if wrong:
         raise RuntimeError(f"topics exist with partition counts {wrong}, expected {settings.kafka_partitions} for all")
-    missing = [NewTopic(n, num_partitions=settings.kafka_partitions, replication_factor=1) for n in names if n not in existing]
+    missing = [NewTopic(n, num_partitions=settings.kafka_partitions, replication_factor=settings.kafka_replication_factor) for n in names if n not in existing]
     for future in admin.create_topics(missing).values() if missing else ():
         try:
             future.result(timeout=timeout_s)

@@ -102,15 +102,25 @@ def test_ab_numbers_match_the_hand_computed_ones(tmp_path):
         # a replay of already inserted records in a later insert, and a late re-emission
         feed(topics.ROLLOUT, rollouts[4])
         feed(topics.REWARD, rewards[0])
-        feed(topics.REWARD_LATE, reward(rollouts[1], True, 1.0, 0.0, 1.0))
+        # inputs the joiner set aside as late, with the headers it gives them
+        late_event = telemetry_pb2.TelemetryEvent(event_id="late-1", rollout_id=rollouts[1].rollout_id, client_ts_ms=T0 + 5_000,
+                                                  followup=telemetry_pb2.FollowUp(message="no"))
+        feed(topics.REWARD_LATE, late_event, (("source_topic", topics.FOLLOWUP.encode()), ("kind", b"followup")))
+        feed(topics.REWARD_LATE, late_event, (("source_topic", topics.FOLLOWUP.encode()), ("kind", b"followup")))  # written again after a crash
+        feed(topics.REWARD_LATE, rollouts[2], (("source_topic", topics.ROLLOUT.encode()), ("kind", b"rollout")))
         sink.add(KafkaRecord(topics.EDIT, 3, 0, b"r9", b"\xff\xfe not protobuf"))
         sink.add(KafkaRecord(topics.REWARD_DLQ, 1, 5, b"r8", b"raw", (("reason", b"no rollout record"),)))
         sink.flush()
-        assert consumer.commits[-1] == {(topics.ROLLOUT, 0): 10, (topics.REWARD, 0): 10, (topics.REWARD_LATE, 0): 1, (topics.EDIT, 3): 1, (topics.REWARD_DLQ, 1): 6}
+        assert consumer.commits[-1] == {(topics.ROLLOUT, 0): 10, (topics.REWARD, 0): 10, (topics.REWARD_LATE, 0): 3, (topics.EDIT, 3): 1, (topics.REWARD_DLQ, 1): 6}
 
         query = client_query_fn(client)
         assert query("SELECT count() AS n FROM rollouts FINAL") == [{"n": 9}]
         assert query("SELECT count(DISTINCT reward_id) AS n FROM rewards WHERE topic = 'rl.reward.v1'") == [{"n": 9}]
+        assert query("SELECT count() AS n FROM rewards") == [{"n": 10}], "a late input is not a reward"
+        assert query("SELECT source_topic, kind, rollout_id FROM late_records FINAL ORDER BY kind") == [
+            {"source_topic": topics.FOLLOWUP, "kind": "followup", "rollout_id": rollouts[1].rollout_id},
+            {"source_topic": topics.ROLLOUT, "kind": "rollout", "rollout_id": rollouts[2].rollout_id},
+        ]
         letters = query("SELECT topic, reason, headers_json FROM dead_letters FINAL ORDER BY topic")
         assert [(d["topic"], json.loads(d["headers_json"])) for d in letters] == [(topics.REWARD_DLQ, {"reason": "no rollout record"}), (topics.EDIT, {})]
         assert "does not decode" in letters[1]["reason"]

@@ -16,6 +16,7 @@ from analytics.sink import Sink
 from reward_stream.monitors import is_clarifying_question
 from rtrl import topics
 from rtrl.config import StackSettings
+from rtrl.v1 import telemetry_pb2
 
 pytestmark = pytest.mark.integration
 
@@ -76,7 +77,7 @@ FROM rollouts FINAL GROUP BY arm, version, hour"""
 
 
 def records() -> list[tuple[str, object]]:
-    """(topic, message) of every case, and a late re-emission the views must leave out."""
+    """(topic, message) of every case, and a late input (on .late) the views must leave out."""
     out = []
     for rollout_id, arm, versions, hour, latency_s, question, settled in CASES:
         r = rollout(rollout_id, arm, versions, latency_s, hour * 3600 + 60 * int(rollout_id[1:]))
@@ -85,8 +86,8 @@ def records() -> list[tuple[str, object]]:
         out.append((topics.ROLLOUT, r))
         if settled is not None:
             out.append((topics.REWARD, reward(r, *settled)))
-    c1 = next(m for topic, m in out if topic == topics.ROLLOUT and m.rollout_id == "c1")
-    out.append((topics.REWARD_LATE, reward(c1, False, 0.0, 1.0, -1.0)))
+    late = telemetry_pb2.TelemetryEvent(event_id="late-c1", rollout_id="c1", followup=telemetry_pb2.FollowUp(message="this is wrong"))
+    out.append((topics.REWARD_LATE, late))
     return out
 
 
@@ -99,7 +100,9 @@ class Feeder:
 
     def insert(self, batch: list[tuple[str, object]]) -> None:
         for topic, message in batch:
-            self.sink.add(KafkaRecord(topic, 0, self.offset, message.rollout_id.encode(), message.SerializeToString()))
+            # The joiner's headers on a late input: where it came from.
+            headers = ((("source_topic", topics.FOLLOWUP.encode()), ("kind", b"followup")) if topic == topics.REWARD_LATE else ())
+            self.sink.add(KafkaRecord(topic, 0, self.offset, message.rollout_id.encode(), message.SerializeToString(), headers))
             self.offset += 1
         self.sink.flush()
 
@@ -151,7 +154,7 @@ def test_views_hold_the_hand_computed_numbers_and_a_replay_changes_none(client):
 
     # The sink's replay: every row again, in a later insert and twice within one insert.
     feeder.insert(batch + batch)
-    assert dict(feeder.sink.inserted) == {schema.ROLLOUTS: 3 * 18, schema.REWARDS: 3 * 18}
+    assert dict(feeder.sink.inserted) == {schema.ROLLOUTS: 3 * 18, schema.REWARDS: 3 * 17, schema.LATE: 3}
     assert from_views(client) == views
     for table in (schema.ROLLOUTS, schema.REWARDS, schema.AB_ROLLOUTS, schema.AB_REWARDS):
         client.command(f"OPTIMIZE TABLE {table} FINAL")
@@ -197,7 +200,7 @@ def test_the_ddl_is_idempotent(client):
     schema.create_tables(client)
     schema.create_tables(client)
     tables = {row["name"] for row in client_query_fn(client)("SELECT name FROM system.tables WHERE database = currentDatabase()")}
-    assert tables == {schema.ROLLOUTS, schema.TELEMETRY, schema.REWARDS, schema.DEAD_LETTERS, schema.TRAINER_STEPS} | {
+    assert tables == {schema.ROLLOUTS, schema.TELEMETRY, schema.REWARDS, schema.DEAD_LETTERS, schema.LATE, schema.TRAINER_STEPS} | {
         name for view in schema.VIEWS for name in (view.name, view.target)
     }
 

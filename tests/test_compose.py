@@ -150,3 +150,34 @@ def test_references_resolve_and_long_running_services_have_health_checks():
     assert len(kafka) == 3 and all(services[k]["environment"]["KAFKA_PROCESS_ROLES"] == "broker,controller" for k in kafka)
     assert services["sglang"]["deploy"]["resources"]["reservations"]["devices"][0]["capabilities"] == ["gpu"]
     assert (COMPOSE.parent / "Dockerfile").exists() and (COMPOSE.parent / "entrypoint.sh").stat().st_mode & 0o111
+
+
+def test_prometheus_scrapes_every_rtrl_service_on_its_metrics_port():
+    from rtrl.config import StackSettings
+
+    compose = load()
+    services = rtrl_services(compose)
+    scrape = yaml.safe_load((COMPOSE.parent / "prometheus.yml").read_text())
+    (job,) = scrape["scrape_configs"]
+    (dns,) = job["dns_sd_configs"]
+    assert set(dns["names"]) == set(services), "prometheus.yml and compose.yaml name different rtrl services"
+    for name, (_, environment) in services.items():
+        stack = StackSettings(**{k[len("RTRL_"):].lower(): v for k, v in environment.items() if k.startswith("RTRL_") and k[5:].lower() in StackSettings.model_fields})
+        assert stack.metrics_port == dns["port"], f"{name} serves /metrics on {stack.metrics_port}, Prometheus scrapes {dns['port']}"
+        assert stack.metrics_bind_host == "0.0.0.0", f"{name}: /metrics must listen beyond the container"
+        assert stack.otel_exporter == "otlp" and stack.otlp_endpoint == "http://otel-collector:4317"
+    assert "otel-collector" in compose["services"] and "prometheus" in compose["services"]
+
+
+def test_topics_get_enough_replicas_for_the_brokers_min_insync():
+    """rtrl creates its topics itself (no auto-creation): with acks=all a produce needs
+    min.insync.replicas replicas in sync, so fewer replicas would refuse every write."""
+    from rtrl.config import StackSettings
+
+    compose = load()
+    kafka = compose["services"]["kafka-1"]["environment"]
+    assert kafka["KAFKA_AUTO_CREATE_TOPICS_ENABLE"] == "false"
+    brokers = len([name for name in compose["services"] if name.startswith("kafka-")])
+    for name, (_, environment) in rtrl_services(compose).items():
+        replicas = StackSettings(kafka_replication_factor=environment["RTRL_KAFKA_REPLICATION_FACTOR"]).kafka_replication_factor
+        assert int(kafka["KAFKA_MIN_INSYNC_REPLICAS"]) < replicas <= brokers, name

@@ -178,8 +178,10 @@ def test_swap_mid_generation_splits_versions_and_changes_the_tokens(sglang, slow
     assert sidecar.stage(base + 1, dominant_weights(char))
     running = Generation(server.url, greedy(n))
     assert running.progressed.wait(30)
+    swaps = sidecar.swaps
     assert sidecar.apply_pending() == base + 1
     completion = running.result()
+    assert sidecar.swaps == swaps + 1 and sidecar.swap_pause_s > 0
 
     tokens, versions = completion.result.token_ids, completion.result.versions
     assert versions[-1] == base + 1, "the swap landed after the generation had finished"

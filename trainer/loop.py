@@ -198,7 +198,8 @@ class Trainer:
             log.info("the candidate of step %d was published as v%d before the crash", replayed.step, latest)
         elif replayed.last_published_version != latest:
             log.warning(
-                "journal ends at v%d but the registry holds v%d: resuming from the committed offsets; rollouts may be retrained",
+                "journal ends at v%d but the registry holds v%d: resuming from the journal's last positions (the committed offsets "
+                "where it has none); rollouts since may be retrained",
                 replayed.last_published_version, latest,
             )
         # Refused candidates advance the step counter without a version.
