@@ -60,8 +60,37 @@ class InferenceSettings(BaseSettings):
     shutdown_grace_s: float = Field(10.0, ge=0, le=120)
     """On SIGTERM, in-flight requests get this long to finish before the server closes."""
 
+    backend: Literal["embedded", "sglang"] = "embedded"
+    """Who generates: the embedded torch engine (weights followed from weight_sync by this
+    process), or SGLang servers (weights streamed into them by their sidecars)."""
+
+    sglang_urls: str = ""
+    """``backend=sglang``: the SGLang server of each arm, ``arm=url`` comma separated
+    (``control=http://sglang-control:30000,treatment=http://sglang:30000``)."""
+
+    sglang_max_concurrency: int = Field(64, ge=1, le=4096)
+    """``backend=sglang``: requests in flight to SGLang at once (SGLang batches them)."""
+
+    sglang_timeout_s: float = Field(300.0, gt=0)
+    """``backend=sglang``: longest a /generate may take."""
+
+    def sglang_url_map(self) -> dict[str, str]:
+        """``sglang_urls`` as arm -> url."""
+        urls = {}
+        for entry in filter(None, (part.strip() for part in self.sglang_urls.split(","))):
+            arm, sep, url = entry.partition("=")
+            urls[arm.strip()] = url.strip()
+        return urls
+
     @model_validator(mode="after")
     def _defaults_fit_each_other(self) -> InferenceSettings:
         if self.temperature == 0 and self.top_p < 1:
             raise ValueError("top_p has no effect with temperature 0; leave it at 1")
+        if self.backend == "sglang":
+            urls = self.sglang_url_map()
+            unknown = set(urls) - {"control", "treatment"}
+            if not urls or unknown or not all(url.startswith(("http://", "https://")) for url in urls.values()):
+                raise ValueError(
+                    f"backend=sglang needs RTRL_INFERENCE_SGLANG_URLS as arm=http://host:port pairs for control and/or treatment, got {self.sglang_urls!r}"
+                )
         return self

@@ -28,6 +28,7 @@ from inference.arms import assign_arm
 from inference.config import InferenceSettings
 from inference.engine import ARMS, ArmNotReady, Engine, EngineConfig, prompt_token_ids
 from inference.records import RolloutContext, rollout_record
+from inference.sglang_adapter import SGLangEngine
 from inference.weights import WeightFollower
 from rtrl import heartbeat, kafka, otel, topics
 from rtrl.config import StackSettings
@@ -58,14 +59,7 @@ class InferenceServer:
         self.settings = settings
         self.worker_id = f"inference-{stack.instance}"
         self.model_name = settings.model_name or f"rtrl-policy-{PolicyConfig().fingerprint()}"
-        self.engine = engine or Engine(
-            EngineConfig(
-                max_batch=settings.max_batch,
-                batch_wait_s=settings.batch_wait_ms / 1000,
-                swap_policy=settings.swap_policy,
-                ready_timeout_s=settings.ready_timeout_s,
-            )
-        )
+        self.engine = engine or _engine(settings)
         self.engine.on_applied = self._applied_from_engine_thread
         self.counters = RequestCounters()
         self.port = settings.http_port
@@ -78,7 +72,8 @@ class InferenceServer:
         self.redis = aioredis.Redis.from_url(self.stack.redis_url)
         self.producer = kafka.AsyncProducer(self.stack, **{"message.timeout.ms": self.settings.produce_timeout_ms})
         self.engine.start()
-        if self.settings.follow_weights:
+        # SGLang gets its weights from its sidecar; only the embedded engine follows them here.
+        if self.settings.follow_weights and self.settings.backend == "embedded":
             self._followers = [
                 WeightFollower(
                     functools.partial(self.engine.stage, arm), self.stack.weight_sync_addr, self.stack.weight_sync_subscribe_token.get_secret_value(), arm, self.worker_id
@@ -178,7 +173,9 @@ class InferenceServer:
         """The ``weights apply`` span: from the version staged to it serving, a child
         of the weight_sync commit (through the manifest's traceparent)."""
         staged = next((f.staged(version) for f in self._followers if f.arm == arm and f.staged(version)), None)
-        traceparent, staged_ns = staged or ("", applied_ns)
+        if staged is None:  # not staged by this process (a test's engine, or SGLang's sidecar, which traces its own)
+            return
+        traceparent, staged_ns = staged
         attributes = {"rtrl.arm": arm, "rtrl.policy.version": version, "rtrl.worker_id": self.worker_id}
         span = _tracer.start_span("weights apply", context=otel.parent(traceparent), attributes=attributes, start_time=staged_ns)
         span.end(end_time=applied_ns)
@@ -288,6 +285,22 @@ class InferenceServer:
             sent += len(delta)
             await stream.write(_event({"rollout_id": rollout_id, "token_id": token, "logprob": logprob, "policy_version": version, "delta": delta}))
         return stream, sent
+
+
+def _engine(settings: InferenceSettings) -> Engine | SGLangEngine:
+    if settings.backend == "sglang":
+        return SGLangEngine(
+            settings.sglang_url_map(), max_positions=PolicyConfig().max_positions,
+            max_concurrency=settings.sglang_max_concurrency, timeout_s=settings.sglang_timeout_s,
+        )
+    return Engine(
+        EngineConfig(
+            max_batch=settings.max_batch,
+            batch_wait_s=settings.batch_wait_ms / 1000,
+            swap_policy=settings.swap_policy,
+            ready_timeout_s=settings.ready_timeout_s,
+        )
+    )
 
 
 def _event(payload: dict) -> bytes:

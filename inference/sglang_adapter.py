@@ -17,15 +17,21 @@ for them the renormalized log-probs come from SGLang's sampling mask instead.
 from __future__ import annotations
 
 import json
+import logging
+import secrets
+import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from inference.batch import SequenceParams, SequenceResult
-from inference.engine import Completion
+from inference.engine import Completion, EngineStats
 from rtrl.policy import VOCAB_SIZE, decode
+
+log = logging.getLogger(__name__)
 
 
 class SGLangGenerationError(RuntimeError):
@@ -145,3 +151,127 @@ def generate(
         raise SGLangGenerationError("SGLang's /generate stream ended without a result")
     latency_s = time.monotonic() - started
     return completion_from_response(last, params, arm, ttft_s=latency_s if ttft_s is None else ttft_s, latency_s=latency_s)
+
+
+class SGLangEngine:
+    """The embedded Engine's interface (what inference.server uses) over SGLang servers,
+    one per arm: the serving API fronts SGLang the way it fronts the embedded engine,
+    and the rollout records are the same. Each request is one streaming /generate on a
+    thread of a bounded pool; SGLang batches them itself.
+
+    Weights reach SGLang through its sidecar (inference/sglang_sidecar.py), not through
+    this process, so there is nothing to stage here: a poller reads the version each
+    server serves (``/model_info``) and reports changes through ``on_applied``, as the
+    embedded engine reports a swap."""
+
+    def __init__(
+        self,
+        urls: Mapping[str, str],
+        *,
+        max_positions: int,
+        max_concurrency: int = 64,
+        timeout_s: float = 300.0,
+        poll_s: float = 1.0,
+        on_applied: Callable[[str, int], None] | None = None,
+    ) -> None:
+        self.urls = dict(urls)
+        self.max_positions = max_positions
+        self.timeout_s = timeout_s
+        self.poll_s = poll_s
+        self.on_applied = on_applied
+        self.stats = EngineStats()
+        self.failure: BaseException | None = None
+        self._versions = {arm: -1 for arm in self.urls}
+        self._lock = threading.Lock()
+        self._in_flight = 0
+        self._pool = ThreadPoolExecutor(max_concurrency, thread_name_prefix="sglang")
+        self._stopped = threading.Event()
+        self._poller = threading.Thread(target=self._poll, name="sglang-versions", daemon=True)
+
+    def start(self) -> None:
+        self._poller.start()
+
+    def stop(self) -> None:
+        self._stopped.set()
+        self._pool.shutdown(wait=True)
+        self._poller.join(self.poll_s + 5)
+
+    def ready(self) -> bool:
+        return all(v >= 0 for v in self.versions().values())
+
+    def versions(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self._versions)
+
+    def queue_depth(self) -> int:
+        with self._lock:
+            return self._in_flight
+
+    def submit(
+        self,
+        arm: str,
+        prompt_ids: Sequence[int],
+        *,
+        max_tokens: int,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        seed: int | None = None,
+        stop: tuple[str, ...] = (),
+        ignore_eos: bool = False,
+        on_token: Callable[[int, float, int], None] | None = None,
+    ) -> Future:
+        """Queue a request; the future resolves to a Completion or raises
+        SGLangGenerationError (the API answers 503). Bad requests raise ValueError here."""
+        if arm not in self.urls:
+            raise ValueError(f"no SGLang server serves arm {arm!r} (RTRL_INFERENCE_SGLANG_URLS names {', '.join(sorted(self.urls))})")
+        if on_token is not None:
+            raise ValueError("streaming is not available with the SGLang backend; ask without stream")
+        if not 0 < len(prompt_ids) < self.max_positions:
+            raise ValueError(f"prompt is {len(prompt_ids)} tokens; it must be 1..{self.max_positions - 1}")
+        if max_tokens < 1 or temperature < 0 or not 0 < top_p <= 1:
+            raise ValueError(f"bad sampling params: max_tokens={max_tokens} temperature={temperature} top_p={top_p}")
+        params = SequenceParams(
+            prompt_ids=tuple(prompt_ids),
+            max_tokens=min(max_tokens, self.max_positions - len(prompt_ids)),
+            temperature=float(temperature),
+            top_p=float(top_p),
+            seed=secrets.randbits(63) if seed is None else seed,
+            stop=tuple(stop),
+            ignore_eos=ignore_eos,
+        )
+        request_body(params)  # refuses what SGLang cannot do (stop strings) before it is queued
+        with self._lock:
+            self._in_flight += 1
+        return self._pool.submit(self._generate, arm, params)
+
+    def _generate(self, arm: str, params: SequenceParams) -> Completion:
+        try:
+            completion = generate(self.urls[arm], arm, params, timeout_s=self.timeout_s)
+        except OSError as exc:  # connection refused, reset, timed out
+            raise SGLangGenerationError(f"SGLang at {self.urls[arm]} did not answer: {exc}") from exc
+        finally:
+            with self._lock:
+                self._in_flight -= 1
+        self.stats.completions += 1
+        self.stats.tokens += len(completion.result.token_ids)
+        return completion
+
+    def _poll(self) -> None:
+        from inference.sglang_sidecar import SGLangWeights
+
+        servers = {arm: SGLangWeights(url, timeout_s=min(self.timeout_s, 10.0)) for arm, url in self.urls.items()}
+        while not self._stopped.is_set():
+            for arm, server in servers.items():
+                try:
+                    version = int(server.weight_version())
+                except (OSError, ValueError, KeyError) as exc:
+                    log.debug("weight version of %s unknown: %s", arm, exc)
+                    continue
+                with self._lock:
+                    changed = version != self._versions[arm]
+                    self._versions[arm] = version
+                if changed:
+                    self.stats.swaps += 1
+                    if self.on_applied is not None:
+                        self.on_applied(arm, version)
+            self._stopped.wait(self.poll_s)

@@ -144,7 +144,7 @@ def test_references_resolve_and_long_running_services_have_health_checks():
             if source.startswith("."):
                 assert (COMPOSE.parent / source).exists(), f"{name} mounts missing file {source}"
         # The sidecar has no heartbeat or port of its own: SGLang's health check covers the pair.
-        if name != "sglang-sidecar":
+        if not name.endswith("sidecar"):
             assert "healthcheck" in service, f"{name} has no health check"
     kafka = [name for name in services if name.startswith("kafka-")]
     assert len(kafka) == 3 and all(services[k]["environment"]["KAFKA_PROCESS_ROLES"] == "broker,controller" for k in kafka)
@@ -181,3 +181,25 @@ def test_topics_get_enough_replicas_for_the_brokers_min_insync():
     for name, (_, environment) in rtrl_services(compose).items():
         replicas = StackSettings(kafka_replication_factor=environment["RTRL_KAFKA_REPLICATION_FACTOR"]).kafka_replication_factor
         assert int(kafka["KAFKA_MIN_INSYNC_REPLICAS"]) < replicas <= brokers, name
+
+
+def test_the_serving_api_fronts_an_sglang_server_per_arm_each_fed_by_its_sidecar():
+    from urllib.parse import urlparse
+
+    from inference.config import InferenceSettings
+    from inference.sglang_sidecar import SidecarSettings
+
+    compose = load()
+    services = rtrl_services(compose)
+    _, environment = services["inference"]
+    inference = InferenceSettings(**{k[len("RTRL_INFERENCE_"):].lower(): v for k, v in environment.items() if k.startswith("RTRL_INFERENCE_")})
+    assert inference.backend == "sglang"
+    fed = {}
+    for name, (module, env) in services.items():
+        if module == "inference.sglang_sidecar":
+            sidecar = SidecarSettings(**{k[len("RTRL_SGLANG_SIDECAR_"):].lower(): v for k, v in env.items() if k.startswith("RTRL_SGLANG_SIDECAR_")})
+            fed[sidecar.arm] = sidecar.url
+    assert inference.sglang_url_map() == fed, "each arm's SGLang server needs a sidecar following that arm"
+    for url in fed.values():
+        host = urlparse(url).hostname
+        assert host in compose["services"] and "gpu" in compose["services"][host]["deploy"]["resources"]["reservations"]["devices"][0]["capabilities"]
