@@ -1,0 +1,4 @@
+from rtrl.docgen import main
+
+if __name__ == "__main__":
+    main()
