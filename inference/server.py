@@ -172,7 +172,7 @@ class InferenceServer:
     def _trace_apply(self, arm: str, version: int, applied_ns: int) -> None:
         """The ``weights apply`` span: from the version staged to it serving, a child
         of the weight_sync commit (through the manifest's traceparent)."""
-        staged = next((f.staged(version) for f in self._followers if f.arm == arm and f.staged(version)), None)
+        staged = next((found for f in self._followers if f.arm == arm and (found := f.staged(version))), None)
         if staged is None:  # not staged by this process (a test's engine, or SGLang's sidecar, which traces its own)
             return
         traceparent, staged_ns = staged

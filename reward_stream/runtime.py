@@ -38,10 +38,9 @@ from rtrl import kafka, otel, topics
 log = logging.getLogger(__name__)
 _tracer = trace.get_tracer("rtrl.reward_stream")
 _meter = metrics.get_meter("rtrl.reward_stream")
-_reward = _meter.create_histogram(
-    "rtrl.reward.value", description="Rewards settled, by arm and whether the window closed without a user signal",
-    explicit_bucket_boundaries_advisory=[-1.0, -0.5, -0.25, 0.0, 0.25, 0.5, 0.75, 1.0],
-)
+# Rewards can be negative, which a histogram refuses: their sum and count give the mean.
+_rewards = _meter.create_counter("rtrl.reward.settled", unit="{reward}", description="Rewards settled, by arm and whether the window closed without a user signal")
+_reward_sum = _meter.create_up_down_counter("rtrl.reward.accumulated", description="Sum of the rewards settled, by arm and defaulted (over rtrl.reward.settled: the mean)")
 _component = _meter.create_histogram(
     "rtrl.reward.component", description="Reward components of settled rewards, by arm and component",
     explicit_bucket_boundaries_advisory=[0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 1.0],
@@ -257,7 +256,9 @@ class Joiner:
         rollout's serving span, the reward's place in the rollout's trace, which the
         training step links to."""
         arm = _ARMS.get(rollout.arm, "unspecified")
-        _reward.record(record.reward, {"arm": arm, "defaulted": record.defaulted})
+        outcome = {"arm": arm, "defaulted": record.defaulted}
+        _rewards.add(1, outcome)
+        _reward_sum.add(record.reward, outcome)
         for name in COMPONENTS:
             _component.record(getattr(record.components, name), {"arm": arm, "component": name})
         attributes = {

@@ -138,7 +138,7 @@ def test_every_service_serves_prometheus_metrics(run):
             'rtrl_inference_requests_total{outcome="unavailable"}', 'rtrl_inference_policy_version{arm="treatment"}',
         ],
         "reward_stream": [
-            'rtrl_reward_stream_outcomes_total{outcome="settled"}', "rtrl_reward_value_bucket",
+            'rtrl_reward_stream_outcomes_total{outcome="settled"}', "rtrl_reward_settled_total", "rtrl_reward_accumulated",
             'rtrl_reward_component_sum{arm="treatment",component="persisted_fraction"}', 'rtrl_consumer_lag{group="rtrl-reward-stream"',
         ],
         "trainer": ['rtrl_trainer_steps_total{outcome="published"}', "rtrl_trainer_staleness_bucket", "rtrl_consumer_lag{"],

@@ -159,12 +159,19 @@ def test_a_harmful_update_is_refused_and_never_reaches_a_worker(stack_settings, 
         v0, v0_weights = worker.next()
         assert v0.version == 0
 
-        # Pay for exactly the completions that do not parse.
-        rows = sampled_rollouts(warm_model(), 64, seed=11)
-        assert 0 < sum(row[4] for row in rows) < len(rows)
-        poisoned = [reward_record(*row[:4], reward=0.0 if row[4] else 1.0) for row in rows]
-        produce(stack_settings.kafka_bootstrap, poisoned)
-        _wait(lambda: trainer.status.refused == 2, 120, "two refusals")
+        # Pay for exactly the completions that do not parse. The warm start answers about
+        # 9 tasks in 10 well, and a batch whose rewards are all equal carries no gradient:
+        # each batch of 32 gets 4 of the malformed ones, and one batch goes in at a time
+        # (so the partitions' interleaving cannot put them all in one).
+        pool = sampled_rollouts(warm_model(), 256, seed=11)
+        good, bad = [row for row in pool if row[4]], [row for row in pool if not row[4]]
+        assert len(bad) >= 12 and len(good) >= 84, f"{len(bad)} malformed of {len(pool)}: the warm start changed"
+        batches = [bad[4 * i : 4 * i + 4] + good[28 * i : 28 * i + 28] for i in range(3)]
+        poisoned = []
+        for i, batch in enumerate(batches[:2]):
+            poisoned += [reward_record(*row[:4], reward=0.0 if row[4] else 1.0) for row in batch]
+            produce(stack_settings.kafka_bootstrap, poisoned[-32:])
+            _wait(lambda: trainer.status.refused == i + 1, 120, f"refusal {i + 1}")
 
         status = trainer.heartbeat()
         assert trainer.publishers[TREATMENT].latest() == 0
@@ -194,7 +201,7 @@ def test_a_harmful_update_is_refused_and_never_reaches_a_worker(stack_settings, 
         # built on v0, not on a refused candidate. (Any first Adam step at 1e-3 is too big for this model.)
         for group in trainer.learner.optimizer.param_groups:
             group["lr"] = TrainerSettings().lr
-        honest = [reward_record(*row[:4], reward=1.0 if row[4] else 0.0) for row in rows[:32]]
+        honest = [reward_record(*row[:4], reward=1.0 if row[4] else 0.0) for row in batches[2]]
         produce(stack_settings.kafka_bootstrap, honest)
         v1, v1_weights = worker.next(timeout_s=120)
         assert (v1.version, v1.train_step, v1.rollouts_trained) == (1, 3, 32)

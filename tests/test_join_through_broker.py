@@ -68,6 +68,7 @@ def comparable(record: reward_pb2.RewardRecord) -> reward_pb2.RewardRecord:
     out = reward_pb2.RewardRecord()
     out.CopyFrom(record)
     out.ClearField("settled_ts_ms")
+    out.ClearField("traceparent")  # each settle is a span of its own
     return out
 
 
