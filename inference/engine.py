@@ -19,6 +19,7 @@ import secrets
 import threading
 import time
 from collections import deque
+from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Callable
@@ -103,6 +104,38 @@ class EngineStats:
     """Decode steps, each over every running request of one arm."""
     swap_pause_s: float = 0.0
     """Time decoding stood still for swaps (the rows' re-prefill included, under "recompute")."""
+
+
+def sequence_params(
+    prompt_ids: Sequence[int],
+    max_positions: int,
+    *,
+    max_tokens: int,
+    temperature: float,
+    top_p: float,
+    seed: int | None,
+    stop: tuple[str, ...],
+    ignore_eos: bool,
+) -> SequenceParams:
+    """A request's checked parameters (ValueError names what is wrong), with
+    ``max_tokens`` cut to the context left after the prompt and a random seed if none
+    was given. Shared by both backends (inference.sglang_adapter.SGLangEngine)."""
+    if not 0 < len(prompt_ids) < max_positions:
+        raise ValueError(f"prompt is {len(prompt_ids)} tokens; it must be 1..{max_positions - 1}")
+    if max_tokens < 1 or temperature < 0 or not 0 < top_p <= 1:
+        raise ValueError(f"bad sampling params: max_tokens={max_tokens} temperature={temperature} top_p={top_p}")
+    params = SequenceParams(
+        prompt_ids=tuple(prompt_ids),
+        max_tokens=min(max_tokens, max_positions - len(prompt_ids)),
+        temperature=float(temperature),
+        top_p=float(top_p),
+        seed=secrets.randbits(63) if seed is None else seed,
+        stop=tuple(stop),
+        ignore_eos=ignore_eos,
+    )
+    if not 0 <= params.seed < 2**63:
+        raise ValueError(f"seed must be in [0, 2**63), got {params.seed}")
+    return params
 
 
 class Engine:
@@ -208,22 +241,10 @@ class Engine:
         ``on_token(token_id, logprob, version)`` streams each token as it is sampled,
         on the engine thread (keep it short: it holds up every request)."""
         self._check_arm(arm)
-        context = self.config.policy.max_positions
-        if not 0 < len(prompt_ids) < context:
-            raise ValueError(f"prompt is {len(prompt_ids)} tokens; it must be 1..{context - 1}")
-        if max_tokens < 1 or temperature < 0 or not 0 < top_p <= 1:
-            raise ValueError(f"bad sampling params: max_tokens={max_tokens} temperature={temperature} top_p={top_p}")
-        params = SequenceParams(
-            prompt_ids=tuple(prompt_ids),
-            max_tokens=min(max_tokens, context - len(prompt_ids)),
-            temperature=float(temperature),
-            top_p=float(top_p),
-            seed=secrets.randbits(63) if seed is None else seed,
-            stop=tuple(stop),
-            ignore_eos=ignore_eos,
+        params = sequence_params(
+            prompt_ids, self.config.policy.max_positions,
+            max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed, stop=stop, ignore_eos=ignore_eos,
         )
-        if not 0 <= params.seed < 2**63:
-            raise ValueError(f"seed must be in [0, 2**63), got {params.seed}")
         pending = _Pending(params, arm, time.monotonic(), on_token=on_token)
         with self._cond:
             if self._stopping:

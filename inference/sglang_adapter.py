@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import logging
-import secrets
 import threading
 import time
 import urllib.error
@@ -28,7 +27,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from inference.batch import SequenceParams, SequenceResult
-from inference.engine import Completion, EngineStats
+from inference.engine import Completion, EngineStats, sequence_params
 from rtrl.policy import VOCAB_SIZE, decode
 
 log = logging.getLogger(__name__)
@@ -226,18 +225,9 @@ class SGLangEngine:
             raise ValueError(f"no SGLang server serves arm {arm!r} (RTRL_INFERENCE_SGLANG_URLS names {', '.join(sorted(self.urls))})")
         if on_token is not None:
             raise ValueError("streaming is not available with the SGLang backend; ask without stream")
-        if not 0 < len(prompt_ids) < self.max_positions:
-            raise ValueError(f"prompt is {len(prompt_ids)} tokens; it must be 1..{self.max_positions - 1}")
-        if max_tokens < 1 or temperature < 0 or not 0 < top_p <= 1:
-            raise ValueError(f"bad sampling params: max_tokens={max_tokens} temperature={temperature} top_p={top_p}")
-        params = SequenceParams(
-            prompt_ids=tuple(prompt_ids),
-            max_tokens=min(max_tokens, self.max_positions - len(prompt_ids)),
-            temperature=float(temperature),
-            top_p=float(top_p),
-            seed=secrets.randbits(63) if seed is None else seed,
-            stop=tuple(stop),
-            ignore_eos=ignore_eos,
+        params = sequence_params(
+            prompt_ids, self.max_positions,
+            max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed, stop=stop, ignore_eos=ignore_eos,
         )
         request_body(params)  # refuses what SGLang cannot do (stop strings) before it is queued
         with self._lock:

@@ -147,6 +147,18 @@ def _observe(joiner: Joiner, publisher: OutputPublisher, group: str, lag) -> Non
         meter, "rtrl.reward_stream.outcomes", "counter", lambda: [(getattr(counters, name), {"outcome": name}) for name in outcomes],
         unit="{record}", description="Rollouts settled (defaulted: without a user signal) and records set aside, by outcome",
     )
+    otel.observe(
+        meter, "rtrl.reward.settled", "counter", lambda: [(n, {"arm": arm, "defaulted": d}) for (arm, d), n in list(joiner.settled.items())],
+        unit="{reward}", description="Rewards settled, by arm and whether the window closed without a user signal",
+    )
+    otel.observe(
+        meter, "rtrl.reward.accumulated", "gauge", lambda: [(v, {"arm": arm, "defaulted": d}) for (arm, d), v in list(joiner.reward_sums.items())],
+        description="Sum of the rewards settled (a reward can be negative), by arm and defaulted: over rtrl.reward.settled, the mean",
+    )
+    otel.observe(
+        meter, "rtrl.reward.component", "counter", lambda: [(v, {"arm": arm, "component": c}) for (arm, c), v in list(joiner.component_sums.items())],
+        description="Sum of each reward component over the rewards settled, by arm: over rtrl.reward.settled, its mean",
+    )
     otel.observe(meter, "rtrl.reward_stream.pending", "gauge", lambda: [(joiner.pending(), {})], unit="{rollout}", description="Rollouts waiting for their window to close")
     otel.observe(meter, "rtrl.reward_stream.in_flight", "gauge", lambda: [(publisher.in_flight(), {})], unit="{record}", description="Outputs not yet acked by the broker")
     otel.observe(

@@ -23,6 +23,7 @@ it as children, through the manifest's ``traceparent``.
 from __future__ import annotations
 
 import atexit
+import json
 import logging
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -33,7 +34,7 @@ from opentelemetry.metrics import CallbackOptions, Meter, Observation
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import ConsoleMetricExporter, MetricReader, PeriodicExportingMetricReader
 from opentelemetry.sdk.resources import Resource
-from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter, SpanExporter
 from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
 
@@ -63,7 +64,7 @@ def configure(service: str, stack: StackSettings) -> None:
         spans = open(directory / f"{stem}.spans.jsonl", "a", encoding="utf-8")
         samples = open(directory / f"{stem}.metrics.jsonl", "a", encoding="utf-8")
         closing += [spans.close, samples.close]
-        span_exporter = ConsoleSpanExporter(out=spans, formatter=lambda span: span.to_json(indent=None) + "\n")
+        span_exporter = ConsoleSpanExporter(out=spans, formatter=span_line)
         metric_exporter = ConsoleMetricExporter(out=samples, formatter=lambda data: data.to_json(indent=None) + "\n")
     elif stack.otel_exporter == "otlp":
         from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import OTLPMetricExporter
@@ -93,6 +94,31 @@ def configure(service: str, stack: StackSettings) -> None:
             close()
 
     atexit.register(shutdown)
+
+
+def span_line(span: ReadableSpan) -> str:
+    """One span as a line of JSON for the file exporter: what ReadableSpan.to_json holds
+    that a reader follows traces by (ids as 0x-prefixed hex, times in ns since the
+    epoch), at a quarter of its cost, which the joiner pays per reward."""
+    context = span.context
+    return json.dumps(
+        {
+            "name": span.name,
+            "context": {"trace_id": f"0x{context.trace_id:032x}", "span_id": f"0x{context.span_id:016x}"},
+            "kind": str(span.kind),
+            "parent_id": f"0x{span.parent.span_id:016x}" if span.parent is not None else None,
+            "start_time": span.start_time,
+            "end_time": span.end_time,
+            "status": span.status.status_code.name,
+            "attributes": dict(span.attributes or {}),
+            "links": [
+                {"context": {"trace_id": f"0x{link.context.trace_id:032x}", "span_id": f"0x{link.context.span_id:016x}"}}
+                for link in span.links
+            ],
+            "resource": {"attributes": dict(span.resource.attributes)},
+        },
+        separators=(",", ":"),
+    ) + "\n"
 
 
 def _serve_prometheus(host: str, port: int) -> MetricReader:

@@ -139,7 +139,7 @@ def test_every_service_serves_prometheus_metrics(run):
         ],
         "reward_stream": [
             'rtrl_reward_stream_outcomes_total{outcome="settled"}', "rtrl_reward_settled_total", "rtrl_reward_accumulated",
-            'rtrl_reward_component_sum{arm="treatment",component="persisted_fraction"}', 'rtrl_consumer_lag{group="rtrl-reward-stream"',
+            'rtrl_reward_component_total{arm="treatment",component="persisted_fraction"}', 'rtrl_consumer_lag{group="rtrl-reward-stream"',
         ],
         "trainer": ['rtrl_trainer_steps_total{outcome="published"}', "rtrl_trainer_staleness_bucket", "rtrl_consumer_lag{"],
         "weight_sync": ["rtrl_weight_sync_versions_published_total", 'rtrl_weight_sync_latest_version{arm="treatment"}', "rtrl_weight_sync_sent_bytes_total"],

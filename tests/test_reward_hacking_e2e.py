@@ -27,7 +27,7 @@ from simulator.tasks import is_question
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
-MAX_PRODUCT_S = 150
+MAX_PRODUCT_S = 240
 
 
 @pytest.fixture
