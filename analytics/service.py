@@ -32,10 +32,7 @@ def _observe(sink: Sink, consumer: Consumer, group: str) -> None:
         unit="{row}", description="Rows inserted, per table (a replay after a crash inserts some twice; tables dedup by id)",
     )
     otel.observe(meter, "rtrl.analytics.pending", "gauge", lambda: [(sink.status()["pending"], {})], unit="{row}", description="Rows buffered, not yet inserted")
-    otel.observe(
-        meter, "rtrl.consumer.lag", "gauge", lambda: [(n, {"group": group, **where}) for n, where in otel.consumer_lag(consumer)],
-        unit="{record}", description="Records behind the partition's high watermark",
-    )
+    otel.observe_lag(meter, group, lambda: otel.position_lag(consumer))
 
 
 async def serve(stack: StackSettings, settings: AnalyticsSettings, stop: asyncio.Event | None = None) -> None:

@@ -34,11 +34,10 @@ from typing import Awaitable, Callable, Protocol, Sequence
 
 import redis.asyncio as aioredis
 from opentelemetry import trace
-from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from ingest.auth import PRIVATE_USERS, ApiKey
 from ingest.validation import validate
-from rtrl import topics
+from rtrl import kafka, otel, topics
 from rtrl.v1 import ingest_pb2, telemetry_pb2
 
 DEDUP_PREFIX = "rtrl:ingest:event:"
@@ -94,7 +93,6 @@ return out
 """
 
 _tracer = trace.get_tracer("rtrl.ingest")
-_propagator = TraceContextTextMapPropagator()
 
 
 class Producer(Protocol):
@@ -158,16 +156,13 @@ class Gateway:
         """One result per event, in order. Good events are written even when others in the
         batch are rejected; only RETRY results are worth sending again. ``key`` limits
         the event types (None: the gateway runs without authentication)."""
-        parent = _propagator.extract({"traceparent": traceparent}) if traceparent else None
-        with _tracer.start_as_current_span("ingest publish", context=parent, kind=trace.SpanKind.PRODUCER) as span:
+        with _tracer.start_as_current_span("ingest publish", context=otel.parent(traceparent), kind=trace.SpanKind.PRODUCER) as span:
             span.set_attributes({
                 "messaging.system": "kafka", "messaging.operation.type": "publish", "messaging.batch.message_count": len(events),
             })
             if key is not None:
                 span.set_attribute("rtrl.client_id", key.client_id)
-            carrier: dict[str, str] = {}
-            _propagator.inject(carrier)
-            headers = [("traceparent", (carrier.get("traceparent") or traceparent).encode())] if carrier or traceparent else []
+            headers = kafka.traceparent_headers(otel.traceparent_of(span) or traceparent)
             return await self._publish(events, key, headers)
 
     async def _publish(

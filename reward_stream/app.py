@@ -85,7 +85,7 @@ def create_app(settings: RewardStreamSettings, stack: StackSettings) -> faust.Ap
 
     read: dict = {}
     """Offset of the newest record read, per topic partition (consumer lag)."""
-    _observe(joiner, publisher, settings.app_id, lambda: [(tp, max(0, (highwater(tp) or 0) - offset - 1)) for tp, offset in list(read.items())])
+    _observe(joiner, publisher, settings.app_id, lambda: [(max(0, (highwater(tp) or 0) - offset - 1), tp.topic, tp.partition) for tp, offset in list(read.items())])
 
     @app.agent(app.topic(*topics.TELEMETRY), name="join")
     async def join_agent(stream):
@@ -161,10 +161,7 @@ def _observe(joiner: Joiner, publisher: OutputPublisher, group: str, lag) -> Non
     )
     otel.observe(meter, "rtrl.reward_stream.pending", "gauge", lambda: [(joiner.pending(), {})], unit="{rollout}", description="Rollouts waiting for their window to close")
     otel.observe(meter, "rtrl.reward_stream.in_flight", "gauge", lambda: [(publisher.in_flight(), {})], unit="{record}", description="Outputs not yet acked by the broker")
-    otel.observe(
-        meter, "rtrl.consumer.lag", "gauge", lambda: [(n, {"group": group, "topic": tp.topic, "partition": str(tp.partition)}) for tp, n in lag()],
-        unit="{record}", description="Records behind the partition's high watermark",
-    )
+    otel.observe_lag(meter, group, lag)
 
 
 def run(settings: RewardStreamSettings, stack: StackSettings) -> None:

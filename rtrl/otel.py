@@ -210,18 +210,29 @@ def observe(meter: Meter, name: str, kind: str, read: Reading, *, unit: str = ""
     create(name, callbacks=[callback], unit=unit, description=description)
 
 
-def consumer_lag(consumer) -> list[tuple[float, dict]]:
-    """Records behind the partition's end, per assigned partition, of a confluent-kafka
-    Consumer (position against the cached high watermark: no broker round trip)."""
+def observe_lag(meter: Meter, group: str, read: Callable[[], Iterable[tuple[float, str, int]]]) -> None:
+    """``rtrl.consumer.lag`` of one consumer group: ``read`` gives (records behind,
+    topic, partition) per partition the process reads (``position_lag`` for a
+    confluent-kafka Consumer)."""
+    observe(
+        meter, "rtrl.consumer.lag", "gauge",
+        lambda: [(lag, {"group": group, "topic": topic, "partition": str(partition)}) for lag, topic, partition in read()],
+        unit="{record}", description="Records behind the partition's high watermark",
+    )
+
+
+def position_lag(consumer) -> list[tuple[float, str, int]]:
+    """(records behind, topic, partition) per assigned partition of a confluent-kafka
+    Consumer: position against the cached high watermark, no broker round trip (unlike
+    rtrl.kafka.consumer_lag, which reads a group's committed offsets from outside)."""
     out = []
     try:
-        positions = consumer.position(consumer.assignment())
-        for tp in positions:
+        for tp in consumer.position(consumer.assignment()):
             if tp.offset < 0:
                 continue
             _, high = consumer.get_watermark_offsets(tp, cached=True)
             if high is not None and high >= 0:
-                out.append((float(max(0, high - tp.offset)), {"topic": tp.topic, "partition": str(tp.partition)}))
+                out.append((float(max(0, high - tp.offset)), tp.topic, tp.partition))
     except RuntimeError:  # closed (shutting down): nothing to report
         return []
     return out

@@ -86,11 +86,7 @@ async def serve(settings: TrainerSettings, stack: StackSettings, world: World | 
     # The trainer subscribes itself: it seeks to its journal's positions on assignment.
     rewards = Consumer(consumer_config(stack, settings.consumer_group))
     otel.configure("trainer", stack)
-    otel.observe(
-        metrics.get_meter("rtrl.trainer"), "rtrl.consumer.lag", "gauge",
-        lambda: [(n, {"group": settings.consumer_group, **where}) for n, where in otel.consumer_lag(rewards)],
-        unit="{record}", description="Records behind the partition's high watermark",
-    )
+    otel.observe_lag(metrics.get_meter("rtrl.trainer"), settings.consumer_group, lambda: otel.position_lag(rewards))
     exporter = StepExporter(Producer(producer_config(stack)))
     trainer = Trainer(
         settings,
