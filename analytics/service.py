@@ -23,7 +23,7 @@ log = logging.getLogger("analytics")
 SERVICE = "analytics"
 
 
-def _observe(sink: Sink, consumer: Consumer, group: str) -> None:
+def _observe(sink: Sink, group: str) -> None:
     """The sink's counters and its consumer's lag as OpenTelemetry (and so Prometheus) metrics."""
     meter = metrics.get_meter("rtrl.analytics")
     otel.observe(meter, "rtrl.analytics.consumed", "counter", lambda: [(sink.consumed, {})], unit="{record}", description="Records read")
@@ -32,7 +32,7 @@ def _observe(sink: Sink, consumer: Consumer, group: str) -> None:
         unit="{row}", description="Rows inserted, per table (a replay after a crash inserts some twice; tables dedup by id)",
     )
     otel.observe(meter, "rtrl.analytics.pending", "gauge", lambda: [(sink.status()["pending"], {})], unit="{row}", description="Rows buffered, not yet inserted")
-    otel.observe_lag(meter, group, lambda: otel.position_lag(consumer))
+    otel.observe_lag(meter, group, sink.lag.readings)
 
 
 async def serve(stack: StackSettings, settings: AnalyticsSettings, stop: asyncio.Event | None = None) -> None:
@@ -52,7 +52,7 @@ async def serve(stack: StackSettings, settings: AnalyticsSettings, stop: asyncio
     redis = aioredis.Redis.from_url(stack.redis_url)
     stopping = threading.Event()
     sink_task = asyncio.create_task(asyncio.to_thread(sink.run, stopping))
-    _observe(sink, consumer, settings.group_id)
+    _observe(sink, settings.group_id)
     beats = asyncio.create_task(heartbeat.beat_forever(redis, SERVICE, stack.instance, sink.status))
     log.info("analytics sink on %s, query endpoint %s:%d", stack.resolved_clickhouse_url(), settings.bind_host, settings.query_port)
     try:

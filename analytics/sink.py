@@ -16,6 +16,7 @@ from confluent_kafka import Consumer, KafkaException, TopicPartition
 
 from analytics.rows import COLUMNS, KafkaRecord, convert
 from analytics.schema import DEAD_LETTERS
+from rtrl import otel
 
 log = logging.getLogger("analytics.sink")
 
@@ -47,6 +48,8 @@ class Sink:
         self._oldest_pending_at = 0.0
         self.consumed = 0
         self.inserted: Counter[str] = Counter()
+        self.lag = otel.PositionLag()
+        """The consumer's lag, refreshed between polls for the metrics scrape."""
 
     def status(self) -> dict:
         return {"consumed": self.consumed, "pending": self._pending, "inserted": {t: self.inserted[t] for t in COLUMNS}}
@@ -63,6 +66,7 @@ class Sink:
                     log.warning("consumer error (librdkafka retries it): %s", error)
                     continue
                 self.add(KafkaRecord(msg.topic(), msg.partition(), msg.offset(), msg.key(), msg.value(), tuple(msg.headers() or ())))
+            self.lag.refresh(self._consumer, self._clock())
             if self._pending >= self._batch_size or (self._pending and self._clock() - self._oldest_pending_at >= self._flush_interval_s):
                 self.flush()
         self.flush()

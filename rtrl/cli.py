@@ -14,9 +14,13 @@ from rich.console import Console
 app = typer.Typer(help="rtrl: real-time reinforcement learning from product telemetry.", no_args_is_help=True)
 bench_app = typer.Typer(help="Benchmarks; each writes bench/results/<name>.json.", no_args_is_help=True)
 app.add_typer(bench_app, name="bench")
-keys_app = typer.Typer(help="API keys of product clients (stored hashed in Redis; RTRL_REDIS_URL).", no_args_is_help=True)
+keys_app = typer.Typer(
+    help="API keys of product clients, stored hashed in the Redis of the stack running in RTRL_STATE_DIR (or RTRL_REDIS_URL's).",
+    no_args_is_help=True,
+)
 app.add_typer(keys_app, name="keys")
 console = Console()
+err_console = Console(stderr=True, soft_wrap=True)
 
 
 def _state_dir() -> Path:
@@ -35,13 +39,18 @@ def _require_stack():
     return stack
 
 
+FRESH = typer.Option(False, "--fresh", help="Start over from the warm start: empty the state directory but for its cache.")
+
+
 @app.command()
-def up() -> None:
-    """Start the embedded stack (Tansu, Redis, chdb, every service) and wait until healthy."""
+def up(fresh: bool = FRESH) -> None:
+    """Start the embedded stack (Tansu, Redis, chdb, every service) and wait until healthy.
+    Resumes the run in RTRL_STATE_DIR (lineage, registry, blobs, checkpoint, API keys,
+    analytics); only the memory-only broker's topics start empty."""
     from rtrl.lifecycle import StackError, up as start
 
     try:
-        stack = start(_state_dir(), console)
+        stack = start(_state_dir(), console, fresh=fresh)
     except StackError as exc:
         console.print(f"[red]{exc}[/]")
         raise typer.Exit(1)
@@ -81,6 +90,7 @@ def status(watch: bool = typer.Option(False, "--watch", "-w", help="Refresh ever
     from rtrl.status_view import render
 
     stack = _require_stack()
+    err_console.print(f"the stack in {stack.state_dir} (supervisor pid {stack.supervisor_pid})")
     if not watch:
         console.print(render(stack))
         return
@@ -100,6 +110,7 @@ def demo(
     reward_fn: str | None = typer.Option(
         None, help="Reward function to settle with (sets RTRL_STACK_REWARD_FN_VERSION; default r3). r1 pays for asking instead of editing."
     ),
+    fresh: bool = FRESH,
 ) -> None:
     """Start the stack, run the simulated product with live progress, print the A/B table
     and the reward-hacking alerts."""
@@ -113,7 +124,7 @@ def demo(
         os.environ["RTRL_STACK_REWARD_FN_VERSION"] = reward_fn
     console.print(f"reward function: {StackConfig().reward_fn_version}")
     try:
-        stack = start(_state_dir(), console)
+        stack = start(_state_dir(), console, fresh=fresh)
     except StackError as exc:
         console.print(f"[red]{exc}[/]")
         raise typer.Exit(1)
@@ -139,7 +150,12 @@ def report(html: Path = typer.Option(Path("reports/report.html"), help="Where to
     from rtrl.health import running_stack
     from rtrl.reporting import print_report
 
-    print_report(running_stack(_state_dir()), console, html=html, state_dir=_state_dir())
+    stack = running_stack(_state_dir())
+    if stack is not None:
+        err_console.print(f"reading the stack in {stack.state_dir} ({stack.clickhouse_url})")
+    else:
+        err_console.print(f"no stack running: reading the analytics kept in {_state_dir()}")
+    print_report(stack, console, html=html, state_dir=_state_dir())
 
 
 @bench_app.command("loop")
@@ -225,11 +241,30 @@ def bench_ingest(
     run(out, console, events_per_round=events, batch=batch, concurrency=concurrency, rounds=rounds)
 
 
+def _redis_url() -> str:
+    """The Redis of the stack running in RTRL_STATE_DIR, or RTRL_REDIS_URL when set (a
+    production Redis); never a default address, where any Redis may listen."""
+    import os
+
+    from rtrl.health import running_stack
+
+    stack = running_stack(_state_dir())
+    if stack is not None:
+        if os.environ.get("RTRL_REDIS_URL", stack.redis_url) != stack.redis_url:
+            err_console.print(f"[yellow]RTRL_REDIS_URL is set, but the stack in {_state_dir()} runs its own Redis: using the stack's[/]")
+        err_console.print(f"using the stack in {_state_dir()} (redis {stack.redis_url})")
+        return stack.redis_url
+    if "RTRL_REDIS_URL" in os.environ:
+        err_console.print(f"no stack running in {_state_dir()}: using RTRL_REDIS_URL ({os.environ['RTRL_REDIS_URL']})")
+        return os.environ["RTRL_REDIS_URL"]
+    err_console.print(f"[red]no stack running in {_state_dir()}[/]: start one with `rtrl up`, or set RTRL_REDIS_URL to your Redis")
+    raise typer.Exit(1)
+
+
 def _redis_call(function, *args, **kwargs):
     from ingest.auth import call_sync
-    from rtrl.config import StackSettings
 
-    return call_sync(StackSettings().redis_url, function, *args, **kwargs)
+    return call_sync(_redis_url(), function, *args, **kwargs)
 
 
 @keys_app.command("create")

@@ -74,6 +74,8 @@ def check(stack: StackFile) -> list[ComponentHealth]:
     now = time.time()
     for spec in stack.services:
         beat = beats.get(spec.key)
+        if beat is not None and beat["ts"] < stack.started_ts:
+            beat = None  # left in the durable Redis by the previous run's process
         if spec.state == "failed":
             rows.append(ComponentHealth(spec.key, False, f"failed after {spec.restarts} restarts", {}))
         elif beat is None:

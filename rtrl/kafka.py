@@ -216,6 +216,12 @@ def consumer_lag(
         c.close()
 
 
+def cluster_id(settings: StackSettings, timeout_s: float = 10.0) -> str:
+    """The broker cluster's id. A memory-only broker started anew has a new one, so
+    offsets remembered from another cluster id must not be applied to it."""
+    return AdminClient({"bootstrap.servers": settings.kafka_bootstrap}).list_topics(timeout=timeout_s).cluster_id or ""
+
+
 def partitions(settings: StackSettings, topic_names: tuple[str, ...], timeout_s: float = 5.0) -> list[TopicPartition]:
     """Every partition of the named topics that exist, from the broker's metadata."""
     metadata = AdminClient({"bootstrap.servers": settings.kafka_bootstrap}).list_topics(timeout=timeout_s).topics

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -15,7 +14,7 @@ from rich.live import Live
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from rtrl import health, procs
+from rtrl import health, procs, statedir
 from rtrl.stack import StackConfig, StackFile, stack_path
 
 
@@ -41,22 +40,6 @@ def warm_start(state_dir: Path, console: Console) -> Path:
     return path
 
 
-# Kept across runs: the warm-start cache. Everything else belonged to the previous stack,
-# whose memory-only broker and private Redis are gone, so its data would only mislead.
-KEEP_ACROSS_RUNS = ("cache",)
-
-
-def clear_previous_run(state_dir: Path) -> None:
-    state_dir.mkdir(parents=True, exist_ok=True)
-    for entry in state_dir.iterdir():
-        if entry.name in KEEP_ACROSS_RUNS:
-            continue
-        if entry.is_dir():
-            shutil.rmtree(entry)
-        else:
-            entry.unlink()
-
-
 def health_table(rows: list[health.ComponentHealth]) -> Table:
     table = Table(title="rtrl embedded stack", title_justify="left")
     table.add_column("component")
@@ -67,14 +50,23 @@ def health_table(rows: list[health.ComponentHealth]) -> Table:
     return table
 
 
-def up(state_dir: Path, console: Console, config: StackConfig | None = None) -> StackFile:
+def up(state_dir: Path, console: Console, config: StackConfig | None = None, *, fresh: bool = False) -> StackFile:
+    """Start the stack on state_dir: resume the run it holds (lineage, registry, blobs,
+    checkpoint and journal, API keys, ClickHouse), or with ``fresh`` start over from the
+    warm start. Only the memory-only broker's topics are new either way."""
     config = config or StackConfig()
     state_dir = state_dir.resolve()
     running = health.running_stack(state_dir)
     if running is not None:
         console.print(f"stack already running (supervisor pid {running.supervisor_pid}); `rtrl down` stops it")
         return running
-    clear_previous_run(state_dir)
+    try:
+        resumed = statedir.is_state_dir(state_dir) and not fresh
+        marker = statedir.prepare(state_dir, fresh=fresh)
+    except statedir.NotAStateDir as exc:
+        raise StackError(str(exc)) from None
+    began = time.strftime("%Y-%m-%d %H:%M", time.localtime(marker.created_ts))
+    console.print(f"{'resuming' if resumed else 'starting'} the run in {state_dir} (lineage began {began}; `rtrl up --fresh` starts over)")
     warm_start(state_dir, console)
     (state_dir / "logs").mkdir(parents=True, exist_ok=True)
     log = open(state_dir / "logs" / "supervisor.out", "ab")

@@ -212,8 +212,9 @@ def observe(meter: Meter, name: str, kind: str, read: Reading, *, unit: str = ""
 
 def observe_lag(meter: Meter, group: str, read: Callable[[], Iterable[tuple[float, str, int]]]) -> None:
     """``rtrl.consumer.lag`` of one consumer group: ``read`` gives (records behind,
-    topic, partition) per partition the process reads (``position_lag`` for a
-    confluent-kafka Consumer)."""
+    topic, partition) per partition the process reads (``PositionLag.readings`` for a
+    confluent-kafka Consumer). ``read`` runs on the scrape's thread: it must return
+    values the service already holds, never ask Kafka."""
     observe(
         meter, "rtrl.consumer.lag", "gauge",
         lambda: [(lag, {"group": group, "topic": topic, "partition": str(partition)}) for lag, topic, partition in read()],
@@ -221,18 +222,38 @@ def observe_lag(meter: Meter, group: str, read: Callable[[], Iterable[tuple[floa
     )
 
 
-def position_lag(consumer) -> list[tuple[float, str, int]]:
-    """(records behind, topic, partition) per assigned partition of a confluent-kafka
-    Consumer: position against the cached high watermark, no broker round trip (unlike
-    rtrl.kafka.consumer_lag, which reads a group's committed offsets from outside)."""
-    out = []
-    try:
-        for tp in consumer.position(consumer.assignment()):
-            if tp.offset < 0:
-                continue
-            _, high = consumer.get_watermark_offsets(tp, cached=True)
-            if high is not None and high >= 0:
-                out.append((float(max(0, high - tp.offset)), tp.topic, tp.partition))
-    except RuntimeError:  # closed (shutting down): nothing to report
-        return []
-    return out
+class PositionLag:
+    """Consumer lag of a confluent-kafka Consumer, computed by the thread that polls it
+    and read by the metrics scrape.
+
+    librdkafka serializes the calls on one Consumer handle: a scrape thread asking it for
+    ``position()`` waits behind the poll thread's ``consume(timeout=…)``, for as long as
+    the poll loop runs, so the scrape (and the exporter behind it) would hang. The poll
+    thread calls ``refresh`` between polls; the scrape only reads the last readings.
+    """
+
+    def __init__(self, min_interval_s: float = 1.0) -> None:
+        self.min_interval_s = min_interval_s
+        self._readings: tuple[tuple[float, str, int], ...] = ()
+        self._refreshed_at = float("-inf")
+
+    def refresh(self, consumer, now: float) -> None:
+        """On the polling thread: position against the cached high watermark, no broker
+        round trip, at most once per ``min_interval_s`` of ``now`` (monotonic seconds)."""
+        if now - self._refreshed_at < self.min_interval_s:
+            return
+        self._refreshed_at = now
+        readings = []
+        try:
+            for tp in consumer.position(consumer.assignment()):
+                if tp.offset < 0:
+                    continue
+                _, high = consumer.get_watermark_offsets(tp, cached=True)
+                if high is not None and high >= 0:
+                    readings.append((float(max(0, high - tp.offset)), tp.topic, tp.partition))
+        except RuntimeError:  # closed (shutting down): nothing to report
+            readings = []
+        self._readings = tuple(readings)  # replaced whole: the scrape reads it unlocked
+
+    def readings(self) -> tuple[tuple[float, str, int], ...]:
+        return self._readings

@@ -12,6 +12,7 @@ import signal
 import socket
 import subprocess
 import time
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -120,6 +121,8 @@ def spawn(name: str, argv: list[str], log_path: Path, env: dict[str, str] | None
 
 
 def start_tansu(log_path: Path, port: int | None = None) -> Proc:
+    """A memory-only broker. Each start gets a cluster id of its own, so a service that
+    kept offsets from an earlier broker can tell that this one is new and empty."""
     port = port or free_port()
     argv = [
         tansu_binary(),
@@ -127,13 +130,17 @@ def start_tansu(log_path: Path, port: int | None = None) -> Proc:
         "--listener-url", f"tcp://127.0.0.1:{port}",
         "--advertised-listener-url", f"tcp://127.0.0.1:{port}",
         "--storage-engine", "memory://tansu/",
+        "--cluster-id", f"tansu-{uuid.uuid4()}",
     ]
     proc = spawn("tansu", argv, log_path, port=port)
     wait_for_port(port)
     return proc
 
 
-def start_redis(data_dir: Path, log_path: Path, port: int | None = None) -> Proc:
+def start_redis(data_dir: Path, log_path: Path, port: int | None = None, *, durable: bool = False) -> Proc:
+    """A private redis-server. ``durable`` (the embedded stack) keeps an append-only file
+    in data_dir, fsynced every second, so the registry, API keys and applied versions
+    survive `rtrl down`/`up`; tests' throwaway servers keep nothing."""
     port = port or free_port()
     data_dir.mkdir(parents=True, exist_ok=True)
     argv = [
@@ -141,7 +148,8 @@ def start_redis(data_dir: Path, log_path: Path, port: int | None = None) -> Proc
         "--port", str(port),
         "--bind", "127.0.0.1",
         "--save", "",
-        "--appendonly", "no",
+        "--appendonly", "yes" if durable else "no",
+        "--appendfsync", "everysec",
         "--dir", str(data_dir),
         "--daemonize", "no",
     ]

@@ -3,13 +3,15 @@ reward trend per arm, and the reward-hacking alerts reward_stream keeps in its h
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 from rich.console import Group
 from rich.table import Table
 
-from rtrl import health, kafka, topics
+from rtrl import broker_record, health, kafka, topics
 from rtrl.config import StackSettings
 from rtrl.stack import StackFile
 
@@ -251,4 +253,22 @@ def render(stack: StackFile) -> Group:
     refusals = gate_refusals(rows)
     if refusals:
         parts.append(refusals_table(refusals))
+    lost = broker_loss(broker_record.read(Path(stack.state_dir)).previous)
+    if lost:
+        parts.append(lost)
     return Group(*parts)
+
+
+def broker_loss(previous: broker_record.BrokerRecord | None) -> str:
+    """What the previous run's memory-only broker took with it, in one sentence."""
+    if previous is None:
+        return ""
+    if previous.measured_ts is None:
+        return f"previous broker {previous.cluster_id}: gone with its topics; what it held was never measured"
+    when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(previous.measured_ts))
+    bound = "" if previous.final else "about "
+    return (
+        f"previous broker {previous.cluster_id} (read {when}{' after every service stopped' if previous.final else ', its last reading'}): "
+        f"{bound}{previous.unjoined_events} accepted events and {previous.unjoined_rollouts} rollouts were still unjoined "
+        f"and {previous.untrained_rewards} rewards untrained when it went away; they are lost with it"
+    )

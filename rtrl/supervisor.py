@@ -13,11 +13,15 @@ import signal
 import sys
 import time
 
-from rtrl import kafka, procs
+from rtrl import broker_record, kafka, procs
 from rtrl.config import StackSettings
 from rtrl.stack import SERVICE_ORDER, ServiceSpec, StackConfig, StackFile, stack_path
 
 log = logging.getLogger("rtrl.supervisor")
+
+# How often the supervisor records what the memory-only broker holds that nothing
+# durable has taken in yet (broker_record.py): the loss a crash would cause.
+MEASURE_EVERY_S = 10.0
 
 # Port environment variables each service reads.
 PORTS = {
@@ -48,11 +52,13 @@ class Supervisor:
         self.infra: list[procs.Proc] = []
         self.stopping = False
         self.stack: StackFile | None = None
+        self.broker: broker_record.BrokerHistory | None = None
+        self.measured_at = 0.0
 
     def start(self) -> StackFile:
         logs = self.state_dir / "logs"
         tansu = procs.start_tansu(logs / "tansu.log")
-        redis = procs.start_redis(self.state_dir / "redis", logs / "redis.log")
+        redis = procs.start_redis(self.state_dir / "redis", logs / "redis.log", durable=True)
         self.infra = [tansu, redis]
         specs = plan(self.config)
         ws_port = next(s.ports["RTRL_WEIGHT_SYNC_PORT"] for s in specs if s.name == "weight_sync")
@@ -71,6 +77,10 @@ class Supervisor:
         stack_settings = StackSettings(**{"kafka_bootstrap": self.stack.kafka_bootstrap, "kafka_partitions": self.settings.kafka_partitions})
         kafka.wait_for_broker(stack_settings)
         kafka.ensure_topics(stack_settings)
+        self.broker = broker_record.started(self.state_dir, stack_settings)
+        if self.broker.previous is not None:
+            log.info("the previous broker %s is gone with its topics: %s", self.broker.previous.cluster_id, self.broker.previous)
+        self.measured_at = time.monotonic()
         for spec in specs:
             self._spawn(spec)
         self._save()
@@ -116,7 +126,30 @@ class Supervisor:
                     self.stopping = True
             if changed:
                 self._save()
+            if time.monotonic() - self.measured_at >= MEASURE_EVERY_S:
+                self._measure_broker(final=False)
             time.sleep(0.5)
+
+    def _measure_broker(self, *, final: bool) -> None:
+        """Record what the broker holds that nothing durable has taken in yet; a reading
+        that fails is logged and tried again next time, never a reason to stop."""
+        from reward_stream.config import RewardStreamSettings
+        from trainer.config import TrainerSettings
+
+        self.measured_at = time.monotonic()
+        if self.broker is None or self.broker.current is None:
+            return
+        settings = StackSettings(kafka_bootstrap=self.stack.kafka_bootstrap, kafka_partitions=self.settings.kafka_partitions)
+        try:
+            current = broker_record.measure(
+                settings, self.broker.current, joiner_group=RewardStreamSettings().app_id,
+                trainer_group=TrainerSettings().consumer_group, final=final,
+            )
+        except Exception:
+            log.exception("could not measure what the broker holds")
+            return
+        self.broker = broker_record.BrokerHistory(current, self.broker.previous)
+        broker_record.write(self.state_dir, self.broker)
 
     def stop(self) -> None:
         for spec in reversed(self.stack.services if self.stack else []):
@@ -124,6 +157,8 @@ class Supervisor:
             if proc is not None:
                 proc.stop(timeout_s=15)
                 log.info("stopped %s", spec.key)
+        if self.infra and self.infra[0].alive():
+            self._measure_broker(final=True)
         for proc in reversed(self.infra):
             proc.stop(timeout_s=5)
         stack_path(self.state_dir).unlink(missing_ok=True)

@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 import time
 import urllib.request
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
@@ -37,6 +38,42 @@ class Run:
     metrics: dict[str, str]
     """Each service's /metrics page, scraped while the stack ran."""
     pids: list[int]
+    scrapes: list["Scrape"]
+    """Every scrape of every service, under load and idle."""
+
+
+# Prometheus's default scrape timeout: a page not served within it is a target down.
+SCRAPE_TIMEOUT_S = 10.0
+
+
+@dataclass(frozen=True)
+class Scrape:
+    service: str
+    phase: str
+    """``load`` while the product ran, ``idle`` after the drain."""
+    error: str = ""
+
+
+@dataclass
+class Scraper:
+    """Scrapes every service of the stack in rounds, on its own thread, until stopped."""
+
+    ports: dict[str, int]
+    phase: str = "load"
+    results: list[Scrape] = field(default_factory=list)
+    stopping: threading.Event = field(default_factory=threading.Event)
+
+    def round(self) -> None:
+        for service, port in self.ports.items():
+            try:
+                _scrape(port)
+                self.results.append(Scrape(service, self.phase))
+            except OSError as exc:  # a timeout, a refused or reset connection
+                self.results.append(Scrape(service, self.phase, repr(exc)))
+
+    def run(self) -> None:
+        while not self.stopping.wait(2.0):
+            self.round()
 
 
 @pytest.fixture(scope="module")
@@ -52,20 +89,28 @@ def run(tmp_path_factory):
         console = Console(file=open(os.devnull, "w"))
         stack = up(state_dir, console)
         pids = [stack.supervisor_pid, *stack.infra.values(), *(s.pid for s in stack.services)]
+        scraper = Scraper({spec.key: spec.ports["RTRL_METRICS_PORT"] for spec in stack.services})
+        scraping = threading.Thread(target=scraper.run, daemon=True)
+        scraping.start()
         try:
             stats = run_product(stack, 45, console, users=120, clients=16)
+            scraper.stopping.set()
+            scraping.join()
             drain(stack, stats, console, timeout_s=120)
+            scraper.phase = "idle"
+            for _ in range(3):
+                scraper.round()
             screen = Console(record=True, width=200, file=open(os.devnull, "w"))
             screen.print(render(stack))
             scraped = {spec.key: _scrape(spec.ports["RTRL_METRICS_PORT"]) for spec in stack.services}
-            yield Run(stack, stats, query_function(stack), screen.export_text(), scraped, pids)
+            yield Run(stack, stats, query_function(stack), screen.export_text(), scraped, pids, scraper.results)
         finally:
             down(state_dir, console)
     assert not [pid for pid in pids if health.pid_alive(pid)], "rtrl down left processes behind"
 
 
 def _scrape(port: int) -> str:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=SCRAPE_TIMEOUT_S) as response:
         return response.read().decode()
 
 
@@ -154,6 +199,17 @@ def test_every_service_serves_prometheus_metrics(run):
     completions = sum(v for key, s in samples.items() if key.startswith("inference") for name, v in s.items() if name == "rtrl_inference_completions_total")
     assert completions >= run.stats.completions
     assert samples["weight_sync:0"]["rtrl_weight_sync_versions_published_total"] >= 3
+
+
+def test_every_scrape_answers_under_load_and_idle(run):
+    """A scrape reads what each service already holds: it never waits on Kafka or on the
+    thread that polls a consumer, so every service answers every scrape, busy or idle."""
+    services = {spec.key for spec in run.stack.services}
+    for phase in ("load", "idle"):
+        answered = {s.service for s in run.scrapes if s.phase == phase and not s.error}
+        assert answered == services, f"{phase}: no answer from {sorted(services - answered)}"
+    failed = [s for s in run.scrapes if s.error]
+    assert not failed, failed
 
 
 def _samples(page: str) -> dict[str, float]:

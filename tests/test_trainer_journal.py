@@ -78,3 +78,21 @@ def test_reset_starts_a_new_lineage(tmp_path):
     journal.reset(version=0)
     state = journal.replay(0)
     assert (state.step, state.positions, state.recent_ids) == (0, {}, ())
+
+
+@pytest.mark.parametrize(
+    "entries, latest, cluster_id",
+    [
+        # The positions name the cluster they are offsets in, through every path to them.
+        ([("candidate", 1, P0, ["a"], "cluster-a"), ("published", 1, 1)], 1, "cluster-a"),
+        ([("candidate", 1, P0, ["a"], "cluster-a"), ("refused", 1, {})], 0, "cluster-a"),
+        ([("candidate", 1, P0, ["a"], "cluster-a")], 1, "cluster-a"),  # landed before the crash
+        ([("candidate", 1, P0, ["a"], "cluster-a"), ("published", 1, 1), ("candidate", 2, P1, ["b"], "cluster-b")], 1, "cluster-a"),
+        ([], 0, ""),
+    ],
+)
+def test_positions_carry_their_broker_cluster_through_replay_and_compaction(tmp_path, entries, latest, cluster_id):
+    journal = _journal(tmp_path, *entries)
+    assert journal.replay(latest).cluster_id == cluster_id
+    journal.compact(latest, keep_ids=10)
+    assert Journal(tmp_path).replay(latest).cluster_id == cluster_id

@@ -21,6 +21,10 @@ wrote twice must not be trained twice across a restart either).
 
 The file is compacted at checkpoints into one ``base`` entry carrying the last
 final positions and the most recent ids, so it stays bounded.
+
+Positions are offsets in one broker cluster, and each entry names it: a memory-only
+broker started anew (the embedded stack after `rtrl down`/`up`) has new, empty topics
+and a new cluster id, and offsets from the old one must not be applied to them.
 """
 
 from __future__ import annotations
@@ -53,6 +57,8 @@ class Replayed:
     """Step of the last final entry (the step counter continues from here)."""
     positions: Positions = field(default_factory=dict)
     """Where the consumer resumes (empty: from the group's committed offsets)."""
+    cluster_id: str = ""
+    """The broker cluster the positions are offsets in ("" when unknown)."""
     trained: tuple[str, ...] = ()
     """Rollout ids in published versions since the last compaction, in order."""
     refused: tuple[str, ...] = ()
@@ -71,10 +77,12 @@ class Journal:
 
     def reset(self, *, version: int, step: int = 0) -> None:
         """Start a new lineage (a fresh registry): forget every earlier entry."""
-        self._rewrite([{"kind": "base", "step": step, "version": version, "positions": {}, "ids": []}])
+        self._rewrite([{"kind": "base", "step": step, "version": version, "positions": {}, "cluster_id": "", "ids": []}])
 
-    def candidate(self, step: int, positions: Mapping[str, int], rollout_ids: Iterable[str]) -> None:
-        self._append({"kind": "candidate", "step": step, "positions": dict(positions), "ids": list(rollout_ids)})
+    def candidate(self, step: int, positions: Mapping[str, int], rollout_ids: Iterable[str], cluster_id: str = "") -> None:
+        self._append({
+            "kind": "candidate", "step": step, "positions": dict(positions), "cluster_id": cluster_id, "ids": list(rollout_ids),
+        })
 
     def published(self, step: int, version: int) -> None:
         self._append({"kind": "published", "step": step, "version": version})
@@ -84,7 +92,7 @@ class Journal:
 
     def replay(self, registry_latest: int) -> Replayed:
         """What the entries say happened, given the registry's latest version."""
-        step, positions, version = 0, {}, -1
+        step, positions, cluster_id, version = 0, {}, "", -1
         trained: list[str] = []
         refused: list[str] = []
         kept: list[str] = []
@@ -93,12 +101,13 @@ class Journal:
             kind = entry["kind"]
             if kind == "base":
                 step, positions, version, kept = entry["step"], entry["positions"], entry["version"], entry["ids"]
+                cluster_id = entry.get("cluster_id", "")
                 trained, refused, in_flight = [], [], None
             elif kind == "candidate":
                 in_flight = entry
             elif in_flight is not None and entry["step"] == in_flight["step"]:
                 (trained if kind == "published" else refused).extend(in_flight["ids"])
-                step, positions = in_flight["step"], in_flight["positions"]
+                step, positions, cluster_id = in_flight["step"], in_flight["positions"], in_flight.get("cluster_id", "")
                 if kind == "published":
                     version = entry["version"]
                 in_flight = None
@@ -106,9 +115,11 @@ class Journal:
         if landed:
             trained.extend(in_flight["ids"])
             step, positions, version = in_flight["step"], in_flight["positions"], registry_latest
+            cluster_id = in_flight.get("cluster_id", "")
         return Replayed(
             step=step,
             positions=positions,
+            cluster_id=cluster_id,
             trained=tuple(trained),
             refused=tuple(refused),
             last_published_version=version,
@@ -124,6 +135,7 @@ class Journal:
             "step": state.step,
             "version": state.last_published_version,
             "positions": state.positions,
+            "cluster_id": state.cluster_id,
             "ids": list(state.recent_ids[-keep_ids:]),
         }])
 

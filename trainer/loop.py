@@ -130,16 +130,21 @@ class Trainer:
         self.journal = Journal(self.checkpoint_dir)
         self.positions: dict[str, int] = {}
         """Next offset to read per "topic:partition", everything before it consumed."""
+        self.cluster_id = ""
+        """The broker cluster self.positions are offsets in."""
         self.refused = 0
         self.refusals: deque[dict] = deque(maxlen=REFUSALS_SHOWN)
         self.on_step = on_step
         self.world = world
         self.dropped_recorded: Counter[Drop] = Counter()
         self.status = TrainerStatus()
+        self.lag = otel.PositionLag()
+        """The consumer's lag, refreshed by the polling thread for the metrics scrape."""
 
     def start(self) -> None:
         """Load the warm start, make sure both arms have a version, resume if we can."""
         torch.manual_seed(self.settings.seed)
+        self.cluster_id = self.consumer.list_topics(timeout=30).cluster_id or ""
         path = ensure_warm_start(self.state_dir, policy_config=self.policy_config, recipe=WarmStartRecipe(seed=self.settings.seed))
         self.warm_start = path.name
         warm = load_warm_start(path)
@@ -205,6 +210,13 @@ class Trainer:
         # Refused candidates advance the step counter without a version.
         self.step = max(self.step, replayed.step)
         self.positions = dict(replayed.positions)
+        if self.positions and replayed.cluster_id != self.cluster_id:
+            log.warning(
+                "the broker is new (cluster %r; the journal's positions are in %r): its topics start empty, so the journal's "
+                "positions are not applied; whatever the old broker held and was not yet trained on is gone with it",
+                self.cluster_id, replayed.cluster_id,
+            )
+            self.positions = {}
         for rollout_id in replayed.recent_ids:
             self.seen.admit(rollout_id)
         log.info("resuming at %s with %d recent rollout ids", self.positions or "the committed offsets", len(replayed.recent_ids))
@@ -220,6 +232,7 @@ class Trainer:
     def run(self, stop: threading.Event) -> None:
         while not stop.is_set():
             self.poll()
+            self.lag.refresh(self.consumer, time.monotonic())
             self._refresh_counters()
             now = time.monotonic()
             if self.due(now):
@@ -294,7 +307,7 @@ class Trainer:
         """Train, journal, judge, then publish or refuse."""
         metrics = self.learner.step(collate(fresh))
         self.step += 1
-        self.journal.candidate(self.step, self.positions, (sample.rollout_id for sample in fresh))
+        self.journal.candidate(self.step, self.positions, (sample.rollout_id for sample in fresh), self.cluster_id)
         stepped = time.monotonic()
         verdict = self.gate.judge(self.learner.eval_model())
         judged = time.monotonic()

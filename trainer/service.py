@@ -86,7 +86,6 @@ async def serve(settings: TrainerSettings, stack: StackSettings, world: World | 
     # The trainer subscribes itself: it seeks to its journal's positions on assignment.
     rewards = Consumer(consumer_config(stack, settings.consumer_group))
     otel.configure("trainer", stack)
-    otel.observe_lag(metrics.get_meter("rtrl.trainer"), settings.consumer_group, lambda: otel.position_lag(rewards))
     exporter = StepExporter(Producer(producer_config(stack)))
     trainer = Trainer(
         settings,
@@ -99,6 +98,7 @@ async def serve(settings: TrainerSettings, stack: StackSettings, world: World | 
         on_step=exporter,
         world=world,
     )
+    otel.observe_lag(metrics.get_meter("rtrl.trainer"), settings.consumer_group, trainer.lag.readings)
     redis = aioredis.from_url(stack.redis_url)
     heartbeat: asyncio.Task | None = None
     try:
