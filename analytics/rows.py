@@ -1,8 +1,9 @@
 """Protobuf records -> ClickHouse rows. Pure: the sink feeds it, tests call it directly.
 
-A record that does not decode, and everything on the dead-letter topic, becomes a
-``dead_letters`` row carrying the raw bytes and the reason, so one bad record never
-stops the sink.
+A record that does not decode, one holding a value no column can store (a timestamp
+outside what ``DateTime`` holds: 2^62, the year 2200, a negative one), and everything on
+the dead-letter topic become a ``dead_letters`` row carrying the raw bytes and the
+reason, so one bad record never stops the sink: it inserts the row and commits past it.
 """
 
 from __future__ import annotations
@@ -20,6 +21,14 @@ from rtrl.v1 import reward_pb2, rollout_pb2, telemetry_pb2, trainer_pb2
 
 ARM_NAMES = {1: "control", 2: "treatment"}
 _EPOCH = datetime(1970, 1, 1, tzinfo=timezone.utc)
+# What every timestamp column stores: DateTime64(3) reaches 2299, but the A/B views
+# bucket by toStartOfHour into a DateTime, whose range is [1970-01-01, 2106-02-07 06:28:15].
+TS_MIN_MS = 0
+TS_MAX_MS = (2**32 - 1) * 1000 + 999
+
+
+class Unstorable(ValueError):
+    """A field's value has no column representation; str(exc) is the dead letter's reason."""
 
 COLUMNS: dict[str, tuple[str, ...]] = {
     schema.ROLLOUTS: (
@@ -68,7 +77,10 @@ class KafkaRecord:
     headers: tuple[tuple[str, bytes | None], ...] = ()
 
 
-def ts(ms: int) -> datetime:
+def ts(ms: int, field: str = "ts_ms") -> datetime:
+    """Epoch milliseconds as a UTC datetime, or Unstorable naming ``field`` when out of range."""
+    if not TS_MIN_MS <= ms <= TS_MAX_MS:
+        raise Unstorable(f"{field} {ms} cannot be stored: timestamps must lie in [{TS_MIN_MS}, {TS_MAX_MS}] ms (1970-01-01 to 2106-02-07 UTC)")
     return _EPOCH + timedelta(milliseconds=ms)
 
 
@@ -93,6 +105,8 @@ def convert(record: KafkaRecord, now_ms: int) -> Row:
             return trainer_step_row(trainer_pb2.TrainerStep.FromString(value))
     except DecodeError as exc:
         return dead_letter(record, f"does not decode as the topic's message: {exc}", now_ms)
+    except Unstorable as exc:
+        return dead_letter(record, str(exc), now_ms)
     return dead_letter(record, "topic has no table", now_ms)
 
 
@@ -109,7 +123,7 @@ def late_row(record: KafkaRecord, now_ms: int) -> Row:
         event_ts = message.client_ts_ms
     else:
         return dead_letter(record, f"late record from unknown source_topic {source!r}", now_ms)
-    return Row(schema.LATE, (message.event_id, message.rollout_id, source, headers.get("kind", ""), ts(event_ts), ts(now_ms)))
+    return Row(schema.LATE, (message.event_id, message.rollout_id, source, headers.get("kind", ""), ts(event_ts, "client_ts_ms"), ts(now_ms)))
 
 
 def version_range(rollout: rollout_pb2.RolloutRecord) -> tuple[int, int]:
@@ -124,7 +138,7 @@ def rollout_row(r: rollout_pb2.RolloutRecord) -> Row:
         schema.ROLLOUTS,
         (
             r.rollout_id, r.event_id, arm_name(r.arm), r.worker_id, r.user_id, r.session_id, r.model_name,
-            r.prompt_group_id, ts(r.client_ts_ms), low, high, len(r.prompt_token_ids), len(r.completion_token_ids),
+            r.prompt_group_id, ts(r.client_ts_ms, "client_ts_ms"), low, high, len(r.prompt_token_ids), len(r.completion_token_ids),
             r.latency_s, r.time_to_first_token_s, len(r.tool_calls), sum(not call.valid for call in r.tool_calls),
             r.prompt_text, r.completion_text, r.finish_reason, r.traceparent,
         ),
@@ -140,7 +154,7 @@ def telemetry_row(e: telemetry_pb2.TelemetryEvent) -> Row:
     return Row(
         schema.TELEMETRY,
         (
-            e.event_id, e.rollout_id, e.session_id, e.user_id, kind, ts(e.client_ts_ms), e.edit_shown.file_path,
+            e.event_id, e.rollout_id, e.session_id, e.user_id, kind, ts(e.client_ts_ms, "client_ts_ms"), e.edit_shown.file_path,
             e.edit_shown.edit_text, outcome, seconds_after_edit, e.persistence.region_text, e.followup.message,
         ),
     )
@@ -152,11 +166,11 @@ def reward_row(rec: reward_pb2.RewardRecord, topic: str) -> Row:
     return Row(
         schema.REWARDS,
         (
-            rec.reward_id, rec.rollout_id, topic, arm_name(rollout.arm), policy_version, ts(rollout.client_ts_ms),
+            rec.reward_id, rec.rollout_id, topic, arm_name(rollout.arm), policy_version, ts(rollout.client_ts_ms, "rollout.client_ts_ms"),
             len(rollout.completion_token_ids), parts.latency_s or rollout.latency_s, parts.persisted_fraction,
             parts.persistence_observed, parts.dissatisfied, parts.followup_observed, parts.tool_call_validity,
-            parts.effort_penalty, rec.reward, rec.defaulted, rec.reward_fn_version, ts(rec.last_event_ts_ms),
-            ts(rec.settled_ts_ms), len(rec.event_ids),
+            parts.effort_penalty, rec.reward, rec.defaulted, rec.reward_fn_version, ts(rec.last_event_ts_ms, "last_event_ts_ms"),
+            ts(rec.settled_ts_ms, "settled_ts_ms"), len(rec.event_ids),
         ),
     )
 
@@ -165,7 +179,7 @@ def trainer_step_row(step: trainer_pb2.TrainerStep) -> Row:
     return Row(
         schema.TRAINER_STEPS,
         (
-            step.step_id, step.lineage, step.step, step.base_version, step.version, step.published, ts(step.ts_ms),
+            step.step_id, step.lineage, step.step, step.base_version, step.version, step.published, ts(step.ts_ms, "ts_ms"),
             step.rollouts, step.tokens, step.reward_mean, step.loss, step.kl, step.entropy, step.clipped_fraction,
             step.ratio_mean, step.grad_norm, step.advantage_abs_mean,
             {bucket.staleness: bucket.rollouts for bucket in step.staleness}, dict(step.dropped),

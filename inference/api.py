@@ -14,6 +14,15 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from inference.engine import Completion
 from inference.records import version_spans
+from rtrl.event_time import EventTimeWindow
+
+
+class FieldRefused(ValueError):
+    """A request field outside what the server accepts; answered 400 naming the field."""
+
+    def __init__(self, field: str, reason: str) -> None:
+        super().__init__(f"{field}: {reason}")
+        self.field = field
 
 
 class CompletionBody(BaseModel):
@@ -31,10 +40,17 @@ class CompletionBody(BaseModel):
     privacy_mode: bool = False
     seed: int | None = Field(None, ge=0, lt=2**63)
     stop: str | list[str] | None = None
-    client_ts_ms: int | None = Field(None, ge=0)
+    client_ts_ms: int | None = None
+    """The product's clock when it asked; absent means the server's. Bounded by ``check_client_ts``."""
     prompt_group_id: str = ""
     stream: bool = False
     """Server-sent events: a chunk per token as it is sampled, then the whole answer."""
+
+    def check_client_ts(self, now_ms: int, window: EventTimeWindow) -> None:
+        """Raise FieldRefused unless client_ts_ms (when given) lies in ``window`` around ``now_ms``:
+        the rollout's event time drives the joiner's stream time downstream."""
+        if self.client_ts_ms is not None and (problem := window.problem(self.client_ts_ms, now_ms, "server clock")):
+            raise FieldRefused("client_ts_ms", problem)
 
     def stop_strings(self) -> tuple[str, ...]:
         if self.stop is None:

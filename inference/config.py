@@ -10,6 +10,8 @@ from typing import Literal
 from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from rtrl.event_time import EventTimeWindow
+
 
 class InferenceSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="RTRL_INFERENCE_", extra="ignore")
@@ -60,6 +62,14 @@ class InferenceSettings(BaseSettings):
     shutdown_grace_s: float = Field(10.0, ge=0, le=120)
     """On SIGTERM, in-flight requests get this long to finish before the server closes."""
 
+    client_ts_max_future_s: float = Field(300.0, ge=0, le=24 * 3600)
+    """A request's ``client_ts_ms`` may be at most this far ahead of the worker's clock
+    (client clock skew); a later one is refused with 400 naming the field."""
+
+    client_ts_max_age_s: float = Field(7 * 24 * 3600.0, gt=0, le=365 * 24 * 3600)
+    """A request's ``client_ts_ms`` may be at most this far behind the worker's clock; an
+    older one (or 0, or negative) is refused with 400 naming the field."""
+
     backend: Literal["embedded", "sglang"] = "embedded"
     """Who generates: the embedded torch engine (weights followed from weight_sync by this
     process), or SGLang servers (weights streamed into them by their sidecars)."""
@@ -73,6 +83,9 @@ class InferenceSettings(BaseSettings):
 
     sglang_timeout_s: float = Field(300.0, gt=0)
     """``backend=sglang``: longest a /generate may take."""
+
+    def client_ts_window(self) -> EventTimeWindow:
+        return EventTimeWindow.of_seconds(self.client_ts_max_future_s, self.client_ts_max_age_s)
 
     def sglang_url_map(self) -> dict[str, str]:
         """``sglang_urls`` as arm -> url."""

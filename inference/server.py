@@ -4,7 +4,8 @@
 by the broker (so a product event can never refer to an unknown rollout); requests in
 privacy mode produce no record. Answers:
   200  the completion
-  400  the body is not a valid request (``{"error": ...}``)
+  400  the body is not a valid request, e.g. a ``client_ts_ms`` outside the window of
+       InferenceSettings around the worker's clock (``{"error": ..., "field": ...}``)
   503  the arm has no weights yet (after ``ready_timeout_s``) or the engine stopped
 """
 
@@ -23,7 +24,7 @@ from aiohttp import web
 from opentelemetry import metrics, trace
 from pydantic import ValidationError
 
-from inference.api import CompletionBody, completion_response
+from inference.api import CompletionBody, FieldRefused, completion_response
 from inference.arms import assign_arm
 from inference.config import InferenceSettings
 from inference.engine import ARMS, ArmNotReady, Engine, EngineConfig, prompt_token_ids
@@ -63,6 +64,7 @@ class InferenceServer:
         self.engine.on_applied = self._applied_from_engine_thread
         self.counters = RequestCounters()
         self.port = settings.http_port
+        self.client_ts_window = settings.client_ts_window()
         self._background: set[asyncio.Task] = set()
         self._followers: list[WeightFollower] = []
 
@@ -200,6 +202,7 @@ class InferenceServer:
         tokens: asyncio.Queue[tuple[int, float, int]] = asyncio.Queue()
         try:
             body = CompletionBody.model_validate_json(await request.read())
+            body.check_client_ts(received_ms, self.client_ts_window)
             arm = body.arm or assign_arm(body.user_id, self.settings.treatment_fraction)
             on_token = (lambda *token: self._loop.call_soon_threadsafe(tokens.put_nowait, token)) if body.stream else None
             future = self.engine.submit(
@@ -214,7 +217,7 @@ class InferenceServer:
             )
         except (ValidationError, ValueError) as exc:
             self.counters.rejected += 1
-            return web.json_response({"error": str(exc)}, status=400)
+            return web.json_response({"error": str(exc), "field": _field_of(exc)}, status=400)
         except RuntimeError as exc:
             self.counters.unavailable += 1
             return web.json_response({"error": str(exc)}, status=503)
@@ -240,7 +243,7 @@ class InferenceServer:
                 rollout_id=rollout_id,
                 session_id=body.session_id,
                 user_id=body.user_id,
-                client_ts_ms=body.client_ts_ms or received_ms,
+                client_ts_ms=received_ms if body.client_ts_ms is None else body.client_ts_ms,
                 worker_id=self.worker_id,
                 model_name=self.model_name,
                 prompt_text=body.prompt,
@@ -301,6 +304,15 @@ def _engine(settings: InferenceSettings) -> Engine | SGLangEngine:
             ready_timeout_s=settings.ready_timeout_s,
         )
     )
+
+
+def _field_of(exc: ValueError) -> str:
+    """The request field a 400 is about ("" when it is not about one field)."""
+    if isinstance(exc, FieldRefused):
+        return exc.field
+    if isinstance(exc, ValidationError) and exc.errors():
+        return ".".join(str(part) for part in exc.errors()[0]["loc"])
+    return ""
 
 
 def _event(payload: dict) -> bytes:

@@ -7,6 +7,8 @@ from pathlib import Path
 from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from rtrl.event_time import EventTimeWindow
+
 
 class IngestSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="RTRL_INGEST_", extra="ignore")
@@ -48,11 +50,22 @@ class IngestSettings(BaseSettings):
     key_cache_ttl_s: float = Field(1.0, gt=0, le=300)
     """How long a gateway trusts a key record it read from Redis: a revocation takes effect within this."""
 
+    client_ts_max_future_s: float = Field(300.0, ge=0, le=24 * 3600)
+    """An event's ``client_ts_ms`` may be at most this far ahead of the gateway's clock
+    (client clock skew); a later one is REJECTED (field ``client_ts_ms``)."""
+
+    client_ts_max_age_s: float = Field(7 * 24 * 3600.0, gt=0, le=365 * 24 * 3600)
+    """An event's ``client_ts_ms`` may be at most this far behind the gateway's clock; an
+    older one (or 0, or negative) is REJECTED (field ``client_ts_ms``)."""
+
     tls_cert_file: Path | None = None
     """PEM certificate chain: when set (with tls_key_file), both listeners speak TLS only."""
 
     tls_key_file: Path | None = None
     """PEM private key of tls_cert_file."""
+
+    def client_ts_window(self) -> EventTimeWindow:
+        return EventTimeWindow.of_seconds(self.client_ts_max_future_s, self.client_ts_max_age_s)
 
     @model_validator(mode="after")
     def _claim_outlives_produce(self) -> IngestSettings:

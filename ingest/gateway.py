@@ -36,8 +36,9 @@ import redis.asyncio as aioredis
 from opentelemetry import trace
 
 from ingest.auth import PRIVATE_USERS, ApiKey
-from ingest.validation import validate
+from ingest.validation import CLIENT_TS_WINDOW, validate
 from rtrl import kafka, otel, topics
+from rtrl.event_time import EventTimeWindow
 from rtrl.v1 import ingest_pb2, telemetry_pb2
 
 DEDUP_PREFIX = "rtrl:ingest:event:"
@@ -136,6 +137,7 @@ class Gateway:
         claim_ttl_s: int,
         max_inflight: int,
         clock_ms: Callable[[], int] = wall_clock_ms,
+        client_ts_window: EventTimeWindow = CLIENT_TS_WINDOW,
     ) -> None:
         self._producer = producer
         self._redis = redis
@@ -143,6 +145,7 @@ class Gateway:
         self._claim_ttl_s = claim_ttl_s
         self._max_inflight = max_inflight
         self._clock_ms = clock_ms
+        self._client_ts_window = client_ts_window
         self._claim = redis.register_script(_CLAIM_SCRIPT)
         self.inflight = 0
         self.counters = GatewayCounters()
@@ -174,7 +177,7 @@ class Gateway:
         repeats: list[tuple[int, int]] = []
         fresh: list[int] = []
         for i, event in enumerate(events):
-            rejection = validate(event, now_ms)
+            rejection = validate(event, now_ms, self._client_ts_window)
             if rejection is not None:
                 results[i] = _result(event, REJECTED, rejection.field, rejection.reason)
             elif key is not None and not key.allows(event.WhichOneof("payload")):

@@ -274,6 +274,7 @@ async def start(stack: StackSettings, settings: IngestSettings) -> IngestServer:
         dedup_ttl_s=settings.dedup_ttl_s,
         claim_ttl_s=settings.claim_ttl_s,
         max_inflight=settings.max_inflight,
+        client_ts_window=settings.client_ts_window(),
     )
 
     door = Door(KeyCache(redis, settings.key_cache_ttl_s), RateLimiter(redis)) if settings.auth_required else Door(None, None)

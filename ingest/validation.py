@@ -7,14 +7,15 @@ import math
 import uuid
 from dataclasses import dataclass
 
+from rtrl.event_time import EventTimeWindow
 from rtrl.v1 import telemetry_pb2
 
 SCHEMA_VERSION = 1
 MAX_ID_CHARS = 128
 MAX_TEXT_BYTES = 64 * 1024
 MAX_PATH_BYTES = 4 * 1024
-MAX_PAST_MS = 7 * 24 * 3600 * 1000
-MAX_FUTURE_MS = 5 * 60 * 1000
+# The defaults of IngestSettings.client_ts_max_future_s / client_ts_max_age_s.
+CLIENT_TS_WINDOW = EventTimeWindow(max_future_ms=5 * 60 * 1000, max_age_ms=7 * 24 * 3600 * 1000)
 
 _KNOWN_OUTCOMES = frozenset({telemetry_pb2.EditOutcome.OUTCOME_ACCEPTED, telemetry_pb2.EditOutcome.OUTCOME_REJECTED})
 
@@ -27,12 +28,13 @@ class Rejection:
     reason: str
 
 
-def validate(event: telemetry_pb2.TelemetryEvent, now_ms: int) -> Rejection | None:
-    """The first problem with ``event`` at gateway time ``now_ms``, or None if it is publishable."""
-    return _envelope(event, now_ms) or _payload(event)
+def validate(event: telemetry_pb2.TelemetryEvent, now_ms: int, window: EventTimeWindow = CLIENT_TS_WINDOW) -> Rejection | None:
+    """The first problem with ``event`` at gateway time ``now_ms``, or None if it is
+    publishable. ``client_ts_ms`` must lie in ``window`` around ``now_ms``."""
+    return _envelope(event, now_ms, window) or _payload(event)
 
 
-def _envelope(event: telemetry_pb2.TelemetryEvent, now_ms: int) -> Rejection | None:
+def _envelope(event: telemetry_pb2.TelemetryEvent, now_ms: int, window: EventTimeWindow) -> Rejection | None:
     # The event_id is the dedup key of every hop, so only one spelling of a UUID is
     # accepted: "ABC…" and "abc…" must not pass as two different events.
     try:
@@ -49,11 +51,8 @@ def _envelope(event: telemetry_pb2.TelemetryEvent, now_ms: int) -> Rejection | N
             return Rejection(name, f"must be at most {MAX_ID_CHARS} characters, got {len(value)}")
     if event.schema_version != SCHEMA_VERSION:
         return Rejection("schema_version", f"must be {SCHEMA_VERSION}, got {event.schema_version}")
-    if event.client_ts_ms < now_ms - MAX_PAST_MS:
-        return Rejection("client_ts_ms", f"{event.client_ts_ms} is more than 7 days before the gateway clock ({now_ms})")
-    if event.client_ts_ms > now_ms + MAX_FUTURE_MS:
-        return Rejection("client_ts_ms", f"{event.client_ts_ms} is more than 5 minutes after the gateway clock ({now_ms})")
-    return None
+    problem = window.problem(event.client_ts_ms, now_ms, "gateway clock")
+    return Rejection("client_ts_ms", problem) if problem else None
 
 
 def _payload(event: telemetry_pb2.TelemetryEvent) -> Rejection | None:

@@ -43,8 +43,10 @@ def decode(topic: str, key: bytes | None, value: bytes | None, handle: object = 
         raise MalformedEvent("missing event_id")
     if not message.rollout_id:
         raise MalformedEvent("missing rollout_id")
-    if message.client_ts_ms <= 0:
+    if message.client_ts_ms == 0:
         raise MalformedEvent("missing client_ts_ms")
+    if message.client_ts_ms < 0:
+        raise MalformedEvent(f"client_ts_ms {message.client_ts_ms} is negative")
     # The join relies on co-partitioning by rollout_id; a record keyed otherwise sits
     # on the wrong partition and would be joined with nothing.
     if key is not None and key != message.rollout_id.encode():

@@ -31,6 +31,17 @@ class RewardStreamSettings(BaseSettings):
     settled_ttl_s: float = Field(600.0, ge=0)
     """How long settled rollout ids are remembered to route late events to the .late topic."""
 
+    event_time_max_future_s: float = Field(600.0, ge=0, le=24 * 3600)
+    """A record whose event time (``client_ts_ms``) is more than this ahead of the joiner's
+    wall clock is dead-lettered (.dlq, reason in the ``error`` header): it neither joins
+    nor moves stream time, which would settle every honest rollout early with defaults.
+    At least the gateway's and the serving API's allowance plus the hosts' clock skew."""
+
+    event_time_max_age_s: float = Field(30 * 24 * 3600.0, gt=0)
+    """A record whose event time is more than this behind the joiner's wall clock is
+    dead-lettered. Longer than the gateway's allowance plus the longest backlog (topic
+    retention) a joiner may have to catch up on."""
+
     web_port: int = Field(6066, ge=1, le=65535)
     """Port of faust's web server (worker status), bound to 127.0.0.1."""
 
@@ -63,4 +74,6 @@ class RewardStreamSettings(BaseSettings):
             deadline_slack_ms=round(self.deadline_slack_s * 1000),
             max_wait_ms=round(self.max_wait_s * 1000),
             settled_ttl_ms=round(self.settled_ttl_s * 1000),
+            max_future_ms=round(self.event_time_max_future_s * 1000),
+            max_age_ms=round(self.event_time_max_age_s * 1000),
         )

@@ -17,7 +17,11 @@ event says whether it was the newest record of its source when read
   * when every source is caught up, it is the largest event time seen;
 
 and it never goes back. A source that is caught up cannot hold stream time back:
-whatever it delivers next was produced after now. A rollout's window opens at the
+whatever it delivers next was produced after now. An event whose event time lies outside
+[now_ms - max_age_ms, now_ms + max_future_ms] of the wall clock (a client clock in
+the year 2200, 2^62, 0) would drag stream time, and with it every other rollout's
+close, along: it is Refused instead, joins nothing, moves no clock, and the runtime
+dead-letters it with the reason. A rollout's window opens at the
 event time of its first event and it settles when either
   * stream time >= open + window_ms + grace_ms (event time: deterministic on replay), or
   * now_ms >= first arrival (wall clock) + window_ms + deadline_slack_ms, so a
@@ -58,6 +62,8 @@ from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from typing import Literal, Union
 
+from rtrl.event_time import EventTimeWindow
+
 EventKind = Literal["rollout", "edit_shown", "edit_outcome", "persistence", "followup"]
 
 # The input log each kind of event is read from; stream time is tracked per source.
@@ -82,11 +88,17 @@ class JoinConfig:
     """How long a rollout whose RolloutRecord never arrived is kept before it is dropped."""
     settled_ttl_ms: int
     """How long settled rollout ids are remembered to route late events and duplicates."""
+    max_future_ms: int = 10 * 60 * 1000
+    """How far ahead of the wall clock an event time may be before the event is refused."""
+    max_age_ms: int = 30 * 24 * 3600 * 1000
+    """How far behind the wall clock an event time may be before the event is refused."""
 
     def __post_init__(self) -> None:
-        for name in ("window_ms", "grace_ms", "deadline_slack_ms", "max_wait_ms", "settled_ttl_ms"):
+        for name in ("window_ms", "grace_ms", "deadline_slack_ms", "max_wait_ms", "settled_ttl_ms", "max_future_ms"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.max_age_ms <= 0:
+            raise ValueError(f"max_age_ms must be > 0, got {self.max_age_ms}")
         if self.grace_ms > self.window_ms:
             raise ValueError(f"grace_ms ({self.grace_ms}) must be <= window_ms ({self.window_ms})")
         if self.max_wait_ms < self.window_ms + max(self.grace_ms, self.deadline_slack_ms):
@@ -206,13 +218,25 @@ class Duplicate:
     event: Event
 
 
-Output = Union[Settled, Dropped, Late, Duplicate]
+@dataclass(slots=True)
+class Refused:
+    """An event whose event time is outside the window around the wall clock; the
+    runtime dead-letters it with ``reason``."""
+
+    event: Event
+    reason: str
+
+
+Output = Union[Settled, Dropped, Late, Duplicate, Refused]
 
 
 def step(state: JoinState, event: Event, now_ms: int) -> tuple[JoinState, list[Output]]:
     """Feed one event; returns the new state and what to publish (consumes ``state``)."""
     outputs: list[Output] = []
     _forget_expired(state, now_ms)
+    config = state.config
+    if not now_ms - config.max_age_ms <= event.client_ts_ms <= now_ms + config.max_future_ms:
+        return _refuse(state, event, now_ms)
     state = _advance_stream_time(state, event)
     rollout_id = event.rollout_id
     mark = state.settled.get(rollout_id)
@@ -226,7 +250,6 @@ def step(state: JoinState, event: Event, now_ms: int) -> tuple[JoinState, list[O
         elif event.kind == "rollout":
             # Its window closed while it waited for this: it settles now.
             del state.incomplete[rollout_id]
-            config = state.config
             closed = state.stream_time_ms >= incomplete.open_ts_ms + config.window_ms + config.grace_ms
             trigger = "stream_time" if closed else "deadline"
             outputs.append(Settled(rollout_id, event, tuple(incomplete.events), now_ms, trigger))
@@ -245,7 +268,6 @@ def step(state: JoinState, event: Event, now_ms: int) -> tuple[JoinState, list[O
             event_ids={event.event_id},
             seq=seq,
         )
-        config = state.config
         heapq.heappush(state.close_heap, (event.client_ts_ms + config.window_ms + config.grace_ms, seq, rollout_id))
     elif event.event_id in pending.event_ids or (event.kind == "rollout" and pending.rollout is not None):
         # A second RolloutRecord under a new event_id is a producer retry with a fresh
@@ -259,6 +281,14 @@ def step(state: JoinState, event: Event, now_ms: int) -> tuple[JoinState, list[O
         pending.event_ids.add(event.event_id)
     outputs.extend(_settle_ready(state, now_ms))
     return state, outputs
+
+
+def _refuse(state: JoinState, event: Event, now_ms: int) -> tuple[JoinState, list[Output]]:
+    """``event`` is out of the event-time window: it only says how far its source has been read."""
+    window = EventTimeWindow(state.config.max_future_ms, state.config.max_age_ms)
+    reason = f"client_ts_ms {window.problem(event.client_ts_ms, now_ms, 'joiner clock')}"
+    state = _read_from(state, SOURCE[event.kind], event.caught_up)
+    return state, [Refused(event, reason), *_settle_ready(state, now_ms)]
 
 
 def _advance_stream_time(state: JoinState, event: Event) -> JoinState:

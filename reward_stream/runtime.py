@@ -177,19 +177,27 @@ class Joiner:
             if isinstance(exc, PrivacyModeEvent):
                 self.counters.privacy_dropped += 1
             else:
-                self.counters.dlq += 1
-                headers = (
-                    ("error", str(exc).encode()),
-                    ("source_topic", topic.encode()),
-                    ("source_partition", str(partition).encode()),
-                    ("source_offset", str(offset).encode()),
-                )
-                batch.records.append(OutRecord(topics.REWARD_DLQ, key or b"", value or b"", headers))
+                batch.records.append(self._dead_letter(str(exc), topic, partition, offset, key, value))
             if handle is not None:
                 batch.acks.append(handle)
             return batch
         self.states[partition], outputs = join.step(state, event, now_ms)
-        return self._batch(outputs)
+        batch = self._batch(outputs)
+        if outputs and isinstance(refused := outputs[0], join.Refused):
+            # Its handle is acknowledged by _batch along with the dead letter.
+            batch.records.insert(0, self._dead_letter(refused.reason, topic, partition, offset, key, value))
+        return batch
+
+    def _dead_letter(self, reason: str, topic: str, partition: int, offset: int, key: bytes | None, value: bytes | None) -> OutRecord:
+        """The input record as read, for the .dlq topic, with why it cannot be joined."""
+        self.counters.dlq += 1
+        headers = (
+            ("error", reason.encode()),
+            ("source_topic", topic.encode()),
+            ("source_partition", str(partition).encode()),
+            ("source_offset", str(offset).encode()),
+        )
+        return OutRecord(topics.REWARD_DLQ, key or b"", value or b"", headers)
 
     def tick_batch(self, now_ms: int) -> Batch:
         records: list[OutRecord] = []
@@ -242,6 +250,8 @@ class Joiner:
                 records.append(
                     OutRecord(topics.REWARD_LATE, event.rollout_id.encode(), event.message.SerializeToString(), headers)
                 )
+            elif isinstance(output, join.Refused):
+                acks.append(output.event.handle)
             else:
                 acks.append(output.event.handle)
                 self.counters.duplicates += 1

@@ -79,9 +79,9 @@ def test_broker_path_matches_the_pure_join(stack_settings, stack_env, redis_url,
 
     pure = Joiner(settings.join_config())
     for offset, (topic, rid, value) in enumerate(records):
-        pure.feed(topic, 0, offset, rid.encode(), value, now_ms=0)
+        pure.feed(topic, 0, offset, rid.encode(), value, now_ms=base_ms)
     expected = {}
-    for out in pure.tick(now_ms=60_000):
+    for out in pure.tick(now_ms=base_ms + 60_000):
         record = reward_pb2.RewardRecord.FromString(out.value)
         expected[record.rollout_id] = comparable(record)
     assert set(expected) == {"ooo", "dup", "priv", "quiet", "late-record"}
