@@ -16,7 +16,11 @@ deadlines; a replay must give the same rewards every time. So each partition's
 events are sorted by (client_ts_ms, event_id) and fed with an event-time clock:
 now_ms is the stream time, and a final tick past max_wait settles (or drops) what
 is still pending. settled_ts_ms is therefore event time, and the same retained log
-always yields the same records and reward_ids. A replay may join events the live
+always yields the same records and reward_ids. A record whose event time lies outside
+the join's event-time window around its Kafka timestamp (the producer's clock when it
+was written: what the live joiner's wall clock read, give or take its lag) is skipped,
+as the live joiner dead-letters it; on the event-time clock it would otherwise drag
+stream time along. A replay may join events the live
 join routed to .late (an event that arrived late in wall-clock terms but is inside
 the window in event time), so its rewards can differ from the live ones by design.
 """
@@ -28,7 +32,13 @@ import time
 from collections import defaultdict
 from dataclasses import dataclass
 
-from confluent_kafka import OFFSET_BEGINNING, Consumer, Producer, TopicPartition
+from confluent_kafka import (
+    OFFSET_BEGINNING,
+    TIMESTAMP_NOT_AVAILABLE,
+    Consumer,
+    Producer,
+    TopicPartition,
+)
 
 from reward_stream import join, reward
 from reward_stream.codec import MalformedEvent, PrivacyModeEvent, decode
@@ -45,6 +55,8 @@ class RetainedRecord:
     partition: int
     key: bytes | None
     value: bytes | None
+    timestamp_ms: int | None = None
+    """The record's Kafka timestamp; None when unknown (then its event time is not bounded)."""
 
 
 @dataclass(frozen=True)
@@ -55,7 +67,8 @@ class Replay:
     records: tuple[reward_pb2.RewardRecord, ...]
     """One per settled rollout, by partition and then settle order."""
     skipped: int
-    """Input records that were malformed or from privacy-mode users (the live join skips them too)."""
+    """Input records that were malformed, out of the event-time window, or from privacy-mode
+    users (the live join skips them too)."""
     dropped: int
     """Rollouts with telemetry but no RolloutRecord."""
     late: int
@@ -86,7 +99,9 @@ def read_retained(
                     raise RuntimeError(f"replay read failed: {msg.error()}")
                 tp = (msg.topic(), msg.partition())
                 if msg.offset() < ends[tp]:
-                    records.append(RetainedRecord(msg.topic(), msg.partition(), msg.key(), msg.value()))
+                    kind, timestamp_ms = msg.timestamp()
+                    known = timestamp_ms if kind != TIMESTAMP_NOT_AVAILABLE else None
+                    records.append(RetainedRecord(msg.topic(), msg.partition(), msg.key(), msg.value(), known))
                 if msg.offset() + 1 >= ends[tp]:
                     remaining.discard(tp)
     finally:
@@ -102,9 +117,16 @@ def rejoin(retained: list[RetainedRecord], config: join.JoinConfig, version: str
     skipped = 0
     for record in retained:
         try:
-            by_partition[record.partition].append(decode(record.topic, record.key, record.value))
+            event = decode(record.topic, record.key, record.value)
         except (MalformedEvent, PrivacyModeEvent):
             skipped += 1
+            continue
+        if record.timestamp_ms is not None and not (
+            record.timestamp_ms - config.max_age_ms <= event.client_ts_ms <= record.timestamp_ms + config.max_future_ms
+        ):
+            skipped += 1
+            continue
+        by_partition[record.partition].append(event)
     records: list[reward_pb2.RewardRecord] = []
     dropped = late = 0
     for partition in sorted(by_partition):

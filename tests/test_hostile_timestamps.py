@@ -32,6 +32,7 @@ from inference.server import InferenceServer
 from ingest.gateway import ACCEPTED, REJECTED
 from ingest.server import start as start_ingest
 from ingest.validation import validate
+from reward_stream import replay
 from reward_stream.config import RewardStreamSettings
 from reward_stream.runtime import Joiner
 from rtrl import kafka, procs, topics
@@ -228,6 +229,24 @@ def test_joiner_dead_letters_a_hostile_time_and_settles_the_next_honest_rollout_
     assert settled.topic == topics.REWARD and not reward.defaulted
     assert (reward.components.persisted_fraction, sorted(reward.event_ids)) == (expected["persisted_fraction"], expected["event_ids"])
     assert joiner.counters.dlq == 2 and joiner.counters.late == 0
+
+
+@pytest.mark.parametrize("case", ON_THE_WIRE.values(), ids=ON_THE_WIRE.keys())
+def test_replay_skips_a_hostile_time_as_the_live_joiner_does(case):
+    config = RewardStreamSettings(window_s=1, grace_s=0.5).join_config()
+    honest = []
+    for i in range(4):
+        rollout_id, record, events, _ = scenario(i, NOW_MS + 10 * i)
+        honest.append(replay.RetainedRecord(topics.ROLLOUT, 0, rollout_id.encode(), record.SerializeToString(), NOW_MS))
+        honest += [replay.RetainedRecord(t, 0, rollout_id.encode(), e.SerializeToString(), NOW_MS) for t, e in events]
+    hostile = [
+        replay.RetainedRecord(topics.ROLLOUT, 0, b"hostile-r", hostile_rollout("hostile-r", case.record_ts).SerializeToString(), NOW_MS),
+        replay.RetainedRecord(topics.FOLLOWUP, 0, b"hostile-f", hostile_followup("hostile-f", case.record_ts).SerializeToString(), NOW_MS),
+    ]
+    alone = replay.rejoin(honest, config, "r3")
+    beside = replay.rejoin(hostile + honest, config, "r3")
+    assert beside.records == alone.records and len(alone.records) == 4
+    assert (beside.skipped, beside.late, beside.dropped) == (2, 0, 0)
 
 
 @pytest.mark.integration

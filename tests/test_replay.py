@@ -4,6 +4,7 @@ without moving the live joiner's offsets."""
 from __future__ import annotations
 
 import random
+import time
 
 import pytest
 from confluent_kafka import OFFSET_INVALID, Consumer, Producer, TopicPartition
@@ -14,7 +15,9 @@ from rtrl import kafka, topics
 from rtrl.v1 import reward_pb2, rollout_pb2, telemetry_pb2
 
 N_ROLLOUTS = 12
-BASE_MS = 1_700_000_000_000
+# An hour ago: the broker stamps records with the time they are produced, and a replay
+# skips records whose event time is outside the join's window around that stamp.
+BASE_MS = int(time.time() * 1000) - 3_600_000
 EDIT_TEXT = "def f():\n    return 1\n"
 CONFIG = RewardStreamSettings().join_config()
 
