@@ -84,10 +84,13 @@ CASES = {
     "2^64": Case(str(2**64), None, "5 minutes after the server clock", "clientTsMs field: Value out of range", None, None),
     # NaN-like strings: int64 may be a JSON string, but only a decimal integer.
     "nan_string": Case('"NaN"', None, "valid integer", 'clientTsMs field: Couldn\'t parse non-integer string: "NaN"', None, None),
+    # Infinity spelled as a string: no int64 to map it to.
     "inf_string": Case('"inf"', None, "valid integer", 'clientTsMs field: Couldn\'t parse non-integer string: "inf"', None, None),
+    # A float literal in a string, past any float's range: int64 strings take digits only.
     "1e400_string": Case('"1e400"', None, "valid integer", 'clientTsMs field: Couldn\'t parse non-integer string: "1e400"', None, None),
-    # 1e400 as a JSON number overflows to inf in every parser; bare NaN is what Python's json writes for nan.
+    # 1e400 as a JSON number: it overflows to inf in every parser.
     "1e400_number": Case("1e400", None, "finite number", "clientTsMs field: Couldn't parse integer: inf", None, None),
+    # A bare NaN token: not JSON, but what Python's json module writes for float("nan").
     "bare_NaN": Case("NaN", None, "finite number", "clientTsMs field: Couldn't parse integer: nan", None, None),
 }
 ON_THE_WIRE = {name: case for name, case in CASES.items() if case.record_ts is not None}
