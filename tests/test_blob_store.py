@@ -27,7 +27,7 @@ from rtrl import procs
 from rtrl.config import StackSettings
 from weight_sync.client import Publisher, Subscriber
 from weight_sync.config import WeightSyncSettings
-from weight_sync.store import LocalBlobStore, open_store
+from weight_sync.store import ArmFiles, LocalBlobStore, open_store
 from weight_sync.store_s3 import S3BlobStore
 
 # Fake credentials and region for moto; also keeps boto3 from reading ~/.aws.
@@ -87,6 +87,24 @@ def test_deleted_blob_is_missing(store):
         store.read(uri)
     store.delete(uri)  # already gone: no error
     assert store.read(kept) == b"next"
+
+
+def test_manifests_lie_beside_their_blobs_and_are_listed_and_deleted_with_them(store):
+    uris = {version: store.write("treatment", version, b"blob %d" % version) for version in (0, 1, 2)}
+    store.write_manifest("treatment", 0, b"manifest 0")
+    store.write_manifest("treatment", 1, b"manifest 1")
+    store.write_manifest("control", 5, b"a manifest whose blob never came")
+    assert store.read_manifest("treatment", 1) == b"manifest 1"
+    with pytest.raises(FileNotFoundError):
+        store.read_manifest("treatment", 2)
+    assert store.listing() == {
+        "control": ArmFiles(manifests=frozenset({5})),
+        "treatment": ArmFiles(manifests=frozenset({0, 1}), blobs=frozenset({0, 1, 2})),
+    }
+    store.delete(uris[0])
+    with pytest.raises(FileNotFoundError):
+        store.read_manifest("treatment", 0)
+    assert store.listing()["treatment"] == ArmFiles(manifests=frozenset({1}), blobs=frozenset({1, 2}))
 
 
 def test_never_written_blob_is_missing(store):
@@ -193,7 +211,8 @@ def test_weight_sync_with_blobs_in_s3(redis_url, tmp_path, s3_endpoint, s3_bucke
     publisher = Publisher(server.addr, stack.weight_sync_token.get_secret_value(), "treatment", keyframe_every=3)
     try:
         versions = publish_versions(publisher, policy_weights, 5)  # keyframes v0, v3
-        assert s3_keys(s3_endpoint, s3_bucket) == [f"rtrl/treatment/{v}.blob" for v in range(5)]
+        # Each version's manifest lies beside its blob, for rebuilding a lost registry.
+        assert s3_keys(s3_endpoint, s3_bucket) == sorted(f"rtrl/treatment/{v}.{kind}" for v in range(5) for kind in ("blob", "manifest"))
         following = Following(Subscriber(server.addr, "treatment", "worker-s3", token=SUBSCRIBE_TOKEN))
         try:
             received = following.until(4)
@@ -204,7 +223,7 @@ def test_weight_sync_with_blobs_in_s3(redis_url, tmp_path, s3_endpoint, s3_bucke
 
         plans = server._run(server.server.collect_garbage())
         assert [(p.arm, p.versions) for p in plans] == [("treatment", (0, 1, 2))]
-        assert s3_keys(s3_endpoint, s3_bucket) == ["rtrl/treatment/3.blob", "rtrl/treatment/4.blob"]
+        assert s3_keys(s3_endpoint, s3_bucket) == [f"rtrl/treatment/{v}.{kind}" for v in (3, 4) for kind in ("blob", "manifest")]
         following = Following(Subscriber(server.addr, "treatment", "worker-s3b", token=SUBSCRIBE_TOKEN))
         try:
             received = following.until(4)

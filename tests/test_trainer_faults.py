@@ -38,26 +38,16 @@ def _kill_9(service: procs.Proc) -> None:
     service.popen.wait()
 
 
-def _trainer_env(stack_env: dict[str, str], weight_sync_addr: str, repo_root) -> dict[str, str]:
-    return {
-        **stack_env,
-        "PYTHONPATH": str(repo_root),
-        "RTRL_WEIGHT_SYNC_ADDR": weight_sync_addr,
-        "RTRL_TRAINER_BATCH_SIZE": "16",
-        "RTRL_TRAINER_MIN_BATCH": "1",
-        "RTRL_TRAINER_MAX_WAIT_S": "0.3",
-        "RTRL_TRAINER_MAX_STALENESS": "1000",
-        "RTRL_TRAINER_CHECKPOINT_EVERY": "7",
-        "RTRL_TRAINER_EVAL_TASKS": "16",
-        # Every candidate is judged, none refused: these tests are about delivery, test_eval_gate about refusals.
-        "RTRL_TRAINER_EVAL_TOLERANCE": "1.0",
-        "OMP_NUM_THREADS": "1",
-    }
-
-
 @pytest.mark.timeout(600)
 def test_kill_9_mid_training_trains_every_rollout_exactly_once(stack_settings, stack_env, server, tmp_path, repo_root):
-    from trainer_support import install_warm_start, produce, reward_record, sampled_rollouts, warm_model
+    from trainer_support import (
+        install_warm_start,
+        produce,
+        reward_record,
+        sampled_rollouts,
+        trainer_env,
+        warm_model,
+    )
 
     from trainer.journal import Journal
     from trainer.loop import TREATMENT
@@ -74,7 +64,7 @@ def test_kill_9_mid_training_trains_every_rollout_exactly_once(stack_settings, s
 
     token = stack_settings.weight_sync_token.get_secret_value()
     registry = Publisher(server.addr, token, TREATMENT)
-    env = _trainer_env(stack_env, server.addr, repo_root)
+    env = trainer_env(stack_env, server.addr, repo_root)
     log_path = tmp_path / "trainer.log"
 
     def start() -> procs.Proc:
@@ -130,7 +120,14 @@ def test_the_trainer_service_runs_sharded_under_torchrun(stack_settings, stack_e
     rank 0 consumes, judges and publishes; stopped with SIGTERM and started again, it
     resumes from its checkpoint and journal and still trains every rollout once."""
     from safetensors.torch import load_file
-    from trainer_support import install_warm_start, produce, reward_record, sampled_rollouts, warm_model
+    from trainer_support import (
+        install_warm_start,
+        produce,
+        reward_record,
+        sampled_rollouts,
+        trainer_env,
+        warm_model,
+    )
 
     from rtrl.policy import state_dict_fp32
     from trainer.checkpoint import load
@@ -147,7 +144,7 @@ def test_the_trainer_service_runs_sharded_under_torchrun(stack_settings, stack_e
     records = [reward_record(*rows[i % len(rows)][:4], reward=rng.random()) for i in range(160)]
     token = stack_settings.weight_sync_token.get_secret_value()
     registry = Publisher(server.addr, token, TREATMENT)
-    env = {**_trainer_env(stack_env, server.addr, repo_root), "RTRL_TRAINER_CHECKPOINT_EVERY": "3"}
+    env = {**trainer_env(stack_env, server.addr, repo_root), "RTRL_TRAINER_CHECKPOINT_EVERY": "3"}
     log_path = tmp_path / "torchrun.log"
     argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "trainer"]
 

@@ -13,6 +13,7 @@ holds and slows their connections; Redis and the blob store are the real ones to
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import sys
@@ -145,8 +146,9 @@ def _collect_the_version(server: InProcessServer, stack: StackSettings, publishe
 
 
 def _replace_the_version(server: InProcessServer, stack: StackSettings, publisher: Publisher, old: dict) -> tuple[int, dict]:
-    """The registry is lost (the embedded Redis keeps nothing on disk) and a trainer
-    publishes other weights as v0 again: same version, different blob."""
+    """The registry and the blob store are both lost (so nothing can be rebuilt) and a
+    trainer publishes other weights as v0 again: same version, different blob."""
+    shutil.rmtree(stack.state_dir / "blobs")
     client = redis.Redis.from_url(stack.redis_url)
     client.flushdb()
     client.close()

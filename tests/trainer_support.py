@@ -74,3 +74,22 @@ def produce(bootstrap: str, records: list[reward_pb2.RewardRecord], topic: str =
         producer.poll(0)
     if producer.flush(30) != 0:
         raise RuntimeError("reward records not acknowledged within 30 s")
+
+
+def trainer_env(stack_env: dict[str, str], weight_sync_addr: str, repo_root: Path) -> dict[str, str]:
+    """The environment of a trainer process (`python -m trainer`) for the fault tests:
+    small batches, every candidate judged and none refused (those tests are about
+    delivery and recovery; test_eval_gate is about refusals)."""
+    return {
+        **stack_env,
+        "PYTHONPATH": str(repo_root),
+        "RTRL_WEIGHT_SYNC_ADDR": weight_sync_addr,
+        "RTRL_TRAINER_BATCH_SIZE": "16",
+        "RTRL_TRAINER_MIN_BATCH": "1",
+        "RTRL_TRAINER_MAX_WAIT_S": "0.3",
+        "RTRL_TRAINER_MAX_STALENESS": "1000",
+        "RTRL_TRAINER_CHECKPOINT_EVERY": "7",
+        "RTRL_TRAINER_EVAL_TASKS": "16",
+        "RTRL_TRAINER_EVAL_TOLERANCE": "1.0",
+        "OMP_NUM_THREADS": "1",
+    }

@@ -90,7 +90,9 @@ async def collect(registry: Registry, store: BlobStore, keep_keyframes: int) -> 
     plans = []
     for arm in await registry.arms():
         arm_plan = plan(await view_of(registry, arm), keep_keyframes)
-        await registry.forget(arm, list(arm_plan.versions), list(arm_plan.blob_uris))
+        if not await registry.forget(arm, list(arm_plan.versions), list(arm_plan.blob_uris)):
+            log.warning("registry lost during garbage collection of %s; collecting again after the rebuild", arm)
+            continue
         unreferenced = await registry.unreferenced_blobs(arm)
         for blob_uri in unreferenced:
             if store.owns(blob_uri):

@@ -52,14 +52,21 @@ def publish_problem(
     latest: int,
     newest_keyframe: int | None,
     keyframe_every: int,
+    next_version: int | None = None,
 ) -> str | None:
     """Why a publish (whose manifest.parent_version is the latest version the publisher
-    saw) cannot become version latest + 1, or None if it can. Every reason here is a
+    saw) cannot become version next_version (latest + 1 unless a rebuilt registry
+    skips numbers it could not restore), or None if it can. Every reason here is a
     FAILED_PRECONDITION: the publisher recovers by resending a keyframe on top of latest."""
     if manifest.parent_version != latest:
         return f"parent_version {manifest.parent_version} is not the latest version {latest} of arm {manifest.arm!r}"
     if manifest.keyframe:
         return None
+    if next_version is not None and next_version != latest + 1:
+        return (
+            f"version {next_version} of arm {manifest.arm!r} must be a keyframe: versions {latest + 1}..{next_version - 1} "
+            "were lost with the registry, and a delta chain has no gaps"
+        )
     if latest < 0:
         return f"the first version of arm {manifest.arm!r} must be a keyframe"
     chain_start = -1 if newest_keyframe is None else newest_keyframe

@@ -1,5 +1,6 @@
-"""The weight_sync process: the gRPC server, its pub/sub listener, its heartbeat and
-its garbage collection of old versions.
+"""The weight_sync process: the gRPC server, its pub/sub listener, its heartbeat, its
+watch over the registry (rebuilt from the blob store when Redis lost it) and its
+garbage collection of old versions.
 
 Run as ``python -m weight_sync`` (reads RTRL_* and RTRL_WEIGHT_SYNC_* variables);
 tests run WeightSyncServer in-process.
@@ -12,8 +13,8 @@ import logging
 
 import grpc
 import redis.asyncio as aioredis
-from redis.exceptions import ConnectionError as RedisConnectionError
 from opentelemetry import metrics
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from rtrl import heartbeat, otel
@@ -22,6 +23,7 @@ from rtrl.runtime import until_stopped
 from weight_sync import gc
 from weight_sync.broadcast import add_to_server, observe_fanout
 from weight_sync.config import WeightSyncSettings
+from weight_sync.recovery import RegistryRecovery
 from weight_sync.registry import PUBLISHED_PATTERN, Registry, arm_of_channel
 from weight_sync.servicer import WeightSyncService
 from weight_sync.store import open_store
@@ -37,8 +39,9 @@ class WeightSyncServer:
         self.stack = stack
         self.port = settings.port
         self._redis = aioredis.Redis.from_url(stack.redis_url)
-        self.registry = Registry(self._redis)
         self.store = open_store(settings, stack)
+        self.recovery = RegistryRecovery(Registry(self._redis), self.store)
+        self.registry = Registry(self._redis, on_lost=self.recovery.ensure)
         self.service = WeightSyncService(
             settings,
             token=stack.weight_sync_token.get_secret_value(),
@@ -56,8 +59,10 @@ class WeightSyncServer:
         self.port = self._server.add_insecure_port(f"{self.settings.bind_host}:{self.settings.port}")
         if self.port == 0:
             raise RuntimeError(f"cannot bind {self.settings.bind_host}:{self.settings.port}")
+        # Before the first answer: a registry Redis lost while we were down comes back first.
+        await self.recovery.ensure()
         await self._server.start()
-        self.tasks = [asyncio.create_task(self._listen()), asyncio.create_task(self._heartbeat())]
+        self.tasks = [asyncio.create_task(self._listen()), asyncio.create_task(self._heartbeat()), asyncio.create_task(self._watch_registry())]
         observe_fanout("rtrl.weight_sync", self.service)
         meter = metrics.get_meter("rtrl.weight_sync")
         otel.observe(
@@ -67,6 +72,10 @@ class WeightSyncServer:
         otel.observe(
             meter, "rtrl.weight_sync.latest_version", "gauge",
             lambda: [(v, {"arm": arm}) for arm, v in self.service.latest.items()], description="Newest version this server committed, per arm",
+        )
+        otel.observe(
+            meter, "rtrl.weight_sync.registry_rebuilds", "counter",
+            lambda: [(self.recovery.rebuilds, {})], unit="{rebuild}", description="Lost registries this server rebuilt from the blob store",
         )
         if self.settings.gc_interval_s > 0:
             self.tasks.append(asyncio.create_task(self._collect_garbage()))
@@ -104,6 +113,15 @@ class WeightSyncServer:
                 log.warning("heartbeat failed (%s)", exc)
             await asyncio.sleep(self.settings.heartbeat_interval_s)
 
+    async def _watch_registry(self) -> None:
+        """Notice a lost registry while nothing reads it (every read and commit checks too)."""
+        while True:
+            await asyncio.sleep(self.settings.poll_interval_s)
+            try:
+                await self.recovery.ensure()
+            except (*_REDIS_DOWN, *self.store.unavailable) as exc:
+                log.warning("registry check failed (%s: %s); next try in %.1f s", type(exc).__name__, exc, self.settings.poll_interval_s)
+
     async def _collect_garbage(self) -> None:
         """Every server of a registry may run this: collection is idempotent, and a stale
         view of the registry only makes it delete less."""
@@ -127,6 +145,8 @@ class WeightSyncServer:
             "bytes_sent": self.service.bytes_sent,
             "versions_published": self.service.versions_published,
             "versions_collected": self.versions_collected,
+            "registry_rebuilds": self.recovery.rebuilds,
+            "last_registry_rebuild": self.recovery.last_rebuild,
         }
 
 

@@ -1,6 +1,7 @@
 """The weight_sync server's rtrl.v1.WeightSync: accepts versions from the trainer
 (Publish) and streams them to inference workers and relays (Subscribe, from
-broadcast.py). Blobs go to the blob store, manifests to the Redis registry.
+broadcast.py). Blobs go to the blob store, manifests to the blob store beside them
+and then to the Redis registry.
 server.py runs it.
 """
 
@@ -22,6 +23,7 @@ from weight_sync import lineage
 from weight_sync.broadcast import Broadcaster, retrieve_exception, valid_arm
 from weight_sync.checksum import xxh3_hex
 from weight_sync.config import WeightSyncSettings
+from weight_sync.recovery import stored_manifest
 from weight_sync.registry import Registry
 from weight_sync.store import BlobStore
 
@@ -188,12 +190,13 @@ class WeightSyncService(Broadcaster):
             )
         async with self._publish_locks.setdefault(arm, asyncio.Lock()):
             latest = await self._registry.latest(arm)
+            next_version = await self._registry.next_version(arm, latest)
             problem = lineage.publish_problem(
-                manifest, latest, await self._registry.newest_keyframe(arm, latest), self._settings.keyframe_every
+                manifest, latest, await self._registry.newest_keyframe(arm, latest), self._settings.keyframe_every, next_version
             )
             if problem:
                 await context.abort(grpc.StatusCode.FAILED_PRECONDITION, problem)
-            manifest.version = latest + 1
+            manifest.version = next_version
             if manifest.keyframe:
                 # In a publish, parent_version is the compare-and-set token; stored keyframes say -1.
                 manifest.parent_version = -1
@@ -201,7 +204,9 @@ class WeightSyncService(Broadcaster):
             manifest.traceparent = otel.traceparent_of(span) or manifest.traceparent
             span.set_attributes({"rtrl.policy.version": manifest.version, "rtrl.weights.keyframe": manifest.keyframe})
             manifest.blob_uri = await asyncio.to_thread(self._store.write, arm, manifest.version, blob)
-            if not await self._registry.commit(manifest):
+            # Durable beside its blob before the commit: a committed version can always be rebuilt.
+            await asyncio.to_thread(self._store.write_manifest, arm, manifest.version, stored_manifest(manifest))
+            if not await self._registry.commit(manifest, expected_latest=latest):
                 await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"another publisher committed version {manifest.version} of arm {arm!r} first")
         self._registry_source.committed(manifest)
         self.verified(manifest, blob)

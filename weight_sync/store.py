@@ -1,9 +1,12 @@
 """Where version blobs live: ``<root>/<arm>/<version>.blob`` in a local directory,
-or ``s3://bucket/prefix/<arm>/<version>.blob`` in S3 (store_s3.py).
+or ``s3://bucket/prefix/<arm>/<version>.blob`` in S3 (store_s3.py). Each committed
+version's serialized manifest lies beside its blob as ``<version>.manifest``,
+written after the blob and before the Redis commit, so a lost registry can be
+rebuilt from the store (recovery.py).
 
-Both stores offer the same four blocking methods (the servicer runs them in
-threads). A reader sees a whole blob or none; reads verify nothing (the servicer
-checks the manifest's checksum) but raise FileNotFoundError for a blob that is
+Both stores offer the same blocking methods (the servicer runs them in threads).
+A reader sees a whole blob or manifest or none; reads verify nothing (the servicer
+checks the manifest's checksum) but raise FileNotFoundError for a file that is
 gone, so a collected or lost blob takes the same repair path on either store.
 """
 
@@ -13,6 +16,7 @@ import os
 import re
 import tempfile
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import unquote, urlparse
 
@@ -22,6 +26,7 @@ from weight_sync.config import WeightSyncSettings
 # Arm names become directory names and key segments: no separators, no leading dot.
 _ARM = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}")
 _BLOB_NAME = re.compile(r"(0|[1-9][0-9]*)\.blob")
+_STORED_NAME = re.compile(r"(0|[1-9][0-9]*)\.(blob|manifest)")
 
 
 def check_arm(arm: str) -> str:
@@ -35,6 +40,32 @@ def blob_name(arm: str, version: int) -> str:
     if version < 0:
         raise ValueError(f"version {version} of arm {arm!r} is negative")
     return f"{check_arm(arm)}/{version}.blob"
+
+
+def manifest_name(arm: str, version: int) -> str:
+    """``<arm>/<version>.manifest``, beside the version's blob."""
+    return blob_name(arm, version).removesuffix(".blob") + ".manifest"
+
+
+# Produced by BlobStore.listing(); consumed by recovery.py.
+@dataclass(frozen=True)
+class ArmFiles:
+    """The version numbers an arm has files for in the store."""
+
+    manifests: frozenset[int] = frozenset()
+    blobs: frozenset[int] = frozenset()
+
+
+def add_listed(found: dict[str, dict[str, set[int]]], name: str) -> None:
+    """Note ``<arm>/<version>.(blob|manifest)`` in found; other names (temporary files) are ignored."""
+    arm, _, file_name = name.partition("/")
+    matched = _STORED_NAME.fullmatch(file_name)
+    if _ARM.fullmatch(arm) and matched is not None:
+        found.setdefault(arm, {"blob": set(), "manifest": set()})[matched.group(2)].add(int(matched.group(1)))
+
+
+def arm_files(found: dict[str, dict[str, set[int]]]) -> dict[str, ArmFiles]:
+    return {arm: ArmFiles(frozenset(kinds["manifest"]), frozenset(kinds["blob"])) for arm, kinds in sorted(found.items())}
 
 
 def parse_blob_name(name: str, blob_uri: str) -> tuple[str, int]:
@@ -61,6 +92,19 @@ class BlobStore(ABC):
         """Store the blob durably (all or nothing for readers) and return its URI."""
 
     @abstractmethod
+    def write_manifest(self, arm: str, version: int, manifest: bytes) -> None:
+        """Store the version's serialized manifest beside its blob, durably and all or
+        nothing for readers. Called after write() and before the registry commit."""
+
+    @abstractmethod
+    def read_manifest(self, arm: str, version: int) -> bytes:
+        """The serialized manifest; FileNotFoundError if there is none."""
+
+    @abstractmethod
+    def listing(self) -> dict[str, ArmFiles]:
+        """Every arm with files in the store, and the versions it has blobs and manifests of."""
+
+    @abstractmethod
     def read(self, blob_uri: str) -> bytes:
         """The blob's bytes; FileNotFoundError if it is gone."""
 
@@ -69,7 +113,9 @@ class BlobStore(ABC):
 
     @abstractmethod
     def delete(self, blob_uri: str) -> None:
-        """Remove the blob; a blob already gone is no error."""
+        """Remove the blob and the manifest beside it (the manifest first, so a version
+        is never listed with a manifest naming a blob that was deleted on purpose);
+        files already gone are no error."""
 
     @abstractmethod
     def owns(self, blob_uri: str) -> bool:
@@ -90,18 +136,23 @@ class LocalBlobStore(BlobStore):
 
     def write(self, arm: str, version: int, blob: bytes) -> str:
         final = self.path(arm, version)
-        final.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=final.parent, prefix=f".{version}.", suffix=".tmp")
-        try:
-            with os.fdopen(fd, "wb") as out:
-                out.write(blob)
-                out.flush()
-                os.fsync(out.fileno())
-            os.replace(tmp, final)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        _write_durably(final, blob)
         return final.as_uri()
+
+    def write_manifest(self, arm: str, version: int, manifest: bytes) -> None:
+        _write_durably(self.root / manifest_name(arm, version), manifest)
+
+    def read_manifest(self, arm: str, version: int) -> bytes:
+        return (self.root / manifest_name(arm, version)).read_bytes()
+
+    def listing(self) -> dict[str, ArmFiles]:
+        found: dict[str, dict[str, set[int]]] = {}
+        if self.root.is_dir():
+            for arm_dir in self.root.iterdir():
+                if arm_dir.is_dir():
+                    for file in arm_dir.iterdir():
+                        add_listed(found, f"{arm_dir.name}/{file.name}")
+        return arm_files(found)
 
     def read(self, blob_uri: str) -> bytes:
         return self._local_path(blob_uri).read_bytes()
@@ -110,7 +161,9 @@ class LocalBlobStore(BlobStore):
         return self._local_path(blob_uri).is_file()
 
     def delete(self, blob_uri: str) -> None:
-        self._local_path(blob_uri).unlink(missing_ok=True)
+        path = self._local_path(blob_uri)
+        path.with_suffix(".manifest").unlink(missing_ok=True)
+        path.unlink(missing_ok=True)
 
     def owns(self, blob_uri: str) -> bool:
         try:
@@ -128,6 +181,27 @@ class LocalBlobStore(BlobStore):
             raise ValueError(f"blob URI {blob_uri!r} points outside the store at {self.root}")
         parse_blob_name(path.relative_to(self.root).as_posix(), blob_uri)
         return path
+
+
+def _write_durably(final: Path, data: bytes) -> None:
+    """Write to a temporary file, fsync, rename into place and fsync the directory, so
+    the file is whole or absent for readers and survives a power cut once this returns."""
+    final.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=final.parent, prefix=f".{final.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as out:
+            out.write(data)
+            out.flush()
+            os.fsync(out.fileno())
+        os.replace(tmp, final)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    directory = os.open(final.parent, os.O_RDONLY)
+    try:
+        os.fsync(directory)
+    finally:
+        os.close(directory)
 
 
 def open_store(settings: WeightSyncSettings, stack: StackSettings) -> BlobStore:

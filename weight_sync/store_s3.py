@@ -20,7 +20,15 @@ from botocore.config import Config
 from botocore.exceptions import BotoCoreError, ClientError
 
 from weight_sync.config import WeightSyncSettings, split_s3_url
-from weight_sync.store import BlobStore, blob_name, parse_blob_name
+from weight_sync.store import (
+    ArmFiles,
+    BlobStore,
+    add_listed,
+    arm_files,
+    blob_name,
+    manifest_name,
+    parse_blob_name,
+)
 
 # HeadObject answers a missing key with a bare 404; GetObject says NoSuchKey.
 _MISSING = {"404", "NoSuchKey", "NotFound"}
@@ -61,7 +69,9 @@ class S3BlobStore(BlobStore):
         return cls(client, bucket, prefix)
 
     def key(self, arm: str, version: int) -> str:
-        name = blob_name(arm, version)
+        return self._key(blob_name(arm, version))
+
+    def _key(self, name: str) -> str:
         return f"{self.prefix}/{name}" if self.prefix else name
 
     def write(self, arm: str, version: int, blob: bytes) -> str:
@@ -70,6 +80,25 @@ class S3BlobStore(BlobStore):
         # snapshots beyond PutObject's 5 GB limit still go through.
         self._client.upload_fileobj(io.BytesIO(blob), self.bucket, key)
         return f"s3://{self.bucket}/{key}"
+
+    def write_manifest(self, arm: str, version: int, manifest: bytes) -> None:
+        self._client.put_object(Bucket=self.bucket, Key=self._key(manifest_name(arm, version)), Body=manifest)
+
+    def read_manifest(self, arm: str, version: int) -> bytes:
+        key = self._key(manifest_name(arm, version))
+        try:
+            return self._client.get_object(Bucket=self.bucket, Key=key)["Body"].read()
+        except ClientError as exc:
+            _raise_if_missing(exc, f"s3://{self.bucket}/{key}")
+            raise
+
+    def listing(self) -> dict[str, ArmFiles]:
+        found: dict[str, dict[str, set[int]]] = {}
+        start = f"{self.prefix}/" if self.prefix else ""
+        for page in self._client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=start):
+            for item in page.get("Contents", []):
+                add_listed(found, item["Key"].removeprefix(start))
+        return arm_files(found)
 
     def read(self, blob_uri: str) -> bytes:
         out = io.BytesIO()
@@ -91,7 +120,9 @@ class S3BlobStore(BlobStore):
 
     def delete(self, blob_uri: str) -> None:
         # DeleteObject succeeds for a key that is already gone.
-        self._client.delete_object(Bucket=self.bucket, Key=self._key_of(blob_uri))
+        key = self._key_of(blob_uri)
+        self._client.delete_object(Bucket=self.bucket, Key=key.removesuffix(".blob") + ".manifest")
+        self._client.delete_object(Bucket=self.bucket, Key=key)
 
     def owns(self, blob_uri: str) -> bool:
         try:
@@ -112,6 +143,6 @@ class S3BlobStore(BlobStore):
         return key
 
 
-def _raise_if_missing(exc: ClientError, blob_uri: str) -> None:
+def _raise_if_missing(exc: ClientError, uri: str) -> None:
     if exc.response["Error"]["Code"] in _MISSING:
-        raise FileNotFoundError(f"blob {blob_uri} is gone") from exc
+        raise FileNotFoundError(f"{uri} is gone") from exc
