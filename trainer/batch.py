@@ -46,6 +46,10 @@ class TrainSample:
     traceparent: str = ""
     """W3C traceparent of the reward's span in the rollout's trace (the serving span's,
     from a joiner that records none); the training step's span links to it."""
+    reward_ts_ms: int = 0
+    """Wall clock when the joiner wrote the reward record to Kafka (the record's timestamp)."""
+    read_ts_ms: int = 0
+    """Wall clock when the trainer read the reward record."""
 
 
 def to_sample(record: reward_pb2.RewardRecord, max_positions: int) -> TrainSample | Drop:
@@ -82,6 +86,21 @@ def to_sample(record: reward_pb2.RewardRecord, max_positions: int) -> TrainSampl
         last_event_ts_ms=int(record.last_event_ts_ms),
         traceparent=record.traceparent or rollout.traceparent,
     )
+
+
+def split_even(samples: Sequence[TrainSample], batch_size: int) -> list[list[TrainSample]]:
+    """As few batches of at most batch_size as hold every sample, sizes differing by at most one
+    (70 pending at batch 64 make two steps of 35, not one of 64 and one of 6)."""
+    if not samples:
+        return []
+    batches = -(-len(samples) // batch_size)
+    size, extra = divmod(len(samples), batches)
+    out, start = [], 0
+    for index in range(batches):
+        end = start + size + (index < extra)
+        out.append(list(samples[start:end]))
+        start = end
+    return out
 
 
 def drop_stale(samples: Sequence[TrainSample], current_version: int, max_staleness: int) -> tuple[list[TrainSample], int]:

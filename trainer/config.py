@@ -21,6 +21,17 @@ class TrainerSettings(BaseSettings):
     batch_size: int = Field(64, ge=1, le=4096)
     """Rollouts per step when traffic is plentiful."""
 
+    steps_per_candidate: int = Field(1, ge=1, le=64)
+    """Most optimizer steps, of at most batch_size rollouts each, in one candidate. The eval gate judges and
+    weight_sync ships once per candidate, so when more than a batch is pending (traffic outran the trainer)
+    it catches up with one gate per few steps instead of one per step; the learning rate and batch size of
+    each step stay the same."""
+
+    overlap_eval: bool = True
+    """Judge each candidate on a thread of its own while the next one trains on top of it (a one-process
+    trainer; a sharded one judges inline). Either way only judged weights ship: the next candidate is
+    journaled and judged only after this one's verdict, and is trained again if this one is refused."""
+
     min_batch: int = Field(16, ge=1)
     """Fewest rollouts worth a step; with fewer, keep waiting."""
 

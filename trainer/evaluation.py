@@ -79,7 +79,7 @@ class EvalSuite:
         try:
             completions = sample(
                 model, self._prompts, temperature=1.0, max_new_tokens=self.max_new_tokens,
-                generator=torch.Generator().manual_seed(self.seed),
+                generator=torch.Generator().manual_seed(self.seed), one_batch=True,
             )
         finally:
             model.train(was_training)

@@ -48,9 +48,13 @@ class LocalLearner:
         """A model holding the current weights, for the eval gate."""
         return self.model
 
-    def remember(self) -> None:
-        """The current state is published: a refused candidate returns here."""
-        self._published = (state_dict_fp32(self.model), copy.deepcopy(self.optimizer.state_dict()))
+    def snapshot(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """A copy of the current weights and optimizer state (training goes on without touching it)."""
+        return state_dict_fp32(self.model), copy.deepcopy(self.optimizer.state_dict())
+
+    def remember(self, published: tuple[dict[str, torch.Tensor], dict[str, Any]] | None = None) -> None:
+        """This state (by default the current one) is published: a refused candidate returns here."""
+        self._published = published if published is not None else self.snapshot()
 
     def restore(self) -> None:
         weights, optimizer_state = self._published

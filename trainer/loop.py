@@ -1,13 +1,22 @@
-"""The near-continuous RL loop: consume rewards, step, judge, publish, then commit.
+"""The near-continuous RL loop: consume rewards, train, judge, publish, then commit.
 
-Order per step: train on every pending rollout (a candidate), journal the candidate
-(its rollout ids and the consumer positions after them), run the eval gate, then
-either publish the candidate as the next treatment version or refuse it and restore
+Per candidate: train on every pending rollout, journal the candidate (its rollout ids
+and the consumer positions after them), run the eval gate on a copy of its weights,
+then either publish that copy as the next treatment version or refuse it and restore
 the weights and optimizer state of the published version. The journal records the
-outcome; the Kafka offsets are committed last, for lag monitoring only: on restart
-the consumer seeks to the journal's positions (trainer/journal.py says why offsets
-alone are not enough). Pending never exceeds batch_size (polls ask for at most the
-room left), so a step always takes all of it and the positions after it are exact.
+outcome; the Kafka offsets of what is final are committed last, for lag monitoring
+only: on restart the consumer seeks to the journal's positions (trainer/journal.py
+says why offsets alone are not enough). Pending never exceeds steps_per_candidate
+batches (polls ask for at most the room left), so a candidate always takes all of it,
+in as few optimizer steps of at most batch_size as hold it, and the positions after it
+are exact. One gate per candidate, not per optimizer step, is how the trainer catches
+up with a backlog.
+
+The gate runs beside training (trainer/candidate.py): while candidate k is judged,
+candidate k+1 trains on top of it, but k+1 is journaled and judged only once k's
+verdict is in, so the journal still holds at most one undecided candidate, and only
+judged weights are ever published. If k is refused, k+1 trains again from the
+published state.
 """
 
 from __future__ import annotations
@@ -31,13 +40,14 @@ from rtrl.policy import PolicyConfig, build_model, load_weights
 from rtrl.v1 import reward_pb2, trainer_pb2, weights_pb2
 from trainer import checkpoint
 from trainer import metrics as step_metrics
-from trainer.batch import Drop, SeenRollouts, TrainSample, collate, drop_stale, to_sample
+from trainer.batch import Drop, SeenRollouts, TrainSample, collate, drop_stale, split_even, to_sample
+from trainer.candidate import Candidate, Judge
 from trainer.config import TrainerSettings
 from trainer.evaluation import EvalGate, EvalSuite, Verdict
-from trainer.journal import Journal, position_key
+from trainer.journal import Journal, parse_position_key, position_key
 from trainer.distributed import World
 from trainer.learner import LocalLearner, ShardedLearner
-from trainer.step import StepMetrics
+from trainer.step import StepMetrics, combine
 from trainer.warmstart import WarmStartRecipe, ensure_warm_start, load_warm_start
 
 log = logging.getLogger("trainer")
@@ -138,6 +148,8 @@ class Trainer:
         self.world = world
         self.dropped_recorded: Counter[Drop] = Counter()
         self.status = TrainerStatus()
+        self.in_flight: Candidate | None = None
+        """The candidate at the eval gate: trained and journaled, not yet published or refused."""
         self.lag = otel.PositionLag()
         """The consumer's lag, refreshed by the polling thread for the metrics scrape."""
 
@@ -230,23 +242,49 @@ class Trainer:
 
 
     def run(self, stop: threading.Event) -> None:
-        while not stop.is_set():
-            self.poll()
-            self.lag.refresh(self.consumer, time.monotonic())
-            self._refresh_counters()
-            now = time.monotonic()
-            if self.due(now):
-                self.train_pending()
-            elif not self.pending and self.uncommitted and now - self.last_commit_at >= IDLE_COMMIT_S:
-                self.commit()
+        self.judge = Judge(self.gate, build_model(self.policy_config), background=self.pipelined)
+        try:
+            while not stop.is_set():
+                self.poll()
+                self.lag.refresh(self.consumer, time.monotonic())
+                self._refresh_counters()
+                self._settle(block=False)
+                now = time.monotonic()
+                if self.due(now):
+                    self.train_pending()
+                elif not self.pending and self.in_flight is None and self.uncommitted and now - self.last_commit_at >= IDLE_COMMIT_S:
+                    self.commit()
+            self._settle(block=True)
+        finally:
+            self.judge.close()
         # A partial batch is left untrained and uncommitted: the next run reads it again.
         if not self.pending:
             self.commit()
         self.save_checkpoint()
 
+    @property
+    def pipelined(self) -> bool:
+        """Whether the eval gate judges beside training (one process only: a sharded learner's
+        state lives on every rank, so it is judged inline)."""
+        return self.settings.overlap_eval and isinstance(self.learner, LocalLearner)
+
     def poll(self) -> None:
-        room = self.settings.batch_size - len(self.pending)
-        for message in self.consumer.consume(num_messages=max(room, 1), timeout=self.settings.poll_timeout_s):
+        """Read up to the room left in the candidate: wait at most poll_timeout_s for the first
+        records, then take whatever else the consumer already holds (most of a backlog's records
+        can be the control arm's, dropped here: one read of `room` would leave the candidate
+        half full while the rest waits for the next gate)."""
+        deadline = time.monotonic() + self.settings.poll_timeout_s
+        timeout = self.settings.poll_timeout_s
+        while (room := self.settings.batch_size * self.settings.steps_per_candidate - len(self.pending)) > 0:
+            messages = self.consumer.consume(num_messages=room, timeout=timeout)
+            self._take(messages)
+            if not messages or time.monotonic() >= deadline:
+                return
+            timeout = 0
+
+    def _take(self, messages: list) -> None:
+        read_ts_ms = int(time.time() * 1000)
+        for message in messages:
             if message.error() is not None:
                 raise KafkaException(message.error())
             self.uncommitted = True
@@ -264,85 +302,140 @@ class Trainer:
                 continue
             if not self.pending:
                 self.first_pending_at = time.monotonic()
-            self.pending.append(sample)
+            self.pending.append(replace(sample, reward_ts_ms=max(message.timestamp()[1], 0), read_ts_ms=read_ts_ms))
 
     def due(self, now: float) -> bool:
         n = len(self.pending)
         return n >= self.settings.batch_size or (n >= self.settings.min_batch and now - self.first_pending_at >= self.settings.max_wait_s)
 
     def train_pending(self) -> None:
-        started = time.monotonic()
+        """Train everything pending as the next candidate (as few optimizer steps of at most
+        batch_size as hold it), journal it and hand it to the eval gate; it ships or is
+        refused once the verdict is in (_settle)."""
+        started, started_ns = time.monotonic(), time.time_ns()
         batch_wait_s = started - self.first_pending_at
-        staleness = [self.version - sample.oldest_version for sample in self.pending]
+        staleness = tuple(self.version - sample.oldest_version for sample in self.pending)
         fresh, stale = drop_stale(self.pending, self.version, self.settings.max_staleness)
         self.pending = []
+        positions = dict(self.positions)
         if stale:
             self.drops[Drop.STALE] += stale
         if not fresh:
-            self.commit()
+            if self.in_flight is None:
+                self.commit()
             return
-        base_version = self.version
-        with _tracer.start_as_current_span("trainer.step", links=otel.links(s.traceparent for s in fresh)) as span:
-            metrics, verdict, timings = self._candidate(fresh, started, batch_wait_s)
+        batches = split_even(fresh, self.settings.batch_size)
+        metrics, gate_wait_s = self._train(batches)
+        self.step += 1
+        self.journal.candidate(self.step, positions, (sample.rollout_id for sample in fresh), self.cluster_id)
+        weights, optimizer_state = self.learner.snapshot() if self.pipelined else (self.learner.weights(), None)
+        handed_over = time.monotonic()
+        self.in_flight = Candidate(
+            step=self.step, base_version=self.version, samples=tuple(fresh), positions=positions, metrics=metrics,
+            optimizer_steps=len(batches), staleness=staleness, started_ns=started_ns, batch_wait_s=batch_wait_s,
+            step_s=handed_over - started - gate_wait_s, gate_wait_s=gate_wait_s, judging_since=handed_over,
+            weights=weights, optimizer_state=optimizer_state, verdict=self.judge.submit(weights),
+        )
+        if not self.pipelined:
+            self._settle(block=True)
+
+    def _train(self, batches: list[list[TrainSample]]) -> tuple[StepMetrics, float]:
+        """Optimizer steps over the batches, on top of the candidate being judged if there is
+        one; returns their metrics and the seconds spent waiting for that candidate's verdict.
+        A verdict that comes in meanwhile is acted on between steps, so a version ships
+        without waiting for the next candidate; if the base is refused, train again."""
+        gate_wait_s = 0.0
+        while True:
+            results = []
+            for batch in batches:
+                results.append(self.learner.step(collate(batch)))
+                if self._settle(block=False) is False:
+                    break
+            else:
+                waiting_since = time.monotonic()
+                settled = self._settle(block=True)
+                gate_wait_s += time.monotonic() - waiting_since
+                if settled is not False:
+                    return combine(results), gate_wait_s
+            log.info("training %d rollouts again on v%d: the candidate they were built on was refused", sum(map(len, batches)), self.version)
+
+    def _settle(self, block: bool) -> bool | None:
+        """Act on the verdict of the candidate at the gate if it is in (with block, wait for it):
+        True if it shipped, False if refused, None if there was nothing to act on."""
+        candidate = self.in_flight
+        if candidate is None or not (block or candidate.verdict.done()):
+            return None
+        self.in_flight = None
+        verdict = candidate.verdict.result()
+        self._finalize(candidate, verdict)
+        return verdict.accepted
+
+    def _finalize(self, candidate: Candidate, verdict: Verdict) -> None:
+        """Publish or refuse, then the step record, span, status and log line."""
+        judged = time.monotonic()
+        timings = {
+            "batch_wait": candidate.batch_wait_s, "step": candidate.step_s, "gate_wait": candidate.gate_wait_s,
+            "eval": judged - candidate.judging_since,
+        }
+        fresh = candidate.samples
+        newest = max(fresh, key=lambda sample: sample.last_event_ts_ms)
+        span = _tracer.start_span("trainer.step", links=otel.links(s.traceparent for s in fresh), start_time=candidate.started_ns)
+        with trace.use_span(span, end_on_exit=True):
+            if verdict.accepted:
+                self._publish(candidate, verdict)
+                timings["publish"] = time.monotonic() - judged
+            else:
+                self._refuse(verdict, len(fresh))
+                self.commit(candidate.positions)
             span.set_attributes({
-                "rtrl.trainer.step": self.step, "rtrl.policy.base_version": base_version, "rtrl.policy.version": self.version,
-                "rtrl.trainer.published": verdict.accepted, "rtrl.trainer.rollouts": len(fresh),
+                "rtrl.trainer.step": candidate.step, "rtrl.policy.base_version": candidate.base_version,
+                "rtrl.policy.version": self.version, "rtrl.trainer.published": verdict.accepted, "rtrl.trainer.rollouts": len(fresh),
             })
             record = step_metrics.step_record(
-                lineage=self.warm_start, step=self.step, base_version=base_version,
-                version=self.version if verdict.accepted else -1, ts_ms=int(time.time() * 1000), metrics=metrics,
-                verdict=verdict, staleness=staleness, dropped=self._dropped_since_last_record(), timings=timings,
-                traceparent=otel.traceparent_of(span),
+                lineage=self.warm_start, step=candidate.step, base_version=candidate.base_version,
+                version=self.version if verdict.accepted else -1, ts_ms=int(time.time() * 1000), metrics=candidate.metrics,
+                verdict=verdict, staleness=candidate.staleness, dropped=self._dropped_since_last_record(), timings=timings,
+                traceparent=otel.traceparent_of(span), newest=newest, started_ts_ms=candidate.started_ns // 1_000_000,
+                optimizer_steps=candidate.optimizer_steps,
             )
+        self.status = self._status(
+            candidate.metrics, verdict, batch_wait_s=candidate.batch_wait_s, step_s=candidate.step_s, eval_s=timings["eval"],
+            publish_s=timings.get("publish"),
+            event_to_publish_s=time.time() - newest.last_event_ts_ms / 1000 if verdict.accepted and newest.last_event_ts_ms else None,
+        )
         if self.on_step is not None:
             self.on_step(record, self.version)
+        metrics = candidate.metrics
         log.info(
-            "step %d -> %s rollouts %d reward %.3f kl %.4f entropy %.3f grad_norm %.3f clipped %.3f stale %d eval %s %s",
-            self.step, f"v{self.version}" if verdict.accepted else "refused", metrics.rollouts, metrics.reward_mean,
-            metrics.kl, metrics.entropy, metrics.grad_norm, metrics.clipped_fraction, stale, verdict.candidate.as_dict(),
+            "step %d -> %s rollouts %d in %d steps reward %.3f kl %.4f entropy %.3f grad_norm %.3f clipped %.3f stale %d eval %s %s",
+            candidate.step, f"v{self.version}" if verdict.accepted else "refused", metrics.rollouts, candidate.optimizer_steps,
+            metrics.reward_mean, metrics.kl, metrics.entropy, metrics.grad_norm, metrics.clipped_fraction,
+            sum(s > self.settings.max_staleness for s in candidate.staleness), verdict.candidate.as_dict(),
             " ".join(f"{phase} {seconds:.3f}s" for phase, seconds in timings.items()),
         )
 
-    def _candidate(self, fresh: list[TrainSample], started: float, batch_wait_s: float) -> tuple[StepMetrics, Verdict, dict[str, float]]:
-        """Train, journal, judge, then publish or refuse."""
-        metrics = self.learner.step(collate(fresh))
-        self.step += 1
-        self.journal.candidate(self.step, self.positions, (sample.rollout_id for sample in fresh), self.cluster_id)
-        stepped = time.monotonic()
-        verdict = self.gate.judge(self.learner.eval_model())
-        judged = time.monotonic()
-        timings = {"batch_wait": batch_wait_s, "step": stepped - started, "eval": judged - stepped}
-        if not verdict.accepted:
-            self._refuse(verdict, len(fresh))
-            self.commit()
-            self.status = self._status(metrics, verdict, batch_wait_s=batch_wait_s, step_s=timings["step"], eval_s=timings["eval"])
-            return metrics, verdict, timings
-        trained_through = max(sample.last_event_ts_ms for sample in fresh)
+    def _publish(self, candidate: Candidate, verdict: Verdict) -> None:
+        """Ship exactly the judged weights; they become what a refusal returns to."""
+        fresh = candidate.samples
         self.version = self.publishers[TREATMENT].publish(
-            self.learner.weights(),
-            trained_through_event_ts_ms=trained_through,
+            candidate.weights,
+            trained_through_event_ts_ms=max(sample.last_event_ts_ms for sample in fresh),
             rollouts_trained=self.rollouts_trained + len(fresh),
-            train_step=self.step,
+            train_step=candidate.step,
         )
-        self.journal.published(self.step, self.version)
+        self.journal.published(candidate.step, self.version)
         self.rollouts_trained += len(fresh)
         self.gate.accept(verdict)
-        self.learner.remember()
-        timings["publish"] = time.monotonic() - judged
-        self.commit()
-        if self.step % self.settings.checkpoint_every == 0:
-            self.save_checkpoint()
-        self.rewards.append(metrics.reward_mean)
-        self.status = self._status(
-            metrics,
-            verdict,
-            batch_wait_s=batch_wait_s,
-            step_s=timings["step"],
-            eval_s=timings["eval"],
-            publish_s=timings["publish"],
-            event_to_publish_s=time.time() - trained_through / 1000 if trained_through else None,
-        )
-        return metrics, verdict, timings
+        published = None
+        if candidate.optimizer_state is None:
+            self.learner.remember()
+        else:
+            published = (candidate.weights, candidate.optimizer_state)
+            self.learner.remember(published)
+        self.commit(candidate.positions)
+        if candidate.step % self.settings.checkpoint_every == 0:
+            self.save_checkpoint(published)
+        self.rewards.append(candidate.metrics.reward_mean)
 
     def _dropped_since_last_record(self) -> dict[str, int]:
         delta = {str(reason): n - self.dropped_recorded[reason] for reason, n in self.drops.items() if n > self.dropped_recorded[reason]}
@@ -360,19 +453,29 @@ class Trainer:
             self.step, rollouts, self.version, "; ".join(verdict.regressions),
         )
 
-    def commit(self) -> None:
+    def commit(self, positions: Mapping[str, int] | None = None) -> None:
+        """Commit the offsets of what is final: these positions (records read past them may be
+        pending or in a candidate not yet judged), or without them everything consumed."""
         if self.uncommitted:
+            offsets = None
+            if positions is not None:
+                offsets = [TopicPartition(*parse_position_key(key), offset) for key, offset in positions.items()]
             try:
-                self.consumer.commit(asynchronous=False)
+                if offsets:
+                    self.consumer.commit(offsets=offsets, asynchronous=False)
+                elif positions is None:
+                    self.consumer.commit(asynchronous=False)
             except KafkaException as exc:
                 # Nothing consumed on any assigned partition since the last commit.
                 if exc.args[0].code() != KafkaError._NO_OFFSET:
                     raise
-            self.uncommitted = False
+            self.uncommitted = positions is not None and dict(positions) != self.positions
         self.last_commit_at = time.monotonic()
 
-    def save_checkpoint(self) -> None:
-        weights, optimizer_state = self.learner.state()
+    def save_checkpoint(self, state: tuple[dict[str, torch.Tensor], dict] | None = None) -> None:
+        """state: the published weights and optimizer state when the learner holds newer,
+        unjudged ones (by default the learner's own)."""
+        weights, optimizer_state = state if state is not None else self.learner.state()
         checkpoint.save(
             self.checkpoint_dir,
             checkpoint.Checkpoint(

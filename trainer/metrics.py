@@ -18,6 +18,7 @@ from opentelemetry import metrics
 
 from rtrl import topics
 from rtrl.v1 import trainer_pb2
+from trainer.batch import TrainSample
 from trainer.evaluation import Verdict
 from trainer.step import StepMetrics
 
@@ -64,7 +65,12 @@ def step_record(
     dropped: Mapping[str, int],
     timings: Mapping[str, float],
     traceparent: str = "",
+    newest: TrainSample | None = None,
+    started_ts_ms: int = 0,
+    optimizer_steps: int = 1,
 ) -> trainer_pb2.TrainerStep:
+    """newest: the rollout with the newest event the candidate trained on; its instants
+    split the candidate's event -> publish latency into phases (see TrainerStep)."""
     return trainer_pb2.TrainerStep(
         step_id=f"{lineage}:{step}",
         lineage=lineage,
@@ -89,6 +95,11 @@ def step_record(
         eval_published=verdict.published.as_dict(),
         eval_regressions=list(verdict.regressions),
         traceparent=traceparent,
+        trained_through_event_ts_ms=newest.last_event_ts_ms if newest else 0,
+        newest_reward_ts_ms=newest.reward_ts_ms if newest else 0,
+        newest_read_ts_ms=newest.read_ts_ms if newest else 0,
+        started_ts_ms=started_ts_ms,
+        optimizer_steps=optimizer_steps,
         **{f"{phase}_s": seconds for phase, seconds in timings.items()},
     )
 

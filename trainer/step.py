@@ -3,6 +3,7 @@ in-process learning test both drive it)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -42,6 +43,35 @@ class StepMetrics:
     ratio_mean: float
     rollouts: int
     tokens: int
+
+
+def combine(steps: Sequence[StepMetrics]) -> StepMetrics:
+    """One candidate's metrics over its optimizer steps: counts summed, the largest
+    gradient norm (a spike in any step is the one to see), every other value the mean
+    weighted by what it averages over (tokens for token means, rollouts otherwise)."""
+    if len(steps) == 1:
+        return steps[0]
+    rollouts = sum(s.rollouts for s in steps)
+    tokens = sum(s.tokens for s in steps)
+
+    def by_tokens(name: str) -> float:
+        return sum(getattr(s, name) * s.tokens for s in steps) / tokens
+
+    def by_rollouts(name: str) -> float:
+        return sum(getattr(s, name) * s.rollouts for s in steps) / rollouts
+
+    return StepMetrics(
+        loss=by_rollouts("loss"),
+        kl=by_tokens("kl"),
+        entropy=by_tokens("entropy"),
+        grad_norm=max(s.grad_norm for s in steps),
+        reward_mean=by_rollouts("reward_mean"),
+        advantage_abs_mean=by_rollouts("advantage_abs_mean"),
+        clipped_fraction=by_tokens("clipped_fraction"),
+        ratio_mean=by_tokens("ratio_mean"),
+        rollouts=rollouts,
+        tokens=tokens,
+    )
 
 
 def rl_step(

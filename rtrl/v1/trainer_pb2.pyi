@@ -15,7 +15,7 @@ class StalenessBucket(_message.Message):
     def __init__(self, staleness: _Optional[int] = ..., rollouts: _Optional[int] = ...) -> None: ...
 
 class TrainerStep(_message.Message):
-    __slots__ = ("step_id", "lineage", "step", "base_version", "version", "published", "ts_ms", "rollouts", "tokens", "reward_mean", "loss", "kl", "entropy", "clipped_fraction", "ratio_mean", "grad_norm", "advantage_abs_mean", "staleness", "dropped", "eval_candidate", "eval_published", "eval_regressions", "batch_wait_s", "step_s", "eval_s", "publish_s", "traceparent")
+    __slots__ = ("step_id", "lineage", "step", "base_version", "version", "published", "ts_ms", "rollouts", "tokens", "reward_mean", "loss", "kl", "entropy", "clipped_fraction", "ratio_mean", "grad_norm", "advantage_abs_mean", "staleness", "dropped", "eval_candidate", "eval_published", "eval_regressions", "batch_wait_s", "step_s", "eval_s", "publish_s", "traceparent", "trained_through_event_ts_ms", "newest_reward_ts_ms", "newest_read_ts_ms", "started_ts_ms", "optimizer_steps", "gate_wait_s")
     class DroppedEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -64,6 +64,12 @@ class TrainerStep(_message.Message):
     EVAL_S_FIELD_NUMBER: _ClassVar[int]
     PUBLISH_S_FIELD_NUMBER: _ClassVar[int]
     TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
+    TRAINED_THROUGH_EVENT_TS_MS_FIELD_NUMBER: _ClassVar[int]
+    NEWEST_REWARD_TS_MS_FIELD_NUMBER: _ClassVar[int]
+    NEWEST_READ_TS_MS_FIELD_NUMBER: _ClassVar[int]
+    STARTED_TS_MS_FIELD_NUMBER: _ClassVar[int]
+    OPTIMIZER_STEPS_FIELD_NUMBER: _ClassVar[int]
+    GATE_WAIT_S_FIELD_NUMBER: _ClassVar[int]
     step_id: str
     lineage: str
     step: int
@@ -91,4 +97,10 @@ class TrainerStep(_message.Message):
     eval_s: float
     publish_s: float
     traceparent: str
-    def __init__(self, step_id: _Optional[str] = ..., lineage: _Optional[str] = ..., step: _Optional[int] = ..., base_version: _Optional[int] = ..., version: _Optional[int] = ..., published: _Optional[bool] = ..., ts_ms: _Optional[int] = ..., rollouts: _Optional[int] = ..., tokens: _Optional[int] = ..., reward_mean: _Optional[float] = ..., loss: _Optional[float] = ..., kl: _Optional[float] = ..., entropy: _Optional[float] = ..., clipped_fraction: _Optional[float] = ..., ratio_mean: _Optional[float] = ..., grad_norm: _Optional[float] = ..., advantage_abs_mean: _Optional[float] = ..., staleness: _Optional[_Iterable[_Union[StalenessBucket, _Mapping]]] = ..., dropped: _Optional[_Mapping[str, int]] = ..., eval_candidate: _Optional[_Mapping[str, float]] = ..., eval_published: _Optional[_Mapping[str, float]] = ..., eval_regressions: _Optional[_Iterable[str]] = ..., batch_wait_s: _Optional[float] = ..., step_s: _Optional[float] = ..., eval_s: _Optional[float] = ..., publish_s: _Optional[float] = ..., traceparent: _Optional[str] = ...) -> None: ...
+    trained_through_event_ts_ms: int
+    newest_reward_ts_ms: int
+    newest_read_ts_ms: int
+    started_ts_ms: int
+    optimizer_steps: int
+    gate_wait_s: float
+    def __init__(self, step_id: _Optional[str] = ..., lineage: _Optional[str] = ..., step: _Optional[int] = ..., base_version: _Optional[int] = ..., version: _Optional[int] = ..., published: _Optional[bool] = ..., ts_ms: _Optional[int] = ..., rollouts: _Optional[int] = ..., tokens: _Optional[int] = ..., reward_mean: _Optional[float] = ..., loss: _Optional[float] = ..., kl: _Optional[float] = ..., entropy: _Optional[float] = ..., clipped_fraction: _Optional[float] = ..., ratio_mean: _Optional[float] = ..., grad_norm: _Optional[float] = ..., advantage_abs_mean: _Optional[float] = ..., staleness: _Optional[_Iterable[_Union[StalenessBucket, _Mapping]]] = ..., dropped: _Optional[_Mapping[str, int]] = ..., eval_candidate: _Optional[_Mapping[str, float]] = ..., eval_published: _Optional[_Mapping[str, float]] = ..., eval_regressions: _Optional[_Iterable[str]] = ..., batch_wait_s: _Optional[float] = ..., step_s: _Optional[float] = ..., eval_s: _Optional[float] = ..., publish_s: _Optional[float] = ..., traceparent: _Optional[str] = ..., trained_through_event_ts_ms: _Optional[int] = ..., newest_reward_ts_ms: _Optional[int] = ..., newest_read_ts_ms: _Optional[int] = ..., started_ts_ms: _Optional[int] = ..., optimizer_steps: _Optional[int] = ..., gate_wait_s: _Optional[float] = ...) -> None: ...
