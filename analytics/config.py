@@ -26,3 +26,8 @@ class AnalyticsSettings(BaseSettings):
 
     query_timeout_s: float = Field(30.0, gt=0)
     """Budget of one ``/query`` request (also the ClickHouse ``max_execution_time``)."""
+
+    shutdown_drain_s: float = Field(5.0, ge=0, le=300)
+    """On SIGTERM, how long the sink keeps reading while records still arrive (it stops
+    at the first empty poll): the embedded stack stops it after every producer, so what
+    they wrote last reaches ClickHouse before a memory-only broker goes away."""

@@ -51,7 +51,7 @@ async def serve(stack: StackSettings, settings: AnalyticsSettings, stop: asyncio
     await web.TCPSite(runner, settings.bind_host, settings.query_port).start()
     redis = aioredis.Redis.from_url(stack.redis_url)
     stopping = threading.Event()
-    sink_task = asyncio.create_task(asyncio.to_thread(sink.run, stopping))
+    sink_task = asyncio.create_task(asyncio.to_thread(sink.run, stopping, settings.shutdown_drain_s))
     _observe(sink, settings.group_id)
     beats = asyncio.create_task(heartbeat.beat_forever(redis, SERVICE, stack.instance, sink.status))
     log.info("analytics sink on %s, query endpoint %s:%d", stack.resolved_clickhouse_url(), settings.bind_host, settings.query_port)

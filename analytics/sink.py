@@ -54,22 +54,33 @@ class Sink:
     def status(self) -> dict:
         return {"consumed": self.consumed, "pending": self._pending, "inserted": {t: self.inserted[t] for t in COLUMNS}}
 
-    def run(self, stopping: threading.Event) -> None:
-        """Consume until ``stopping`` is set, then insert and commit what is buffered."""
+    def run(self, stopping: threading.Event, drain_s: float = 0.0) -> None:
+        """Consume until ``stopping`` is set; then read on while records still come, for
+        at most ``drain_s`` (what producers stopped before us wrote last), and insert and
+        commit what is buffered."""
         poll_s = min(self._flush_interval_s, 0.5)
         while not stopping.is_set():
-            for msg in self._consumer.consume(self._batch_size, timeout=poll_s):
-                error = msg.error()
-                if error is not None:
-                    if error.fatal():
-                        raise KafkaException(error)
-                    log.warning("consumer error (librdkafka retries it): %s", error)
-                    continue
-                self.add(KafkaRecord(msg.topic(), msg.partition(), msg.offset(), msg.key(), msg.value(), tuple(msg.headers() or ())))
-            self.lag.refresh(self._consumer, self._clock())
-            if self._pending >= self._batch_size or (self._pending and self._clock() - self._oldest_pending_at >= self._flush_interval_s):
-                self.flush()
+            self._consume(poll_s)
+        drain_until = self._clock() + drain_s
+        while self._clock() < drain_until and self._consume(poll_s):
+            pass
         self.flush()
+
+    def _consume(self, timeout_s: float) -> int:
+        """One poll; returns the records it read."""
+        messages = self._consumer.consume(self._batch_size, timeout=timeout_s)
+        for msg in messages:
+            error = msg.error()
+            if error is not None:
+                if error.fatal():
+                    raise KafkaException(error)
+                log.warning("consumer error (librdkafka retries it): %s", error)
+                continue
+            self.add(KafkaRecord(msg.topic(), msg.partition(), msg.offset(), msg.key(), msg.value(), tuple(msg.headers() or ())))
+        self.lag.refresh(self._consumer, self._clock())
+        if self._pending >= self._batch_size or (self._pending and self._clock() - self._oldest_pending_at >= self._flush_interval_s):
+            self.flush()
+        return len(messages)
 
     def add(self, record: KafkaRecord) -> None:
         row = convert(record, self._now_ms())

@@ -28,7 +28,7 @@ import torch
 
 from inference.batch import RunningBatch, SequenceParams, SequenceResult, SwapPolicy
 from inference.model import Params
-from rtrl.policy import BOS, PolicyConfig, build_model, encode, state_dict_fp32
+from rtrl.policy import BOS, PolicyConfig, build_model, encode, state_dict_fp32, weights_digest
 
 log = logging.getLogger(__name__)
 
@@ -154,7 +154,9 @@ class Engine:
         self._params: dict[str, Params | None] = {arm: None for arm in ARMS}
         self._batches = {arm: RunningBatch(config.policy, config.max_batch) for arm in ARMS}
         self._versions = {arm: -1 for arm in ARMS}
-        self._staged: dict[str, tuple[int, Params]] = {}
+        self._staged: dict[str, tuple[int, Params, str]] = {}
+        self._digests = {arm: "" for arm in ARMS}
+        """rtrl.policy.weights_digest of the weights each arm serves."""
         self._waiting: dict[str, deque[_Pending]] = {arm: deque() for arm in ARMS}
         self._cond = threading.Condition(threading.RLock())
         self._stopping = False
@@ -186,10 +188,16 @@ class Engine:
         with self._cond:
             return dict(self._versions)
 
+    def digests(self) -> dict[str, str]:
+        """Per arm, the digest of the weights it serves (rtrl.policy.weights_digest): a
+        worker serving a version bit for bit has the digest of that version's weights."""
+        with self._cond:
+            return dict(self._digests)
+
     def held_version(self, arm: str) -> int:
         """The newest version of ``arm`` applied or staged, -1 for none."""
         with self._cond:
-            return max(self._versions[arm], self._staged.get(arm, (-1, None))[0])
+            return max(self._versions[arm], self._staged.get(arm, (-1, None, ""))[0])
 
     def live_weights(self, arm: str) -> dict[str, torch.Tensor]:
         """The weights ``arm`` serves now, under the trainer's names (read-only views)."""
@@ -214,12 +222,13 @@ class Engine:
             log.info("ignoring %s v%d: already at v%d", arm, version, self.held_version(arm))
             return False
         params = Params.from_state_dict(weights, self.config.policy)
+        digest = weights_digest(weights)
         with self._cond:
             newest = self.held_version(arm)
             if version <= newest:
                 log.info("ignoring %s v%d: already at v%d", arm, version, newest)
                 return False
-            self._staged[arm] = (version, params)
+            self._staged[arm] = (version, params, digest)
             self._cond.notify_all()
         return True
 
@@ -302,13 +311,14 @@ class Engine:
     def _apply_staged(self) -> None:
         with self._cond:
             staged, self._staged = self._staged, {}
-        for arm, (version, params) in staged.items():
+        for arm, (version, params, digest) in staged.items():
             paused = time.perf_counter()
             self._params[arm] = params
             if self.config.swap_policy == "recompute":
                 self._batches[arm].recompute(params)
             with self._cond:
                 self._versions[arm] = version
+                self._digests[arm] = digest
             self.stats.swaps += 1
             self.stats.swap_pause_s += time.perf_counter() - paused
             log.debug("%s now serving v%d", arm, version)

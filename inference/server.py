@@ -117,6 +117,7 @@ class InferenceServer:
         return {
             "ready": self.engine.ready(),
             "versions": self.engine.versions(),
+            "weights_digests": self.engine.digests(),
             "http_port": self.port,
             "worker_id": self.worker_id,
             "completions": stats.completions,

@@ -202,6 +202,11 @@ class SGLangEngine:
         with self._lock:
             return dict(self._versions)
 
+    def digests(self) -> dict[str, str]:
+        """SGLang holds the weights, in its own layout: no digest of them here (its
+        sidecar verifies every version's checksums as it applies it)."""
+        return {}
+
     def queue_depth(self) -> int:
         with self._lock:
             return self._in_flight

@@ -14,6 +14,10 @@ import torch
 log = logging.getLogger(__name__)
 
 
+# A worker catching up re-reads the latest version this often while it skips versions.
+CATCH_UP_RECHECK_S = 2.0
+
+
 class WeightFollower:
     """Hands every version of ``arm`` that weight_sync streams to ``stage(version,
     weights)``, which returns whether it took the version (False: already held).
@@ -57,6 +61,19 @@ class WeightFollower:
         with self._lock:
             return self._staged.get(version)
 
+    def _latest(self) -> int:
+        """The arm's latest version as this subscription starts. A worker catching up
+        (a restart, a long disconnect) decodes the versions before it but stages only
+        it: it never serves the intermediate versions, nor the keyframe a catch-up
+        starts from, however long ago that was published."""
+        from weight_sync.client import latest_version
+
+        try:
+            return latest_version(self.addr, self.token, self.arm)
+        except Exception:  # weight_sync unreachable: stage every version as it comes
+            log.warning("could not read the latest %s version from %s; staging every version", self.arm, self.addr, exc_info=True)
+            return -1
+
     def _remember(self, version: int, traceparent: str) -> None:
         with self._lock:
             self._staged[version] = (traceparent, time.time_ns())
@@ -74,7 +91,13 @@ class WeightFollower:
             if self._stopped.is_set():
                 break
             try:
+                catch_up_to, read_at = self._latest(), time.monotonic()
                 for manifest, weights in subscriber.follow():
+                    if manifest.version < catch_up_to and time.monotonic() - read_at > CATCH_UP_RECHECK_S:
+                        # A slow catch-up, or a registry rebuilt below what we were told: ask again.
+                        catch_up_to, read_at = self._latest(), time.monotonic()
+                    if manifest.version < catch_up_to:
+                        continue  # on the way to the version that was latest when we subscribed
                     try:
                         if self.stage(manifest.version, weights):
                             self._remember(manifest.version, manifest.traceparent)

@@ -14,6 +14,7 @@ from rich.table import Table
 
 from reward_stream.monitors import DRIFT
 from rtrl import health, heartbeat
+from rtrl.reporting import landed, query_function
 from rtrl.stack import StackFile
 from rtrl.status_view import alerts_table, hacking_alerts
 from simulator.product import Product, ProductStats
@@ -85,6 +86,7 @@ def run_product(stack: StackFile, duration_s: float, console: Console, **product
         api_key=simulator_key(stack.redis_url),
         **product_options,
     )
+    product.stats.landed_before = landed(query_function(stack))
     return asyncio.run(_drive(product, duration_s, console, stack.redis_url))
 
 

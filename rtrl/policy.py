@@ -11,6 +11,7 @@ import hashlib
 from dataclasses import dataclass
 
 import torch
+import xxhash
 from transformers import LlamaConfig, LlamaForCausalLM
 
 # Printable ASCII plus newline; id 0 pads, id 1 begins, id 2 ends a completion.
@@ -84,6 +85,17 @@ def state_dict_fp32(model: torch.nn.Module) -> dict[str, torch.Tensor]:
         seen.add(tensor.data_ptr())
         out[name] = tensor.detach().to(torch.float32).contiguous().clone()
     return out
+
+
+def weights_digest(weights: dict[str, torch.Tensor]) -> str:
+    """xxh3-128 over every tensor's name, dtype, shape and bytes, in name order: equal
+    digests mean bit-identical weights."""
+    digest = xxhash.xxh3_128()
+    for name in sorted(weights):
+        tensor = weights[name].detach().contiguous().cpu()
+        digest.update(f"{name}|{tensor.dtype}|{tuple(tensor.shape)}|".encode())
+        digest.update(tensor.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
 
 
 def load_weights(model: torch.nn.Module, weights: dict[str, torch.Tensor]) -> None:

@@ -64,8 +64,10 @@ class ServiceSpec:
         return state_dir / "logs" / f"{self.name}-{self.instance}.log"
 
 
-# Start order: weight_sync first (the trainer publishes v0 to it), consumers before producers.
-SERVICE_ORDER = ("weight_sync", "trainer", "reward_stream", "analytics", "inference", "ingest")
+# Start order: weight_sync first (the trainer publishes v0 to it), consumers before
+# producers; stopped in reverse, so each consumer stops after what feeds it: the
+# analytics sink, reading every topic, stops last and drains what the others wrote.
+SERVICE_ORDER = ("weight_sync", "analytics", "trainer", "reward_stream", "inference", "ingest")
 
 
 @dataclass

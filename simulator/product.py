@@ -69,6 +69,9 @@ class ProductStats:
     errors: int = 0
     last_error: str = ""
     started: float = field(default_factory=time.monotonic)
+    landed_before: dict[str, int] = field(default_factory=dict)
+    """What ClickHouse held when this run began (rollouts, events, rewards): a resumed
+    stack keeps its earlier runs, and a drain waits for those plus this run's."""
 
     @property
     def completions(self) -> int:

@@ -82,7 +82,10 @@ def run(tmp_path_factory):
     from rtrl.demo import run_product
     from rtrl.status_view import render
 
+    from trainer_support import install_warm_start
+
     state_dir = tmp_path_factory.mktemp("stack")
+    install_warm_start(state_dir)
     with pytest.MonkeyPatch.context() as env:
         env.setenv("RTRL_STATE_DIR", str(state_dir))
         env.setenv("RTRL_STACK_INFERENCE_WORKERS", "2")

@@ -210,14 +210,14 @@ def test_trend_weights_each_worker_by_its_rollouts():
         ([INFERENCE], "reward trend: no rewards yet"),
     ],
 )
-def test_status_shows_the_trend(monkeypatch, rows, shown):
+def test_status_shows_the_trend(monkeypatch, tmp_path, rows, shown):
     from types import SimpleNamespace
 
     from rtrl import status_view
 
     monkeypatch.setattr(status_view.health, "check", lambda stack: rows)
     monkeypatch.setattr(status_view, "lag_table", lambda stack: "consumer lag")
-    text = rendered(status_view.render(SimpleNamespace(reward_fn_version="r1")))
+    text = rendered(status_view.render(SimpleNamespace(reward_fn_version="r1", state_dir=str(tmp_path))))
     assert shown in text and "policy versions" in text
 
 
@@ -233,3 +233,17 @@ def test_trend_takes_control_as_v0_until_inference_reports(inference):
     text = rendered(trend_table([*inference, reward_stream_row(0, {0: (20, 0.5), 1: (20, 1.0)})]))
     assert "v0" in arm_row(text, "control") and "0.500" in arm_row(text, "control")
     assert "v1" in arm_row(text, "treatment") and "+0.500" in arm_row(text, "treatment")
+
+
+def test_status_says_what_the_previous_broker_took_with_it():
+    from rtrl.broker_record import BrokerRecord
+    from rtrl.status_view import broker_loss
+
+    gone = BrokerRecord("tansu-1", "127.0.0.1:1", 0.0, unjoined_events=7, unjoined_rollouts=3, untrained_rewards=2, measured_ts=60.0, final=True)
+    said = broker_loss(gone)
+    assert "7 accepted events and 3 rollouts were still unjoined and 2 rewards untrained" in said
+    assert "after every service stopped" in said and "about" not in said
+    crashed = broker_loss(BrokerRecord("tansu-1", "127.0.0.1:1", 0.0, unjoined_events=7, unjoined_rollouts=3, untrained_rewards=2, measured_ts=60.0))
+    assert "its last reading" in crashed and "about 7 accepted events" in crashed
+    assert "never measured" in broker_loss(BrokerRecord("tansu-1", "127.0.0.1:1", 0.0))
+    assert broker_loss(None) == ""

@@ -107,6 +107,14 @@ def _publish_chunks(manifest: weights_pb2.Manifest, blob: bytes, chunk_bytes: in
         yield chunk
 
 
+def latest_version(addr: str, token: str, arm: str, timeout_s: float = 10.0) -> int:
+    """The arm's newest committed version (-1: none), with a subscriber's token."""
+    with grpc.insecure_channel(addr, options=CHANNEL_OPTIONS) as channel:
+        stub = weights_pb2_grpc.WeightSyncStub(channel)
+        request = weights_pb2.LatestRequest(arm=arm)
+        return stub.Latest(request, metadata=bearer(token), timeout=timeout_s, wait_for_ready=True).version
+
+
 class Subscriber:
     """Follows one arm's versions; run by an inference worker in a thread.
 
