@@ -82,6 +82,10 @@ def check(stack: StackFile) -> list[ComponentHealth]:
             rows.append(ComponentHealth(spec.key, False, "no heartbeat yet" if pid_alive(spec.pid) else "process down", {}))
         else:
             ok, detail = _ready(spec.name, beat)
+            if spec.name == "reward_stream" and not beat.get("assigned"):
+                # The embedded stack's one joiner owns every partition once its group has
+                # formed; until then the first rollouts' rewards would wait for it.
+                ok, detail = False, "waiting for partitions"
             age = now - beat["ts"]
             rows.append(ComponentHealth(spec.key, ok, detail or f"heartbeat {age:.1f} s ago", beat))
     return rows
