@@ -52,6 +52,7 @@ class Scrape:
     phase: str
     """``load`` while the product ran, ``idle`` after the drain."""
     error: str = ""
+    page: str = ""
 
 
 @dataclass
@@ -66,8 +67,7 @@ class Scraper:
     def round(self) -> None:
         for service, port in self.ports.items():
             try:
-                _scrape(port)
-                self.results.append(Scrape(service, self.phase))
+                self.results.append(Scrape(service, self.phase, page=_scrape(port)))
             except OSError as exc:  # a timeout, a refused or reset connection
                 self.results.append(Scrape(service, self.phase, repr(exc)))
 
@@ -105,7 +105,7 @@ def run(tmp_path_factory):
                 scraper.round()
             screen = Console(record=True, width=200, file=open(os.devnull, "w"))
             screen.print(render(stack))
-            scraped = {spec.key: _scrape(spec.ports["RTRL_METRICS_PORT"]) for spec in stack.services}
+            scraped = {s.service: s.page for s in scraper.results if s.phase == "idle" and not s.error}
             yield Run(stack, stats, query_function(stack), screen.export_text(), scraped, pids, scraper.results)
         finally:
             down(state_dir, console)
@@ -194,7 +194,7 @@ def test_every_service_serves_prometheus_metrics(run):
         "analytics": ['rtrl_analytics_inserted_total{table="rewards"}', "rtrl_consumer_lag{"],
     }
     for spec in run.stack.services:
-        page = run.metrics[spec.key]
+        page = run.metrics.get(spec.key, "")
         for series in expected[spec.name]:
             assert series in page, f"{spec.key}: no {series} in\n{page[:3000]}"
     samples = {key: _samples(page) for key, page in run.metrics.items()}
