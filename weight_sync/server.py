@@ -83,10 +83,13 @@ class WeightSyncServer:
         return self.port
 
     async def stop(self, grace_s: float | None = None) -> None:
-        await self._server.stop(self.settings.shutdown_grace_s if grace_s is None else grace_s)
+        # The background loops go first: a server on its way out must not rebuild a
+        # registry (from its own blob store) that the servers staying up now own.
+        # Following streams still poll through the grace period.
         for task in self.tasks:
             task.cancel()
         await asyncio.gather(*self.tasks, return_exceptions=True)
+        await self._server.stop(self.settings.shutdown_grace_s if grace_s is None else grace_s)
         await self._redis.aclose()
 
     async def _listen(self) -> None:
