@@ -16,7 +16,7 @@ from analytics.config import AnalyticsSettings
 from analytics.sink import Sink
 from rtrl import heartbeat, kafka, otel, topics
 from rtrl.config import StackSettings
-from rtrl.runtime import until_stopped
+from rtrl.runtime import service_process, until_stopped
 
 log = logging.getLogger("analytics")
 
@@ -74,5 +74,6 @@ def main() -> None:
     settings = AnalyticsSettings()
     stack = StackSettings()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    service_process()
     otel.configure(SERVICE, stack)
     asyncio.run(serve(stack, settings))

@@ -7,10 +7,12 @@ def main() -> None:
     # Configuration first: a bad setting fails before torch is imported.
     from inference.config import InferenceSettings
     from rtrl.config import StackSettings
+    from rtrl.runtime import service_process
 
     settings = InferenceSettings()
     stack = StackSettings()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    service_process()
 
     import asyncio
 

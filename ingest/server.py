@@ -46,7 +46,7 @@ from ingest.config import IngestSettings
 from ingest.gateway import REJECTED, RETRY, Gateway, wall_clock_ms as gateway_clock_ms
 from rtrl import heartbeat, kafka, otel
 from rtrl.config import StackSettings
-from rtrl.runtime import until_stopped
+from rtrl.runtime import service_process, until_stopped
 from rtrl.v1 import ingest_pb2
 
 log = logging.getLogger("ingest")
@@ -396,5 +396,6 @@ def main() -> None:
     settings = IngestSettings()
     stack = StackSettings()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    service_process()
     otel.configure(SERVICE, stack)
     asyncio.run(serve(stack, settings))

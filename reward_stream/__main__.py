@@ -11,6 +11,7 @@ import sys
 
 from reward_stream.config import RewardStreamSettings
 from rtrl.config import StackSettings
+from rtrl.runtime import enable_stack_dumps
 
 
 def usage() -> str:
@@ -26,6 +27,7 @@ def main() -> None:
         return
     settings = RewardStreamSettings()
     stack = StackSettings()
+    enable_stack_dumps()
     # Imported after the configuration is parsed so config errors do not wait for faust.
     from reward_stream.app import run
     from rtrl.kafka import ensure_topics, wait_for_broker

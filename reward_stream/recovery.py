@@ -28,14 +28,16 @@ def settled_rollouts(stack: StackSettings, partition: int, timeout_s: float = 30
     settled: dict[str, set[str]] = {}
     if not waiting:
         return {}
-    reader = Consumer({"bootstrap.servers": stack.kafka_bootstrap, "group.id": "rtrl-reward-recovery", "enable.auto.commit": False})
+    reader = Consumer({
+        "bootstrap.servers": stack.kafka_bootstrap, "group.id": "rtrl-reward-recovery", "enable.auto.commit": False, **kafka.PROBE_FETCH,
+    })
     try:
         reader.assign([TopicPartition(tp.topic, tp.partition, OFFSET_BEGINNING) for tp in tps if (tp.topic, tp.partition) in waiting])
         deadline = time.monotonic() + timeout_s
         while waiting:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"reading back partition {partition} of {sorted(t for t, _ in waiting)} took over {timeout_s} s")
-            for message in reader.consume(1000, timeout=0.2):
+            for message in reader.consume(1000, timeout=0.02):
                 if message.error() is not None:
                     continue
                 where = (message.topic(), message.partition())

@@ -23,6 +23,7 @@ import os
 import statistics
 import subprocess
 import time
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -221,8 +222,8 @@ def _version_row(row: VersionLatency, step: StepTimes | None) -> dict:
     return out
 
 
-def read_steps(kafka_bootstrap: str, since_ms: int, timeout_s: float = 30.0) -> list[StepTimes]:
-    """Every published candidate's step record written since since_ms, read to each partition's EOF."""
+def read_step_records(kafka_bootstrap: str, since_ms: int, timeout_s: float = 30.0) -> list[trainer_pb2.TrainerStep]:
+    """Every candidate's step record (published or refused) written since since_ms, read to each partition's EOF."""
     from confluent_kafka import Consumer, KafkaError, TopicPartition
 
     from rtrl import topics
@@ -235,7 +236,7 @@ def read_steps(kafka_bootstrap: str, since_ms: int, timeout_s: float = 30.0) -> 
     try:
         consumer.assign([TopicPartition(tp.topic, tp.partition, 0) for tp in tps])
         waiting = {tp.partition for tp in tps}
-        steps = []
+        records = []
         deadline = time.monotonic() + timeout_s
         while waiting and time.monotonic() < deadline:
             for message in consumer.consume(1000, timeout=0.2):
@@ -245,11 +246,27 @@ def read_steps(kafka_bootstrap: str, since_ms: int, timeout_s: float = 30.0) -> 
                     waiting.discard(message.partition())
                     continue
                 record = trainer_pb2.TrainerStep.FromString(message.value())
-                if record.published and record.ts_ms >= since_ms:
-                    steps.append(StepTimes.of(record))
-        return steps
+                if record.ts_ms >= since_ms:
+                    records.append(record)
+        return records
     finally:
         consumer.close()
+
+
+def intake(records: Sequence[trainer_pb2.TrainerStep]) -> dict:
+    """What the trainer did with the rewards it read during the run: rollouts trained (in
+    published and refused candidates alike), rollouts dropped by reason, and the share of
+    the treatment arm's rollouts it trained on (a shedding trainer's price for freshness)."""
+    dropped: Counter[str] = Counter()
+    for record in records:
+        dropped.update(dict(record.dropped))
+    trained = sum(record.rollouts for record in records)
+    treatment = trained + sum(n for reason, n in dropped.items() if reason != "control_arm")
+    return {
+        "rollouts_trained": trained,
+        "dropped": dict(sorted(dropped.items())),
+        "trained_share_of_treatment": round(trained / treatment, 3) if treatment else None,
+    }
 
 
 def _git(*args: str) -> str:
@@ -267,6 +284,7 @@ def run(state_dir: Path, duration_s: float, out: Path, console: Console) -> dict
     from rtrl.demo import run_product
     from rtrl.health import running_stack
     from rtrl.lifecycle import down, up
+    from rtrl.stack import embedded_trainer_env
     from trainer.config import TrainerSettings
 
     started_here = running_stack(state_dir) is None
@@ -278,7 +296,7 @@ def run(state_dir: Path, duration_s: float, out: Path, console: Console) -> dict
         time.sleep(3)  # let the last versions reach every worker
         load_after = os.getloadavg()
         rows = collect(stack.redis_url, since_ms)
-        steps = read_steps(stack.kafka_bootstrap, since_ms)
+        records = read_step_records(stack.kafka_bootstrap, since_ms)
         client = redis.Redis.from_url(stack.redis_url)
         latest = int(client.get(f"rtrl:ws:{ARM}:latest") or -1)
         published = sum(
@@ -289,9 +307,12 @@ def run(state_dir: Path, duration_s: float, out: Path, console: Console) -> dict
     finally:
         if started_here:
             down(state_dir, console)
+    steps = [StepTimes.of(record) for record in records if record.published]
     result = summarize(rows, published, RewardStreamSettings().window_s, steps)
-    trainer = TrainerSettings()
+    # What the stack's trainer ran with: the embedded defaults under whatever the environment set.
+    trainer = TrainerSettings(**{name.removeprefix("RTRL_TRAINER_").lower(): value for name, value in embedded_trainer_env(os.environ).items()})
     result |= {
+        "intake": intake(records),
         "latest_version": latest,
         "minutes": round(duration_s / 60, 2),
         "command": f"rtrl bench loop --minutes {duration_s / 60:g}",
@@ -304,6 +325,8 @@ def run(state_dir: Path, duration_s: float, out: Path, console: Console) -> dict
             "eval_tasks": trainer.eval_tasks,
             "batch_size": trainer.batch_size,
             "steps_per_candidate": trainer.steps_per_candidate,
+            "overlap_eval": trainer.overlap_eval,
+            "when_behind": trainer.when_behind,
         },
     }
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -356,7 +379,7 @@ def _print(result: dict, duration_s: float, out: Path, plot: Path | None, consol
     table.add_column("metric")
     table.add_column("value", justify="right")
     for k, v in result.items():
-        if k not in ("versions", "phases_s", "trend", "trainer"):
+        if k not in ("versions", "phases_s", "trend", "trainer", "intake"):
             table.add_row(k, str(v))
     console.print(table)
     if result["phases_s"]:
@@ -366,6 +389,12 @@ def _print(result: dict, duration_s: float, out: Path, plot: Path | None, consol
         for name, stats in result["phases_s"].items():
             phase_table.add_row(name, f"{stats['p50']:.3f}", f"{stats['p95']:.3f}", f"{stats['mean']:.3f}")
         console.print(phase_table)
+    if result.get("intake"):
+        taken = result["intake"]
+        console.print(
+            f"trainer: {taken['rollouts_trained']} rollouts trained ({taken['trained_share_of_treatment']} of the treatment arm's), "
+            f"dropped {taken['dropped']}; settings {result['trainer']}"
+        )
     if result["trend"]:
         t = result["trend"]
         console.print(

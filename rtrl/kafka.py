@@ -228,6 +228,13 @@ def partitions(settings: StackSettings, topic_names: tuple[str, ...], timeout_s:
     return [TopicPartition(t, p) for t in topic_names if t in metadata for p in metadata[t].partitions]
 
 
+PROBE_FETCH = {"fetch.wait.max.ms": 10}
+"""For consumers that read to a partition's end and stop (end offsets, read-backs): a fetch
+at the end returns after 10 ms instead of the default 500, so reaching EOF costs a round
+trip, not half a second per fetch (the joiner reads back every partition it is assigned
+before joining its first record; under traffic, at 500 ms, that stalled it ~3 s a partition)."""
+
+
 def end_offsets(settings: StackSettings, tps: list[TopicPartition], timeout_s: float = 5.0) -> dict[tuple[str, int], int]:
     """The offset after each partition's last record.
 
@@ -238,7 +245,7 @@ def end_offsets(settings: StackSettings, tps: list[TopicPartition], timeout_s: f
     """
     probe = Consumer({
         "bootstrap.servers": settings.kafka_bootstrap, "group.id": "rtrl-end-offsets", "enable.auto.commit": False,
-        "enable.partition.eof": True,
+        "enable.partition.eof": True, **PROBE_FETCH,
     })
     try:
         ends: dict[tuple[str, int], int] = {}
@@ -254,7 +261,7 @@ def end_offsets(settings: StackSettings, tps: list[TopicPartition], timeout_s: f
         waiting = {(tp.topic, tp.partition) for tp in to_read}
         deadline = time.monotonic() + timeout_s
         while waiting and time.monotonic() < deadline:
-            for msg in probe.consume(5000, timeout=0.2):
+            for msg in probe.consume(5000, timeout=0.02):
                 key = (msg.topic(), msg.partition())
                 if msg.error() is None:
                     ends[key] = max(ends[key], msg.offset() + 1)

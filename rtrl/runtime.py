@@ -3,14 +3,48 @@
 from __future__ import annotations
 
 import asyncio
+import faulthandler
 import signal
+import sys
+
+SHUTDOWN_BUDGET_S = 45.0
+"""Longest a service may take from SIGTERM to exit. Every service bounds each step of its
+drain well inside this; the watchdog is for what no step bounds (a library's exit hook,
+a thread stuck in C): it writes every thread's stack to the log and ends the process
+(exit status 1), so a stop never hangs a supervisor or a test, and the log says where."""
+
+
+_watchdog_s: float | None = None
+"""Set by service_process(): only a service's own process arms the watchdog (a test that
+runs a service's serve() inside pytest must not be ended by it)."""
+
+
+def service_process(shutdown_budget_s: float = SHUTDOWN_BUDGET_S) -> None:
+    """Call first in a service's main(): stack dumps on SIGUSR1, and a shutdown watchdog
+    armed when until_stopped returns."""
+    global _watchdog_s
+    _watchdog_s = shutdown_budget_s
+    enable_stack_dumps()
+
+
+def enable_stack_dumps() -> None:
+    """``kill -USR1 PID`` writes every thread's stack to the process's stderr (its log):
+    where a service that does not answer, or does not stop, is stuck."""
+    faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True, chain=False)
+
+
+def arm_shutdown_watchdog(budget_s: float = SHUTDOWN_BUDGET_S) -> None:
+    """From now on the process has ``budget_s`` to exit (see SHUTDOWN_BUDGET_S)."""
+    faulthandler.dump_traceback_later(budget_s, exit=True, file=sys.stderr)
 
 
 async def until_stopped(*tasks: asyncio.Task, stop: asyncio.Event | None = None) -> None:
     """Wait for SIGTERM/SIGINT (or ``stop``), or for any of ``tasks`` to end.
 
     Returns on a signal. Re-raises the error of a task that failed: a service whose
-    heartbeat or consumer loop died should exit, so the supervisor restarts it.
+    heartbeat or consumer loop died should exit, so the supervisor restarts it. Either
+    way, in a service's own process (service_process), the shutdown watchdog is armed
+    on return.
     """
     stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -21,6 +55,8 @@ async def until_stopped(*tasks: asyncio.Task, stop: asyncio.Event | None = None)
         done, _ = await asyncio.wait([stop_wait, *tasks], return_when=asyncio.FIRST_COMPLETED)
     finally:
         stop_wait.cancel()
+        if _watchdog_s is not None:
+            arm_shutdown_watchdog(_watchdog_s)
     for task in done:
         if task is not stop_wait and not task.cancelled() and task.exception() is not None:
             raise task.exception()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -43,6 +44,25 @@ class StackConfig(BaseSettings):
         if version not in FUNCTIONS:
             raise ValueError(f"reward_fn_version {version!r} is not one of {sorted(FUNCTIONS)}")
         return version
+
+
+EMBEDDED_TRAINER: dict[str, str] = {
+    "RTRL_TRAINER_WHEN_BEHIND": "shed",
+    "RTRL_TRAINER_OVERLAP_EVAL": "false",
+    "RTRL_TRAINER_BATCH_SIZE": "32",
+}
+"""The embedded stack's trainer settings wherever the environment sets none (trainer/config.py
+explains each). On a small shared machine the demo's traffic outruns a trainer that gates
+every candidate, and its CPU share is fixed by the scheduler, not by its threads: judging
+beside training only splits that share (each candidate then waits for the previous
+verdict and is judged at half speed), and catching up trains on ever staler rollouts. So
+the trainer judges inline, steps on 32 rollouts and sheds what it cannot take, keeping
+event -> live a few seconds (`rtrl bench loop` measures it; README)."""
+
+
+def embedded_trainer_env(environ: Mapping[str, str]) -> dict[str, str]:
+    """EMBEDDED_TRAINER with whatever ``environ`` sets instead."""
+    return {name: environ.get(name, value) for name, value in EMBEDDED_TRAINER.items()}
 
 
 @dataclass

@@ -67,7 +67,12 @@ def workers_table(rows: list[health.ComponentHealth]) -> Table:
             s = row.status
             reward_mean = s.get("reward_mean")
             reward = "–" if reward_mean is None else f"{reward_mean:.3f}"
-            detail = f"step {s.get('step', 0)}, reward mean {reward}, dropped stale {s.get('dropped_stale', 0)}, eval gate refused {s.get('refused', 0)}"
+            shed = (s.get("dropped") or {}).get("shed", 0)
+            detail = (
+                f"step {s.get('step', 0)}, reward mean {reward}, dropped stale {s.get('dropped_stale', 0)}"
+                + (f", shed {shed} (behind its traffic)" if shed else "")
+                + f", eval gate refused {s.get('refused', 0)}"
+            )
             table.add_row(row.name, "0 (pinned)", f"{s.get('version', '-')} (published)", detail)
     return table
 

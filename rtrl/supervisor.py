@@ -15,7 +15,7 @@ import time
 
 from rtrl import broker_record, kafka, procs
 from rtrl.config import StackSettings
-from rtrl.stack import SERVICE_ORDER, ServiceSpec, StackConfig, StackFile, stack_path
+from rtrl.stack import SERVICE_ORDER, ServiceSpec, StackConfig, StackFile, embedded_trainer_env, stack_path
 
 log = logging.getLogger("rtrl.supervisor")
 
@@ -92,6 +92,7 @@ class Supervisor:
             "RTRL_KAFKA_PARTITIONS": str(self.settings.kafka_partitions),
             "RTRL_INSTANCE": spec.instance,
             "RTRL_REWARD_REWARD_FN_VERSION": self.config.reward_fn_version,
+            **embedded_trainer_env(os.environ),
             "PYTHONUNBUFFERED": "1",
             **{var: str(port) for var, port in spec.ports.items()},
         }

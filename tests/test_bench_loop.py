@@ -110,3 +110,20 @@ def test_trend(latencies_s, rising, slope):
 
 def test_trend_needs_three_versions():
     assert trend(_series([4.0, 5.0])) == {}
+
+
+def test_intake_counts_every_candidate_and_the_share_of_treatment_trained():
+    from rtrl.bench_loop import intake
+    from rtrl.v1 import trainer_pb2
+
+    records = [
+        trainer_pb2.TrainerStep(published=True, rollouts=32, dropped={"control_arm": 40, "shed": 10}),
+        trainer_pb2.TrainerStep(published=False, rollouts=32, dropped={"shed": 22, "duplicate": 1}),
+        trainer_pb2.TrainerStep(published=True, rollouts=16),
+    ]
+    assert intake(records) == {
+        "rollouts_trained": 80,
+        "dropped": {"control_arm": 40, "duplicate": 1, "shed": 32},
+        "trained_share_of_treatment": round(80 / 113, 3),  # control's rollouts are not the trainer's to take
+    }
+    assert intake([])["trained_share_of_treatment"] is None

@@ -25,6 +25,8 @@ from rtrl.status_view import (
         ({"step": 12, "version": 12, "reward_mean": 0.8125, "dropped_stale": 3}, "reward mean 0.812"),
         # a heartbeat without the optional fields
         ({}, "step 0"),
+        # a trainer behind its traffic says how much it shed
+        ({"step": 5, "dropped": {"shed": 410, "control_arm": 900}}, "shed 410 (behind its traffic)"),
     ],
 )
 def test_workers_table(trainer_status, shown):

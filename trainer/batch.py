@@ -27,6 +27,7 @@ class Drop(enum.StrEnum):
     TOO_LONG = "too_long"  # prompt + completion longer than the model's positions
     DUPLICATE = "duplicate"  # rollout_id already trained on (single epoch)
     STALE = "stale"  # sampled by a version more than max_staleness behind
+    SHED = "shed"  # the trainer was behind and fresher rollouts took its place (when_behind=shed)
 
 
 # Produced by to_sample from a consumed RewardRecord; consumed by collate.
@@ -101,6 +102,14 @@ def split_even(samples: Sequence[TrainSample], batch_size: int) -> list[list[Tra
         out.append(list(samples[start:end]))
         start = end
     return out
+
+
+def shed_oldest(samples: Sequence[TrainSample], keep: int) -> tuple[list[TrainSample], int]:
+    """The ``keep`` most recently rewarded samples, in their order; returns (kept, how many were shed)."""
+    if len(samples) <= keep:
+        return list(samples), 0
+    newest = sorted(range(len(samples)), key=lambda i: samples[i].reward_ts_ms)[len(samples) - keep :]
+    return [samples[i] for i in sorted(newest)], len(samples) - keep
 
 
 def drop_stale(samples: Sequence[TrainSample], current_version: int, max_staleness: int) -> tuple[list[TrainSample], int]:

@@ -3,6 +3,8 @@ errors surface before the heavy imports."""
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
@@ -31,6 +33,15 @@ class TrainerSettings(BaseSettings):
     """Judge each candidate on a thread of its own while the next one trains on top of it (a one-process
     trainer; a sharded one judges inline). Either way only judged weights ship: the next candidate is
     journaled and judged only after this one's verdict, and is trained again if this one is refused."""
+
+    when_behind: Literal["catch_up", "shed"] = "catch_up"
+    """What the trainer does when rewards arrive faster than it trains. ``catch_up`` trains on every one
+    (lossless): it reads at most a candidate's worth (batch_size × steps_per_candidate), the rest waits in
+    Kafka, and a backlog is worked off with one gate per steps_per_candidate batches, however stale the
+    trainer's data grows meanwhile. ``shed`` trains on the freshest: it reads everything the broker holds
+    and keeps only the newest candidate's worth, dropping the older rewards (counted as ``shed`` and
+    committed past), so what it trains on is never more than one candidate's cycle old. The embedded stack
+    sheds: on 2 cores its trainer gets about half a core and cannot take all of the demo's traffic."""
 
     min_batch: int = Field(16, ge=1)
     """Fewest rollouts worth a step; with fewer, keep waiting."""

@@ -10,7 +10,9 @@ says why offsets alone are not enough). Pending never exceeds steps_per_candidat
 batches (polls ask for at most the room left), so a candidate always takes all of it,
 in as few optimizer steps of at most batch_size as hold it, and the positions after it
 are exact. One gate per candidate, not per optimizer step, is how the trainer catches
-up with a backlog.
+up with a backlog. Or it does not catch up (when_behind=shed): it reads everything and
+keeps the newest candidate's worth, so a trainer slower than its traffic trains on
+fresh rollouts, and the ones it sheds are counted.
 
 The gate runs beside training (trainer/candidate.py): while candidate k is judged,
 candidate k+1 trains on top of it, but k+1 is journaled and judged only once k's
@@ -40,7 +42,7 @@ from rtrl.policy import PolicyConfig, build_model, load_weights
 from rtrl.v1 import reward_pb2, trainer_pb2, weights_pb2
 from trainer import checkpoint
 from trainer import metrics as step_metrics
-from trainer.batch import Drop, SeenRollouts, TrainSample, collate, drop_stale, split_even, to_sample
+from trainer.batch import Drop, SeenRollouts, TrainSample, collate, drop_stale, shed_oldest, split_even, to_sample
 from trainer.candidate import Candidate, Judge
 from trainer.config import TrainerSettings
 from trainer.evaluation import EvalGate, EvalSuite, Verdict
@@ -58,6 +60,8 @@ CONTROL, TREATMENT = "control", "treatment"
 IDLE_COMMIT_S = 1.0
 # Refusals kept in the heartbeat for `rtrl status`.
 REFUSALS_SHOWN = 5
+# when_behind=shed: most records one consume call asks for (the poll reads on to its deadline).
+SHED_READ = 1024
 
 
 Learner = LocalLearner | ShardedLearner
@@ -268,19 +272,32 @@ class Trainer:
         state lives on every rank, so it is judged inline)."""
         return self.settings.overlap_eval and isinstance(self.learner, LocalLearner)
 
+    @property
+    def capacity(self) -> int:
+        """Most rollouts one candidate holds."""
+        return self.settings.batch_size * self.settings.steps_per_candidate
+
     def poll(self) -> None:
         """Read up to the room left in the candidate: wait at most poll_timeout_s for the first
         records, then take whatever else the consumer already holds (most of a backlog's records
         can be the control arm's, dropped here: one read of `room` would leave the candidate
-        half full while the rest waits for the next gate)."""
+        half full while the rest waits for the next gate). Shedding (when_behind=shed), read
+        everything there is until the deadline and keep the newest candidate's worth."""
+        shedding = self.settings.when_behind == "shed"
         deadline = time.monotonic() + self.settings.poll_timeout_s
         timeout = self.settings.poll_timeout_s
-        while (room := self.settings.batch_size * self.settings.steps_per_candidate - len(self.pending)) > 0:
+        while (room := SHED_READ if shedding else self.capacity - len(self.pending)) > 0:
             messages = self.consumer.consume(num_messages=room, timeout=timeout)
             self._take(messages)
             if not messages or time.monotonic() >= deadline:
-                return
+                break
             timeout = 0
+        if shedding:
+            # Everything read is consumed: what is shed is final, and the positions after the
+            # next candidate still cover exactly what it holds or dropped.
+            self.pending, shed = shed_oldest(self.pending, self.capacity)
+            if shed:
+                self.drops[Drop.SHED] += shed
 
     def _take(self, messages: list) -> None:
         read_ts_ms = int(time.time() * 1000)

@@ -20,7 +20,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from rtrl import otel
 from rtrl.config import StackSettings
-from rtrl.runtime import until_stopped
+from rtrl.runtime import service_process, until_stopped
 from rtrl.v1 import weights_pb2
 from weight_sync.broadcast import Broadcaster, add_to_server, observe_fanout
 from weight_sync.store import check_arm
@@ -191,6 +191,7 @@ def main() -> None:
     settings = RelaySettings()
     stack = StackSettings()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    service_process()
     otel.configure("relay", stack)
     asyncio.run(serve(settings, stack))
 

@@ -19,7 +19,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from rtrl import heartbeat, otel
 from rtrl.config import StackSettings
-from rtrl.runtime import until_stopped
+from rtrl.runtime import service_process, until_stopped
 from weight_sync import gc
 from weight_sync.broadcast import add_to_server, observe_fanout
 from weight_sync.config import WeightSyncSettings
@@ -168,5 +168,6 @@ def main() -> None:
     settings = WeightSyncSettings()
     stack = StackSettings()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    service_process()
     otel.configure("weight_sync", stack)
     asyncio.run(serve(settings, stack))

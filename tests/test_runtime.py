@@ -1,0 +1,66 @@
+"""A service's process life (rtrl/runtime.py): a stop that hangs ends anyway, saying where."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import textwrap
+import time
+
+from rtrl import procs
+
+# A service whose drain never ends: until_stopped returns on SIGTERM, then the process
+# blocks in a function the dump must name.
+HANGING_SERVICE = textwrap.dedent("""
+    import asyncio, sys, time
+    from rtrl.runtime import service_process, until_stopped
+
+    def drain_that_never_ends():
+        time.sleep(3600)
+
+    async def serve():
+        print("serving", flush=True)
+        await until_stopped()
+        drain_that_never_ends()
+
+    service_process(shutdown_budget_s=float(sys.argv[1]))
+    asyncio.run(serve())
+""")
+
+
+def _start(tmp_path, budget_s: float) -> tuple[procs.Proc, object]:
+    log = tmp_path / "service.log"
+    proc = procs.spawn("hanging", [sys.executable, "-c", HANGING_SERVICE, str(budget_s)], log)
+    deadline = time.monotonic() + 30
+    while "serving" not in log.read_text():
+        assert time.monotonic() < deadline, log.read_text()
+        time.sleep(0.05)
+    return proc, log
+
+
+def test_a_stop_that_hangs_is_ended_by_the_watchdog_with_every_stack_in_the_log(tmp_path):
+    proc, log = _start(tmp_path, budget_s=1.0)
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        status = proc.popen.wait(timeout=30)
+    finally:
+        proc.stop(timeout_s=1)
+    assert status == 1, log.read_text()
+    assert "drain_that_never_ends" in log.read_text()
+
+
+def test_sigusr1_dumps_every_thread_and_the_service_keeps_running(tmp_path):
+    proc, log = _start(tmp_path, budget_s=30.0)
+    try:
+        os.kill(proc.pid, signal.SIGUSR1)
+        deadline = time.monotonic() + 10
+        # faulthandler's header, then the main thread waiting in the event loop.
+        while "most recent call first" not in log.read_text():
+            assert time.monotonic() < deadline, log.read_text()
+            time.sleep(0.05)
+        assert "run_forever" in log.read_text()
+        time.sleep(0.5)
+        assert proc.popen.poll() is None, "SIGUSR1 must not stop the service"
+    finally:
+        proc.stop(timeout_s=5)
