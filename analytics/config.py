@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pydantic import Field
+from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -26,6 +26,17 @@ class AnalyticsSettings(BaseSettings):
 
     query_timeout_s: float = Field(30.0, gt=0)
     """Budget of one ``/query`` request (also the ClickHouse ``max_execution_time``)."""
+
+    query_token: SecretStr = SecretStr("")
+    """The operator's credential for ``POST /query`` (``Authorization: Bearer``). There is no
+    default: without one the sink serves no queries (`rtrl up` generates one per state
+    directory; `rtrl report` and `rtrl status` read it from there)."""
+
+    query_max_rows: int = Field(100_000, ge=1)
+    """Most rows one ``/query`` answer may hold; a query past it is refused, not truncated."""
+
+    query_max_bytes: int = Field(64 << 20, ge=1024)
+    """Most bytes one ``/query`` result may hold in ClickHouse; past it the query is refused."""
 
     shutdown_drain_s: float = Field(5.0, ge=0, le=300)
     """On SIGTERM, how long the sink keeps reading while records still arrive (it stops

@@ -11,7 +11,7 @@ import asyncio
 import base64
 import json
 import math
-import re
+import hmac
 import urllib.error
 import urllib.request
 from datetime import date, datetime
@@ -22,19 +22,17 @@ import clickhouse_connect
 from aiohttp import web
 from clickhouse_connect.driver.exceptions import ClickHouseError
 
+from analytics.sql_guard import Refused, checked_sql
 from rtrl.config import StackSettings
 
 QueryFn = Callable[[str], list[dict[str, Any]]]
 
-_READ_ONLY = re.compile(r"^\s*(select|with)\b", re.IGNORECASE)
-# Table functions that reach outside the tables (files, network, processes, the caller's
-# Python objects); readonly does not stop them, so they are refused by name.
-_OUTSIDE = re.compile(
-    r"\b(file|filecluster|url|urlcluster|s3|s3cluster|gcs|azureblobstorage|hdfs|remote|remotesecure|cluster|"
-    r"clusterallreplicas|mysql|postgresql|mongodb|redis|odbc|jdbc|sqlite|executable|python|input|iceberg|deltalake|hudi)\s*\(",
-    re.IGNORECASE,
-)
 _CLIENT = web.AppKey("client", object)
+_TABLES = web.AppKey("tables", dict)
+_TOKEN = web.AppKey("token", bytes)
+_MAX_ROWS = web.AppKey("max_rows", int)
+MAX_BODY_BYTES = 64 * 1024
+"""A query is at most sql_guard.MAX_SQL_CHARS; the body is refused past this before parsing."""
 
 
 def connect(stack: StackSettings, settings: dict[str, Any] | None = None):
@@ -45,10 +43,23 @@ def connect(stack: StackSettings, settings: dict[str, Any] | None = None):
     return clickhouse_connect.get_client(dsn=url, settings=settings)
 
 
-def read_only_client(stack: StackSettings, timeout_s: float):
+def read_only_client(stack: StackSettings, timeout_s: float, max_result_rows: int = 100_000, max_result_bytes: int = 64 << 20):
     # readonly=2 still allows per-query settings (needed by the HTTP backend) but no writes
     # and no way back to readonly=0. max_execution_time goes first: it cannot be set after.
-    return connect(stack, {"max_execution_time": int(math.ceil(timeout_s)), "readonly": 2})
+    # A result past either bound is an error, never a truncated answer or a sink out of memory.
+    return connect(stack, {
+        "max_execution_time": int(math.ceil(timeout_s)), "readonly": 2, "max_result_rows": max_result_rows,
+        "max_result_bytes": max_result_bytes, "result_overflow_mode": "throw", "max_memory_usage": 1 << 30,
+    })
+
+
+def project_tables(client) -> dict[str, frozenset[str]]:
+    """The project's tables and their columns, as ClickHouse holds them (what /query may read)."""
+    result = client.query("SELECT table, name FROM system.columns WHERE database = currentDatabase()")
+    tables: dict[str, set[str]] = {}
+    for table, column in result.result_rows:
+        tables.setdefault(table, set()).add(column)
+    return {table: frozenset(columns) for table, columns in tables.items()}
 
 
 def client_query_fn(client) -> QueryFn:
@@ -59,12 +70,14 @@ def client_query_fn(client) -> QueryFn:
     return query
 
 
-def http_query_fn(url: str, timeout_s: float = 30.0) -> QueryFn:
-    """Query the running sink's ``/query`` endpoint (``url`` like ``http://127.0.0.1:8124``)."""
+def http_query_fn(url: str, token: str, timeout_s: float = 30.0) -> QueryFn:
+    """Query the running sink's ``/query`` endpoint (``url`` like ``http://127.0.0.1:8124``)
+    with the operator's query token."""
     endpoint = url.rstrip("/") + "/query"
+    headers = {"Content-Type": "application/json", "Authorization": f"Bearer {token}"}
 
     def query(sql: str) -> list[dict[str, Any]]:
-        request = urllib.request.Request(endpoint, data=json.dumps({"sql": sql}).encode(), headers={"Content-Type": "application/json"})
+        request = urllib.request.Request(endpoint, data=json.dumps({"sql": sql}).encode(), headers=headers)
         try:
             with urllib.request.urlopen(request, timeout=timeout_s) as response:
                 return json.loads(response.read())["rows"]
@@ -72,17 +85,6 @@ def http_query_fn(url: str, timeout_s: float = 30.0) -> QueryFn:
             raise RuntimeError(f"analytics query failed (HTTP {exc.code}): {exc.read().decode(errors='replace')[:500]}") from exc
 
     return query
-
-
-def read_only_sql(sql: str) -> str:
-    """The query wrapped as a subquery, which ClickHouse parses as a single SELECT only:
-    no second statement, no ``INTO OUTFILE``, no ``FORMAT``. Raises ValueError otherwise."""
-    sql = sql.strip().rstrip(";").strip()
-    if not _READ_ONLY.match(sql):
-        raise ValueError("only SELECT (or WITH … SELECT) queries are allowed")
-    if match := _OUTSIDE.search(sql):
-        raise ValueError(f"table function {match.group(1)}() is not allowed")
-    return f"SELECT * FROM ({sql}\n)"
 
 
 def jsonable(value: Any) -> Any:
@@ -102,27 +104,55 @@ def jsonable(value: Any) -> Any:
     return str(value)
 
 
-def build_query_app(client) -> web.Application:
-    """``POST /query`` with ``{"sql": "SELECT …"}`` -> ``{"columns": [...], "rows": [{...}]}``."""
-    app = web.Application()
+def build_query_app(client, tables: dict[str, frozenset[str]], token: str, max_rows: int = 100_000) -> web.Application:
+    """``POST /query`` with ``Authorization: Bearer <token>`` and ``{"sql": "SELECT …"}`` ->
+    ``{"columns": [...], "rows": [{...}]}``; the SQL must pass analytics/sql_guard.py. With
+    an empty token every query is refused (there is no default token)."""
+    app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[_authenticated])
     app[_CLIENT] = client
+    app[_TABLES] = tables
+    app[_TOKEN] = token.encode()
+    app[_MAX_ROWS] = max_rows
     app.router.add_post("/query", _query)
     app.router.add_get("/healthz", _healthz)
     return app
 
 
+@web.middleware
+async def _authenticated(request: web.Request, handler):
+    """The token is checked before anything of the body is read."""
+    if request.path == "/healthz":
+        return await handler(request)
+    expected = request.app[_TOKEN]
+    if not expected:
+        return web.json_response({"error": "this sink has no query token (RTRL_ANALYTICS_QUERY_TOKEN): it answers no queries"}, status=401)
+    scheme, _, presented = request.headers.get("Authorization", "").partition(" ")
+    if scheme.lower() != "bearer" or not hmac.compare_digest(presented.strip().encode(), expected):
+        return web.json_response({"error": "a valid query token is required (Authorization: Bearer …)"}, status=401)
+    return await handler(request)
+
+
 async def _query(request: web.Request) -> web.Response:
     try:
-        sql = (await request.json())["sql"]
+        body = await request.json()
+        sql = body["sql"] if isinstance(body, dict) else None
         if not isinstance(sql, str):
             raise TypeError("sql must be a string")
-        sql = read_only_sql(sql)
+    except web.HTTPRequestEntityTooLarge:
+        return web.json_response({"error": f"the body is larger than {MAX_BODY_BYTES} bytes"}, status=413)
     except (ValueError, KeyError, TypeError) as exc:
         return web.json_response({"error": f'body must be {{"sql": "SELECT …"}}: {exc}'}, status=400)
     try:
+        sql = checked_sql(sql, request.app[_TABLES])
+    except Refused as exc:
+        return web.json_response({"error": f"refused: {exc}"}, status=400)
+    try:
         result = await asyncio.to_thread(request.app[_CLIENT].query, sql)
     except ClickHouseError as exc:
-        return web.json_response({"error": str(exc)}, status=400)
+        return web.json_response({"error": str(exc)[:2000]}, status=400)
+    if len(result.result_rows) > request.app[_MAX_ROWS]:
+        # ClickHouse bounds results read from tables (max_result_rows); this bounds the rest.
+        return web.json_response({"error": f"the answer has more than {request.app[_MAX_ROWS]} rows (TOO_MANY_ROWS): narrow the query"}, status=400)
     columns = list(result.column_names)
     rows = [{c: jsonable(v) for c, v in zip(columns, row)} for row in result.result_rows]
     return web.json_response({"columns": columns, "rows": rows})
@@ -130,12 +160,3 @@ async def _query(request: web.Request) -> web.Response:
 
 async def _healthz(request: web.Request) -> web.Response:
     return web.json_response({"status": "ok"})
-
-
-def query_fn_for(stack: StackSettings, query_url: str) -> QueryFn:
-    """The running sink's endpoint if it answers, else the tables opened directly."""
-    try:
-        with urllib.request.urlopen(query_url.rstrip("/") + "/healthz", timeout=1):
-            return http_query_fn(query_url)
-    except OSError:
-        return client_query_fn(connect(stack))

@@ -38,8 +38,12 @@ class IngestSettings(BaseSettings):
     max_batch: int = Field(1_000, ge=1)
     """Most events one request may carry; larger requests are refused whole."""
 
-    max_body_bytes: int = Field(64 * 1024 * 1024, ge=1024)
-    """Largest HTTP body / gRPC message accepted."""
+    max_body_bytes: int = Field(16 * 1024 * 1024, ge=1024)
+    """Largest HTTP body (decompressed) / gRPC message accepted: max_batch events of up to 16 KB."""
+
+    max_inflation: int = Field(20, ge=1)
+    """A compressed HTTP body may expand to at most this many times its Content-Length (telemetry
+    JSON compresses 5-10x); past it the request is refused with 413, read no further."""
 
     retry_after_s: int = Field(1, ge=0)
     """The ``Retry-After`` header sent with a 429."""

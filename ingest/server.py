@@ -36,6 +36,8 @@ from dataclasses import dataclass, fields
 
 import grpc
 import redis.asyncio as aioredis
+import aiohttp
+import aiohttp.http_exceptions
 from aiohttp import web
 from google.protobuf import json_format
 from google.protobuf.message import DecodeError
@@ -76,12 +78,27 @@ class Door:
         """Requests refused, by HTTP status (401, 403, 429)."""
 
     async def admit(self, authorization: str, events: list) -> tuple[ApiKey | None, Refusal | None]:
-        key, refusal = await self._admit(authorization, events)
+        """authenticate, then authorize."""
+        key, refusal = await self.authenticate(authorization)
+        if refusal is None:
+            refusal = await self.authorize(key, events)
+        return key, refusal
+
+    async def authenticate(self, authorization: str) -> tuple[ApiKey | None, Refusal | None]:
+        """Who is asking: from the Authorization header alone, before any of the body is read."""
+        key, refusal = await self._authenticate(authorization)
         if refusal is not None:
             self.refused[refusal.http_status] += 1
         return key, refusal
 
-    async def _admit(self, authorization: str, events: list) -> tuple[ApiKey | None, Refusal | None]:
+    async def authorize(self, key: ApiKey | None, events: list) -> Refusal | None:
+        """May this key send these events now (scope, rate)?"""
+        refusal = await self._authorize(key, events)
+        if refusal is not None:
+            self.refused[refusal.http_status] += 1
+        return refusal
+
+    async def _authenticate(self, authorization: str) -> tuple[ApiKey | None, Refusal | None]:
         if self._keys is None:
             return None, None
         scheme, _, token = authorization.partition(" ")
@@ -95,21 +112,26 @@ class Door:
         why = key.usable(gateway_clock_ms())
         if why is not None:
             return key, Refusal(401, grpc.StatusCode.UNAUTHENTICATED, why)
+        return key, None
+
+    async def _authorize(self, key: ApiKey | None, events: list) -> Refusal | None:
+        if key is None or self._limiter is None:
+            return None
         kinds = {event.WhichOneof("payload") for event in events} - {None}
         if kinds and not any(key.allows(kind) for kind in kinds):
             allowed = ", ".join(sorted(key.scopes))
-            return key, Refusal(
+            return Refusal(
                 403, grpc.StatusCode.PERMISSION_DENIED,
                 f"the API key of client {key.client_id!r} may send only {allowed}, not {', '.join(sorted(kinds))}",
             )
         wait_s = await self._limiter.take(key, len(events))
         if wait_s > 0:
-            return key, Refusal(
+            return Refusal(
                 429, grpc.StatusCode.RESOURCE_EXHAUSTED,
                 f"rate limit of client {key.client_id!r} ({key.rate_per_s:g} events/s) spent: retry in {wait_s:.2f} s",
                 retry_after_s=wait_s,
             )
-        return key, None
+        return None
 
 
 _DOOR = web.AppKey("door", Door)
@@ -135,13 +157,15 @@ def build_http_app(gateway: Gateway, settings: IngestSettings, door: Door | None
 
 
 async def _post_events(request: web.Request) -> web.Response:
-    gateway, settings = request.app[_GATEWAY], request.app[_SETTINGS]
-    try:
-        raw = await request.read()
-    except web.RequestPayloadError as exc:
-        return _error(400, f"body does not decode: {exc}")
-    except web.HTTPRequestEntityTooLarge:
-        return _error(413, f"body is larger than {settings.max_body_bytes} bytes: split the batch")
+    gateway, settings, door = request.app[_GATEWAY], request.app[_SETTINGS], request.app[_DOOR]
+    # Cheap checks first: who is asking, from the headers alone, before a byte of the body
+    # is read, decompressed or parsed.
+    key, refusal = await door.authenticate(request.headers.get("Authorization", ""))
+    if refusal is not None:
+        return _refused(refusal)
+    raw = await _read_body(request, settings)
+    if isinstance(raw, web.Response):
+        return raw
     try:
         text = raw.decode("utf-8")
         batch = json_format.Parse(text, ingest_pb2.PublishEventsRequest())
@@ -152,15 +176,47 @@ async def _post_events(request: web.Request) -> web.Response:
         return _error(400, f"body is not the JSON form of rtrl.v1.PublishEventsRequest: {exc}")
     if len(batch.events) > settings.max_batch:
         return _error(400, f"batch has {len(batch.events)} events, at most {settings.max_batch} allowed: split it")
-    key, refusal = await request.app[_DOOR].admit(request.headers.get("Authorization", ""), batch.events)
+    refusal = await door.authorize(key, batch.events)
     if refusal is not None:
-        headers = {"Retry-After": str(math.ceil(refusal.retry_after_s))} if refusal.retry_after_s else None
-        return _error(refusal.http_status, refusal.message, headers)
+        return _refused(refusal)
     results = await gateway.publish(batch.events, key=key, traceparent=request.headers.get("traceparent", ""))
     status = http_status(results)
     headers = {"Retry-After": str(settings.retry_after_s)} if status == 429 else None
     body = json_format.MessageToJson(ingest_pb2.PublishEventsResponse(results=results), indent=None)
     return web.Response(status=status, text=body, content_type="application/json", headers=headers)
+
+
+ACCEPTED_ENCODINGS = ("identity", "gzip", "deflate")
+
+
+async def _read_body(request: web.Request, settings: IngestSettings) -> bytes | web.Response:
+    """The body, decompressed, or the refusal: at most max_body_bytes, and a compressed body
+    at most max_inflation times its Content-Length (a 93 KB gzip that expands to 61 MB stops
+    at the bound, read no further)."""
+    encoding = request.headers.get("Content-Encoding", "identity").strip().lower() or "identity"
+    if encoding not in ACCEPTED_ENCODINGS:
+        return _error(415, f"Content-Encoding {encoding!r} is not accepted: send {', '.join(ACCEPTED_ENCODINGS)}")
+    limit, why = settings.max_body_bytes, f"body is larger than {settings.max_body_bytes} bytes: split the batch"
+    if encoding != "identity":
+        if request.content_length is None:
+            return _error(411, f"a {encoding} body needs a Content-Length")
+        if settings.max_inflation * request.content_length < limit:
+            limit = settings.max_inflation * request.content_length
+            why = f"{encoding} body expands past {settings.max_inflation}x its {request.content_length} bytes"
+    body = bytearray()
+    try:
+        async for chunk in request.content.iter_any():
+            body += chunk
+            if len(body) > limit:
+                return _error(413, why)
+    except (web.RequestPayloadError, aiohttp.ClientPayloadError, aiohttp.http_exceptions.HttpProcessingError) as exc:
+        return _error(400, f"body does not decode ({encoding}): {exc}")
+    return bytes(body)
+
+
+def _refused(refusal: Refusal) -> web.Response:
+    headers = {"Retry-After": str(math.ceil(refusal.retry_after_s))} if refusal.retry_after_s else None
+    return _error(refusal.http_status, refusal.message, headers)
 
 
 def _json_type_error(value, descriptor, path: str) -> str | None:

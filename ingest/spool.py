@@ -79,12 +79,14 @@ class Spool:
 
     def __init__(self, directory: str | os.PathLike, *, max_bytes: int, segment_bytes: int, fsync: bool = True) -> None:
         self.directory = Path(directory)
-        self.directory.mkdir(parents=True, exist_ok=True)
+        # Events hold users' code and messages: the spool is its owner's alone.
+        self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        self.directory.chmod(0o700)
         self._max_bytes = max_bytes
         self._segment_bytes = segment_bytes
         self._fsync = fsync
         self._lock = threading.Lock()
-        self._lock_file = open(self.directory / "LOCK", "a+b")
+        self._lock_file = os.fdopen(os.open(self.directory / "LOCK", os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o600), "a+b")
         try:
             fcntl.flock(self._lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -171,7 +173,7 @@ class Spool:
                 else:
                     # Without this, a restart would resend the answered part of the segment
                     # (harmless, DUPLICATE) but only while the gateway still remembers it.
-                    with open(segment.acks_path, "ab") as acks:
+                    with os.fdopen(os.open(segment.acks_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600), "ab") as acks:
                         acks.write(b"".join(_ACK.pack(o) for o in offsets))
                         acks.flush()
                         if self._fsync:

@@ -11,7 +11,7 @@ import sys
 
 from reward_stream.config import RewardStreamSettings
 from rtrl.config import StackSettings
-from rtrl.runtime import enable_stack_dumps
+from rtrl.runtime import enable_stack_dumps, owner_only_files
 
 
 def usage() -> str:
@@ -27,6 +27,7 @@ def main() -> None:
         return
     settings = RewardStreamSettings()
     stack = StackSettings()
+    owner_only_files()
     enable_stack_dumps()
     # Imported after the configuration is parsed so config errors do not wait for faust.
     from reward_stream.app import run

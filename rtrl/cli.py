@@ -11,6 +11,8 @@ from pathlib import Path
 import typer
 from rich.console import Console
 
+from rtrl.runtime import owner_only_files
+
 app = typer.Typer(help="rtrl: real-time reinforcement learning from product telemetry.", no_args_is_help=True)
 bench_app = typer.Typer(help="Benchmarks; each writes bench/results/<name>.json.", no_args_is_help=True)
 app.add_typer(bench_app, name="bench")
@@ -316,6 +318,7 @@ def keys_list(client: str = typer.Argument(...)) -> None:
 
 
 def main() -> None:
+    owner_only_files()  # reports, exports and anything else the CLI writes
     app()
 
 

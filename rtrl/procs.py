@@ -105,15 +105,19 @@ def stop_group(pgid: int, timeout_s: float = 10.0) -> bool:
     return True
 
 
-def spawn(name: str, argv: list[str], log_path: Path, env: dict[str, str] | None = None, port: int | None = None) -> Proc:
+def spawn(
+    name: str, argv: list[str], log_path: Path, env: dict[str, str] | None = None, port: int | None = None, *, inherit_env: bool = True
+) -> Proc:
+    """Start ``argv`` in a session of its own, logging to ``log_path``. Its environment is ours
+    plus ``env``, or with ``inherit_env=False`` exactly ``env``."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    log_file = open(log_path, "ab")
+    log_file = os.fdopen(os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600), "ab")  # logs hold users' data
     popen = subprocess.Popen(
         argv,
         stdout=log_file,
         stderr=subprocess.STDOUT,
         stdin=subprocess.DEVNULL,
-        env={**os.environ, **(env or {})},
+        env={**(os.environ if inherit_env else {}), **(env or {})},
         start_new_session=True,
     )
     log_file.close()

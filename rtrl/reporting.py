@@ -8,7 +8,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from rtrl import topics
+from rtrl import stack_secrets, topics
 from rtrl.config import StackSettings
 from rtrl.stack import StackFile
 
@@ -27,7 +27,10 @@ def query_function(stack: StackFile | None, state_dir: Path | None = None):
     from analytics.query import client_query_fn, connect, http_query_fn
 
     if stack is not None:
-        return http_query_fn(stack.urls("analytics", "RTRL_ANALYTICS_QUERY_PORT")[0])
+        secrets = stack_secrets.load(Path(stack.state_dir))
+        if secrets is None:
+            raise RuntimeError(f"the stack in {stack.state_dir} has no {stack_secrets.SECRETS_FILE}: its query token is unknown")
+        return http_query_fn(stack.urls("analytics", "RTRL_ANALYTICS_QUERY_PORT")[0], secrets.analytics_query_token)
     return client_query_fn(connect(StackSettings(state_dir=state_dir) if state_dir else StackSettings()))
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import faulthandler
+import os
 import signal
 import sys
 
@@ -19,11 +20,18 @@ _watchdog_s: float | None = None
 runs a service's serve() inside pytest must not be ended by it)."""
 
 
+def owner_only_files() -> None:
+    """Everything this process creates from now on is readable by its owner only (state
+    files hold prompts, code, follow-ups, journals and secrets)."""
+    os.umask(0o077)
+
+
 def service_process(shutdown_budget_s: float = SHUTDOWN_BUDGET_S) -> None:
-    """Call first in a service's main(): stack dumps on SIGUSR1, and a shutdown watchdog
-    armed when until_stopped returns."""
+    """Call first in a service's main(): owner-only files, stack dumps on SIGUSR1, and a
+    shutdown watchdog armed when until_stopped returns."""
     global _watchdog_s
     _watchdog_s = shutdown_budget_s
+    owner_only_files()
     enable_stack_dumps()
 
 

@@ -81,4 +81,5 @@ def prepare(state_dir: Path, *, fresh: bool) -> Marker:
         return Marker(**json.loads(marker_path.read_text()))
     marker = Marker(format=FORMAT, created_ts=time.time())
     marker_path.write_text(json.dumps(asdict(marker)) + "\n")
+    marker_path.chmod(0o600)
     return marker

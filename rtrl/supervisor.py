@@ -13,7 +13,8 @@ import signal
 import sys
 import time
 
-from rtrl import broker_record, kafka, procs
+from rtrl import broker_record, kafka, procs, stack_secrets
+from rtrl.runtime import owner_only_files
 from rtrl.config import StackSettings
 from rtrl.stack import SERVICE_ORDER, ServiceSpec, StackConfig, StackFile, embedded_trainer_env, stack_path
 
@@ -56,6 +57,7 @@ class Supervisor:
         self.measured_at = 0.0
 
     def start(self) -> StackFile:
+        self.secrets = stack_secrets.ensure(self.state_dir)
         logs = self.state_dir / "logs"
         tansu = procs.start_tansu(logs / "tansu.log")
         redis = procs.start_redis(self.state_dir / "redis", logs / "redis.log", durable=True)
@@ -88,6 +90,8 @@ class Supervisor:
 
     def _spawn(self, spec: ServiceSpec) -> None:
         env = {
+            # The operator's environment stops here: the service gets what it reads and its own secrets only.
+            **stack_secrets.service_env(spec.name, os.environ, self.secrets),
             **self.stack.env(),
             "RTRL_KAFKA_PARTITIONS": str(self.settings.kafka_partitions),
             "RTRL_INSTANCE": spec.instance,
@@ -96,7 +100,7 @@ class Supervisor:
             "PYTHONUNBUFFERED": "1",
             **{var: str(port) for var, port in spec.ports.items()},
         }
-        proc = procs.spawn(spec.key, [sys.executable, "-m", spec.name], spec.log_path(self.state_dir), env=env)
+        proc = procs.spawn(spec.key, [sys.executable, "-m", spec.name], spec.log_path(self.state_dir), env=env, inherit_env=False)
         self.children[spec.key] = proc
         spec.pid = proc.pid
         spec.state = "running"
@@ -168,6 +172,9 @@ class Supervisor:
 def main() -> None:
     settings = StackSettings()
     config = StackConfig()
+    # Logs, the broker record, Redis's append-only file and everything the services write
+    # are the owner's alone; the services set the same for themselves.
+    owner_only_files()
     (settings.state_dir / "logs").mkdir(parents=True, exist_ok=True)
     logging.basicConfig(
         filename=settings.state_dir / "logs" / "supervisor.log",

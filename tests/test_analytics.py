@@ -2,6 +2,7 @@
 
 import asyncio
 import json
+import secrets
 import os
 import signal
 import sys
@@ -176,7 +177,11 @@ def test_ab_numbers_match_the_hand_computed_ones(tmp_path):
 
 def test_sink_deduplicates_replays_and_commits_after_insert(stack_settings, stack_env, tmp_path, repo_root):
     port = procs.free_port()
-    env = {**stack_env, "RTRL_ANALYTICS_QUERY_PORT": str(port), "RTRL_ANALYTICS_BATCH_SIZE": "4", "RTRL_ANALYTICS_FLUSH_INTERVAL_S": "0.2", "PYTHONPATH": str(repo_root)}
+    token = secrets.token_urlsafe(16)
+    env = {
+        **stack_env, "RTRL_ANALYTICS_QUERY_PORT": str(port), "RTRL_ANALYTICS_BATCH_SIZE": "4", "RTRL_ANALYTICS_FLUSH_INTERVAL_S": "0.2",
+        "RTRL_ANALYTICS_QUERY_TOKEN": token, "PYTHONPATH": str(repo_root),
+    }
     sink = procs.spawn("analytics", [sys.executable, "-m", "analytics"], tmp_path / "analytics.log", env=env, port=port)
     rollouts, rewards = hand_made_records()
     events = [make_event(r.rollout_id, "s1", "u1", followup=telemetry_pb2.FollowUp(message="no")) for r in rollouts[:3]]
@@ -194,7 +199,7 @@ def test_sink_deduplicates_replays_and_commits_after_insert(stack_settings, stac
     try:
         asyncio.run(produce())
         procs.wait_for_port(port, timeout_s=30)
-        query = http_query_fn(f"http://127.0.0.1:{port}")
+        query = http_query_fn(f"http://127.0.0.1:{port}", token)
         counts = "SELECT (SELECT count() FROM rollouts FINAL) AS rollouts, (SELECT count(DISTINCT reward_id) FROM rewards) AS rewards, (SELECT count() FROM telemetry_events FINAL) AS events"
         deadline = time.monotonic() + 60
         while query(counts) != [{"rollouts": 9, "rewards": 9, "events": 3}]:

@@ -41,7 +41,9 @@ SETTINGS = {
     "inference.sglang_sidecar": ("inference.sglang_sidecar:SidecarSettings", "RTRL_SGLANG_SIDECAR_"),
 }
 # What `docker compose` would read from the operator's environment.
-OPERATOR_ENV = {"RTRL_WEIGHT_SYNC_TOKEN": "publish-secret", "RTRL_WEIGHT_SYNC_SUBSCRIBE_TOKEN": "subscribe-secret"}
+OPERATOR_ENV = {
+    "RTRL_WEIGHT_SYNC_TOKEN": "publish-secret", "RTRL_WEIGHT_SYNC_SUBSCRIBE_TOKEN": "subscribe-secret", "RTRL_ANALYTICS_QUERY_TOKEN": "query-secret",
+}
 
 
 def compose_schema() -> dict:
@@ -103,9 +105,25 @@ def test_compose_file_is_valid_under_the_compose_specification():
     assert list(validator.iter_errors(broken))
 
 
-def test_the_operator_must_set_the_weight_sync_tokens():
-    with pytest.raises(KeyError, match="RTRL_WEIGHT_SYNC_TOKEN"):
-        load({})
+@pytest.mark.parametrize("missing", sorted(OPERATOR_ENV))
+def test_the_operator_must_set_every_secret(missing):
+    with pytest.raises(KeyError, match=missing):
+        load({name: value for name, value in OPERATOR_ENV.items() if name != missing})
+
+
+def test_each_secret_reaches_only_the_services_that_use_it():
+    """The same rule as the embedded stack's (rtrl/stack_secrets.py), for compose's services."""
+    from rtrl.stack_secrets import SERVICE_SECRETS
+
+    holders = {}
+    for name, (module, environment) in rtrl_services(load()).items():
+        service = module.split(".")[0]
+        expected = set(SERVICE_SECRETS.get(service, {})) if module != "inference.sglang_sidecar" else {"RTRL_WEIGHT_SYNC_SUBSCRIBE_TOKEN"}
+        held = {var for var in environment if var in OPERATOR_ENV}
+        assert held == expected, f"{name} ({module}) holds {sorted(held)}, uses {sorted(expected)}"
+        assert all(environment[var] == OPERATOR_ENV[var] for var in held)
+        holders.update({var: name for var in held})
+    assert set(holders) == set(OPERATOR_ENV)
 
 
 def test_every_rtrl_service_exists_and_reads_the_variables_it_is_given():

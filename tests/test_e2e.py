@@ -314,3 +314,42 @@ def test_one_rollout_traced_from_serving_to_every_workers_apply(run):
     one = lambda sql: list(run.query(sql)[0].values())[0]  # noqa: E731
     assert one(f"SELECT traceparent FROM rollouts FINAL WHERE rollout_id = '{rollout_id}'").startswith(_traceparent(serving))
     assert one(f"SELECT count() FROM trainer_steps FINAL WHERE startsWith(traceparent, '{_traceparent(step)}') AND published") == 1
+
+
+def test_each_secret_is_found_only_where_it_is_used(run):
+    """Guarantee 7: each process holds only the secrets it uses. Every process environment
+    and command line, every file the stack wrote, every heartbeat and every metrics page
+    of the running stack is searched for each of its secrets."""
+    from rtrl import stack_secrets
+
+    state_dir = Path(run.stack.state_dir)
+    secrets = stack_secrets.load(state_dir)
+    assert secrets is not None and (state_dir / stack_secrets.SECRETS_FILE).stat().st_mode & 0o777 == 0o600
+    names = {value: name for name, value in vars(secrets).items()}
+
+    def found_in(blob: bytes) -> set[str]:
+        return {name for value, name in names.items() if value.encode() in blob}
+
+    # Processes: each service holds exactly its own; the supervisor, the broker and Redis none.
+    expected_by_pid = {spec.pid: set(stack_secrets.SERVICE_SECRETS.get(spec.name, {}).values()) for spec in run.stack.services}
+    expected_by_pid |= {pid: set() for pid in (run.stack.supervisor_pid, *run.stack.infra.values())}
+    for pid, expected in expected_by_pid.items():
+        environ = Path(f"/proc/{pid}/environ").read_bytes()
+        assert found_in(environ) == expected, f"pid {pid}: environment holds {found_in(environ)}, expected {expected}"
+        assert not found_in(Path(f"/proc/{pid}/cmdline").read_bytes())
+        if pid in {spec.pid for spec in run.stack.services}:
+            assert b"\0RTRL_KAFKA_BOOTSTRAP=" in b"\0" + environ, "the stack's settings still reach every service"
+    # Every file the stack wrote (logs, spans, journal, checkpoint, blobs, Redis's file, chdb), but the secrets file.
+    written = [p for p in state_dir.rglob("*") if p.is_file() and p.name != stack_secrets.SECRETS_FILE]
+    assert len(written) > 20
+    leaks = {str(p.relative_to(state_dir)): found_in(p.read_bytes()) for p in written}
+    assert not {path: found for path, found in leaks.items() if found}
+    # ...and only the owner can read them (the warm-start cache is the test's own copy).
+    readable = [str(p.relative_to(state_dir)) for p in written if p.stat().st_mode & 0o077 and "cache" not in p.parts]
+    assert not readable, f"readable by others than the owner: {readable[:10]}"
+    # Heartbeats and every metrics page.
+    client = redis.Redis.from_url(run.stack.redis_url)
+    beats = b"".join(client.get(key) or b"" for key in client.scan_iter("rtrl:hb:*"))
+    client.close()
+    assert beats and not found_in(beats)
+    assert run.scraped and not found_in("".join(run.scraped.values()).encode())

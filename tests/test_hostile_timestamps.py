@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import secrets
 import sys
 import time
 import uuid
@@ -354,7 +355,11 @@ def test_sink_stores_what_its_columns_hold_and_dead_letters_the_rest(tmp_path):
 @pytest.mark.integration
 def test_sink_process_dead_letters_an_unstorable_record_and_commits_past_it(stack_settings, stack_env, tmp_path, repo_root):
     port = procs.free_port()
-    env = {**stack_env, "RTRL_ANALYTICS_QUERY_PORT": str(port), "RTRL_ANALYTICS_FLUSH_INTERVAL_S": "0.2", "PYTHONPATH": str(repo_root)}
+    token = secrets.token_urlsafe(16)
+    env = {
+        **stack_env, "RTRL_ANALYTICS_QUERY_PORT": str(port), "RTRL_ANALYTICS_FLUSH_INTERVAL_S": "0.2",
+        "RTRL_ANALYTICS_QUERY_TOKEN": token, "PYTHONPATH": str(repo_root),
+    }
     rollouts, rewards = hand_made_records()
     hostile = [
         (topics.ROLLOUT, hostile_rollout("r-2^62", 2**62)),
@@ -368,7 +373,7 @@ def test_sink_process_dead_letters_an_unstorable_record_and_commits_past_it(stac
     sink = procs.spawn("analytics", [sys.executable, "-m", "analytics"], tmp_path / "analytics.log", env=env, port=port)
     try:
         procs.wait_for_port(port, timeout_s=30)
-        query = http_query_fn(f"http://127.0.0.1:{port}")
+        query = http_query_fn(f"http://127.0.0.1:{port}", token)
         counts = "SELECT (SELECT count() FROM rollouts FINAL) AS rollouts, (SELECT count(DISTINCT reward_id) FROM rewards) AS rewards, (SELECT count() FROM dead_letters FINAL) AS letters"
         deadline = time.monotonic() + 60
         while query(counts) != [{"rollouts": len(rollouts), "rewards": len(rewards), "letters": len(hostile)}]:

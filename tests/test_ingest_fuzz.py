@@ -805,6 +805,8 @@ UNDECODABLE = [
     ("a chunk size that is not hex", b"Transfer-Encoding: chunked\r\n", b"zz\r\nabc\r\n0\r\n\r\n", 400, "chunk"),
     ("Content-Length and chunked both", b"Transfer-Encoding: chunked\r\nContent-Length: 2\r\n", b"{}", 400, "Content-Length"),
     ("an API key that is not UTF-8", b"Authorization: Bearer \xff\xfe\r\n", b'{"events": []}', 401, "API key"),
+    ("an encoding the gateway does not take", b"Content-Encoding: x-rot13\r\n", b'{"events": []}', 415, "x-rot13"),
+    ("a gzip body without a Content-Length", b"Content-Encoding: gzip\r\nTransfer-Encoding: chunked\r\n", b"5\r\nabcde\r\n0\r\n\r\n", 411, "Content-Length"),
 ]
 
 
@@ -821,6 +823,27 @@ def test_undecodable_http_requests_get_a_4xx_not_a_500(front):
             failures.append(f"{case}: want {status} mentioning {mention!r}, got {answer.status} {answer.text[:100]!r}")
     assert not failures, "\n".join(failures)
     assert front.health()[0] == 200
+
+
+def test_a_compression_bomb_is_refused_before_the_key_and_stopped_at_the_bound_after(front):
+    """A 61 MB gzip bomb (61 KB on the wire): refused with 401 on the headers alone without a
+    key, and with one refused at max_inflation x its size, the rest left unread; the gateway
+    keeps answering."""
+    bomb = gzip.compress(b" " * (61 << 20), compresslevel=9)
+    head = b"POST /v1/events HTTP/1.1\r\nHost: ingest\r\nConnection: close\r\nContent-Encoding: gzip\r\nContent-Length: %d\r\n" % len(bomb)
+    for authorization, status, mention in (
+        (b"", 401, "API key"),
+        (b"Authorization: Bearer not-a-key\r\n", 401, "unknown API key"),
+        (f"Authorization: Bearer {front.api_key}\r\n".encode(), 413, "expands past 20x"),
+    ):
+        answer = front.raw_http(head + authorization + b"\r\n" + bomb)
+        assert answer.status == status and mention in answer.text, (authorization, answer)
+    assert front.health()[0] == 200
+    # An honest compressed batch still goes through.
+    body = gzip.compress(as_json([good_event("followup")]))
+    head = b"POST /v1/events HTTP/1.1\r\nHost: ingest\r\nConnection: close\r\nContent-Encoding: gzip\r\nContent-Length: %d\r\n" % len(body)
+    answer = front.raw_http(head + f"Authorization: Bearer {front.api_key}\r\n".encode() + b"\r\n" + body)
+    assert answer.status == 200, answer
 
 
 def test_oversized_messages_are_refused_by_size(front):

@@ -21,8 +21,7 @@ import pytest
 import redis
 from rich.console import Console
 
-from rtrl import broker_record, health
-from rtrl.config import StackSettings
+from rtrl import broker_record, health, stack_secrets
 from rtrl.lifecycle import down, up
 from rtrl.policy import weights_digest
 from rtrl.reporting import drain, query_function
@@ -97,7 +96,7 @@ def test_a_stopped_stack_resumes_its_lineage_weights_and_history(resumed):
     client.close()
     assert beats["trainer:0"]["version"] == first["last_version"]
     assert beats["trainer:0"]["step"] == first["last_step"]
-    _, published = fetch_published(stack.weight_sync_addr, _subscribe_token(), TREATMENT, first["last_version"])
+    _, published = fetch_published(stack.weight_sync_addr, _subscribe_token(resumed.state_dir), TREATMENT, first["last_version"])
     workers = [key for key in beats if key.startswith("inference:")]
     assert len(workers) == 2
     for worker in workers:
@@ -190,5 +189,6 @@ def _manifests(stack, arm: str):
         client.close()
 
 
-def _subscribe_token() -> str:
-    return StackSettings().weight_sync_subscribe_token.get_secret_value()
+def _subscribe_token(state_dir) -> str:
+    """The token the stack generated for its workers (rtrl/stack_secrets.py): there is no default."""
+    return stack_secrets.load(state_dir).weight_sync_subscribe_token

@@ -11,6 +11,7 @@ against a real Tansu and chdb.
 from __future__ import annotations
 
 import json
+import secrets
 import os
 import random
 import signal
@@ -94,6 +95,7 @@ def kill_9(service: procs.Proc) -> None:
 def test_kill_9_mid_stream_loses_and_doubles_nothing(stack_settings, stack_env, tmp_path, repo_root):
     joiner_env = {**stack_env, "RTRL_REWARD_WINDOW_S": "1", "RTRL_REWARD_GRACE_S": "0.2"}
     sink_env = {**stack_env, "PYTHONPATH": str(repo_root), "RTRL_ANALYTICS_BATCH_SIZE": "2000", "RTRL_ANALYTICS_FLUSH_INTERVAL_S": "0.5"}
+    token = sink_env["RTRL_ANALYTICS_QUERY_TOKEN"] = secrets.token_urlsafe(16)
     joiner_log, sink_log = tmp_path / "reward_stream.log", tmp_path / "analytics.log"
 
     def start_joiner() -> procs.Proc:
@@ -135,7 +137,7 @@ def test_kill_9_mid_stream_loses_and_doubles_nothing(stack_settings, stack_env, 
         time.sleep(3)  # anything doubled would still be on its way
         lag = kafka.consumer_lag(stack_settings, "rtrl-reward-stream", topics.TELEMETRY)
         wait_until(lambda: all(p.lag <= 0 for p in sink_lag(stack_settings)), 60, "the sink did not catch up with the reward topic", joiner, sink)
-        query = http_query_fn(f"http://127.0.0.1:{sink.port}")
+        query = http_query_fn(f"http://127.0.0.1:{sink.port}", token)
         final = query(f"SELECT rollout_id, reward_id FROM rewards FINAL WHERE topic = '{topics.REWARD}'")
         raw = query(f"SELECT reward_id, count() AS n FROM rewards WHERE topic = '{topics.REWARD}' GROUP BY reward_id")
     finally:

@@ -221,6 +221,40 @@ def test_tokens_scope_publish_and_subscribe(server, policy_weights, token, may_r
     assert publish == (grpc.StatusCode.OK if may_publish else denied)
 
 
+def test_a_publish_stream_is_held_to_its_declared_size_as_it_arrives(server, policy_weights):
+    """More bytes than the manifest declares are refused on the chunk that overflows, not after
+    the whole stream was buffered; a declared size past max_blob_bytes is refused at once."""
+    stub = weights_pb2_grpc.WeightSyncStub(grpc.insecure_channel(server.addr))
+    metadata = bearer(StackSettings().weight_sync_token.get_secret_value())
+    encoded = codec.encode(None, policy_weights)
+    manifest = encoded.manifest(arm=ARM, parent_version=-1, keyframe=True)
+    sent = []
+
+    def endless():
+        yield weights_pb2.PublishChunk(manifest=manifest, data=encoded.blob)
+        for _ in range(10_000):  # 10 GB if it were all read
+            sent.append(1)
+            yield weights_pb2.PublishChunk(data=b"\0" * (1 << 20))
+
+    with pytest.raises(grpc.RpcError) as refused:
+        stub.Publish(endless(), metadata=metadata, timeout=60)
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "more than the" in refused.value.details()
+    assert len(sent) < 200, f"{len(sent)} MB were sent before the refusal"
+
+    huge = weights_pb2.Manifest()
+    huge.CopyFrom(manifest)
+    huge.blob_size = 1 << 40
+    with pytest.raises(grpc.RpcError) as refused:
+        stub.Publish(iter([weights_pb2.PublishChunk(manifest=huge, data=b"")]), metadata=metadata, timeout=30)
+    assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "max_blob_bytes" in refused.value.details()
+    assert registry_latest(server) == -1, "nothing was published"
+
+
+def registry_latest(server) -> int:
+    stub = weights_pb2_grpc.WeightSyncStub(grpc.insecure_channel(server.addr))
+    return stub.Latest(weights_pb2.LatestRequest(arm=ARM), metadata=bearer(SUBSCRIBE_TOKEN), timeout=10).version
+
+
 def test_subscriber_survives_a_killed_server(stack, repo_root, tmp_path, policy_weights):
     port = procs.free_port()
     env = {

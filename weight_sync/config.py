@@ -51,6 +51,10 @@ class WeightSyncSettings(BaseSettings):
     FAILED_PRECONDITION and the publisher resends a keyframe. Bounds what a new
     subscriber must download."""
 
+    max_blob_bytes: int = Field(8 << 30, ge=1 << 20)
+    """Largest version a publisher may declare; a publish stream is refused the moment it carries
+    more than its manifest declared (nothing past the declared size is ever buffered)."""
+
     blob_cache_bytes: int = Field(256 << 20, ge=0)
     """Verified blobs kept in memory, so every subscriber of a new version costs one
     read and one checksum between them rather than one each."""

@@ -161,12 +161,24 @@ class WeightSyncService(Broadcaster):
         await self._authorize(context, self._publish_bearer, "publishing")
         manifest: weights_pb2.Manifest | None = None
         parts: list[bytes] = []
+        received = 0
         async for chunk in request_iterator:
             if manifest is None:
                 if not chunk.HasField("manifest"):
                     await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the first PublishChunk must carry the manifest")
                 manifest = weights_pb2.Manifest()
                 manifest.CopyFrom(chunk.manifest)
+                if manifest.blob_size > self._settings.max_blob_bytes:
+                    await context.abort(
+                        grpc.StatusCode.RESOURCE_EXHAUSTED,
+                        f"the manifest declares {manifest.blob_size} bytes, more than max_blob_bytes {self._settings.max_blob_bytes}",
+                    )
+            # The declared size is enforced as the stream arrives, not after buffering it.
+            received += len(chunk.data)
+            if received > manifest.blob_size:
+                await context.abort(
+                    grpc.StatusCode.INVALID_ARGUMENT, f"the stream carries more than the {manifest.blob_size} bytes its manifest declares"
+                )
             parts.append(chunk.data)
         if manifest is None:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "empty publish")

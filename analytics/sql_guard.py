@@ -1,0 +1,166 @@
+"""What the sink's ``/query`` endpoint will run: one SELECT over the project's own tables.
+
+A query is parsed (sqlglot, ClickHouse dialect) and allowed only if every part of it is
+on an allow-list: one statement, a SELECT (or a UNION of them), tables from the
+project's schema and nothing else (no database qualifier, no table function, no system
+table), columns those tables have or the query itself names, and functions from
+``FUNCTIONS``. No SETTINGS, FORMAT or INTO. What runs is the SQL generated back from
+the checked tree, never the caller's text, so nothing the parser saw differently from
+ClickHouse can ride along. A refusal says which part broke the rule.
+
+This is the first of two walls: the client that runs the query is read-only with
+result-size and time limits (analytics/query.py), and on a ClickHouse server the query
+user is granted SELECT on the project's database and no sources (compose/).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Mapping
+
+import sqlglot
+from sqlglot import exp
+from sqlglot.errors import ParseError
+
+MAX_SQL_CHARS = 20_000
+
+# Every function a report, status or test query uses, and the plain arithmetic,
+# comparison, date and array helpers around them. Nothing that reads outside the row:
+# no dictGet, no file/url/remote, no system introspection, no currentUser, no sleep.
+FUNCTIONS = frozenset(
+    name.lower()
+    for name in (
+        # aggregates
+        "count", "sum", "avg", "min", "max", "any", "anyLast", "uniq", "uniqExact", "countIf", "sumIf", "avgIf",
+        "quantile", "quantiles", "quantileExact", "quantileExactInclusive", "quantileTDigest", "median",
+        "groupArray", "groupUniqArray", "argMin", "argMax", "stddevPop", "stddevSamp", "varPop", "varSamp",
+        "maxMapMerge", "sumMap", "maxMap", "minMap",
+        # conditionals and logic
+        "if", "multiIf", "coalesce", "ifNull", "nullIf", "isNull", "isNotNull", "and", "or", "not", "xor",
+        # numbers
+        "abs", "round", "floor", "ceil", "intDiv", "modulo", "least", "greatest", "exp", "log", "sqrt", "pow",
+        "toInt32", "toInt64", "toUInt32", "toUInt64", "toFloat64", "toString", "toDecimal64",
+        # time
+        "toUnixTimestamp", "toUnixTimestamp64Milli", "fromUnixTimestamp64Milli", "toDateTime", "toDateTime64",
+        "toDate", "toStartOfHour", "toStartOfMinute", "toStartOfInterval", "now", "now64", "dateDiff", "toIntervalSecond",
+        # strings
+        "length", "lower", "upper", "substring", "position", "match", "like", "concat", "startsWith", "endsWith",
+        "trim", "replaceAll", "lengthUTF8",
+        # arrays, maps, tuples
+        "arrayAvg", "arraySum", "arrayMin", "arrayMax", "arrayReduce", "arrayJoin", "has", "empty", "notEmpty",
+        "tupleElement", "mapKeys", "mapValues", "array", "tuple", "map", "indexOf", "arrayElement",
+    )
+)
+
+# arrayReduce names its aggregate in a string: the name must be an allowed aggregate too.
+_NAMED_AGGREGATE_ARG = {"arrayreduce"}
+
+# sqlglot node types a SELECT over our tables may contain besides functions, columns
+# and tables (checked on their own). Anything else (a Command, a SETTINGS or FORMAT
+# clause, a placeholder, a parameter, DDL, DML) is refused.
+_ALLOWED_NODES: tuple[type[exp.Expression], ...] = (
+    exp.Select, exp.Union, exp.Subquery, exp.From, exp.Join, exp.Where, exp.Group, exp.Having, exp.Order,
+    exp.Ordered, exp.Limit, exp.Offset, exp.Distinct, exp.With, exp.CTE, exp.TableAlias, exp.Alias, exp.Identifier,
+    exp.Star, exp.Literal, exp.Boolean, exp.Null, exp.Paren, exp.Tuple, exp.Array, exp.Interval, exp.Var,
+    exp.Connector, exp.Binary, exp.Unary, exp.Predicate, exp.Between, exp.In, exp.Case, exp.If, exp.Cast,
+    exp.DataType, exp.DataTypeParam, exp.Final, exp.Lambda, exp.Bracket, exp.Dot, exp.Column, exp.Table, exp.Func,
+)
+# sqlglot models operators (AND, =, +, NOT, IN, BETWEEN, CASE, CAST) as functions too;
+# they compute on the row and are checked only through their operands.
+_OPERATORS: tuple[type[exp.Expression], ...] = (
+    exp.Binary, exp.Unary, exp.Connector, exp.Predicate, exp.Cast, exp.If, exp.Case, exp.Array, exp.Tuple, exp.Bracket,
+)
+_REFUSED_ARGS = ("settings", "format", "into", "sample", "kind")
+
+
+class Refused(ValueError):
+    """The query breaks the allow-list; the message says where."""
+
+
+def checked_sql(sql: str, tables: Mapping[str, Collection[str]]) -> str:
+    """The query as it will run, or Refused. ``tables``: table name -> its column names."""
+    if not isinstance(sql, str) or not sql.strip():
+        raise Refused("the query is empty")
+    if len(sql) > MAX_SQL_CHARS:
+        raise Refused(f"the query is longer than {MAX_SQL_CHARS} characters")
+    try:
+        statements = [s for s in sqlglot.parse(sql, read="clickhouse") if s is not None]
+    except (ParseError, sqlglot.errors.TokenError) as exc:
+        raise Refused(f"not a query this endpoint understands: {str(exc).splitlines()[0]}") from None
+    if len(statements) != 1:
+        raise Refused(f"one statement only (got {len(statements)})")
+    (tree,) = statements
+    if not isinstance(tree, (exp.Select, exp.Union)):
+        raise Refused(f"only SELECT queries are allowed (got {tree.key.upper()})")
+    _check(tree, tables)
+    return tree.sql(dialect="clickhouse")
+
+
+def _check(tree: exp.Expression, tables: Mapping[str, Collection[str]]) -> None:
+    defined = _names_defined_in(tree)
+    columns = {column for names in tables.values() for column in names}
+    for node in tree.walk():
+        if not isinstance(node, _ALLOWED_NODES):
+            raise Refused(f"{node.key.upper()} is not allowed in a query here: {_show(node)}")
+        for arg in _REFUSED_ARGS:
+            if node.args.get(arg) and isinstance(node, (exp.Select, exp.Union)):
+                raise Refused(f"{arg.upper()} is not allowed: {_show(node.args[arg])}")
+        if isinstance(node, exp.Table):
+            _check_table(node, tables, defined)
+        elif isinstance(node, exp.Func) and not isinstance(node, _OPERATORS):
+            _check_function(node)
+        elif isinstance(node, exp.Column):
+            if node.args.get("db") or node.args.get("catalog"):
+                raise Refused(f"column {_show(node)}: qualify columns by table or alias only")
+            if node.name and node.name not in columns and node.name not in defined:
+                raise Refused(f"unknown column {node.name!r}")
+
+
+def _check_table(node: exp.Table, tables: Mapping[str, Collection[str]], defined: set[str]) -> None:
+    if not isinstance(node.this, exp.Identifier):
+        raise Refused(f"table functions are not allowed: {_show(node)}")
+    if node.args.get("db") or node.args.get("catalog"):
+        raise Refused(f"table {_show(node)}: only the project's own tables, unqualified")
+    if node.name not in tables and node.name not in defined:
+        raise Refused(f"unknown table {node.name!r} (allowed: {', '.join(sorted(tables))})")
+
+
+def _check_function(node: exp.Func) -> None:
+    name = _function_name(node)
+    if name not in FUNCTIONS:
+        raise Refused(f"function {name}() is not allowed")
+    if name in _NAMED_AGGREGATE_ARG:
+        first = node.expressions[0] if node.expressions else node.this
+        if not (isinstance(first, exp.Literal) and first.is_string):
+            raise Refused(f"{name}() takes the aggregate's name as a string literal")
+        aggregate = first.this.split("(", 1)[0].strip().lower()
+        if aggregate not in FUNCTIONS:
+            raise Refused(f"aggregate {aggregate}() is not allowed in {name}()")
+
+
+def _function_name(node: exp.Func) -> str:
+    """The name ClickHouse will see: what the checked tree renders before the call's "(".
+    (sqlglot's own names differ: its COUNT_IF is ClickHouse's countIf.)"""
+    if isinstance(node, (exp.Anonymous, exp.ParameterizedAgg, exp.AnonymousAggFunc, exp.CombinedAggFunc)):
+        this = node.this
+        return (this.name if isinstance(this, exp.Identifier) else str(this)).lower()
+    rendered = node.sql(dialect="clickhouse")
+    name, paren, _ = rendered.partition("(")
+    if not paren or not name.replace("_", "").isalnum():
+        raise Refused(f"{_show(node)} is not a plain function call")
+    return name.strip().lower()
+
+
+def _names_defined_in(tree: exp.Expression) -> set[str]:
+    """Aliases, CTE names and lambda parameters the query defines for itself."""
+    names: set[str] = set()
+    for node in tree.walk():
+        if isinstance(node, (exp.Alias, exp.TableAlias, exp.CTE)) and node.alias:
+            names.add(node.alias)
+        elif isinstance(node, exp.Lambda):
+            names.update(e.name for e in node.expressions)
+    return names
+
+
+def _show(node: object) -> str:
+    text = node.sql(dialect="clickhouse") if isinstance(node, exp.Expression) else str(node)
+    return text if len(text) <= 80 else text[:77] + "..."

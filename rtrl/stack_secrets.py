@@ -1,0 +1,118 @@
+"""The embedded stack's own secrets, and which process holds which.
+
+`rtrl up` generates them on the first start of a state directory (``secrets.json``,
+owner-only, 32 random bytes each) and keeps them across restarts; there is no default
+secret. Each service process is started with a fresh environment: the operating
+system's basics, the stack's non-secret settings, its own settings prefix, and only the
+secrets in SERVICE_SECRETS for it, never the operator's whole environment. The CLI
+reads the operator's query token from the same file.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+
+from pydantic import SecretStr
+
+from rtrl.config import StackSettings
+
+SECRETS_FILE = "secrets.json"
+
+
+@dataclass(frozen=True)
+class StackSecrets:
+    analytics_query_token: str
+    """Opens the analytics sink's POST /query: the operator (rtrl report, status)."""
+    weight_sync_publish_token: str
+    """Publishes weight versions: the trainer (and weight_sync, which checks it)."""
+    weight_sync_subscribe_token: str
+    """Follows weight versions: inference workers (and weight_sync, which checks it)."""
+
+    @classmethod
+    def generate(cls) -> StackSecrets:
+        return cls(**{f.name: secrets.token_urlsafe(32) for f in fields(cls)})
+
+    def values(self) -> list[str]:
+        return list(asdict(self).values())
+
+
+# Service -> environment variable -> the secret it carries. A service not listed holds none.
+SERVICE_SECRETS: dict[str, dict[str, str]] = {
+    "analytics": {"RTRL_ANALYTICS_QUERY_TOKEN": "analytics_query_token"},
+    "weight_sync": {
+        "RTRL_WEIGHT_SYNC_TOKEN": "weight_sync_publish_token",
+        "RTRL_WEIGHT_SYNC_SUBSCRIBE_TOKEN": "weight_sync_subscribe_token",
+    },
+    "trainer": {"RTRL_WEIGHT_SYNC_TOKEN": "weight_sync_publish_token"},
+    "inference": {"RTRL_WEIGHT_SYNC_SUBSCRIBE_TOKEN": "weight_sync_subscribe_token"},
+}
+
+# Each service's own settings prefix (its settings class's env_prefix).
+SERVICE_PREFIX = {
+    "analytics": "RTRL_ANALYTICS_",
+    "weight_sync": "RTRL_WEIGHT_SYNC_",
+    "trainer": "RTRL_TRAINER_",
+    "reward_stream": "RTRL_REWARD_",
+    "inference": "RTRL_INFERENCE_",
+    "ingest": "RTRL_INGEST_",
+}
+
+# What a Python service needs of the operating system's environment.
+OS_VARIABLES = frozenset({
+    "PATH", "HOME", "USER", "LOGNAME", "LANG", "LANGUAGE", "LC_ALL", "LC_CTYPE", "TZ", "TMPDIR", "PYTHONPATH", "VIRTUAL_ENV",
+    "OMP_NUM_THREADS", "MKL_NUM_THREADS", "TOKENIZERS_PARALLELISM", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "CUDA_VISIBLE_DEVICES",
+})
+
+
+def ensure(state_dir: Path) -> StackSecrets:
+    """The state directory's secrets, generated (owner-only) on its first start."""
+    path = Path(state_dir) / SECRETS_FILE
+    try:
+        descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        loaded = load(state_dir)
+        assert loaded is not None
+        return loaded
+    generated = StackSecrets.generate()
+    with os.fdopen(descriptor, "w") as out:
+        json.dump(asdict(generated), out)
+        out.flush()
+        os.fsync(out.fileno())
+    return generated
+
+
+def load(state_dir: Path) -> StackSecrets | None:
+    path = Path(state_dir) / SECRETS_FILE
+    if not path.exists():
+        return None
+    if path.stat().st_mode & 0o077:
+        raise PermissionError(f"{path} is readable by others than its owner: chmod 600 it (and rotate what it holds)")
+    doc = json.loads(path.read_text())
+    return StackSecrets(**{f.name: str(doc[f.name]) for f in fields(StackSecrets)})
+
+
+def _stack_variables() -> frozenset[str]:
+    """The shared settings (StackSettings, prefix RTRL_) every service may be given: not the secrets."""
+    return frozenset(
+        f"RTRL_{name.upper()}" for name, field in StackSettings.model_fields.items() if field.annotation is not SecretStr
+    )
+
+
+def service_env(service: str, environ: Mapping[str, str], stack_secrets: StackSecrets) -> dict[str, str]:
+    """The whole environment a service process starts with (see the module docstring)."""
+    shared = _stack_variables()
+    prefix = SERVICE_PREFIX.get(service)
+    own_secrets = SERVICE_SECRETS.get(service, {})
+    secret_names = {name for names in SERVICE_SECRETS.values() for name in names}
+    env = {
+        name: value
+        for name, value in environ.items()
+        if name in OS_VARIABLES or name in shared or (prefix is not None and name.startswith(prefix) and name not in secret_names)
+    }
+    env.update({name: getattr(stack_secrets, secret) for name, secret in own_secrets.items()})
+    return env
