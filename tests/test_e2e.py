@@ -352,4 +352,4 @@ def test_each_secret_is_found_only_where_it_is_used(run):
     beats = b"".join(client.get(key) or b"" for key in client.scan_iter("rtrl:hb:*"))
     client.close()
     assert beats and not found_in(beats)
-    assert run.scraped and not found_in("".join(run.scraped.values()).encode())
+    assert run.metrics and not found_in("".join(run.metrics.values()).encode())

@@ -1,0 +1,51 @@
+"""The embedded stack's secrets (rtrl/stack_secrets.py): generated once, owner-only, and
+each service's environment built from an allow-list, never the operator's whole one."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from rtrl import stack_secrets
+from rtrl.stack_secrets import SERVICE_SECRETS, StackSecrets, service_env
+
+OPERATOR = {
+    "PATH": "/usr/bin",
+    "HOME": "/root",
+    "AWS_SECRET_ACCESS_KEY": "aws-secret",  # the operator's, for nothing rtrl runs here
+    "GITHUB_TOKEN": "gh-secret",
+    "RTRL_WEIGHT_SYNC_TOKEN": "operator-publish-token",  # a secret from the operator's shell
+    "RTRL_KAFKA_BOOTSTRAP": "127.0.0.1:9092",  # a shared, non-secret setting
+    "RTRL_TRAINER_LR": "0.0002",  # the trainer's own setting
+    "RTRL_INGEST_MAX_BATCH": "10",
+}
+
+
+def test_secrets_are_generated_once_owner_only_and_kept(tmp_path):
+    first = stack_secrets.ensure(tmp_path)
+    path = tmp_path / stack_secrets.SECRETS_FILE
+    assert path.stat().st_mode & 0o777 == 0o600
+    assert stack_secrets.ensure(tmp_path) == first == stack_secrets.load(tmp_path)
+    assert len(set(first.values())) == 3 and all(len(value) >= 40 for value in first.values())
+    (tmp_path / "other").mkdir()
+    assert stack_secrets.ensure(tmp_path / "other") != first, "another state directory, other secrets"
+
+
+def test_a_secrets_file_others_can_read_is_refused(tmp_path):
+    stack_secrets.ensure(tmp_path)
+    os.chmod(tmp_path / stack_secrets.SECRETS_FILE, 0o644)
+    with pytest.raises(PermissionError, match="chmod 600"):
+        stack_secrets.load(tmp_path)
+
+
+@pytest.mark.parametrize("service", ["analytics", "weight_sync", "trainer", "inference", "ingest", "reward_stream"])
+def test_each_service_gets_its_settings_and_its_own_secrets_only(service):
+    secrets = StackSecrets.generate()
+    env = service_env(service, OPERATOR, secrets)
+    held = {name for name, value in vars(secrets).items() if value in env.values()}
+    assert held == set(SERVICE_SECRETS.get(service, {}).values())
+    assert not {"aws-secret", "gh-secret", "operator-publish-token"} & set(env.values())
+    assert env["PATH"] == "/usr/bin" and env["RTRL_KAFKA_BOOTSTRAP"] == "127.0.0.1:9092"
+    assert ("RTRL_TRAINER_LR" in env) is (service == "trainer")
+    assert ("RTRL_INGEST_MAX_BATCH" in env) is (service == "ingest")
