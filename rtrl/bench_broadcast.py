@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
+import secrets
 import statistics
 import sys
 import tempfile
@@ -148,6 +150,11 @@ def server_bytes_sent(client: redis.Redis, instance: str) -> int:
 
 def run(out: Path, console: Console, rounds: int = 15) -> dict:
     from rtrl.bench_codec import minilm_versions
+
+    # The bench's own servers, relays and probes (which inherit this environment) share a pair
+    # of tokens made for the run: weight_sync has no defaults.
+    for name in ("RTRL_WEIGHT_SYNC_TOKEN", "RTRL_WEIGHT_SYNC_SUBSCRIBE_TOKEN"):
+        os.environ.setdefault(name, secrets.token_urlsafe(24))
 
     with console.status("MiniLM: fine-tuning for the versions to broadcast"):
         versions = minilm_versions(5 + rounds, keep=1 + rounds)

@@ -41,12 +41,13 @@ class StackSettings(BaseSettings):
     weight_sync_addr: str = "127.0.0.1:50061"
     """gRPC address of the weight_sync service."""
 
-    weight_sync_token: SecretStr = SecretStr("rtrl-dev-publish-token")
-    """Bearer token that allows publishing weights (only the trainer holds it)."""
+    weight_sync_token: SecretStr = SecretStr("")
+    """Bearer token that allows publishing weights (the trainer, and weight_sync to check it).
+    No default: weight_sync refuses to start without one (`rtrl up` generates its own)."""
 
-    weight_sync_subscribe_token: SecretStr = SecretStr("rtrl-dev-subscribe-token")
+    weight_sync_subscribe_token: SecretStr = SecretStr("")
     """Bearer token that allows following versions (inference workers and relays); it
-    cannot publish."""
+    cannot publish. No default, as for the publish token."""
 
     state_dir: Path = Path(".rtrl")
     """Where the embedded stack keeps blobs, checkpoints, chdb data and logs."""

@@ -8,6 +8,7 @@ and flushed per test; chdb data lives in the test's tmp_path.
 from __future__ import annotations
 
 import os
+import secrets
 from pathlib import Path
 
 import pytest
@@ -21,6 +22,10 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # the variable once, when first imported, and torch or transformers may import it
 # before those test modules do; TRITON_INTERPRET=0 runs them on a GPU instead.
 os.environ.setdefault("TRITON_INTERPRET", "1")
+# weight_sync has no default tokens: the tests' servers, trainers and workers (in process and
+# as subprocesses, which inherit this environment) share a pair made for this run.
+os.environ.setdefault("RTRL_WEIGHT_SYNC_TOKEN", secrets.token_urlsafe(24))
+os.environ.setdefault("RTRL_WEIGHT_SYNC_SUBSCRIBE_TOKEN", secrets.token_urlsafe(24))
 
 
 @pytest.fixture(scope="session")

@@ -250,6 +250,20 @@ def test_a_publish_stream_is_held_to_its_declared_size_as_it_arrives(server, pol
     assert registry_latest(server) == -1, "nothing was published"
 
 
+def test_weight_sync_will_not_start_without_its_tokens(stack, tmp_path, repo_root):
+    """No default token exists: a server given none exits at once and says which are missing."""
+    env = {
+        "RTRL_REDIS_URL": stack.redis_url, "RTRL_STATE_DIR": str(stack.state_dir), "RTRL_WEIGHT_SYNC_PORT": str(procs.free_port()),
+        "RTRL_WEIGHT_SYNC_TOKEN": "", "RTRL_WEIGHT_SYNC_SUBSCRIBE_TOKEN": "", "PYTHONPATH": str(repo_root),
+    }
+    proc = procs.spawn("weight_sync", [sys.executable, "-m", "weight_sync"], tmp_path / "ws.log", env=env)
+    try:
+        assert proc.popen.wait(timeout=60) != 0
+    finally:
+        proc.stop(timeout_s=5)
+    assert "RTRL_WEIGHT_SYNC_TOKEN" in (tmp_path / "ws.log").read_text() and "no defaults" in (tmp_path / "ws.log").read_text()
+
+
 def registry_latest(server) -> int:
     stub = weights_pb2_grpc.WeightSyncStub(grpc.insecure_channel(server.addr))
     return stub.Latest(weights_pb2.LatestRequest(arm=ARM), metadata=bearer(SUBSCRIBE_TOKEN), timeout=10).version
