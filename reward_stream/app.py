@@ -40,7 +40,7 @@ from reward_stream.acks import OrderedAcks
 from reward_stream.config import RewardStreamSettings
 from reward_stream.publisher import OutputPublisher
 from reward_stream.runtime import Joiner
-from rtrl import heartbeat, otel, topics
+from rtrl import heartbeat, otel, signing, topics
 from rtrl.config import StackSettings
 
 SERVICE = "reward_stream"
@@ -78,7 +78,10 @@ def faust_app(settings: RewardStreamSettings, stack: StackSettings, datadir: str
 
 def create_app(settings: RewardStreamSettings, stack: StackSettings) -> faust.App:
     app = faust_app(settings, stack, "reward_stream")
-    joiner = Joiner(settings.join_config(), settings.reward_fn_version)
+    key = settings.signing_key.get_secret_value()
+    if not key:
+        raise SystemExit("RTRL_REWARD_SIGNING_KEY is not set: the joiner signs every reward and has no default key (python -m rtrl.signing)")
+    joiner = Joiner(settings.join_config(), settings.reward_fn_version, signing.Signer(key, signing.Purpose.REWARD))
     ordered = OrderedAcks()
     publisher = OutputPublisher(stack, settings.max_in_flight, ordered.done)
     highwater = app.consumer.highwater

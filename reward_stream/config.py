@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pydantic import Field, model_validator
+from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from reward_stream.join import JoinConfig
@@ -51,6 +51,12 @@ class RewardStreamSettings(BaseSettings):
     max_in_flight: int = Field(20_000, ge=1)
     """Output records handed to the producer but not yet acked by the broker before the
     agent waits; their input records stay unacknowledged until then."""
+
+    signing_key: SecretStr = SecretStr("")
+    """The joiner's Ed25519 private key (base64url, rtrl/signing.py): every reward it writes is
+    signed with it, and the trainer trains only on rewards that verify. No default: the
+    joiner refuses to start without one (`rtrl up` generates it; `python -m rtrl.signing`
+    prints a pair)."""
 
     reward_fn_version: str = "r3"
     """Reward function the live stream settles with (reward_stream/reward.py: r1, r2, r3).

@@ -42,7 +42,7 @@ from confluent_kafka import (
 
 from reward_stream import join, reward
 from reward_stream.codec import MalformedEvent, PrivacyModeEvent, decode
-from rtrl import kafka, topics
+from rtrl import kafka, signing, topics
 from rtrl.config import StackSettings
 from rtrl.v1 import reward_pb2
 
@@ -147,8 +147,16 @@ def rejoin(retained: list[RetainedRecord], config: join.JoinConfig, version: str
     return Replay(version, tuple(records), skipped, dropped, late)
 
 
-def publish(settings: StackSettings, result: Replay, timeout_s: float = 30.0) -> str:
-    """Write the replayed records to their own topic; returns its name."""
+def publish(settings: StackSettings, result: Replay, timeout_s: float = 30.0, signer: signing.Signer | None = None) -> str:
+    """Write the replayed records to their own topic, signed as the joiner signs (a trainer
+    trains on nothing else); returns its name."""
+    if signer is None:
+        from reward_stream.config import RewardStreamSettings
+
+        key = RewardStreamSettings().signing_key.get_secret_value()
+        if not key:
+            raise RuntimeError("RTRL_REWARD_SIGNING_KEY is not set: a replay is signed with the joiner's key, or no trainer takes it")
+        signer = signing.Signer(key, signing.Purpose.REWARD)
     topic = topics.reward_replay(result.version)
     kafka.ensure_topics(settings, (topic,))
     producer = Producer(kafka.producer_config(settings))
@@ -159,7 +167,8 @@ def publish(settings: StackSettings, result: Replay, timeout_s: float = 30.0) ->
             errors.append(str(err))
 
     for record in result.records:
-        producer.produce(topic, record.SerializeToString(), key=record.rollout_id.encode(), on_delivery=on_delivery)
+        value = record.SerializeToString()
+        producer.produce(topic, value, key=record.rollout_id.encode(), headers=list(signer.headers(value)), on_delivery=on_delivery)
     undelivered = producer.flush(timeout_s)
     producer.close()
     if undelivered or errors:

@@ -33,7 +33,7 @@ from opentelemetry import trace
 
 from reward_stream import join, monitors, reward
 from reward_stream.codec import MalformedEvent, PrivacyModeEvent, decode
-from rtrl import kafka, otel, topics
+from rtrl import kafka, otel, signing, topics
 
 log = logging.getLogger(__name__)
 _tracer = trace.get_tracer("rtrl.reward_stream")
@@ -89,8 +89,12 @@ class Joiner:
     feeds the same JoinState and stream time is tracked per partition.
     """
 
-    def __init__(self, config: join.JoinConfig, reward_fn_version: str = reward.REWARD_FN_VERSION) -> None:
+    def __init__(
+        self, config: join.JoinConfig, reward_fn_version: str = reward.REWARD_FN_VERSION, signer: signing.Signer | None = None
+    ) -> None:
         self.config = config
+        self.signer = signer
+        """Signs every reward it writes (the service always has one; rtrl/signing.py)."""
         self.settled: Counter[tuple[str, bool]] = Counter()
         """Rewards settled per (arm, defaulted), and below their sum and their components'
         sums per (arm, component): plain sums on the hot path, read as metrics (app.py)."""
@@ -236,7 +240,10 @@ class Joiner:
                 self._watch(record, rollout.message)
                 self._observe(record, rollout.message)
                 value = reward.encode_with_rollout(record, rollout.raw)
-                records.append(OutRecord(topics.REWARD, output.rollout_id.encode(), value, tuple(kafka.traceparent_headers(record.traceparent))))
+                headers = tuple(kafka.traceparent_headers(record.traceparent))
+                if self.signer is not None:
+                    headers += self.signer.headers(value)
+                records.append(OutRecord(topics.REWARD, output.rollout_id.encode(), value, headers))
             elif isinstance(output, join.Dropped):
                 acks.extend(e.handle for e in output.events)
                 self.counters.dropped += 1

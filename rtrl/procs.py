@@ -23,6 +23,22 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def free_ports(count: int) -> list[int]:
+    """``count`` distinct free ports. Each socket stays bound until all are picked: one after
+    another, free_port() can be handed the port it just released (a stack whose trainer and
+    ingest were given the same metrics port restarted its trainer until it gave up)."""
+    sockets: list[socket.socket] = []
+    try:
+        for _ in range(count):
+            sock = socket.socket()
+            sockets.append(sock)
+            sock.bind(("127.0.0.1", 0))
+        return [sock.getsockname()[1] for sock in sockets]
+    finally:
+        for sock in sockets:
+            sock.close()
+
+
 def wait_for_port(port: int, timeout_s: float = 20.0, host: str = "127.0.0.1") -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:

@@ -19,6 +19,7 @@ from pathlib import Path
 
 from pydantic import SecretStr
 
+from rtrl import signing
 from rtrl.config import StackSettings
 
 SECRETS_FILE = "secrets.json"
@@ -32,10 +33,13 @@ class StackSecrets:
     """Publishes weight versions: the trainer (and weight_sync, which checks it)."""
     weight_sync_subscribe_token: str
     """Follows weight versions: inference workers (and weight_sync, which checks it)."""
+    reward_signing_key: str
+    """Signs rewards (Ed25519 private key): the joiner alone; the trainer holds its public key."""
 
     @classmethod
     def generate(cls) -> StackSecrets:
-        return cls(**{f.name: secrets.token_urlsafe(32) for f in fields(cls)})
+        tokens = {f.name: secrets.token_urlsafe(32) for f in fields(cls) if f.name.endswith("_token")}
+        return cls(**tokens, reward_signing_key=signing.generate_private_key())
 
     def values(self) -> list[str]:
         return list(asdict(self).values())
@@ -50,6 +54,12 @@ SERVICE_SECRETS: dict[str, dict[str, str]] = {
     },
     "trainer": {"RTRL_WEIGHT_SYNC_TOKEN": "weight_sync_publish_token"},
     "inference": {"RTRL_WEIGHT_SYNC_SUBSCRIBE_TOKEN": "weight_sync_subscribe_token"},
+    "reward_stream": {"RTRL_REWARD_SIGNING_KEY": "reward_signing_key"},
+}
+
+# Service -> environment variable -> the public half of a key pair it verifies with (not secret).
+SERVICE_PUBLIC_KEYS: dict[str, dict[str, str]] = {
+    "trainer": {"RTRL_TRAINER_REWARD_PUBLIC_KEYS": "reward_signing_key"},
 }
 
 # Each service's own settings prefix (its settings class's env_prefix).
@@ -75,15 +85,32 @@ def ensure(state_dir: Path) -> StackSecrets:
     try:
         descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     except FileExistsError:
-        loaded = load(state_dir)
-        assert loaded is not None
-        return loaded
+        return _completed(path)
     generated = StackSecrets.generate()
     with os.fdopen(descriptor, "w") as out:
         json.dump(asdict(generated), out)
         out.flush()
         os.fsync(out.fileno())
     return generated
+
+
+def _completed(path: Path) -> StackSecrets:
+    """The file's secrets, with any a newer rtrl needs generated and written beside them."""
+    doc = json.loads(path.read_text())
+    missing = [f.name for f in fields(StackSecrets) if f.name not in doc]
+    if missing:
+        fresh = asdict(StackSecrets.generate())
+        doc |= {name: fresh[name] for name in missing}
+        tmp = path.with_suffix(".tmp")
+        descriptor = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(descriptor, "w") as out:
+            json.dump(doc, out)
+            out.flush()
+            os.fsync(out.fileno())
+        os.replace(tmp, path)
+    loaded = load(path.parent)
+    assert loaded is not None
+    return loaded
 
 
 def load(state_dir: Path) -> StackSecrets | None:
@@ -115,4 +142,5 @@ def service_env(service: str, environ: Mapping[str, str], stack_secrets: StackSe
         if name in OS_VARIABLES or name in shared or (prefix is not None and name.startswith(prefix) and name not in secret_names)
     }
     env.update({name: getattr(stack_secrets, secret) for name, secret in own_secrets.items()})
+    env.update({name: signing.public_key_of(getattr(stack_secrets, key)) for name, key in SERVICE_PUBLIC_KEYS.get(service, {}).items()})
     return env

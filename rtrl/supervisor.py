@@ -36,12 +36,9 @@ PORTS = {
 
 
 def plan(config: StackConfig) -> list[ServiceSpec]:
-    specs = []
-    for name in SERVICE_ORDER:
-        instances = config.inference_workers if name == "inference" else 1
-        for i in range(instances):
-            specs.append(ServiceSpec(name, str(i), {var: procs.free_port() for var in PORTS[name]}))
-    return specs
+    instances = [(name, str(i)) for name in SERVICE_ORDER for i in range(config.inference_workers if name == "inference" else 1)]
+    ports = iter(procs.free_ports(sum(len(PORTS[name]) for name, _ in instances)))
+    return [ServiceSpec(name, instance, {var: next(ports) for var in PORTS[name]}) for name, instance in instances]
 
 
 class Supervisor:

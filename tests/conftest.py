@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from rtrl import procs
+from rtrl import procs, signing
 from rtrl.config import StackSettings
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -26,6 +26,10 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 # as subprocesses, which inherit this environment) share a pair made for this run.
 os.environ.setdefault("RTRL_WEIGHT_SYNC_TOKEN", secrets.token_urlsafe(24))
 os.environ.setdefault("RTRL_WEIGHT_SYNC_SUBSCRIBE_TOKEN", secrets.token_urlsafe(24))
+# Rewards are signed by the joiner and verified by the trainer (rtrl/signing.py): one pair
+# per run; trainer_support.produce signs the records tests write for a trainer with it.
+os.environ.setdefault("RTRL_REWARD_SIGNING_KEY", signing.generate_private_key())
+os.environ.setdefault("RTRL_TRAINER_REWARD_PUBLIC_KEYS", signing.public_key_of(os.environ["RTRL_REWARD_SIGNING_KEY"]))
 
 
 @pytest.fixture(scope="session")

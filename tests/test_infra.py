@@ -51,3 +51,14 @@ def test_redis_is_real(redis_url):
     client = redis.Redis.from_url(redis_url)
     assert client.incr("x") == 1
     assert client.incr("x") == 2
+
+
+def test_a_stack_plan_never_gives_two_services_one_port():
+    """free_port() one call after another can return the port it just released; the plan
+    holds every probe socket until all ports are picked."""
+    from rtrl.stack import StackConfig
+    from rtrl.supervisor import plan
+
+    for _ in range(50):
+        ports = [port for spec in plan(StackConfig(inference_workers=4)) for port in spec.ports.values()]
+        assert len(ports) == len(set(ports)) == 18

@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from rtrl import stack_secrets
+from rtrl import signing, stack_secrets
 from rtrl.stack_secrets import SERVICE_SECRETS, StackSecrets, service_env
 
 OPERATOR = {
@@ -27,7 +27,7 @@ def test_secrets_are_generated_once_owner_only_and_kept(tmp_path):
     path = tmp_path / stack_secrets.SECRETS_FILE
     assert path.stat().st_mode & 0o777 == 0o600
     assert stack_secrets.ensure(tmp_path) == first == stack_secrets.load(tmp_path)
-    assert len(set(first.values())) == 3 and all(len(value) >= 40 for value in first.values())
+    assert len(set(first.values())) == 4 and all(len(value) >= 40 for value in first.values())
     (tmp_path / "other").mkdir()
     assert stack_secrets.ensure(tmp_path / "other") != first, "another state directory, other secrets"
 
@@ -49,3 +49,7 @@ def test_each_service_gets_its_settings_and_its_own_secrets_only(service):
     assert env["PATH"] == "/usr/bin" and env["RTRL_KAFKA_BOOTSTRAP"] == "127.0.0.1:9092"
     assert ("RTRL_TRAINER_LR" in env) is (service == "trainer")
     assert ("RTRL_INGEST_MAX_BATCH" in env) is (service == "ingest")
+    # The trainer verifies rewards with the joiner's public key; only the joiner holds the private one.
+    assert ("RTRL_TRAINER_REWARD_PUBLIC_KEYS" in env) is (service == "trainer")
+    if service == "trainer":
+        assert env["RTRL_TRAINER_REWARD_PUBLIC_KEYS"] == signing.public_key_of(secrets.reward_signing_key)

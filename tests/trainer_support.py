@@ -3,6 +3,7 @@ sampled from it, and a way to put them on the reward topic."""
 
 from __future__ import annotations
 
+import os
 import random
 import shutil
 import uuid
@@ -11,7 +12,7 @@ from pathlib import Path
 import torch
 from confluent_kafka import Producer
 
-from rtrl import topics
+from rtrl import signing, topics
 from rtrl.policy import EOS, PolicyConfig, build_model, decode, load_weights
 from rtrl.v1 import common_pb2, reward_pb2, rollout_pb2
 from simulator.tasks import parse_style, random_task
@@ -67,10 +68,13 @@ def reward_record(prompt_text: str, prompt: list[int], completion: list[int], lo
     return reward_pb2.RewardRecord(reward_id=f"r-{rollout_id}", rollout_id=rollout_id, rollout=rollout, reward=reward, last_event_ts_ms=1)
 
 
-def produce(bootstrap: str, records: list[reward_pb2.RewardRecord], topic: str = topics.REWARD) -> None:
+def produce(bootstrap: str, records: list[reward_pb2.RewardRecord], topic: str = topics.REWARD, *, signed: bool = True) -> None:
+    """Write reward records as the joiner would: signed with the run's joiner key (conftest.py)."""
     producer = Producer({"bootstrap.servers": bootstrap, "enable.idempotence": True})
+    signer = signing.Signer(os.environ["RTRL_REWARD_SIGNING_KEY"], signing.Purpose.REWARD)
     for record in records:
-        producer.produce(topic, record.SerializeToString(), key=record.rollout_id.encode())
+        value = record.SerializeToString()
+        producer.produce(topic, value, key=record.rollout_id.encode(), headers=list(signer.headers(value)) if signed else None)
         producer.poll(0)
     if producer.flush(30) != 0:
         raise RuntimeError("reward records not acknowledged within 30 s")

@@ -28,6 +28,8 @@ class Drop(enum.StrEnum):
     DUPLICATE = "duplicate"  # rollout_id already trained on (single epoch)
     STALE = "stale"  # sampled by a version more than max_staleness behind
     SHED = "shed"  # the trainer was behind and fresher rollouts took its place (when_behind=shed)
+    UNSIGNED = "unsigned"  # no joiner's signature: not written by the joiner (dead-lettered)
+    FORGED = "forged"  # a signature that does not verify, or by an unknown key (dead-lettered)
 
 
 # Produced by to_sample from a consumed RewardRecord; consumed by collate.

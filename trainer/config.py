@@ -76,6 +76,12 @@ class TrainerSettings(BaseSettings):
     poll_timeout_s: float = Field(0.1, gt=0, le=5)
     """Longest a single Kafka poll blocks; bounds how late max_wait_s and shutdown are noticed."""
 
+    reward_public_keys: str = ""
+    """The joiner's Ed25519 public key(s), comma-separated (more than one while keys rotate;
+    rtrl/signing.py): a reward whose signature does not verify against one is never trained
+    on: dropped as ``unsigned`` or ``forged``, counted and dead-lettered. No default: the
+    trainer refuses to start without one."""
+
     consumer_group: str = "trainer"
     """Kafka consumer group on the reward topic."""
 

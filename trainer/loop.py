@@ -37,7 +37,7 @@ from confluent_kafka import KafkaError, KafkaException, TopicPartition
 from google.protobuf.message import DecodeError
 from opentelemetry import trace
 
-from rtrl import otel
+from rtrl import otel, signing
 from rtrl.policy import PolicyConfig, build_model, load_weights
 from rtrl.v1 import reward_pb2, trainer_pb2, weights_pb2
 from trainer import checkpoint
@@ -123,8 +123,13 @@ class Trainer:
         policy_config: PolicyConfig = PolicyConfig(),
         on_step: Callable[[trainer_pb2.TrainerStep, int], None] | None = None,
         world: World | None = None,
+        dead_letter: Callable[[object, str], None] | None = None,
     ) -> None:
         self.settings = settings
+        # Refuses to build without a key: a trainer that cannot check rewards trains on none.
+        self.verifier = signing.Verifier(signing.parse_public_keys(settings.reward_public_keys), signing.Purpose.REWARD)
+        self.dead_letter = dead_letter
+        """Where refused records go, with the reason (the reward DLQ); None: counted only."""
         self.state_dir = Path(state_dir)
         self.checkpoint_dir = self.state_dir / "trainer"
         self.consumer = consumer
@@ -306,6 +311,13 @@ class Trainer:
                 raise KafkaException(message.error())
             self.uncommitted = True
             self.positions[position_key(message.topic(), message.partition())] = message.offset() + 1
+            problem = self.verifier.problem(message.value(), message.headers())
+            if problem is not None:
+                # Not the joiner's: never trained on, whatever it says.
+                self.drops[Drop.UNSIGNED if problem == "unsigned" else Drop.FORGED] += 1
+                if self.dead_letter is not None:
+                    self.dead_letter(message, problem)
+                continue
             try:
                 record = reward_pb2.RewardRecord.FromString(message.value())
             except DecodeError:

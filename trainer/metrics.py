@@ -137,10 +137,17 @@ class StepExporter:
         self._producer.produce(self._topic, record.SerializeToString(), key=record.lineage.encode(), on_delivery=self._delivered)
         self._producer.poll(0)
 
+    def dead_letter(self, message, reason: str) -> None:
+        """A consumed record the trainer refused to train on, to the reward DLQ with the reason
+        in its headers (the analytics sink keeps it in dead_letters)."""
+        headers = [("reason", f"trainer: {reason}".encode()), ("source_topic", message.topic().encode())]
+        self._producer.produce(topics.REWARD_DLQ, message.value(), key=message.key(), headers=headers, on_delivery=self._delivered)
+        self._producer.poll(0)
+
     def _delivered(self, err, msg) -> None:
         if err is not None:
             self.failed += 1
-            log.warning("trainer step record not delivered to %s: %s", self._topic, err)
+            log.warning("trainer record not delivered to %s: %s", msg.topic() if msg is not None else self._topic, err)
 
     def flush(self, timeout_s: float = 10.0) -> None:
         if self._producer.flush(timeout_s):

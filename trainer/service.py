@@ -97,6 +97,7 @@ async def serve(settings: TrainerSettings, stack: StackSettings, world: World | 
         ),
         on_step=exporter,
         world=world,
+        dead_letter=exporter.dead_letter,
     )
     otel.observe_lag(metrics.get_meter("rtrl.trainer"), settings.consumer_group, trainer.lag.readings)
     redis = aioredis.from_url(stack.redis_url)

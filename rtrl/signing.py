@@ -1,0 +1,136 @@
+"""Ed25519 signatures on the records that steer training.
+
+Kafka and Redis cannot be trusted to say who wrote a record (the embedded broker has
+no ACLs at all), so the service that produces a record signs it and the one that
+consumes it verifies it: the joiner signs every reward, the trainer trains only on
+rewards that verify. The producer holds the private key; the consumer holds only
+public keys, so a consumer (or anyone who reads its environment) cannot forge.
+
+A signature covers ``b"rtrl/v1/<purpose>\\0" + the record's exact bytes``: a reward's
+signature is no rollout's or manifest's. It travels in the record's Kafka headers with
+the signer's key id (the first 16 hex digits of SHA-256 over its public key), so keys
+rotate by adding the new public key to the verifiers, then switching the signer.
+
+Keys are base64url text: ``python -m rtrl.signing`` prints a new pair.
+"""
+
+from __future__ import annotations
+
+import base64
+import enum
+import hashlib
+from collections.abc import Iterable, Sequence
+
+from cryptography.exceptions import InvalidSignature
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
+from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
+
+SIGNATURE_HEADER = "rtrl-sig"
+SIGNER_HEADER = "rtrl-signer"
+
+
+class Purpose(enum.StrEnum):
+    REWARD = "reward"
+
+
+def _b64(data: bytes) -> str:
+    return base64.urlsafe_b64encode(data).decode().rstrip("=")
+
+
+def _unb64(text: str) -> bytes:
+    text = text.strip()
+    return base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))
+
+
+def generate_private_key() -> str:
+    return _b64(Ed25519PrivateKey.generate().private_bytes_raw())
+
+
+def public_key_of(private_key: str) -> str:
+    return _b64(_private(private_key).public_key().public_bytes(Encoding.Raw, PublicFormat.Raw))
+
+
+def key_id(public_key: str) -> str:
+    return hashlib.sha256(_unb64(public_key)).hexdigest()[:16]
+
+
+def _private(text: str) -> Ed25519PrivateKey:
+    try:
+        raw = _unb64(text)
+        if len(raw) != 32:
+            raise ValueError(f"{len(raw)} bytes")
+        return Ed25519PrivateKey.from_private_bytes(raw)
+    except ValueError as exc:
+        raise ValueError(f"not an Ed25519 private key (32 bytes, base64url): {exc}") from None
+
+
+def _public(text: str) -> Ed25519PublicKey:
+    try:
+        raw = _unb64(text)
+        if len(raw) != 32:
+            raise ValueError(f"{len(raw)} bytes")
+        return Ed25519PublicKey.from_public_bytes(raw)
+    except ValueError as exc:
+        raise ValueError(f"not an Ed25519 public key (32 bytes, base64url): {exc}") from None
+
+
+def _message(purpose: Purpose, payload: bytes) -> bytes:
+    return b"rtrl/v1/" + purpose.value.encode() + b"\0" + payload
+
+
+class Signer:
+    def __init__(self, private_key: str, purpose: Purpose) -> None:
+        self._key = _private(private_key)
+        self.purpose = purpose
+        self.key_id = key_id(public_key_of(private_key))
+        self._signer_header = (SIGNER_HEADER, self.key_id.encode())
+
+    def sign(self, payload: bytes) -> bytes:
+        return self._key.sign(_message(self.purpose, payload))
+
+    def headers(self, payload: bytes) -> tuple[tuple[str, bytes], tuple[str, bytes]]:
+        """The Kafka headers that carry the signature of ``payload``."""
+        return (SIGNATURE_HEADER, self.sign(payload)), self._signer_header
+
+
+class Verifier:
+    """Checks records against a set of public keys (more than one while keys rotate)."""
+
+    def __init__(self, public_keys: Iterable[str], purpose: Purpose) -> None:
+        self._keys = {key_id(k): _public(k) for k in public_keys if k.strip()}
+        if not self._keys:
+            raise ValueError(f"a {purpose} verifier needs at least one public key")
+        self.purpose = purpose
+
+    def problem(self, payload: bytes, headers: Sequence[tuple[str, bytes]] | None) -> str | None:
+        """None if ``payload`` carries a valid signature by one of the keys; else why not."""
+        found = dict(headers or ())
+        signature, signer = found.get(SIGNATURE_HEADER), found.get(SIGNER_HEADER)
+        if not signature or not signer:
+            return "unsigned"
+        key = self._keys.get(signer.decode(errors="replace"))
+        if key is None:
+            return f"signed by an unknown key {signer.decode(errors='replace')[:32]!r}"
+        try:
+            key.verify(signature, _message(self.purpose, payload))
+        except InvalidSignature:
+            return "bad signature"
+        return None
+
+
+def parse_public_keys(text: str) -> list[str]:
+    """A comma-separated list of public keys, each checked."""
+    keys = [k.strip() for k in text.split(",") if k.strip()]
+    for k in keys:
+        _public(k)
+    return keys
+
+
+def main() -> None:
+    private = generate_private_key()
+    print(f"private (the signer's alone): {private}")
+    print(f"public (for the verifiers):   {public_key_of(private)}")
+
+
+if __name__ == "__main__":
+    main()
