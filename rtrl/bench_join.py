@@ -44,6 +44,7 @@ load every count but ``settled`` must be 0.
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -63,7 +64,7 @@ from rich.table import Table
 
 from reward_stream.config import RewardStreamSettings
 from reward_stream.runtime import Joiner
-from rtrl import heartbeat, kafka, procs, topics
+from rtrl import heartbeat, kafka, procs, signing, topics
 from rtrl.config import StackSettings
 from rtrl.v1 import rollout_pb2, telemetry_pb2
 
@@ -349,11 +350,12 @@ def empty_reward_topics(stack: StackSettings) -> None:
     kafka.ensure_topics(stack)
 
 
-def joiner_inprocess(rollouts: int, spacing_ms: int, base_ms: int) -> Span:
+def joiner_inprocess(rollouts: int, spacing_ms: int, base_ms: int, signer: signing.Signer | None = None) -> Span:
     """Joiner.feed_record alone on the same load, decoded in this process, each partition's
     records in production order (every topic aligned, as no broker delivers them): the
-    ceiling of the join's own CPU cost, without faust or publishing."""
-    joiner = Joiner(RewardStreamSettings().join_config())
+    ceiling of the join's own CPU cost, without faust or publishing; with ``signer``, every
+    reward signed as the service signs it."""
+    joiner = Joiner(RewardStreamSettings().join_config(), signer=signer)
     records = []
     for i in range(rollouts):
         rollout_id = f"r{i:06d}"
@@ -365,6 +367,26 @@ def joiner_inprocess(rollouts: int, spacing_ms: int, base_ms: int) -> Span:
         joiner.feed_record(topic, partition, offset, key, value, now_ms, offset)
     elapsed = time.perf_counter() - start
     return Span(len(records), 0.0, elapsed)
+
+
+def signature_costs(key: str, rewards: int = 2_000) -> dict[str, float]:
+    """Microseconds to sign (the joiner) and to verify (the trainer) one reward record of the
+    demo's size, on this machine, in this process."""
+    signer = signing.Signer(key, signing.Purpose.REWARD)
+    verifier = signing.Verifier([signing.public_key_of(key)], signing.Purpose.REWARD)
+    values = [rollout_records(f"s{i:06d}", 0)[0][1] * 2 for i in range(rewards)]  # ~a reward with its rollout
+    start = time.perf_counter()
+    headers = [signer.headers(value) for value in values]
+    signed = time.perf_counter() - start
+    start = time.perf_counter()
+    problems = [verifier.problem(value, header) for value, header in zip(values, headers)]
+    verified = time.perf_counter() - start
+    assert not any(problems)
+    return {
+        "sign_us_per_reward": round(signed / rewards * 1e6, 1),
+        "verify_us_per_reward": round(verified / rewards * 1e6, 1),
+        "reward_bytes": round(statistics.fmean(len(v) for v in values)),
+    }
 
 
 def code_version(watched: str = "reward_stream") -> str:
@@ -384,6 +406,9 @@ def percentile(values: list[float], q: float) -> float:
 
 
 def run(out: Path, console: Console, rollouts: int = 20_000, spacing_ms: int = 2, live_rollouts: int = 2_000, live_rate_per_s: float = 250.0) -> dict:
+    # The bench's joiners (which inherit this environment) sign with a key made for the run
+    # unless one is set: the service has no default key.
+    key = os.environ.setdefault("RTRL_REWARD_SIGNING_KEY", signing.generate_private_key())
     join_settings = RewardStreamSettings()
     code = code_version()
     close_after_ms = round((join_settings.window_s + join_settings.grace_s) * 1000)
@@ -405,8 +430,10 @@ def run(out: Path, console: Console, rollouts: int = 20_000, spacing_ms: int = 2
                 base_ms = int(time.time() * 1000) - spacing_ms * rollouts - 10 * close_after_ms
                 ids, load_bytes = produce_load(stack, rollouts, spacing_ms, base_ms, close_after_ms, progress)
                 events = 3 * len(ids)
-                with console.status("joiner in-process"):
+                with console.status("joiner in-process, then signing each reward"):
                     inprocess = joiner_inprocess(rollouts, spacing_ms, base_ms)
+                    inprocess_signed = joiner_inprocess(rollouts, spacing_ms, base_ms, signing.Signer(key, signing.Purpose.REWARD))
+                    signatures = signature_costs(key)
                 raw = raw_consume(stack, events, progress)
                 floor = faust_floor(stack, workdir, events, progress)
                 main_ids = {i for i in ids if not i.startswith(SENTINEL)}
@@ -452,6 +479,9 @@ def run(out: Path, console: Console, rollouts: int = 20_000, spacing_ms: int = 2
         "raw_consumer_events_per_s": round(raw.events_per_s),
         "faust_floor_events_per_s": round(floor.events_per_s),
         "joiner_inprocess_events_per_s": round(inprocess.events_per_s),
+        "joiner_inprocess_signed_events_per_s": round(inprocess_signed.events_per_s),
+        "signed_vs_unsigned_inprocess": round(inprocess_signed.events_per_s / inprocess.events_per_s, 3),
+        **signatures,
         "events_per_s": round(one_rate),
         "events_per_s_2_workers": round(two_rate),
         "ratio_vs_floor": round(one_rate / floor.events_per_s, 3),
@@ -491,6 +521,7 @@ def _print(r: dict, out: Path, console: Console) -> None:
         ("raw confluent-kafka consumer", raw),
         ("bare faust agent (floor)", floor),
         ("Joiner.feed_record in-process, aligned", r["joiner_inprocess_events_per_s"]),
+        ("... signing every reward (Ed25519)", r["joiner_inprocess_signed_events_per_s"]),
         ("reward_stream, 1 worker", r["events_per_s"]),
         ("reward_stream, 2 workers", r["events_per_s_2_workers"]),
     ):
@@ -503,6 +534,10 @@ def _print(r: dict, out: Path, console: Console) -> None:
             f"({e['missing']:,} missing, {e['doubled']:,} doubled); join: {j['settled']:,} settled, {j['defaulted']:,} defaulted, "
             f"{j['late']:,} late, {j['dropped']:,} dropped"
         )
+    console.print(
+        f"signatures: {r['sign_us_per_reward']} us to sign a {r['reward_bytes']:,}-byte reward (the joiner), "
+        f"{r['verify_us_per_reward']} us to verify it (the trainer); signed/unsigned in-process {r['signed_vs_unsigned_inprocess']}"
+    )
     console.print(
         f"ratio_vs_floor {r['ratio_vs_floor']:.2f} (target >= 0.8), scaleout_2_vs_1 {r['scaleout_2_vs_1']:.2f} (target >= 1.6), "
         f"settle latency p50 {r['p50_settle_latency_s'] * 1000:.0f} ms, p99 {r['p99_settle_latency_s'] * 1000:.0f} ms "
