@@ -77,13 +77,6 @@ class Door:
         self.refused: Counter[int] = Counter()
         """Requests refused, by HTTP status (401, 403, 429)."""
 
-    async def admit(self, authorization: str, events: list) -> tuple[ApiKey | None, Refusal | None]:
-        """authenticate, then authorize."""
-        key, refusal = await self.authenticate(authorization)
-        if refusal is None:
-            refusal = await self.authorize(key, events)
-        return key, refusal
-
     async def authenticate(self, authorization: str) -> tuple[ApiKey | None, Refusal | None]:
         """Who is asking: from the Authorization header alone, before any of the body is read."""
         key, refusal = await self._authenticate(authorization)
@@ -267,6 +260,11 @@ class IngestServicer:
         return grpc.method_handlers_generic_handler("rtrl.v1.Ingest", {"PublishEvents": method})
 
     async def publish_events(self, raw: bytes, context: grpc.aio.ServicerContext) -> ingest_pb2.PublishEventsResponse:
+        metadata = dict(context.invocation_metadata() or ())
+        # Who is asking, from the metadata alone, before the request is parsed.
+        key, refusal = await self._door.authenticate(metadata.get("authorization", ""))
+        if refusal is not None:
+            await context.abort(refusal.grpc_code, refusal.message)
         try:
             request = ingest_pb2.PublishEventsRequest.FromString(raw)
         except DecodeError as exc:
@@ -274,8 +272,7 @@ class IngestServicer:
         events = request.events
         if len(events) > self._settings.max_batch:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"batch has {len(events)} events, at most {self._settings.max_batch} allowed")
-        metadata = dict(context.invocation_metadata() or ())
-        key, refusal = await self._door.admit(metadata.get("authorization", ""), events)
+        refusal = await self._door.authorize(key, events)
         if refusal is not None:
             if refusal.retry_after_s:
                 context.set_trailing_metadata((("retry-after", str(math.ceil(refusal.retry_after_s))),))

@@ -839,6 +839,11 @@ def test_a_compression_bomb_is_refused_before_the_key_and_stopped_at_the_bound_a
         answer = front.raw_http(head + authorization + b"\r\n" + bomb)
         assert answer.status == status and mention in answer.text, (authorization, answer)
     assert front.health()[0] == 200
+    # gRPC likewise: a stranger's request is refused on its metadata, before it is parsed.
+    answer = front.grpc(b"\xff not a protobuf", "Bearer not-a-key")
+    assert answer.code == grpc.StatusCode.UNAUTHENTICATED and "unknown API key" in answer.details, answer
+    answer = front.grpc(b"\xff not a protobuf")
+    assert answer.code == grpc.StatusCode.INVALID_ARGUMENT, answer
     # An honest compressed batch still goes through.
     body = gzip.compress(as_json([good_event("followup")]))
     head = b"POST /v1/events HTTP/1.1\r\nHost: ingest\r\nConnection: close\r\nContent-Encoding: gzip\r\nContent-Length: %d\r\n" % len(body)
