@@ -54,24 +54,22 @@ def key_id(public_key: str) -> str:
     return hashlib.sha256(_unb64(public_key)).hexdigest()[:16]
 
 
-def _private(text: str) -> Ed25519PrivateKey:
+def _raw_key(text: str, kind: str) -> bytes:
     try:
         raw = _unb64(text)
-        if len(raw) != 32:
-            raise ValueError(f"{len(raw)} bytes")
-        return Ed25519PrivateKey.from_private_bytes(raw)
     except ValueError as exc:
-        raise ValueError(f"not an Ed25519 private key (32 bytes, base64url): {exc}") from None
+        raise ValueError(f"not an Ed25519 {kind} key (32 bytes, base64url): {exc}") from None
+    if len(raw) != 32:
+        raise ValueError(f"not an Ed25519 {kind} key (32 bytes, base64url): {len(raw)} bytes")
+    return raw
+
+
+def _private(text: str) -> Ed25519PrivateKey:
+    return Ed25519PrivateKey.from_private_bytes(_raw_key(text, "private"))
 
 
 def _public(text: str) -> Ed25519PublicKey:
-    try:
-        raw = _unb64(text)
-        if len(raw) != 32:
-            raise ValueError(f"{len(raw)} bytes")
-        return Ed25519PublicKey.from_public_bytes(raw)
-    except ValueError as exc:
-        raise ValueError(f"not an Ed25519 public key (32 bytes, base64url): {exc}") from None
+    return Ed25519PublicKey.from_public_bytes(_raw_key(text, "public"))
 
 
 def _message(purpose: Purpose, payload: bytes) -> bytes:
