@@ -37,6 +37,16 @@ class InferenceSettings(BaseSettings):
     top_p: float = Field(1.0, gt=0, le=1)
     """Nucleus mass when a request does not say; 1 samples the whole distribution."""
 
+    trained_temperature_min: float = Field(0.5, gt=0, le=5)
+    """A completion sampled colder than this is served but not recorded as a rollout: the trainer
+    learns only from sampling the server considers the policy's own (the caller does not pick it)."""
+
+    trained_temperature_max: float = Field(1.5, gt=0, le=5)
+    """A completion sampled hotter than this is served but not recorded (5.0 is noise, not the policy)."""
+
+    trained_top_p_min: float = Field(0.9, gt=0, le=1)
+    """A completion with a smaller nucleus than this is served but not recorded."""
+
     treatment_fraction: float = Field(0.5, ge=0, le=1)
     """Share of user ids (by a stable hash) served by the treatment arm."""
 

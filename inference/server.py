@@ -49,6 +49,8 @@ class RequestCounters:
     private: int = 0
     rejected: int = 0
     unavailable: int = 0
+    unrecorded: int = 0
+    """Served but kept from training: an arm the caller chose, or sampling outside the trained band."""
 
 
 class InferenceServer:
@@ -129,6 +131,7 @@ class InferenceServer:
             "private_completions": self.counters.private,
             "rejected": self.counters.rejected,
             "unavailable": self.counters.unavailable,
+            "unrecorded": self.counters.unrecorded,
         }
 
     def _observe(self) -> None:
@@ -145,8 +148,9 @@ class InferenceServer:
         otel.observe(
             meter, "rtrl.inference.requests", "counter",
             lambda: [(counters.records, {"outcome": "recorded"}), (counters.private, {"outcome": "private"}),
-                     (counters.rejected, {"outcome": "rejected"}), (counters.unavailable, {"outcome": "unavailable"})],
-            unit="{request}", description="Completion requests by outcome (rejected: 400, unavailable: 503)",
+                     (counters.rejected, {"outcome": "rejected"}), (counters.unavailable, {"outcome": "unavailable"}),
+                     (counters.unrecorded, {"outcome": "unrecorded"})],
+            unit="{request}", description="Completion requests by outcome (rejected: 400, unavailable: 503, unrecorded: served, kept from training)",
         )
         otel.observe(
             meter, "rtrl.inference.policy.version", "gauge", lambda: [(v, {"arm": arm}) for arm, v in self.engine.versions().items()],
@@ -197,6 +201,20 @@ class InferenceServer:
             span.set_attribute("http.response.status_code", response.status)
             return response
 
+    def _kept_from_training(self, body: CompletionBody, temperature: float, top_p: float) -> str:
+        """Why this completion is served but not recorded as a rollout ("" if it is recorded).
+        The server decides what the trainer learns from: the arm is the server's to assign
+        (a caller that picks one would also pick what trains it), and sampling must be the
+        policy's own, within the trained band."""
+        s = self.settings
+        if body.arm is not None:
+            return "the caller chose the arm"
+        if not s.trained_temperature_min <= temperature <= s.trained_temperature_max:
+            return f"temperature {temperature:g} is outside the trained band [{s.trained_temperature_min:g}, {s.trained_temperature_max:g}]"
+        if top_p < s.trained_top_p_min:
+            return f"top_p {top_p:g} is below the trained band's {s.trained_top_p_min:g}"
+        return ""
+
     async def _complete(self, request: web.Request, span: trace.Span) -> web.StreamResponse:
         received = time.monotonic()
         received_ms = int(time.time() * 1000)
@@ -205,13 +223,16 @@ class InferenceServer:
             body = CompletionBody.model_validate_json(await request.read())
             body.check_client_ts(received_ms, self.client_ts_window)
             arm = body.arm or assign_arm(body.user_id, self.settings.treatment_fraction)
+            temperature = self.settings.temperature if body.temperature is None else body.temperature
+            top_p = body.top_p or self.settings.top_p
+            unrecorded = self._kept_from_training(body, temperature, top_p)
             on_token = (lambda *token: self._loop.call_soon_threadsafe(tokens.put_nowait, token)) if body.stream else None
             future = self.engine.submit(
                 arm,
                 prompt_token_ids(body.prompt),
                 max_tokens=body.max_tokens or self.settings.max_tokens,
-                temperature=self.settings.temperature if body.temperature is None else body.temperature,
-                top_p=body.top_p or self.settings.top_p,
+                temperature=temperature,
+                top_p=top_p,
                 seed=body.seed,
                 stop=body.stop_strings(),
                 on_token=on_token,
@@ -239,6 +260,8 @@ class InferenceServer:
             return web.json_response({"error": str(exc)}, status=503)
         if body.privacy_mode:
             self.counters.private += 1
+        elif unrecorded:
+            self.counters.unrecorded += 1
         else:
             context = RolloutContext(
                 rollout_id=rollout_id,
@@ -258,6 +281,8 @@ class InferenceServer:
                 await self.producer.send(topics.ROLLOUT, record.SerializeToString(), key=rollout_id, headers=headers)
             self.counters.records += 1
         answer = {**completion_response(rollout_id, self.model_name, completion, time.monotonic() - received), "traceparent": traceparent}
+        if unrecorded:
+            answer["not_recorded"] = unrecorded  # the product need not report telemetry for it
         span.set_attribute("rtrl.policy.versions", [s["version"] for s in answer["policy_versions"]])
         if stream is None:
             return web.json_response(answer)

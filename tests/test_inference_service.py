@@ -72,8 +72,14 @@ def test_completions_produce_one_rollout_record_each(stack_settings):
                 engine.stage("control", 0, state_dict_fp32(build_model(seed=1)))
                 engine.stage("treatment", 0, state_dict_fp32(build_model(seed=2)))
                 public = [post(http, server.port, prompt="@p1 say hi\n", user_id=u, session_id=f"s-{u}") for u in users]
-                public.append(post(http, server.port, prompt="@p2 log ok\n", user_id="forced", session_id="s", arm="treatment", temperature=0.5, max_tokens=30))
+                public.append(post(http, server.port, prompt="@p2 log ok\n", user_id="tepid", session_id="s", temperature=0.5, max_tokens=30))
                 private = [post(http, server.port, prompt="@p0 warn no\n", user_id=f"p{i}", session_id="sp", privacy_mode=True) for i in range(3)]
+                # Served, never trained on: the caller picked the arm, or sampling outside the trained band.
+                private += [
+                    post(http, server.port, prompt="@p2 log ok\n", user_id="forced", session_id="s", arm="treatment"),
+                    post(http, server.port, prompt="@p2 log ok\n", user_id="hot", session_id="s", temperature=5.0),
+                    post(http, server.port, prompt="@p2 log ok\n", user_id="narrow", session_id="s", top_p=0.5),
+                ]
                 answers = await asyncio.gather(*public, *private)
                 assert [status for status, _ in answers] == [200] * len(answers), answers
                 bad = await post(http, server.port, prompt="é", user_id="u", session_id="s")
@@ -102,15 +108,16 @@ def test_completions_produce_one_rollout_record_each(stack_settings):
         assert all(a[2] == b[1] for a, b in zip(spans, spans[1:]))
         assert answer["policy_versions"] == [{"version": v, "start": s, "end": e} for v, s, e in spans]
         assert record.arm == {"control": common_pb2.ARM_CONTROL, "treatment": common_pb2.ARM_TREATMENT}[answer["arm"]]
-        assert record.prompt_token_ids[0] == BOS and record.prompt_text == ("@p2 log ok\n" if record.user_id == "forced" else "@p1 say hi\n")
+        assert record.prompt_token_ids[0] == BOS and record.prompt_text == ("@p2 log ok\n" if record.user_id == "tepid" else "@p1 say hi\n")
         assert record.completion_text == answer["text"] == answer["choices"][0]["text"]
         assert record.finish_reason == answer["finish_reason"] in ("stop", "length")
         assert record.worker_id == "inference-0" and record.schema_version == 1 and record.event_id
-        assert record.session_id == f"s-{record.user_id}" or record.user_id == "forced"
-        assert record.sampling.seed == answer["seed"] and record.sampling.max_tokens == (30 if record.user_id == "forced" else 20)
+        assert record.session_id == f"s-{record.user_id}" or record.user_id == "tepid"
+        assert record.sampling.seed == answer["seed"] and record.sampling.max_tokens == (30 if record.user_id == "tepid" else 20)
         assert 0 < record.time_to_first_token_s <= record.latency_s <= answer["latency_s"]
-    forced = next(r for r in records.values() if r.user_id == "forced")
-    assert forced.arm == common_pb2.ARM_TREATMENT and forced.sampling.temperature == pytest.approx(0.5)
+    tepid = next(r for r in records.values() if r.user_id == "tepid")
+    assert tepid.sampling.temperature == pytest.approx(0.5)
+    assert [a.get("not_recorded", "")[:20] for a in private] == ["", "", "", "the caller chose the", "temperature 5 is out", "top_p 0.5 is below t"]
     swapped = [r for r in records.values() if len(r.version_spans) == 2]
     assert swapped and all([(s.policy_version, s.start) for s in r.version_spans] == [(0, 0), (1, swap_at)] for r in swapped)
 
@@ -120,7 +127,7 @@ def test_completions_produce_one_rollout_record_each(stack_settings):
             assert set(client.hgetall(f"rtrl:applied:{arm}:{version}")) == {b"inference-0"}
         beat = json.loads(client.get(heartbeat.key("inference", "0")))
         assert beat["ready"] is True and beat["versions"] == {"control": 0, "treatment": 1}
-        assert beat["rollout_records"] == len(public) and beat["private_completions"] == 3
+        assert beat["rollout_records"] == len(public) and beat["private_completions"] == 3 and beat["unrecorded"] == 3
     finally:
         client.close()
 
@@ -147,7 +154,7 @@ def test_streamed_completion_matches_its_answer_and_record(stack_settings):
         assert chunks[-1] == "[DONE]"
         return [json.loads(c) for c in chunks[:-1]]
 
-    base = {"prompt": "@p1 say hi\n", "user_id": "u", "session_id": "s", "arm": "control", "seed": 5}
+    base = {"prompt": "@p1 say hi\n", "user_id": "u", "session_id": "s", "seed": 5}
     free = asyncio.run(scenario({**base, "stream": True}))
     *tokens, answer = free
     assert [t["token_id"] for t in tokens] == list(next(r for r in read_rollouts(stack_settings) if r.rollout_id == answer["rollout_id"]).completion_token_ids)
