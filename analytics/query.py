@@ -43,7 +43,7 @@ def connect(stack: StackSettings, settings: dict[str, Any] | None = None):
     return clickhouse_connect.get_client(dsn=url, settings=settings)
 
 
-def read_only_client(stack: StackSettings, timeout_s: float, max_result_rows: int = 100_000, max_result_bytes: int = 64 << 20):
+def read_only_client(stack: StackSettings, timeout_s: float, max_result_rows: int, max_result_bytes: int):
     # readonly=2 still allows per-query settings (needed by the HTTP backend) but no writes
     # and no way back to readonly=0. max_execution_time goes first: it cannot be set after.
     # A result past either bound is an error, never a truncated answer or a sink out of memory.
@@ -104,7 +104,7 @@ def jsonable(value: Any) -> Any:
     return str(value)
 
 
-def build_query_app(client, tables: dict[str, frozenset[str]], token: str, max_rows: int = 100_000) -> web.Application:
+def build_query_app(client, tables: dict[str, frozenset[str]], token: str, max_rows: int) -> web.Application:
     """``POST /query`` with ``Authorization: Bearer <token>`` and ``{"sql": "SELECT …"}`` ->
     ``{"columns": [...], "rows": [{...}]}``; the SQL must pass analytics/sql_guard.py. With
     an empty token every query is refused (there is no default token)."""

@@ -101,9 +101,8 @@ def _check(tree: exp.Expression, tables: Mapping[str, Collection[str]]) -> None:
     for node in tree.walk():
         if not isinstance(node, _ALLOWED_NODES):
             raise Refused(f"{node.key.upper()} is not allowed in a query here: {_show(node)}")
-        for arg in _REFUSED_ARGS:
-            if node.args.get(arg) and isinstance(node, (exp.Select, exp.Union)):
-                raise Refused(f"{arg.upper()} is not allowed: {_show(node.args[arg])}")
+        if isinstance(node, (exp.Select, exp.Union)) and (arg := next((a for a in _REFUSED_ARGS if node.args.get(a)), None)):
+            raise Refused(f"{arg.upper()} is not allowed: {_show(node.args[arg])}")
         if isinstance(node, exp.Table):
             _check_table(node, tables, defined)
         elif isinstance(node, exp.Func) and not isinstance(node, _OPERATORS):

@@ -11,7 +11,7 @@ import sys
 
 from reward_stream.config import RewardStreamSettings
 from rtrl.config import StackSettings
-from rtrl.runtime import enable_stack_dumps, owner_only_files
+from rtrl.runtime import service_process
 
 
 def usage() -> str:
@@ -27,8 +27,7 @@ def main() -> None:
         return
     settings = RewardStreamSettings()
     stack = StackSettings()
-    owner_only_files()
-    enable_stack_dumps()
+    service_process(shutdown_budget_s=None)
     # Imported after the configuration is parsed so config errors do not wait for faust.
     from reward_stream.app import run
     from rtrl.kafka import ensure_topics, wait_for_broker

@@ -69,7 +69,7 @@ def up(state_dir: Path, console: Console, config: StackConfig | None = None, *, 
     console.print(f"{'resuming' if resumed else 'starting'} the run in {state_dir} (lineage began {began}; `rtrl up --fresh` starts over)")
     warm_start(state_dir, console)
     (state_dir / "logs").mkdir(parents=True, exist_ok=True)
-    log = os.fdopen(os.open(state_dir / "logs" / "supervisor.out", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600), "ab")
+    log = procs.open_log(state_dir / "logs" / "supervisor.out")
     supervisor = subprocess.Popen(
         [sys.executable, "-m", "rtrl.supervisor"],
         env={**os.environ, "RTRL_STATE_DIR": str(state_dir)},

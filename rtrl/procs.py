@@ -18,9 +18,7 @@ from pathlib import Path
 
 
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    return free_ports(1)[0]
 
 
 def free_ports(count: int) -> list[int]:
@@ -121,13 +119,18 @@ def stop_group(pgid: int, timeout_s: float = 10.0) -> bool:
     return True
 
 
+def open_log(path: Path):
+    """``path`` opened to append, created owner-only: logs hold users' prompts and code."""
+    return os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600), "ab")
+
+
 def spawn(
     name: str, argv: list[str], log_path: Path, env: dict[str, str] | None = None, port: int | None = None, *, inherit_env: bool = True
 ) -> Proc:
     """Start ``argv`` in a session of its own, logging to ``log_path``. Its environment is ours
     plus ``env``, or with ``inherit_env=False`` exactly ``env``."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    log_file = os.fdopen(os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600), "ab")  # logs hold users' data
+    log_file = open_log(log_path)
     popen = subprocess.Popen(
         argv,
         stdout=log_file,

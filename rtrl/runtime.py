@@ -26,9 +26,10 @@ def owner_only_files() -> None:
     os.umask(0o077)
 
 
-def service_process(shutdown_budget_s: float = SHUTDOWN_BUDGET_S) -> None:
+def service_process(shutdown_budget_s: float | None = SHUTDOWN_BUDGET_S) -> None:
     """Call first in a service's main(): owner-only files, stack dumps on SIGUSR1, and a
-    shutdown watchdog armed when until_stopped returns."""
+    shutdown watchdog armed when until_stopped returns (None: a service that stops by other
+    means than until_stopped, and bounds its own stop)."""
     global _watchdog_s
     _watchdog_s = shutdown_budget_s
     owner_only_files()

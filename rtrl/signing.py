@@ -25,6 +25,8 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
 
+UNSIGNED = "unsigned"
+"""Verifier.problem for a record that carries no signature at all."""
 SIGNATURE_HEADER = "rtrl-sig"
 SIGNER_HEADER = "rtrl-signer"
 
@@ -105,7 +107,7 @@ class Verifier:
         found = dict(headers or ())
         signature, signer = found.get(SIGNATURE_HEADER), found.get(SIGNER_HEADER)
         if not signature or not signer:
-            return "unsigned"
+            return UNSIGNED
         key = self._keys.get(signer.decode(errors="replace"))
         if key is None:
             return f"signed by an unknown key {signer.decode(errors='replace')[:32]!r}"

@@ -93,7 +93,7 @@ class Supervisor:
             "RTRL_KAFKA_PARTITIONS": str(self.settings.kafka_partitions),
             "RTRL_INSTANCE": spec.instance,
             "RTRL_REWARD_REWARD_FN_VERSION": self.config.reward_fn_version,
-            **embedded_trainer_env(os.environ),
+            **(embedded_trainer_env(os.environ) if spec.name == "trainer" else {}),
             "PYTHONUNBUFFERED": "1",
             **{var: str(port) for var, port in spec.ports.items()},
         }

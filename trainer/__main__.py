@@ -12,7 +12,7 @@ import logging
 import os
 
 from rtrl.config import StackSettings
-from rtrl.runtime import enable_stack_dumps, owner_only_files
+from rtrl.runtime import service_process
 from trainer.config import TrainerSettings
 
 
@@ -20,8 +20,7 @@ def main() -> None:
     settings = TrainerSettings()
     stack = StackSettings()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    owner_only_files()
-    enable_stack_dumps()
+    service_process(shutdown_budget_s=None)
     from trainer.distributed import close_world, init_world
     from trainer.service import serve
 

@@ -314,7 +314,7 @@ class Trainer:
             problem = self.verifier.problem(message.value(), message.headers())
             if problem is not None:
                 # Not the joiner's: never trained on, whatever it says.
-                self.drops[Drop.UNSIGNED if problem == "unsigned" else Drop.FORGED] += 1
+                self.drops[Drop.UNSIGNED if problem == signing.UNSIGNED else Drop.FORGED] += 1
                 if self.dead_letter is not None:
                     self.dead_letter(message, problem)
                 continue
