@@ -208,14 +208,16 @@ def test_an_idle_server_notices_a_flushall_by_itself(server, publisher, policy_w
 
 
 
-def start_weight_sync(stack: StackSettings, instance: str, log_path: Path, repo_root: Path) -> tuple[procs.Proc, str]:
+def start_weight_sync(
+    stack: StackSettings, instance: str, log_path: Path, repo_root: Path, poll_interval_s: float = 0.2
+) -> tuple[procs.Proc, str]:
     port = procs.free_port()
     env = {
         "RTRL_REDIS_URL": stack.redis_url,
         "RTRL_STATE_DIR": str(stack.state_dir),
         "RTRL_WEIGHT_SYNC_PORT": str(port),
         "RTRL_WEIGHT_SYNC_KEYFRAME_EVERY": str(KEYFRAME_EVERY),
-        "RTRL_WEIGHT_SYNC_POLL_INTERVAL_S": "0.2",
+        "RTRL_WEIGHT_SYNC_POLL_INTERVAL_S": str(poll_interval_s),
         "RTRL_INSTANCE": instance,
         "PYTHONPATH": str(repo_root),
     }
@@ -240,6 +242,28 @@ def served(out_path: Path) -> list[tuple[int, str]]:
 
 def registry_rebuilds(client: redis.Redis) -> int:
     return sum(doc.get("registry_rebuilds", 0) for doc in heartbeat.read_all(client) if doc["service"] == "weight_sync")
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(120)
+def test_latest_answers_from_the_registry_not_from_a_head_cached_before_a_flush(stack, policy_weights, tmp_path, repo_root):
+    """A publisher's parent_version comes from Latest. The server caches each arm's head
+    for its subscribers (here for 5 s); Latest must not answer from that cache, or after
+    a rebuild that came back lower the publisher's keyframe is refused as well."""
+    client = redis.Redis.from_url(stack.redis_url)
+    server, addr = start_weight_sync(stack, "ws-cached", tmp_path / "weight_sync.log", repo_root, poll_interval_s=10.0)
+    publisher = Publisher(addr, stack.weight_sync_token.get_secret_value(), ARM, keyframe_every=KEYFRAME_EVERY)
+    try:
+        versions = publish_versions(publisher, policy_weights, 7)  # the server's cached head: v6
+        flip_blob(LocalBlobStore(stack.state_dir / "blobs"), 6)
+        client.flushall()
+        assert publisher.latest() == 5  # the rebuild, not the cached v6
+        versions.append(train_step(versions[-1], 7))
+        assert publisher.publish(versions[-1]) == 7
+        assert server.alive()
+    finally:
+        publisher.close()
+        server.stop()
 
 
 @pytest.mark.integration

@@ -65,6 +65,11 @@ class RegistrySource:
         if cached is None or cached.latest < version:
             self._generation[arm] = self._generation.get(arm, 0) + 1
 
+    def head_disputed(self, arm: str) -> None:
+        """The registry disagreed with what this server believed (a publish on top of
+        the cached head was refused): read the head again before answering from it."""
+        self._generation[arm] = self._generation.get(arm, 0) + 1
+
     def committed(self, manifest: weights_pb2.Manifest) -> None:
         """This server just committed ``manifest``: its head and manifest are known without asking Redis."""
         arm = manifest.arm
@@ -157,6 +162,14 @@ class WeightSyncService(Broadcaster):
         self.latest: dict[str, int] = {}
         """The newest version this server committed, per arm."""
 
+    async def Latest(self, request: weights_pb2.LatestRequest, context) -> weights_pb2.LatestResponse:
+        """Read from the registry itself, not the shared cached head: a publisher's next
+        parent_version comes from here, and after a rebuild by another server the cached
+        head may still name a version the registry no longer holds."""
+        await self._authorize(context, self._bearers, "reading versions")
+        arm = await valid_arm(request.arm, context)
+        return weights_pb2.LatestResponse(version=await self._registry.latest(arm))
+
     async def Publish(self, request_iterator: AsyncIterator[weights_pb2.PublishChunk], context) -> weights_pb2.PublishResponse:
         await self._authorize(context, self._publish_bearer, "publishing")
         manifest: weights_pb2.Manifest | None = None
@@ -207,6 +220,7 @@ class WeightSyncService(Broadcaster):
                 manifest, latest, await self._registry.newest_keyframe(arm, latest), self._settings.keyframe_every, next_version
             )
             if problem:
+                self._registry_source.head_disputed(arm)
                 await context.abort(grpc.StatusCode.FAILED_PRECONDITION, problem)
             manifest.version = next_version
             if manifest.keyframe:
@@ -219,6 +233,7 @@ class WeightSyncService(Broadcaster):
             # Durable beside its blob before the commit: a committed version can always be rebuilt.
             await asyncio.to_thread(self._store.write_manifest, arm, manifest.version, stored_manifest(manifest))
             if not await self._registry.commit(manifest, expected_latest=latest):
+                self._registry_source.head_disputed(arm)
                 await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"another publisher committed version {manifest.version} of arm {arm!r} first")
         self._registry_source.committed(manifest)
         self.verified(manifest, blob)
