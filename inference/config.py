@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from rtrl.event_time import EventTimeWindow
@@ -46,6 +46,12 @@ class InferenceSettings(BaseSettings):
 
     trained_top_p_min: float = Field(0.9, gt=0, le=1)
     """A completion with a smaller nucleus than this is served but not recorded."""
+
+    rollout_signing_key: SecretStr = SecretStr("")
+    """The workers' Ed25519 private key for rollout records (base64url, rtrl/signing.py):
+    every rollout is signed with it, and the joiner joins only rollouts that verify
+    (RTRL_REWARD_ROLLOUT_PUBLIC_KEYS). No default: the server refuses to start without
+    one (`rtrl up` generates it)."""
 
     treatment_fraction: float = Field(0.5, ge=0, le=1)
     """Share of user ids (by a stable hash) served by the treatment arm."""

@@ -31,7 +31,7 @@ from inference.engine import ARMS, ArmNotReady, Engine, EngineConfig, prompt_tok
 from inference.records import RolloutContext, rollout_record
 from inference.sglang_adapter import SGLangEngine
 from inference.weights import WeightFollower
-from rtrl import heartbeat, kafka, otel, topics
+from rtrl import heartbeat, kafka, otel, signing, topics
 from rtrl.config import StackSettings
 from rtrl.policy import PolicyConfig, decode
 from rtrl.runtime import until_stopped
@@ -62,6 +62,10 @@ class InferenceServer:
         self.settings = settings
         self.worker_id = f"inference-{stack.instance}"
         self.model_name = settings.model_name or f"rtrl-policy-{PolicyConfig().fingerprint()}"
+        key = settings.rollout_signing_key.get_secret_value()
+        if not key:
+            raise ValueError("RTRL_INFERENCE_ROLLOUT_SIGNING_KEY is not set: every rollout is signed, and there is no default key")
+        self.rollout_signer = signing.Signer(key, signing.Purpose.ROLLOUT)
         self.engine = engine or _engine(settings)
         self.engine.on_applied = self._applied_from_engine_thread
         self.counters = RequestCounters()
@@ -80,7 +84,12 @@ class InferenceServer:
         if self.settings.follow_weights and self.settings.backend == "embedded":
             self._followers = [
                 WeightFollower(
-                    functools.partial(self.engine.stage, arm), self.stack.weight_sync_addr, self.stack.weight_sync_subscribe_token.get_secret_value(), arm, self.worker_id
+                    functools.partial(self.engine.stage, arm),
+                    self.stack.weight_sync_addr,
+                    self.stack.weight_sync_subscribe_token.get_secret_value(),
+                    arm,
+                    self.worker_id,
+                    public_keys=signing.parse_public_keys(self.stack.manifest_public_keys),
                 ).start()
                 for arm in ARMS
             ]
@@ -277,8 +286,9 @@ class InferenceServer:
             record = rollout_record(context, completion)
             publish = otel.kafka_attributes("publish", topics.ROLLOUT, key=rollout_id)
             with _tracer.start_as_current_span(f"publish {topics.ROLLOUT}", kind=trace.SpanKind.PRODUCER, attributes=publish) as producing:
-                headers = kafka.traceparent_headers(otel.traceparent_of(producing) or traceparent)
-                await self.producer.send(topics.ROLLOUT, record.SerializeToString(), key=rollout_id, headers=headers)
+                value = record.SerializeToString()
+                headers = [*kafka.traceparent_headers(otel.traceparent_of(producing) or traceparent), *self.rollout_signer.headers(value)]
+                await self.producer.send(topics.ROLLOUT, value, key=rollout_id, headers=headers)
             self.counters.records += 1
         answer = {**completion_response(rollout_id, self.model_name, completion, time.monotonic() - received), "traceparent": traceparent}
         if unrecorded:

@@ -35,7 +35,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
@@ -44,7 +44,7 @@ from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from inference.weights import WeightFollower
-from rtrl import otel
+from rtrl import otel, signing
 
 log = logging.getLogger(__name__)
 _tracer = trace.get_tracer("rtrl.sglang_sidecar")
@@ -302,11 +302,13 @@ class SGLangSidecar:
 
     # ---- the running service: one thread follows weight_sync, one applies ----
 
-    def start(self, addr: str, token: str, worker_id: str) -> SGLangSidecar:
+    def start(self, addr: str, token: str, worker_id: str, public_keys: Sequence[str]) -> SGLangSidecar:
         """Follow the arm's versions from weight_sync (inference.weights.WeightFollower,
         as the embedded worker does) and swap each into the server from a thread of its own."""
         self.recover()
-        self._follower = WeightFollower(self.stage, addr, token, self.settings.arm, worker_id, self.settings.retry_s).start()
+        self._follower = WeightFollower(
+            self.stage, addr, token, self.settings.arm, worker_id, self.settings.retry_s, public_keys=public_keys
+        ).start()
         self._thread = threading.Thread(target=self._apply_loop, name="sglang-apply", daemon=True)
         self._thread.start()
         return self
@@ -365,7 +367,12 @@ def main() -> None:
     otel.configure("sglang_sidecar", stack)
     sidecar = SGLangSidecar(SGLangWeights(settings.url, settings.http_timeout_s), served_inventory(settings.model_dir), settings)
     _observe(sidecar)
-    sidecar.start(stack.weight_sync_addr, stack.weight_sync_subscribe_token.get_secret_value(), f"sglang-sidecar-{stack.instance}")
+    sidecar.start(
+        stack.weight_sync_addr,
+        stack.weight_sync_subscribe_token.get_secret_value(),
+        f"sglang-sidecar-{stack.instance}",
+        signing.parse_public_keys(stack.manifest_public_keys),
+    )
     stop = threading.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: stop.set())

@@ -7,7 +7,7 @@ import logging
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -25,14 +25,27 @@ class WeightFollower:
     The Subscriber re-subscribes by itself when weight_sync restarts; if it gives up
     (an error it does not retry), a fresh one starts from scratch after ``retry_s``,
     and ``stage`` ignores versions it already holds. An exception from ``stage`` is
-    logged and the stream goes on: one unusable version must not stop the next.
+    logged and the stream goes on: one unusable version must not stop the next. Only
+    versions whose manifest verifies against ``public_keys`` (the trainer's) arrive.
 
     ``staged(version)`` tells when a version was staged and the traceparent of the
     weight_sync span that committed it: the worker's apply span continues that trace."""
 
     def __init__(
-        self, stage: Callable[[int, dict[str, torch.Tensor]], bool], addr: str, token: str, arm: str, worker_id: str, retry_s: float = 2.0
+        self,
+        stage: Callable[[int, dict[str, torch.Tensor]], bool],
+        addr: str,
+        token: str,
+        arm: str,
+        worker_id: str,
+        retry_s: float = 2.0,
+        *,
+        public_keys: Sequence[str],
     ) -> None:
+        from weight_sync.provenance import ManifestVerifier
+
+        ManifestVerifier(public_keys)  # no keys, or a malformed one: refused here, not in the thread
+        self.public_keys = tuple(public_keys)
         self.stage = stage
         self.addr = addr
         self.token = token
@@ -85,7 +98,7 @@ class WeightFollower:
         from weight_sync.client import Subscriber
 
         while not self._stopped.is_set():
-            subscriber = Subscriber(self.addr, self.arm, self.worker_id, token=self.token)
+            subscriber = Subscriber(self.addr, self.arm, self.worker_id, token=self.token, public_keys=self.public_keys)
             with self._lock:
                 self._subscriber = subscriber
             if self._stopped.is_set():

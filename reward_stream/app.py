@@ -81,7 +81,10 @@ def create_app(settings: RewardStreamSettings, stack: StackSettings) -> faust.Ap
     key = settings.signing_key.get_secret_value()
     if not key:
         raise SystemExit("RTRL_REWARD_SIGNING_KEY is not set: the joiner signs every reward and has no default key (python -m rtrl.signing)")
-    joiner = Joiner(settings.join_config(), settings.reward_fn_version, signing.Signer(key, signing.Purpose.REWARD))
+    if not settings.rollout_public_keys.strip():
+        raise SystemExit("RTRL_REWARD_ROLLOUT_PUBLIC_KEYS is not set: the joiner joins only rollouts an inference worker signed")
+    rollouts = signing.Verifier(signing.parse_public_keys(settings.rollout_public_keys), signing.Purpose.ROLLOUT)
+    joiner = Joiner(settings.join_config(), settings.reward_fn_version, signing.Signer(key, signing.Purpose.REWARD), rollouts)
     ordered = OrderedAcks()
     publisher = OutputPublisher(stack, settings.max_in_flight, ordered.done)
     highwater = app.consumer.highwater
@@ -101,7 +104,7 @@ def create_app(settings: RewardStreamSettings, stack: StackSettings) -> faust.Ap
                 joiner.restore(message.partition, settled, now_ms(), positions)
             batch = joiner.feed_record(
                 message.topic, message.partition, message.offset, message.key, message.value, now_ms(),
-                ordered.read(message.tp, event), functools.partial(highwater, message.tp),
+                ordered.read(message.tp, event), functools.partial(highwater, message.tp), message.headers,
             )
             publisher.publish(batch)
             if publisher.full():
@@ -144,7 +147,7 @@ def _observe(joiner: Joiner, publisher: OutputPublisher, group: str, lag) -> Non
     """The joiner's counters and the consumer's lag as OpenTelemetry (and so Prometheus) metrics."""
     meter = metrics.get_meter("rtrl.reward_stream")
     counters = joiner.counters
-    outcomes = ("settled", "defaulted", "duplicates", "late", "dlq", "dropped", "privacy_dropped")
+    outcomes = ("settled", "defaulted", "duplicates", "late", "dlq", "dropped", "privacy_dropped", "unauthenticated")
     otel.observe(meter, "rtrl.reward_stream.records", "counter", lambda: [(counters.events, {})], unit="{record}", description="Input records read")
     otel.observe(
         meter, "rtrl.reward_stream.outcomes", "counter", lambda: [(getattr(counters, name), {"outcome": name}) for name in outcomes],

@@ -13,6 +13,10 @@ class MalformedEvent(ValueError):
     """The record cannot be joined; str(exc) is the reason put in the DLQ header."""
 
 
+class UnauthenticatedRollout(MalformedEvent):
+    """A rollout record the inference workers did not sign (forged, tampered or unsigned)."""
+
+
 class PrivacyModeEvent(Exception):
     """An event from a user in privacy mode that should never have reached a topic.
 

@@ -58,6 +58,12 @@ class RewardStreamSettings(BaseSettings):
     joiner refuses to start without one (`rtrl up` generates it; `python -m rtrl.signing`
     prints a pair)."""
 
+    rollout_public_keys: str = ""
+    """The inference workers' Ed25519 public key(s) for rollout records, comma-separated
+    (more than one while keys rotate): a rollout whose signature does not verify is never
+    joined: dead-lettered with the reason and counted as ``unauthenticated``. No default:
+    the joiner refuses to start without one (`rtrl up` derives it)."""
+
     reward_fn_version: str = "r3"
     """Reward function the live stream settles with (reward_stream/reward.py: r1, r2, r3).
     Changing it changes every reward_id; recompute history with reward_stream.replay."""

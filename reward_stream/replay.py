@@ -57,6 +57,8 @@ class RetainedRecord:
     value: bytes | None
     timestamp_ms: int | None = None
     """The record's Kafka timestamp; None when unknown (then its event time is not bounded)."""
+    headers: tuple[tuple[str, bytes], ...] = ()
+    """The record's Kafka headers (a rollout's signature)."""
 
 
 @dataclass(frozen=True)
@@ -73,6 +75,8 @@ class Replay:
     """Rollouts with telemetry but no RolloutRecord."""
     late: int
     """Events for a rollout that had already settled in event time."""
+    unauthenticated: int = 0
+    """Rollouts skipped because no inference worker signed them (also counted in skipped)."""
 
 
 def read_retained(
@@ -101,7 +105,8 @@ def read_retained(
                 if msg.offset() < ends[tp]:
                     kind, timestamp_ms = msg.timestamp()
                     known = timestamp_ms if kind != TIMESTAMP_NOT_AVAILABLE else None
-                    records.append(RetainedRecord(msg.topic(), msg.partition(), msg.key(), msg.value(), known))
+                    headers = tuple(msg.headers() or ())
+                    records.append(RetainedRecord(msg.topic(), msg.partition(), msg.key(), msg.value(), known, headers))
                 if msg.offset() + 1 >= ends[tp]:
                     remaining.discard(tp)
     finally:
@@ -109,13 +114,21 @@ def read_retained(
     return records
 
 
-def rejoin(retained: list[RetainedRecord], config: join.JoinConfig, version: str) -> Replay:
-    """The pure part: join retained records per partition on an event-time clock."""
+def rejoin(
+    retained: list[RetainedRecord], config: join.JoinConfig, version: str, rollout_verifier: signing.Verifier | None = None
+) -> Replay:
+    """The pure part: join retained records per partition on an event-time clock. With
+    ``rollout_verifier`` (the command always has one), a rollout no worker signed is skipped
+    as the live joiner dead-letters it."""
     if version not in reward.FUNCTIONS:
         raise KeyError(f"unknown reward function version {version!r}; known: {sorted(reward.FUNCTIONS)}")
     by_partition: dict[int, list[join.Event]] = defaultdict(list)
-    skipped = 0
+    skipped = unauthenticated = 0
     for record in retained:
+        if record.topic == topics.ROLLOUT and rollout_verifier is not None and rollout_verifier.problem(record.value or b"", record.headers):
+            skipped += 1
+            unauthenticated += 1
+            continue
         try:
             event = decode(record.topic, record.key, record.value)
         except (MalformedEvent, PrivacyModeEvent):
@@ -144,7 +157,7 @@ def rejoin(retained: list[RetainedRecord], config: join.JoinConfig, version: str
                 records.append(reward.reward_record(output.rollout.message, telemetry, output.settled_ts_ms, version))
             dropped += isinstance(output, join.Dropped)
             late += isinstance(output, join.Late)
-    return Replay(version, tuple(records), skipped, dropped, late)
+    return Replay(version, tuple(records), skipped, dropped, late, unauthenticated)
 
 
 def publish(settings: StackSettings, result: Replay, timeout_s: float = 30.0, signer: signing.Signer | None = None) -> str:
@@ -176,8 +189,10 @@ def publish(settings: StackSettings, result: Replay, timeout_s: float = 30.0, si
     return topic
 
 
-def replay(settings: StackSettings, config: join.JoinConfig, version: str, write: bool = True) -> Replay:
-    result = rejoin(read_retained(settings), config, version)
+def replay(
+    settings: StackSettings, config: join.JoinConfig, version: str, write: bool = True, rollout_verifier: signing.Verifier | None = None
+) -> Replay:
+    result = rejoin(read_retained(settings), config, version, rollout_verifier)
     if write:
         publish(settings, result)
     return result
@@ -189,10 +204,14 @@ def main() -> None:
         raise SystemExit(2)
     from reward_stream.config import RewardStreamSettings
 
-    result = replay(StackSettings(), RewardStreamSettings().join_config(), sys.argv[1])
+    settings = RewardStreamSettings()
+    if not settings.rollout_public_keys.strip():
+        raise SystemExit("RTRL_REWARD_ROLLOUT_PUBLIC_KEYS is not set: a replay joins only rollouts an inference worker signed")
+    verifier = signing.Verifier(signing.parse_public_keys(settings.rollout_public_keys), signing.Purpose.ROLLOUT)
+    result = replay(StackSettings(), settings.join_config(), sys.argv[1], rollout_verifier=verifier)
     print(
         f"{topics.reward_replay(result.version)}: {len(result.records)} rewards, "
-        f"{result.skipped} skipped, {result.dropped} dropped, {result.late} late"
+        f"{result.skipped} skipped ({result.unauthenticated} rollouts no worker signed), {result.dropped} dropped, {result.late} late"
     )
 
 

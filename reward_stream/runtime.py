@@ -26,13 +26,13 @@ from __future__ import annotations
 
 import logging
 from collections import Counter, defaultdict, deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 
 from opentelemetry import trace
 
 from reward_stream import join, monitors, reward
-from reward_stream.codec import MalformedEvent, PrivacyModeEvent, decode
+from reward_stream.codec import MalformedEvent, PrivacyModeEvent, UnauthenticatedRollout, decode
 from rtrl import kafka, otel, signing, topics
 
 log = logging.getLogger(__name__)
@@ -75,6 +75,8 @@ class Counters:
     dlq: int = 0
     dropped: int = 0
     privacy_dropped: int = 0
+    unauthenticated: int = 0
+    """Rollouts refused because no inference worker signed them (also counted in dlq)."""
     first_event_ms: int = 0
     """Wall clock when the first record was read (0: none yet)."""
     last_event_ms: int = 0
@@ -90,11 +92,19 @@ class Joiner:
     """
 
     def __init__(
-        self, config: join.JoinConfig, reward_fn_version: str = reward.REWARD_FN_VERSION, signer: signing.Signer | None = None
+        self,
+        config: join.JoinConfig,
+        reward_fn_version: str = reward.REWARD_FN_VERSION,
+        signer: signing.Signer | None = None,
+        rollout_verifier: signing.Verifier | None = None,
     ) -> None:
         self.config = config
         self.signer = signer
         """Signs every reward it writes (the service always has one; rtrl/signing.py)."""
+        self.rollout_verifier = rollout_verifier
+        """Checks every rollout record against the inference workers' keys before it is
+        decoded (the service always has one): a reward is only ever built on a rollout a
+        worker served."""
         self.settled: Counter[tuple[str, bool]] = Counter()
         """Rewards settled per (arm, defaulted), and below their sum and their components'
         sums per (arm, component): plain sums on the hot path, read as metrics (app.py)."""
@@ -160,10 +170,12 @@ class Joiner:
         now_ms: int,
         handle: object = None,
         highwater: Callable[[], int | None] | None = None,
+        headers: Sequence[tuple[str, bytes]] | None = None,
     ) -> Batch:
         """Join one input record. ``highwater`` returns the consumer's latest known end of
         the record's partition (None when unknown); it is only asked once the record is
-        past the end known at takeover. Without it a record counts as the newest."""
+        past the end known at takeover. Without it a record counts as the newest.
+        ``headers`` are the record's Kafka headers (a rollout's signature)."""
         counters = self.counters
         counters.events += 1
         if not counters.first_event_ms:
@@ -174,6 +186,7 @@ class Joiner:
             caught_up = offset + 1 >= (highwater() or 0)
         state = self.states.get(partition) or join.JoinState(self.config)
         try:
+            self._authenticate(topic, value, headers)
             event = decode(topic, key, value, handle, caught_up)
         except (MalformedEvent, PrivacyModeEvent) as exc:
             self.states[partition], outputs = join.skip(state, SOURCE_OF_TOPIC[topic], caught_up, now_ms)
@@ -191,6 +204,14 @@ class Joiner:
             # Its handle is acknowledged by _batch along with the dead letter.
             batch.records.insert(0, self._dead_letter(refused.reason, topic, partition, offset, key, value))
         return batch
+
+    def _authenticate(self, topic: str, value: bytes | None, headers: Sequence[tuple[str, bytes]] | None) -> None:
+        if topic != topics.ROLLOUT or self.rollout_verifier is None:
+            return
+        problem = self.rollout_verifier.problem(value or b"", headers)
+        if problem is not None:
+            self.counters.unauthenticated += 1
+            raise UnauthenticatedRollout(f"rollout not signed by an inference worker: {problem}")
 
     def _dead_letter(self, reason: str, topic: str, partition: int, offset: int, key: bytes | None, value: bytes | None) -> OutRecord:
         """The input record as read, for the .dlq topic, with why it cannot be joined."""

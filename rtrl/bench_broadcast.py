@@ -39,7 +39,7 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
-from rtrl import heartbeat, procs
+from rtrl import heartbeat, procs, signing
 from rtrl.config import StackSettings
 
 FANOUTS = (1, 2, 4, 8)
@@ -117,7 +117,7 @@ def run_topology(topology: Topology, server_addr: str, relay_addrs: list[str], v
 
     addrs = [relay_addrs[i % len(relay_addrs)] for i in range(topology.subscribers)] if topology.relays else [server_addr] * topology.subscribers
     probes = Probes(addrs, topology.arm, workdir, topology.mode)
-    publisher = Publisher(server_addr, stack.weight_sync_token.get_secret_value(), topology.arm, keyframe_every=1000)
+    publisher = Publisher(server_addr, stack.weight_sync_token.get_secret_value(), topology.arm, keyframe_every=1000, signing_key=signing.generate_private_key())  # its probes count bytes, they do not verify
     try:
         publisher.publish(versions[0])
         probes.delivered(0)

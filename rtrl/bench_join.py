@@ -89,6 +89,20 @@ class Span:
         return (self.events - 1) / max(self.last_s - self.first_s, 1e-3)
 
 
+Headers = list[tuple[str, bytes]]
+
+
+def rollout_signer() -> signing.Signer:
+    """The inference workers' rollout signer: the joiners verify every rollout (run() makes
+    a key pair for the bench unless the environment holds one)."""
+    return signing.Signer(os.environ["RTRL_INFERENCE_ROLLOUT_SIGNING_KEY"], signing.Purpose.ROLLOUT)
+
+
+def signed_records(rollout_id: str, ts_ms: int, signer: signing.Signer) -> list[tuple[str, bytes, Headers]]:
+    """rollout_records with the headers a producer sends: the rollout signed as a worker signs it."""
+    return [(topic, value, list(signer.headers(value)) if topic == topics.ROLLOUT else []) for topic, value in rollout_records(rollout_id, ts_ms)]
+
+
 def rollout_records(rollout_id: str, ts_ms: int) -> list[tuple[str, bytes]]:
     """The three records of one rollout, as (topic, value)."""
     record = rollout_pb2.RolloutRecord(
@@ -112,11 +126,12 @@ def produce_load(stack: StackSettings, rollouts: int, spacing_ms: int, base_ms: 
     """The main load plus one sentinel per partition; returns the rollout ids and the bytes produced."""
     producer = Producer(kafka.producer_config(stack, **{"linger.ms": 20, "queue.buffering.max.messages": 200_000}))
     task = progress.add_task("producing", total=rollouts)
+    signer = rollout_signer()
     ids, size = [], 0
     for i in range(rollouts):
         rollout_id = f"r{i:06d}"
-        for topic, value in rollout_records(rollout_id, base_ms + spacing_ms * i):
-            producer.produce(topic, value, key=rollout_id)
+        for topic, value, headers in signed_records(rollout_id, base_ms + spacing_ms * i, signer):
+            producer.produce(topic, value, key=rollout_id, headers=headers)
             size += len(value)
         ids.append(rollout_id)
         if i % 500 == 0:
@@ -126,8 +141,8 @@ def produce_load(stack: StackSettings, rollouts: int, spacing_ms: int, base_ms: 
     end_ms = base_ms + spacing_ms * rollouts + close_after_ms
     for partition in range(PARTITIONS):
         rollout_id = f"{SENTINEL}{partition}"
-        for topic, value in rollout_records(rollout_id, end_ms):
-            producer.produce(topic, value, key=rollout_id, partition=partition)
+        for topic, value, headers in signed_records(rollout_id, end_ms, signer):
+            producer.produce(topic, value, key=rollout_id, partition=partition, headers=headers)
         ids.append(rollout_id)
     assert producer.flush(60) == 0, "the broker did not take the load"
     progress.update(task, completed=rollouts)
@@ -317,12 +332,13 @@ def produce_live(stack: StackSettings, rollouts: int, rate_per_s: float, progres
     producer = Producer(kafka.producer_config(stack))
     task = progress.add_task("live rollouts", total=rollouts)
     opened, start = {}, time.monotonic()
+    signer = rollout_signer()
     for i in range(rollouts):
         time.sleep(max(0.0, start + i / rate_per_s - time.monotonic()))
         rollout_id = f"{LIVE}{i:06d}"
         opened[rollout_id] = int(time.time() * 1000)
-        for topic, value in rollout_records(rollout_id, opened[rollout_id]):
-            producer.produce(topic, value, key=rollout_id)
+        for topic, value, headers in signed_records(rollout_id, opened[rollout_id], signer):
+            producer.produce(topic, value, key=rollout_id, headers=headers)
         producer.poll(0)
         progress.update(task, completed=i + 1)
     assert producer.flush(30) == 0
@@ -350,43 +366,56 @@ def empty_reward_topics(stack: StackSettings) -> None:
     kafka.ensure_topics(stack)
 
 
-def joiner_inprocess(rollouts: int, spacing_ms: int, base_ms: int, signer: signing.Signer | None = None) -> Span:
+def joiner_inprocess(rollouts: int, spacing_ms: int, base_ms: int, reward_key: str | None = None) -> Span:
     """Joiner.feed_record alone on the same load, decoded in this process, each partition's
     records in production order (every topic aligned, as no broker delivers them): the
-    ceiling of the join's own CPU cost, without faust or publishing; with ``signer``, every
-    reward signed as the service signs it."""
-    joiner = Joiner(RewardStreamSettings().join_config(), signer=signer)
+    ceiling of the join's own CPU cost, without faust or publishing; with ``reward_key``,
+    as the service runs it: every rollout verified, every reward signed."""
+    signer = verifier = None
+    if reward_key is not None:
+        signer = signing.Signer(reward_key, signing.Purpose.REWARD)
+        verifier = signing.Verifier([signing.public_key_of(os.environ["RTRL_INFERENCE_ROLLOUT_SIGNING_KEY"])], signing.Purpose.ROLLOUT)
+    joiner = Joiner(RewardStreamSettings().join_config(), signer=signer, rollout_verifier=verifier)
     records = []
+    rollouts_signer = rollout_signer()
     for i in range(rollouts):
         rollout_id = f"r{i:06d}"
         partition = zlib.crc32(rollout_id.encode()) % PARTITIONS
-        records.extend((topic, partition, rollout_id.encode(), value) for topic, value in rollout_records(rollout_id, base_ms + spacing_ms * i))
+        signed = signed_records(rollout_id, base_ms + spacing_ms * i, rollouts_signer)
+        records.extend((topic, partition, rollout_id.encode(), value, headers) for topic, value, headers in signed)
     now_ms = int(time.time() * 1000)
     start = time.perf_counter()
-    for offset, (topic, partition, key, value) in enumerate(records):
-        joiner.feed_record(topic, partition, offset, key, value, now_ms, offset)
+    for offset, (topic, partition, key, value, headers) in enumerate(records):
+        joiner.feed_record(topic, partition, offset, key, value, now_ms, offset, headers=headers)
+    assert joiner.counters.unauthenticated == 0
     elapsed = time.perf_counter() - start
     return Span(len(records), 0.0, elapsed)
 
 
 def signature_costs(key: str, rewards: int = 2_000) -> dict[str, float]:
-    """Microseconds to sign (the joiner) and to verify (the trainer) one reward record of the
-    demo's size, on this machine, in this process."""
-    signer = signing.Signer(key, signing.Purpose.REWARD)
-    verifier = signing.Verifier([signing.public_key_of(key)], signing.Purpose.REWARD)
-    values = [rollout_records(f"s{i:06d}", 0)[0][1] * 2 for i in range(rewards)]  # ~a reward with its rollout
-    start = time.perf_counter()
-    headers = [signer.headers(value) for value in values]
-    signed = time.perf_counter() - start
-    start = time.perf_counter()
-    problems = [verifier.problem(value, header) for value, header in zip(values, headers)]
-    verified = time.perf_counter() - start
-    assert not any(problems)
-    return {
-        "sign_us_per_reward": round(signed / rewards * 1e6, 1),
-        "verify_us_per_reward": round(verified / rewards * 1e6, 1),
-        "reward_bytes": round(statistics.fmean(len(v) for v in values)),
-    }
+    """Microseconds to sign and to verify one record of the demo's size, on this machine, in
+    this process: a reward (the joiner signs, the trainer verifies) and a rollout (a worker
+    signs, the joiner verifies)."""
+    rollouts = [rollout_records(f"s{i:06d}", 0)[0][1] for i in range(rewards)]
+    costs: dict[str, float] = {}
+    for kind, purpose, values in (
+        ("reward", signing.Purpose.REWARD, [value * 2 for value in rollouts]),  # ~a reward with its rollout
+        ("rollout", signing.Purpose.ROLLOUT, rollouts),
+    ):
+        signer, verifier = signing.Signer(key, purpose), signing.Verifier([signing.public_key_of(key)], purpose)
+        start = time.perf_counter()
+        headers = [signer.headers(value) for value in values]
+        signed = time.perf_counter() - start
+        start = time.perf_counter()
+        problems = [verifier.problem(value, header) for value, header in zip(values, headers)]
+        verified = time.perf_counter() - start
+        assert not any(problems)
+        costs |= {
+            f"sign_us_per_{kind}": round(signed / len(values) * 1e6, 1),
+            f"verify_us_per_{kind}": round(verified / len(values) * 1e6, 1),
+            f"{kind}_bytes": round(statistics.fmean(len(v) for v in values)),
+        }
+    return costs
 
 
 def code_version(watched: str = "reward_stream") -> str:
@@ -409,6 +438,8 @@ def run(out: Path, console: Console, rollouts: int = 20_000, spacing_ms: int = 2
     # The bench's joiners (which inherit this environment) sign with a key made for the run
     # unless one is set: the service has no default key.
     key = os.environ.setdefault("RTRL_REWARD_SIGNING_KEY", signing.generate_private_key())
+    rollout_key = os.environ.setdefault("RTRL_INFERENCE_ROLLOUT_SIGNING_KEY", signing.generate_private_key())
+    os.environ.setdefault("RTRL_REWARD_ROLLOUT_PUBLIC_KEYS", signing.public_key_of(rollout_key))
     join_settings = RewardStreamSettings()
     code = code_version()
     close_after_ms = round((join_settings.window_s + join_settings.grace_s) * 1000)
@@ -432,7 +463,7 @@ def run(out: Path, console: Console, rollouts: int = 20_000, spacing_ms: int = 2
                 events = 3 * len(ids)
                 with console.status("joiner in-process, then signing each reward"):
                     inprocess = joiner_inprocess(rollouts, spacing_ms, base_ms)
-                    inprocess_signed = joiner_inprocess(rollouts, spacing_ms, base_ms, signing.Signer(key, signing.Purpose.REWARD))
+                    inprocess_signed = joiner_inprocess(rollouts, spacing_ms, base_ms, key)
                     signatures = signature_costs(key)
                 raw = raw_consume(stack, events, progress)
                 floor = faust_floor(stack, workdir, events, progress)
@@ -521,7 +552,7 @@ def _print(r: dict, out: Path, console: Console) -> None:
         ("raw confluent-kafka consumer", raw),
         ("bare faust agent (floor)", floor),
         ("Joiner.feed_record in-process, aligned", r["joiner_inprocess_events_per_s"]),
-        ("... signing every reward (Ed25519)", r["joiner_inprocess_signed_events_per_s"]),
+        ("... verifying every rollout, signing every reward (Ed25519)", r["joiner_inprocess_signed_events_per_s"]),
         ("reward_stream, 1 worker", r["events_per_s"]),
         ("reward_stream, 2 workers", r["events_per_s_2_workers"]),
     ):
@@ -536,7 +567,9 @@ def _print(r: dict, out: Path, console: Console) -> None:
         )
     console.print(
         f"signatures: {r['sign_us_per_reward']} us to sign a {r['reward_bytes']:,}-byte reward (the joiner), "
-        f"{r['verify_us_per_reward']} us to verify it (the trainer); signed/unsigned in-process {r['signed_vs_unsigned_inprocess']}"
+        f"{r['verify_us_per_reward']} us to verify it (the trainer); {r['sign_us_per_rollout']} us to sign a "
+        f"{r['rollout_bytes']:,}-byte rollout (a worker), {r['verify_us_per_rollout']} us to verify it (the joiner); "
+        f"signed/unsigned in-process {r['signed_vs_unsigned_inprocess']}"
     )
     console.print(
         f"ratio_vs_floor {r['ratio_vs_floor']:.2f} (target >= 0.8), scaleout_2_vs_1 {r['scaleout_2_vs_1']:.2f} (target >= 1.6), "

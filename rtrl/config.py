@@ -49,6 +49,12 @@ class StackSettings(BaseSettings):
     """Bearer token that allows following versions (inference workers and relays); it
     cannot publish. No default, as for the publish token."""
 
+    manifest_public_keys: str = ""
+    """The trainer's Ed25519 public key(s) for weight manifests, comma-separated (more than
+    one while keys rotate; weight_sync/provenance.py): a worker applies only versions
+    whose manifest verifies against one. Not secret. No default: workers refuse to
+    start without one (`rtrl up` derives it from the trainer's key)."""
+
     state_dir: Path = Path(".rtrl")
     """Where the embedded stack keeps blobs, checkpoints, chdb data and logs."""
 

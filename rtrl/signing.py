@@ -33,6 +33,8 @@ SIGNER_HEADER = "rtrl-signer"
 
 class Purpose(enum.StrEnum):
     REWARD = "reward"
+    MANIFEST = "manifest"
+    ROLLOUT = "rollout"
 
 
 def _b64(data: bytes) -> str:
@@ -105,12 +107,16 @@ class Verifier:
     def problem(self, payload: bytes, headers: Sequence[tuple[str, bytes]] | None) -> str | None:
         """None if ``payload`` carries a valid signature by one of the keys; else why not."""
         found = dict(headers or ())
-        signature, signer = found.get(SIGNATURE_HEADER), found.get(SIGNER_HEADER)
+        signer = found.get(SIGNER_HEADER)
+        return self.signature_problem(payload, found.get(SIGNATURE_HEADER), None if signer is None else signer.decode(errors="replace"))
+
+    def signature_problem(self, payload: bytes, signature: bytes | None, signer: str | None) -> str | None:
+        """As problem(), for a signature and key id carried elsewhere than in Kafka headers."""
         if not signature or not signer:
             return UNSIGNED
-        key = self._keys.get(signer.decode(errors="replace"))
+        key = self._keys.get(signer)
         if key is None:
-            return f"signed by an unknown key {signer.decode(errors='replace')[:32]!r}"
+            return f"signed by an unknown key {signer[:32]!r}"
         try:
             key.verify(signature, _message(self.purpose, payload))
         except InvalidSignature:

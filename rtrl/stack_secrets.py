@@ -35,11 +35,16 @@ class StackSecrets:
     """Follows weight versions: inference workers (and weight_sync, which checks it)."""
     reward_signing_key: str
     """Signs rewards (Ed25519 private key): the joiner alone; the trainer holds its public key."""
+    manifest_signing_key: str
+    """Signs weight manifests (Ed25519 private key): the trainer alone; workers hold its public key."""
+    rollout_signing_key: str
+    """Signs rollout records (Ed25519 private key): inference workers; the joiner holds its public key."""
 
     @classmethod
     def generate(cls) -> StackSecrets:
         tokens = {f.name: secrets.token_urlsafe(32) for f in fields(cls) if f.name.endswith("_token")}
-        return cls(**tokens, reward_signing_key=signing.generate_private_key())
+        keys = {f.name: signing.generate_private_key() for f in fields(cls) if f.name.endswith("_signing_key")}
+        return cls(**tokens, **keys)
 
     def values(self) -> list[str]:
         return list(asdict(self).values())
@@ -52,14 +57,16 @@ SERVICE_SECRETS: dict[str, dict[str, str]] = {
         "RTRL_WEIGHT_SYNC_TOKEN": "weight_sync_publish_token",
         "RTRL_WEIGHT_SYNC_SUBSCRIBE_TOKEN": "weight_sync_subscribe_token",
     },
-    "trainer": {"RTRL_WEIGHT_SYNC_TOKEN": "weight_sync_publish_token"},
-    "inference": {"RTRL_WEIGHT_SYNC_SUBSCRIBE_TOKEN": "weight_sync_subscribe_token"},
+    "trainer": {"RTRL_WEIGHT_SYNC_TOKEN": "weight_sync_publish_token", "RTRL_TRAINER_MANIFEST_SIGNING_KEY": "manifest_signing_key"},
+    "inference": {"RTRL_WEIGHT_SYNC_SUBSCRIBE_TOKEN": "weight_sync_subscribe_token", "RTRL_INFERENCE_ROLLOUT_SIGNING_KEY": "rollout_signing_key"},
     "reward_stream": {"RTRL_REWARD_SIGNING_KEY": "reward_signing_key"},
 }
 
 # Service -> environment variable -> the public half of a key pair it verifies with (not secret).
 SERVICE_PUBLIC_KEYS: dict[str, dict[str, str]] = {
-    "trainer": {"RTRL_TRAINER_REWARD_PUBLIC_KEYS": "reward_signing_key"},
+    "trainer": {"RTRL_TRAINER_REWARD_PUBLIC_KEYS": "reward_signing_key", "RTRL_MANIFEST_PUBLIC_KEYS": "manifest_signing_key"},
+    "inference": {"RTRL_MANIFEST_PUBLIC_KEYS": "manifest_signing_key"},
+    "reward_stream": {"RTRL_REWARD_ROLLOUT_PUBLIC_KEYS": "rollout_signing_key"},
 }
 
 # Each service's own settings prefix (its settings class's env_prefix).

@@ -30,6 +30,10 @@ os.environ.setdefault("RTRL_WEIGHT_SYNC_SUBSCRIBE_TOKEN", secrets.token_urlsafe(
 # per run; trainer_support.produce signs the records tests write for a trainer with it.
 os.environ.setdefault("RTRL_REWARD_SIGNING_KEY", signing.generate_private_key())
 os.environ.setdefault("RTRL_TRAINER_REWARD_PUBLIC_KEYS", signing.public_key_of(os.environ["RTRL_REWARD_SIGNING_KEY"]))
+os.environ.setdefault("RTRL_TRAINER_MANIFEST_SIGNING_KEY", signing.generate_private_key())
+os.environ.setdefault("RTRL_MANIFEST_PUBLIC_KEYS", signing.public_key_of(os.environ["RTRL_TRAINER_MANIFEST_SIGNING_KEY"]))
+os.environ.setdefault("RTRL_INFERENCE_ROLLOUT_SIGNING_KEY", signing.generate_private_key())
+os.environ.setdefault("RTRL_REWARD_ROLLOUT_PUBLIC_KEYS", signing.public_key_of(os.environ["RTRL_INFERENCE_ROLLOUT_SIGNING_KEY"]))
 
 
 @pytest.fixture(scope="session")
@@ -119,11 +123,11 @@ def server(stack):
 
 @pytest.fixture
 def publisher(server, stack):
-    from weight_sync_support import ARM
+    from weight_sync_support import ARM, MANIFEST_KEY
 
     from weight_sync.client import Publisher
 
-    client = Publisher(server.addr, stack.weight_sync_token.get_secret_value(), ARM, keyframe_every=20)
+    client = Publisher(server.addr, stack.weight_sync_token.get_secret_value(), ARM, keyframe_every=20, signing_key=MANIFEST_KEY)
     yield client
     client.close()
 

@@ -31,12 +31,13 @@ def weights_checksum(weights: Mapping[str, torch.Tensor]) -> str:
 
 
 def main() -> None:
+    from rtrl import signing
     from rtrl.config import StackSettings
     from weight_sync.client import Subscriber
 
     addr, arm, worker_id, out_path = sys.argv[1:]
     token = StackSettings().weight_sync_subscribe_token.get_secret_value()
-    subscriber = Subscriber(addr, arm, worker_id, token=token, max_backoff_s=0.5)
+    subscriber = Subscriber(addr, arm, worker_id, token=token, max_backoff_s=0.5, public_keys=signing.parse_public_keys(os.environ["RTRL_MANIFEST_PUBLIC_KEYS"]))
     signal.signal(signal.SIGTERM, lambda *_: subscriber.stop())
     out = os.open(out_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     try:

@@ -20,6 +20,7 @@ KEYS = {
     "partitions_2_workers",
     "live_rollouts", "live_rate_per_s", "latency_samples", "p50_settle_latency_s", "p99_settle_latency_s",
     "joiner_inprocess_signed_events_per_s", "signed_vs_unsigned_inprocess", "sign_us_per_reward", "verify_us_per_reward", "reward_bytes",
+    "sign_us_per_rollout", "verify_us_per_rollout", "rollout_bytes",
 }
 
 
@@ -39,6 +40,6 @@ def test_tiny_load_every_key_exact_counts(tmp_path):
         assert (join["settled"], join["defaulted"], join["late"], join["dropped"]) == (rollouts, 0, 0, 0), run_
     for key in ("raw_consumer_events_per_s", "faust_floor_events_per_s", "joiner_inprocess_events_per_s", "events_per_s", "events_per_s_2_workers",
                 "ratio_vs_floor", "scaleout_2_vs_1", "settle_events_per_s", "settle_events_per_s_2_workers", "p50_settle_latency_s", "p99_settle_latency_s",
-                "joiner_inprocess_signed_events_per_s", "sign_us_per_reward", "verify_us_per_reward"):
+                "joiner_inprocess_signed_events_per_s", "sign_us_per_reward", "verify_us_per_reward", "sign_us_per_rollout", "verify_us_per_rollout"):
         assert results[key] > 0, key
     assert results["latency_samples"] > 0

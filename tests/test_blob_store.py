@@ -16,6 +16,8 @@ from moto.server import ThreadedMotoServer
 
 # The in-process server and subscriber helpers of the local-store tests.
 from weight_sync_support import (
+    MANIFEST_KEY,
+    MANIFEST_PUBLIC_KEYS,
     SUBSCRIBE_TOKEN,
     Following,
     InProcessServer,
@@ -208,12 +210,12 @@ def test_weight_sync_with_blobs_in_s3(redis_url, tmp_path, s3_endpoint, s3_bucke
     )  # fmt: skip
     server = InProcessServer(settings, stack)
     server.start()
-    publisher = Publisher(server.addr, stack.weight_sync_token.get_secret_value(), "treatment", keyframe_every=3)
+    publisher = Publisher(server.addr, stack.weight_sync_token.get_secret_value(), "treatment", keyframe_every=3, signing_key=MANIFEST_KEY)
     try:
         versions = publish_versions(publisher, policy_weights, 5)  # keyframes v0, v3
         # Each version's manifest lies beside its blob, for rebuilding a lost registry.
         assert s3_keys(s3_endpoint, s3_bucket) == sorted(f"rtrl/treatment/{v}.{kind}" for v in range(5) for kind in ("blob", "manifest"))
-        following = Following(Subscriber(server.addr, "treatment", "worker-s3", token=SUBSCRIBE_TOKEN))
+        following = Following(Subscriber(server.addr, "treatment", "worker-s3", token=SUBSCRIBE_TOKEN, public_keys=MANIFEST_PUBLIC_KEYS))
         try:
             received = following.until(4)
         finally:
@@ -224,7 +226,7 @@ def test_weight_sync_with_blobs_in_s3(redis_url, tmp_path, s3_endpoint, s3_bucke
         plans = server._run(server.server.collect_garbage())
         assert [(p.arm, p.versions) for p in plans] == [("treatment", (0, 1, 2))]
         assert s3_keys(s3_endpoint, s3_bucket) == [f"rtrl/treatment/{v}.{kind}" for v in (3, 4) for kind in ("blob", "manifest")]
-        following = Following(Subscriber(server.addr, "treatment", "worker-s3b", token=SUBSCRIBE_TOKEN))
+        following = Following(Subscriber(server.addr, "treatment", "worker-s3b", token=SUBSCRIBE_TOKEN, public_keys=MANIFEST_PUBLIC_KEYS))
         try:
             received = following.until(4)
         finally:

@@ -43,10 +43,15 @@ SETTINGS = {
 # What `docker compose` would read from the operator's environment.
 OPERATOR_ENV = {
     "RTRL_WEIGHT_SYNC_TOKEN": "publish-secret", "RTRL_WEIGHT_SYNC_SUBSCRIBE_TOKEN": "subscribe-secret", "RTRL_ANALYTICS_QUERY_TOKEN": "query-secret",
-    "RTRL_REWARD_SIGNING_KEY": "signing-secret",
+    "RTRL_REWARD_SIGNING_KEY": "signing-secret", "RTRL_TRAINER_MANIFEST_SIGNING_KEY": "manifest-secret",
+    "RTRL_INFERENCE_ROLLOUT_SIGNING_KEY": "rollout-secret",
 }
-# Not secret, but required: the trainer verifies rewards with the joiner's public key.
-OPERATOR_CONFIG = {"RTRL_TRAINER_REWARD_PUBLIC_KEYS": "joiner-public-key"}
+# Not secret, but required: the trainer verifies rewards with the joiner's public key,
+# workers verify manifests with the trainer's.
+OPERATOR_CONFIG = {
+    "RTRL_TRAINER_REWARD_PUBLIC_KEYS": "joiner-public-key", "RTRL_MANIFEST_PUBLIC_KEYS": "trainer-public-key",
+    "RTRL_REWARD_ROLLOUT_PUBLIC_KEYS": "workers-public-key",
+}
 
 
 def compose_schema() -> dict:

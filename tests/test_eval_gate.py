@@ -20,7 +20,7 @@ import pytest
 import torch
 from rich.console import Console
 from test_analytics import RecordingConsumer
-from weight_sync_support import Following
+from weight_sync_support import MANIFEST_KEY, MANIFEST_PUBLIC_KEYS, Following
 
 from rtrl.health import ComponentHealth
 from rtrl.policy import PolicyConfig, build_model, load_weights
@@ -136,7 +136,7 @@ def test_a_harmful_update_is_refused_and_never_reaches_a_worker(stack_settings, 
     torch.set_num_threads(1)
     install_warm_start(stack_settings.state_dir)
     token = stack_settings.weight_sync_token.get_secret_value()
-    publishers = {arm: Publisher(server.addr, token, arm) for arm in (CONTROL, TREATMENT)}
+    publishers = {arm: Publisher(server.addr, token, arm, signing_key=MANIFEST_KEY) for arm in (CONTROL, TREATMENT)}
     settings = TrainerSettings(lr=1e-3, batch_size=32, min_batch=32, max_staleness=100, eval_tolerance=0.1)
     exporter = StepExporter(Producer(producer_config(stack_settings)))
     spans, reader = otel_memory
@@ -146,7 +146,7 @@ def test_a_harmful_update_is_refused_and_never_reaches_a_worker(stack_settings, 
         stack_settings.state_dir,
         Consumer(consumer_config(stack_settings, settings.consumer_group)),
         publishers,
-        fetch_weights=lambda arm, version: fetch_published(server.addr, token, arm, version),
+        fetch_weights=lambda arm, version: fetch_published(server.addr, token, arm, version, MANIFEST_PUBLIC_KEYS),
         on_step=exporter,
     )
     trainer.start()
@@ -154,7 +154,7 @@ def test_a_harmful_update_is_refused_and_never_reaches_a_worker(stack_settings, 
     stop = threading.Event()
     loop = threading.Thread(target=trainer.run, args=(stop,), daemon=True)
     loop.start()
-    worker = Following(Subscriber(server.addr, TREATMENT, "inference-0", token=SUBSCRIBE_TOKEN))
+    worker = Following(Subscriber(server.addr, TREATMENT, "inference-0", token=SUBSCRIBE_TOKEN, public_keys=MANIFEST_PUBLIC_KEYS))
     try:
         v0, v0_weights = worker.next()
         assert v0.version == 0

@@ -19,6 +19,7 @@ import redis
 import torch
 from confluent_kafka import Producer
 from google.protobuf import json_format
+from signing_support import worker_headers
 from test_analytics import RecordingConsumer, hand_made_records
 from test_ingest_service import ingest_settings, read_topics, shown
 from test_reward_stream_service import read_all, scenario, wait_for_heartbeat
@@ -263,7 +264,8 @@ def test_joiner_service_dead_letters_future_records_then_settles_honest_rollouts
         hostile += [(topics.ROLLOUT, hostile_rollout(f"hostile-{name}", case.record_ts)) for name, case in ON_THE_WIRE.items()]
         hostile += [(topics.FOLLOWUP, hostile_followup(f"hostile-{name}", case.record_ts)) for name, case in ON_THE_WIRE.items()]
         for topic, message in hostile:
-            producer.produce(topic, message.SerializeToString(), key=message.rollout_id)
+            # Signed as a worker signs: refused for their time, not for who wrote them.
+            producer.produce(topic, message.SerializeToString(), key=message.rollout_id, headers=worker_headers(topic, message.SerializeToString()))
         assert producer.flush(10) == 0
         hb = redis.Redis.from_url(redis_url)
         wait_for_heartbeat(hb, lambda d: d["dlq"] >= len(hostile))
@@ -271,7 +273,7 @@ def test_joiner_service_dead_letters_future_records_then_settles_honest_rollouts
         base_ms = int(time.time() * 1000)
         honest = {rid: (record, events, expected) for rid, record, events, expected in (scenario(i, base_ms) for i in range(8))}
         for rollout_id, (record, events, _) in honest.items():
-            producer.produce(topics.ROLLOUT, record.SerializeToString(), key=rollout_id)
+            producer.produce(topics.ROLLOUT, record.SerializeToString(), key=rollout_id, headers=worker_headers(topics.ROLLOUT, record.SerializeToString()))
             for topic, event in events:
                 producer.produce(topic, event.SerializeToString(), key=rollout_id)
         assert producer.flush(10) == 0

@@ -208,6 +208,7 @@ def test_worker_process_heartbeats_and_stops_on_sigterm(stack_env, stack_setting
 
 def test_weights_follow_weight_sync(stack_settings):
     from weight_sync.client import Publisher
+    from weight_sync_support import MANIFEST_KEY
     from weight_sync.config import WeightSyncSettings
     from weight_sync.server import WeightSyncServer
 
@@ -222,7 +223,7 @@ def test_weights_follow_weight_sync(stack_settings):
         await server.start()
         try:
             for arm in ("control", "treatment"):
-                publisher = Publisher(stack.weight_sync_addr, token, arm)
+                publisher = Publisher(stack.weight_sync_addr, token, arm, signing_key=MANIFEST_KEY)
                 for (a, _), model in published.items():
                     if a == arm:
                         await asyncio.to_thread(publisher.publish, state_dict_fp32(model))

@@ -17,6 +17,7 @@ import pytest
 import redis
 from confluent_kafka import Producer
 from rich.progress import Progress
+from signing_support import worker_headers
 from test_reward_stream_service import read_all, wait_for_heartbeat
 
 from reward_stream.config import RewardStreamSettings
@@ -92,7 +93,7 @@ def test_broker_path_matches_the_pure_join(stack_settings, stack_env, redis_url,
     try:
         producer = Producer(kafka.producer_config(stack_settings))
         for topic, rid, value in records:
-            producer.produce(topic, value, key=rid)
+            producer.produce(topic, value, key=rid, headers=worker_headers(topic, value))
             producer.flush(10)  # one at a time, so the broker keeps the production order per partition
         hb = redis.Redis.from_url(redis_url)
         status = wait_for_heartbeat(hb, lambda d: d["settled"] >= len(expected) and d["pending"] == 0)

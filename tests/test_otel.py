@@ -19,7 +19,7 @@ import pytest
 from opentelemetry import trace
 from opentelemetry.proto.collector.metrics.v1 import metrics_service_pb2, metrics_service_pb2_grpc
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
-from weight_sync_support import ARM, publish_versions
+from weight_sync_support import ARM, MANIFEST_KEY, MANIFEST_PUBLIC_KEYS, publish_versions
 
 from rtrl import otel, procs
 from weight_sync.client import Publisher
@@ -109,7 +109,7 @@ def test_weight_sync_exports_over_otlp_and_serves_prometheus(collector, otel_mem
         "PYTHONPATH": str(repo_root),
     }
     proc = procs.spawn("weight_sync", [sys.executable, "-m", "weight_sync"], tmp_path / "weight_sync.log", env=env, port=port)
-    publisher = Publisher(f"127.0.0.1:{port}", stack.weight_sync_token.get_secret_value(), ARM)
+    publisher = Publisher(f"127.0.0.1:{port}", stack.weight_sync_token.get_secret_value(), ARM, signing_key=MANIFEST_KEY)
     try:
         procs.wait_for_port(port)
         with trace.get_tracer("test").start_as_current_span("trainer.step") as step:
@@ -143,7 +143,7 @@ def test_a_worker_apply_span_is_a_child_of_the_commit(otel_memory, server, publi
     spans, _ = otel_memory
     spans.clear()
     staged = threading.Event()
-    follower = WeightFollower(lambda version, weights: staged.set() or True, server.addr, SUBSCRIBE_TOKEN, ARM, "worker-t").start()
+    follower = WeightFollower(lambda version, weights: staged.set() or True, server.addr, SUBSCRIBE_TOKEN, ARM, "worker-t", public_keys=MANIFEST_PUBLIC_KEYS).start()
     try:
         with trace.get_tracer("test").start_as_current_span("trainer.step") as step:
             publish_versions(publisher, policy_weights, 1)

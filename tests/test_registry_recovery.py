@@ -23,6 +23,8 @@ import redis
 import redis.asyncio as aioredis
 from subscriber_proc import weights_checksum
 from weight_sync_support import (
+    MANIFEST_KEY,
+    MANIFEST_PUBLIC_KEYS,
     ARM,
     SUBSCRIBE_TOKEN,
     Following,
@@ -252,7 +254,7 @@ def test_latest_answers_from_the_registry_not_from_a_head_cached_before_a_flush(
     a rebuild that came back lower the publisher's keyframe is refused as well."""
     client = redis.Redis.from_url(stack.redis_url)
     server, addr = start_weight_sync(stack, "ws-cached", tmp_path / "weight_sync.log", repo_root, poll_interval_s=10.0)
-    publisher = Publisher(addr, stack.weight_sync_token.get_secret_value(), ARM, keyframe_every=KEYFRAME_EVERY)
+    publisher = Publisher(addr, stack.weight_sync_token.get_secret_value(), ARM, keyframe_every=KEYFRAME_EVERY, signing_key=MANIFEST_KEY)
     try:
         versions = publish_versions(publisher, policy_weights, 7)  # the server's cached head: v6
         flip_blob(LocalBlobStore(stack.state_dir / "blobs"), 6)
@@ -272,13 +274,13 @@ def test_flushall_under_live_servers_and_subscribers_keeps_versions_rising(stack
     client = redis.Redis.from_url(stack.redis_url)
     servers = [start_weight_sync(stack, f"ws-{name}", tmp_path / f"weight_sync-{name}.log", repo_root) for name in "ab"]
     addrs = [addr for _, addr in servers]
-    publisher = Publisher(addrs[0], stack.weight_sync_token.get_secret_value(), ARM, keyframe_every=KEYFRAME_EVERY)
+    publisher = Publisher(addrs[0], stack.weight_sync_token.get_secret_value(), ARM, keyframe_every=KEYFRAME_EVERY, signing_key=MANIFEST_KEY)
     outs = [tmp_path / f"worker-{i}.txt" for i in range(2)]
     workers = [
         procs.spawn(f"worker-{i}", [sys.executable, str(repo_root / "tests" / "subscriber_proc.py"), addrs[i], ARM, f"worker-{i}", str(outs[i])], tmp_path / f"worker-{i}.log")
         for i in range(2)
     ]  # fmt: skip
-    following = Following(Subscriber(addrs[1], ARM, "worker-in-test", token=SUBSCRIBE_TOKEN, max_backoff_s=0.5))
+    following = Following(Subscriber(addrs[1], ARM, "worker-in-test", token=SUBSCRIBE_TOKEN, max_backoff_s=0.5, public_keys=MANIFEST_PUBLIC_KEYS))
     try:
         versions = publish_versions(publisher, policy_weights, 5)
         wait_for(lambda: all(served(out)[-1:] == [(4, weights_checksum(versions[4]))] for out in outs), "both workers at v4")
@@ -352,7 +354,7 @@ def test_the_trainer_continues_from_the_blob_store_after_flushall(stack_settings
     rows = sampled_rollouts(warm_model(), 32, seed=5)
     records = [reward_record(*rows[i % len(rows)][:4], reward=(i % 7) / 7) for i in range(3 * 96)]
     token = stack_settings.weight_sync_token.get_secret_value()
-    reader = Publisher(server.addr, token, TREATMENT)
+    reader = Publisher(server.addr, token, TREATMENT, signing_key=MANIFEST_KEY)
     client = redis.Redis.from_url(stack_settings.redis_url)
     log_path = tmp_path / "trainer.log"
     env = trainer_env(stack_env, server.addr, repo_root)

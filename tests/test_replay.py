@@ -3,15 +3,17 @@ without moving the live joiner's offsets."""
 
 from __future__ import annotations
 
+import os
 import random
 import time
 
 import pytest
 from confluent_kafka import OFFSET_INVALID, Consumer, Producer, TopicPartition
+from signing_support import worker_headers
 
 from reward_stream import replay, reward
 from reward_stream.config import RewardStreamSettings
-from rtrl import kafka, topics
+from rtrl import kafka, signing, topics
 from rtrl.v1 import reward_pb2, rollout_pb2, telemetry_pb2
 
 N_ROLLOUTS = 12
@@ -111,10 +113,17 @@ def test_replay_against_the_broker(stack_settings):
     producer = Producer(kafka.producer_config(stack_settings))
     for i in range(N_ROLLOUTS):
         record, events = scenario(i)
-        producer.produce(topics.ROLLOUT, record.SerializeToString(), key=record.rollout_id)
+        producer.produce(topics.ROLLOUT, record.SerializeToString(), key=record.rollout_id, headers=worker_headers(topics.ROLLOUT, record.SerializeToString()))
         for topic, event in events:
             producer.produce(topic, event.SerializeToString(), key=record.rollout_id)
     producer.produce(topics.EDIT, b"\xff\xff not protobuf", key="garbage")
+    # Rollouts written straight to the broker by someone who is not a worker.
+    stranger = signing.Signer(signing.generate_private_key(), signing.Purpose.ROLLOUT)
+    for rollout_id, sign in (("forged-unsigned", None), ("forged-stranger", stranger)):
+        record, _ = scenario(0)
+        record.rollout_id = rollout_id
+        value = record.SerializeToString()
+        producer.produce(topics.ROLLOUT, value, key=rollout_id, headers=list(sign.headers(value)) if sign else [])
     assert producer.flush(10) == 0
     producer.close()
 
@@ -126,13 +135,14 @@ def test_replay_against_the_broker(stack_settings):
     live_before = committed(stack_settings, live_group)
     assert {offset for t, _, offset in live_before if t == topics.ROLLOUT} == {1}
 
-    results = {version: replay.replay(stack_settings, CONFIG, version) for version in ("r1", "r2")}
-    again = replay.replay(stack_settings, CONFIG, "r2", write=False)
+    workers = signing.Verifier(signing.parse_public_keys(os.environ["RTRL_REWARD_ROLLOUT_PUBLIC_KEYS"]), signing.Purpose.ROLLOUT)
+    results = {version: replay.replay(stack_settings, CONFIG, version, rollout_verifier=workers) for version in ("r1", "r2")}
+    again = replay.replay(stack_settings, CONFIG, "r2", write=False, rollout_verifier=workers)
 
     for version, result in results.items():
-        assert sorted(r.rollout_id for r in result.records) == sorted(expected(version))  # one per rollout
+        assert sorted(r.rollout_id for r in result.records) == sorted(expected(version))  # one per rollout, none forged
         assert {r.reward_fn_version for r in result.records} == {version}
-        assert result.skipped == 1
+        assert (result.skipped, result.unauthenticated) == (3, 2)
         written = replay.read_retained(stack_settings, (topics.reward_replay(version),))
         assert by_reward_id(reward_pb2.RewardRecord.FromString(r.value) for r in written) == by_reward_id(result.records)
         assert all(r.key == reward_pb2.RewardRecord.FromString(r.value).rollout_id.encode() for r in written)

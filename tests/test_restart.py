@@ -21,7 +21,7 @@ import pytest
 import redis
 from rich.console import Console
 
-from rtrl import broker_record, health, stack_secrets
+from rtrl import broker_record, health, signing, stack_secrets
 from rtrl.lifecycle import down, up
 from rtrl.policy import weights_digest
 from rtrl.reporting import drain, query_function
@@ -96,7 +96,8 @@ def test_a_stopped_stack_resumes_its_lineage_weights_and_history(resumed):
     client.close()
     assert beats["trainer:0"]["version"] == first["last_version"]
     assert beats["trainer:0"]["step"] == first["last_step"]
-    _, published = fetch_published(stack.weight_sync_addr, _subscribe_token(resumed.state_dir), TREATMENT, first["last_version"])
+    trainer_key = signing.public_key_of(stack_secrets.load(resumed.state_dir).manifest_signing_key)
+    _, published = fetch_published(stack.weight_sync_addr, _subscribe_token(resumed.state_dir), TREATMENT, first["last_version"], [trainer_key])
     workers = [key for key in beats if key.startswith("inference:")]
     assert len(workers) == 2
     for worker in workers:

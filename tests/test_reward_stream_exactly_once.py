@@ -11,9 +11,9 @@ against a real Tansu and chdb.
 from __future__ import annotations
 
 import json
-import secrets
 import os
 import random
+import secrets
 import signal
 import subprocess
 import sys
@@ -23,6 +23,7 @@ from collections import Counter
 
 import pytest
 from confluent_kafka import Producer, TopicPartition
+from signing_support import worker_headers
 from test_reward_stream_service import read_all
 
 from analytics.query import http_query_fn
@@ -63,7 +64,7 @@ def produce_rollouts(settings, base_ms: int) -> set[str]:
             event_id=str(uuid.uuid4()), rollout_id=rollout_id, client_ts_ms=ts + 2,
             persistence=telemetry_pb2.PersistenceSnapshot(region_text="x = 1\n"),
         )
-        producer.produce(topics.ROLLOUT, record.SerializeToString(), key=rollout_id)
+        producer.produce(topics.ROLLOUT, record.SerializeToString(), key=rollout_id, headers=worker_headers(topics.ROLLOUT, record.SerializeToString()))
         producer.produce(topics.EDIT, shown.SerializeToString(), key=rollout_id)
         producer.produce(topics.PERSISTENCE, kept.SerializeToString(), key=rollout_id)
         producer.poll(0)

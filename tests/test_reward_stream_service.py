@@ -11,6 +11,7 @@ import uuid
 import pytest
 import redis
 from confluent_kafka import OFFSET_BEGINNING, Consumer, Producer, TopicPartition
+from signing_support import worker_headers
 
 from rtrl import heartbeat, kafka, procs, topics
 from rtrl.v1 import reward_pb2, rollout_pb2, telemetry_pb2
@@ -86,7 +87,7 @@ def test_one_reward_per_rollout_dlq_late_and_clean_stop(stack_settings, stack_en
         scenarios = {rid: (record, events, expected) for rid, record, events, expected in (scenario(i, base_ms) for i in range(N_ROLLOUTS))}
         producer = Producer(kafka.producer_config(stack_settings))
         for rollout_id, (record, events, _) in scenarios.items():
-            producer.produce(topics.ROLLOUT, record.SerializeToString(), key=rollout_id)
+            producer.produce(topics.ROLLOUT, record.SerializeToString(), key=rollout_id, headers=worker_headers(topics.ROLLOUT, record.SerializeToString()))
             for topic, event in events:
                 producer.produce(topic, event.SerializeToString(), key=rollout_id)
         # Redeliveries: a RolloutRecord, a persistence snapshot, a follow-up.
@@ -96,7 +97,7 @@ def test_one_reward_per_rollout_dlq_late_and_clean_stop(stack_settings, stack_en
             (topics.FOLLOWUP, scenarios["rollout-02"][1][0][1]),
         ]
         for topic, message in duplicates:
-            producer.produce(topic, message.SerializeToString(), key=message.rollout_id)
+            producer.produce(topic, message.SerializeToString(), key=message.rollout_id, headers=worker_headers(topic, message.SerializeToString()))
         producer.produce(topics.EDIT, GARBAGE, key="garbage")
         assert producer.flush(10) == 0
 

@@ -337,14 +337,14 @@ def test_sidecar_follows_weight_sync_into_sglang(sglang, server, publisher):
     """The service path: versions published to weight_sync (a keyframe, then a delta)
     are rebuilt by the Subscriber and swapped into SGLang by the sidecar's threads."""
     from weight_sync_support import ARM as SYNC_ARM
-    from weight_sync_support import SUBSCRIBE_TOKEN
+    from weight_sync_support import MANIFEST_PUBLIC_KEYS, SUBSCRIBE_TOKEN
 
     sglang_server, _ = sglang
     # weight_sync numbers this fresh arm from 0; label the server's weights as older,
     # as a freshly started server's are.
     post(sglang_server, "/update_weight_version", {"new_version": "-1"})
     sidecar = make_sidecar(sglang, arm=SYNC_ARM, retry_s=0.5)
-    sidecar.start(server.addr, SUBSCRIBE_TOKEN, "sglang-sidecar-test")
+    sidecar.start(server.addr, SUBSCRIBE_TOKEN, "sglang-sidecar-test", MANIFEST_PUBLIC_KEYS)
     try:
         assert publisher.publish(base_weights(4)) == 0
         assert publisher.publish(dominant_weights("#")) == 1

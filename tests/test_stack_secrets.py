@@ -27,7 +27,7 @@ def test_secrets_are_generated_once_owner_only_and_kept(tmp_path):
     path = tmp_path / stack_secrets.SECRETS_FILE
     assert path.stat().st_mode & 0o777 == 0o600
     assert stack_secrets.ensure(tmp_path) == first == stack_secrets.load(tmp_path)
-    assert len(set(first.values())) == 4 and all(len(value) >= 40 for value in first.values())
+    assert len(set(first.values())) == 6 and all(len(value) >= 40 for value in first.values())
     (tmp_path / "other").mkdir()
     assert stack_secrets.ensure(tmp_path / "other") != first, "another state directory, other secrets"
 
@@ -53,3 +53,7 @@ def test_each_service_gets_its_settings_and_its_own_secrets_only(service):
     assert ("RTRL_TRAINER_REWARD_PUBLIC_KEYS" in env) is (service == "trainer")
     if service == "trainer":
         assert env["RTRL_TRAINER_REWARD_PUBLIC_KEYS"] == signing.public_key_of(secrets.reward_signing_key)
+    # Workers verify manifests with the trainer's public key; only the trainer holds the private one.
+    assert ("RTRL_MANIFEST_PUBLIC_KEYS" in env) is (service in ("trainer", "inference"))
+    if "RTRL_MANIFEST_PUBLIC_KEYS" in env:
+        assert env["RTRL_MANIFEST_PUBLIC_KEYS"] == signing.public_key_of(secrets.manifest_signing_key)

@@ -53,6 +53,7 @@ def test_kill_9_mid_training_trains_every_rollout_exactly_once(stack_settings, s
     from trainer.loop import TREATMENT
     from trainer.service import fetch_published
     from weight_sync.client import Publisher
+    from weight_sync_support import MANIFEST_KEY, MANIFEST_PUBLIC_KEYS
 
     torch.set_num_threads(1)
     install_warm_start(stack_settings.state_dir)
@@ -63,7 +64,7 @@ def test_kill_9_mid_training_trains_every_rollout_exactly_once(stack_settings, s
     delivered = {record.rollout_id for record in records}
 
     token = stack_settings.weight_sync_token.get_secret_value()
-    registry = Publisher(server.addr, token, TREATMENT)
+    registry = Publisher(server.addr, token, TREATMENT, signing_key=MANIFEST_KEY)
     env = trainer_env(stack_env, server.addr, repo_root)
     log_path = tmp_path / "trainer.log"
 
@@ -79,7 +80,7 @@ def test_kill_9_mid_training_trains_every_rollout_exactly_once(stack_settings, s
 
     def trained() -> int:
         latest = registry.latest()
-        return fetch_published(server.addr, token, TREATMENT, latest)[0].rollouts_trained if latest > 0 else 0
+        return fetch_published(server.addr, token, TREATMENT, latest, MANIFEST_PUBLIC_KEYS)[0].rollouts_trained if latest > 0 else 0
 
     produce(stack_settings.kafka_bootstrap, records[: ROLLOUTS // 2] + replayed[: DUPLICATES // 2])
     trainer = start()
@@ -101,7 +102,7 @@ def test_kill_9_mid_training_trains_every_rollout_exactly_once(stack_settings, s
         assert trainer.popen.returncode == 0, log_path.read_text()[-3000:]
 
         latest = registry.latest()
-        manifest, _ = fetch_published(server.addr, token, TREATMENT, latest)
+        manifest, _ = fetch_published(server.addr, token, TREATMENT, latest, MANIFEST_PUBLIC_KEYS)
         assert manifest.rollouts_trained == len(delivered)
         journal = Journal(stack_settings.state_dir / "trainer").replay(latest)
         assert journal.refused == ()
@@ -136,6 +137,7 @@ def test_the_trainer_service_runs_sharded_under_torchrun(stack_settings, stack_e
     from trainer.service import fetch_published
     from trainer.warmstart import cache_path
     from weight_sync.client import Publisher
+    from weight_sync_support import MANIFEST_KEY, MANIFEST_PUBLIC_KEYS
 
     torch.set_num_threads(1)
     install_warm_start(stack_settings.state_dir)
@@ -143,14 +145,14 @@ def test_the_trainer_service_runs_sharded_under_torchrun(stack_settings, stack_e
     rows = sampled_rollouts(warm_model(), 32, seed=4)
     records = [reward_record(*rows[i % len(rows)][:4], reward=rng.random()) for i in range(160)]
     token = stack_settings.weight_sync_token.get_secret_value()
-    registry = Publisher(server.addr, token, TREATMENT)
+    registry = Publisher(server.addr, token, TREATMENT, signing_key=MANIFEST_KEY)
     env = {**trainer_env(stack_env, server.addr, repo_root), "RTRL_TRAINER_CHECKPOINT_EVERY": "3"}
     log_path = tmp_path / "torchrun.log"
     argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "trainer"]
 
     def trained() -> int:
         latest = registry.latest()
-        return fetch_published(server.addr, token, TREATMENT, latest)[0].rollouts_trained if latest > 0 else 0
+        return fetch_published(server.addr, token, TREATMENT, latest, MANIFEST_PUBLIC_KEYS)[0].rollouts_trained if latest > 0 else 0
 
     def wait_until(condition, timeout_s: float, what: str, service: procs.Proc) -> None:
         deadline = time.monotonic() + timeout_s
@@ -177,7 +179,7 @@ def test_the_trainer_service_runs_sharded_under_torchrun(stack_settings, stack_e
         assert log_path.read_text().count("trainer stopped at step") == 2, log_path.read_text()[-4000:]
 
         latest = registry.latest()
-        manifest, weights = fetch_published(server.addr, token, TREATMENT, latest)
+        manifest, weights = fetch_published(server.addr, token, TREATMENT, latest, MANIFEST_PUBLIC_KEYS)
         assert manifest.rollouts_trained == len(records)
         journal = Journal(stack_settings.state_dir / "trainer").replay(latest)
         assert sorted(journal.recent_ids) == sorted(r.rollout_id for r in records)

@@ -16,6 +16,8 @@ import grpc
 import pytest
 import redis
 from weight_sync_support import (
+    MANIFEST_KEY,
+    MANIFEST_PUBLIC_KEYS,
     ARM,
     SUBSCRIBE_TOKEN,
     Following,
@@ -46,7 +48,7 @@ def test_new_subscriber_gets_latest_bit_identical(server, stack, publisher, poli
     assert blob_sizes == [m.blob_size for m in manifests]
     assert max(blob_sizes[1:]) * 100 < blob_sizes[0]  # 15 changed floats vs 0.65 M
 
-    following = Following(Subscriber(server.addr, ARM, "worker-a", token=SUBSCRIBE_TOKEN))
+    following = Following(Subscriber(server.addr, ARM, "worker-a", token=SUBSCRIBE_TOKEN, public_keys=MANIFEST_PUBLIC_KEYS))
     try:
         received = following.until(4)
     finally:
@@ -81,7 +83,7 @@ def test_subscriber_holding_v1_receives_only_deltas(server, publisher, policy_we
     assert len(keyframe_chunks) > 10 and keyframe_chunks[0].manifest.keyframe and keyframe_chunks[-1].last
     assert [c.offset for c in keyframe_chunks] == [64 * 1024 * i for i in range(len(keyframe_chunks))]
 
-    following = Following(Subscriber(server.addr, ARM, "worker-b", token=SUBSCRIBE_TOKEN), have_version=1, weights=versions[1])
+    following = Following(Subscriber(server.addr, ARM, "worker-b", token=SUBSCRIBE_TOKEN, public_keys=MANIFEST_PUBLIC_KEYS), have_version=1, weights=versions[1])
     try:
         received = following.until(4)
     finally:
@@ -91,7 +93,7 @@ def test_subscriber_holding_v1_receives_only_deltas(server, publisher, policy_we
 
     # Knowing its version but not holding the weights, a worker rebuilds from the keyframe
     # and is handed only what is newer.
-    following = Following(Subscriber(server.addr, ARM, "worker-b2", token=SUBSCRIBE_TOKEN), have_version=2)
+    following = Following(Subscriber(server.addr, ARM, "worker-b2", token=SUBSCRIBE_TOKEN, public_keys=MANIFEST_PUBLIC_KEYS), have_version=2)
     try:
         received = following.until(4)
     finally:
@@ -102,7 +104,7 @@ def test_subscriber_holding_v1_receives_only_deltas(server, publisher, policy_we
 
 def test_follow_receives_versions_published_later(server, publisher, policy_weights):
     versions = publish_versions(publisher, policy_weights, 2)
-    following = Following(Subscriber(server.addr, ARM, "worker-c", token=SUBSCRIBE_TOKEN))
+    following = Following(Subscriber(server.addr, ARM, "worker-c", token=SUBSCRIBE_TOKEN, public_keys=MANIFEST_PUBLIC_KEYS))
     try:
         assert following.until(1)[-1][0].version == 1
         assert following.nothing_pending()
@@ -118,13 +120,13 @@ def test_follow_receives_versions_published_later(server, publisher, policy_weig
 
 def test_stale_publisher_resends_a_keyframe(server, stack, publisher, policy_weights):
     versions = publish_versions(publisher, policy_weights, 2)
-    rival = Publisher(server.addr, stack.weight_sync_token.get_secret_value(), ARM)
+    rival = Publisher(server.addr, stack.weight_sync_token.get_secret_value(), ARM, signing_key=MANIFEST_KEY)
     assert rival.publish(train_step(versions[-1], 7)) == 2  # a fresh publisher starts with a keyframe
     rival.close()
     # `publisher` still believes v1 is latest: its delta is refused and it resends a keyframe.
     versions.append(train_step(versions[-1], 8))
     assert publisher.publish(versions[-1]) == 3
-    following = Following(Subscriber(server.addr, ARM, "worker-d", token=SUBSCRIBE_TOKEN))
+    following = Following(Subscriber(server.addr, ARM, "worker-d", token=SUBSCRIBE_TOKEN, public_keys=MANIFEST_PUBLIC_KEYS))
     try:
         manifest, weights = following.next()
     finally:
@@ -153,14 +155,14 @@ def _forge_tensor_checksum(stack: StackSettings, version: int) -> None:
     ids=["blob bytes flipped on disk (server detects)", "tensor checksum disagrees (subscriber detects)"],
 )
 def test_corrupt_version_is_never_yielded_and_the_next_keyframe_repairs(server, stack, policy_weights, corrupt, caplog):
-    publisher = Publisher(server.addr, stack.weight_sync_token.get_secret_value(), ARM, keyframe_every=4)
+    publisher = Publisher(server.addr, stack.weight_sync_token.get_secret_value(), ARM, keyframe_every=4, signing_key=MANIFEST_KEY)
     versions = publish_versions(publisher, policy_weights, 3)
     corrupt(stack, 2)
     # The publishing server keeps what it verified in memory; storage goes bad under a
     # server that has to read it back: a restarted one, or another replica.
     server.stop()
     server.start()
-    subscriber = Subscriber(server.addr, ARM, "worker-e", max_backoff_s=0.5, token=SUBSCRIBE_TOKEN)
+    subscriber = Subscriber(server.addr, ARM, "worker-e", max_backoff_s=0.5, token=SUBSCRIBE_TOKEN, public_keys=MANIFEST_PUBLIC_KEYS)
     following = Following(subscriber)
     try:
         assert [m.version for m, _ in following.until(1)] == [0, 1]
@@ -286,8 +288,8 @@ def test_subscriber_survives_a_killed_server(stack, repo_root, tmp_path, policy_
 
     proc = start()
     addr = f"127.0.0.1:{port}"
-    publisher = Publisher(addr, stack.weight_sync_token.get_secret_value(), ARM)
-    subscriber = Subscriber(addr, ARM, "worker-f", token=SUBSCRIBE_TOKEN)
+    publisher = Publisher(addr, stack.weight_sync_token.get_secret_value(), ARM, signing_key=MANIFEST_KEY)
+    subscriber = Subscriber(addr, ARM, "worker-f", token=SUBSCRIBE_TOKEN, public_keys=MANIFEST_PUBLIC_KEYS)
     following = Following(subscriber)
     try:
         versions = publish_versions(publisher, policy_weights, 2)

@@ -27,6 +27,8 @@ import redis
 from netfault import FaultProxy
 from subscriber_proc import weights_checksum
 from weight_sync_support import (
+    MANIFEST_KEY,
+    MANIFEST_PUBLIC_KEYS,
     ARM,
     SUBSCRIBE_TOKEN,
     Following,
@@ -44,6 +46,7 @@ from weight_sync.broadcast import version_chunks
 from weight_sync.checksum import xxh3_hex
 from weight_sync.client import Publisher, Subscriber
 from weight_sync.config import WeightSyncSettings
+from weight_sync.provenance import ManifestSigner
 from weight_sync.stream import Assembler, TornStream, bearer
 
 pytestmark = pytest.mark.integration
@@ -66,7 +69,7 @@ def proxy(server):
 
 
 def new_publisher(server: InProcessServer, stack: StackSettings, keyframe_every: int = 20) -> Publisher:
-    return Publisher(server.addr, stack.weight_sync_token.get_secret_value(), ARM, keyframe_every=keyframe_every)
+    return Publisher(server.addr, stack.weight_sync_token.get_secret_value(), ARM, keyframe_every=keyframe_every, signing_key=MANIFEST_KEY)
 
 
 def stored_manifest(stack: StackSettings, version: int) -> weights_pb2.Manifest:
@@ -113,7 +116,7 @@ def test_a_cut_inside_a_version_resumes_where_it_stopped(server, stack, proxy, p
     assert blob_size > 10 * CHUNK_BYTES
     # ~2 s for the keyframe, so the test can cut it where it chooses.
     proxy.throttle(blob_size / 2)
-    subscriber = Subscriber(proxy.addr, ARM, "worker-cut", token=SUBSCRIBE_TOKEN)
+    subscriber = Subscriber(proxy.addr, ARM, "worker-cut", token=SUBSCRIBE_TOKEN, public_keys=MANIFEST_PUBLIC_KEYS)
     following = Following(subscriber)
     try:
         for cut in range(1, cuts + 1):
@@ -170,7 +173,7 @@ def test_a_resume_the_server_cannot_honour_starts_over_and_never_mixes_blobs(ser
     old = publish_versions(publisher, policy_weights, 1)[0]
     old_checksum, blob_size = stored_manifest(stack, 0).blob_checksum, stored_manifest(stack, 0).blob_size
     proxy.throttle(blob_size / 2)
-    subscriber = Subscriber(proxy.addr, ARM, "worker-stale-resume", token=SUBSCRIBE_TOKEN)
+    subscriber = Subscriber(proxy.addr, ARM, "worker-stale-resume", token=SUBSCRIBE_TOKEN, public_keys=MANIFEST_PUBLIC_KEYS)
     following = Following(subscriber)
     try:
         wait_for(lambda: subscriber.stream.bytes_received >= blob_size // 2, "half of v0 to arrive")
@@ -317,13 +320,14 @@ def _ends_early_without_a_word(chunks):
 def test_a_broken_stream_over_grpc_is_dropped_or_resumed_then_repaired(policy_weights, first_stream, torn):
     encoded = codec.encode(None, policy_weights)
     manifest = encoded.manifest(arm=ARM, parent_version=-1, keyframe=True)
+    ManifestSigner(MANIFEST_KEY).sign(manifest)
     manifest.version = 0
     servicer = ScriptedWeightSync(manifest, encoded.blob, first_stream)
     grpc_server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
     weights_pb2_grpc.add_WeightSyncServicer_to_server(servicer, grpc_server)
     port = grpc_server.add_insecure_port("127.0.0.1:0")
     grpc_server.start()
-    subscriber = Subscriber(f"127.0.0.1:{port}", ARM, "worker-torn", token=SUBSCRIBE_TOKEN)
+    subscriber = Subscriber(f"127.0.0.1:{port}", ARM, "worker-torn", token=SUBSCRIBE_TOKEN, public_keys=MANIFEST_PUBLIC_KEYS)
     following = Following(subscriber)
     try:
         manifest_got, weights = following.next()
@@ -350,7 +354,7 @@ def test_a_broken_stream_over_grpc_is_dropped_or_resumed_then_repaired(policy_we
 def test_a_lost_delta_is_never_skipped_and_the_next_keyframe_repairs(server, stack, proxy, policy_weights, caplog):
     publisher = new_publisher(server, stack, keyframe_every=4)
     versions = publish_versions(publisher, policy_weights, 2)
-    subscriber = Subscriber(proxy.addr, ARM, "worker-gap", token=SUBSCRIBE_TOKEN, max_backoff_s=0.3)
+    subscriber = Subscriber(proxy.addr, ARM, "worker-gap", token=SUBSCRIBE_TOKEN, max_backoff_s=0.3, public_keys=MANIFEST_PUBLIC_KEYS)
     following = Following(subscriber)
     try:
         assert [m.version for m, _ in following.until(1)] == [0, 1]
@@ -407,7 +411,7 @@ def test_a_subscriber_killed_mid_version_harms_no_one_and_restarts_clean(server,
     def applied_versions() -> list[int]:
         return [int(line.split()[0]) for line in applied.read_text().splitlines()] if applied.exists() else []
 
-    bystander = Following(Subscriber(server.addr, ARM, "bystander", token=SUBSCRIBE_TOKEN))
+    bystander = Following(Subscriber(server.addr, ARM, "bystander", token=SUBSCRIBE_TOKEN, public_keys=MANIFEST_PUBLIC_KEYS))
     proc = None
     try:
         assert bystander.until(2)[-1][0].version == 2
@@ -451,7 +455,7 @@ def test_a_subscriber_killed_mid_version_harms_no_one_and_restarts_clean(server,
 def test_a_blob_corrupted_after_verification_is_served_from_the_verified_copy(server, stack, policy_weights, caplog):
     publisher = new_publisher(server, stack)
     versions = publish_versions(publisher, policy_weights, 3)
-    first = Following(Subscriber(server.addr, ARM, "worker-first", token=SUBSCRIBE_TOKEN))
+    first = Following(Subscriber(server.addr, ARM, "worker-first", token=SUBSCRIBE_TOKEN, public_keys=MANIFEST_PUBLIC_KEYS))
     try:
         assert first.until(2)[-1][0].version == 2
     finally:
@@ -462,7 +466,7 @@ def test_a_blob_corrupted_after_verification_is_served_from_the_verified_copy(se
     # Committed blobs are immutable (written aside, fsynced, renamed; never written again),
     # so the bytes the server verified and kept in memory are v2. Serving that copy is as
     # safe as re-reading the disk, and every subscriber checks the checksum again anyway.
-    second = Following(Subscriber(server.addr, ARM, "worker-second", token=SUBSCRIBE_TOKEN))
+    second = Following(Subscriber(server.addr, ARM, "worker-second", token=SUBSCRIBE_TOKEN, public_keys=MANIFEST_PUBLIC_KEYS))
     try:
         received = second.until(2)
     finally:

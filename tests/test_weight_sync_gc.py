@@ -16,6 +16,8 @@ from hypothesis import strategies as st
 
 # The in-process server and subscriber helpers of the weight_sync tests.
 from weight_sync_support import (
+    MANIFEST_KEY,
+    MANIFEST_PUBLIC_KEYS,
     SUBSCRIBE_TOKEN,
     Following,
     InProcessServer,
@@ -118,8 +120,8 @@ def stored_versions(stack: StackSettings, arm: str) -> tuple[list[int], list[int
 def test_collection_deletes_exactly_the_plan_and_subscribers_still_sync(stack, policy_weights):
     server = start_server(stack, keyframe_every=5, keep_keyframes=2, gc_interval_s=0)
     token = stack.weight_sync_token.get_secret_value()
-    publisher = Publisher(server.addr, token, "treatment", keyframe_every=5)
-    control = Publisher(server.addr, token, "control", keyframe_every=5)
+    publisher = Publisher(server.addr, token, "treatment", keyframe_every=5, signing_key=MANIFEST_KEY)
+    control = Publisher(server.addr, token, "control", keyframe_every=5, signing_key=MANIFEST_KEY)
     try:
         assert control.publish(policy_weights) == 0
         versions = publish_versions(publisher, policy_weights, 30)
@@ -135,7 +137,7 @@ def test_collection_deletes_exactly_the_plan_and_subscribers_still_sync(stack, p
         assert [p.versions for p in again] == [(), ()]
 
         # From scratch: the newest keyframe and the deltas after it.
-        following = Following(Subscriber(server.addr, "treatment", "fresh", token=SUBSCRIBE_TOKEN))
+        following = Following(Subscriber(server.addr, "treatment", "fresh", token=SUBSCRIBE_TOKEN, public_keys=MANIFEST_PUBLIC_KEYS))
         try:
             received = following.until(29)
         finally:
@@ -144,7 +146,7 @@ def test_collection_deletes_exactly_the_plan_and_subscribers_still_sync(stack, p
         assert_bit_identical(received[-1][1], versions[29])
 
         # Holding a recent version: deltas only.
-        following = Following(Subscriber(server.addr, "treatment", "recent", token=SUBSCRIBE_TOKEN), have_version=26, weights=versions[26])
+        following = Following(Subscriber(server.addr, "treatment", "recent", token=SUBSCRIBE_TOKEN, public_keys=MANIFEST_PUBLIC_KEYS), have_version=26, weights=versions[26])
         try:
             received = following.until(29)
         finally:
@@ -153,7 +155,7 @@ def test_collection_deletes_exactly_the_plan_and_subscribers_still_sync(stack, p
         assert_bit_identical(received[-1][1], versions[29])
 
         # The pinned control arm still serves its v0.
-        following = Following(Subscriber(server.addr, "control", "control-worker", token=SUBSCRIBE_TOKEN))
+        following = Following(Subscriber(server.addr, "control", "control-worker", token=SUBSCRIBE_TOKEN, public_keys=MANIFEST_PUBLIC_KEYS))
         try:
             manifest, weights = following.next()
         finally:
@@ -169,8 +171,8 @@ def test_collection_deletes_exactly_the_plan_and_subscribers_still_sync(stack, p
 @pytest.mark.integration
 def test_periodic_collection_runs_beside_publishing(stack, policy_weights):
     server = start_server(stack, keyframe_every=2, keep_keyframes=1, gc_interval_s=0.05)
-    publisher = Publisher(server.addr, stack.weight_sync_token.get_secret_value(), "treatment", keyframe_every=2)
-    following = Following(Subscriber(server.addr, "treatment", "follower", max_backoff_s=0.2, token=SUBSCRIBE_TOKEN))
+    publisher = Publisher(server.addr, stack.weight_sync_token.get_secret_value(), "treatment", keyframe_every=2, signing_key=MANIFEST_KEY)
+    following = Following(Subscriber(server.addr, "treatment", "follower", max_backoff_s=0.2, token=SUBSCRIBE_TOKEN, public_keys=MANIFEST_PUBLIC_KEYS))
     try:
         versions = publish_versions(publisher, policy_weights, 9)  # keyframes v0, v2, v4, v6, v8
         assert following.until(8)[-1][0].version == 8
@@ -179,7 +181,7 @@ def test_periodic_collection_runs_beside_publishing(stack, policy_weights):
             assert time.monotonic() < deadline, stored_versions(stack, "treatment")
             time.sleep(0.05)
         assert server.server.versions_collected == 8
-        fresh = Following(Subscriber(server.addr, "treatment", "fresh", token=SUBSCRIBE_TOKEN))
+        fresh = Following(Subscriber(server.addr, "treatment", "fresh", token=SUBSCRIBE_TOKEN, public_keys=MANIFEST_PUBLIC_KEYS))
         try:
             manifest, weights = fresh.next()
         finally:

@@ -16,6 +16,8 @@ import threading
 import grpc
 import pytest
 from weight_sync_support import (
+    MANIFEST_KEY,
+    MANIFEST_PUBLIC_KEYS,
     SUBSCRIBE_TOKEN,
     Following,
     assert_bit_identical,
@@ -69,7 +71,7 @@ def relay(server, stack):
 
 
 def test_fan_out_through_a_relay_costs_the_server_one_stream(server, stack, publisher, relay, policy_weights):
-    followers = [Following(Subscriber(relay.addr, ARM, f"worker-{i}", token=SUBSCRIBE_TOKEN)) for i in range(3)]
+    followers = [Following(Subscriber(relay.addr, ARM, f"worker-{i}", token=SUBSCRIBE_TOKEN, public_keys=MANIFEST_PUBLIC_KEYS)) for i in range(3)]
     try:
         versions = publish_versions(publisher, policy_weights, 4)
         for following in followers:
@@ -88,13 +90,13 @@ def test_fan_out_through_a_relay_costs_the_server_one_stream(server, stack, publ
 
 def test_a_late_subscriber_of_a_relay_gets_a_keyframe_path_and_one_holding_a_version_gets_deltas(server, stack, publisher, relay, policy_weights):
     versions = publish_versions(publisher, policy_weights, 3)
-    early = Following(Subscriber(relay.addr, ARM, "early", token=SUBSCRIBE_TOKEN))
+    early = Following(Subscriber(relay.addr, ARM, "early", token=SUBSCRIBE_TOKEN, public_keys=MANIFEST_PUBLIC_KEYS))
     try:
         assert early.until(2)[-1][0].version == 2
     finally:
         early.stop()
-    late = Following(Subscriber(relay.addr, ARM, "late", token=SUBSCRIBE_TOKEN))
-    holding = Following(Subscriber(relay.addr, ARM, "holding", token=SUBSCRIBE_TOKEN), have_version=1, weights=versions[1])
+    late = Following(Subscriber(relay.addr, ARM, "late", token=SUBSCRIBE_TOKEN, public_keys=MANIFEST_PUBLIC_KEYS))
+    holding = Following(Subscriber(relay.addr, ARM, "holding", token=SUBSCRIBE_TOKEN, public_keys=MANIFEST_PUBLIC_KEYS), have_version=1, weights=versions[1])
     try:
         assert [(m.version, m.keyframe) for m, _ in late.until(2)] == [(0, True), (1, False), (2, False)]
         received = holding.until(2)
@@ -106,16 +108,16 @@ def test_a_late_subscriber_of_a_relay_gets_a_keyframe_path_and_one_holding_a_ver
 
 
 def test_relays_stack_and_prune_to_their_newest_keyframes(server, stack, policy_weights):
-    publisher = Publisher(server.addr, stack.weight_sync_token.get_secret_value(), ARM, keyframe_every=3)
+    publisher = Publisher(server.addr, stack.weight_sync_token.get_secret_value(), ARM, keyframe_every=3, signing_key=MANIFEST_KEY)
     near = InProcessRelay(server.addr, stack, keep_keyframes=1)
     far = InProcessRelay(near.addr, stack, keep_keyframes=1)
-    following = Following(Subscriber(far.addr, ARM, "far-worker", token=SUBSCRIBE_TOKEN))
+    following = Following(Subscriber(far.addr, ARM, "far-worker", token=SUBSCRIBE_TOKEN, public_keys=MANIFEST_PUBLIC_KEYS))
     try:
         versions = publish_versions(publisher, policy_weights, 8)  # keyframes at 0, 3, 6
         received = following.until(7)
         assert_bit_identical(received[-1][1], versions[7])
         assert sorted(near.relay.cache._versions[ARM]) == [6, 7]
-        late = Following(Subscriber(far.addr, ARM, "late", token=SUBSCRIBE_TOKEN))
+        late = Following(Subscriber(far.addr, ARM, "late", token=SUBSCRIBE_TOKEN, public_keys=MANIFEST_PUBLIC_KEYS))
         try:
             assert [(m.version, m.keyframe) for m, _ in late.until(7)] == [(6, True), (7, False)]
         finally:
@@ -154,7 +156,7 @@ def test_subscribers_carry_on_after_their_relay_is_killed(server, stack, publish
         return proc
 
     proc = start()
-    subscriber = Subscriber(f"127.0.0.1:{port}", ARM, "worker-r", token=SUBSCRIBE_TOKEN, max_backoff_s=0.5)
+    subscriber = Subscriber(f"127.0.0.1:{port}", ARM, "worker-r", token=SUBSCRIBE_TOKEN, max_backoff_s=0.5, public_keys=MANIFEST_PUBLIC_KEYS)
     following = Following(subscriber)
     try:
         versions = publish_versions(publisher, policy_weights, 2)

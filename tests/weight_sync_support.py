@@ -4,12 +4,14 @@ versions to publish. Fixtures built on these are in conftest.py."""
 from __future__ import annotations
 
 import asyncio
+import os
 import queue
 import threading
 
 import torch
 
 from kernels.delta import bits_dtype
+from rtrl import signing
 from rtrl.config import StackSettings
 from rtrl.v1 import weights_pb2
 from weight_sync.client import Publisher, Subscriber
@@ -18,6 +20,9 @@ from weight_sync.server import WeightSyncServer
 
 ARM = "treatment"
 SUBSCRIBE_TOKEN = StackSettings().weight_sync_subscribe_token.get_secret_value()
+# The trainer's manifest key pair (conftest.py generates it): test publishers sign, test workers verify.
+MANIFEST_KEY = os.environ["RTRL_TRAINER_MANIFEST_SIGNING_KEY"]
+MANIFEST_PUBLIC_KEYS = signing.parse_public_keys(os.environ["RTRL_MANIFEST_PUBLIC_KEYS"])
 
 
 class InProcessServer:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -81,6 +81,12 @@ class TrainerSettings(BaseSettings):
     rtrl/signing.py): a reward whose signature does not verify against one is never trained
     on: dropped as ``unsigned`` or ``forged``, counted and dead-lettered. No default: the
     trainer refuses to start without one."""
+
+    manifest_signing_key: SecretStr = SecretStr("")
+    """The trainer's Ed25519 private key for weight manifests (base64url,
+    weight_sync/provenance.py): every version it publishes is signed with it, and workers
+    apply only versions that verify against its public key (RTRL_MANIFEST_PUBLIC_KEYS).
+    No default: the trainer refuses to start without one (`rtrl up` generates it)."""
 
     consumer_group: str = "trainer"
     """Kafka consumer group on the reward topic."""

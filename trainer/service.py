@@ -14,6 +14,7 @@ import asyncio
 import logging
 import signal
 import threading
+from collections.abc import Sequence
 
 import redis.asyncio as aioredis
 import torch
@@ -22,7 +23,7 @@ from opentelemetry import metrics
 
 from rtrl.config import StackSettings
 from rtrl.heartbeat import beat_forever
-from rtrl import otel
+from rtrl import otel, signing
 from rtrl.kafka import consumer_config, producer_config
 from rtrl.v1 import weights_pb2
 from trainer.config import TrainerSettings
@@ -36,11 +37,14 @@ from trainer.metrics import StepExporter
 log = logging.getLogger("trainer")
 
 
-def fetch_published(addr: str, token: str, arm: str, version: int) -> tuple[weights_pb2.Manifest, dict[str, torch.Tensor]]:
-    """The manifest and weights weight_sync holds for one version of an arm."""
+def fetch_published(
+    addr: str, token: str, arm: str, version: int, public_keys: Sequence[str]
+) -> tuple[weights_pb2.Manifest, dict[str, torch.Tensor]]:
+    """The manifest and weights weight_sync holds for one version of an arm, if the
+    trainer signed it (a resume never starts from weights someone else wrote)."""
     from weight_sync.client import Subscriber
 
-    subscriber = Subscriber(addr, arm, worker_id="trainer-resume", token=token)
+    subscriber = Subscriber(addr, arm, worker_id="trainer-resume", token=token, public_keys=public_keys)
     try:
         for manifest, weights in subscriber.follow(have_version=version - 1):
             if manifest.version >= version:
@@ -82,7 +86,14 @@ async def serve(settings: TrainerSettings, stack: StackSettings, world: World | 
         loop.add_signal_handler(sig, stop.set)
 
     token = stack.weight_sync_token.get_secret_value()
-    publishers = {arm: Publisher(stack.weight_sync_addr, token, arm, settings.keyframe_every) for arm in (CONTROL, TREATMENT)}
+    signing_key = settings.manifest_signing_key.get_secret_value()
+    if not signing_key:
+        raise SystemExit("trainer: RTRL_TRAINER_MANIFEST_SIGNING_KEY is not set: workers apply only versions it signs (rtrl up generates one)")
+    # Its own versions, and those of a key being rotated out.
+    own_keys = [signing.public_key_of(signing_key), *signing.parse_public_keys(stack.manifest_public_keys)]
+    publishers = {
+        arm: Publisher(stack.weight_sync_addr, token, arm, settings.keyframe_every, signing_key=signing_key) for arm in (CONTROL, TREATMENT)
+    }
     # The trainer subscribes itself: it seeks to its journal's positions on assignment.
     rewards = Consumer(consumer_config(stack, settings.consumer_group))
     otel.configure("trainer", stack)
@@ -92,9 +103,7 @@ async def serve(settings: TrainerSettings, stack: StackSettings, world: World | 
         stack.state_dir,
         rewards,
         publishers,
-        fetch_weights=lambda arm, version: fetch_published(
-            stack.weight_sync_addr, stack.weight_sync_token.get_secret_value(), arm, version
-        ),
+        fetch_weights=lambda arm, version: fetch_published(stack.weight_sync_addr, token, arm, version, own_keys),
         on_step=exporter,
         world=world,
         dead_letter=exporter.dead_letter,

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 
 import grpc
 import torch
@@ -16,6 +16,7 @@ from opentelemetry import trace
 from rtrl import otel
 from rtrl.v1 import weights_pb2, weights_pb2_grpc
 from weight_sync import codec, lineage
+from weight_sync.provenance import ManifestSigner, ManifestVerifier
 from weight_sync.stream import CHANNEL_OPTIONS, VersionStream, bearer
 
 log = logging.getLogger("weight_sync.client")
@@ -27,11 +28,24 @@ class Publisher:
 
     Keeps a copy of the last weights it published, so each version after the first
     is a delta against it, except every keyframe_every-th version, which is full.
+    Every manifest is signed with ``signing_key`` (provenance.py): workers apply only
+    versions that verify.
     """
 
-    def __init__(self, addr: str, token: str, arm: str, keyframe_every: int = 20, *, chunk_bytes: int = 1 << 20, timeout_s: float = 60.0) -> None:
+    def __init__(
+        self,
+        addr: str,
+        token: str,
+        arm: str,
+        keyframe_every: int = 20,
+        *,
+        signing_key: str,
+        chunk_bytes: int = 1 << 20,
+        timeout_s: float = 60.0,
+    ) -> None:
         if keyframe_every < 1 or chunk_bytes < 1:
             raise ValueError(f"keyframe_every ({keyframe_every}) and chunk_bytes ({chunk_bytes}) must be positive")
+        self._signer = ManifestSigner(signing_key)
         self.arm = arm
         self.keyframe_every = keyframe_every
         self._chunk_bytes = chunk_bytes
@@ -84,6 +98,7 @@ class Publisher:
     def _send(self, weights: dict[str, torch.Tensor], parent_version: int, keyframe: bool, stats: dict[str, int]) -> int:
         encoded = codec.encode(None if keyframe else self._parent, weights, self._buffers)
         manifest = encoded.manifest(arm=self.arm, parent_version=parent_version, keyframe=keyframe, **stats)
+        self._signer.sign(manifest)
         blob = encoded.blob
         attributes = {"rpc.system": "grpc", "rpc.method": "rtrl.v1.WeightSync/Publish", "rtrl.arm": self.arm, "rtrl.weights.keyframe": keyframe, "rtrl.weights.bytes": len(blob)}
         with _tracer.start_as_current_span("weights publish", kind=trace.SpanKind.CLIENT, attributes=attributes) as span:
@@ -120,11 +135,25 @@ class Subscriber:
 
     ``follow`` yields (manifest, weights) for every version newer than any it yielded
     before, each fully decoded and checksum-verified; it never yields a corrupt or
-    half-received version. The yielded tensors are the subscriber's own copy of the
+    half-received version, nor one whose manifest does not verify against
+    ``public_keys`` (the trainer's: provenance.py). The yielded tensors are the subscriber's own copy of the
     weights it will apply the next delta to: read them, do not modify them in place.
     """
 
-    def __init__(self, addr: str, arm: str, worker_id: str, *, token: str, min_backoff_s: float = 0.1, max_backoff_s: float = 2.0) -> None:
+    def __init__(
+        self,
+        addr: str,
+        arm: str,
+        worker_id: str,
+        *,
+        token: str,
+        public_keys: Sequence[str],
+        min_backoff_s: float = 0.1,
+        max_backoff_s: float = 2.0,
+    ) -> None:
+        self._verifier = ManifestVerifier(public_keys)
+        self.forged = 0
+        """Versions refused because their manifest was not signed by the trainer."""
         self.arm = arm
         self.worker_id = worker_id
         self.stream = VersionStream(addr, arm, worker_id, token, min_backoff_s=min_backoff_s, max_backoff_s=max_backoff_s)
@@ -153,6 +182,14 @@ class Subscriber:
         held_version, held = (have_version, weights) if weights is not None else (-1, None)
         yielded = have_version
         for manifest, blob in self.stream.follow(held_version):
+            problem = self._verifier.problem(manifest)
+            if problem is not None:
+                # Whoever wrote this manifest is not the trainer: nothing of it is decoded.
+                log.error("%s: refusing %s v%d: its manifest does not verify (%s); re-subscribing from a keyframe", self.worker_id, self.arm, manifest.version, problem)
+                self.forged += 1
+                self.stream.reject()
+                held_version, held = -1, None
+                continue
             try:
                 if not manifest.keyframe and manifest.parent_version != held_version:
                     raise codec.ParentMismatch(f"{self.arm} v{manifest.version} is a delta on v{manifest.parent_version}, we hold v{held_version}")

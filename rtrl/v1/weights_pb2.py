@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15rtrl/v1/weights.proto\x12\x07rtrl.v1\"\x8d\x01\n\nTensorMeta\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\x10\n\x08\x63hecksum\x18\x04 \x01(\t\x12\x10\n\x08\x65ncoding\x18\x05 \x01(\t\x12\x0e\n\x06offset\x18\x06 \x01(\x04\x12\x0e\n\x06length\x18\x07 \x01(\x04\x12\x0f\n\x07\x63hanged\x18\x08 \x01(\x04\")\n\x07Section\x12\x0e\n\x06offset\x18\x01 \x01(\x04\x12\x0e\n\x06length\x18\x02 \x01(\x04\"\x86\x03\n\x08Manifest\x12\x0b\n\x03\x61rm\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x03\x12\x16\n\x0eparent_version\x18\x03 \x01(\x03\x12\x10\n\x08keyframe\x18\x04 \x01(\x08\x12$\n\x07tensors\x18\x05 \x03(\x0b\x32\x13.rtrl.v1.TensorMeta\x12\x10\n\x08\x62lob_uri\x18\x06 \x01(\t\x12\x11\n\tblob_size\x18\x07 \x01(\x04\x12\x15\n\rblob_checksum\x18\x08 \x01(\t\x12\x15\n\rcreated_ts_ms\x18\t \x01(\x03\x12#\n\x1btrained_through_event_ts_ms\x18\n \x01(\x03\x12\x18\n\x10rollouts_trained\x18\x0b \x01(\r\x12\x12\n\ntrain_step\x18\x0c \x01(\r\x12)\n\x0f\x64\x65lta_positions\x18\r \x01(\x0b\x32\x10.rtrl.v1.Section\x12&\n\x0c\x64\x65lta_values\x18\x0e \x01(\x0b\x32\x10.rtrl.v1.Section\x12\x13\n\x0btraceparent\x18\x0f \x01(\t\"y\n\x10SubscribeRequest\x12\x0b\n\x03\x61rm\x18\x01 \x01(\t\x12\x14\n\x0chave_version\x18\x02 \x01(\x03\x12\x11\n\tworker_id\x18\x03 \x01(\t\x12\x0e\n\x06\x66ollow\x18\x04 \x01(\x08\x12\x1f\n\x06resume\x18\x05 \x01(\x0b\x32\x0f.rtrl.v1.Resume\"@\n\x06Resume\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x15\n\rblob_checksum\x18\x03 \x01(\t\"o\n\x0bWeightChunk\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12#\n\x08manifest\x18\x02 \x01(\x0b\x32\x11.rtrl.v1.Manifest\x12\x0e\n\x06offset\x18\x03 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\x12\x0c\n\x04last\x18\x05 \x01(\x08\"A\n\x0cPublishChunk\x12#\n\x08manifest\x18\x01 \x01(\x0b\x32\x11.rtrl.v1.Manifest\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\"\"\n\x0fPublishResponse\x12\x0f\n\x07version\x18\x01 \x01(\x03\"\x1c\n\rLatestRequest\x12\x0b\n\x03\x61rm\x18\x01 \x01(\t\"!\n\x0eLatestResponse\x12\x0f\n\x07version\x18\x01 \x01(\x03\x32\xc5\x01\n\nWeightSync\x12>\n\tSubscribe\x12\x19.rtrl.v1.SubscribeRequest\x1a\x14.rtrl.v1.WeightChunk0\x01\x12<\n\x07Publish\x12\x15.rtrl.v1.PublishChunk\x1a\x18.rtrl.v1.PublishResponse(\x01\x12\x39\n\x06Latest\x12\x16.rtrl.v1.LatestRequest\x1a\x17.rtrl.v1.LatestResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15rtrl/v1/weights.proto\x12\x07rtrl.v1\"\x8d\x01\n\nTensorMeta\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\x10\n\x08\x63hecksum\x18\x04 \x01(\t\x12\x10\n\x08\x65ncoding\x18\x05 \x01(\t\x12\x0e\n\x06offset\x18\x06 \x01(\x04\x12\x0e\n\x06length\x18\x07 \x01(\x04\x12\x0f\n\x07\x63hanged\x18\x08 \x01(\x04\")\n\x07Section\x12\x0e\n\x06offset\x18\x01 \x01(\x04\x12\x0e\n\x06length\x18\x02 \x01(\x04\"\xa9\x03\n\x08Manifest\x12\x0b\n\x03\x61rm\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x03\x12\x16\n\x0eparent_version\x18\x03 \x01(\x03\x12\x10\n\x08keyframe\x18\x04 \x01(\x08\x12$\n\x07tensors\x18\x05 \x03(\x0b\x32\x13.rtrl.v1.TensorMeta\x12\x10\n\x08\x62lob_uri\x18\x06 \x01(\t\x12\x11\n\tblob_size\x18\x07 \x01(\x04\x12\x15\n\rblob_checksum\x18\x08 \x01(\t\x12\x15\n\rcreated_ts_ms\x18\t \x01(\x03\x12#\n\x1btrained_through_event_ts_ms\x18\n \x01(\x03\x12\x18\n\x10rollouts_trained\x18\x0b \x01(\r\x12\x12\n\ntrain_step\x18\x0c \x01(\r\x12)\n\x0f\x64\x65lta_positions\x18\r \x01(\x0b\x32\x10.rtrl.v1.Section\x12&\n\x0c\x64\x65lta_values\x18\x0e \x01(\x0b\x32\x10.rtrl.v1.Section\x12\x13\n\x0btraceparent\x18\x0f \x01(\t\x12\x11\n\tsignature\x18\x10 \x01(\x0c\x12\x0e\n\x06signer\x18\x11 \x01(\t\"y\n\x10SubscribeRequest\x12\x0b\n\x03\x61rm\x18\x01 \x01(\t\x12\x14\n\x0chave_version\x18\x02 \x01(\x03\x12\x11\n\tworker_id\x18\x03 \x01(\t\x12\x0e\n\x06\x66ollow\x18\x04 \x01(\x08\x12\x1f\n\x06resume\x18\x05 \x01(\x0b\x32\x0f.rtrl.v1.Resume\"@\n\x06Resume\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x15\n\rblob_checksum\x18\x03 \x01(\t\"o\n\x0bWeightChunk\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12#\n\x08manifest\x18\x02 \x01(\x0b\x32\x11.rtrl.v1.Manifest\x12\x0e\n\x06offset\x18\x03 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\x12\x0c\n\x04last\x18\x05 \x01(\x08\"A\n\x0cPublishChunk\x12#\n\x08manifest\x18\x01 \x01(\x0b\x32\x11.rtrl.v1.Manifest\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\"\"\n\x0fPublishResponse\x12\x0f\n\x07version\x18\x01 \x01(\x03\"\x1c\n\rLatestRequest\x12\x0b\n\x03\x61rm\x18\x01 \x01(\t\"!\n\x0eLatestResponse\x12\x0f\n\x07version\x18\x01 \x01(\x03\x32\xc5\x01\n\nWeightSync\x12>\n\tSubscribe\x12\x19.rtrl.v1.SubscribeRequest\x1a\x14.rtrl.v1.WeightChunk0\x01\x12<\n\x07Publish\x12\x15.rtrl.v1.PublishChunk\x1a\x18.rtrl.v1.PublishResponse(\x01\x12\x39\n\x06Latest\x12\x16.rtrl.v1.LatestRequest\x1a\x17.rtrl.v1.LatestResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,21 +36,21 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SECTION']._serialized_start=178
   _globals['_SECTION']._serialized_end=219
   _globals['_MANIFEST']._serialized_start=222
-  _globals['_MANIFEST']._serialized_end=612
-  _globals['_SUBSCRIBEREQUEST']._serialized_start=614
-  _globals['_SUBSCRIBEREQUEST']._serialized_end=735
-  _globals['_RESUME']._serialized_start=737
-  _globals['_RESUME']._serialized_end=801
-  _globals['_WEIGHTCHUNK']._serialized_start=803
-  _globals['_WEIGHTCHUNK']._serialized_end=914
-  _globals['_PUBLISHCHUNK']._serialized_start=916
-  _globals['_PUBLISHCHUNK']._serialized_end=981
-  _globals['_PUBLISHRESPONSE']._serialized_start=983
-  _globals['_PUBLISHRESPONSE']._serialized_end=1017
-  _globals['_LATESTREQUEST']._serialized_start=1019
-  _globals['_LATESTREQUEST']._serialized_end=1047
-  _globals['_LATESTRESPONSE']._serialized_start=1049
-  _globals['_LATESTRESPONSE']._serialized_end=1082
-  _globals['_WEIGHTSYNC']._serialized_start=1085
-  _globals['_WEIGHTSYNC']._serialized_end=1282
+  _globals['_MANIFEST']._serialized_end=647
+  _globals['_SUBSCRIBEREQUEST']._serialized_start=649
+  _globals['_SUBSCRIBEREQUEST']._serialized_end=770
+  _globals['_RESUME']._serialized_start=772
+  _globals['_RESUME']._serialized_end=836
+  _globals['_WEIGHTCHUNK']._serialized_start=838
+  _globals['_WEIGHTCHUNK']._serialized_end=949
+  _globals['_PUBLISHCHUNK']._serialized_start=951
+  _globals['_PUBLISHCHUNK']._serialized_end=1016
+  _globals['_PUBLISHRESPONSE']._serialized_start=1018
+  _globals['_PUBLISHRESPONSE']._serialized_end=1052
+  _globals['_LATESTREQUEST']._serialized_start=1054
+  _globals['_LATESTREQUEST']._serialized_end=1082
+  _globals['_LATESTRESPONSE']._serialized_start=1084
+  _globals['_LATESTRESPONSE']._serialized_end=1117
+  _globals['_WEIGHTSYNC']._serialized_start=1120
+  _globals['_WEIGHTSYNC']._serialized_end=1317
 # @@protoc_insertion_point(module_scope)

@@ -35,7 +35,7 @@ class Section(_message.Message):
     def __init__(self, offset: _Optional[int] = ..., length: _Optional[int] = ...) -> None: ...
 
 class Manifest(_message.Message):
-    __slots__ = ("arm", "version", "parent_version", "keyframe", "tensors", "blob_uri", "blob_size", "blob_checksum", "created_ts_ms", "trained_through_event_ts_ms", "rollouts_trained", "train_step", "delta_positions", "delta_values", "traceparent")
+    __slots__ = ("arm", "version", "parent_version", "keyframe", "tensors", "blob_uri", "blob_size", "blob_checksum", "created_ts_ms", "trained_through_event_ts_ms", "rollouts_trained", "train_step", "delta_positions", "delta_values", "traceparent", "signature", "signer")
     ARM_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     PARENT_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -51,6 +51,8 @@ class Manifest(_message.Message):
     DELTA_POSITIONS_FIELD_NUMBER: _ClassVar[int]
     DELTA_VALUES_FIELD_NUMBER: _ClassVar[int]
     TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
+    SIGNATURE_FIELD_NUMBER: _ClassVar[int]
+    SIGNER_FIELD_NUMBER: _ClassVar[int]
     arm: str
     version: int
     parent_version: int
@@ -66,7 +68,9 @@ class Manifest(_message.Message):
     delta_positions: Section
     delta_values: Section
     traceparent: str
-    def __init__(self, arm: _Optional[str] = ..., version: _Optional[int] = ..., parent_version: _Optional[int] = ..., keyframe: _Optional[bool] = ..., tensors: _Optional[_Iterable[_Union[TensorMeta, _Mapping]]] = ..., blob_uri: _Optional[str] = ..., blob_size: _Optional[int] = ..., blob_checksum: _Optional[str] = ..., created_ts_ms: _Optional[int] = ..., trained_through_event_ts_ms: _Optional[int] = ..., rollouts_trained: _Optional[int] = ..., train_step: _Optional[int] = ..., delta_positions: _Optional[_Union[Section, _Mapping]] = ..., delta_values: _Optional[_Union[Section, _Mapping]] = ..., traceparent: _Optional[str] = ...) -> None: ...
+    signature: bytes
+    signer: str
+    def __init__(self, arm: _Optional[str] = ..., version: _Optional[int] = ..., parent_version: _Optional[int] = ..., keyframe: _Optional[bool] = ..., tensors: _Optional[_Iterable[_Union[TensorMeta, _Mapping]]] = ..., blob_uri: _Optional[str] = ..., blob_size: _Optional[int] = ..., blob_checksum: _Optional[str] = ..., created_ts_ms: _Optional[int] = ..., trained_through_event_ts_ms: _Optional[int] = ..., rollouts_trained: _Optional[int] = ..., train_step: _Optional[int] = ..., delta_positions: _Optional[_Union[Section, _Mapping]] = ..., delta_values: _Optional[_Union[Section, _Mapping]] = ..., traceparent: _Optional[str] = ..., signature: _Optional[bytes] = ..., signer: _Optional[str] = ...) -> None: ...
 
 class SubscribeRequest(_message.Message):
     __slots__ = ("arm", "have_version", "worker_id", "follow", "resume")
