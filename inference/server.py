@@ -141,6 +141,7 @@ class InferenceServer:
             "rejected": self.counters.rejected,
             "unavailable": self.counters.unavailable,
             "unrecorded": self.counters.unrecorded,
+            "weights_refused": sum(follower.refused for follower in self._followers),
         }
 
     def _observe(self) -> None:
@@ -166,6 +167,10 @@ class InferenceServer:
             description="Policy version each arm serves (-1: none yet)",
         )
         otel.observe(meter, "rtrl.inference.queue_depth", "gauge", lambda: [(self.engine.queue_depth(), {})], unit="{request}", description="Requests waiting for the engine")
+        otel.observe(
+            meter, "rtrl.inference.weights.refused", "counter", lambda: [(sum(f.refused for f in self._followers), {})],
+            unit="{version}", description="Weight versions refused because the trainer did not sign their manifest",
+        )
 
     async def _beat_forever(self) -> None:
         while True:

@@ -56,6 +56,7 @@ class WeightFollower:
         self._lock = threading.Lock()
         self._subscriber = None
         self._staged: OrderedDict[int, tuple[str, int]] = OrderedDict()
+        self._refused_before = 0
         self._thread = threading.Thread(target=self._run, name=f"weights-{arm}", daemon=True)
 
     def start(self) -> WeightFollower:
@@ -68,6 +69,13 @@ class WeightFollower:
             if self._subscriber is not None:
                 self._subscriber.stop()
         self._thread.join(timeout_s)
+
+    @property
+    def refused(self) -> int:
+        """Versions refused because the trainer did not sign their manifest (forged)."""
+        with self._lock:
+            current = 0 if self._subscriber is None else self._subscriber.forged
+            return self._refused_before + current
 
     def staged(self, version: int) -> tuple[str, int] | None:
         """(traceparent, time.time_ns() when staged) of a version this follower staged."""
@@ -121,4 +129,7 @@ class WeightFollower:
                 log.exception("following %s weights from %s failed; starting over in %.1f s", self.arm, self.addr, self.retry_s)
             finally:
                 subscriber.close()
+                with self._lock:
+                    self._refused_before += subscriber.forged
+                    self._subscriber = None
             self._stopped.wait(self.retry_s)
