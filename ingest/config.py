@@ -49,7 +49,7 @@ class IngestSettings(BaseSettings):
     """The ``Retry-After`` header sent with a 429."""
 
     auth_required: bool = True
-    """Refuse requests without a valid API key (ingest/auth.py). Off only for local experiments."""
+    """Refuse requests without a valid API key (rtrl/api_keys.py). Off only for local experiments."""
 
     key_cache_ttl_s: float = Field(1.0, gt=0, le=300)
     """How long a gateway trusts a key record it read from Redis: a revocation takes effect within this."""

@@ -1,6 +1,6 @@
 """The transport-independent core of ingest: validate, deduplicate, produce.
 
-Both the HTTP and the gRPC front ends authenticate the request (ingest/auth.py) and
+Both the HTTP and the gRPC front ends authenticate the request (rtrl/api_keys.py) and
 hand its batch to ``Gateway.publish``; they only translate its per-event results
 into their own status codes.
 
@@ -35,7 +35,7 @@ from typing import Awaitable, Callable, Protocol, Sequence
 import redis.asyncio as aioredis
 from opentelemetry import trace
 
-from ingest.auth import PRIVATE_USERS, ApiKey
+from rtrl.api_keys import PRIVATE_USERS, ApiKey
 from ingest.validation import CLIENT_TS_WINDOW, validate
 from rtrl import kafka, otel, topics
 from rtrl.event_time import EventTimeWindow

@@ -1,7 +1,7 @@
 """The ingest process: HTTP and gRPC front ends over one Gateway, plus its heartbeat.
 
 Every request carries an API key (``Authorization: Bearer <key>``; gRPC metadata
-``authorization``), checked against ingest/auth.py before its body is looked at.
+``authorization``), checked against rtrl/api_keys.py before its body is looked at.
 
 HTTP ``POST /v1/events`` takes the protobuf JSON mapping of PublishEventsRequest
 (camelCase or original field names) and answers a JSON PublishEventsResponse:
@@ -43,10 +43,10 @@ from google.protobuf import json_format
 from google.protobuf.message import DecodeError
 from opentelemetry import metrics
 
-from ingest.auth import ApiKey, KeyCache, RateLimiter
+from rtrl.api_keys import ApiKey, KeyCache, KeyVerifier, RateLimiter
 from ingest.config import IngestSettings
 from ingest.gateway import REJECTED, RETRY, Gateway, wall_clock_ms as gateway_clock_ms
-from rtrl import heartbeat, kafka, otel
+from rtrl import heartbeat, kafka, otel, signing
 from rtrl.config import StackSettings
 from rtrl.runtime import service_process, until_stopped
 from rtrl.v1 import ingest_pb2
@@ -76,6 +76,10 @@ class Door:
         self._limiter = limiter
         self.refused: Counter[int] = Counter()
         """Requests refused, by HTTP status (401, 403, 429)."""
+
+    @property
+    def keys(self) -> KeyCache | None:
+        return self._keys
 
     async def authenticate(self, authorization: str) -> tuple[ApiKey | None, Refusal | None]:
         """Who is asking: from the Authorization header alone, before any of the body is read."""
@@ -299,6 +303,7 @@ class IngestServer:
     grpc_server: grpc.aio.Server
     heartbeat_task: asyncio.Task
     recovery_task: asyncio.Task
+    door: Door | None = None
 
     async def stop(self, grace_s: float = 5.0) -> None:
         # Stop taking requests first, then let in-flight produces reach the broker. Every
@@ -330,8 +335,13 @@ async def start(stack: StackSettings, settings: IngestSettings) -> IngestServer:
         client_ts_window=settings.client_ts_window(),
     )
 
-    door = Door(KeyCache(redis, settings.key_cache_ttl_s), RateLimiter(redis)) if settings.auth_required else Door(None, None)
-    if not settings.auth_required:
+    if settings.auth_required:
+        if not stack.api_key_public_keys.strip():
+            raise SystemExit("RTRL_API_KEY_PUBLIC_KEYS is not set: the gateway accepts only API keys the operator signed (rtrl up derives it)")
+        verifier = KeyVerifier(signing.parse_public_keys(stack.api_key_public_keys))
+        door = Door(KeyCache(redis, settings.key_cache_ttl_s, verifier), RateLimiter(redis))
+    else:
+        door = Door(None, None)
         log.warning("RTRL_INGEST_AUTH_REQUIRED=false: accepting events without an API key")
 
     runner = web.AppRunner(build_http_app(gateway, settings, door), access_log=None)
@@ -352,7 +362,7 @@ async def start(stack: StackSettings, settings: IngestSettings) -> IngestServer:
     beats = asyncio.create_task(heartbeat.beat_forever(redis, SERVICE, stack.instance, gateway.status))
     recovery = asyncio.create_task(_recover_forever(stack, settings))
     log.info("ingest listening: http %s:%d, grpc %s:%d", settings.bind_host, settings.http_port, settings.bind_host, settings.grpc_port)
-    return IngestServer(gateway, producer, redis, runner, grpc_server, beats, recovery)
+    return IngestServer(gateway, producer, redis, runner, grpc_server, beats, recovery, door)
 
 
 def _observe(gateway: Gateway, door: Door) -> None:

@@ -150,8 +150,11 @@ def _end_total(stack: StackSettings) -> int:
 def run(
     out: Path, console: Console, *, events_per_round: int = 60_000, batch: int = 500, concurrency: int = 8, rounds: int = 3
 ) -> IngestBench:
-    from ingest.auth import call_sync, issue_key
+    from rtrl import signing
+    from rtrl.api_keys import KeyAuthority, call_sync, issue_key
     from rtrl.kafka import ensure_topics, wait_for_broker
+
+    operator_key = signing.generate_private_key()  # the bench's own operator: it signs the bench's key
 
     with tempfile.TemporaryDirectory(prefix="rtrl-bench-ingest-") as tmp:
         tmp_path = Path(tmp)
@@ -169,12 +172,13 @@ def run(
                 "RTRL_KAFKA_BOOTSTRAP": stack.kafka_bootstrap, "RTRL_REDIS_URL": stack.redis_url, "RTRL_STATE_DIR": str(stack.state_dir),
                 "RTRL_INGEST_HTTP_PORT": str(http_port), "RTRL_INGEST_GRPC_PORT": str(grpc_port),
                 "RTRL_INGEST_MAX_INFLIGHT": str(batch * concurrency * 2), "RTRL_OTEL_EXPORTER": "none",
+                "RTRL_API_KEY_PUBLIC_KEYS": signing.public_key_of(operator_key),
                 "PYTHONPATH": str(Path(__file__).resolve().parent.parent) + os.pathsep + os.environ.get("PYTHONPATH", ""),
             }
             gateway = procs.spawn("ingest", [sys.executable, "-m", "ingest"], tmp_path / "ingest.log", env=env, port=grpc_port)
             procs.wait_for_port(grpc_port, timeout_s=60)
 
-            key = call_sync(stack.redis_url, issue_key, "bench")
+            key = call_sync(stack.redis_url, issue_key, KeyAuthority(operator_key), "bench")
             # Warm both paths (connections, topic metadata, the gateway's scripts).
             raw_round(stack, make_events(2_000, seed=-1))
             asyncio.run(gateway_round(f"127.0.0.1:{grpc_port}", key, make_events(2_000, seed=-2), batch, concurrency))

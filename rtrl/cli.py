@@ -264,22 +264,48 @@ def _redis_url() -> str:
 
 
 def _redis_call(function, *args, **kwargs):
-    from ingest.auth import call_sync
+    from rtrl.api_keys import call_sync
 
     return call_sync(_redis_url(), function, *args, **kwargs)
+
+
+def _authority():
+    """The operator's signer of key records: the stack's own, or RTRL_API_KEY_SIGNING_KEY."""
+    from rtrl.stack_secrets import key_authority
+
+    try:
+        return key_authority(_state_dir())
+    except (RuntimeError, PermissionError) as exc:
+        err_console.print(f"[red]{exc}[/]")
+        raise typer.Exit(1) from None
 
 
 @keys_app.command("create")
 def keys_create(
     client: str = typer.Argument(..., help="Client id the key belongs to."),
-    events: str = typer.Option("*", help="Comma-separated event types it may send (edit_shown, edit_outcome, persistence, followup) or *."),
-    rate: float = typer.Option(0.0, help="Events per second (0: unlimited)."),
-    burst: float = typer.Option(None, help="Largest burst in events (default: one second's worth)."),
+    events: str = typer.Option(
+        "*",
+        help="Comma-separated scopes: event types it may send (edit_shown, edit_outcome, persistence, followup, or * for all), "
+        "and `completions` for the serving API (never implied by *).",
+    ),
+    rate: float = typer.Option(0.0, help="Events (gateway) or completions (serving API) per second (0: unlimited)."),
+    burst: float = typer.Option(None, help="Largest burst (default: one second's worth)."),
+    max_request_bytes: int = typer.Option(0, help="Serving API: largest request body in bytes (0: the server's bound)."),
+    max_tokens: int = typer.Option(0, help="Serving API: most tokens one completion may ask for (0: the server's bound)."),
+    max_concurrency: int = typer.Option(0, help="Serving API: completions in flight at once, per server (0: unlimited)."),
 ) -> None:
-    """Issue a key; it is printed once and stored only as its hash."""
-    from ingest.auth import issue_key
+    """Issue a key; it is printed once and stored only as its hash, signed by the operator."""
+    from rtrl.api_keys import issue_key
 
-    key = _redis_call(issue_key, client, scopes=set(events.split(",")), rate_per_s=rate, burst=burst)
+    authority = _authority()
+    try:
+        key = _redis_call(
+            issue_key, authority, client, scopes=set(events.split(",")), rate_per_s=rate, burst=burst,
+            max_request_bytes=max_request_bytes, max_tokens=max_tokens, max_concurrency=max_concurrency,
+        )  # fmt: skip
+    except ValueError as exc:
+        err_console.print(f"[red]{exc}[/]")
+        raise typer.Exit(2) from None
     console.print(key)
 
 
@@ -289,17 +315,17 @@ def keys_rotate(
     grace_s: float = typer.Option(3600.0, help="How long the client's current keys keep working."),
 ) -> None:
     """Issue a new key for a client; its current keys expire after the grace period."""
-    from ingest.auth import rotate_keys
+    from rtrl.api_keys import rotate_keys
 
-    console.print(_redis_call(rotate_keys, client, grace_s))
+    console.print(_redis_call(rotate_keys, _authority(), client, grace_s))
 
 
 @keys_app.command("revoke")
 def keys_revoke(key: str = typer.Argument(..., help="The key, or its SHA-256 as `rtrl keys list` shows it.")) -> None:
     """Revoke one key at once (gateways notice within RTRL_INGEST_KEY_CACHE_TTL_S)."""
-    from ingest.auth import revoke_key
+    from rtrl.api_keys import revoke_key
 
-    if not _redis_call(revoke_key, key):
+    if not _redis_call(revoke_key, _authority(), key):
         console.print("[red]no such key[/]")
         raise typer.Exit(1)
 
@@ -309,7 +335,7 @@ def keys_list(client: str = typer.Argument(...)) -> None:
     """A client's keys (hashes), scopes, limits and state."""
     from rich.table import Table
 
-    from ingest.auth import list_keys
+    from rtrl.api_keys import list_keys
 
     table = Table("key sha256", "events", "rate/s", "revoked", "expires (ms)", "created (ms)")
     for row in _redis_call(list_keys, client):

@@ -55,6 +55,12 @@ class StackSettings(BaseSettings):
     whose manifest verifies against one. Not secret. No default: workers refuse to
     start without one (`rtrl up` derives it from the trainer's key)."""
 
+    api_key_public_keys: str = ""
+    """The operator's Ed25519 public key(s) for API key records, comma-separated (rtrl/api_keys.py):
+    the ingest gateway and the serving API accept only keys whose record in Redis verifies
+    against one. Not secret. No default: they refuse to start without one when they
+    require keys (`rtrl up` derives it)."""
+
     state_dir: Path = Path(".rtrl")
     """Where the embedded stack keeps blobs, checkpoints, chdb data and logs."""
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import statistics
 import time
+from pathlib import Path
 
 import redis
 from rich.console import Console, Group
@@ -13,7 +14,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
 from reward_stream.monitors import DRIFT
-from rtrl import health, heartbeat
+from rtrl import health, heartbeat, stack_secrets
 from rtrl.reporting import landed, query_function
 from rtrl.stack import StackFile
 from rtrl.status_view import alerts_table, hacking_alerts
@@ -72,18 +73,20 @@ async def _drive(product: Product, duration_s: float, console: Console, redis_ur
     return await run
 
 
-def simulator_key(redis_url: str) -> str:
-    """An API key for the simulated product (a new one per run; keys are cheap)."""
-    from ingest.auth import call_sync, issue_key
+def simulator_key(stack: StackFile) -> str:
+    """An API key for the simulated product, for telemetry and completions (a new one per
+    run; keys are cheap), signed with the stack's operator key."""
+    from rtrl.api_keys import ALL_EVENTS, COMPLETIONS, call_sync, issue_key
 
-    return call_sync(redis_url, issue_key, "simulated-product")
+    authority = stack_secrets.key_authority(Path(stack.state_dir))
+    return call_sync(stack.redis_url, issue_key, authority, "simulated-product", scopes={ALL_EVENTS, COMPLETIONS})
 
 
 def run_product(stack: StackFile, duration_s: float, console: Console, **product_options) -> ProductStats:
     product = Product(
         stack.urls("inference", "RTRL_INFERENCE_HTTP_PORT"),
         stack.urls("ingest", "RTRL_INGEST_HTTP_PORT")[0],
-        api_key=simulator_key(stack.redis_url),
+        api_key=simulator_key(stack),
         **product_options,
     )
     product.stats.landed_before = landed(query_function(stack))

@@ -35,6 +35,7 @@ class Purpose(enum.StrEnum):
     REWARD = "reward"
     MANIFEST = "manifest"
     ROLLOUT = "rollout"
+    API_KEY = "api-key"
 
 
 def _b64(data: bytes) -> str:

@@ -20,6 +20,7 @@ from pathlib import Path
 from pydantic import SecretStr
 
 from rtrl import signing
+from rtrl.api_keys import KeyAuthority
 from rtrl.config import StackSettings
 
 SECRETS_FILE = "secrets.json"
@@ -39,6 +40,9 @@ class StackSecrets:
     """Signs weight manifests (Ed25519 private key): the trainer alone; workers hold its public key."""
     rollout_signing_key: str
     """Signs rollout records (Ed25519 private key): inference workers; the joiner holds its public key."""
+    api_key_signing_key: str
+    """Signs API key records (Ed25519 private key): the operator (rtrl keys, the demo) alone;
+    the gateway and the serving API hold its public key. No service holds it."""
 
     @classmethod
     def generate(cls) -> StackSecrets:
@@ -68,6 +72,10 @@ SERVICE_PUBLIC_KEYS: dict[str, dict[str, str]] = {
     "inference": {"RTRL_MANIFEST_PUBLIC_KEYS": "manifest_signing_key"},
     "reward_stream": {"RTRL_REWARD_ROLLOUT_PUBLIC_KEYS": "rollout_signing_key"},
 }
+for _service in ("ingest", "inference"):
+    SERVICE_PUBLIC_KEYS.setdefault(_service, {})["RTRL_API_KEY_PUBLIC_KEYS"] = "api_key_signing_key"
+
+API_KEY_SIGNING_VARIABLE = "RTRL_API_KEY_SIGNING_KEY"
 
 # Each service's own settings prefix (its settings class's env_prefix).
 SERVICE_PREFIX = {
@@ -128,6 +136,18 @@ def load(state_dir: Path) -> StackSecrets | None:
         raise PermissionError(f"{path} is readable by others than its owner: chmod 600 it (and rotate what it holds)")
     doc = json.loads(path.read_text())
     return StackSecrets(**{f.name: str(doc[f.name]) for f in fields(StackSecrets)})
+
+
+def key_authority(state_dir: Path) -> KeyAuthority:
+    """The operator's signer of API key records: the embedded stack's own (from the secrets
+    file of ``state_dir``), else RTRL_API_KEY_SIGNING_KEY (a production stack's)."""
+    stack_secrets = load(state_dir)
+    if stack_secrets is not None:
+        return KeyAuthority(stack_secrets.api_key_signing_key)
+    private = os.environ.get(API_KEY_SIGNING_VARIABLE)
+    if not private:
+        raise RuntimeError(f"no {SECRETS_FILE} in {state_dir} and no {API_KEY_SIGNING_VARIABLE} set: API keys cannot be signed")
+    return KeyAuthority(private)
 
 
 def _stack_variables() -> frozenset[str]:

@@ -33,6 +33,8 @@ os.environ.setdefault("RTRL_TRAINER_REWARD_PUBLIC_KEYS", signing.public_key_of(o
 os.environ.setdefault("RTRL_TRAINER_MANIFEST_SIGNING_KEY", signing.generate_private_key())
 os.environ.setdefault("RTRL_MANIFEST_PUBLIC_KEYS", signing.public_key_of(os.environ["RTRL_TRAINER_MANIFEST_SIGNING_KEY"]))
 os.environ.setdefault("RTRL_INFERENCE_ROLLOUT_SIGNING_KEY", signing.generate_private_key())
+os.environ.setdefault("RTRL_API_KEY_SIGNING_KEY", signing.generate_private_key())
+os.environ.setdefault("RTRL_API_KEY_PUBLIC_KEYS", signing.public_key_of(os.environ["RTRL_API_KEY_SIGNING_KEY"]))
 os.environ.setdefault("RTRL_REWARD_ROLLOUT_PUBLIC_KEYS", signing.public_key_of(os.environ["RTRL_INFERENCE_ROLLOUT_SIGNING_KEY"]))
 
 

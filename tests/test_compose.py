@@ -50,7 +50,7 @@ OPERATOR_ENV = {
 # workers verify manifests with the trainer's.
 OPERATOR_CONFIG = {
     "RTRL_TRAINER_REWARD_PUBLIC_KEYS": "joiner-public-key", "RTRL_MANIFEST_PUBLIC_KEYS": "trainer-public-key",
-    "RTRL_REWARD_ROLLOUT_PUBLIC_KEYS": "workers-public-key",
+    "RTRL_REWARD_ROLLOUT_PUBLIC_KEYS": "workers-public-key", "RTRL_API_KEY_PUBLIC_KEYS": "operator-public-key",
 }
 
 

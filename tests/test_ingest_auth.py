@@ -16,13 +16,21 @@ import pytest
 import redis.asyncio as aioredis
 from confluent_kafka import OFFSET_BEGINNING, Consumer, TopicPartition
 from google.protobuf import json_format
-from test_ingest_service import collect_kafka_clients, followup, ingest_settings, persisted, read_topics, shown  # noqa: F401
+from signing_support import KEY_AUTHORITY
+from test_ingest_service import (  # noqa: F401
+    collect_kafka_clients,
+    followup,
+    ingest_settings,
+    persisted,
+    read_topics,
+    shown,
+)
 
-from ingest.auth import issue_key, register_private_user, revoke_key, rotate_keys
 from ingest.client import make_event
 from ingest.gateway import ACCEPTED, REJECTED
 from ingest.server import start
-from rtrl import kafka
+from rtrl import kafka, signing
+from rtrl.api_keys import KEY_PREFIX, KeyAuthority, issue_key, key_hash, register_private_user, revoke_key, rotate_keys
 from rtrl.v1 import ingest_pb2, ingest_pb2_grpc, telemetry_pb2
 
 pytestmark = pytest.mark.integration
@@ -55,9 +63,9 @@ def test_keys_missing_unknown_revoked_rotated_and_scoped_are_refused(stack_setti
         server = await start(stack_settings, settings)
         url = f"http://127.0.0.1:{settings.http_port}"
         try:
-            good = await issue_key(redis, "editor")
-            doomed = await issue_key(redis, "editor")
-            chat_only = await issue_key(redis, "chat-widget", scopes={"followup"})
+            good = await issue_key(redis, KEY_AUTHORITY, "editor")
+            doomed = await issue_key(redis, KEY_AUTHORITY, "editor")
+            chat_only = await issue_key(redis, KEY_AUTHORITY, "chat-widget", scopes={"followup"})
             async with aiohttp.ClientSession() as http:
                 assert (await _post(http, url, _body(shown("r1")), good))[0] == 200
 
@@ -67,7 +75,7 @@ def test_keys_missing_unknown_revoked_rotated_and_scoped_are_refused(stack_setti
                 code, document, _ = await _post(http, url, "{}", None, Authorization="Basic dXNlcjpwdw==")
                 assert code == 401 and "Bearer" in document["error"]
 
-                assert await revoke_key(redis, doomed)
+                assert await revoke_key(redis, KEY_AUTHORITY, doomed)
                 await asyncio.sleep(0.2)  # the gateway's key cache ttl
                 code, document, _ = await _post(http, url, _body(shown("r3")), doomed)
                 assert code == 401 and "revoked" in document["error"]
@@ -81,7 +89,7 @@ def test_keys_missing_unknown_revoked_rotated_and_scoped_are_refused(stack_setti
                 assert answer.results[0].field == "payload" and "may not send edit_shown" in answer.results[0].error
 
                 # Rotation: the old key keeps working for the grace period, then expires.
-                rotated = await rotate_keys(redis, "editor", grace_s=0.5)
+                rotated = await rotate_keys(redis, KEY_AUTHORITY, "editor", grace_s=0.5)
                 assert (await _post(http, url, _body(shown("r6")), good))[0] == 200
                 await asyncio.sleep(0.7)
                 code, document, _ = await _post(http, url, _body(shown("r7")), good)
@@ -107,6 +115,63 @@ def test_keys_missing_unknown_revoked_rotated_and_scoped_are_refused(stack_setti
     assert landed == {"r1", "r5", "r6", "r7", "r8"}
 
 
+def test_key_records_written_to_redis_by_anyone_but_the_operator_open_nothing(stack_settings, collect_kafka_clients):  # noqa: F811
+    """The trust issue's finding: one HSET minted a working API key. Records are signed by
+    the operator now: minted, widened, un-revoked or re-pointed records are no keys."""
+    settings = ingest_settings(auth_required=True, key_cache_ttl_s=0.05)
+
+    async def scenario():
+        redis = aioredis.Redis.from_url(stack_settings.redis_url)
+        server = await start(stack_settings, settings)
+        url = f"http://127.0.0.1:{settings.http_port}"
+        try:
+            honest = await issue_key(redis, KEY_AUTHORITY, "editor")
+            narrow = await issue_key(redis, KEY_AUTHORITY, "chat-widget", scopes={"followup"})
+            revoked = await issue_key(redis, KEY_AUTHORITY, "editor")
+            assert await revoke_key(redis, KEY_AUTHORITY, revoked)
+            record = {k.decode(): v for k, v in (await redis.hgetall(KEY_PREFIX + key_hash(honest))).items()}
+
+            attacks = {}
+            # 1. A record minted from scratch, as before: no signature.
+            minted = "rtrl_minted-by-hset"
+            await redis.hset(KEY_PREFIX + key_hash(minted), mapping={
+                "client_id": "attacker", "scopes": "*", "rate_per_s": 0, "burst": 1, "revoked": 0, "expires_ms": 0,
+                "max_request_bytes": 0, "max_tokens": 0, "max_concurrency": 0,
+            })  # fmt: skip
+            attacks["minted"] = minted
+            # 2. An honest record (signature and all) copied under the attacker's own key's hash.
+            copied = "rtrl_copied-record"
+            await redis.hset(KEY_PREFIX + key_hash(copied), mapping=record)
+            attacks["copied"] = copied
+            # 3. A narrow key's scopes widened in place.
+            await redis.hset(KEY_PREFIX + key_hash(narrow), "scopes", "*")
+            attacks["widened"] = narrow
+            # 4. A revoked key un-revoked in place.
+            await redis.hset(KEY_PREFIX + key_hash(revoked), "revoked", 0)
+            attacks["un-revoked"] = revoked
+            # 5. Signed by a key the gateway does not know.
+            stranger = KeyAuthority(signing.generate_private_key())
+            foreign = "rtrl_foreign-operator"
+            fields = {k: v.decode() for k, v in record.items() if k not in ("sig", "signer", "created_ms")}
+            await redis.hset(KEY_PREFIX + key_hash(foreign), mapping=stranger.signed(key_hash(foreign), fields))
+            attacks["stranger"] = foreign
+            await asyncio.sleep(0.1)  # past the key cache
+
+            async with aiohttp.ClientSession() as http:
+                for name, key in attacks.items():
+                    code, document, _ = await _post(http, url, _body(shown(f"attack-{name}")), key)
+                    assert code == 401 and "unknown API key" in document["error"], (name, code, document)
+                assert (await _post(http, url, _body(shown("honest")), honest))[0] == 200
+            assert server.door is not None and server.door.keys.forged >= len(attacks)
+        finally:
+            await server.stop()
+            await redis.aclose()
+
+    asyncio.run(scenario())
+    landed = {event.rollout_id for records in read_topics(stack_settings).values() for _, event in records}
+    assert landed == {"honest"}
+
+
 def test_rate_limit_answers_429_and_resource_exhausted_with_retry_after(stack_settings, collect_kafka_clients):  # noqa: F811
     settings = ingest_settings(auth_required=True)
 
@@ -116,8 +181,8 @@ def test_rate_limit_answers_429_and_resource_exhausted_with_retry_after(stack_se
         url = f"http://127.0.0.1:{settings.http_port}"
         try:
             # Slow refill: the test's own pauses (the first produce connects to the broker) must not refill it.
-            key = await issue_key(redis, "chatty", rate_per_s=0.5, burst=10)
-            quiet = await issue_key(redis, "quiet", rate_per_s=0.5, burst=10)
+            key = await issue_key(redis, KEY_AUTHORITY, "chatty", rate_per_s=0.5, burst=10)
+            quiet = await issue_key(redis, KEY_AUTHORITY, "quiet", rate_per_s=0.5, burst=10)
             async with aiohttp.ClientSession() as http:
                 assert (await _post(http, url, _body(*[shown(f"a{i}") for i in range(10)]), key))[0] == 200
                 code, document, headers = await _post(http, url, _body(*[shown(f"b{i}") for i in range(5)]), key)
@@ -166,7 +231,7 @@ def test_privacy_mode_events_reach_no_topic_only_counters(stack_settings, collec
         server = await start(stack_settings, settings)
         url = f"http://127.0.0.1:{settings.http_port}"
         try:
-            key = await issue_key(redis, "editor")
+            key = await issue_key(redis, KEY_AUTHORITY, "editor")
             await register_private_user(redis, "private-user")
             flagged = make_event("p1", "s", "u1", edit_shown=telemetry_pb2.EditShown(file_path="x.py", edit_text=secret), privacy_mode=True)
             registered = make_event("p2", "s", "private-user", followup=telemetry_pb2.FollowUp(seconds_after_edit=1, message=secret))
@@ -248,7 +313,7 @@ def test_tls_only_when_configured(stack_settings, collect_kafka_clients, tmp_pat
         redis = aioredis.Redis.from_url(stack_settings.redis_url)
         server = await start(stack_settings, settings)
         try:
-            key = await issue_key(redis, "editor")
+            key = await issue_key(redis, KEY_AUTHORITY, "editor")
             trusted = ssl.create_default_context(cafile=str(cert))
             async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(ssl=trusted)) as http:
                 code, _, _ = await _post(http, f"https://127.0.0.1:{settings.http_port}", _body(shown("s1")), key)

@@ -32,14 +32,15 @@ from google.protobuf.internal import encoder
 from google.protobuf.message import DecodeError
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
+from signing_support import KEY_AUTHORITY
 from test_ingest_service import read_topics
 
-from ingest.auth import issue_key
 from ingest.config import IngestSettings
 from ingest.gateway import ACCEPTED, DUPLICATE, REJECTED
 from ingest.server import start
 from ingest.validation import MAX_PATH_BYTES, MAX_TEXT_BYTES, validate
 from rtrl import topics
+from rtrl.api_keys import issue_key
 from rtrl.procs import free_port
 from rtrl.v1 import ingest_pb2, telemetry_pb2
 
@@ -90,7 +91,7 @@ class Front:
     async def open(self, redis_url: str) -> None:
         client = aioredis.Redis.from_url(redis_url)
         try:
-            self.api_key = await issue_key(client, "fuzz-client")
+            self.api_key = await issue_key(client, KEY_AUTHORITY, "fuzz-client")
         finally:
             await client.aclose()
         self._http = aiohttp.ClientSession()

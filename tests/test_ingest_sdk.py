@@ -18,14 +18,15 @@ import redis
 import redis.asyncio as aioredis
 from confluent_kafka import OFFSET_BEGINNING, Consumer, TopicPartition
 from netfault import FaultProxy
+from signing_support import KEY_AUTHORITY
 
 from ingest import sdk
-from ingest.auth import issue_key
 from ingest.client import IngestAuthError
 from ingest.gateway import dedup_key
 from ingest.sdk import Telemetry, TelemetrySettings
 from ingest.spool import Spool, SpoolFull, SpoolLocked
 from rtrl import kafka, procs, topics
+from rtrl.api_keys import issue_key
 from rtrl.procs import free_port
 from rtrl.v1 import telemetry_pb2
 
@@ -228,7 +229,7 @@ def issue(redis_url: str, client_id: str, **limits) -> str:
     async def run() -> str:
         client = aioredis.Redis.from_url(redis_url)
         try:
-            return await issue_key(client, client_id, **limits)
+            return await issue_key(client, KEY_AUTHORITY, client_id, **limits)
         finally:
             await client.aclose()
 

@@ -54,7 +54,7 @@ async def drive_until_alert(stack) -> tuple[list[dict], float]:
 
     product = Product(
         stack.urls("inference", "RTRL_INFERENCE_HTTP_PORT"), stack.urls("ingest", "RTRL_INGEST_HTTP_PORT")[0],
-        api_key=await asyncio.to_thread(simulator_key, stack.redis_url), users=400, clients=32,
+        api_key=await asyncio.to_thread(simulator_key, stack), users=400, clients=32,
     )
     run = asyncio.create_task(product.run(MAX_PRODUCT_S))
     started = time.monotonic()

@@ -4,6 +4,7 @@ each service's environment built from an allow-list, never the operator's whole 
 from __future__ import annotations
 
 import os
+from dataclasses import fields
 
 import pytest
 
@@ -27,7 +28,7 @@ def test_secrets_are_generated_once_owner_only_and_kept(tmp_path):
     path = tmp_path / stack_secrets.SECRETS_FILE
     assert path.stat().st_mode & 0o777 == 0o600
     assert stack_secrets.ensure(tmp_path) == first == stack_secrets.load(tmp_path)
-    assert len(set(first.values())) == 6 and all(len(value) >= 40 for value in first.values())
+    assert len(set(first.values())) == len(fields(StackSecrets)) and all(len(value) >= 40 for value in first.values())
     (tmp_path / "other").mkdir()
     assert stack_secrets.ensure(tmp_path / "other") != first, "another state directory, other secrets"
 
@@ -53,7 +54,27 @@ def test_each_service_gets_its_settings_and_its_own_secrets_only(service):
     assert ("RTRL_TRAINER_REWARD_PUBLIC_KEYS" in env) is (service == "trainer")
     if service == "trainer":
         assert env["RTRL_TRAINER_REWARD_PUBLIC_KEYS"] == signing.public_key_of(secrets.reward_signing_key)
+    # The gateway and the serving API verify key records with the operator's public key; no service signs them.
+    assert ("RTRL_API_KEY_PUBLIC_KEYS" in env) is (service in ("ingest", "inference"))
+    assert secrets.api_key_signing_key not in env.values()
     # Workers verify manifests with the trainer's public key; only the trainer holds the private one.
     assert ("RTRL_MANIFEST_PUBLIC_KEYS" in env) is (service in ("trainer", "inference"))
     if "RTRL_MANIFEST_PUBLIC_KEYS" in env:
         assert env["RTRL_MANIFEST_PUBLIC_KEYS"] == signing.public_key_of(secrets.manifest_signing_key)
+
+
+def test_the_operators_key_authority_is_the_stacks_own_else_the_environments(tmp_path, monkeypatch):
+    from rtrl.api_keys import KeyVerifier
+
+    def signs_for(authority, private_key: str) -> bool:
+        fields = authority.signed("d" * 64, {"client_id": "c", "scopes": "*"})
+        return KeyVerifier([signing.public_key_of(private_key)]).problem("d" * 64, fields) is None
+
+    production = signing.generate_private_key()
+    monkeypatch.setenv(stack_secrets.API_KEY_SIGNING_VARIABLE, production)
+    assert signs_for(stack_secrets.key_authority(tmp_path), production)  # no stack here
+    embedded = stack_secrets.ensure(tmp_path)
+    assert signs_for(stack_secrets.key_authority(tmp_path), embedded.api_key_signing_key)
+    monkeypatch.delenv(stack_secrets.API_KEY_SIGNING_VARIABLE)
+    with pytest.raises(RuntimeError, match="API keys cannot be signed"):
+        stack_secrets.key_authority(tmp_path / "elsewhere")
