@@ -47,6 +47,20 @@ class InferenceSettings(BaseSettings):
     trained_top_p_min: float = Field(0.9, gt=0, le=1)
     """A completion with a smaller nucleus than this is served but not recorded."""
 
+    auth_required: bool = True
+    """Refuse completions without a valid API key of scope ``completions`` (rtrl/api_keys.py).
+    Off only for local experiments: then nothing says who was served a rollout."""
+
+    key_cache_ttl_s: float = Field(1.0, gt=0, le=300)
+    """How long an API key record is used before it is read again (a revocation takes this long)."""
+
+    max_request_bytes: int = Field(256 * 1024, ge=1024, le=64 * 1024 * 1024)
+    """The largest request body the server reads, whatever the key's budget (413 past it)."""
+
+    served_ttl_s: int = Field(7 * 24 * 3600, ge=60)
+    """How long the gateway remembers which client a rollout was served to (telemetry from
+    another client's key is refused; the joiner checks it regardless)."""
+
     rollout_signing_key: SecretStr = SecretStr("")
     """The workers' Ed25519 private key for rollout records (base64url, rtrl/signing.py):
     every rollout is signed with it, and the joiner joins only rollouts that verify

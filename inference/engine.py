@@ -28,7 +28,14 @@ import torch
 
 from inference.batch import RunningBatch, SequenceParams, SequenceResult, SwapPolicy
 from inference.model import Params
-from rtrl.policy import BOS, PolicyConfig, build_model, encode, state_dict_fp32, weights_digest
+from rtrl.policy import (
+    BOS,
+    PolicyConfig,
+    build_model,
+    encode,
+    state_dict_fp32,
+    weights_digest,
+)
 
 log = logging.getLogger(__name__)
 

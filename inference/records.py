@@ -45,6 +45,8 @@ class RolloutContext:
     prompt_text: str
     prompt_group_id: str = ""
     traceparent: str = ""
+    client_id: str = ""
+    """The client whose API key was served the completion ("" without keys)."""
 
 
 def rollout_record(context: RolloutContext, completion: Completion) -> rollout_pb2.RolloutRecord:
@@ -75,4 +77,5 @@ def rollout_record(context: RolloutContext, completion: Completion) -> rollout_p
         completion_text=result.text,
         finish_reason=result.finish_reason,
         traceparent=context.traceparent,
+        client_id=context.client_id,
     )

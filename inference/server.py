@@ -2,19 +2,26 @@
 
 ``POST /v1/completions`` answers only after the completion's RolloutRecord was acked
 by the broker (so a product event can never refer to an unknown rollout); requests in
-privacy mode produce no record. Answers:
+privacy mode, or from a user registered as private, produce no record. It takes an API
+key of scope ``completions`` (inference/access.py) and remembers which client each
+rollout was served to. Answers:
   200  the completion
   400  the body is not a valid request, e.g. a ``client_ts_ms`` outside the window of
        InferenceSettings around the worker's clock (``{"error": ..., "field": ...}``)
+  401  no usable API key; 403 a key without the ``completions`` scope
+  413  a body over the server's bound; 429 over the key's budgets (rate, in flight,
+       request size, tokens), with Retry-After where waiting helps
   503  the arm has no weights yet (after ``ready_timeout_s``) or the engine stopped
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import json
 import logging
+import math
 import time
 import uuid
 from dataclasses import dataclass
@@ -24,6 +31,7 @@ from aiohttp import web
 from opentelemetry import metrics, trace
 from pydantic import ValidationError
 
+from inference.access import Denied, ServingDoor
 from inference.api import CompletionBody, FieldRefused, completion_response
 from inference.arms import assign_arm
 from inference.config import InferenceSettings
@@ -32,6 +40,14 @@ from inference.records import RolloutContext, rollout_record
 from inference.sglang_adapter import SGLangEngine
 from inference.weights import WeightFollower
 from rtrl import heartbeat, kafka, otel, signing, topics
+from rtrl.api_keys import (
+    PRIVATE_USERS,
+    SERVED_PREFIX,
+    ApiKey,
+    KeyCache,
+    KeyVerifier,
+    RateLimiter,
+)
 from rtrl.config import StackSettings
 from rtrl.policy import PolicyConfig, decode
 from rtrl.runtime import until_stopped
@@ -66,6 +82,9 @@ class InferenceServer:
         if not key:
             raise ValueError("RTRL_INFERENCE_ROLLOUT_SIGNING_KEY is not set: every rollout is signed, and there is no default key")
         self.rollout_signer = signing.Signer(key, signing.Purpose.ROLLOUT)
+        if settings.auth_required and not stack.api_key_public_keys.strip():
+            raise ValueError("RTRL_API_KEY_PUBLIC_KEYS is not set: the serving API accepts only API keys the operator signed")
+        self.door: ServingDoor | None = None
         self.engine = engine or _engine(settings)
         self.engine.on_applied = self._applied_from_engine_thread
         self.counters = RequestCounters()
@@ -78,6 +97,11 @@ class InferenceServer:
         self._loop = asyncio.get_running_loop()
         await asyncio.to_thread(kafka.wait_for_broker, self.stack)
         self.redis = aioredis.Redis.from_url(self.stack.redis_url)
+        if self.settings.auth_required:
+            verifier = KeyVerifier(signing.parse_public_keys(self.stack.api_key_public_keys))
+            self.door = ServingDoor(KeyCache(self.redis, self.settings.key_cache_ttl_s, verifier), RateLimiter(self.redis), self.settings.max_request_bytes)
+        else:
+            log.warning("RTRL_INFERENCE_AUTH_REQUIRED=false: serving completions without an API key")
         self.producer = kafka.AsyncProducer(self.stack, **{"message.timeout.ms": self.settings.produce_timeout_ms})
         self.engine.start()
         # SGLang gets its weights from its sidecar; only the embedded engine follows them here.
@@ -230,12 +254,42 @@ class InferenceServer:
         return ""
 
     async def _complete(self, request: web.Request, span: trace.Span) -> web.StreamResponse:
+        """Who is asking is settled from the headers, before the body is read."""
+        key = None
+        if self.door is not None:
+            key, denied = await self.door.admit(request.headers.get("Authorization", ""), request.content_length)
+            if denied is not None:
+                return _denied(denied)
+            span.set_attribute("rtrl.client_id", key.client_id)
+        with self.door.serving(key) if self.door is not None else contextlib.nullcontext():
+            return await self._serve(request, span, key)
+
+    async def _read_body(self, request: web.Request, key: ApiKey | None) -> bytes | Denied:
+        limit = self.door.body_limit(key) if self.door is not None else self.settings.max_request_bytes
+        raw = await request.content.read(limit + 1)
+        if len(raw) > limit:
+            return self.door.too_large(key, len(raw)) if self.door is not None else Denied(413, f"a request over {limit} bytes")
+        return raw
+
+    async def _private(self, body: CompletionBody) -> bool:
+        """One privacy policy at every door: the request's flag, or the user registered as
+        private (the same set the ingest gateway reads)."""
+        return body.privacy_mode or bool(body.user_id and await self.redis.sismember(PRIVATE_USERS, body.user_id))
+
+    async def _serve(self, request: web.Request, span: trace.Span, key: ApiKey | None) -> web.StreamResponse:
         received = time.monotonic()
         received_ms = int(time.time() * 1000)
         tokens: asyncio.Queue[tuple[int, float, int]] = asyncio.Queue()
+        raw = await self._read_body(request, key)
+        if isinstance(raw, Denied):
+            return _denied(raw)
         try:
-            body = CompletionBody.model_validate_json(await request.read())
+            body = CompletionBody.model_validate_json(raw)
             body.check_client_ts(received_ms, self.client_ts_window)
+            max_tokens = body.max_tokens or self.settings.max_tokens
+            if self.door is not None and (denied := self.door.tokens_denied(key, max_tokens)) is not None:
+                return _denied(denied)
+            private = await self._private(body)
             arm = body.arm or assign_arm(body.user_id, self.settings.treatment_fraction)
             temperature = self.settings.temperature if body.temperature is None else body.temperature
             top_p = body.top_p or self.settings.top_p
@@ -244,7 +298,7 @@ class InferenceServer:
             future = self.engine.submit(
                 arm,
                 prompt_token_ids(body.prompt),
-                max_tokens=body.max_tokens or self.settings.max_tokens,
+                max_tokens=max_tokens,
                 temperature=temperature,
                 top_p=top_p,
                 seed=body.seed,
@@ -272,7 +326,7 @@ class InferenceServer:
                 await stream.write(_event({"error": str(exc)}))
                 return stream
             return web.json_response({"error": str(exc)}, status=503)
-        if body.privacy_mode:
+        if private:
             self.counters.private += 1
         elif unrecorded:
             self.counters.unrecorded += 1
@@ -287,8 +341,12 @@ class InferenceServer:
                 prompt_text=body.prompt,
                 prompt_group_id=body.prompt_group_id,
                 traceparent=traceparent,
+                client_id=key.client_id if key is not None else "",
             )
             record = rollout_record(context, completion)
+            if key is not None:
+                # Before the answer: the client's telemetry about it may arrive right after.
+                await self.redis.set(SERVED_PREFIX + rollout_id, key.client_id, ex=self.settings.served_ttl_s)
             publish = otel.kafka_attributes("publish", topics.ROLLOUT, key=rollout_id)
             with _tracer.start_as_current_span(f"publish {topics.ROLLOUT}", kind=trace.SpanKind.PRODUCER, attributes=publish) as producing:
                 value = record.SerializeToString()
@@ -345,6 +403,11 @@ def _engine(settings: InferenceSettings) -> Engine | SGLangEngine:
             ready_timeout_s=settings.ready_timeout_s,
         )
     )
+
+
+def _denied(denied: Denied) -> web.Response:
+    headers = {"Retry-After": str(max(1, math.ceil(denied.retry_after_s)))} if denied.retry_after_s else None
+    return web.json_response({"error": denied.message}, status=denied.status, headers=headers)
 
 
 def _field_of(exc: ValueError) -> str:

@@ -35,7 +35,7 @@ from typing import Awaitable, Callable, Protocol, Sequence
 import redis.asyncio as aioredis
 from opentelemetry import trace
 
-from rtrl.api_keys import PRIVATE_USERS, ApiKey
+from rtrl.api_keys import PRIVATE_USERS, SERVED_PREFIX, ApiKey
 from ingest.validation import CLIENT_TS_WINDOW, validate
 from rtrl import kafka, otel, topics
 from rtrl.event_time import EventTimeWindow
@@ -176,7 +176,10 @@ class Gateway:
         first_seen: dict[str, int] = {}
         repeats: list[tuple[int, int]] = []
         fresh: list[int] = []
+        served_to = await self._served_to(events) if key is not None else [None] * len(events)
         for i, event in enumerate(events):
+            # Who sent it is the key's to say, never the client's.
+            event.client_id = key.client_id if key is not None else ""
             rejection = validate(event, now_ms, self._client_ts_window)
             if rejection is not None:
                 results[i] = _result(event, REJECTED, rejection.field, rejection.reason)
@@ -184,6 +187,8 @@ class Gateway:
                 results[i] = _result(
                     event, REJECTED, "payload", f"the API key of client {key.client_id!r} may not send {event.WhichOneof('payload')} events"
                 )
+            elif key is not None and served_to[i] is not None and served_to[i] != key.client_id:
+                results[i] = _result(event, REJECTED, "rollout_id", f"rollout {event.rollout_id} was served to another client's API key")
             elif event.event_id in first_seen:
                 repeats.append((i, first_seen[event.event_id]))
             else:
@@ -207,6 +212,13 @@ class Gateway:
             results[i] = _result(events[i], status, first.field, first.error)
         self._count(events, results)
         return results
+
+    async def _served_to(self, events: Sequence[telemetry_pb2.TelemetryEvent]) -> list[str | None]:
+        """The client each event's rollout was served to, where the serving API recorded one."""
+        if not events:
+            return []
+        found = await self._redis.mget([SERVED_PREFIX + event.rollout_id for event in events])
+        return [None if value is None else value.decode() for value in found]
 
     async def _write(self, events: list[telemetry_pb2.TelemetryEvent], headers: list[tuple[str, bytes]]) -> list[ingest_pb2.EventResult]:
         if not events:

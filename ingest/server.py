@@ -43,9 +43,9 @@ from google.protobuf import json_format
 from google.protobuf.message import DecodeError
 from opentelemetry import metrics
 
-from rtrl.api_keys import ApiKey, KeyCache, KeyVerifier, RateLimiter
+from rtrl.api_keys import ApiKey, KeyCache, KeyVerifier, RateLimiter, bearer_key
 from ingest.config import IngestSettings
-from ingest.gateway import REJECTED, RETRY, Gateway, wall_clock_ms as gateway_clock_ms
+from ingest.gateway import REJECTED, RETRY, Gateway
 from rtrl import heartbeat, kafka, otel, signing
 from rtrl.config import StackSettings
 from rtrl.runtime import service_process, until_stopped
@@ -98,15 +98,7 @@ class Door:
     async def _authenticate(self, authorization: str) -> tuple[ApiKey | None, Refusal | None]:
         if self._keys is None:
             return None, None
-        scheme, _, token = authorization.partition(" ")
-        if not authorization.isascii():
-            return None, Refusal(401, grpc.StatusCode.UNAUTHENTICATED, "malformed API key: not ASCII")
-        if scheme.lower() != "bearer" or not token.strip():
-            return None, Refusal(401, grpc.StatusCode.UNAUTHENTICATED, "missing API key: send 'Authorization: Bearer <key>'")
-        key = await self._keys.lookup(token.strip())
-        if key is None:
-            return None, Refusal(401, grpc.StatusCode.UNAUTHENTICATED, "unknown API key")
-        why = key.usable(gateway_clock_ms())
+        key, why = await bearer_key(self._keys, authorization)
         if why is not None:
             return key, Refusal(401, grpc.StatusCode.UNAUTHENTICATED, why)
         return key, None

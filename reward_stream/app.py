@@ -147,7 +147,7 @@ def _observe(joiner: Joiner, publisher: OutputPublisher, group: str, lag) -> Non
     """The joiner's counters and the consumer's lag as OpenTelemetry (and so Prometheus) metrics."""
     meter = metrics.get_meter("rtrl.reward_stream")
     counters = joiner.counters
-    outcomes = ("settled", "defaulted", "duplicates", "late", "dlq", "dropped", "privacy_dropped", "unauthenticated")
+    outcomes = ("settled", "defaulted", "duplicates", "late", "dlq", "dropped", "privacy_dropped", "unauthenticated", "foreign")
     otel.observe(meter, "rtrl.reward_stream.records", "counter", lambda: [(counters.events, {})], unit="{record}", description="Input records read")
     otel.observe(
         meter, "rtrl.reward_stream.outcomes", "counter", lambda: [(getattr(counters, name), {"outcome": name}) for name in outcomes],

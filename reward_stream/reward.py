@@ -302,6 +302,17 @@ def is_defaulted(telemetry: Sequence[telemetry_pb2.TelemetryEvent]) -> bool:
     return not any(e.WhichOneof("payload") in signals for e in telemetry)
 
 
+def from_its_client(
+    rollout: rollout_pb2.RolloutRecord, telemetry: Sequence[telemetry_pb2.TelemetryEvent]
+) -> list[telemetry_pb2.TelemetryEvent]:
+    """The telemetry that may count toward the rollout's reward: when the rollout was served
+    to a client's API key, only events that client's key sent (the gateway stamps client_id);
+    another client cannot move a reward by naming a rollout it was not served."""
+    if not rollout.client_id:
+        return list(telemetry)
+    return [e for e in telemetry if e.client_id == rollout.client_id]
+
+
 def reward_record(
     rollout: rollout_pb2.RolloutRecord,
     telemetry: Sequence[telemetry_pb2.TelemetryEvent],
@@ -315,6 +326,7 @@ def reward_record(
     ``with_rollout=False`` leaves the rollout field empty, for a caller that splices
     the rollout's original bytes in (encode_with_rollout)."""
     function = FUNCTIONS[version]
+    telemetry = from_its_client(rollout, telemetry)
     parts = function.components(rollout, telemetry)
     event_ids = sorted({rollout.event_id, *(e.event_id for e in telemetry)})
     record = reward_pb2.RewardRecord(

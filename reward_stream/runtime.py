@@ -77,6 +77,8 @@ class Counters:
     privacy_dropped: int = 0
     unauthenticated: int = 0
     """Rollouts refused because no inference worker signed them (also counted in dlq)."""
+    foreign: int = 0
+    """Events left out of a reward because another client's key sent them (reward.from_its_client)."""
     first_event_ms: int = 0
     """Wall clock when the first record was read (0: none yet)."""
     last_event_ms: int = 0
@@ -258,6 +260,7 @@ class Joiner:
                 )
                 self.counters.settled += 1
                 self.counters.defaulted += record.defaulted
+                self.counters.foreign += len(output.events) - len(reward.from_its_client(rollout.message, [e.message for e in output.events]))
                 self._watch(record, rollout.message)
                 self._observe(record, rollout.message)
                 value = reward.encode_with_rollout(record, rollout.raw)

@@ -41,6 +41,9 @@ log = logging.getLogger(__name__)
 KEY_PREFIX = "rtrl:ingest:key:"
 CLIENT_PREFIX = "rtrl:ingest:client:"
 BUCKET_PREFIX = "rtrl:ingest:bucket:"
+SERVED_PREFIX = "rtrl:served:"
+"""``rtrl:served:<rollout_id>`` -> the client_id whose key was served that rollout (set by
+the serving API, read by the gateway: telemetry about it from another key is refused)."""
 PRIVATE_USERS = "rtrl:ingest:private-users"
 """Set of user ids registered as private: their events are counted, never published."""
 ALL_EVENTS = "*"
@@ -242,6 +245,20 @@ def _parse(digest: str, fields: dict[str, str]) -> ApiKey:
         max_tokens=int(fields["max_tokens"]),
         max_concurrency=int(fields["max_concurrency"]),
     )
+
+
+async def bearer_key(keys: KeyCache, authorization: str) -> tuple[ApiKey | None, str | None]:
+    """The key an ``Authorization: Bearer`` header names, and why it cannot be used now
+    (None: it can): a 401's message. Looks at the header only, never at a body."""
+    scheme, _, token = authorization.partition(" ")
+    if not authorization.isascii():
+        return None, "malformed API key: not ASCII"
+    if scheme.lower() != "bearer" or not token.strip():
+        return None, "missing API key: send 'Authorization: Bearer <key>'"
+    key = await keys.lookup(token.strip())
+    if key is None:
+        return None, "unknown API key"
+    return key, key.usable(now_ms())
 
 
 class KeyVerifier:

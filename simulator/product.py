@@ -98,6 +98,8 @@ class Product:
     ) -> None:
         self.inference_urls = inference_urls
         self.ingest = IngestClient(ingest_url, api_key=api_key)
+        # The same key asks for completions (scope ``completions``) and reports telemetry.
+        self._serving_headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.users = population(users, seed=seed, privacy_share=privacy_share)
         self.clients = clients
         self.report_delay_s = report_delay_s
@@ -137,7 +139,7 @@ class Product:
         task = random_task(rng, project=user.project)
         session_id = f"s-{user.user_id}"
         body = {"prompt": task.prompt, "user_id": user.user_id, "session_id": session_id, "privacy_mode": user.privacy_mode}
-        async with http.post(f"{url}/v1/completions", json=body) as resp:
+        async with http.post(f"{url}/v1/completions", json=body, headers=self._serving_headers) as resp:
             if resp.status != 200:
                 raise RuntimeError(f"inference answered {resp.status}: {(await resp.text())[:200]}")
             completion = await resp.json()

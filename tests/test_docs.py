@@ -23,6 +23,7 @@ NOT_SETTINGS = {
     "RTRL_SGLANG_IMAGE": "compose/compose.yaml",
     "RTRL_KAFKA_CLUSTER_ID": "compose/compose.yaml",
     "RTRL_SGLANG_HOME": "scripts/sglang_rig.py",
+    "RTRL_API_KEY_SIGNING_KEY": "rtrl/stack_secrets.py",  # the operator's, read by rtrl keys; no service setting
 }
 
 

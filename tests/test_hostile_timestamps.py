@@ -177,7 +177,7 @@ def test_gateway_refuses_hostile_times_and_writes_the_good_events_beside_them(st
 @pytest.mark.integration
 def test_serving_api_refuses_hostile_client_ts_and_records_an_honest_one(stack_settings):
     torch.set_num_threads(1)
-    settings = InferenceSettings(http_port=0, follow_weights=False, max_tokens=8)
+    settings = InferenceSettings(http_port=0, follow_weights=False, max_tokens=8, auth_required=False)
     engine = Engine(EngineConfig(batch_wait_s=0.01))
     honest_ts = int(time.time() * 1000) - 1000
 

@@ -2,6 +2,7 @@
 non-private completion, version spans covering every token, clean SIGTERM."""
 
 import asyncio
+import functools
 import json
 import sys
 import time
@@ -11,11 +12,13 @@ import pytest
 import redis
 import torch
 from confluent_kafka import OFFSET_BEGINNING, Consumer, TopicPartition
+from signing_support import KEY_AUTHORITY
 
 from inference.config import InferenceSettings
 from inference.engine import Engine, EngineConfig
 from inference.server import InferenceServer
 from rtrl import heartbeat, kafka, procs, topics
+from rtrl.api_keys import COMPLETIONS, SERVED_PREFIX, issue_key, register_private_user, revoke_key
 from rtrl.policy import BOS, build_model, state_dict_fp32
 from rtrl.v1 import common_pb2, rollout_pb2
 
@@ -45,8 +48,9 @@ def read_rollouts(settings, timeout_s: float = 10.0) -> list[rollout_pb2.Rollout
     return records
 
 
-async def post(http: aiohttp.ClientSession, port: int, **body) -> tuple[int, dict]:
-    async with http.post(f"http://127.0.0.1:{port}/v1/completions", json=body) as resp:
+async def post(http: aiohttp.ClientSession, port: int, key: str | None = None, **body) -> tuple[int, dict]:
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    async with http.post(f"http://127.0.0.1:{port}/v1/completions", json=body, headers=headers) as resp:
         return resp.status, await resp.json()
 
 
@@ -65,26 +69,31 @@ def test_completions_produce_one_rollout_record_each(stack_settings):
     async def scenario() -> tuple[list[dict], list[dict]]:
         server = InferenceServer(stack_settings, settings, engine=engine)
         await server.start()
+        key = await issue_key(server.redis, KEY_AUTHORITY, "editor", scopes={COMPLETIONS})
+        # Registered private at the gateway: private here too, whatever the request says.
+        await register_private_user(server.redis, "registered-private")
+        send = functools.partial(post, key=key)
         try:
             async with aiohttp.ClientSession() as http:
                 async with http.get(f"http://127.0.0.1:{server.port}/healthz") as resp:
                     assert (await resp.json())["ready"] is False
                 engine.stage("control", 0, state_dict_fp32(build_model(seed=1)))
                 engine.stage("treatment", 0, state_dict_fp32(build_model(seed=2)))
-                public = [post(http, server.port, prompt="@p1 say hi\n", user_id=u, session_id=f"s-{u}") for u in users]
-                public.append(post(http, server.port, prompt="@p2 log ok\n", user_id="tepid", session_id="s", temperature=0.5, max_tokens=30))
-                private = [post(http, server.port, prompt="@p0 warn no\n", user_id=f"p{i}", session_id="sp", privacy_mode=True) for i in range(3)]
+                public = [send(http, server.port, prompt="@p1 say hi\n", user_id=u, session_id=f"s-{u}") for u in users]
+                public.append(send(http, server.port, prompt="@p2 log ok\n", user_id="tepid", session_id="s", temperature=0.5, max_tokens=30))
+                private = [send(http, server.port, prompt="@p0 warn no\n", user_id=f"p{i}", session_id="sp", privacy_mode=True) for i in range(3)]
+                private.append(send(http, server.port, prompt="@p0 warn no\n", user_id="registered-private", session_id="sp"))
                 # Served, never trained on: the caller picked the arm, or sampling outside the trained band.
                 private += [
-                    post(http, server.port, prompt="@p2 log ok\n", user_id="forced", session_id="s", arm="treatment"),
-                    post(http, server.port, prompt="@p2 log ok\n", user_id="hot", session_id="s", temperature=5.0),
-                    post(http, server.port, prompt="@p2 log ok\n", user_id="narrow", session_id="s", top_p=0.5),
+                    send(http, server.port, prompt="@p2 log ok\n", user_id="forced", session_id="s", arm="treatment"),
+                    send(http, server.port, prompt="@p2 log ok\n", user_id="hot", session_id="s", temperature=5.0),
+                    send(http, server.port, prompt="@p2 log ok\n", user_id="narrow", session_id="s", top_p=0.5),
                 ]
                 answers = await asyncio.gather(*public, *private)
                 assert [status for status, _ in answers] == [200] * len(answers), answers
-                bad = await post(http, server.port, prompt="é", user_id="u", session_id="s")
+                bad = await send(http, server.port, prompt="é", user_id="u", session_id="s")
                 assert bad[0] == 400 and "vocabulary" in bad[1]["error"]
-                assert (await post(http, server.port, prompt="x", session_id="s"))[0] == 400
+                assert (await send(http, server.port, prompt="x", session_id="s"))[0] == 400
                 async with http.get(f"http://127.0.0.1:{server.port}/healthz") as resp:
                     health = await resp.json()
                 assert health == {"ready": True, "versions": {"control": 0, "treatment": 1}, "worker_id": "inference-0"}
@@ -117,7 +126,7 @@ def test_completions_produce_one_rollout_record_each(stack_settings):
         assert 0 < record.time_to_first_token_s <= record.latency_s <= answer["latency_s"]
     tepid = next(r for r in records.values() if r.user_id == "tepid")
     assert tepid.sampling.temperature == pytest.approx(0.5)
-    assert [a.get("not_recorded", "")[:20] for a in private] == ["", "", "", "the caller chose the", "temperature 5 is out", "top_p 0.5 is below t"]
+    assert [a.get("not_recorded", "")[:20] for a in private] == ["", "", "", "", "the caller chose the", "temperature 5 is out", "top_p 0.5 is below t"]
     swapped = [r for r in records.values() if len(r.version_spans) == 2]
     assert swapped and all([(s.policy_version, s.start) for s in r.version_spans] == [(0, 0), (1, swap_at)] for r in swapped)
 
@@ -127,7 +136,10 @@ def test_completions_produce_one_rollout_record_each(stack_settings):
             assert set(client.hgetall(f"rtrl:applied:{arm}:{version}")) == {b"inference-0"}
         beat = json.loads(client.get(heartbeat.key("inference", "0")))
         assert beat["ready"] is True and beat["versions"] == {"control": 0, "treatment": 1}
-        assert beat["rollout_records"] == len(public) and beat["private_completions"] == 3 and beat["unrecorded"] == 3
+        assert beat["rollout_records"] == len(public) and beat["private_completions"] == 4 and beat["unrecorded"] == 3
+        # Each rollout names the client it was served to, and so does the gateway's record of it.
+        assert {r.client_id for r in records.values()} == {"editor"}
+        assert all(client.get(SERVED_PREFIX + rollout_id) == b"editor" for rollout_id in records)
     finally:
         client.close()
 
@@ -135,7 +147,7 @@ def test_completions_produce_one_rollout_record_each(stack_settings):
 def test_streamed_completion_matches_its_answer_and_record(stack_settings):
     # stream=true: one server-sent event per token as sampled, text held back so no part
     # of a stop string is ever sent, then the whole answer; the rollout record is the same.
-    settings = InferenceSettings(http_port=0, follow_weights=False, max_tokens=40)
+    settings = InferenceSettings(http_port=0, follow_weights=False, max_tokens=40, auth_required=False)
 
     async def scenario(body: dict) -> list[dict]:
         engine = Engine(EngineConfig())
@@ -170,7 +182,7 @@ def test_streamed_completion_matches_its_answer_and_record(stack_settings):
 
 
 def test_arm_without_weights_answers_503(stack_settings):
-    settings = InferenceSettings(http_port=0, follow_weights=False, ready_timeout_s=0.3)
+    settings = InferenceSettings(http_port=0, follow_weights=False, ready_timeout_s=0.3, auth_required=False)
 
     async def scenario():
         server = InferenceServer(stack_settings, settings)
@@ -207,8 +219,9 @@ def test_worker_process_heartbeats_and_stops_on_sigterm(stack_env, stack_setting
 
 
 def test_weights_follow_weight_sync(stack_settings):
-    from weight_sync.client import Publisher
     from weight_sync_support import MANIFEST_KEY
+
+    from weight_sync.client import Publisher
     from weight_sync.config import WeightSyncSettings
     from weight_sync.server import WeightSyncServer
 
@@ -219,7 +232,7 @@ def test_weights_follow_weight_sync(stack_settings):
         port = await weight_sync.start()
         stack = stack_settings.model_copy(update={"weight_sync_addr": f"127.0.0.1:{port}"})
         token = stack.weight_sync_token.get_secret_value()
-        server = InferenceServer(stack, InferenceSettings(http_port=0))
+        server = InferenceServer(stack, InferenceSettings(http_port=0, auth_required=False))
         await server.start()
         try:
             for arm in ("control", "treatment"):
@@ -248,3 +261,75 @@ def test_weights_follow_weight_sync(stack_settings):
         assert client.hexists("rtrl:applied:treatment:1", "inference-0") and client.hexists("rtrl:applied:control:0", "inference-0")
     finally:
         client.close()
+
+
+def test_the_serving_api_takes_only_completion_keys_and_holds_each_to_its_budgets(stack_settings):
+    """Credentials on the serving API (issue 17): the key is checked from the headers before
+    the body is read; 401/403 for who, 429 (with which budget) for how much, 413 past the
+    server's own bound."""
+    engine = Engine(EngineConfig(batch_wait_s=0.01))
+    settings = InferenceSettings(http_port=0, follow_weights=False, max_tokens=8, ready_timeout_s=20, max_request_bytes=2048)
+
+    async def scenario() -> None:
+        server = InferenceServer(stack_settings, settings, engine=engine)
+        await server.start()
+        redis_client = server.redis
+        keys = {
+            "plain": await issue_key(redis_client, KEY_AUTHORITY, "plain", scopes={COMPLETIONS}),
+            "events-only": await issue_key(redis_client, KEY_AUTHORITY, "telemetry", scopes={"*"}),
+            "revoked": await issue_key(redis_client, KEY_AUTHORITY, "gone", scopes={COMPLETIONS}),
+            "slow": await issue_key(redis_client, KEY_AUTHORITY, "slow", scopes={COMPLETIONS}, rate_per_s=0.2, burst=2),
+            "one-at-a-time": await issue_key(redis_client, KEY_AUTHORITY, "serial", scopes={COMPLETIONS}, max_concurrency=1),
+            "short": await issue_key(redis_client, KEY_AUTHORITY, "short", scopes={COMPLETIONS}, max_tokens=4),
+            "small": await issue_key(redis_client, KEY_AUTHORITY, "small", scopes={COMPLETIONS}, max_request_bytes=200),
+        }
+        await revoke_key(redis_client, KEY_AUTHORITY, keys["revoked"])
+        ask = {"prompt": "@p1 say hi\n", "user_id": "u", "session_id": "s"}
+        url = f"http://127.0.0.1:{server.port}/v1/completions"
+        try:
+            async with aiohttp.ClientSession() as http:
+                # Nothing staged yet: this completion waits in flight while the next one asks.
+                waiting = asyncio.ensure_future(post(http, server.port, keys["one-at-a-time"], **ask))
+                await asyncio.sleep(0.5)
+                status, answer = await post(http, server.port, keys["one-at-a-time"], **ask)
+                assert status == 429 and "1 completions in flight" in answer["error"], answer
+                engine.stage("control", 0, state_dict_fp32(build_model(seed=1)))
+                engine.stage("treatment", 0, state_dict_fp32(build_model(seed=1)))
+                assert (await waiting)[0] == 200
+                assert (await post(http, server.port, keys["one-at-a-time"], **ask))[0] == 200  # the slot is free again
+
+                for key, status, reason in (
+                    (None, 401, "missing API key"), ("rtrl_made-up", 401, "unknown API key"), (keys["revoked"], 401, "revoked"),
+                    (keys["events-only"], 403, "may not ask for completions"),
+                ):  # fmt: skip
+                    got = await post(http, server.port, key, **ask)
+                    assert got[0] == status and reason in got[1]["error"], (key, got)
+
+                assert [(await post(http, server.port, keys["slow"], **ask))[0] for _ in range(2)] == [200, 200]
+                async with http.post(url, json=ask, headers={"Authorization": f"Bearer {keys['slow']}"}) as resp:
+                    assert resp.status == 429 and "completions/s" in (await resp.json())["error"]
+                    assert int(resp.headers["Retry-After"]) >= 1
+
+                assert (await post(http, server.port, keys["short"], **ask, max_tokens=4))[0] == 200
+                got = await post(http, server.port, keys["short"], **ask, max_tokens=8)
+                assert got[0] == 429 and "budget of 4 tokens" in got[1]["error"]
+                got = await post(http, server.port, keys["short"], **ask)  # the server's default (8) is over it too
+                assert got[0] == 429
+
+                long_ask = {**ask, "session_id": "s" * 300}
+                got = await post(http, server.port, keys["small"], **long_ask)
+                assert got[0] == 429 and "budget of 200 bytes" in got[1]["error"]
+                assert (await post(http, server.port, keys["small"], **ask))[0] == 200
+                got = await post(http, server.port, keys["plain"], **{**ask, "session_id": "s" * 3000})
+                assert got[0] == 413 and "server's bound of 2048 bytes" in got[1]["error"]
+                # A chunked body (no Content-Length) is held to the same bounds as it is read.
+                async def chunks():
+                    yield json.dumps({**ask, "session_id": "s" * 3000}).encode()
+
+                async with http.post(url, data=chunks(), headers={"Authorization": f"Bearer {keys['plain']}"}) as resp:
+                    assert resp.status == 413
+            assert server.door is not None and server.door.in_flight == {}
+        finally:
+            await server.stop()
+
+    asyncio.run(scenario())

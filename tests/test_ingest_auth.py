@@ -30,7 +30,7 @@ from ingest.client import make_event
 from ingest.gateway import ACCEPTED, REJECTED
 from ingest.server import start
 from rtrl import kafka, signing
-from rtrl.api_keys import KEY_PREFIX, KeyAuthority, issue_key, key_hash, register_private_user, revoke_key, rotate_keys
+from rtrl.api_keys import KEY_PREFIX, SERVED_PREFIX, KeyAuthority, issue_key, key_hash, register_private_user, revoke_key, rotate_keys
 from rtrl.v1 import ingest_pb2, ingest_pb2_grpc, telemetry_pb2
 
 pytestmark = pytest.mark.integration
@@ -170,6 +170,37 @@ def test_key_records_written_to_redis_by_anyone_but_the_operator_open_nothing(st
     asyncio.run(scenario())
     landed = {event.rollout_id for records in read_topics(stack_settings).values() for _, event in records}
     assert landed == {"honest"}
+
+
+def test_telemetry_about_a_rollout_served_to_another_client_is_refused(stack_settings, collect_kafka_clients):  # noqa: F811
+    """Rollout ids are bound to the key they were served to (the serving API records it):
+    another key's events about them are REJECTED, and every event carries the client_id of
+    the key it came with, whatever the client wrote in it (the joiner checks it again)."""
+    settings = ingest_settings(auth_required=True)
+
+    async def scenario():
+        redis = aioredis.Redis.from_url(stack_settings.redis_url)
+        server = await start(stack_settings, settings)
+        url = f"http://127.0.0.1:{settings.http_port}"
+        try:
+            owner = await issue_key(redis, KEY_AUTHORITY, "editor")
+            intruder = await issue_key(redis, KEY_AUTHORITY, "intruder")
+            await redis.set(SERVED_PREFIX + "r-served", "editor")  # as the serving API does
+            async with aiohttp.ClientSession() as http:
+                code, document, _ = await _post(http, url, _body(shown("r-served"), persisted("r-unknown")), intruder)
+                answer = json_format.ParseDict(document, ingest_pb2.PublishEventsResponse())
+                assert code == 207 and [r.status for r in answer.results] == [REJECTED, ACCEPTED]
+                assert answer.results[0].field == "rollout_id" and "served to another client" in answer.results[0].error
+                spoofed = shown("r-served")
+                spoofed.client_id = "someone-else"
+                assert (await _post(http, url, _body(spoofed), owner))[0] == 200
+        finally:
+            await server.stop()
+            await redis.aclose()
+
+    asyncio.run(scenario())
+    landed = {event.rollout_id: event.client_id for records in read_topics(stack_settings).values() for _, event in records}
+    assert landed == {"r-served": "editor", "r-unknown": "intruder"}
 
 
 def test_rate_limit_answers_429_and_resource_exhausted_with_retry_after(stack_settings, collect_kafka_clients):  # noqa: F811

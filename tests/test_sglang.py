@@ -374,7 +374,7 @@ def test_the_serving_api_fronts_sglang(sglang, stack_settings):
     sglang_server, _ = sglang
     sidecar = make_sidecar(sglang)
     version = push(sidecar, base_weights(5))
-    settings = InferenceSettings(http_port=0, backend="sglang", sglang_urls=f"treatment={sglang_server.url}", treatment_fraction=1.0, max_tokens=12)
+    settings = InferenceSettings(http_port=0, backend="sglang", sglang_urls=f"treatment={sglang_server.url}", treatment_fraction=1.0, max_tokens=12, auth_required=False)
 
     async def scenario():
         server = InferenceServer(stack_settings, settings)

@@ -151,3 +151,27 @@ def read_topics(settings, names: tuple[str, ...]) -> dict[str, list]:
         consumer.close()
     assert not remaining, f"could not read to the end of {sorted(remaining)}"
     return out
+
+
+def test_only_the_served_clients_telemetry_counts_toward_a_reward():
+    """An event names a rollout by id; the gateway stamps it with the client_id of the key it
+    came with, and the join counts it only toward a rollout served to that client."""
+    joiner = Joiner(RewardStreamSettings(window_s=1, grace_s=0).join_config())
+    ts = 1_800_000_000_000
+    rollouts = {}
+    for rollout_id in ("served-to-editor", "served-without-keys"):
+        record = _rollout(rollout_id, ts)
+        record.client_id = "editor" if rollout_id == "served-to-editor" else ""
+        rollouts[rollout_id] = record
+    offset = 0
+    for rollout_id, record in rollouts.items():
+        joiner.feed_record(topics.ROLLOUT, 0, offset, rollout_id.encode(), record.SerializeToString(), ts)
+        kept = _kept(rollout_id, ts)
+        kept.client_id = "intruder"
+        joiner.feed_record(topics.PERSISTENCE, 0, offset + 1, rollout_id.encode(), kept.SerializeToString(), ts)
+        offset += 2
+    settled = {r.rollout_id: r for r in (reward_pb2.RewardRecord.FromString(o.value) for o in joiner.tick(ts + 60_000) if o.topic == topics.REWARD)}
+    # The intruder's "kept" moved nothing: the editor's rollout settles as if no one had reported.
+    assert settled["served-to-editor"].defaulted and settled["served-to-editor"].event_ids == ["served-to-editor-r"]
+    assert not settled["served-without-keys"].defaulted  # served without keys: anyone's telemetry counts
+    assert joiner.counters.foreign == 1

@@ -52,7 +52,7 @@ class RouterChoice(_message.Message):
     def __init__(self, layer: _Optional[int] = ..., token_index: _Optional[int] = ..., experts: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class RolloutRecord(_message.Message):
-    __slots__ = ("event_id", "rollout_id", "session_id", "client_ts_ms", "schema_version", "user_id", "worker_id", "arm", "model_name", "prompt_group_id", "prompt_token_ids", "completion_token_ids", "completion_logprobs", "version_spans", "sampling", "latency_s", "time_to_first_token_s", "tool_calls", "router_choices", "prompt_text", "completion_text", "finish_reason", "traceparent")
+    __slots__ = ("event_id", "rollout_id", "session_id", "client_ts_ms", "schema_version", "user_id", "worker_id", "arm", "model_name", "prompt_group_id", "prompt_token_ids", "completion_token_ids", "completion_logprobs", "version_spans", "sampling", "latency_s", "time_to_first_token_s", "tool_calls", "router_choices", "prompt_text", "completion_text", "finish_reason", "traceparent", "client_id")
     EVENT_ID_FIELD_NUMBER: _ClassVar[int]
     ROLLOUT_ID_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
@@ -76,6 +76,7 @@ class RolloutRecord(_message.Message):
     COMPLETION_TEXT_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
     event_id: str
     rollout_id: str
     session_id: str
@@ -99,4 +100,5 @@ class RolloutRecord(_message.Message):
     completion_text: str
     finish_reason: str
     traceparent: str
-    def __init__(self, event_id: _Optional[str] = ..., rollout_id: _Optional[str] = ..., session_id: _Optional[str] = ..., client_ts_ms: _Optional[int] = ..., schema_version: _Optional[int] = ..., user_id: _Optional[str] = ..., worker_id: _Optional[str] = ..., arm: _Optional[_Union[_common_pb2.Arm, str]] = ..., model_name: _Optional[str] = ..., prompt_group_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., completion_token_ids: _Optional[_Iterable[int]] = ..., completion_logprobs: _Optional[_Iterable[float]] = ..., version_spans: _Optional[_Iterable[_Union[VersionSpan, _Mapping]]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., latency_s: _Optional[float] = ..., time_to_first_token_s: _Optional[float] = ..., tool_calls: _Optional[_Iterable[_Union[ToolCall, _Mapping]]] = ..., router_choices: _Optional[_Iterable[_Union[RouterChoice, _Mapping]]] = ..., prompt_text: _Optional[str] = ..., completion_text: _Optional[str] = ..., finish_reason: _Optional[str] = ..., traceparent: _Optional[str] = ...) -> None: ...
+    client_id: str
+    def __init__(self, event_id: _Optional[str] = ..., rollout_id: _Optional[str] = ..., session_id: _Optional[str] = ..., client_ts_ms: _Optional[int] = ..., schema_version: _Optional[int] = ..., user_id: _Optional[str] = ..., worker_id: _Optional[str] = ..., arm: _Optional[_Union[_common_pb2.Arm, str]] = ..., model_name: _Optional[str] = ..., prompt_group_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., completion_token_ids: _Optional[_Iterable[int]] = ..., completion_logprobs: _Optional[_Iterable[float]] = ..., version_spans: _Optional[_Iterable[_Union[VersionSpan, _Mapping]]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., latency_s: _Optional[float] = ..., time_to_first_token_s: _Optional[float] = ..., tool_calls: _Optional[_Iterable[_Union[ToolCall, _Mapping]]] = ..., router_choices: _Optional[_Iterable[_Union[RouterChoice, _Mapping]]] = ..., prompt_text: _Optional[str] = ..., completion_text: _Optional[str] = ..., finish_reason: _Optional[str] = ..., traceparent: _Optional[str] = ..., client_id: _Optional[str] = ...) -> None: ...

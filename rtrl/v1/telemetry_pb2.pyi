@@ -45,7 +45,7 @@ class FollowUp(_message.Message):
     def __init__(self, seconds_after_edit: _Optional[float] = ..., message: _Optional[str] = ...) -> None: ...
 
 class TelemetryEvent(_message.Message):
-    __slots__ = ("event_id", "rollout_id", "session_id", "client_ts_ms", "schema_version", "user_id", "privacy_mode", "edit_shown", "edit_outcome", "persistence", "followup")
+    __slots__ = ("event_id", "rollout_id", "session_id", "client_ts_ms", "schema_version", "user_id", "privacy_mode", "client_id", "edit_shown", "edit_outcome", "persistence", "followup")
     EVENT_ID_FIELD_NUMBER: _ClassVar[int]
     ROLLOUT_ID_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
@@ -53,6 +53,7 @@ class TelemetryEvent(_message.Message):
     SCHEMA_VERSION_FIELD_NUMBER: _ClassVar[int]
     USER_ID_FIELD_NUMBER: _ClassVar[int]
     PRIVACY_MODE_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
     EDIT_SHOWN_FIELD_NUMBER: _ClassVar[int]
     EDIT_OUTCOME_FIELD_NUMBER: _ClassVar[int]
     PERSISTENCE_FIELD_NUMBER: _ClassVar[int]
@@ -64,8 +65,9 @@ class TelemetryEvent(_message.Message):
     schema_version: int
     user_id: str
     privacy_mode: bool
+    client_id: str
     edit_shown: EditShown
     edit_outcome: EditOutcome
     persistence: PersistenceSnapshot
     followup: FollowUp
-    def __init__(self, event_id: _Optional[str] = ..., rollout_id: _Optional[str] = ..., session_id: _Optional[str] = ..., client_ts_ms: _Optional[int] = ..., schema_version: _Optional[int] = ..., user_id: _Optional[str] = ..., privacy_mode: _Optional[bool] = ..., edit_shown: _Optional[_Union[EditShown, _Mapping]] = ..., edit_outcome: _Optional[_Union[EditOutcome, _Mapping]] = ..., persistence: _Optional[_Union[PersistenceSnapshot, _Mapping]] = ..., followup: _Optional[_Union[FollowUp, _Mapping]] = ...) -> None: ...
+    def __init__(self, event_id: _Optional[str] = ..., rollout_id: _Optional[str] = ..., session_id: _Optional[str] = ..., client_ts_ms: _Optional[int] = ..., schema_version: _Optional[int] = ..., user_id: _Optional[str] = ..., privacy_mode: _Optional[bool] = ..., client_id: _Optional[str] = ..., edit_shown: _Optional[_Union[EditShown, _Mapping]] = ..., edit_outcome: _Optional[_Union[EditOutcome, _Mapping]] = ..., persistence: _Optional[_Union[PersistenceSnapshot, _Mapping]] = ..., followup: _Optional[_Union[FollowUp, _Mapping]] = ...) -> None: ...
