@@ -5,8 +5,10 @@ from __future__ import annotations
 from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from rtrl.tls import TLSListener
 
-class AnalyticsSettings(BaseSettings):
+
+class AnalyticsSettings(BaseSettings, TLSListener):
     model_config = SettingsConfigDict(env_prefix="RTRL_ANALYTICS_", extra="ignore")
 
     bind_host: str = "127.0.0.1"

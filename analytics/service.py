@@ -50,7 +50,7 @@ async def serve(stack: StackSettings, settings: AnalyticsSettings, stop: asyncio
     token = settings.query_token.get_secret_value()
     runner = web.AppRunner(query.build_query_app(reader, tables, token, settings.query_max_rows), access_log=None)
     await runner.setup()
-    await web.TCPSite(runner, settings.bind_host, settings.query_port).start()
+    await web.TCPSite(runner, settings.bind_host, settings.query_port, ssl_context=settings.http_context()).start()
     if not token:
         log.warning("no RTRL_ANALYTICS_QUERY_TOKEN: the query endpoint serves nothing (there is no default token)")
     redis = aioredis.Redis.from_url(stack.redis_url)

@@ -11,9 +11,10 @@ from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from rtrl.event_time import EventTimeWindow
+from rtrl.tls import TLSListener
 
 
-class InferenceSettings(BaseSettings):
+class InferenceSettings(BaseSettings, TLSListener):
     model_config = SettingsConfigDict(env_prefix="RTRL_INFERENCE_", extra="ignore")
 
     bind_host: str = "127.0.0.1"

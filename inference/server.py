@@ -114,6 +114,7 @@ class InferenceServer:
                     arm,
                     self.worker_id,
                     public_keys=signing.parse_public_keys(self.stack.manifest_public_keys),
+                    tls_ca_file=self.stack.weight_sync_tls_ca_file,
                 ).start()
                 for arm in ARMS
             ]
@@ -122,7 +123,7 @@ class InferenceServer:
         app.router.add_get("/healthz", self._healthz)
         self.runner = web.AppRunner(app, access_log=None, shutdown_timeout=self.settings.shutdown_grace_s)
         await self.runner.setup()
-        await web.TCPSite(self.runner, self.settings.bind_host, self.settings.http_port).start()
+        await web.TCPSite(self.runner, self.settings.bind_host, self.settings.http_port, ssl_context=self.settings.http_context()).start()
         self.port = self.runner.addresses[0][1]
         self._observe()
         self.heartbeat_task = asyncio.create_task(self._beat_forever())

@@ -302,12 +302,12 @@ class SGLangSidecar:
 
     # ---- the running service: one thread follows weight_sync, one applies ----
 
-    def start(self, addr: str, token: str, worker_id: str, public_keys: Sequence[str]) -> SGLangSidecar:
+    def start(self, addr: str, token: str, worker_id: str, public_keys: Sequence[str], tls_ca_file: Path | None = None) -> SGLangSidecar:
         """Follow the arm's versions from weight_sync (inference.weights.WeightFollower,
         as the embedded worker does) and swap each into the server from a thread of its own."""
         self.recover()
         self._follower = WeightFollower(
-            self.stage, addr, token, self.settings.arm, worker_id, self.settings.retry_s, public_keys=public_keys
+            self.stage, addr, token, self.settings.arm, worker_id, self.settings.retry_s, public_keys=public_keys, tls_ca_file=tls_ca_file
         ).start()
         self._thread = threading.Thread(target=self._apply_loop, name="sglang-apply", daemon=True)
         self._thread.start()
@@ -372,6 +372,7 @@ def main() -> None:
         stack.weight_sync_subscribe_token.get_secret_value(),
         f"sglang-sidecar-{stack.instance}",
         signing.parse_public_keys(stack.manifest_public_keys),
+        stack.weight_sync_tls_ca_file,
     )
     stop = threading.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):

@@ -8,6 +8,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import torch
 
@@ -41,11 +42,13 @@ class WeightFollower:
         retry_s: float = 2.0,
         *,
         public_keys: Sequence[str],
+        tls_ca_file: Path | None = None,
     ) -> None:
         from weight_sync.provenance import ManifestVerifier
 
         ManifestVerifier(public_keys)  # no keys, or a malformed one: refused here, not in the thread
         self.public_keys = tuple(public_keys)
+        self.tls_ca_file = tls_ca_file
         self.stage = stage
         self.addr = addr
         self.token = token
@@ -90,7 +93,7 @@ class WeightFollower:
         from weight_sync.client import latest_version
 
         try:
-            return latest_version(self.addr, self.token, self.arm)
+            return latest_version(self.addr, self.token, self.arm, tls_ca_file=self.tls_ca_file)
         except Exception:  # weight_sync unreachable: stage every version as it comes
             log.warning("could not read the latest %s version from %s; staging every version", self.arm, self.addr, exc_info=True)
             return -1
@@ -106,7 +109,7 @@ class WeightFollower:
         from weight_sync.client import Subscriber
 
         while not self._stopped.is_set():
-            subscriber = Subscriber(self.addr, self.arm, self.worker_id, token=self.token, public_keys=self.public_keys)
+            subscriber = Subscriber(self.addr, self.arm, self.worker_id, token=self.token, public_keys=self.public_keys, tls_ca_file=self.tls_ca_file)
             with self._lock:
                 self._subscriber = subscriber
             if self._stopped.is_set():

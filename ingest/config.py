@@ -2,15 +2,15 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 
 from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from rtrl.event_time import EventTimeWindow
+from rtrl.tls import TLSListener
 
 
-class IngestSettings(BaseSettings):
+class IngestSettings(BaseSettings, TLSListener):
     model_config = SettingsConfigDict(env_prefix="RTRL_INGEST_", extra="ignore")
 
     bind_host: str = "127.0.0.1"
@@ -62,12 +62,6 @@ class IngestSettings(BaseSettings):
     """An event's ``client_ts_ms`` may be at most this far behind the gateway's clock; an
     older one (or 0, or negative) is REJECTED (field ``client_ts_ms``)."""
 
-    tls_cert_file: Path | None = None
-    """PEM certificate chain: when set (with tls_key_file), both listeners speak TLS only."""
-
-    tls_key_file: Path | None = None
-    """PEM private key of tls_cert_file."""
-
     def client_ts_window(self) -> EventTimeWindow:
         return EventTimeWindow.of_seconds(self.client_ts_max_future_s, self.client_ts_max_age_s)
 
@@ -77,11 +71,6 @@ class IngestSettings(BaseSettings):
         # produce the same event a second time.
         if self.claim_ttl_s * 1000 <= self.produce_timeout_ms:
             raise ValueError(f"claim_ttl_s ({self.claim_ttl_s} s) must exceed produce_timeout_ms ({self.produce_timeout_ms} ms)")
-        if (self.tls_cert_file is None) != (self.tls_key_file is None):
-            raise ValueError("set both tls_cert_file and tls_key_file, or neither")
-        for path in (self.tls_cert_file, self.tls_key_file):
-            if path is not None and not path.is_file():
-                raise ValueError(f"TLS file {path} does not exist")
         if self.http_port == self.grpc_port:
             raise ValueError(f"http_port and grpc_port must differ, both are {self.http_port}")
         return self

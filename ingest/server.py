@@ -29,7 +29,6 @@ import asyncio
 import json
 import logging
 import math
-import ssl
 import threading
 from collections import Counter
 from dataclasses import dataclass, fields
@@ -338,13 +337,13 @@ async def start(stack: StackSettings, settings: IngestSettings) -> IngestServer:
 
     runner = web.AppRunner(build_http_app(gateway, settings, door), access_log=None)
     await runner.setup()
-    await web.TCPSite(runner, settings.bind_host, settings.http_port, ssl_context=_http_tls(settings)).start()
+    await web.TCPSite(runner, settings.bind_host, settings.http_port, ssl_context=settings.http_context()).start()
 
     options = [("grpc.max_receive_message_length", settings.max_body_bytes)]
     grpc_server = grpc.aio.server(options=options)
     grpc_server.add_generic_rpc_handlers((IngestServicer(gateway, settings, door).handler(),))
     address = f"{settings.bind_host}:{settings.grpc_port}"
-    credentials = _grpc_tls(settings)
+    credentials = settings.grpc_credentials()
     bound = grpc_server.add_secure_port(address, credentials) if credentials else grpc_server.add_insecure_port(address)
     if bound == 0:
         raise RuntimeError(f"cannot bind gRPC to {address}")
@@ -420,21 +419,6 @@ async def _in_daemon_thread(function, *args, **kwargs):
 
     threading.Thread(target=run, name="ingest-recovery", daemon=True).start()
     return await future
-
-
-def _http_tls(settings: IngestSettings) -> ssl.SSLContext | None:
-    if settings.tls_cert_file is None:
-        return None
-    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-    context.minimum_version = ssl.TLSVersion.TLSv1_2
-    context.load_cert_chain(settings.tls_cert_file, settings.tls_key_file)
-    return context
-
-
-def _grpc_tls(settings: IngestSettings) -> grpc.ServerCredentials | None:
-    if settings.tls_cert_file is None:
-        return None
-    return grpc.ssl_server_credentials([(settings.tls_key_file.read_bytes(), settings.tls_cert_file.read_bytes())])
 
 
 async def serve(stack: StackSettings, settings: IngestSettings) -> None:

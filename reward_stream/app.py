@@ -40,7 +40,7 @@ from reward_stream.acks import OrderedAcks
 from reward_stream.config import RewardStreamSettings
 from reward_stream.publisher import OutputPublisher
 from reward_stream.runtime import Joiner
-from rtrl import heartbeat, otel, signing, topics
+from rtrl import heartbeat, kafka, otel, signing, topics
 from rtrl.config import StackSettings
 
 SERVICE = "reward_stream"
@@ -57,6 +57,7 @@ def faust_app(settings: RewardStreamSettings, stack: StackSettings, datadir: str
     return faust.App(
         settings.app_id,
         broker="kafka://" + stack.kafka_bootstrap,
+        broker_credentials=kafka.faust_credentials(stack),
         broker_session_timeout=session_timeout_s,
         broker_heartbeat_interval=max(session_timeout_s / 3, 0.5),
         broker_rebalance_timeout=max(session_timeout_s, 10.0),

@@ -28,9 +28,7 @@ def settled_rollouts(stack: StackSettings, partition: int, timeout_s: float = 30
     settled: dict[str, set[str]] = {}
     if not waiting:
         return {}
-    reader = Consumer({
-        "bootstrap.servers": stack.kafka_bootstrap, "group.id": "rtrl-reward-recovery", "enable.auto.commit": False, **kafka.PROBE_FETCH,
-    })
+    reader = Consumer(kafka.client_config(stack, **{"group.id": "rtrl-reward-recovery", "enable.auto.commit": False, **kafka.PROBE_FETCH}))
     try:
         reader.assign([TopicPartition(tp.topic, tp.partition, OFFSET_BEGINNING) for tp in tps if (tp.topic, tp.partition) in waiting])
         deadline = time.monotonic() + timeout_s
@@ -73,7 +71,7 @@ def input_positions(stack: StackSettings, group: str, partition: int, timeout_s:
     is the backlog the join must read before trusting the wall clock (join.py)."""
     tps = [TopicPartition(topic, partition) for topic in topics.TELEMETRY]
     ends = kafka.end_offsets(stack, tps, timeout_s)
-    reader = Consumer({"bootstrap.servers": stack.kafka_bootstrap, "group.id": group, "enable.auto.commit": False})
+    reader = Consumer(kafka.client_config(stack, **{"group.id": group, "enable.auto.commit": False}))
     try:
         committed = reader.committed(tps, timeout=timeout_s)
         positions = {}

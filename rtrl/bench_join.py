@@ -206,7 +206,7 @@ def read_rewards(stack: StackSettings) -> list[tuple[str, int]]:
     tps = [TopicPartition(topics.REWARD, p) for p in range(PARTITIONS)]
     ends = kafka.end_offsets(stack, tps)
     remaining = {k for k, end in ends.items() if end > 0}
-    consumer = Consumer({"bootstrap.servers": stack.kafka_bootstrap, "group.id": "bench-join-read", "enable.auto.commit": False})
+    consumer = Consumer(kafka.client_config(stack, **{"group.id": "bench-join-read", "enable.auto.commit": False}))
     consumer.assign([TopicPartition(tp.topic, tp.partition, OFFSET_BEGINNING) for tp in tps])
     rewards = []
     deadline = time.monotonic() + 60
@@ -226,7 +226,7 @@ def read_rewards(stack: StackSettings) -> list[tuple[str, int]]:
 def read_all_rewards(stack: StackSettings, idle_s: float = 3.0) -> str:
     """Every reward record, read until none came for ``idle_s`` (end offsets not trusted):
     a diagnosis when the broker seems to hold fewer rewards than the workers settled."""
-    consumer = Consumer({"bootstrap.servers": stack.kafka_bootstrap, "group.id": "bench-join-diagnosis", "enable.auto.commit": False})
+    consumer = Consumer(kafka.client_config(stack, **{"group.id": "bench-join-diagnosis", "enable.auto.commit": False}))
     consumer.assign([TopicPartition(topics.REWARD, p, OFFSET_BEGINNING) for p in range(PARTITIONS)])
     keys: list[str] = []
     offsets: dict[int, int] = {}
@@ -355,7 +355,7 @@ def settle_latencies(rewards: list[tuple[str, int]], opened: dict[str, int], clo
 
 
 def empty_reward_topics(stack: StackSettings) -> None:
-    admin = AdminClient({"bootstrap.servers": stack.kafka_bootstrap})
+    admin = AdminClient(kafka.client_config(stack))
     outputs = [topics.REWARD, topics.REWARD_LATE, topics.REWARD_DLQ]
     for future in admin.delete_topics(outputs).values():
         future.result(timeout=20)

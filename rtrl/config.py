@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, SecretStr
+from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -28,6 +28,22 @@ class StackSettings(BaseSettings):
     """Replication factor of the topics rtrl creates (Tansu: 1; a Kafka cluster whose
     ``min.insync.replicas`` is 2 needs at least 3, or every ``acks=all`` produce fails)."""
 
+    kafka_security_protocol: Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"] = "PLAINTEXT"
+    """How every Kafka client connects: PLAINTEXT for the embedded broker (Tansu has no
+    authentication; it listens on loopback only), SASL_SSL for a production cluster."""
+
+    kafka_sasl_mechanism: Literal["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512"] = "SCRAM-SHA-512"
+    """SASL mechanism when the protocol is SASL_*."""
+
+    kafka_sasl_username: str = ""
+    """This process's Kafka user (one per service, so the cluster's ACLs can hold each to its topics)."""
+
+    kafka_sasl_password: SecretStr = SecretStr("")
+    """This process's Kafka password."""
+
+    kafka_ssl_ca_file: str = ""
+    """CA certificate that signed the brokers' certificates, for SSL and SASL_SSL (empty: the system's)."""
+
     kafka_session_timeout_ms: int = Field(6000, ge=1000)
     """Consumer-group session timeout. Tansu forms groups in ~3 s at 6 s, ~23 s at 45 s."""
 
@@ -40,6 +56,10 @@ class StackSettings(BaseSettings):
 
     weight_sync_addr: str = "127.0.0.1:50061"
     """gRPC address of the weight_sync service."""
+
+    weight_sync_tls_ca_file: Path | None = None
+    """CA certificate that signed weight_sync's (and its relays') certificate: set it when they
+    listen with TLS (RTRL_WEIGHT_SYNC_TLS_CERT_FILE), and every client connects with TLS."""
 
     weight_sync_token: SecretStr = SecretStr("")
     """Bearer token that allows publishing weights (the trainer, and weight_sync to check it).
@@ -89,6 +109,12 @@ class StackSettings(BaseSettings):
 
     metrics_bind_host: str = "127.0.0.1"
     """Address the Prometheus endpoint listens on (``0.0.0.0`` in a container)."""
+
+    @model_validator(mode="after")
+    def _sasl_has_credentials(self) -> StackSettings:
+        if self.kafka_security_protocol.startswith("SASL_") and not (self.kafka_sasl_username and self.kafka_sasl_password.get_secret_value()):
+            raise ValueError(f"kafka_security_protocol {self.kafka_security_protocol} needs kafka_sasl_username and kafka_sasl_password")
+        return self
 
     def resolved_clickhouse_url(self) -> str:
         return self.clickhouse_url or f"chdb://{(self.state_dir / 'chdb').resolve()}"

@@ -30,7 +30,7 @@ def ensure_topics(settings: StackSettings, names: tuple[str, ...] = topics.ALL, 
     Refuses to run against existing topics whose partition count differs, since the
     joiner relies on every topic being co-partitioned by rollout_id.
     """
-    admin = AdminClient({"bootstrap.servers": settings.kafka_bootstrap})
+    admin = AdminClient(client_config(settings))
     existing = admin.list_topics(timeout=timeout_s).topics
     wrong = {n: len(existing[n].partitions) for n in names if n in existing and len(existing[n].partitions) != settings.kafka_partitions}
     if wrong:
@@ -46,7 +46,7 @@ def ensure_topics(settings: StackSettings, names: tuple[str, ...] = topics.ALL, 
 
 def wait_for_broker(settings: StackSettings, timeout_s: float = 30.0) -> None:
     deadline = time.monotonic() + timeout_s
-    admin = AdminClient({"bootstrap.servers": settings.kafka_bootstrap})
+    admin = AdminClient(client_config(settings))
     while True:
         try:
             admin.list_topics(timeout=2)
@@ -57,30 +57,65 @@ def wait_for_broker(settings: StackSettings, timeout_s: float = 30.0) -> None:
             time.sleep(0.3)
 
 
-def producer_config(settings: StackSettings, **overrides) -> dict:
-    config = {
-        "bootstrap.servers": settings.kafka_bootstrap,
-        "enable.idempotence": True,
-        "acks": "all",
-        "linger.ms": 5,
-        "partitioner": "murmur2_random",  # the Java client's partitioner, so every client agrees
-    }
+def client_config(settings: StackSettings, **overrides) -> dict:
+    """What every librdkafka client of the stack starts from: the brokers and how to reach
+    them (SASL and TLS when the settings say so). Every producer, consumer and admin client
+    is built on it, so none connects without the process's credentials."""
+    config: dict = {"bootstrap.servers": settings.kafka_bootstrap, "security.protocol": settings.kafka_security_protocol.lower()}
+    if settings.kafka_security_protocol.startswith("SASL_"):
+        config |= {
+            "sasl.mechanism": settings.kafka_sasl_mechanism,
+            "sasl.username": settings.kafka_sasl_username,
+            "sasl.password": settings.kafka_sasl_password.get_secret_value(),
+        }
+    if settings.kafka_security_protocol.endswith("SSL") and settings.kafka_ssl_ca_file:
+        config["ssl.ca.location"] = settings.kafka_ssl_ca_file
     config.update(overrides)
     return config
+
+
+def faust_credentials(settings: StackSettings):
+    """The same for faust (aiokafka): None for PLAINTEXT."""
+    import ssl
+
+    from faust.auth import SASLCredentials, SSLCredentials
+
+    protocol = settings.kafka_security_protocol
+    context = ssl.create_default_context(cafile=settings.kafka_ssl_ca_file or None) if protocol.endswith("SSL") else None
+    if protocol.startswith("SASL_"):
+        return SASLCredentials(
+            username=settings.kafka_sasl_username, password=settings.kafka_sasl_password.get_secret_value(),
+            mechanism=settings.kafka_sasl_mechanism, ssl_context=context,
+        )  # fmt: skip
+    return SSLCredentials(context) if context is not None else None
+
+
+def producer_config(settings: StackSettings, **overrides) -> dict:
+    return client_config(
+        settings,
+        **{
+            "enable.idempotence": True,
+            "acks": "all",
+            "linger.ms": 5,
+            "partitioner": "murmur2_random",  # the Java client's partitioner, so every client agrees
+            **overrides,
+        },
+    )
 
 
 def consumer_config(settings: StackSettings, group_id: str, **overrides) -> dict:
-    config = {
-        "bootstrap.servers": settings.kafka_bootstrap,
-        "group.id": group_id,
-        "enable.auto.commit": False,
-        "auto.offset.reset": "earliest",
-        "session.timeout.ms": settings.kafka_session_timeout_ms,
-        "heartbeat.interval.ms": max(settings.kafka_session_timeout_ms // 3, 500),
-        "isolation.level": "read_committed",
-    }
-    config.update(overrides)
-    return config
+    return client_config(
+        settings,
+        **{
+            "group.id": group_id,
+            "enable.auto.commit": False,
+            "auto.offset.reset": "earliest",
+            "session.timeout.ms": settings.kafka_session_timeout_ms,
+            "heartbeat.interval.ms": max(settings.kafka_session_timeout_ms // 3, 500),
+            "isolation.level": "read_committed",
+            **overrides,
+        },
+    )
 
 
 def consumer(settings: StackSettings, *topic_names: str, group_id: str, **overrides) -> Consumer:
@@ -219,12 +254,12 @@ def consumer_lag(
 def cluster_id(settings: StackSettings, timeout_s: float = 10.0) -> str:
     """The broker cluster's id. A memory-only broker started anew has a new one, so
     offsets remembered from another cluster id must not be applied to it."""
-    return AdminClient({"bootstrap.servers": settings.kafka_bootstrap}).list_topics(timeout=timeout_s).cluster_id or ""
+    return AdminClient(client_config(settings)).list_topics(timeout=timeout_s).cluster_id or ""
 
 
 def partitions(settings: StackSettings, topic_names: tuple[str, ...], timeout_s: float = 5.0) -> list[TopicPartition]:
     """Every partition of the named topics that exist, from the broker's metadata."""
-    metadata = AdminClient({"bootstrap.servers": settings.kafka_bootstrap}).list_topics(timeout=timeout_s).topics
+    metadata = AdminClient(client_config(settings)).list_topics(timeout=timeout_s).topics
     return [TopicPartition(t, p) for t in topic_names if t in metadata for p in metadata[t].partitions]
 
 
@@ -243,10 +278,7 @@ def end_offsets(settings: StackSettings, tps: list[TopicPartition], timeout_s: f
     a fast producer). So read from high-1 to the partition's EOF and take the last
     record's offset + 1 (exact on Apache Kafka too).
     """
-    probe = Consumer({
-        "bootstrap.servers": settings.kafka_bootstrap, "group.id": "rtrl-end-offsets", "enable.auto.commit": False,
-        "enable.partition.eof": True, **PROBE_FETCH,
-    })
+    probe = Consumer(client_config(settings, **{"group.id": "rtrl-end-offsets", "enable.auto.commit": False, "enable.partition.eof": True, **PROBE_FETCH}))
     try:
         ends: dict[tuple[str, int], int] = {}
         to_read: list[TopicPartition] = []

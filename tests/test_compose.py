@@ -229,3 +229,14 @@ def test_the_serving_api_fronts_an_sglang_server_per_arm_each_fed_by_its_sidecar
     for url in fed.values():
         host = urlparse(url).hostname
         assert host in compose["services"] and "gpu" in compose["services"][host]["deploy"]["resources"]["reservations"]["devices"][0]["capabilities"]
+
+
+def test_nothing_is_published_on_a_public_interface():
+    """Every published port binds to loopback: exposing a service is a deliberate change."""
+    published = {
+        name: [str(port) for port in service.get("ports", [])] for name, service in load()["services"].items() if service.get("ports")
+    }
+    assert published, "compose publishes no ports at all: the test would prove nothing"
+    for name, ports in published.items():
+        for port in ports:
+            assert port.startswith("127.0.0.1:"), f"{name} publishes {port} on every interface"

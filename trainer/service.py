@@ -15,6 +15,7 @@ import logging
 import signal
 import threading
 from collections.abc import Sequence
+from pathlib import Path
 
 import redis.asyncio as aioredis
 import torch
@@ -38,13 +39,13 @@ log = logging.getLogger("trainer")
 
 
 def fetch_published(
-    addr: str, token: str, arm: str, version: int, public_keys: Sequence[str]
+    addr: str, token: str, arm: str, version: int, public_keys: Sequence[str], tls_ca_file: Path | None = None
 ) -> tuple[weights_pb2.Manifest, dict[str, torch.Tensor]]:
     """The manifest and weights weight_sync holds for one version of an arm, if the
     trainer signed it (a resume never starts from weights someone else wrote)."""
     from weight_sync.client import Subscriber
 
-    subscriber = Subscriber(addr, arm, worker_id="trainer-resume", token=token, public_keys=public_keys)
+    subscriber = Subscriber(addr, arm, worker_id="trainer-resume", token=token, public_keys=public_keys, tls_ca_file=tls_ca_file)
     try:
         for manifest, weights in subscriber.follow(have_version=version - 1):
             if manifest.version >= version:
@@ -92,7 +93,8 @@ async def serve(settings: TrainerSettings, stack: StackSettings, world: World | 
     # Its own versions, and those of a key being rotated out.
     own_keys = [signing.public_key_of(signing_key), *signing.parse_public_keys(stack.manifest_public_keys)]
     publishers = {
-        arm: Publisher(stack.weight_sync_addr, token, arm, settings.keyframe_every, signing_key=signing_key) for arm in (CONTROL, TREATMENT)
+        arm: Publisher(stack.weight_sync_addr, token, arm, settings.keyframe_every, signing_key=signing_key, tls_ca_file=stack.weight_sync_tls_ca_file)
+        for arm in (CONTROL, TREATMENT)
     }
     # The trainer subscribes itself: it seeks to its journal's positions on assignment.
     rewards = Consumer(consumer_config(stack, settings.consumer_group))
@@ -103,7 +105,7 @@ async def serve(settings: TrainerSettings, stack: StackSettings, world: World | 
         stack.state_dir,
         rewards,
         publishers,
-        fetch_weights=lambda arm, version: fetch_published(stack.weight_sync_addr, token, arm, version, own_keys),
+        fetch_weights=lambda arm, version: fetch_published(stack.weight_sync_addr, token, arm, version, own_keys, stack.weight_sync_tls_ca_file),
         on_step=exporter,
         world=world,
         dead_letter=exporter.dead_letter,

@@ -8,12 +8,13 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
 
 import grpc
 import torch
 from opentelemetry import trace
 
-from rtrl import otel
+from rtrl import otel, tls
 from rtrl.v1 import weights_pb2, weights_pb2_grpc
 from weight_sync import codec, lineage
 from weight_sync.provenance import ManifestSigner, ManifestVerifier
@@ -42,6 +43,7 @@ class Publisher:
         signing_key: str,
         chunk_bytes: int = 1 << 20,
         timeout_s: float = 60.0,
+        tls_ca_file: Path | None = None,
     ) -> None:
         if keyframe_every < 1 or chunk_bytes < 1:
             raise ValueError(f"keyframe_every ({keyframe_every}) and chunk_bytes ({chunk_bytes}) must be positive")
@@ -51,7 +53,7 @@ class Publisher:
         self._chunk_bytes = chunk_bytes
         self._timeout_s = timeout_s
         self._metadata = bearer(token)
-        self._channel = grpc.insecure_channel(addr, options=CHANNEL_OPTIONS)
+        self._channel = _sync_channel(addr, tls_ca_file)
         self._stub = weights_pb2_grpc.WeightSyncStub(self._channel)
         self._parent: dict[str, torch.Tensor] | None = None
         self._parent_version = -1
@@ -122,9 +124,14 @@ def _publish_chunks(manifest: weights_pb2.Manifest, blob: bytes, chunk_bytes: in
         yield chunk
 
 
-def latest_version(addr: str, token: str, arm: str, timeout_s: float = 10.0) -> int:
+def _sync_channel(addr: str, tls_ca_file: Path | None) -> grpc.Channel:
+    credentials = tls.client_credentials(tls_ca_file)
+    return grpc.secure_channel(addr, credentials, options=CHANNEL_OPTIONS) if credentials else grpc.insecure_channel(addr, options=CHANNEL_OPTIONS)
+
+
+def latest_version(addr: str, token: str, arm: str, timeout_s: float = 10.0, tls_ca_file: Path | None = None) -> int:
     """The arm's newest committed version (-1: none), with a subscriber's token."""
-    with grpc.insecure_channel(addr, options=CHANNEL_OPTIONS) as channel:
+    with _sync_channel(addr, tls_ca_file) as channel:
         stub = weights_pb2_grpc.WeightSyncStub(channel)
         request = weights_pb2.LatestRequest(arm=arm)
         return stub.Latest(request, metadata=bearer(token), timeout=timeout_s, wait_for_ready=True).version
@@ -150,13 +157,14 @@ class Subscriber:
         public_keys: Sequence[str],
         min_backoff_s: float = 0.1,
         max_backoff_s: float = 2.0,
+        tls_ca_file: Path | None = None,
     ) -> None:
         self._verifier = ManifestVerifier(public_keys)
         self.forged = 0
         """Versions refused because their manifest was not signed by the trainer."""
         self.arm = arm
         self.worker_id = worker_id
-        self.stream = VersionStream(addr, arm, worker_id, token, min_backoff_s=min_backoff_s, max_backoff_s=max_backoff_s)
+        self.stream = VersionStream(addr, arm, worker_id, token, min_backoff_s=min_backoff_s, max_backoff_s=max_backoff_s, tls_ca_file=tls_ca_file)
 
     @property
     def resubscribes(self) -> int:

@@ -12,6 +12,8 @@ from urllib.parse import unquote, urlparse
 from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from rtrl.tls import TLSListener
+
 # S3's bucket naming rules, less the rarely used ones (no "..", no IP-address names).
 _BUCKET = re.compile(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]")
 
@@ -32,7 +34,7 @@ def split_s3_url(url: str) -> tuple[str, str]:
     return parsed.netloc, prefix
 
 
-class WeightSyncSettings(BaseSettings):
+class WeightSyncSettings(BaseSettings, TLSListener):
     model_config = SettingsConfigDict(env_prefix="RTRL_WEIGHT_SYNC_", extra="ignore")
 
     bind_host: str = "127.0.0.1"

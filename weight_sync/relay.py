@@ -20,6 +20,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from rtrl import otel
 from rtrl.config import StackSettings
+from rtrl.tls import TLSListener
 from rtrl.runtime import service_process, until_stopped
 from rtrl.v1 import weights_pb2
 from weight_sync.broadcast import Broadcaster, add_to_server, observe_fanout
@@ -30,7 +31,7 @@ log = logging.getLogger("weight_sync.relay")
 _tracer = trace.get_tracer("rtrl.relay")
 
 
-class RelaySettings(BaseSettings):
+class RelaySettings(BaseSettings, TLSListener):
     model_config = SettingsConfigDict(env_prefix="RTRL_WEIGHT_SYNC_RELAY_", extra="ignore")
 
     upstream_addr: str = "127.0.0.1:50061"
@@ -123,7 +124,8 @@ class Relay:
             blob_cache_bytes=settings.blob_cache_bytes,
         )
         self.streams = {
-            arm: AsyncVersionStream(settings.upstream_addr, arm, f"relay-{stack.instance}", token) for arm in settings.arms
+            arm: AsyncVersionStream(settings.upstream_addr, arm, f"relay-{stack.instance}", token, tls_ca_file=stack.weight_sync_tls_ca_file)
+            for arm in settings.arms
         }
         self._server = grpc.aio.server()
         add_to_server(self.service, self._server)
@@ -131,7 +133,9 @@ class Relay:
         self.port = settings.port
 
     async def start(self) -> int:
-        self.port = self._server.add_insecure_port(f"{self.settings.bind_host}:{self.settings.port}")
+        address = f"{self.settings.bind_host}:{self.settings.port}"
+        credentials = self.settings.grpc_credentials()
+        self.port = self._server.add_secure_port(address, credentials) if credentials else self._server.add_insecure_port(address)
         if self.port == 0:
             raise RuntimeError(f"cannot bind {self.settings.bind_host}:{self.settings.port}")
         await self._server.start()

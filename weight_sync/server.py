@@ -56,7 +56,9 @@ class WeightSyncServer:
 
     async def start(self) -> int:
         """Listen and start the background loops; returns the bound port."""
-        self.port = self._server.add_insecure_port(f"{self.settings.bind_host}:{self.settings.port}")
+        address = f"{self.settings.bind_host}:{self.settings.port}"
+        credentials = self.settings.grpc_credentials()
+        self.port = self._server.add_secure_port(address, credentials) if credentials else self._server.add_insecure_port(address)
         if self.port == 0:
             raise RuntimeError(f"cannot bind {self.settings.bind_host}:{self.settings.port}")
         # Before the first answer: a registry Redis lost while we were down comes back first.

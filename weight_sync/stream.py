@@ -19,9 +19,11 @@ import logging
 import threading
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import grpc
 
+from rtrl import tls
 from rtrl.v1 import weights_pb2, weights_pb2_grpc
 from weight_sync.checksum import xxh3_hex
 
@@ -50,6 +52,12 @@ RESUBSCRIBE = frozenset(
         grpc.StatusCode.RESOURCE_EXHAUSTED,
     }
 )
+
+
+def open_channel(addr: str, credentials: grpc.ChannelCredentials | None, options) -> grpc.aio.Channel:
+    """A channel to weight_sync (or a relay): TLS when the caller trusts a CA for it."""
+    options = list(options)
+    return grpc.aio.secure_channel(addr, credentials, options=options) if credentials else grpc.aio.insecure_channel(addr, options=options)
 
 
 class TornStream(Exception):
@@ -137,8 +145,10 @@ class AsyncVersionStream:
         min_backoff_s: float = 0.1,
         max_backoff_s: float = 2.0,
         channel_options: tuple[tuple[str, object], ...] = (),
+        tls_ca_file: Path | None = None,
     ) -> None:
         self.addr = addr
+        self._credentials = tls.client_credentials(tls_ca_file)
         self._channel_options = [*CHANNEL_OPTIONS, *channel_options]
         self.arm = arm
         self.worker_id = worker_id
@@ -178,7 +188,7 @@ class AsyncVersionStream:
         self.held = have_version
         self._wake = asyncio.Event()
         backoff_s = self._min_backoff_s
-        async with grpc.aio.insecure_channel(self.addr, options=self._channel_options) as channel:
+        async with open_channel(self.addr, self._credentials, self._channel_options) as channel:
             stub = weights_pb2_grpc.WeightSyncStub(channel)
             while not self._stopped:
                 partial = self._assembler.partial
@@ -228,8 +238,20 @@ class VersionStream:
     """AsyncVersionStream for a worker's thread: follow() is a plain iterator that runs
     the stream on a private event loop; stop() may be called from any thread."""
 
-    def __init__(self, addr: str, arm: str, worker_id: str, token: str, *, min_backoff_s: float = 0.1, max_backoff_s: float = 2.0) -> None:
-        self._stream = AsyncVersionStream(addr, arm, worker_id, token, min_backoff_s=min_backoff_s, max_backoff_s=max_backoff_s)
+    def __init__(
+        self,
+        addr: str,
+        arm: str,
+        worker_id: str,
+        token: str,
+        *,
+        min_backoff_s: float = 0.1,
+        max_backoff_s: float = 2.0,
+        tls_ca_file: Path | None = None,
+    ) -> None:
+        self._stream = AsyncVersionStream(
+            addr, arm, worker_id, token, min_backoff_s=min_backoff_s, max_backoff_s=max_backoff_s, tls_ca_file=tls_ca_file
+        )
         self._loop = asyncio.new_event_loop()
         self._lock = threading.Lock()
         self._stopped = False
