@@ -115,6 +115,10 @@ class InferenceSettings(BaseSettings, TLSListener):
     sglang_timeout_s: float = Field(300.0, gt=0)
     """``backend=sglang``: longest a /generate may take."""
 
+    sglang_api_key: SecretStr = SecretStr("")
+    """``backend=sglang``: the servers' ``--api-key`` (generation only; weight swaps take the
+    sidecars' admin key)."""
+
     def client_ts_window(self) -> EventTimeWindow:
         return EventTimeWindow.of_seconds(self.client_ts_max_future_s, self.client_ts_max_age_s)
 

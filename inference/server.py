@@ -395,6 +395,7 @@ def _engine(settings: InferenceSettings) -> Engine | SGLangEngine:
         return SGLangEngine(
             settings.sglang_url_map(), max_positions=PolicyConfig().max_positions,
             max_concurrency=settings.sglang_max_concurrency, timeout_s=settings.sglang_timeout_s,
+            api_key=settings.sglang_api_key.get_secret_value(),
         )
     return Engine(
         EngineConfig(

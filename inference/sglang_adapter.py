@@ -114,13 +114,14 @@ def generate(
     *,
     timeout_s: float = 300.0,
     on_tokens: Callable[[int], None] | None = None,
+    api_key: str = "",
 ) -> Completion:
     """One completion from the SGLang server at ``url``. ``on_tokens`` is called with
     the number of tokens generated so far each time the stream reports progress."""
     request = urllib.request.Request(
         f"{url.rstrip('/')}/generate",
         data=json.dumps(request_body(params)).encode(),
-        headers={"Content-Type": "application/json"},
+        headers={"Content-Type": "application/json", **({"Authorization": f"Bearer {api_key}"} if api_key else {})},
         method="POST",
     )
     started = time.monotonic()
@@ -172,8 +173,11 @@ class SGLangEngine:
         timeout_s: float = 300.0,
         poll_s: float = 1.0,
         on_applied: Callable[[str, int], None] | None = None,
+        api_key: str = "",
     ) -> None:
         self.urls = dict(urls)
+        self.api_key = api_key
+        """SGLang's ``--api-key``: generating and reading the version, never swapping weights."""
         self.max_positions = max_positions
         self.timeout_s = timeout_s
         self.poll_s = poll_s
@@ -241,7 +245,7 @@ class SGLangEngine:
 
     def _generate(self, arm: str, params: SequenceParams) -> Completion:
         try:
-            completion = generate(self.urls[arm], arm, params, timeout_s=self.timeout_s)
+            completion = generate(self.urls[arm], arm, params, timeout_s=self.timeout_s, api_key=self.api_key)
         except OSError as exc:  # connection refused, reset, timed out
             raise SGLangGenerationError(f"SGLang at {self.urls[arm]} did not answer: {exc}") from exc
         finally:
@@ -254,7 +258,7 @@ class SGLangEngine:
     def _poll(self) -> None:
         from inference.sglang_sidecar import SGLangWeights
 
-        servers = {arm: SGLangWeights(url, timeout_s=min(self.timeout_s, 10.0)) for arm, url in self.urls.items()}
+        servers = {arm: SGLangWeights(url, timeout_s=min(self.timeout_s, 10.0), api_key=self.api_key) for arm, url in self.urls.items()}
         while not self._stopped.is_set():
             for arm, server in servers.items():
                 try:

@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from opentelemetry import trace
-from pydantic import Field
+from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from inference.weights import WeightFollower
@@ -60,6 +60,13 @@ class SidecarSettings(BaseSettings):
 
     url: str = "http://127.0.0.1:30000"
     """Base URL of the SGLang server this sidecar feeds."""
+
+    api_key: SecretStr = SecretStr("")
+    """SGLang's ``--api-key`` (to read the version it serves)."""
+
+    admin_api_key: SecretStr = SecretStr("")
+    """SGLang's ``--admin-api-key``: with it set, the weight-update endpoints take only it
+    (not the serving ``--api-key``), so only the sidecar can swap the server's weights."""
 
     model_dir: Path
     """The checkpoint directory the server was launched from: its safetensors headers
@@ -112,9 +119,14 @@ class SGLangWeights:
     Each method raises SGLangRefused when the server refuses the step, and lets
     connection errors propagate (the server is not there to refuse anything)."""
 
-    def __init__(self, url: str, timeout_s: float = 120.0) -> None:
+    def __init__(self, url: str, timeout_s: float = 120.0, api_key: str = "", admin_api_key: str = "") -> None:
         self.url = url.rstrip("/")
         self.timeout_s = timeout_s
+        # SGLang takes its --api-key on the serving endpoints (/model_info here) and, when it
+        # has one, only its --admin-api-key on the weight steps.
+        self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        admin = admin_api_key or api_key
+        self._admin_headers = {"Authorization": f"Bearer {admin}"} if admin else {}
 
     def pause(self, mode: PauseMode) -> None:
         self._post("pause", "/pause_generation", {"mode": mode})
@@ -137,12 +149,13 @@ class SGLangWeights:
 
     def weight_version(self) -> str:
         """The label of the weights the server serves now."""
-        with urllib.request.urlopen(f"{self.url}/model_info", timeout=self.timeout_s) as response:
+        request = urllib.request.Request(f"{self.url}/model_info", headers=self._headers)
+        with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
             return json.loads(response.read())["weight_version"]
 
     def _post(self, step: str, path: str, body: dict[str, Any]) -> dict[str, Any]:
         request = urllib.request.Request(
-            f"{self.url}{path}", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}, method="POST"
+            f"{self.url}{path}", data=json.dumps(body).encode(), headers={"Content-Type": "application/json", **self._admin_headers}, method="POST"
         )
         try:
             with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
@@ -365,7 +378,8 @@ def main() -> None:
     stack = StackSettings()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     otel.configure("sglang_sidecar", stack)
-    sidecar = SGLangSidecar(SGLangWeights(settings.url, settings.http_timeout_s), served_inventory(settings.model_dir), settings)
+    weights = SGLangWeights(settings.url, settings.http_timeout_s, settings.api_key.get_secret_value(), settings.admin_api_key.get_secret_value())
+    sidecar = SGLangSidecar(weights, served_inventory(settings.model_dir), settings)
     _observe(sidecar)
     sidecar.start(
         stack.weight_sync_addr,

@@ -54,6 +54,47 @@ class IngestBench:
     """Gateway events answered neither ACCEPTED nor RETRY (RETRY ones are resent, as clients do)."""
     resent: int
     code_version: str
+    key_verify_us: float = 0.0
+    """Verifying the operator's signature on one API key record (once per key per cache TTL)."""
+    rollout_sign_us: float = 0.0
+    """Signing one rollout record of the demo's size (the serving API, once per completion)."""
+    rollout_verify_us: float = 0.0
+    """Verifying it (the joiner, once per rollout)."""
+    rollout_bytes: int = 0
+
+
+def signature_costs(repeats: int = 2_000) -> dict[str, float]:
+    """Microseconds per record for what the trust boundary adds around ingest, in this
+    process: the key record check (rtrl/api_keys.py) and the rollout signature the serving
+    API makes and the joiner checks (a real completion's record, from the demo's engine)."""
+    from rtrl import signing
+    from rtrl.api_keys import KeyAuthority, KeyVerifier, key_hash
+    from rtrl.bench_join import rollout_records
+
+    operator = signing.generate_private_key()
+    digest = key_hash("rtrl_bench")
+    record = KeyAuthority(operator).signed(digest, {"client_id": "bench", "scopes": "*,completions", "rate_per_s": "0.0"})
+    verifier = KeyVerifier([signing.public_key_of(operator)])
+    start = time.perf_counter()
+    assert all(verifier.problem(digest, record) is None for _ in range(repeats))
+    key_verify = time.perf_counter() - start
+
+    worker = signing.generate_private_key()
+    signer = signing.Signer(worker, signing.Purpose.ROLLOUT)
+    rollouts = [rollout_records(f"r{i:06d}", 0)[0][1] for i in range(repeats)]
+    start = time.perf_counter()
+    headers = [signer.headers(value) for value in rollouts]
+    signed = time.perf_counter() - start
+    check = signing.Verifier([signing.public_key_of(worker)], signing.Purpose.ROLLOUT)
+    start = time.perf_counter()
+    assert not any(check.problem(value, header) for value, header in zip(rollouts, headers))
+    verified = time.perf_counter() - start
+    return {
+        "key_verify_us": round(key_verify / repeats * 1e6, 1),
+        "rollout_sign_us": round(signed / repeats * 1e6, 1),
+        "rollout_verify_us": round(verified / repeats * 1e6, 1),
+        "rollout_bytes": round(sum(map(len, rollouts)) / repeats),
+    }
 
 
 def make_events(n: int, seed: int = 0) -> list:
@@ -221,6 +262,7 @@ def run(
         not_accepted=refused,
         resent=resent,
         code_version=code_version("ingest"),
+        **signature_costs(),
     )
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(asdict(result), indent=2) + "\n")
@@ -231,4 +273,9 @@ def run(
     table.add_row("gateway (gRPC, keys, dedup, validation)", f"{best_gateway:,.0f}", ", ".join(f"{r:,.0f}" for r in gateway_rates), f"{result.ratio:.2f}")
     console.print(table)
     console.print(f"exact: {exact}: {sent:,} sent, the topics grew by {landed:,}, {refused} gateway events refused, {resent} resent after RETRY")
+    console.print(
+        f"signatures: {result.key_verify_us} us to verify an API key record (per key per cache TTL); "
+        f"{result.rollout_sign_us} us to sign a {result.rollout_bytes:,}-byte rollout (the serving API), "
+        f"{result.rollout_verify_us} us to verify it (the joiner)"
+    )
     return result

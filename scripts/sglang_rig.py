@@ -180,6 +180,8 @@ def start_server(
     weight_version: str = "-1",
     home: Path | None = None,
     timeout_s: float = 300.0,
+    api_key: str = "",
+    admin_api_key: str = "",
 ) -> SGLangServer:
     """Start ``sglang serve`` on ``model_dir`` and wait until /health_generate answers.
 
@@ -196,6 +198,8 @@ def start_server(
         "--host", "127.0.0.1", "--port", str(port),
         "--weight-version", weight_version,
         *SERVER_FLAGS,
+        *(["--api-key", api_key] if api_key else []),
+        *(["--admin-api-key", admin_api_key] if admin_api_key else []),
     ]
     env = {"PYTHONPATH": str(standin), "TOKENIZERS_PARALLELISM": "false"}
     started = time.monotonic()

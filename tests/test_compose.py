@@ -45,6 +45,12 @@ OPERATOR_ENV = {
     "RTRL_WEIGHT_SYNC_TOKEN": "publish-secret", "RTRL_WEIGHT_SYNC_SUBSCRIBE_TOKEN": "subscribe-secret", "RTRL_ANALYTICS_QUERY_TOKEN": "query-secret",
     "RTRL_REWARD_SIGNING_KEY": "signing-secret", "RTRL_TRAINER_MANIFEST_SIGNING_KEY": "manifest-secret",
     "RTRL_INFERENCE_ROLLOUT_SIGNING_KEY": "rollout-secret",
+    "RTRL_SGLANG_API_KEY": "sglang-serving-secret", "RTRL_SGLANG_ADMIN_API_KEY": "sglang-admin-secret",
+}
+# Secrets only compose has (the embedded stack runs no SGLang), by the module that uses them.
+COMPOSE_ONLY_SECRETS = {
+    "inference": {"RTRL_SGLANG_API_KEY"},
+    "inference.sglang_sidecar": {"RTRL_WEIGHT_SYNC_SUBSCRIBE_TOKEN", "RTRL_SGLANG_API_KEY", "RTRL_SGLANG_ADMIN_API_KEY"},
 }
 # Not secret, but required: the trainer verifies rewards with the joiner's public key,
 # workers verify manifests with the trainer's.
@@ -123,14 +129,20 @@ def test_each_secret_reaches_only_the_services_that_use_it():
     """The same rule as the embedded stack's (rtrl/stack_secrets.py), for compose's services."""
     from rtrl.stack_secrets import SERVICE_SECRETS
 
+    def held(environment: dict) -> set[str]:
+        """The operator's secrets whose values the environment carries (under any name)."""
+        return {var for var, secret in OPERATOR_ENV.items() if secret in {str(v) for v in environment.values()}}
+
+    compose = load()
     holders = {}
-    for name, (module, environment) in rtrl_services(load()).items():
-        service = module.split(".")[0]
-        expected = set(SERVICE_SECRETS.get(service, {})) if module != "inference.sglang_sidecar" else {"RTRL_WEIGHT_SYNC_SUBSCRIBE_TOKEN"}
-        held = {var for var in environment if var in OPERATOR_ENV}
-        assert held == expected, f"{name} ({module}) holds {sorted(held)}, uses {sorted(expected)}"
-        assert all(environment[var] == OPERATOR_ENV[var] for var in held)
-        holders.update({var: name for var in held})
+    for name, (module, environment) in rtrl_services(compose).items():
+        expected = COMPOSE_ONLY_SECRETS.get(module, set())
+        if module != "inference.sglang_sidecar":
+            expected = expected | set(SERVICE_SECRETS.get(module.split(".")[0], {}))
+        assert held(environment) == expected, f"{name} ({module}) holds {sorted(held(environment))}, uses {sorted(expected)}"
+        holders.update({var: name for var in held(environment)})
+    for name in ("sglang", "sglang-control"):
+        assert held(compose["services"][name]["environment"]) == {"RTRL_SGLANG_API_KEY", "RTRL_SGLANG_ADMIN_API_KEY"}, name
     assert set(holders) == set(OPERATOR_ENV)
 
 

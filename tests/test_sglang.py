@@ -23,7 +23,7 @@ import torch
 from inference import records
 from inference.batch import SequenceParams
 from inference.sampling import sampling_logprobs
-from inference.sglang_adapter import generate
+from inference.sglang_adapter import SGLangGenerationError, generate
 from inference.sglang_sidecar import (
     SGLangRefused,
     SGLangSidecar,
@@ -414,6 +414,28 @@ def test_the_serving_api_fronts_sglang(sglang, stack_settings):
         assert set(client.hgetall(f"rtrl:applied:{ARM}:{version}")) == {b"inference-0"}
     finally:
         client.close()
+
+
+def test_api_keys_keep_generation_to_the_serving_key_and_swaps_to_the_sidecars(tmp_path):
+    """Compose launches SGLang with --api-key (the serving API's) and --admin-api-key (the
+    sidecars'): without a key nothing generates, and the serving key cannot swap weights."""
+    model_dir = rig.write_tiny_model(tmp_path / "model", seed=0)
+    keyed = rig.start_server(model_dir, tmp_path / "sglang.log", api_key="serve-key", admin_api_key="admin-key")
+    try:
+        with pytest.raises(SGLangGenerationError, match="HTTP 401"):
+            generate(keyed.url, ARM, greedy(4), timeout_s=60)
+        assert len(generate(keyed.url, ARM, greedy(4), timeout_s=60, api_key="serve-key").result.token_ids) == 4
+        with pytest.raises(SGLangRefused) as refused:
+            SGLangWeights(keyed.url, api_key="serve-key").begin()  # the serving key alone: no swap
+        assert refused.value.status == 401
+        weights = SGLangWeights(keyed.url, api_key="serve-key", admin_api_key="admin-key")
+        config = SidecarSettings(url=keyed.url, model_dir=model_dir)
+        sidecar = SGLangSidecar(weights, served_inventory(model_dir), config)
+        version = push(sidecar, dominant_weights("K"))
+        after = generate(keyed.url, ARM, greedy(6), timeout_s=60, api_key="serve-key")
+        assert after.result.versions == (version,) * 6 and set(after.result.token_ids) == {encode("K")[0]}
+    finally:
+        keyed.stop()
 
 
 def test_custom_ops_standin_refuses_every_op(tmp_path):
