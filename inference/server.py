@@ -266,11 +266,15 @@ class InferenceServer:
             return await self._serve(request, span, key)
 
     async def _read_body(self, request: web.Request, key: ApiKey | None) -> bytes | Denied:
+        """The whole body, read no further than this request may send (a chunked body has no
+        Content-Length to refuse it by)."""
         limit = self.door.body_limit(key) if self.door is not None else self.settings.max_request_bytes
-        raw = await request.content.read(limit + 1)
-        if len(raw) > limit:
-            return self.door.too_large(key, len(raw)) if self.door is not None else Denied(413, f"a request over {limit} bytes")
-        return raw
+        raw = bytearray()
+        while chunk := await request.content.read(limit + 1 - len(raw)):
+            raw += chunk
+            if len(raw) > limit:
+                return self.door.too_large(key, len(raw)) if self.door is not None else Denied(413, f"a request over {limit} bytes")
+        return bytes(raw)
 
     async def _private(self, body: CompletionBody) -> bool:
         """One privacy policy at every door: the request's flag, or the user registered as

@@ -328,6 +328,16 @@ def test_the_serving_api_takes_only_completion_keys_and_holds_each_to_its_budget
 
                 async with http.post(url, data=chunks(), headers={"Authorization": f"Bearer {keys['plain']}"}) as resp:
                     assert resp.status == 413
+
+                # ...and a body that arrives in pieces is read whole.
+                async def pieces():
+                    body = json.dumps(ask).encode()
+                    for start in range(0, len(body), 7):
+                        yield body[start : start + 7]
+                        await asyncio.sleep(0.01)
+
+                async with http.post(url, data=pieces(), headers={"Authorization": f"Bearer {keys['plain']}"}) as resp:
+                    assert resp.status == 200, await resp.text()
             assert server.door is not None and server.door.in_flight == {}
         finally:
             await server.stop()
