@@ -16,6 +16,7 @@ import shutil
 import subprocess
 import tarfile
 import tempfile
+import urllib.parse
 from pathlib import Path
 
 import jsonschema
@@ -40,18 +41,23 @@ SETTINGS = {
     "inference": ("inference.config:InferenceSettings", "RTRL_INFERENCE_"),
     "inference.sglang_sidecar": ("inference.sglang_sidecar:SidecarSettings", "RTRL_SGLANG_SIDECAR_"),
 }
+REDIS_USERS = ("operator", "ingest", "inference", "weight_sync", "trainer", "reward_stream", "analytics")
 # What `docker compose` would read from the operator's environment.
 OPERATOR_ENV = {
     "RTRL_WEIGHT_SYNC_TOKEN": "publish-secret", "RTRL_WEIGHT_SYNC_SUBSCRIBE_TOKEN": "subscribe-secret", "RTRL_ANALYTICS_QUERY_TOKEN": "query-secret",
     "RTRL_REWARD_SIGNING_KEY": "signing-secret", "RTRL_TRAINER_MANIFEST_SIGNING_KEY": "manifest-secret",
     "RTRL_INFERENCE_ROLLOUT_SIGNING_KEY": "rollout-secret",
     "RTRL_SGLANG_API_KEY": "sglang-serving-secret", "RTRL_SGLANG_ADMIN_API_KEY": "sglang-admin-secret",
+    **{f"RTRL_REDIS_PASSWORD_{user.upper()}": f"redis-{user}-secret" for user in REDIS_USERS},
 }
-# Secrets only compose has (the embedded stack runs no SGLang), by the module that uses them.
+# Secrets only compose has (the embedded stack runs no SGLang, and one Redis user), by the
+# module that uses them: each service's Redis password is its own.
 COMPOSE_ONLY_SECRETS = {
     "inference": {"RTRL_SGLANG_API_KEY"},
     "inference.sglang_sidecar": {"RTRL_WEIGHT_SYNC_SUBSCRIBE_TOKEN", "RTRL_SGLANG_API_KEY", "RTRL_SGLANG_ADMIN_API_KEY"},
 }
+for _user in REDIS_USERS[1:]:
+    COMPOSE_ONLY_SECRETS.setdefault(_user, set()).add(f"RTRL_REDIS_PASSWORD_{_user.upper()}")
 # Not secret, but required: the trainer verifies rewards with the joiner's public key,
 # workers verify manifests with the trainer's.
 OPERATOR_CONFIG = {
@@ -131,7 +137,7 @@ def test_each_secret_reaches_only_the_services_that_use_it():
 
     def held(environment: dict) -> set[str]:
         """The operator's secrets whose values the environment carries (under any name)."""
-        return {var for var, secret in OPERATOR_ENV.items() if secret in {str(v) for v in environment.values()}}
+        return {var for var, secret in OPERATOR_ENV.items() if any(secret in str(v) for v in environment.values())}
 
     compose = load()
     holders = {}
@@ -143,7 +149,10 @@ def test_each_secret_reaches_only_the_services_that_use_it():
         holders.update({var: name for var in held(environment)})
     for name in ("sglang", "sglang-control"):
         assert held(compose["services"][name]["environment"]) == {"RTRL_SGLANG_API_KEY", "RTRL_SGLANG_ADMIN_API_KEY"}, name
-    assert set(holders) == set(OPERATOR_ENV)
+    # Redis holds every Redis password (it checks them) and nothing else.
+    assert held(compose["services"]["redis"]["environment"]) == {f"RTRL_REDIS_PASSWORD_{u.upper()}" for u in REDIS_USERS}
+    # The operator's Redis password reaches Redis and the operator's one-off containers only.
+    assert set(holders) == set(OPERATOR_ENV) - {"RTRL_REDIS_PASSWORD_OPERATOR"}
 
 
 def test_every_rtrl_service_exists_and_reads_the_variables_it_is_given():
@@ -162,7 +171,12 @@ def test_every_rtrl_service_exists_and_reads_the_variables_it_is_given():
         assert not unknown, f"{name} sets variables nothing reads: {sorted(unknown)}"
         # The values parse: each settings class accepts what the service is given.
         stack = StackSettings(**{k[len("RTRL_"):].lower(): v for k, v in environment.items() if k in stack_vars})
-        assert stack.kafka_bootstrap.count("kafka-") == 3 and stack.redis_url.startswith("redis://redis")
+        assert stack.kafka_bootstrap.count("kafka-") == 3
+        if module == "inference.sglang_sidecar":
+            assert "RTRL_REDIS_URL" not in environment  # it uses no Redis
+        else:
+            redis_url = urllib.parse.urlparse(stack.redis_url)
+            assert (redis_url.hostname, redis_url.username) == ("redis", module), f"{name} is not Redis user {module}"
         given = {k[len(prefix):].lower(): v for k, v in environment.items() if k in own}
         required = {f for f, info in settings_class.model_fields.items() if info.is_required()}
         assert required <= set(given), f"{name} misses required settings {sorted(required - set(given))}"
