@@ -12,6 +12,7 @@ import base64
 import json
 import math
 import hmac
+import ssl
 import urllib.error
 import urllib.request
 from datetime import date, datetime
@@ -70,16 +71,18 @@ def client_query_fn(client) -> QueryFn:
     return query
 
 
-def http_query_fn(url: str, token: str, timeout_s: float = 30.0) -> QueryFn:
-    """Query the running sink's ``/query`` endpoint (``url`` like ``http://127.0.0.1:8124``)
-    with the operator's query token."""
+def http_query_fn(url: str, token: str, timeout_s: float = 30.0, ca_file: Path | None = None) -> QueryFn:
+    """Query the running sink's ``/query`` endpoint (``url`` like ``http://127.0.0.1:8124``,
+    or ``https://`` trusting ``ca_file`` when the sink listens with TLS) with the operator's
+    query token."""
     endpoint = url.rstrip("/") + "/query"
     headers = {"Content-Type": "application/json", "Authorization": f"Bearer {token}"}
+    context = ssl.create_default_context(cafile=str(ca_file)) if ca_file is not None else None
 
     def query(sql: str) -> list[dict[str, Any]]:
         request = urllib.request.Request(endpoint, data=json.dumps({"sql": sql}).encode(), headers=headers)
         try:
-            with urllib.request.urlopen(request, timeout=timeout_s) as response:
+            with urllib.request.urlopen(request, timeout=timeout_s, context=context) as response:
                 return json.loads(response.read())["rows"]
         except urllib.error.HTTPError as exc:
             raise RuntimeError(f"analytics query failed (HTTP {exc.code}): {exc.read().decode(errors='replace')[:500]}") from exc

@@ -294,7 +294,6 @@ class InferenceServer:
             max_tokens = body.max_tokens or self.settings.max_tokens
             if self.door is not None and (denied := self.door.tokens_denied(key, max_tokens)) is not None:
                 return _denied(denied)
-            private = await self._private(body)
             arm = body.arm or assign_arm(body.user_id, self.settings.treatment_fraction)
             temperature = self.settings.temperature if body.temperature is None else body.temperature
             top_p = body.top_p or self.settings.top_p
@@ -316,6 +315,8 @@ class InferenceServer:
         except RuntimeError as exc:
             self.counters.unavailable += 1
             return web.json_response({"error": str(exc)}, status=503)
+        # Asked while the completion is generated: it decides only what is recorded.
+        private_check = asyncio.ensure_future(self._private(body))
         rollout_id = str(uuid.uuid4())
         traceparent = otel.traceparent_of(span) or request.headers.get("traceparent", "")
         span.set_attributes({"rtrl.rollout_id": rollout_id, "rtrl.arm": arm})
@@ -327,10 +328,12 @@ class InferenceServer:
             completion = await waiting
         except (ArmNotReady, RuntimeError) as exc:
             self.counters.unavailable += 1
+            private_check.cancel()
             if stream is not None:
                 await stream.write(_event({"error": str(exc)}))
                 return stream
             return web.json_response({"error": str(exc)}, status=503)
+        private = await private_check
         if private:
             self.counters.private += 1
         elif unrecorded:

@@ -129,7 +129,7 @@ ATTACKS = [
     ("ingest", ("HSET", "rtrl:ingest:key:minted", "client_id", "attacker")),
     ("ingest", ("SET", "rtrl:ws:treatment:latest", "0")),
     ("ingest", ("SET", SERVED_PREFIX + "r-acl", "attacker")),
-    ("ingest", ("SADD", PRIVATE_USERS, "victim")),
+    ("inference", ("SREM", PRIVATE_USERS, "someone-private")),
     ("ingest", ("FLUSHALL",)),
     ("ingest", ("KEYS", "*")),
     ("inference", ("HSET", "rtrl:ingest:key:minted", "scopes", "*")),

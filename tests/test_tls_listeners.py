@@ -18,6 +18,7 @@ import grpc
 import pytest
 from weight_sync_support import ARM, MANIFEST_KEY, MANIFEST_PUBLIC_KEYS, SUBSCRIBE_TOKEN, Following, InProcessServer, assert_bit_identical
 
+from analytics.query import http_query_fn
 from inference.config import InferenceSettings
 from inference.engine import Engine, EngineConfig
 from inference.server import InferenceServer
@@ -103,13 +104,10 @@ def test_the_query_endpoint_over_tls(stack_env, tmp_path, repo_root, certificate
     sink = procs.spawn("analytics", [sys.executable, "-m", "analytics"], tmp_path / "analytics.log", env=env, port=port)
     try:
         procs.wait_for_port(port, timeout_s=60)
-        request = urllib.request.Request(
-            f"https://127.0.0.1:{port}/query", data=b"SELECT count() AS n FROM rollouts",
-            headers={"Authorization": "Bearer operator-token"},
-        )  # fmt: skip
-        with urllib.request.urlopen(request, timeout=30, context=ssl.create_default_context(cafile=str(cert))) as response:
-            assert response.status == 200 and b'"n"' in response.read()
-        with pytest.raises((urllib.error.URLError, ConnectionError)):
-            urllib.request.urlopen(f"http://127.0.0.1:{port}/query", data=b"SELECT 1", timeout=10)
+        assert http_query_fn(f"https://127.0.0.1:{port}", "operator-token", ca_file=cert)("SELECT count() AS n FROM rollouts") == [{"n": 0}]
+        with pytest.raises((RuntimeError, urllib.error.URLError, ConnectionError)):  # plaintext to a TLS listener
+            http_query_fn(f"http://127.0.0.1:{port}", "operator-token", timeout_s=10)("SELECT count() AS n FROM rollouts")
+        with pytest.raises(urllib.error.URLError):  # a certificate nobody vouched for
+            http_query_fn(f"https://127.0.0.1:{port}", "operator-token", timeout_s=10)("SELECT count() AS n FROM rollouts")
     finally:
         sink.stop(timeout_s=20)
