@@ -34,6 +34,12 @@ class AnalyticsSettings(BaseSettings, TLSListener):
     default: without one the sink serves no queries (`rtrl up` generates one per state
     directory; `rtrl report` and `rtrl status` read it from there)."""
 
+    query_clickhouse_url: SecretStr = SecretStr("")
+    """Where ``/query`` runs: a ClickHouse user granted SELECT on the project's tables and
+    nothing else (no table functions, no other database; compose/clickhouse-users.xml), on
+    top of the guard's allow-list. Empty: the sink's own connection, read-only (chdb has
+    no users). Secret: the URL carries that user's password."""
+
     query_max_rows: int = Field(100_000, ge=1)
     """Most rows one ``/query`` answer may hold; a query past it is refused, not truncated."""
 

@@ -36,22 +36,23 @@ MAX_BODY_BYTES = 64 * 1024
 """A query is at most sql_guard.MAX_SQL_CHARS; the body is refused past this before parsing."""
 
 
-def connect(stack: StackSettings, settings: dict[str, Any] | None = None):
-    """A clickhouse-connect client for the configured URL (a ``chdb://`` DSN selects the embedded engine)."""
-    url = stack.resolved_clickhouse_url()
+def connect(stack: StackSettings, settings: dict[str, Any] | None = None, url: str = ""):
+    """A clickhouse-connect client for the configured URL, or ``url`` (a ``chdb://`` DSN
+    selects the embedded engine)."""
+    url = url or stack.resolved_clickhouse_url()
     if url.startswith("chdb:///"):
         Path(url.removeprefix("chdb://")).mkdir(parents=True, exist_ok=True)
     return clickhouse_connect.get_client(dsn=url, settings=settings)
 
 
-def read_only_client(stack: StackSettings, timeout_s: float, max_result_rows: int, max_result_bytes: int):
+def read_only_client(stack: StackSettings, timeout_s: float, max_result_rows: int, max_result_bytes: int, url: str = ""):
     # readonly=2 still allows per-query settings (needed by the HTTP backend) but no writes
     # and no way back to readonly=0. max_execution_time goes first: it cannot be set after.
     # A result past either bound is an error, never a truncated answer or a sink out of memory.
     return connect(stack, {
         "max_execution_time": int(math.ceil(timeout_s)), "readonly": 2, "max_result_rows": max_result_rows,
         "max_result_bytes": max_result_bytes, "result_overflow_mode": "throw", "max_memory_usage": 1 << 30,
-    })
+    }, url)
 
 
 def project_tables(client) -> dict[str, frozenset[str]]:

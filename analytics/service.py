@@ -41,7 +41,9 @@ async def serve(stack: StackSettings, settings: AnalyticsSettings, stop: asyncio
     await asyncio.to_thread(kafka.ensure_topics, stack)
     writer = query.connect(stack)
     schema.create_tables(writer)
-    reader = query.read_only_client(stack, settings.query_timeout_s, settings.query_max_rows, settings.query_max_bytes)
+    reader = query.read_only_client(
+        stack, settings.query_timeout_s, settings.query_max_rows, settings.query_max_bytes, settings.query_clickhouse_url.get_secret_value()
+    )
     tables = query.project_tables(writer)
     consumer = Consumer(kafka.consumer_config(stack, settings.group_id))
     sink = Sink(consumer, writer, batch_size=settings.batch_size, flush_interval_s=settings.flush_interval_s)

@@ -49,6 +49,7 @@ OPERATOR_ENV = {
     "RTRL_INFERENCE_ROLLOUT_SIGNING_KEY": "rollout-secret",
     "RTRL_SGLANG_API_KEY": "sglang-serving-secret", "RTRL_SGLANG_ADMIN_API_KEY": "sglang-admin-secret",
     **{f"RTRL_REDIS_PASSWORD_{user.upper()}": f"redis-{user}-secret" for user in REDIS_USERS},
+    "RTRL_CLICKHOUSE_SINK_PASSWORD": "ch-writer-pw", "RTRL_CLICKHOUSE_QUERY_PASSWORD": "ch-reader-pw",
 }
 # Secrets only compose has (the embedded stack runs no SGLang, and one Redis user), by the
 # module that uses them: each service's Redis password is its own.
@@ -58,6 +59,7 @@ COMPOSE_ONLY_SECRETS = {
 }
 for _user in REDIS_USERS[1:]:
     COMPOSE_ONLY_SECRETS.setdefault(_user, set()).add(f"RTRL_REDIS_PASSWORD_{_user.upper()}")
+COMPOSE_ONLY_SECRETS["analytics"] |= {"RTRL_CLICKHOUSE_SINK_PASSWORD", "RTRL_CLICKHOUSE_QUERY_PASSWORD"}
 # Not secret, but required: the trainer verifies rewards with the joiner's public key,
 # workers verify manifests with the trainer's.
 OPERATOR_CONFIG = {
@@ -149,6 +151,7 @@ def test_each_secret_reaches_only_the_services_that_use_it():
         holders.update({var: name for var in held(environment)})
     for name in ("sglang", "sglang-control"):
         assert held(compose["services"][name]["environment"]) == {"RTRL_SGLANG_API_KEY", "RTRL_SGLANG_ADMIN_API_KEY"}, name
+    assert held(compose["services"]["clickhouse"]["environment"]) == {"RTRL_CLICKHOUSE_SINK_PASSWORD", "RTRL_CLICKHOUSE_QUERY_PASSWORD"}
     # Redis holds every Redis password (it checks them) and nothing else.
     assert held(compose["services"]["redis"]["environment"]) == {f"RTRL_REDIS_PASSWORD_{u.upper()}" for u in REDIS_USERS}
     # The operator's Redis password reaches Redis and the operator's one-off containers only.
@@ -266,3 +269,29 @@ def test_nothing_is_published_on_a_public_interface():
     for name, ports in published.items():
         for port in ports:
             assert port.startswith("127.0.0.1:"), f"{name} publishes {port} on every interface"
+
+
+def test_the_query_user_is_granted_select_on_the_projects_tables_and_nothing_else():
+    """compose/clickhouse-users.xml, as ClickHouse reads it: /query's user may only SELECT
+    from the project's database (a table function needs a grant it lacks: FILE, URL,
+    REMOTE, S3, ...), is read-only (readonly=2: settings, no writes) with result bounds,
+    and the default user is removed. Checked as configuration: no ClickHouse server runs here
+    (chdb, the embedded engine, has no users), so the grants are not exercised."""
+    import xml.etree.ElementTree as ET
+
+    root = ET.parse(Path(__file__).resolve().parent.parent / "compose" / "clickhouse-users.xml").getroot()
+    users = root.find("users")
+    assert users.find("default").get("remove") == "remove"
+    grants = {user.tag: [q.text.strip() for q in user.findall("grants/query")] for user in users if user.tag != "default"}
+    assert grants == {
+        "rtrl_sink": ["GRANT SELECT, INSERT, CREATE TABLE, CREATE VIEW, ALTER TABLE, OPTIMIZE ON default.*"],
+        "rtrl_query": ["GRANT SELECT ON default.*"],
+    }
+    for user in ("rtrl_sink", "rtrl_query"):
+        assert users.find(f"{user}/password").get("from_env") == f"RTRL_CLICKHOUSE_{user.removeprefix('rtrl_').upper()}_PASSWORD"
+    profile = root.find("profiles/rtrl_query")
+    assert users.find("rtrl_query/profile").text == "rtrl_query"
+    assert profile.find("readonly").text == "2" and profile.find("result_overflow_mode").text == "throw"
+    analytics = load()["services"]["analytics"]["environment"]
+    assert analytics["RTRL_ANALYTICS_QUERY_CLICKHOUSE_URL"].startswith("http://rtrl_query:")
+    assert analytics["RTRL_CLICKHOUSE_URL"].startswith("http://rtrl_sink:")
