@@ -110,6 +110,19 @@ class StackSettings(BaseSettings):
     metrics_bind_host: str = "127.0.0.1"
     """Address the Prometheus endpoint listens on (``0.0.0.0`` in a container)."""
 
+    metrics_tls_cert_file: Path | None = None
+    """PEM certificate chain: when set (with metrics_tls_key_file), the Prometheus endpoint
+    speaks TLS only (scrape it with ``scheme: https``)."""
+
+    metrics_tls_key_file: Path | None = None
+    """PEM private key of metrics_tls_cert_file."""
+
+    @model_validator(mode="after")
+    def _metrics_tls_pair(self) -> StackSettings:
+        if (self.metrics_tls_cert_file is None) != (self.metrics_tls_key_file is None):
+            raise ValueError("set both metrics_tls_cert_file and metrics_tls_key_file, or neither")
+        return self
+
     @model_validator(mode="after")
     def _sasl_has_credentials(self) -> StackSettings:
         if self.kafka_security_protocol.startswith("SASL_") and not (self.kafka_sasl_username and self.kafka_sasl_password.get_secret_value()):

@@ -25,6 +25,7 @@ from __future__ import annotations
 import atexit
 import json
 import logging
+import ssl
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
@@ -76,7 +77,7 @@ def configure(service: str, stack: StackSettings) -> None:
     if span_exporter is not None:
         readers.append(PeriodicExportingMetricReader(metric_exporter, export_interval_millis=stack.otel_metric_interval_s * 1000))
     if stack.metrics_port:
-        readers.append(_serve_prometheus(stack.metrics_bind_host, stack.metrics_port))
+        readers.append(_serve_prometheus(stack.metrics_bind_host, stack.metrics_port, stack.metrics_tls_cert_file, stack.metrics_tls_key_file))
     if span_exporter is None and not readers:
         return
     sampler = ParentBased(TraceIdRatioBased(stack.otel_trace_sample_ratio))
@@ -121,15 +122,16 @@ def span_line(span: ReadableSpan) -> str:
     ) + "\n"
 
 
-def _serve_prometheus(host: str, port: int) -> MetricReader:
+def _serve_prometheus(host: str, port: int, cert_file: Path | None = None, key_file: Path | None = None) -> MetricReader:
     from opentelemetry.exporter.prometheus import PrometheusMetricReader
     from prometheus_client import start_http_server
 
+    tls = {"certfile": str(cert_file), "keyfile": str(key_file), "tls_min_version": ssl.TLSVersion.TLSv1_2} if cert_file else {}
     try:
-        start_http_server(port, addr=host)
+        start_http_server(port, addr=host, **tls)
     except OSError as exc:
         raise RuntimeError(f"cannot serve Prometheus metrics on {host}:{port} (RTRL_METRICS_PORT): {exc}") from exc
-    log.info("Prometheus metrics on http://%s:%d/metrics", host, port)
+    log.info("Prometheus metrics on %s://%s:%d/metrics", "https" if cert_file else "http", host, port)
     # No "target_info" series and no otel_scope_* labels: the names already say which
     # service a series belongs to, and Prometheus's own job/instance labels which process.
     return PrometheusMetricReader(disable_target_info=True, scope_info_enabled=False)

@@ -111,3 +111,22 @@ def test_the_query_endpoint_over_tls(stack_env, tmp_path, repo_root, certificate
             http_query_fn(f"https://127.0.0.1:{port}", "operator-token", timeout_s=10)("SELECT count() AS n FROM rollouts")
     finally:
         sink.stop(timeout_s=20)
+
+
+def test_the_prometheus_endpoint_over_tls(stack, tmp_path, repo_root, certificate):
+    cert, key = certificate
+    port, metrics_port = procs.free_port(), procs.free_port()
+    env = {
+        "RTRL_REDIS_URL": stack.redis_url, "RTRL_STATE_DIR": str(stack.state_dir), "RTRL_WEIGHT_SYNC_PORT": str(port),
+        "RTRL_METRICS_PORT": str(metrics_port), "RTRL_METRICS_TLS_CERT_FILE": str(cert), "RTRL_METRICS_TLS_KEY_FILE": str(key),
+        "PYTHONPATH": str(repo_root),
+    }  # fmt: skip
+    server = procs.spawn("weight_sync", [sys.executable, "-m", "weight_sync"], tmp_path / "weight_sync.log", env=env, port=port)
+    try:
+        procs.wait_for_port(metrics_port, timeout_s=60)
+        status, page = _get(f"https://127.0.0.1:{metrics_port}/metrics", cert)
+        assert status == 200 and b"# TYPE " in page
+        with pytest.raises((urllib.error.URLError, ConnectionError)):
+            _get(f"http://127.0.0.1:{metrics_port}/metrics", None)
+    finally:
+        server.stop()
