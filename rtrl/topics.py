@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 EDIT = "telemetry.edit.v1"
 PERSISTENCE = "telemetry.persistence.v1"
 FOLLOWUP = "telemetry.followup.v1"
@@ -27,3 +29,30 @@ BY_PAYLOAD = {
 def reward_replay(version: str) -> str:
     """Where a replay with reward-function ``version`` writes; created on demand, never by the stack."""
     return f"rl.reward.replay.{version}"
+
+
+# What each service does on the broker: the "produced by / consumed by" of docs/operations.md,
+# as the compose brokers' ACLs grant it (rtrl/kafka_acls.py renders them). A name ending in
+# "*" is a prefix. Read by rtrl.kafka_acls and tests/test_compose.py.
+@dataclass(frozen=True)
+class Access:
+    writes: tuple[str, ...] = ()
+    reads: tuple[str, ...] = ()
+    groups: tuple[str, ...] = ()
+    """Consumer groups it joins, or whose offsets it reads (an assign()-only reader still names one)."""
+
+
+ACCESS = {
+    # Writes telemetry; its recovery sweep reads back what it wrote (kafka.end_offsets too).
+    "ingest": Access(writes=(EDIT, PERSISTENCE, FOLLOWUP), reads=(EDIT, PERSISTENCE, FOLLOWUP), groups=("rtrl-ingest-recovery", "rtrl-end-offsets")),
+    "inference": Access(writes=(ROLLOUT,)),
+    # The joiner: faust's group and its internal topics (prefix), the read-backs of its outputs.
+    "reward_stream": Access(
+        writes=(REWARD, REWARD_LATE, REWARD_DLQ, "rtrl-reward-stream-*"),
+        reads=(*TELEMETRY, REWARD, REWARD_LATE, "rtrl-reward-stream-*"),
+        groups=("rtrl-reward-stream", "rtrl-reward-recovery", "rtrl-end-offsets"),
+    ),
+    # The trainer reads rewards (or a replay) and dead-letters the ones that do not verify.
+    "trainer": Access(writes=(TRAINER_STEPS, REWARD_DLQ), reads=(REWARD, "rl.reward.replay.*"), groups=("trainer",)),
+    "analytics": Access(reads=ALL, groups=("analytics", "rtrl-end-offsets")),
+}

@@ -42,6 +42,7 @@ SETTINGS = {
     "inference.sglang_sidecar": ("inference.sglang_sidecar:SidecarSettings", "RTRL_SGLANG_SIDECAR_"),
 }
 REDIS_USERS = ("operator", "ingest", "inference", "weight_sync", "trainer", "reward_stream", "analytics")
+KAFKA_USERS = ("admin", "ingest", "inference", "reward_stream", "trainer", "analytics")
 # What `docker compose` would read from the operator's environment.
 OPERATOR_ENV = {
     "RTRL_WEIGHT_SYNC_TOKEN": "publish-secret", "RTRL_WEIGHT_SYNC_SUBSCRIBE_TOKEN": "subscribe-secret", "RTRL_ANALYTICS_QUERY_TOKEN": "query-secret",
@@ -50,6 +51,7 @@ OPERATOR_ENV = {
     "RTRL_SGLANG_API_KEY": "sglang-serving-secret", "RTRL_SGLANG_ADMIN_API_KEY": "sglang-admin-secret",
     **{f"RTRL_REDIS_PASSWORD_{user.upper()}": f"redis-{user}-secret" for user in REDIS_USERS},
     "RTRL_CLICKHOUSE_SINK_PASSWORD": "ch-writer-pw", "RTRL_CLICKHOUSE_QUERY_PASSWORD": "ch-reader-pw",
+    **{f"RTRL_KAFKA_PASSWORD_{user.upper()}": f"kafka-{user}-pw" for user in KAFKA_USERS},
 }
 # Secrets only compose has (the embedded stack runs no SGLang, and one Redis user), by the
 # module that uses them: each service's Redis password is its own.
@@ -60,6 +62,8 @@ COMPOSE_ONLY_SECRETS = {
 for _user in REDIS_USERS[1:]:
     COMPOSE_ONLY_SECRETS.setdefault(_user, set()).add(f"RTRL_REDIS_PASSWORD_{_user.upper()}")
 COMPOSE_ONLY_SECRETS["analytics"] |= {"RTRL_CLICKHOUSE_SINK_PASSWORD", "RTRL_CLICKHOUSE_QUERY_PASSWORD"}
+for _user in KAFKA_USERS[1:]:
+    COMPOSE_ONLY_SECRETS[_user].add(f"RTRL_KAFKA_PASSWORD_{_user.upper()}")
 # Not secret, but required: the trainer verifies rewards with the joiner's public key,
 # workers verify manifests with the trainer's.
 OPERATOR_CONFIG = {
@@ -152,10 +156,15 @@ def test_each_secret_reaches_only_the_services_that_use_it():
     for name in ("sglang", "sglang-control"):
         assert held(compose["services"][name]["environment"]) == {"RTRL_SGLANG_API_KEY", "RTRL_SGLANG_ADMIN_API_KEY"}, name
     assert held(compose["services"]["clickhouse"]["environment"]) == {"RTRL_CLICKHOUSE_SINK_PASSWORD", "RTRL_CLICKHOUSE_QUERY_PASSWORD"}
+    # Each broker holds every Kafka password (it checks them); kafka-setup only the admin's.
+    kafka_passwords = {f"RTRL_KAFKA_PASSWORD_{u.upper()}" for u in KAFKA_USERS}
+    for name in ("kafka-1", "kafka-2", "kafka-3"):
+        assert held(compose["services"][name]["environment"]) == kafka_passwords, name
+    assert held(compose["services"]["kafka-setup"]["environment"]) == {"RTRL_KAFKA_PASSWORD_ADMIN"}
     # Redis holds every Redis password (it checks them) and nothing else.
     assert held(compose["services"]["redis"]["environment"]) == {f"RTRL_REDIS_PASSWORD_{u.upper()}" for u in REDIS_USERS}
     # The operator's Redis password reaches Redis and the operator's one-off containers only.
-    assert set(holders) == set(OPERATOR_ENV) - {"RTRL_REDIS_PASSWORD_OPERATOR"}
+    assert set(holders) == set(OPERATOR_ENV) - {"RTRL_REDIS_PASSWORD_OPERATOR", "RTRL_KAFKA_PASSWORD_ADMIN"}
 
 
 def test_every_rtrl_service_exists_and_reads_the_variables_it_is_given():
@@ -198,10 +207,11 @@ def test_references_resolve_and_long_running_services_have_health_checks():
             assert source.startswith(".") or source in declared_volumes, f"{name} mounts undeclared volume {source}"
             if source.startswith("."):
                 assert (COMPOSE.parent / source).exists(), f"{name} mounts missing file {source}"
-        # The sidecar has no heartbeat or port of its own: SGLang's health check covers the pair.
-        if not name.endswith("sidecar"):
+        # The sidecar has no heartbeat or port of its own: SGLang's health check covers the pair;
+        # kafka-setup runs once, and what waits for it waits for it to finish.
+        if not name.endswith("sidecar") and service.get("restart") != "no":
             assert "healthcheck" in service, f"{name} has no health check"
-    kafka = [name for name in services if name.startswith("kafka-")]
+    kafka = [name for name in services if name.startswith("kafka-") and name != "kafka-setup"]
     assert len(kafka) == 3 and all(services[k]["environment"]["KAFKA_PROCESS_ROLES"] == "broker,controller" for k in kafka)
     assert services["sglang"]["deploy"]["resources"]["reservations"]["devices"][0]["capabilities"] == ["gpu"]
     assert (COMPOSE.parent / "Dockerfile").exists() and (COMPOSE.parent / "entrypoint.sh").stat().st_mode & 0o111
@@ -295,3 +305,33 @@ def test_the_query_user_is_granted_select_on_the_projects_tables_and_nothing_els
     analytics = load()["services"]["analytics"]["environment"]
     assert analytics["RTRL_ANALYTICS_QUERY_CLICKHOUSE_URL"].startswith("http://rtrl_query:")
     assert analytics["RTRL_CLICKHOUSE_URL"].startswith("http://rtrl_sink:")
+
+
+def test_the_kafka_acls_are_rendered_from_the_topic_contract_and_grant_no_more():
+    """compose/kafka-setup.sh is `python -m rtrl.kafka_acls`: each service's Kafka user may
+    write and read exactly what rtrl.topics.ACCESS says, and every service runs as its own
+    user. The brokers' side (SASL PLAIN, StandardAuthorizer, no ACL = refused) is checked as
+    configuration: no Kafka broker with authentication runs here (Tansu has none)."""
+    from rtrl import kafka_acls, topics
+
+    script = (COMPOSE.parent / "kafka-setup.sh").read_text()
+    assert script == kafka_acls.render(), "compose/kafka-setup.sh is stale: python -m rtrl.kafka_acls > compose/kafka-setup.sh"
+    granted: dict[str, set[tuple[str, str]]] = {}
+    for line in script.splitlines():
+        if line.startswith("acls "):
+            words = line.split()
+            user = words[words.index("--allow-principal") + 1].removeprefix("User:")
+            operations = {words[i + 1] for i, w in enumerate(words) if w == "--operation"}
+            resource = words[-1] + ("*" if "prefixed" in words else "")
+            granted.setdefault(user, set()).update((op, resource) for op in operations)
+    for service, access in topics.ACCESS.items():
+        expected = {("Describe", t) for t in topics.ALL} | {("Write", t) for t in access.writes} | {("Read", t) for t in access.reads}
+        expected |= {("Describe", t) for t in (*access.writes, *access.reads)} | {("Read", g) for g in access.groups} | {("Describe", g) for g in access.groups}
+        assert granted[service] == expected, service
+    assert ("Write", topics.REWARD) not in granted["ingest"] | granted["inference"] | granted["analytics"], "only the joiner writes rewards"
+    assert {user for user, grants in granted.items() if ("Write", topics.ROLLOUT) in grants} == {"inference"}
+    brokers = load()["services"]["kafka-1"]["environment"]
+    assert brokers["KAFKA_ALLOW_EVERYONE_IF_NO_ACL_FOUND"] == "false" and brokers["KAFKA_LISTENERS"].startswith("SASL_PLAINTEXT://")
+    for name, (module, environment) in rtrl_services(load()).items():
+        if module in topics.ACCESS:
+            assert environment["RTRL_KAFKA_SASL_USERNAME"] == module and environment["RTRL_KAFKA_SECURITY_PROTOCOL"] == "SASL_PLAINTEXT", name
