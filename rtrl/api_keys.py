@@ -278,14 +278,22 @@ class KeyVerifier:
 
 class KeyCache:
     """Key records by hash, each re-read from Redis at most every ``ttl_s``; a record the
-    operator did not sign (``verifier``) is no key, and is counted in ``forged``."""
+    operator did not sign (``verifier``) is no key, and is counted in ``forged``.
+
+    Records are never deleted (a revocation is a signed change), so a record that vanishes
+    means Redis lost it (a FLUSHALL, a restore from an older copy): the last verified copy
+    keeps serving rather than turning every product request into a 401. Nothing new can be
+    granted that way, only what the operator signed before."""
 
     def __init__(self, redis: aioredis.Redis, ttl_s: float, verifier: KeyVerifier) -> None:
         self._redis = redis
         self._ttl_s = ttl_s
         self._verifier = verifier
         self._entries: dict[str, tuple[float, ApiKey | None]] = {}
+        self._verified: dict[str, ApiKey] = {}
         self.forged = 0
+        self.vanished = 0
+        """Lookups answered from the last verified copy because Redis no longer held the record."""
 
     async def lookup(self, api_key: str) -> ApiKey | None:
         digest = key_hash(api_key)
@@ -298,10 +306,15 @@ class KeyCache:
         if fields:
             problem = self._verifier.problem(digest, fields)
             if problem is None:
-                record = _parse(digest, fields)
+                record = self._verified[digest] = _parse(digest, fields)
             else:
                 self.forged += 1
                 log.warning("API key record %s… in Redis is not the operator's (%s): treated as no key", digest[:12], problem)
+        elif digest in self._verified:
+            record = self._verified[digest]
+            if not self.vanished:
+                log.warning("API key record %s… is gone from Redis (was Redis lost?): serving its last verified copy", digest[:12])
+            self.vanished += 1
         if len(self._entries) > 100_000:
             self._entries.clear()
         self._entries[digest] = (now, record)
