@@ -317,6 +317,8 @@ class KeyCache:
             self.vanished += 1
         if len(self._entries) > 100_000:
             self._entries.clear()
+        if len(self._verified) > 100_000:
+            self._verified.clear()
         self._entries[digest] = (now, record)
         return record
 

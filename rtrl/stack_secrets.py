@@ -69,11 +69,10 @@ SERVICE_SECRETS: dict[str, dict[str, str]] = {
 # Service -> environment variable -> the public half of a key pair it verifies with (not secret).
 SERVICE_PUBLIC_KEYS: dict[str, dict[str, str]] = {
     "trainer": {"RTRL_TRAINER_REWARD_PUBLIC_KEYS": "reward_signing_key", "RTRL_MANIFEST_PUBLIC_KEYS": "manifest_signing_key"},
-    "inference": {"RTRL_MANIFEST_PUBLIC_KEYS": "manifest_signing_key"},
+    "inference": {"RTRL_MANIFEST_PUBLIC_KEYS": "manifest_signing_key", "RTRL_API_KEY_PUBLIC_KEYS": "api_key_signing_key"},
+    "ingest": {"RTRL_API_KEY_PUBLIC_KEYS": "api_key_signing_key"},
     "reward_stream": {"RTRL_REWARD_ROLLOUT_PUBLIC_KEYS": "rollout_signing_key"},
 }
-for _service in ("ingest", "inference"):
-    SERVICE_PUBLIC_KEYS.setdefault(_service, {})["RTRL_API_KEY_PUBLIC_KEYS"] = "api_key_signing_key"
 
 API_KEY_SIGNING_VARIABLE = "RTRL_API_KEY_SIGNING_KEY"
 

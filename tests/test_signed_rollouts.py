@@ -21,6 +21,7 @@ import redis
 from confluent_kafka import Producer
 from signing_support import ROLLOUT_SIGNER, worker_headers
 
+from reward_stream import replay
 from reward_stream.config import RewardStreamSettings
 from reward_stream.runtime import Joiner
 from rtrl import heartbeat, kafka, procs, signing, topics
@@ -117,40 +118,15 @@ def test_the_joiner_service_builds_no_reward_on_a_rollout_produced_straight_to_t
             time.sleep(0.2)
         assert docs[0]["unauthenticated"] == len(forged)
 
-        out = read_topics(stack_settings, (topics.REWARD, topics.REWARD_DLQ))
-        rewarded = sorted(reward_pb2.RewardRecord.FromString(m.value()).rollout_id for m in out[topics.REWARD])
+        out = replay.read_retained(stack_settings, (topics.REWARD, topics.REWARD_DLQ))
+        rewarded = sorted(reward_pb2.RewardRecord.FromString(r.value).rollout_id for r in out if r.topic == topics.REWARD)
         assert rewarded == sorted(honest)
-        reasons = {m.key().decode(): dict(m.headers())["error"].decode() for m in out[topics.REWARD_DLQ]}
+        reasons = {r.key.decode(): dict(r.headers)["error"].decode() for r in out if r.topic == topics.REWARD_DLQ}
         for rollout_id, (_, _, reason) in forged.items():
             assert reasons[rollout_id].startswith(f"rollout not signed by an inference worker: {reason}"), reasons
     finally:
         service.stop(timeout_s=20)
     assert service.popen.returncode == 0, (tmp_path / "reward_stream.log").read_text()[-3000:]
-
-
-def read_topics(settings, names: tuple[str, ...]) -> dict[str, list]:
-    from confluent_kafka import OFFSET_BEGINNING, Consumer, TopicPartition
-
-    tps = kafka.partitions(settings, names)
-    ends = kafka.end_offsets(settings, tps)
-    consumer = Consumer(kafka.consumer_config(settings, f"read-{uuid.uuid4().hex[:8]}"))
-    consumer.assign([TopicPartition(t, p, OFFSET_BEGINNING) for (t, p), end in ends.items() if end > 0])
-    out: dict[str, list] = {name: [] for name in names}
-    remaining = {tp for tp, end in ends.items() if end > 0}
-    deadline = time.monotonic() + 30
-    try:
-        while remaining and time.monotonic() < deadline:
-            for msg in consumer.consume(100, timeout=0.2):
-                if msg.error() is None:
-                    tp = (msg.topic(), msg.partition())
-                    if msg.offset() < ends[tp]:
-                        out[msg.topic()].append(msg)
-                    if msg.offset() + 1 >= ends[tp]:
-                        remaining.discard(tp)
-    finally:
-        consumer.close()
-    assert not remaining, f"could not read to the end of {sorted(remaining)}"
-    return out
 
 
 def test_only_the_served_clients_telemetry_counts_toward_a_reward():
