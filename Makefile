@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test test-fast proto proto-check bench-loop up down status report clean
+.PHONY: install demo test test-fast lint format typecheck check proto proto-check bench-loop up down status report clean
 
 $(STAMP): pyproject.toml constraints.txt scripts/bootstrap.sh
 	bash scripts/bootstrap.sh
@@ -27,6 +27,20 @@ test: install
 
 test-fast: install
 	$(BIN)/python -m pytest -q -m "not slow"
+
+## The habits CI holds every change to, before the tests (ruff and mypy: pyproject.toml).
+lint: install
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+format: install
+	$(BIN)/ruff check --fix .
+	$(BIN)/ruff format .
+
+typecheck: install
+	$(BIN)/mypy
+
+check: lint typecheck proto-check
 
 proto: install
 	PATH=$(BIN):$$PATH bash scripts/gen_proto.sh

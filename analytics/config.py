@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 from pydantic import Field, SecretStr
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import SettingsConfigDict
+
+from rtrl.config import Settings
 
 from rtrl.tls import TLSListener
 
 
-class AnalyticsSettings(BaseSettings, TLSListener):
-    model_config = SettingsConfigDict(env_prefix="RTRL_ANALYTICS_", extra="ignore")
+class AnalyticsSettings(Settings, TLSListener):
+    model_config = SettingsConfigDict(env_prefix="RTRL_ANALYTICS_")
 
     bind_host: str = "127.0.0.1"
     """Address the query endpoint binds to."""

@@ -21,6 +21,7 @@ from typing import Any, Callable
 
 import clickhouse_connect
 from aiohttp import web
+from clickhouse_connect.driver.client import Client
 from clickhouse_connect.driver.exceptions import ClickHouseError
 
 from analytics.sql_guard import Refused, checked_sql
@@ -28,8 +29,8 @@ from rtrl.config import StackSettings
 
 QueryFn = Callable[[str], list[dict[str, Any]]]
 
-_CLIENT = web.AppKey("client", object)
-_TABLES = web.AppKey("tables", dict)
+_CLIENT = web.AppKey("client", Client)
+_TABLES = web.AppKey[dict[str, frozenset[str]]]("tables")
 _TOKEN = web.AppKey("token", bytes)
 _MAX_ROWS = web.AppKey("max_rows", int)
 MAX_BODY_BYTES = 64 * 1024
@@ -108,7 +109,7 @@ def jsonable(value: Any) -> Any:
     return str(value)
 
 
-def build_query_app(client, tables: dict[str, frozenset[str]], token: str, max_rows: int) -> web.Application:
+def build_query_app(client: Client, tables: dict[str, frozenset[str]], token: str, max_rows: int) -> web.Application:
     """``POST /query`` with ``Authorization: Bearer <token>`` and ``{"sql": "SELECT …"}`` ->
     ``{"columns": [...], "rows": [{...}]}``; the SQL must pass analytics/sql_guard.py. With
     an empty token every query is refused (there is no default token)."""
@@ -146,8 +147,9 @@ async def _query(request: web.Request) -> web.Response:
         return web.json_response({"error": f"the body is larger than {MAX_BODY_BYTES} bytes"}, status=413)
     except (ValueError, KeyError, TypeError) as exc:
         return web.json_response({"error": f'body must be {{"sql": "SELECT …"}}: {exc}'}, status=400)
+    tables = request.app[_TABLES]
     try:
-        sql = checked_sql(sql, request.app[_TABLES])
+        sql = checked_sql(sql, tables)
     except Refused as exc:
         return web.json_response({"error": f"refused: {exc}"}, status=400)
     try:

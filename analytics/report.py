@@ -145,7 +145,7 @@ def run_span_ms(query_fn: QueryFn) -> tuple[int, int] | None:
 
 def ab_table(query_fn: QueryFn) -> list[ABRow]:
     span = run_span_ms(query_fn)
-    windows = {"all": None}
+    windows: dict[str, int | None] = {"all": None}
     if span is not None:
         windows["last_half"] = (span[0] + span[1]) // 2
     rows = []

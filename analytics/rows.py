@@ -115,6 +115,7 @@ def late_row(record: KafkaRecord, now_ms: int) -> Row:
     (a RolloutRecord or a TelemetryEvent, per its ``source_topic`` header)."""
     headers = {name: (value or b"").decode("utf-8", "replace") for name, value in record.headers}
     source = headers.get("source_topic", "")
+    message: rollout_pb2.RolloutRecord | telemetry_pb2.TelemetryEvent
     if source == topics.ROLLOUT:
         message = rollout_pb2.RolloutRecord.FromString(record.value or b"")
         event_ts = message.client_ts_ms

@@ -14,7 +14,7 @@ from opentelemetry import metrics
 from analytics import query, schema
 from analytics.config import AnalyticsSettings
 from analytics.sink import Sink
-from rtrl import heartbeat, kafka, otel, topics
+from rtrl import entrypoint, heartbeat, kafka, otel, topics
 from rtrl.config import StackSettings
 from rtrl.runtime import service_process, until_stopped
 
@@ -31,7 +31,7 @@ def _observe(sink: Sink, group: str) -> None:
         meter, "rtrl.analytics.inserted", "counter", lambda: [(n, {"table": table}) for table, n in sink.inserted.items()],
         unit="{row}", description="Rows inserted, per table (a replay after a crash inserts some twice; tables dedup by id)",
     )
-    otel.observe(meter, "rtrl.analytics.pending", "gauge", lambda: [(sink.status()["pending"], {})], unit="{row}", description="Rows buffered, not yet inserted")
+    otel.observe(meter, "rtrl.analytics.pending", "gauge", lambda: [(sink.status().pending, {})], unit="{row}", description="Rows buffered, not yet inserted")
     otel.observe_lag(meter, group, sink.lag.readings)
 
 
@@ -77,9 +77,8 @@ async def serve(stack: StackSettings, settings: AnalyticsSettings, stop: asyncio
 
 
 def main() -> None:
-    settings = AnalyticsSettings()
-    stack = StackSettings()
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    settings, stack = entrypoint.parse_settings("python -m analytics", __doc__, AnalyticsSettings, StackSettings)
+    entrypoint.configure_logging()
     service_process()
     otel.configure(SERVICE, stack)
     asyncio.run(serve(stack, settings))

@@ -17,6 +17,8 @@ from confluent_kafka import Consumer, KafkaException, TopicPartition
 from analytics.rows import COLUMNS, KafkaRecord, convert
 from analytics.schema import DEAD_LETTERS
 from rtrl import otel
+from rtrl.kafka import record_headers, record_position
+from rtrl.heartbeat import AnalyticsBeat
 
 log = logging.getLogger("analytics.sink")
 
@@ -51,8 +53,8 @@ class Sink:
         self.lag = otel.PositionLag()
         """The consumer's lag, refreshed between polls for the metrics scrape."""
 
-    def status(self) -> dict:
-        return {"consumed": self.consumed, "pending": self._pending, "inserted": {t: self.inserted[t] for t in COLUMNS}}
+    def status(self) -> AnalyticsBeat:
+        return AnalyticsBeat(consumed=self.consumed, pending=self._pending, inserted={t: self.inserted[t] for t in COLUMNS})
 
     def run(self, stopping: threading.Event, drain_s: float = 0.0) -> None:
         """Consume until ``stopping`` is set; then read on while records still come, for
@@ -76,7 +78,7 @@ class Sink:
                     raise KafkaException(error)
                 log.warning("consumer error (librdkafka retries it): %s", error)
                 continue
-            self.add(KafkaRecord(msg.topic(), msg.partition(), msg.offset(), msg.key(), msg.value(), tuple(msg.headers() or ())))
+            self.add(KafkaRecord(*record_position(msg), msg.key(), msg.value(), record_headers(msg)))
         self.lag.refresh(self._consumer, self._clock())
         if self._pending >= self._batch_size or (self._pending and self._clock() - self._oldest_pending_at >= self._flush_interval_s):
             self.flush()

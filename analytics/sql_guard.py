@@ -57,7 +57,7 @@ _NAMED_AGGREGATE_ARG = {"arrayreduce"}
 # sqlglot node types a SELECT over our tables may contain besides functions, columns
 # and tables (checked on their own). Anything else (a Command, a SETTINGS or FORMAT
 # clause, a placeholder, a parameter, DDL, DML) is refused.
-_ALLOWED_NODES: tuple[type[exp.Expression], ...] = (
+_ALLOWED_NODES: tuple[type[exp.Expr], ...] = (
     exp.Select, exp.Union, exp.Subquery, exp.From, exp.Join, exp.Where, exp.Group, exp.Having, exp.Order,
     exp.Ordered, exp.Limit, exp.Offset, exp.Distinct, exp.With, exp.CTE, exp.TableAlias, exp.Alias, exp.Identifier,
     exp.Star, exp.Literal, exp.Boolean, exp.Null, exp.Paren, exp.Tuple, exp.Array, exp.Interval, exp.Var,
@@ -66,7 +66,7 @@ _ALLOWED_NODES: tuple[type[exp.Expression], ...] = (
 )
 # sqlglot models operators (AND, =, +, NOT, IN, BETWEEN, CASE, CAST) as functions too;
 # they compute on the row and are checked only through their operands.
-_OPERATORS: tuple[type[exp.Expression], ...] = (
+_OPERATORS: tuple[type[exp.Expr], ...] = (
     exp.Binary, exp.Unary, exp.Connector, exp.Predicate, exp.Cast, exp.If, exp.Case, exp.Array, exp.Tuple, exp.Bracket,
 )
 _REFUSED_ARGS = ("settings", "format", "into", "sample", "kind")

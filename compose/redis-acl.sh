@@ -3,7 +3,7 @@
 # so a service (or whoever holds its password) cannot write what steers another one:
 # key records are the operator's alone, weight manifests weight_sync's, served-rollout
 # bindings the serving API's. The default user is off. Passwords come from the
-# environment; the generated ACL file is owner-only. tests/test_redis_acl.py runs this
+# environment; the generated ACL file is owner-only. tests/ops/test_redis_acl.py runs this
 # script against a real redis-server and attacks each user.
 #
 #   RTRL_REDIS_PASSWORD_<USER>=... sh redis-acl.sh [extra redis-server arguments]

@@ -1,17 +1,16 @@
-"""``python -m inference``: one inference worker."""
-
-import logging
+"""``python -m inference``: one inference worker (the serving API over the embedded
+engine, its weight followers and its heartbeat)."""
 
 
 def main() -> None:
     # Configuration first: a bad setting fails before torch is imported.
     from inference.config import InferenceSettings
+    from rtrl import entrypoint
     from rtrl.config import StackSettings
     from rtrl.runtime import service_process
 
-    settings = InferenceSettings()
-    stack = StackSettings()
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    settings, stack = entrypoint.parse_settings("python -m inference", __doc__, InferenceSettings, StackSettings)
+    entrypoint.configure_logging()
     service_process()
 
     import asyncio

@@ -20,7 +20,7 @@ the new weights had produced its context).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Generic, Literal, TypeVar
 
 import torch
 
@@ -30,6 +30,8 @@ from rtrl.policy import EOS, PolicyConfig, decode
 
 SwapPolicy = Literal["keep", "recompute"]
 FinishReason = Literal["stop", "length"]
+Owner = TypeVar("Owner")
+"""The engine's handle for a request, carried through the batch and returned with its result."""
 
 
 @dataclass(frozen=True)
@@ -58,9 +60,9 @@ class SequenceResult:
 
 
 @dataclass
-class Row:
+class Row(Generic[Owner]):
     params: SequenceParams
-    owner: object
+    owner: Owner
     """The engine's handle for the request (returned with its result)."""
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
@@ -69,13 +71,13 @@ class Row:
     """Tokens in the cache: the prompt and every generated token but the last."""
 
 
-class RunningBatch:
+class RunningBatch(Generic[Owner]):
     """Not thread-safe: owned by the engine thread. Call under torch.inference_mode()."""
 
     def __init__(self, config: PolicyConfig, slots: int) -> None:
         self.cache = SlotCache(config, slots)
         self.slots = slots
-        self.rows: list[Row] = []
+        self.rows: list[Row[Owner]] = []
         self._sampling: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         """Every row's (temperature, top_p, seed), rebuilt only when rows join or leave."""
 
@@ -89,7 +91,7 @@ class RunningBatch:
         """The most tokens any running row has generated."""
         return max((len(r.tokens) for r in self.rows), default=0)
 
-    def admit(self, params: Params, version: int, requests: list[tuple[SequenceParams, object]]) -> list[tuple[object, SequenceResult]]:
+    def admit(self, params: Params, version: int, requests: list[tuple[SequenceParams, Owner]]) -> list[tuple[Owner, SequenceResult]]:
         """Prefill ``requests`` (sequence, owner) into free rows and sample their first
         tokens under ``version``; returns those already finished (owner, result)."""
         if len(requests) > self.free():
@@ -101,7 +103,7 @@ class RunningBatch:
         logits = prefill(params, self.cache, first, [list(seq.prompt_ids) for seq, _ in requests])
         return self._sample(logits, range(first, len(self.rows)), version)
 
-    def step(self, params: Params, version: int) -> list[tuple[object, SequenceResult]]:
+    def step(self, params: Params, version: int) -> list[tuple[Owner, SequenceResult]]:
         """One token for every row under ``version``; returns the rows that finished."""
         if not self.rows:
             return []
@@ -117,7 +119,7 @@ class RunningBatch:
         if self.rows:
             prefill(params, self.cache, 0, [[*r.params.prompt_ids, *r.tokens[:-1]] for r in self.rows])
 
-    def _sample(self, logits: torch.Tensor, indices: range, version: int) -> list[tuple[object, SequenceResult]]:
+    def _sample(self, logits: torch.Tensor, indices: range, version: int) -> list[tuple[Owner, SequenceResult]]:
         rows = [self.rows[i] for i in indices]
         if len(rows) == len(self.rows) and self._sampling is not None:
             temperature, top_p, seeds = self._sampling
@@ -141,7 +143,7 @@ class RunningBatch:
             self._remove(i)
         return done
 
-    def _finished(self, row: Row) -> SequenceResult | None:
+    def _finished(self, row: Row[Owner]) -> SequenceResult | None:
         p = row.params
         text = None
         if p.stop:

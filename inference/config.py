@@ -8,14 +8,16 @@ from __future__ import annotations
 from typing import Literal
 
 from pydantic import Field, SecretStr, model_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import SettingsConfigDict
+
+from rtrl.config import Settings
 
 from rtrl.event_time import EventTimeWindow
 from rtrl.tls import TLSListener
 
 
-class InferenceSettings(BaseSettings, TLSListener):
-    model_config = SettingsConfigDict(env_prefix="RTRL_INFERENCE_", extra="ignore")
+class InferenceSettings(Settings, TLSListener):
+    model_config = SettingsConfigDict(env_prefix="RTRL_INFERENCE_")
 
     bind_host: str = "127.0.0.1"
     """Address the HTTP API binds to (``0.0.0.0`` in a container)."""

@@ -159,7 +159,9 @@ class Engine:
         self._shapes = {name: tuple(t.shape) for name, t in reference.state_dict().items()}
         self._required = frozenset(state_dict_fp32(reference))
         self._params: dict[str, Params | None] = {arm: None for arm in ARMS}
-        self._batches = {arm: RunningBatch(config.policy, config.max_batch) for arm in ARMS}
+        self._batches: dict[str, RunningBatch[_Pending]] = {
+            arm: RunningBatch(config.policy, config.max_batch) for arm in ARMS
+        }
         self._versions = {arm: -1 for arm in ARMS}
         self._staged: dict[str, tuple[int, Params, str]] = {}
         self._digests = {arm: "" for arm in ARMS}
@@ -373,23 +375,23 @@ class Engine:
         started = time.monotonic()
         for p in pendings:
             p.started = started
-        finished = self._batches[arm].admit(self._params[arm], self._versions[arm], [(p.params, p) for p in pendings])
+        finished = self._batches[arm].admit(self._serving(arm), self._versions[arm], [(p.params, p) for p in pendings])
         now = time.monotonic()
         for p in pendings:
             p.ttft_s = now - p.submitted
         self._stream(self._batches[arm], finished)
         self._finish_all(finished, now)
 
-    def _step(self, arm: str, batch: RunningBatch) -> None:
+    def _step(self, arm: str, batch: RunningBatch[_Pending]) -> None:
         self.stats.steps += 1
         generated = batch.generated() + 1 if self.on_step is not None else 0
-        finished = batch.step(self._params[arm], self._versions[arm])
+        finished = batch.step(self._serving(arm), self._versions[arm])
         self._stream(batch, finished)
         self._finish_all(finished, time.monotonic())
         if self.on_step is not None:
             self.on_step(arm, generated)
 
-    def _stream(self, batch: RunningBatch, finished: list[tuple[_Pending, SequenceResult]]) -> None:
+    def _stream(self, batch: RunningBatch[_Pending], finished: list[tuple[_Pending, SequenceResult]]) -> None:
         """Hand each request with on_token the tokens it got since the last call."""
         for row in batch.rows:
             if row.owner.on_token is not None:
@@ -397,6 +399,12 @@ class Engine:
         for pending, result in finished:
             if pending.on_token is not None:
                 _send(pending, result.token_ids, result.logprobs, result.versions)
+
+    def _serving(self, arm: str) -> Params:
+        """The weights ``arm`` serves; it admits requests only once it has a version."""
+        params = self._params[arm]
+        assert params is not None
+        return params
 
     def _finish_all(self, finished: list[tuple[_Pending, SequenceResult]], now: float) -> None:
         for pending, result in finished:
@@ -418,9 +426,11 @@ class Engine:
         )
 
 
-def _send(pending: _Pending, tokens, logprobs, versions) -> None:
+def _send(pending: _Pending, tokens: Sequence[int], logprobs: Sequence[float], versions: Sequence[int]) -> None:
+    on_token = pending.on_token
+    assert on_token is not None  # only requests that stream are sent their tokens
     for i in range(pending.streamed, len(tokens)):
-        pending.on_token(tokens[i], logprobs[i], versions[i])
+        on_token(tokens[i], logprobs[i], versions[i])
     pending.streamed = len(tokens)
 
 

@@ -16,7 +16,7 @@ is most of the cost.
 
 Numerics match LlamaForCausalLM in float32 to ~1e-6: RMSNorm, rotary embeddings
 (default rope), causal attention, SiLU-gated MLP and tied embeddings, computed
-the same way (tests/test_engine.py checks logits against it).
+the same way (tests/inference/test_engine.py checks logits against it).
 """
 
 from __future__ import annotations

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import redis.asyncio as aioredis
 from aiohttp import web
 from opentelemetry import metrics, trace
+from opentelemetry.util.types import AttributeValue
 from pydantic import ValidationError
 
 from inference.access import Denied, ServingDoor
@@ -106,9 +107,11 @@ class InferenceServer:
         self.engine.start()
         # SGLang gets its weights from its sidecar; only the embedded engine follows them here.
         if self.settings.follow_weights and self.settings.backend == "embedded":
+            engine = self.engine
+            assert isinstance(engine, Engine)  # what the embedded backend runs
             self._followers = [
                 WeightFollower(
-                    functools.partial(self.engine.stage, arm),
+                    functools.partial(engine.stage, arm),
                     self.stack.weight_sync_addr,
                     self.stack.weight_sync_subscribe_token.get_secret_value(),
                     arm,
@@ -148,26 +151,26 @@ class InferenceServer:
         del self.producer
         await self.redis.aclose()
 
-    def status(self) -> dict:
+    def status(self) -> heartbeat.InferenceBeat:
         stats = self.engine.stats
-        return {
-            "ready": self.engine.ready(),
-            "versions": self.engine.versions(),
-            "weights_digests": self.engine.digests(),
-            "http_port": self.port,
-            "worker_id": self.worker_id,
-            "completions": stats.completions,
-            "tokens": stats.tokens,
-            "swaps": stats.swaps,
-            "batches": stats.batches,
-            "queue_depth": self.engine.queue_depth(),
-            "rollout_records": self.counters.records,
-            "private_completions": self.counters.private,
-            "rejected": self.counters.rejected,
-            "unavailable": self.counters.unavailable,
-            "unrecorded": self.counters.unrecorded,
-            "weights_refused": sum(follower.refused for follower in self._followers),
-        }
+        return heartbeat.InferenceBeat(
+            ready=self.engine.ready(),
+            versions=self.engine.versions(),
+            weights_digests=self.engine.digests(),
+            http_port=self.port,
+            worker_id=self.worker_id,
+            completions=stats.completions,
+            tokens=stats.tokens,
+            swaps=stats.swaps,
+            batches=stats.batches,
+            queue_depth=self.engine.queue_depth(),
+            rollout_records=self.counters.records,
+            private_completions=self.counters.private,
+            rejected=self.counters.rejected,
+            unavailable=self.counters.unavailable,
+            unrecorded=self.counters.unrecorded,
+            weights_refused=sum(follower.refused for follower in self._followers),
+        )
 
     def _observe(self) -> None:
         """The engine's and the API's counters as OpenTelemetry (and so Prometheus) metrics."""
@@ -178,7 +181,7 @@ class InferenceServer:
             ("tokens", "{token}", "Tokens sampled"),
             ("swaps", "{swap}", "Weight versions swapped in"),
         ):
-            otel.observe(meter, f"rtrl.inference.{name}", "counter", lambda name=name: [(getattr(stats, name), {})], unit=unit, description=description)
+            otel.observe(meter, f"rtrl.inference.{name}", "counter", _reading(stats, name), unit=unit, description=description)
         otel.observe(meter, "rtrl.inference.swap.pause", "counter", lambda: [(stats.swap_pause_s, {})], unit="s", description="Time decoding stood still for weight swaps")
         otel.observe(
             meter, "rtrl.inference.requests", "counter",
@@ -211,9 +214,12 @@ class InferenceServer:
         log.info("%s serving %s v%d", self.worker_id, arm, version)
         self._trace_apply(arm, version, applied_ns)
         applied_ms = applied_ns // 1_000_000
-        task = asyncio.create_task(self.redis.hset(APPLIED_KEY.format(arm=arm, version=version), self.worker_id, applied_ms))
+        task = asyncio.create_task(self._write_applied(arm, version, applied_ms))
         self._background.add(task)
         task.add_done_callback(self._background.discard)
+
+    async def _write_applied(self, arm: str, version: int, applied_ms: int) -> None:
+        await self.redis.hset(APPLIED_KEY.format(arm=arm, version=version), self.worker_id, applied_ms)
 
     def _trace_apply(self, arm: str, version: int, applied_ns: int) -> None:
         """The ``weights apply`` span: from the version staged to it serving, a child
@@ -222,7 +228,9 @@ class InferenceServer:
         if staged is None:  # not staged by this process (a test's engine, or SGLang's sidecar, which traces its own)
             return
         traceparent, staged_ns = staged
-        attributes = {"rtrl.arm": arm, "rtrl.policy.version": version, "rtrl.worker_id": self.worker_id}
+        attributes: dict[str, AttributeValue] = {
+            "rtrl.arm": arm, "rtrl.policy.version": version, "rtrl.worker_id": self.worker_id,
+        }
         span = _tracer.start_span("weights apply", context=otel.parent(traceparent), attributes=attributes, start_time=staged_ns)
         span.end(end_time=applied_ns)
 
@@ -261,6 +269,7 @@ class InferenceServer:
             key, denied = await self.door.admit(request.headers.get("Authorization", ""), request.content_length)
             if denied is not None:
                 return _denied(denied)
+            assert key is not None  # admitted: its key was verified
             span.set_attribute("rtrl.client_id", key.client_id)
         with self.door.serving(key) if self.door is not None else contextlib.nullcontext():
             return await self._serve(request, span, key)
@@ -298,7 +307,10 @@ class InferenceServer:
             temperature = self.settings.temperature if body.temperature is None else body.temperature
             top_p = body.top_p or self.settings.top_p
             unrecorded = self._kept_from_training(body, temperature, top_p)
-            on_token = (lambda *token: self._loop.call_soon_threadsafe(tokens.put_nowait, token)) if body.stream else None
+
+            def stream_token(token_id: int, logprob: float, version: int) -> None:
+                self._loop.call_soon_threadsafe(tokens.put_nowait, (token_id, logprob, version))
+
             future = self.engine.submit(
                 arm,
                 prompt_token_ids(body.prompt),
@@ -307,7 +319,7 @@ class InferenceServer:
                 top_p=top_p,
                 seed=body.seed,
                 stop=body.stop_strings(),
-                on_token=on_token,
+                on_token=stream_token if body.stream else None,
             )
         except (ValidationError, ValueError) as exc:
             self.counters.rejected += 1
@@ -412,6 +424,11 @@ def _engine(settings: InferenceSettings) -> Engine | SGLangEngine:
             ready_timeout_s=settings.ready_timeout_s,
         )
     )
+
+
+def _reading(stats: object, name: str) -> otel.Reading:
+    """The metric reading of ``stats.<name>``, taken at every collection."""
+    return lambda: [(getattr(stats, name), {})]
 
 
 def _denied(denied: Denied) -> web.Response:

@@ -41,10 +41,11 @@ from typing import Any, Literal
 
 from opentelemetry import trace
 from pydantic import Field, SecretStr
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import SettingsConfigDict
 
 from inference.weights import WeightFollower
-from rtrl import otel, signing
+from rtrl import entrypoint, otel, signing
+from rtrl.config import Settings, StackSettings
 
 log = logging.getLogger(__name__)
 _tracer = trace.get_tracer("rtrl.sglang_sidecar")
@@ -52,11 +53,11 @@ _tracer = trace.get_tracer("rtrl.sglang_sidecar")
 PauseMode = Literal["in_place", "retract"]
 
 
-class SidecarSettings(BaseSettings):
+class SidecarSettings(Settings):
     """Settings of one sidecar (env prefix ``RTRL_SGLANG_SIDECAR_``); weight_sync's
     address and subscribe token come from rtrl.config.StackSettings."""
 
-    model_config = SettingsConfigDict(env_prefix="RTRL_SGLANG_SIDECAR_", extra="ignore")
+    model_config = SettingsConfigDict(env_prefix="RTRL_SGLANG_SIDECAR_")
 
     url: str = "http://127.0.0.1:30000"
     """Base URL of the SGLang server this sidecar feeds."""
@@ -372,11 +373,8 @@ def _policy_version(label: str) -> int:
 
 def main() -> None:
     # Configuration first: a bad setting fails before torch is imported.
-    from rtrl.config import StackSettings
-
-    settings = SidecarSettings()
-    stack = StackSettings()
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    settings, stack = entrypoint.parse_settings("python -m inference.sglang_sidecar", __doc__, SidecarSettings, StackSettings)
+    entrypoint.configure_logging()
     otel.configure("sglang_sidecar", stack)
     weights = SGLangWeights(settings.url, settings.http_timeout_s, settings.api_key.get_secret_value(), settings.admin_api_key.get_secret_value())
     sidecar = SGLangSidecar(weights, served_inventory(settings.model_dir), settings)

@@ -9,8 +9,12 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from weight_sync.client import Subscriber
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +61,7 @@ class WeightFollower:
         self.retry_s = retry_s
         self._stopped = threading.Event()
         self._lock = threading.Lock()
-        self._subscriber = None
+        self._subscriber: Subscriber | None = None
         self._staged: OrderedDict[int, tuple[str, int]] = OrderedDict()
         self._refused_before = 0
         self._thread = threading.Thread(target=self._run, name=f"weights-{arm}", daemon=True)

@@ -1,3 +1,6 @@
+"""``python -m ingest``: see ingest.server (``--help`` lists every setting)."""
+
 from ingest.server import main
 
-main()
+if __name__ == "__main__":
+    main()

@@ -117,12 +117,12 @@ class IngestClient:
             pending = still_pending
             if not pending:
                 break
-        for i in pending:
-            if results[i] is None:
-                results[i] = ingest_pb2.EventResult(
-                    event_id=events[i].event_id, status=RETRY, error=f"gave up after {self._max_attempts} attempts: {last_error}"
-                )
-        return results
+        # Only events still pending can lack an answer: they get one that says we gave up.
+        gave_up = f"gave up after {self._max_attempts} attempts: {last_error}"
+        return [
+            ingest_pb2.EventResult(event_id=events[i].event_id, status=RETRY, error=gave_up) if result is None else result
+            for i, result in enumerate(results)
+        ]
 
     async def _post(self, events: list[telemetry_pb2.TelemetryEvent], traceparent: str) -> tuple[ingest_pb2.PublishEventsResponse, float]:
         """The gateway's answer and how long it asked us to wait before resending its RETRYs."""
@@ -187,7 +187,7 @@ def make_event(
     edit_shown: telemetry_pb2.EditShown | Mapping | None = None,
     persistence: telemetry_pb2.PersistenceSnapshot | Mapping | None = None,
     followup: telemetry_pb2.FollowUp | Mapping | None = None,
-    edit_outcome: telemetry_pb2.EditOutcome | Mapping | int | None = None,
+    edit_outcome: telemetry_pb2.EditOutcome | Mapping | telemetry_pb2.EditOutcome.Outcome | None = None,
     privacy_mode: bool = False,
     client_ts_ms: int | None = None,
 ) -> telemetry_pb2.TelemetryEvent:
@@ -209,5 +209,9 @@ def make_event(
         client_ts_ms=time.time_ns() // 1_000_000 if client_ts_ms is None else client_ts_ms,
         schema_version=SCHEMA_VERSION,
         privacy_mode=privacy_mode,
-        **given,
+        # The three not given are None, which protobuf leaves unset.
+        edit_shown=edit_shown,
+        persistence=persistence,
+        followup=followup,
+        edit_outcome=edit_outcome,
     )

@@ -4,14 +4,16 @@ from __future__ import annotations
 
 
 from pydantic import Field, model_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import SettingsConfigDict
+
+from rtrl.config import Settings
 
 from rtrl.event_time import EventTimeWindow
 from rtrl.tls import TLSListener
 
 
-class IngestSettings(BaseSettings, TLSListener):
-    model_config = SettingsConfigDict(env_prefix="RTRL_INGEST_", extra="ignore")
+class IngestSettings(Settings, TLSListener):
+    model_config = SettingsConfigDict(env_prefix="RTRL_INGEST_")
 
     bind_host: str = "127.0.0.1"
     """Address both listeners bind to (``0.0.0.0`` in a container)."""

@@ -37,7 +37,7 @@ from opentelemetry import trace
 
 from rtrl.api_keys import PRIVATE_USERS, SERVED_PREFIX, ApiKey
 from ingest.validation import CLIENT_TS_WINDOW, validate
-from rtrl import kafka, otel, topics
+from rtrl import heartbeat, kafka, otel, topics
 from rtrl.event_time import EventTimeWindow
 from rtrl.v1 import ingest_pb2, telemetry_pb2
 
@@ -150,8 +150,8 @@ class Gateway:
         self.inflight = 0
         self.counters = GatewayCounters()
 
-    def status(self) -> dict:
-        return {**asdict(self.counters), "inflight": self.inflight}
+    def status(self) -> heartbeat.IngestBeat:
+        return heartbeat.IngestBeat(**asdict(self.counters), inflight=self.inflight)
 
     async def publish(
         self, events: Sequence[telemetry_pb2.TelemetryEvent], *, key: ApiKey | None = None, traceparent: str = ""
@@ -208,17 +208,19 @@ class Gateway:
             results[i] = outcome
         for i, j in repeats:
             first = results[j]
+            assert first is not None  # j is fresh, and every fresh event has its result by now
             status = DUPLICATE if first.status in (ACCEPTED, DUPLICATE) else first.status
             results[i] = _result(events[i], status, first.field, first.error)
-        self._count(events, results)
-        return results
+        answered = _answered(results)
+        self._count(events, answered)
+        return answered
 
     async def _served_to(self, events: Sequence[telemetry_pb2.TelemetryEvent]) -> list[str | None]:
         """The client each event's rollout was served to, where the serving API recorded one."""
         if not events:
             return []
         found = await self._redis.mget([SERVED_PREFIX + event.rollout_id for event in events])
-        return [None if value is None else value.decode() for value in found]
+        return [value.decode() if isinstance(value, bytes) else value for value in found]
 
     async def _write(self, events: list[telemetry_pb2.TelemetryEvent], headers: list[tuple[str, bytes]]) -> list[ingest_pb2.EventResult]:
         if not events:
@@ -227,7 +229,7 @@ class Gateway:
         keys.append(PRIVATE_USERS)
         keys.extend(privacy_key(payload) for payload in PAYLOADS)
         keys.append(INFLIGHT)
-        args: list[object] = [self._claim_ttl_s, self._dedup_ttl_s, self._clock_ms()]
+        args: list[str | int] = [self._claim_ttl_s, self._dedup_ttl_s, self._clock_ms()]
         for event in events:
             args.extend((event.user_id, 1 if event.privacy_mode else 0, PAYLOADS.index(event.WhichOneof("payload")) + 1))
         claims = await self._claim(keys=keys, args=args)
@@ -247,7 +249,7 @@ class Gateway:
             else:
                 results[i] = _result(event, RETRY, "event_id", "another request is writing this event_id, retry later")
         if not to_produce:
-            return results
+            return _answered(results)
 
         # send_batch enqueues in batch order before anything is awaited, so events of
         # one rollout keep their order on its partition.
@@ -265,7 +267,7 @@ class Gateway:
                     results[i] = _result(events[i], ACCEPTED)
             pipe.hdel(INFLIGHT, *(keys[i] for i in to_produce))
             await pipe.execute()
-        return results
+        return _answered(results)
 
     def _count(self, events: Sequence[telemetry_pb2.TelemetryEvent], results: list[ingest_pb2.EventResult]) -> None:
         for result in results:
@@ -279,5 +281,14 @@ class Gateway:
                 self.counters.retry += 1
 
 
-def _result(event: telemetry_pb2.TelemetryEvent, status: int, field: str = "", error: str = "") -> ingest_pb2.EventResult:
+def _answered(results: list[ingest_pb2.EventResult | None]) -> list[ingest_pb2.EventResult]:
+    """``results`` once every event has its result (each path through the caller sets one)."""
+    answered = [result for result in results if result is not None]
+    assert len(answered) == len(results), "an event was left without a result"
+    return answered
+
+
+def _result(
+    event: telemetry_pb2.TelemetryEvent, status: ingest_pb2.EventResult.Status, field: str = "", error: str = ""
+) -> ingest_pb2.EventResult:
     return ingest_pb2.EventResult(event_id=event.event_id, status=status, field=field, error=error)

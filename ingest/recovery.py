@@ -51,9 +51,9 @@ def sweep(stack: StackSettings, redis_url: str, *, older_than_ms: int, dedup_ttl
     try:
         abandoned: dict[str, tuple[int, str]] = {}
         for field, value in client.hgetall(INFLIGHT).items():
-            claimed_ms, kind = value.decode().split("|")
+            claimed_ms, kind = _text(value).split("|")
             if int(claimed_ms) <= now_ms - older_than_ms:
-                abandoned[field.decode()] = (int(claimed_ms), topics.BY_PAYLOAD[PAYLOADS[int(kind) - 1]])
+                abandoned[_text(field)] = (int(claimed_ms), topics.BY_PAYLOAD[PAYLOADS[int(kind) - 1]])
         if not abandoned:
             return Sweep(0, 0)
         since = min(claimed for claimed, _ in abandoned.values()) - LOOKBACK_MS
@@ -97,16 +97,26 @@ def _event_ids_on(stack: StackSettings, names: list[str], since_ms: int, wanted:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"recovery could not read to the end of {remaining} within {READ_TIMEOUT_S} s")
             for message in consumer.consume(1000, timeout=1.0):
-                where = (message.topic(), message.partition())
-                if message.error() is not None:
-                    if message.error().code() == KafkaError._PARTITION_EOF:
-                        remaining.pop(where, None)
+                error = message.error()
+                if error is not None:
+                    if error.code() == KafkaError._PARTITION_EOF:
+                        topic, partition, _ = kafka.record_position(message)
+                        remaining.pop((topic, partition), None)
                     continue
-                event_id = telemetry_pb2.TelemetryEvent.FromString(message.value()).event_id
+                topic, partition, offset = kafka.record_position(message)
+                value = message.value()
+                if value is None:
+                    raise ValueError(f"record {topic}:{partition}:{offset} has no value; the gateway writes none such")
+                event_id = telemetry_pb2.TelemetryEvent.FromString(value).event_id
                 if event_id in wanted:
                     found.add(event_id)
-                if message.offset() + 1 >= remaining.get(where, 0):
-                    remaining.pop(where, None)
+                if offset + 1 >= remaining.get((topic, partition), 0):
+                    remaining.pop((topic, partition), None)
         return found
     finally:
         consumer.close()
+
+
+def _text(reply: bytes | str) -> str:
+    """A Redis reply as text (this client returns bytes; redis-py's types allow either)."""
+    return reply.decode() if isinstance(reply, bytes) else reply

@@ -61,12 +61,13 @@ def edit_shown(
 
 
 def edit_outcome(
-    *, rollout_id: str, session_id: str, user_id: str, outcome: int | str,
+    *, rollout_id: str, session_id: str, user_id: str, outcome: telemetry_pb2.EditOutcome.Outcome | str,
     privacy_mode: bool = False, client_ts_ms: int | None = None,
 ) -> telemetry_pb2.TelemetryEvent:
     """What the user did with the edit right away: ``"accepted"``/``"rejected"`` or an ``EditOutcome.Outcome``."""
     if isinstance(outcome, str):
-        outcome = telemetry_pb2.EditOutcome.Outcome.Value("OUTCOME_" + outcome.upper())
+        # protobuf's stubs type Value() as returning int, not the enum it looks the name up in.
+        outcome = telemetry_pb2.EditOutcome.Outcome.Value("OUTCOME_" + outcome.upper())  # type: ignore[assignment]
     payload = telemetry_pb2.EditOutcome(outcome=outcome)
     return make_event(rollout_id, session_id, user_id, edit_outcome=payload, privacy_mode=privacy_mode, client_ts_ms=client_ts_ms)
 
@@ -229,7 +230,7 @@ class Telemetry:
         ))
 
     def edit_outcome(
-        self, *, rollout_id: str, session_id: str, user_id: str, outcome: int | str,
+        self, *, rollout_id: str, session_id: str, user_id: str, outcome: telemetry_pb2.EditOutcome.Outcome | str,
         privacy_mode: bool = False, client_ts_ms: int | None = None,
     ) -> telemetry_pb2.TelemetryEvent:
         return self._report(edit_outcome(
@@ -424,14 +425,16 @@ class Telemetry:
                 continue
             answered.append(item.seq)
         self._spool.ack(answered)
-        for item in rejected:
-            log.warning("telemetry event %s rejected by the gateway: %s: %s", item.event.event_id, item.field, item.error)
-            self.rejected.append(item)
+        for rejection in rejected:
+            log.warning(
+                "telemetry event %s rejected by the gateway: %s: %s", rejection.event.event_id, rejection.field, rejection.error
+            )
+            self.rejected.append(rejection)
             if self._on_rejected is not None:
                 try:
-                    self._on_rejected(item)
+                    self._on_rejected(rejection)
                 except Exception:  # the product's callback must not stop delivery of everything else
-                    log.exception("telemetry: on_rejected callback failed for event %s", item.event.event_id)
+                    log.exception("telemetry: on_rejected callback failed for event %s", rejection.event.event_id)
         self.last_error = None if answered else RuntimeError(f"every event got RETRY, the first: {results[0].error}")
         with self._wake:
             self._wake.notify_all()
@@ -456,7 +459,8 @@ class _InlineResolver(aiohttp.abc.AbstractResolver):
         return [
             ResolveResult(hostname=host, host=address[0], port=address[1], family=af, proto=proto, flags=socket.AI_NUMERICHOST)
             for af, _, proto, _, address in infos
-            if af in (socket.AF_INET, socket.AF_INET6)
+            # Always true of an IPv4/IPv6 address; it tells the type checker it is one.
+            if af in (socket.AF_INET, socket.AF_INET6) and isinstance(address[0], str)
         ]
 
     async def close(self) -> None:

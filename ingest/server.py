@@ -31,7 +31,8 @@ import logging
 import math
 import threading
 from collections import Counter
-from dataclasses import dataclass, fields
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, fields
 
 import grpc
 import redis.asyncio as aioredis
@@ -45,10 +46,10 @@ from opentelemetry import metrics
 from rtrl.api_keys import ApiKey, KeyCache, KeyVerifier, RateLimiter, bearer_key
 from ingest.config import IngestSettings
 from ingest.gateway import REJECTED, RETRY, Gateway
-from rtrl import heartbeat, kafka, otel, signing
+from rtrl import entrypoint, heartbeat, kafka, otel, signing
 from rtrl.config import StackSettings
 from rtrl.runtime import service_process, until_stopped
-from rtrl.v1 import ingest_pb2
+from rtrl.v1 import ingest_pb2, telemetry_pb2
 
 log = logging.getLogger("ingest")
 
@@ -87,7 +88,7 @@ class Door:
             self.refused[refusal.http_status] += 1
         return key, refusal
 
-    async def authorize(self, key: ApiKey | None, events: list) -> Refusal | None:
+    async def authorize(self, key: ApiKey | None, events: Sequence[telemetry_pb2.TelemetryEvent]) -> Refusal | None:
         """May this key send these events now (scope, rate)?"""
         refusal = await self._authorize(key, events)
         if refusal is not None:
@@ -102,7 +103,7 @@ class Door:
             return key, Refusal(401, grpc.StatusCode.UNAUTHENTICATED, why)
         return key, None
 
-    async def _authorize(self, key: ApiKey | None, events: list) -> Refusal | None:
+    async def _authorize(self, key: ApiKey | None, events: Sequence[telemetry_pb2.TelemetryEvent]) -> Refusal | None:
         if key is None or self._limiter is None:
             return None
         kinds = {event.WhichOneof("payload") for event in events} - {None}
@@ -231,7 +232,7 @@ def _json_type_error(value, descriptor, path: str) -> str | None:
 
 
 async def _healthz(request: web.Request) -> web.Response:
-    return web.json_response({"status": "ok", **request.app[_GATEWAY].status()})
+    return web.json_response({"status": "ok", **asdict(request.app[_GATEWAY].status())})
 
 
 def _error(status: int, message: str, headers: dict[str, str] | None = None) -> web.Response:
@@ -432,9 +433,8 @@ async def serve(stack: StackSettings, settings: IngestSettings) -> None:
 
 
 def main() -> None:
-    settings = IngestSettings()
-    stack = StackSettings()
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    settings, stack = entrypoint.parse_settings("python -m ingest", __doc__, IngestSettings, StackSettings)
+    entrypoint.configure_logging()
     service_process()
     otel.configure(SERVICE, stack)
     asyncio.run(serve(stack, settings))

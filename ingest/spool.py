@@ -150,7 +150,8 @@ class Spool:
         """Up to ``limit`` unanswered events, oldest first, of at most ``max_bytes`` together
         (but always at least one)."""
         with self._lock:
-            out, size = [], 0
+            out: list[SpooledEvent] = []
+            size = 0
             for seq, slot in self._unanswered.items():
                 size += len(slot.payload)
                 if len(out) == limit or (out and max_bytes is not None and size > max_bytes):
@@ -223,6 +224,7 @@ class Spool:
             if self._fsync:
                 _fsync_dir(self.directory)  # the new file's name must survive a power cut too
             self._active = segment
+        assert self._active_fd is not None  # open exactly while a segment is active
         return self._active, self._active_fd
 
     def _close_active(self) -> None:

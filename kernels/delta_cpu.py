@@ -9,7 +9,7 @@ differ, so encoding a model costs about two copies of it instead of ten.
 A Changes buffer collects the changes of many tensors one after another (positions
 local to each tensor, differences sign-extended to int64), so a whole state dict is
 encoded without a copy or an allocation per tensor. Results are identical to
-kernels.delta (tests/test_codec.py).
+kernels.delta (tests/weight_sync/test_codec.py).
 """
 
 from __future__ import annotations

@@ -29,6 +29,7 @@ integer arithmetic that the tests hold to torch's cast on every bf16 and fp16 va
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -57,7 +58,7 @@ class MXFP8Tensor:
     def __post_init__(self) -> None:
         check_quantized(self.data, self.scales)
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[torch.Tensor]:
         return iter((self.data, self.scales))
 
 

@@ -26,7 +26,7 @@ def unzigzag(codes: np.ndarray) -> np.ndarray:
 
 
 @numba.njit(cache=True, nogil=True, boundscheck=False)
-def _put_varint(v, out, n):  # pragma: no cover - compiled
+def _put_varint(v: np.uint64, out: np.ndarray, n: int) -> int:  # pragma: no cover - compiled
     """Write uint64 v as LEB128 at out[n:]; return the index after it."""
     low7 = np.uint64(0x7F)
     while v > low7:
@@ -38,7 +38,7 @@ def _put_varint(v, out, n):  # pragma: no cover - compiled
 
 
 @numba.njit(cache=True, nogil=True, boundscheck=False)
-def _leb128_encode(values, out):  # pragma: no cover - compiled
+def _leb128_encode(values: np.ndarray, out: np.ndarray) -> int:  # pragma: no cover - compiled
     n = 0
     for i in range(values.size):
         n = _put_varint(values[i], out, n)
@@ -46,7 +46,7 @@ def _leb128_encode(values, out):  # pragma: no cover - compiled
 
 
 @numba.njit(cache=True, nogil=True, boundscheck=False)
-def _leb128_decode(data, out):  # pragma: no cover - compiled
+def _leb128_decode(data: np.ndarray, out: np.ndarray) -> tuple[int, int]:  # pragma: no cover - compiled
     """Returns (values decoded, bytes consumed); stops early on a malformed value."""
     n = 0
     i = 0
@@ -68,7 +68,7 @@ def _leb128_decode(data, out):  # pragma: no cover - compiled
 
 
 @numba.njit(cache=True, nogil=True, boundscheck=False)
-def _zigzag_leb128_encode(values, out):  # pragma: no cover - compiled
+def _zigzag_leb128_encode(values: np.ndarray, out: np.ndarray) -> int:  # pragma: no cover - compiled
     n = 0
     for i in range(values.size):
         signed = values[i]
@@ -88,7 +88,7 @@ def zigzag_leb128_encode(values: np.ndarray, out: np.ndarray) -> memoryview:
     values = np.ascontiguousarray(values, dtype=np.int64)
     if out.size < values.size * 10:
         raise ValueError(f"{out.size} bytes may not hold {values.size} varints")
-    return memoryview(out)[: _zigzag_leb128_encode(values, out)]
+    return out.data[: _zigzag_leb128_encode(values, out)]
 
 
 def leb128_decode(data: bytes, count: int) -> np.ndarray:

@@ -27,6 +27,7 @@ pending rollouts to settle, since their records are simply read again by the new
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import logging
 import time
@@ -36,7 +37,7 @@ import redis.asyncio as aioredis
 from opentelemetry import metrics
 
 from reward_stream import recovery
-from reward_stream.acks import OrderedAcks
+from reward_stream.acks import OrderedAcks, Ticket
 from reward_stream.config import RewardStreamSettings
 from reward_stream.publisher import OutputPublisher
 from reward_stream.runtime import Joiner
@@ -87,7 +88,14 @@ def create_app(settings: RewardStreamSettings, stack: StackSettings) -> faust.Ap
     rollouts = signing.Verifier(signing.parse_public_keys(settings.rollout_public_keys), signing.Purpose.ROLLOUT)
     joiner = Joiner(settings.join_config(), settings.reward_fn_version, signing.Signer(key, signing.Purpose.REWARD), rollouts)
     ordered = OrderedAcks()
-    publisher = OutputPublisher(stack, settings.max_in_flight, ordered.done)
+
+    def release(handle: object) -> None:
+        # A record's handle in the Joiner is the Ticket ordered.read() gave it.
+        if not isinstance(handle, Ticket):
+            raise TypeError(f"the joiner released {handle!r}, not a Ticket")
+        ordered.done(handle)
+
+    publisher = OutputPublisher(stack, settings.max_in_flight, release)
     highwater = app.consumer.highwater
 
     read: dict = {}
@@ -118,20 +126,24 @@ def create_app(settings: RewardStreamSettings, stack: StackSettings) -> faust.Ap
         # what still acknowledges the last records.
         publisher.poll()
 
-    @app.on_before_shutdown.connect
+    # The ignores: mode types a receiver as taking any positional arguments after the
+    # sender; these take the ones their signal sends.
+    @app.on_before_shutdown.connect  # type: ignore[arg-type]
     async def on_shutdown(app, **kwargs) -> None:
         # Outputs delivered now are acknowledged now: fewer records to read again next
         # time. In the loop's thread, where acknowledging is safe; bounded, since
         # whatever is left is simply read again.
         publisher.flush(5.0)
 
-    @app.on_partitions_revoked.connect
+    @app.on_partitions_revoked.connect  # type: ignore[arg-type]
     async def on_revoked(app, revoked, **kwargs) -> None:
         joiner.forget({tp.partition for tp in revoked})
         ordered.forget(set(revoked))
 
-    def status() -> dict:
-        return {**joiner.status(), "assigned": len(app.consumer.assignment()), "in_flight": publisher.in_flight(), "unacked": ordered.waiting()}
+    def status() -> heartbeat.RewardStreamBeat:
+        return dataclasses.replace(
+            joiner.status(), assigned=len(app.consumer.assignment()), in_flight=publisher.in_flight(), unacked=ordered.waiting()
+        )
 
     @app.task
     async def heartbeat_task():
@@ -182,7 +194,8 @@ def run_worker(app: faust.App, stack: StackSettings) -> None:
     app.finalize()
     app.worker_init()
     app.worker_init_post_autodiscover()
-    worker = faust.Worker(app, loglevel="warn", quiet=True, workdir=str(stack.state_dir))
+    # The process's logging is rtrl.entrypoint's (one format for every service), not faust's.
+    worker = faust.Worker(app, quiet=True, workdir=str(stack.state_dir), override_logging=False)
     # The terminal spinner writes escape codes into log files and, to spin on every
     # record, lowers the root logger to DEBUG.
     worker.spinner = None

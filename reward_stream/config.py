@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 from pydantic import Field, SecretStr, model_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import SettingsConfigDict
+
+from rtrl.config import Settings
 
 from reward_stream.join import JoinConfig
 
 
-class RewardStreamSettings(BaseSettings):
+class RewardStreamSettings(Settings):
     """Settings of the reward join (env prefix ``RTRL_REWARD_``)."""
 
-    model_config = SettingsConfigDict(env_prefix="RTRL_REWARD_", extra="ignore", use_attribute_docstrings=True)
+    model_config = SettingsConfigDict(env_prefix="RTRL_REWARD_")
 
     window_s: float = Field(2.0, gt=0)
     """How long after a rollout's first event its user signals are collected."""

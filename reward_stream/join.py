@@ -60,11 +60,17 @@ import heapq
 import itertools
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
-from typing import Literal, Union
+from typing import Literal, Union, get_args
 
 from rtrl.event_time import EventTimeWindow
 
-EventKind = Literal["rollout", "edit_shown", "edit_outcome", "persistence", "followup"]
+TelemetryKind = Literal["edit_shown", "edit_outcome", "persistence", "followup"]
+"""The cases of TelemetryEvent's ``payload`` oneof, each an event kind."""
+TELEMETRY_KINDS: frozenset[str] = frozenset(get_args(TelemetryKind))
+EventKind = Literal["rollout"] | TelemetryKind
+
+# Which clock settled a rollout: its event-time close, or the wall-clock deadline.
+SettleTrigger = Literal["stream_time", "deadline"]
 
 # The input log each kind of event is read from; stream time is tracked per source.
 SOURCE: dict[str, str] = {
@@ -172,9 +178,11 @@ class JoinState:
     settled: dict[str, SettledMark] = field(default_factory=dict)
     close_heap: list[tuple[int, int, str]] = field(default_factory=list)
     """(event time its window closes at, seq, rollout_id) of pending rollouts; stale entries are skipped."""
-    expiry_heaps: tuple[list, list] = field(default_factory=lambda: ([], []))
+    expiry_heaps: tuple[list[tuple[int, int, str]], list[tuple[int, int, str]]] = field(
+        default_factory=lambda: ([], [])
+    )
     """(wall-clock, event-time) heaps of (max-wait expiry, seq, rollout_id) of incomplete rollouts."""
-    arrivals: itertools.count = field(default_factory=itertools.count)
+    arrivals: itertools.count[int] = field(default_factory=itertools.count)
 
     @property
     def waiting(self) -> int:
@@ -193,7 +201,7 @@ class Settled:
     events: tuple[Event, ...]
     """Telemetry events joined, in arrival order (the RolloutRecord is ``rollout``)."""
     settled_ts_ms: int
-    trigger: Literal["stream_time", "deadline"]
+    trigger: SettleTrigger
 
 
 @dataclass(slots=True)
@@ -251,7 +259,7 @@ def step(state: JoinState, event: Event, now_ms: int) -> tuple[JoinState, list[O
             # Its window closed while it waited for this: it settles now.
             del state.incomplete[rollout_id]
             closed = state.stream_time_ms >= incomplete.open_ts_ms + config.window_ms + config.grace_ms
-            trigger = "stream_time" if closed else "deadline"
+            trigger: SettleTrigger = "stream_time" if closed else "deadline"
             outputs.append(Settled(rollout_id, event, tuple(incomplete.events), now_ms, trigger))
             incomplete.event_ids.add(event.event_id)
             state.settled[rollout_id] = SettledMark(now_ms + state.config.settled_ttl_ms, incomplete.event_ids)
@@ -330,7 +338,7 @@ def tick(state: JoinState, now_ms: int) -> tuple[JoinState, list[Output]]:
 
 def _settle_ready(state: JoinState, now_ms: int) -> list[Output]:
     config = state.config
-    closing: dict[str, str] = {}
+    closing: dict[str, SettleTrigger] = {}
     # Event-time closes: the heap's stale entries (settled rollouts) are skipped.
     while state.close_heap and state.close_heap[0][0] <= state.stream_time_ms:
         _, seq, rollout_id = heapq.heappop(state.close_heap)

@@ -64,10 +64,12 @@ from __future__ import annotations
 
 import bisect
 import math
-from collections import Counter
+from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 
 from reward_stream.signals import has_code
+from rtrl.heartbeat import RewardAlert as Alert
+from rtrl.heartbeat import RewardByVersion
 from rtrl.v1 import reward_pb2, rollout_pb2
 
 RATES = ("edit", "clarifying_question", "broken_tool_call", "dissatisfied")
@@ -102,44 +104,14 @@ class MonitorConfig:
             raise ValueError("z_threshold must be > 0, min_shift and max_examples >= 0")
 
 
-@dataclass(frozen=True)
-class Alert:
-    """A shift in one behaviour between two policy versions (step) or two windows of
-    versions (drift).
-
-    Produced by step; consumed by whoever watches the loop (logs, the heartbeat, a
-    gate that holds the next publish)."""
-
-    metric: str
-    previous_version: int
-    """The previous version; for drift, the newest version of the reference window."""
-    version: int
-    """This version; for drift, the newest version of the window that drifted."""
-    previous_value: float
-    """The previous version's (or reference window's) rate (or mean)."""
-    value: float
-    """This version's (or window's) rate (or mean)."""
-    z_score: float
-    examples: tuple[str, ...]
-    """Up to max_examples rollout ids of this version (window) showing the shift."""
-    kind: str = "step"
-    """"step" (consecutive versions) or "drift" (pooled windows of versions)."""
-    previous_first_version: int = -1
-    """Oldest version of the reference window (drift); previous_version for a step."""
-    first_version: int = -1
-    """Oldest version of the window that drifted; version for a step."""
-    previous_samples: int = 0
-    samples: int = 0
-
-
 @dataclass
 class VersionTally:
     """Running counts of one policy version (mutable: updated in place by step)."""
 
     n: int = 0
-    hits: Counter = field(default_factory=Counter)
-    sums: Counter = field(default_factory=Counter)
-    squares: Counter = field(default_factory=Counter)
+    hits: Counter[str] = field(default_factory=Counter)
+    sums: defaultdict[str, float] = field(default_factory=lambda: defaultdict(float))
+    squares: defaultdict[str, float] = field(default_factory=lambda: defaultdict(float))
     examples: dict[tuple[str, bool], list[str]] = field(default_factory=dict)
     """(rate metric, flag) -> the first rollout ids with that flag."""
     extremes: dict[tuple[str, bool], list[tuple[float, str]]] = field(default_factory=dict)
@@ -236,15 +208,12 @@ def _count(tally: VersionTally, record: reward_pb2.RewardRecord, rollout: rollou
             tally.extremes[(metric, high)] = kept[:max_examples]
 
 
-def reward_by_version(state: MonitorState, newest: int = REWARD_VERSIONS_SHOWN) -> list[dict]:
+def reward_by_version(state: MonitorState, newest: int = REWARD_VERSIONS_SHOWN) -> tuple[RewardByVersion, ...]:
     """Rollouts and mean reward of the newest ``newest`` versions and of the oldest (the
     warm start, which the control arm serves), oldest first. Produced for the heartbeat;
-    consumed by rtrl.status_view's reward trend, which adds up the workers' counts."""
+    consumed by rtrl.ops.status_view's reward trend, which adds up the workers' counts."""
     shown = sorted({*state.ordered[:1], *state.ordered[-newest:]})
-    return [
-        {"version": v, "rollouts": state.versions[v].n, "reward_mean": state.versions[v].sums["reward"] / state.versions[v].n}
-        for v in shown
-    ]
+    return tuple(RewardByVersion(v, state.versions[v].n, state.versions[v].sums["reward"] / state.versions[v].n) for v in shown)
 
 
 def _previous(state: MonitorState, version: int) -> int | None:
@@ -283,9 +252,21 @@ def _mean_alerts(state: MonitorState, previous: int, version: int) -> list[Alert
     return alerts
 
 
-def _step_alert(state: MonitorState, metric: str, previous: int, version: int, *shift) -> Alert:
+def _step_alert(
+    state: MonitorState,
+    metric: str,
+    previous: int,
+    version: int,
+    before: float,
+    after: float,
+    z: float,
+    examples: tuple[str, ...],
+) -> Alert:
     n0, n1 = state.versions[previous].n, state.versions[version].n
-    return Alert(metric, previous, version, *shift, kind="step", previous_first_version=previous, first_version=version, previous_samples=n0, samples=n1)
+    return Alert(
+        metric, previous, version, before, after, z, examples,
+        kind="step", previous_first_version=previous, first_version=version, previous_samples=n0, samples=n1,
+    )
 
 
 def _drift_alerts(state: MonitorState) -> list[Alert]:
@@ -302,9 +283,10 @@ def _drift_alerts(state: MonitorState) -> list[Alert]:
         if reference not in pools:
             current = _window(state, reversed(state.ordered[bisect.bisect_right(state.ordered, reference[-1]) :]))
             pools[reference] = None if current is None else (current, _pooled(state, reference), _pooled(state, current))
-        if pools[reference] is None:
+        pool = pools[reference]
+        if pool is None:
             continue
-        current, before, after = pools[reference]
+        current, before, after = pool
         n0, n1, k0, k1 = before["n"], after["n"], before[metric], after[metric]
         p0, p1 = k0 / n0, k1 / n1
         pooled = (k0 + k1) / (n0 + n1)

@@ -38,23 +38,26 @@ def settled_rollouts(stack: StackSettings, partition: int, timeout_s: float = 30
             for message in reader.consume(1000, timeout=0.02):
                 if message.error() is not None:
                     continue
-                where = (message.topic(), message.partition())
-                _remember(settled, message.topic(), message.value(), dict(message.headers() or []))
-                if message.offset() + 1 >= ends[where]:
-                    waiting.discard(where)
+                topic, partition, offset = kafka.record_position(message)
+                value = message.value()
+                if value is None:
+                    raise ValueError(f"record {topic}:{partition}:{offset} has no value; the joiner writes none such")
+                _remember(settled, topic, value, dict(kafka.record_headers(message)))
+                if offset + 1 >= ends[(topic, partition)]:
+                    waiting.discard((topic, partition))
     finally:
         reader.close()
     return {rollout_id: frozenset(event_ids) for rollout_id, event_ids in settled.items()}
 
 
-def _remember(settled: dict[str, set[str]], topic: str, value: bytes, headers: dict[str, bytes]) -> None:
+def _remember(settled: dict[str, set[str]], topic: str, value: bytes, headers: dict[str, bytes | None]) -> None:
     try:
         if topic == topics.REWARD:
             record = reward_pb2.RewardRecord.FromString(value)
             settled.setdefault(record.rollout_id, set()).update(record.event_ids)
         elif headers.get("kind") == b"rollout":
-            record = rollout_pb2.RolloutRecord.FromString(value)
-            settled.setdefault(record.rollout_id, set()).add(record.event_id)
+            rollout = rollout_pb2.RolloutRecord.FromString(value)
+            settled.setdefault(rollout.rollout_id, set()).add(rollout.event_id)
         else:
             event = telemetry_pb2.TelemetryEvent.FromString(value)
             settled.setdefault(event.rollout_id, set()).add(event.event_id)

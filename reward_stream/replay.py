@@ -41,7 +41,7 @@ from confluent_kafka import (
 )
 
 from reward_stream import join, reward
-from reward_stream.codec import MalformedEvent, PrivacyModeEvent, decode
+from reward_stream.codec import MalformedEvent, PrivacyModeEvent, decode, rollout_of, telemetry_of
 from rtrl import kafka, signing, topics
 from rtrl.config import StackSettings
 from rtrl.v1 import reward_pb2
@@ -57,7 +57,7 @@ class RetainedRecord:
     value: bytes | None
     timestamp_ms: int | None = None
     """The record's Kafka timestamp; None when unknown (then its event time is not bounded)."""
-    headers: tuple[tuple[str, bytes], ...] = ()
+    headers: tuple[tuple[str, bytes | None], ...] = ()
     """The record's Kafka headers (a rollout's signature)."""
 
 
@@ -101,13 +101,14 @@ def read_retained(
             for msg in consumer.consume(500, timeout=0.2):
                 if msg.error() is not None:
                     raise RuntimeError(f"replay read failed: {msg.error()}")
-                tp = (msg.topic(), msg.partition())
-                if msg.offset() < ends[tp]:
+                topic, partition, offset = kafka.record_position(msg)
+                tp = (topic, partition)
+                if offset < ends[tp]:
                     kind, timestamp_ms = msg.timestamp()
                     known = timestamp_ms if kind != TIMESTAMP_NOT_AVAILABLE else None
-                    headers = tuple(msg.headers() or ())
-                    records.append(RetainedRecord(msg.topic(), msg.partition(), msg.key(), msg.value(), known, headers))
-                if msg.offset() + 1 >= ends[tp]:
+                    headers = kafka.record_headers(msg)
+                    records.append(RetainedRecord(topic, partition, msg.key(), msg.value(), known, headers))
+                if offset + 1 >= ends[tp]:
                     remaining.discard(tp)
     finally:
         consumer.close()
@@ -125,7 +126,10 @@ def rejoin(
     by_partition: dict[int, list[join.Event]] = defaultdict(list)
     skipped = unauthenticated = 0
     for record in retained:
-        if record.topic == topics.ROLLOUT and rollout_verifier is not None and rollout_verifier.problem(record.value or b"", record.headers):
+        if record.topic == topics.ROLLOUT and rollout_verifier is not None and rollout_verifier.problem(
+            # Empty stands in for a header without a value: the verifier finds either unsigned.
+            record.value or b"", [(name, value or b"") for name, value in record.headers]
+        ):
             skipped += 1
             unauthenticated += 1
             continue
@@ -153,8 +157,8 @@ def rejoin(
         outputs.extend(out)
         for output in outputs:
             if isinstance(output, join.Settled):
-                telemetry = [e.message for e in output.events]
-                records.append(reward.reward_record(output.rollout.message, telemetry, output.settled_ts_ms, version))
+                rollout, telemetry = rollout_of(output.rollout), telemetry_of(output.events)
+                records.append(reward.reward_record(rollout, telemetry, output.settled_ts_ms, version))
             dropped += isinstance(output, join.Dropped)
             late += isinstance(output, join.Late)
     return Replay(version, tuple(records), skipped, dropped, late, unauthenticated)

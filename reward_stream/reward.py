@@ -5,7 +5,7 @@ The final reward is a versioned function of the components in RewardComponents;
 RewardRecord names the version that produced it; RTRL_REWARD_REWARD_FN_VERSION picks
 the live one and replay (reward_stream/replay.py) recomputes history with any. r3
 (below r2's description) is the default (REWARD_FN_VERSION), the service's and the
-embedded stack's (rtrl/stack.py, StackConfig.reward_fn_version). r1 is kept because
+embedded stack's (rtrl/ops/stack.py, StackConfig.reward_fn_version). r1 is kept because
 it is hackable by not editing: `rtrl demo --reward-fn r1` shows the monitor
 (reward_stream/monitors.py) catching that.
 
@@ -252,15 +252,25 @@ def _followups(telemetry: Sequence[telemetry_pb2.TelemetryEvent]) -> list[str]:
 
 
 def _user_components(
-    rollout: rollout_pb2.RolloutRecord, followups: list[str], **parts: float
+    rollout: rollout_pb2.RolloutRecord,
+    followups: list[str],
+    *,
+    persisted_fraction: float,
+    persistence_observed: bool,
+    dissatisfied: float,
+    effort_penalty: float,
 ) -> reward_pb2.RewardComponents:
-    """The components every version computes the same way, plus the version's own ``parts``."""
+    """The components every version computes the same way, plus the ones each version
+    computes its own way (the keyword arguments)."""
     calls = rollout.tool_calls
     return reward_pb2.RewardComponents(
         followup_observed=bool(followups),
         tool_call_validity=sum(call.valid for call in calls) / len(calls) if calls else 1.0,
         latency_s=rollout.latency_s,
-        **parts,
+        persisted_fraction=persisted_fraction,
+        persistence_observed=persistence_observed,
+        dissatisfied=dissatisfied,
+        effort_penalty=effort_penalty,
     )
 
 

@@ -32,8 +32,16 @@ from dataclasses import asdict, dataclass
 from opentelemetry import trace
 
 from reward_stream import join, monitors, reward
-from reward_stream.codec import MalformedEvent, PrivacyModeEvent, UnauthenticatedRollout, decode
-from rtrl import kafka, otel, signing, topics
+from reward_stream.codec import (
+    MalformedEvent,
+    PrivacyModeEvent,
+    UnauthenticatedRollout,
+    decode,
+    message_of,
+    rollout_of,
+    telemetry_of,
+)
+from rtrl import heartbeat, kafka, otel, signing, topics
 
 log = logging.getLogger(__name__)
 _tracer = trace.get_tracer("rtrl.reward_stream")
@@ -239,31 +247,34 @@ class Joiner:
     def pending(self) -> int:
         return sum(state.waiting for state in self.states.values())
 
-    def status(self) -> dict:
-        return {
+    def status(self) -> heartbeat.RewardStreamBeat:
+        """The join's part of the worker's beat (the consumer's part is reward_stream.app's)."""
+        return heartbeat.RewardStreamBeat(
             **asdict(self.counters),
-            "pending": self.pending(),
-            "partitions": sorted(self.states),
-            "alerts": [asdict(alert) for alert in self.alerts],
-            "reward_by_version": monitors.reward_by_version(self.monitor),
-        }
+            pending=self.pending(),
+            partitions=tuple(sorted(self.states)),
+            alerts=tuple(self.alerts),
+            reward_by_version=monitors.reward_by_version(self.monitor),
+        )
 
     def _batch(self, outputs: list[join.Output]) -> Batch:
-        records = []
-        acks = []
+        records: list[OutRecord] = []
+        acks: list[object] = []
         for output in outputs:
             if isinstance(output, join.Settled):
                 acks.extend(e.handle for e in (output.rollout, *output.events))
-                rollout = output.rollout
+                rollout, telemetry = rollout_of(output.rollout), telemetry_of(output.events)
                 record = reward.reward_record(
-                    rollout.message, [e.message for e in output.events], output.settled_ts_ms, self.reward_fn_version, with_rollout=False
+                    rollout, telemetry, output.settled_ts_ms, self.reward_fn_version, with_rollout=False
                 )
                 self.counters.settled += 1
                 self.counters.defaulted += record.defaulted
-                self.counters.foreign += len(output.events) - len(reward.from_its_client(rollout.message, [e.message for e in output.events]))
-                self._watch(record, rollout.message)
-                self._observe(record, rollout.message)
-                value = reward.encode_with_rollout(record, rollout.raw)
+                self.counters.foreign += len(telemetry) - len(reward.from_its_client(rollout, telemetry))
+                self._watch(record, rollout)
+                self._observe(record, rollout)
+                raw = output.rollout.raw
+                assert raw is not None  # decode() keeps the bytes of every rollout it decodes
+                value = reward.encode_with_rollout(record, raw)
                 headers = tuple(kafka.traceparent_headers(record.traceparent))
                 if self.signer is not None:
                     headers += self.signer.headers(value)
@@ -279,7 +290,7 @@ class Joiner:
                 source = topics.ROLLOUT if event.kind == "rollout" else topics.BY_PAYLOAD[event.kind]
                 headers = (("source_topic", source.encode()), ("kind", event.kind.encode()))
                 records.append(
-                    OutRecord(topics.REWARD_LATE, event.rollout_id.encode(), event.message.SerializeToString(), headers)
+                    OutRecord(topics.REWARD_LATE, event.rollout_id.encode(), message_of(event).SerializeToString(), headers)
                 )
             elif isinstance(output, join.Refused):
                 acks.append(output.event.handle)

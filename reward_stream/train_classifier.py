@@ -143,7 +143,7 @@ def main(config: TrainConfig = TrainConfig()) -> None:
     train = [f for f in corpus if f.split == "train"]
 
     cv_f1 = choose_l2(embeddings[is_train], train, config)
-    l2 = max(cv_f1, key=cv_f1.get)
+    l2 = max(cv_f1, key=cv_f1.__getitem__)
     head = fit_head(embeddings[is_train], labels[is_train], l2, config)
     results = evaluate(head, embeddings[~is_train], heldout)
 

@@ -1,3 +1,3 @@
-from rtrl.cli import main
+from rtrl.ops.cli import main
 
 main()

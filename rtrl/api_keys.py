@@ -115,6 +115,11 @@ def _claim(digest: str, fields: dict[str, str]) -> bytes:
     return "\n".join([digest, *(f"{name}={fields.get(name, '')}" for name in SIGNED_FIELDS)]).encode()
 
 
+def _str(reply: bytes | str) -> str:
+    """A Redis reply as text (clients here are opened without decode_responses)."""
+    return reply.decode() if isinstance(reply, bytes) else reply
+
+
 def _text(fields: dict) -> dict[str, str]:
     return {(k.decode() if isinstance(k, bytes) else k): (v.decode() if isinstance(v, bytes) else str(v)) for k, v in fields.items()}
 
@@ -160,7 +165,8 @@ async def issue_key(
         "max_concurrency": int(max_concurrency),
     })
     async with redis.pipeline(transaction=True) as pipe:
-        pipe.hset(KEY_PREFIX + digest, mapping={**authority.signed(digest, fields), "created_ms": now_ms()})
+        # redis types the mapping's keys invariantly (Mapping[FieldT, ...]): a dict[str, ...] is refused.
+        pipe.hset(KEY_PREFIX + digest, mapping={**authority.signed(digest, fields), "created_ms": now_ms()})  # type: ignore[dict-item]
         pipe.sadd(CLIENT_PREFIX + client_id, digest)
         await pipe.execute()
     return api_key
@@ -175,7 +181,8 @@ async def _amend(redis: aioredis.Redis, authority: KeyAuthority, digest: str, **
             return False
         fields.update(_text(changes))
         pipe.multi()
-        pipe.hset(KEY_PREFIX + digest, mapping=authority.signed(digest, {k: fields.get(k, "0") for k in SIGNED_FIELDS}))
+        signed = authority.signed(digest, {k: fields.get(k, "0") for k in SIGNED_FIELDS})
+        pipe.hset(KEY_PREFIX + digest, mapping=signed)  # type: ignore[arg-type]  # as in issue_key
         await pipe.execute()
     return True
 
@@ -205,7 +212,7 @@ async def rotate_keys(redis: aioredis.Redis, authority: KeyAuthority, client_id:
     """A new key for the client, with the scopes and budgets of its newest key unless
     ``issue`` says otherwise; its existing keys expire after ``grace_s``."""
     old = await redis.smembers(CLIENT_PREFIX + client_id)
-    current = [_text(await redis.hgetall(KEY_PREFIX + d.decode())) for d in old]
+    current = [_text(await redis.hgetall(KEY_PREFIX + _str(d))) for d in old]
     newest = max((f for f in current if f), key=lambda f: int(f.get("created_ms", 0)), default=None)
     if newest is not None:
         issue = {
@@ -215,15 +222,15 @@ async def rotate_keys(redis: aioredis.Redis, authority: KeyAuthority, client_id:
     new_key = await issue_key(redis, authority, client_id, **issue)
     expires = now_ms() + int(grace_s * 1000)
     for digest in old:
-        await _amend(redis, authority, digest.decode(), expires_ms=expires)
+        await _amend(redis, authority, _str(digest), expires_ms=expires)
     return new_key
 
 
 async def list_keys(redis: aioredis.Redis, client_id: str) -> list[dict[str, str]]:
     out = []
     for digest in sorted(await redis.smembers(CLIENT_PREFIX + client_id)):
-        fields = await redis.hgetall(KEY_PREFIX + digest.decode())
-        out.append({"key_hash": digest.decode(), **{k.decode(): v.decode() for k, v in fields.items()}})
+        fields = await redis.hgetall(KEY_PREFIX + _str(digest))
+        out.append({"key_hash": _str(digest), **_text(fields)})
     return out
 
 

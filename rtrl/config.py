@@ -13,10 +13,18 @@ from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
-class StackSettings(BaseSettings):
+class Settings(BaseSettings):
+    """The base of every settings class: read from environment variables only (each
+    subclass names its ``env_prefix``), variables it does not know ignored, and the
+    docstring under each field kept as its description (``--help``, docs/configuration.md)."""
+
+    model_config = SettingsConfigDict(extra="ignore", use_attribute_docstrings=True)
+
+
+class StackSettings(Settings):
     """Connection settings shared by all services (env prefix ``RTRL_``)."""
 
-    model_config = SettingsConfigDict(env_prefix="RTRL_", extra="ignore")
+    model_config = SettingsConfigDict(env_prefix="RTRL_")
 
     kafka_bootstrap: str = "127.0.0.1:9092"
     """Kafka bootstrap servers, comma separated."""

@@ -13,8 +13,9 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
+from typing import cast
 
-from confluent_kafka import Consumer, KafkaError, KafkaException, Producer, TopicPartition
+from confluent_kafka import Consumer, KafkaError, KafkaException, Message, Producer, TopicPartition
 from confluent_kafka.admin import AdminClient, NewTopic
 
 from rtrl import topics
@@ -153,7 +154,9 @@ class AsyncProducer:
             else:
                 loop.call_soon_threadsafe(_set_result, future, (msg.partition(), msg.offset()))
 
-        self._producer.produce(topic, value, key=key.encode(), headers=headers or [], on_delivery=on_delivery)
+        # confluent_kafka types headers as list[tuple[str, str | bytes | None]]; lists
+        # being invariant, it refuses a list[tuple[str, bytes]], which it takes at run time.
+        self._producer.produce(topic, value, key=key.encode(), headers=headers or [], on_delivery=on_delivery)  # type: ignore[arg-type]
         return future
 
     def send_batch(self, records: list[tuple[str, bytes, str, list[tuple[str, bytes]]]]) -> asyncio.Future:
@@ -181,7 +184,7 @@ class AsyncProducer:
                 settle()
 
             try:
-                self._producer.produce(topic, value, key=key.encode(), headers=headers, on_delivery=on_delivery)
+                self._producer.produce(topic, value, key=key.encode(), headers=headers, on_delivery=on_delivery)  # type: ignore[arg-type]  # as in send()
             except BufferError as exc:  # librdkafka's local queue is full: this one and the rest fail
                 for rest in range(index, len(records)):
                     errors[rest] = exc
@@ -294,14 +297,32 @@ def end_offsets(settings: StackSettings, tps: list[TopicPartition], timeout_s: f
         deadline = time.monotonic() + timeout_s
         while waiting and time.monotonic() < deadline:
             for msg in probe.consume(5000, timeout=0.02):
-                key = (msg.topic(), msg.partition())
-                if msg.error() is None:
-                    ends[key] = max(ends[key], msg.offset() + 1)
-                elif msg.error().code() == KafkaError._PARTITION_EOF:
-                    waiting.discard(key)
+                error = msg.error()
+                if error is None:
+                    topic, partition, offset = record_position(msg)
+                    ends[(topic, partition)] = max(ends[(topic, partition)], offset + 1)
+                elif error.code() == KafkaError._PARTITION_EOF:
+                    topic, partition, _ = record_position(msg)
+                    waiting.discard((topic, partition))
         return ends
     finally:
         probe.close()
+
+
+def record_position(msg: Message) -> tuple[str, int, int]:
+    """(topic, partition, offset) of a record, or a partition-EOF event, from consume().
+    librdkafka sets all three on those; only other error events may lack them (hence the
+    Optional in confluent_kafka's types)."""
+    topic, partition, offset = msg.topic(), msg.partition(), msg.offset()
+    if topic is None or partition is None or offset is None:
+        raise ValueError(f"consumed message without a position: {msg.error()}")
+    return topic, partition, offset
+
+
+def record_headers(msg: Message) -> tuple[tuple[str, bytes | None], ...]:
+    """A consumed record's headers. consume() gives a list of (name, bytes or None);
+    confluent_kafka's type for them is what produce() takes (a dict too, str values too)."""
+    return tuple(cast("list[tuple[str, bytes | None]]", msg.headers() or []))
 
 
 def traceparent_headers(traceparent: str) -> list[tuple[str, bytes]]:

@@ -33,7 +33,7 @@ from opentelemetry import context as otel_context
 from opentelemetry import metrics, trace
 from opentelemetry.metrics import CallbackOptions, Meter, Observation
 from opentelemetry.sdk.metrics import MeterProvider
-from opentelemetry.sdk.metrics.export import ConsoleMetricExporter, MetricReader, PeriodicExportingMetricReader
+from opentelemetry.sdk.metrics.export import ConsoleMetricExporter, MetricExporter, MetricReader, PeriodicExportingMetricReader
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter, SpanExporter
@@ -58,6 +58,7 @@ def configure(service: str, stack: StackSettings) -> None:
     readers: list[MetricReader] = []
     closing: list[Callable[[], None]] = []
     span_exporter: SpanExporter | None = None
+    metric_exporter: MetricExporter  # set wherever span_exporter is
     if stack.otel_exporter == "file":
         directory = otel_dir(stack)
         directory.mkdir(parents=True, exist_ok=True)
@@ -126,9 +127,11 @@ def _serve_prometheus(host: str, port: int, cert_file: Path | None = None, key_f
     from opentelemetry.exporter.prometheus import PrometheusMetricReader
     from prometheus_client import start_http_server
 
-    tls = {"certfile": str(cert_file), "keyfile": str(key_file), "tls_min_version": ssl.TLSVersion.TLSv1_2} if cert_file else {}
     try:
-        start_http_server(port, addr=host, **tls)
+        if cert_file:
+            start_http_server(port, addr=host, certfile=str(cert_file), keyfile=str(key_file), tls_min_version=ssl.TLSVersion.TLSv1_2)
+        else:
+            start_http_server(port, addr=host)
     except OSError as exc:
         raise RuntimeError(f"cannot serve Prometheus metrics on {host}:{port} (RTRL_METRICS_PORT): {exc}") from exc
     log.info("Prometheus metrics on %s://%s:%d/metrics", "https" if cert_file else "http", host, port)

@@ -11,10 +11,12 @@ import ssl
 from pathlib import Path
 
 import grpc
-from pydantic import BaseModel, model_validator
+from pydantic import BaseModel, ConfigDict, model_validator
 
 
 class TLSListener(BaseModel):
+    model_config = ConfigDict(use_attribute_docstrings=True)
+
     tls_cert_file: Path | None = None
     """PEM certificate chain: when set (with tls_key_file), the listener speaks TLS only."""
 

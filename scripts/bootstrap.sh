@@ -19,12 +19,12 @@ if ! command -v redis-server >/dev/null 2>&1; then
   fi
 fi
 
-# Headless Chromium renders `rtrl report` in its test (tests/test_report_render.py).
+# Headless Chromium renders `rtrl report` in its test (tests/analytics/test_report_render.py).
 if ! command -v chromium >/dev/null 2>&1 && ! command -v chromium-browser >/dev/null 2>&1 && ! command -v google-chrome >/dev/null 2>&1; then
   if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
     echo "installing chromium with apt-get (for the report rendering test)"
     apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null
   else
-    echo "note: chromium is not installed; tests/test_report_render.py will fail until it is (apt-get install chromium)" >&2
+    echo "note: chromium is not installed; tests/analytics/test_report_render.py will fail until it is (apt-get install chromium)" >&2
   fi
 fi

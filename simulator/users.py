@@ -77,7 +77,7 @@ class Reaction:
 
 def population(size: int, seed: int = 7, privacy_share: float = 0.0) -> list[User]:
     rng = random.Random(seed)
-    users = []
+    users: list[User] = []
     for i in range(size):
         roll, acc = rng.random(), 0.0
         peeves = PEEVE_MIX[-1][0]

@@ -27,7 +27,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("RTRL_WEIGHT_SYNC_TOKEN", secrets.token_urlsafe(24))
 os.environ.setdefault("RTRL_WEIGHT_SYNC_SUBSCRIBE_TOKEN", secrets.token_urlsafe(24))
 # Rewards are signed by the joiner and verified by the trainer (rtrl/signing.py): one pair
-# per run; trainer_support.produce signs the records tests write for a trainer with it.
+# per run; support.trainer.produce signs the records tests write for a trainer with it.
 os.environ.setdefault("RTRL_REWARD_SIGNING_KEY", signing.generate_private_key())
 os.environ.setdefault("RTRL_TRAINER_REWARD_PUBLIC_KEYS", signing.public_key_of(os.environ["RTRL_REWARD_SIGNING_KEY"]))
 os.environ.setdefault("RTRL_TRAINER_MANIFEST_SIGNING_KEY", signing.generate_private_key())
@@ -112,8 +112,7 @@ def stack(redis_url, tmp_path) -> StackSettings:
 
 @pytest.fixture
 def server(stack):
-    from weight_sync_support import InProcessServer
-
+    from support.weight_sync import InProcessServer
     from weight_sync.config import WeightSyncSettings
 
     # Small chunks so every keyframe spans many WeightChunks.
@@ -125,8 +124,7 @@ def server(stack):
 
 @pytest.fixture
 def publisher(server, stack):
-    from weight_sync_support import ARM, MANIFEST_KEY
-
+    from support.weight_sync import ARM, MANIFEST_KEY
     from weight_sync.client import Publisher
 
     client = Publisher(server.addr, stack.weight_sync_token.get_secret_value(), ARM, keyframe_every=20, signing_key=MANIFEST_KEY)
@@ -161,7 +159,9 @@ def _otel_providers():
     from opentelemetry.sdk.metrics.export import InMemoryMetricReader
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import SimpleSpanProcessor
-    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import (
+        InMemorySpanExporter,
+    )
 
     spans = InMemorySpanExporter()
     recording = _Recording()

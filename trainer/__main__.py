@@ -1,4 +1,5 @@
-"""``python -m trainer``: settings are parsed before torch is imported, so a bad
+"""``python -m trainer``: trains the policy on settled rewards and publishes the versions
+the eval gate accepts. Settings are parsed before torch is imported, so a bad
 configuration fails at once.
 
 Under ``torchrun --nproc_per_node N -m trainer`` the same service trains a model
@@ -11,15 +12,15 @@ import asyncio
 import logging
 import os
 
+from rtrl import entrypoint
 from rtrl.config import StackSettings
 from rtrl.runtime import service_process
 from trainer.config import TrainerSettings
 
 
 def main() -> None:
-    settings = TrainerSettings()
-    stack = StackSettings()
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    settings, stack = entrypoint.parse_settings("python -m trainer", __doc__, TrainerSettings, StackSettings)
+    entrypoint.configure_logging()
     service_process(shutdown_budget_s=None)
     from trainer.distributed import close_world, init_world
     from trainer.service import serve

@@ -5,14 +5,18 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, SecretStr, model_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic import Field, SecretStr, field_validator, model_validator
+from pydantic_settings import SettingsConfigDict
+
+from rtrl.config import Settings
+
+from rtrl.plugins import check_spec
 
 
-class TrainerSettings(BaseSettings):
+class TrainerSettings(Settings):
     """How the trainer batches production rollouts and steps the treatment policy."""
 
-    model_config = SettingsConfigDict(env_prefix="RTRL_TRAINER_", extra="ignore")
+    model_config = SettingsConfigDict(env_prefix="RTRL_TRAINER_")
 
     lr: float = Field(1e-4, gt=0, le=1e-2)
     """AdamW learning rate. 3e-4 was measured noisy and 1e-3 collapsed the policy at batch 64."""
@@ -94,6 +98,14 @@ class TrainerSettings(BaseSettings):
     topic: str = "rl.reward.v1"
     """Reward topic to train on (a replay topic, rl.reward.replay.<version>, to train on a re-scored history)."""
 
+    initial_policy: str = "simulator.warmstart:demo_policy"
+    """The policy both arms start from, as a plug-in ``module:callable``
+    (trainer.plugins.InitialPolicy); the default warm-starts the built-in demo policy."""
+
+    eval_suite: str = "simulator.suite:demo_suite"
+    """The eval gate's held-out suite, as a plug-in ``module:callable``
+    (trainer.plugins.SuiteFactory); the default is the simulated product's tasks."""
+
     eval_tasks: int = Field(128, ge=8, le=4096)
     """Held-out tasks the eval gate samples one completion for, per candidate."""
 
@@ -110,6 +122,11 @@ class TrainerSettings(BaseSettings):
 
     reward_window_steps: int = Field(20, ge=1)
     """Steps over which the heartbeat's reward_mean is averaged."""
+
+    @field_validator("initial_policy", "eval_suite")
+    @classmethod
+    def _plugin_spec(cls, spec: str) -> str:
+        return check_spec(spec)
 
     @model_validator(mode="after")
     def _min_batch_fits(self) -> TrainerSettings:

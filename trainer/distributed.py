@@ -8,7 +8,7 @@ the unwrapped model's keys.
 
 Under torchrun, rank 0 consumes rewards and broadcasts each batch (broadcast_batch),
 every rank calls sharded_rl_step, and rank 0 publishes full_state_dict.
-``python -m trainer.distributed`` trains on synthetic production-shaped batches, on
+``python -m simulator.sharded_run`` trains on synthetic production-shaped batches, on
 one process with rl_step or under torchrun with sharded_rl_step, so the two can be
 compared step by step.
 """
@@ -25,6 +25,7 @@ import random
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -35,6 +36,9 @@ from torch.distributed.tensor import DTensor
 from trainer.batch import TrainBatch, TrainSample, collate
 from trainer.objective import leave_one_out_advantages, policy_gradient_loss
 from trainer.step import StepMetrics, build_optimizer, rl_step, token_logprobs
+
+if TYPE_CHECKING:
+    from transformers import LlamaForCausalLM
 
 log = logging.getLogger("trainer.distributed")
 
@@ -67,13 +71,14 @@ def close_world() -> None:
     dist.destroy_process_group()
 
 
-def shard(model: torch.nn.Module, world: World) -> torch.nn.Module:
+def shard(model: LlamaForCausalLM, world: World) -> torch.nn.Module:
     """Shard a LlamaForCausalLM in place: each decoder layer is its own FSDP unit (its
     weights are gathered only while it runs), the root holds the embedding, which the
     LM head shares, and the final norm."""
     device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
     if device_type == "cuda":
-        model.to(torch.device("cuda", torch.cuda.current_device()))
+        # transformers wraps to() in functools.wraps, which typeshed types as an unbound function.
+        model.to(torch.device("cuda", torch.cuda.current_device()))  # type: ignore[arg-type]
     mesh = init_device_mesh(device_type, (world.world_size,))
     for layer in model.model.layers:
         fully_shard(layer, mesh=mesh)
@@ -103,7 +108,9 @@ def broadcast_batch(batch: TrainBatch | None, world: World) -> TrainBatch:
     """Rank 0's batch on every rank (the others pass None)."""
     box = [batch if world.rank == 0 else None]
     dist.broadcast_object_list(box, src=0)
-    return box[0]
+    received = box[0]
+    assert received is not None  # rank 0's batch, now on every rank
+    return received
 
 
 @dataclass(frozen=True)
@@ -237,134 +244,3 @@ def full_state_dict(model: torch.nn.Module, world: World) -> dict[str, torch.Ten
         if world.rank == 0:
             out[name] = full.detach().to("cpu", torch.float32).contiguous().clone()
     return out if world.rank == 0 else None
-
-
-# The synthetic run behind ``python -m trainer.distributed``.
-
-BATCH_ROWS = (8, 5, 1, 7, 4, 3)
-"""Rows per step, cycled: uneven splits, and one batch smaller than two ranks."""
-BEHAVIOUR_NOISE = 0.4
-"""Std of the noise on the behaviour log-probs (nats): about 4% of tokens hit is_cap 2."""
-KL_COEF, IS_CAP, LEARNING_RATE = 0.05, 2.0, 1e-3
-GRAD_CLIP = 0.5
-"""Below about half the steps' gradient norms, so clipping by the global norm matters."""
-
-
-def synthetic_batches(model: torch.nn.Module, steps: int, seed: int) -> list[TrainBatch]:
-    """Production-shaped batches: task prompts repeated 1-4 times (one comparison
-    group each), completions in a random house style, sometimes cut off before EOS,
-    rewarded when the style is the project's; behaviour log-probs are ``model``'s at
-    the sampling temperature plus noise, as if sampled by a slightly different policy."""
-    from inference.engine import prompt_token_ids
-    from rtrl.policy import EOS, encode
-    from simulator.tasks import PROJECT_STYLES, random_style, random_task
-
-    rng = random.Random(seed)
-    noise = torch.Generator().manual_seed(seed)
-    batches = []
-    for step in range(steps):
-        rows = BATCH_ROWS[step % len(BATCH_ROWS)]
-        samples: list[TrainSample] = []
-        while len(samples) < rows:
-            task = random_task(rng)
-            temperature = rng.choice((0.7, 1.0))
-            for _ in range(min(rng.randint(1, 4), rows - len(samples))):
-                style = random_style(rng)
-                completion = encode(task.render(style)) + [EOS]
-                completion = completion[: rng.randint(len(completion) // 2, len(completion))]
-                house = PROJECT_STYLES[task.project] if task.project < len(PROJECT_STYLES) else random_style(rng)
-                samples.append(TrainSample(
-                    rollout_id=f"s{step}-r{len(samples)}",
-                    group=task.prompt,
-                    prompt_ids=tuple(prompt_token_ids(task.prompt)),
-                    completion_ids=tuple(completion),
-                    behaviour_logprobs=(0.0,) * len(completion),
-                    temperature=temperature,
-                    reward=float(style == house) + 0.1 * rng.random(),
-                    oldest_version=0,
-                    last_event_ts_ms=0,
-                ))
-        batch = collate(samples)
-        with torch.no_grad():
-            logp, _ = token_logprobs(model, batch)
-        jitter = BEHAVIOUR_NOISE * torch.randn(logp.shape, generator=noise)
-        batches.append(dataclasses.replace(batch, behaviour_logprobs=(logp + jitter) * batch.target_mask))
-    return batches
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, required=True)
-    parser.add_argument("--out", type=Path, required=True, help="JSON of per-step metrics (written by rank 0)")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--weights", type=Path, help="also save the final weights here (safetensors)")
-    args = parser.parse_args()
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-
-    from safetensors.torch import save_file
-
-    from rtrl.policy import build_model, state_dict_fp32
-
-    world = init_world()
-    rank, world_size = (world.rank, world.world_size) if world else (0, 1)
-    model = build_model(seed=args.seed)
-    initial = state_dict_fp32(model)
-    ref = copy.deepcopy(model)
-    batches = synthetic_batches(model, args.steps, args.seed) if rank == 0 else None
-    if world:
-        batches = [broadcast_batch(batches[i] if rank == 0 else None, world) for i in range(args.steps)]
-        shard(model, world)
-        shard(ref, world)
-    optimizer = build_optimizer(model, LEARNING_RATE)
-    hyper = {"ref_model": ref, "is_cap": IS_CAP, "kl_coef": KL_COEF, "grad_clip": GRAD_CLIP}
-    history: list[StepMetrics] = []
-    for step, batch in enumerate(batches):
-        if world:
-            metrics = sharded_rl_step(model, optimizer, batch, world, **hyper)
-        else:
-            metrics = rl_step(model, optimizer, batch, **hyper)
-        history.append(metrics)
-        if rank == 0:
-            log.info(
-                "step %d rows %d tokens %d loss %.5f kl %.5f grad_norm %.4f clipped %.3f",
-                step, metrics.rollouts, metrics.tokens, metrics.loss, metrics.kl, metrics.grad_norm, metrics.clipped_fraction,
-            )
-    final = full_state_dict(model, world) if world else state_dict_fp32(model)
-    if rank == 0:
-        _write_report(args.out, world_size, history, initial, final)
-        if args.weights:
-            save_file(final, str(args.weights))
-    if world:
-        close_world()
-        # Gloo's worker threads can still hold the last collectives' tensors, and
-        # releasing them during interpreter shutdown aborts the process (SIGABRT in
-        # about one run in ten), so leave without the shutdown.
-        logging.shutdown()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)
-
-
-def _write_report(
-    out: Path, world_size: int, history: list[StepMetrics], initial: dict[str, torch.Tensor], final: dict[str, torch.Tensor]
-) -> None:
-    moved = sum(((final[k] - initial[k]) ** 2).sum().item() for k in initial) ** 0.5
-    report = {
-        "world_size": world_size,
-        "rows": [m.rollouts for m in history],
-        "tokens": [m.tokens for m in history],
-        "losses": [m.loss for m in history],
-        "grad_norms": [m.grad_norm for m in history],
-        "kl": [m.kl for m in history],
-        "entropy": [m.entropy for m in history],
-        "clipped_fraction": [m.clipped_fraction for m in history],
-        "ratio_mean": [m.ratio_mean for m in history],
-        "weight_keys": list(final),
-        "weight_change_l2": moved,
-        "final_checksum": sum(t.double().sum().item() for t in final.values()),
-    }
-    out.write_text(json.dumps(report, indent=1))
-
-
-if __name__ == "__main__":
-    main()

@@ -111,8 +111,9 @@ class Journal:
                 if kind == "published":
                     version = entry["version"]
                 in_flight = None
-        landed = in_flight is not None and registry_latest > version
-        if landed:
+        landed = False
+        if in_flight is not None and registry_latest > version:
+            landed = True
             trained.extend(in_flight["ids"])
             step, positions, version = in_flight["step"], in_flight["positions"], registry_latest
             cluster_id = in_flight.get("cluster_id", "")

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import copy
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -22,6 +22,11 @@ from rtrl.policy import load_weights, state_dict_fp32
 from trainer.batch import TrainBatch
 from trainer.config import TrainerSettings
 from trainer.step import StepMetrics, build_optimizer, rl_step
+
+if TYPE_CHECKING:
+    from transformers import LlamaForCausalLM
+
+    from trainer.distributed import World
 
 log = logging.getLogger("trainer")
 
@@ -57,6 +62,7 @@ class LocalLearner:
         self._published = published if published is not None else self.snapshot()
 
     def restore(self) -> None:
+        assert self._published is not None  # the trainer remembers its starting state first
         weights, optimizer_state = self._published
         load_weights(self.model, weights)
         self.optimizer.load_state_dict(copy.deepcopy(optimizer_state))
@@ -86,7 +92,7 @@ class ShardedLearner:
     switching between the two keeps the weights and restarts Adam's moments.
     """
 
-    def __init__(self, model: torch.nn.Module, ref_model: torch.nn.Module, settings: TrainerSettings, world) -> None:
+    def __init__(self, model: LlamaForCausalLM, ref_model: LlamaForCausalLM, settings: TrainerSettings, world: World) -> None:
         from trainer.distributed import shard
 
         self.world = world
@@ -105,9 +111,12 @@ class ShardedLearner:
 
     def weights(self) -> dict[str, torch.Tensor]:
         self._command("weights")
-        return self._weights()
+        weights = self._weights()
+        assert weights is not None  # gathered on rank 0, which runs this
+        return weights
 
     def eval_model(self) -> torch.nn.Module:
+        assert self.eval_copy is not None  # rank 0 keeps one
         load_weights(self.eval_copy, self.weights())
         return self.eval_copy
 
@@ -121,7 +130,9 @@ class ShardedLearner:
 
     def state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         self._command("state")
-        return self._state()
+        state = self._state()
+        assert state is not None  # gathered on rank 0, which runs this
+        return state
 
     def load(self, weights: dict[str, torch.Tensor], optimizer_state: dict[str, Any] | None) -> None:
         self._command("load", optimizer_state is not None)
@@ -183,6 +194,7 @@ class ShardedLearner:
         self._published = (local, copy.deepcopy(self.optimizer.state_dict()))
 
     def _restore(self) -> None:
+        assert self._published is not None  # the trainer remembers its starting state first
         local, optimizer_state = self._published
         with torch.no_grad():
             for parameter, saved in zip(self.model.parameters(), local):
@@ -196,7 +208,10 @@ class ShardedLearner:
         optimizer_state = get_optimizer_state_dict(
             self.model, self.optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
         )
-        return (weights, optimizer_state) if self.world.rank == 0 else None
+        if self.world.rank != 0:
+            return None
+        assert weights is not None  # gathered on rank 0
+        return weights, optimizer_state
 
     def _load(self, weights: dict[str, torch.Tensor] | None, optimizer_state: dict[str, Any] | None) -> None:
         """Rank 0 passes full weights (and optimizer state); the others receive them."""
@@ -209,8 +224,13 @@ class ShardedLearner:
         options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
         box = [weights if self.world.rank == 0 else None]
         dist.broadcast_object_list(box, src=0)
-        # strict=False: the checkpoint lists tied weights once.
-        set_model_state_dict(self.model, box[0], options=StateDictOptions(full_state_dict=True, strict=False))
+        received = box[0]
+        assert received is not None  # rank 0's weights, now on every rank
+        # strict=False: the checkpoint lists tied weights once. The ignore: torch types the
+        # state dict as an (invariant) dict of its ValueType union, which a dict of tensors is not.
+        set_model_state_dict(
+            self.model, received, options=StateDictOptions(full_state_dict=True, strict=False)  # type: ignore[arg-type]
+        )
         if optimizer_state is None:
             return
         usable = [self.world.rank != 0 or "state" in optimizer_state and all(isinstance(k, str) for k in optimizer_state["state"])]

@@ -30,27 +30,28 @@ from collections import Counter, deque
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
+from safetensors.torch import load_file
 from confluent_kafka import KafkaError, KafkaException, TopicPartition
 from google.protobuf.message import DecodeError
 from opentelemetry import trace
 
 from rtrl import otel, signing
+from rtrl.heartbeat import GateRefusal, TrainerBeat
 from rtrl.policy import PolicyConfig, build_model, load_weights
 from rtrl.v1 import reward_pb2, trainer_pb2, weights_pb2
-from trainer import checkpoint
+from trainer import checkpoint, plugins
 from trainer import metrics as step_metrics
 from trainer.batch import Drop, SeenRollouts, TrainSample, collate, drop_stale, shed_oldest, split_even, to_sample
 from trainer.candidate import Candidate, Judge
 from trainer.config import TrainerSettings
-from trainer.evaluation import EvalGate, EvalSuite, Verdict
+from trainer.evaluation import EvalGate, Verdict
 from trainer.journal import Journal, parse_position_key, position_key
 from trainer.distributed import World
 from trainer.learner import LocalLearner, ShardedLearner
 from trainer.step import StepMetrics, combine
-from trainer.warmstart import WarmStartRecipe, ensure_warm_start, load_warm_start
 
 log = logging.getLogger("trainer")
 _tracer = trace.get_tracer("rtrl.trainer")
@@ -84,34 +85,6 @@ FetchWeights = Callable[[str, int], tuple[weights_pb2.Manifest, dict[str, torch.
 
 # Produced after every step; consumed by the heartbeat (read from another thread,
 # so it is replaced whole, never mutated).
-@dataclass(frozen=True)
-class TrainerStatus:
-    step: int = 0
-    version: int = -1
-    rollouts_trained: int = 0
-    pending: int = 0
-    reward_mean: float | None = None
-    """Mean batch reward over the last reward_window_steps steps."""
-    kl: float | None = None
-    entropy: float | None = None
-    grad_norm: float | None = None
-    dropped_stale: int = 0
-    dropped: dict[str, int] = field(default_factory=dict)
-    batch_wait_s: float | None = None
-    """From the first rollout of the batch arriving to the step starting."""
-    step_s: float | None = None
-    publish_s: float | None = None
-    event_to_publish_s: float | None = None
-    """Wall clock at publish minus the newest event time trained on."""
-    eval_s: float | None = None
-    gate: dict | None = None
-    """The last verdict of the eval gate (Verdict.summary())."""
-    refused: int = 0
-    """Candidates the eval gate refused since this process started."""
-    refusals: tuple[dict, ...] = ()
-    """The most recent refusals: step, time and the verdict's scores."""
-
-
 class Trainer:
     def __init__(
         self,
@@ -152,11 +125,11 @@ class Trainer:
         self.cluster_id = ""
         """The broker cluster self.positions are offsets in."""
         self.refused = 0
-        self.refusals: deque[dict] = deque(maxlen=REFUSALS_SHOWN)
+        self.refusals: deque[GateRefusal] = deque(maxlen=REFUSALS_SHOWN)
         self.on_step = on_step
         self.world = world
         self.dropped_recorded: Counter[Drop] = Counter()
-        self.status = TrainerStatus()
+        self.status = TrainerBeat()
         self.in_flight: Candidate | None = None
         """The candidate at the eval gate: trained and journaled, not yet published or refused."""
         self.lag = otel.PositionLag()
@@ -166,15 +139,15 @@ class Trainer:
         """Load the warm start, make sure both arms have a version, resume if we can."""
         torch.manual_seed(self.settings.seed)
         self.cluster_id = self.consumer.list_topics(timeout=30).cluster_id or ""
-        path = ensure_warm_start(self.state_dir, policy_config=self.policy_config, recipe=WarmStartRecipe(seed=self.settings.seed))
+        path = plugins.initial_policy(self.settings)(self.state_dir, self.policy_config, self.settings.seed)
         self.warm_start = path.name
-        warm = load_warm_start(path)
+        warm = load_file(str(path))
         model = build_model(self.policy_config)
         load_weights(model, warm)
         ref_model = build_model(self.policy_config)
         load_weights(ref_model, warm)
         ref_model.requires_grad_(False)
-        suite = EvalSuite(self.settings.eval_tasks, max_new_tokens=self.settings.eval_max_new_tokens)
+        suite = plugins.eval_suite(self.settings)
         # Scored before sharding: a sharded model only runs with every rank taking part.
         control = suite.score(ref_model)
         if self.world is None:
@@ -357,7 +330,12 @@ class Trainer:
         metrics, gate_wait_s = self._train(batches)
         self.step += 1
         self.journal.candidate(self.step, positions, (sample.rollout_id for sample in fresh), self.cluster_id)
-        weights, optimizer_state = self.learner.snapshot() if self.pipelined else (self.learner.weights(), None)
+        optimizer_state: dict[str, Any] | None = None
+        if self.pipelined:
+            assert isinstance(self.learner, LocalLearner)  # as pipelined says
+            weights, optimizer_state = self.learner.snapshot()
+        else:
+            weights = self.learner.weights()
         handed_over = time.monotonic()
         self.in_flight = Candidate(
             step=self.step, base_version=self.version, samples=tuple(fresh), positions=positions, metrics=metrics,
@@ -459,6 +437,7 @@ class Trainer:
         if candidate.optimizer_state is None:
             self.learner.remember()
         else:
+            assert isinstance(self.learner, LocalLearner)  # only a pipelined candidate carries optimizer state
             published = (candidate.weights, candidate.optimizer_state)
             self.learner.remember(published)
         self.commit(candidate.positions)
@@ -476,7 +455,11 @@ class Trainer:
         self.journal.refused(self.step, verdict.summary())
         self.learner.restore()
         self.refused += 1
-        self.refusals.append({"step": self.step, "ts_ms": int(time.time() * 1000), "rollouts": rollouts, **verdict.summary()})
+        gate = verdict.as_gate()
+        self.refusals.append(GateRefusal(
+            step=self.step, ts_ms=int(time.time() * 1000), rollouts=rollouts, accepted=gate.accepted,
+            candidate=gate.candidate, published=gate.published, control=gate.control, regressions=gate.regressions,
+        ))
         log.warning(
             "eval gate refused the candidate of step %d (%d rollouts); v%d stays: %s",
             self.step, rollouts, self.version, "; ".join(verdict.regressions),
@@ -518,9 +501,9 @@ class Trainer:
         )
         self.journal.compact(self.version, keep_ids=self.settings.dedup_capacity)
 
-    def _status(self, metrics: StepMetrics | None, verdict: Verdict | None = None, **latency: float | None) -> TrainerStatus:
+    def _status(self, metrics: StepMetrics | None, verdict: Verdict | None = None, **latency: float | None) -> TrainerBeat:
         previous = self.status
-        return TrainerStatus(
+        return TrainerBeat(
             step=self.step,
             version=self.version,
             rollouts_trained=self.rollouts_trained,
@@ -531,7 +514,7 @@ class Trainer:
             grad_norm=metrics.grad_norm if metrics else previous.grad_norm,
             dropped_stale=self.drops[Drop.STALE],
             dropped={str(reason): n for reason, n in self.drops.items()},
-            gate=verdict.summary() if verdict else previous.gate,
+            gate=verdict.as_gate() if verdict else previous.gate,
             refused=self.refused,
             refusals=tuple(self.refusals),
             **latency,
@@ -545,6 +528,6 @@ class Trainer:
             dropped={str(reason): n for reason, n in self.drops.items()},
         )
 
-    def heartbeat(self) -> dict:
-        """The status document for rtrl.heartbeat (safe to call from another thread)."""
-        return asdict(self.status)
+    def heartbeat(self) -> TrainerBeat:
+        """This trainer's beat (safe to call from another thread: the status is replaced, never changed)."""
+        return self.status

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import redis.asyncio as aioredis
 import torch
+from safetensors.torch import load_file
 from confluent_kafka import Consumer, Producer
 from opentelemetry import metrics
 
@@ -30,9 +31,9 @@ from rtrl.v1 import weights_pb2
 from trainer.config import TrainerSettings
 from rtrl.policy import PolicyConfig, build_model, load_weights
 from trainer.distributed import World
+from trainer import plugins
 from trainer.learner import ShardedLearner
 from trainer.loop import CONTROL, TREATMENT, Trainer
-from trainer.warmstart import WarmStartRecipe, ensure_warm_start, load_warm_start
 from trainer.metrics import StepExporter
 
 log = logging.getLogger("trainer")
@@ -64,7 +65,7 @@ def follow_rank_zero(settings: TrainerSettings, stack: StackSettings, world: Wor
     """
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, signal.SIG_IGN)
-    warm = load_warm_start(ensure_warm_start(stack.state_dir, recipe=WarmStartRecipe(seed=settings.seed)))
+    warm = load_file(str(plugins.initial_policy(settings)(stack.state_dir, PolicyConfig(), settings.seed)))
     model, ref_model = build_model(PolicyConfig()), build_model(PolicyConfig())
     load_weights(model, warm)
     load_weights(ref_model, warm)

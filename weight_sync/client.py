@@ -13,6 +13,7 @@ from pathlib import Path
 import grpc
 import torch
 from opentelemetry import trace
+from opentelemetry.util.types import AttributeValue
 
 from rtrl import otel, tls
 from rtrl.v1 import weights_pb2, weights_pb2_grpc
@@ -102,7 +103,7 @@ class Publisher:
         manifest = encoded.manifest(arm=self.arm, parent_version=parent_version, keyframe=keyframe, **stats)
         self._signer.sign(manifest)
         blob = encoded.blob
-        attributes = {"rpc.system": "grpc", "rpc.method": "rtrl.v1.WeightSync/Publish", "rtrl.arm": self.arm, "rtrl.weights.keyframe": keyframe, "rtrl.weights.bytes": len(blob)}
+        attributes: dict[str, AttributeValue] = {"rpc.system": "grpc", "rpc.method": "rtrl.v1.WeightSync/Publish", "rtrl.arm": self.arm, "rtrl.weights.keyframe": keyframe, "rtrl.weights.bytes": len(blob)}
         with _tracer.start_as_current_span("weights publish", kind=trace.SpanKind.CLIENT, attributes=attributes) as span:
             manifest.traceparent = otel.traceparent_of(span)
             self.last_upload_started_s = time.time()

@@ -82,7 +82,7 @@ def tensor_bytes(tensor: torch.Tensor) -> np.ndarray:
 
 
 def tensor_checksum(tensor: torch.Tensor) -> str:
-    return xxh3_hex(tensor_bytes(tensor))
+    return xxh3_hex(tensor_bytes(tensor).data)
 
 
 def tensor_from_bytes(data: bytes | memoryview, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
@@ -110,6 +110,7 @@ class EncodedVersion:
         """A Manifest describing this blob; ``fields`` add arm, version, keyframe and the rest."""
         manifest = weights_pb2.Manifest(tensors=self.tensors, blob_size=len(self.blob), blob_checksum=xxh3_hex(self.blob), **fields)
         if self.delta_positions is not None:
+            assert self.delta_values is not None  # encode() gives both sections or neither
             manifest.delta_positions.CopyFrom(self.delta_positions)
             manifest.delta_values.CopyFrom(self.delta_values)
         return manifest
@@ -143,12 +144,12 @@ def encode(parent: Weights | None, new: Weights, buffers: EncodeBuffers | None =
     offset = 0
     for name, tensor in new.items():
         raw = tensor_bytes(tensor)
-        meta = weights_pb2.TensorMeta(name=name, shape=list(tensor.shape), dtype=dtype_name(tensor.dtype), checksum=xxh3_hex(raw))
+        meta = weights_pb2.TensorMeta(name=name, shape=list(tensor.shape), dtype=dtype_name(tensor.dtype), checksum=xxh3_hex(raw.data))
         base = None if parent is None else parent.get(name)
         if base is not None and base.shape == tensor.shape and base.dtype == tensor.dtype:
             meta.encoding, meta.changed = SPARSE_DIFF, _append_changes(changes, base, tensor, raw)
         else:
-            section = compressor.compress(raw)
+            section = compressor.compress(raw.data)
             meta.encoding, meta.offset, meta.length = FULL, offset, len(section)
             sections.append(section)
             offset += len(section)

@@ -10,7 +10,9 @@ from pathlib import PurePosixPath
 from urllib.parse import unquote, urlparse
 
 from pydantic import Field, SecretStr, model_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import SettingsConfigDict
+
+from rtrl.config import Settings
 
 from rtrl.tls import TLSListener
 
@@ -34,8 +36,8 @@ def split_s3_url(url: str) -> tuple[str, str]:
     return parsed.netloc, prefix
 
 
-class WeightSyncSettings(BaseSettings, TLSListener):
-    model_config = SettingsConfigDict(env_prefix="RTRL_WEIGHT_SYNC_", extra="ignore")
+class WeightSyncSettings(Settings, TLSListener):
+    model_config = SettingsConfigDict(env_prefix="RTRL_WEIGHT_SYNC_")
 
     bind_host: str = "127.0.0.1"
     """Address the gRPC server binds to (``0.0.0.0`` in a container)."""

@@ -18,6 +18,7 @@ for the server, once for any number of racing callers and servers.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections.abc import Callable
@@ -25,6 +26,7 @@ from dataclasses import dataclass
 
 from google.protobuf.message import DecodeError
 
+from rtrl.heartbeat import RegistryRebuild
 from rtrl.v1 import weights_pb2
 from weight_sync.checksum import xxh3_hex
 from weight_sync.registry import Registry, RestoredArm
@@ -105,9 +107,10 @@ def recover_arm(
                 unusable.setdefault(version, "missing")
                 return None
             if version not in checked:
-                checked[version] = blob_problem(version)
-                if checked[version]:
-                    unusable[version] = checked[version]
+                problem = blob_problem(version)
+                checked[version] = problem
+                if problem:
+                    unusable[version] = problem
             if checked[version]:
                 return None
             versions.append(version)
@@ -148,7 +151,7 @@ def _manifest_problem(arm: str, version: int, manifest: weights_pb2.Manifest) ->
 def recover_store(store: BlobStore) -> list[RecoveredArm]:
     """recover_arm for every arm the store holds files of (blocking: reads the store)."""
     return [
-        recover_arm(arm, files, lambda version, arm=arm: store.read_manifest(arm, version), lambda manifest: store.read(manifest.blob_uri))
+        recover_arm(arm, files, functools.partial(store.read_manifest, arm), lambda manifest: store.read(manifest.blob_uri))
         for arm, files in store.listing().items()
     ]
 
@@ -165,7 +168,7 @@ class RegistryRecovery:
         self._lock = asyncio.Lock()
         self.rebuilds = 0
         """Lost registries this server rebuilt with at least one arm."""
-        self.last_rebuild: dict | None = None
+        self.last_rebuild: RegistryRebuild | None = None
         """When, and to which latest version per arm, for the heartbeat."""
 
     async def ensure(self) -> None:
@@ -182,7 +185,7 @@ class RegistryRecovery:
             if outcome == "restored" and recovered:
                 self.rebuilds += 1
                 latest = {arm.restored.arm: arm.restored.latest for arm in recovered}
-                self.last_rebuild = {"ts_ms": int(time.time() * 1000), "latest": latest}
+                self.last_rebuild = RegistryRebuild(ts_ms=int(time.time() * 1000), latest=latest)
                 log.warning(
                     "registry rebuilt from %s: %s",
                     self._store.url,

@@ -111,7 +111,12 @@ class Registry:
 
     async def latest_and_keyframes(self, arm: str) -> tuple[int, list[int]]:
         """The latest version and every keyframe version (ascending), read together."""
-        raw, keyframes = await self._read(lambda pipe: pipe.get(latest_key(arm)).zrange(keyframes_key(arm), 0, -1))
+
+        def queue(pipe: aioredis.client.Pipeline) -> None:
+            pipe.get(latest_key(arm))
+            pipe.zrange(keyframes_key(arm), 0, -1)
+
+        raw, keyframes = await self._read(queue)
         return (-1 if raw is None else int(raw)), sorted(int(k) for k in keyframes)
 
     async def newest_keyframe(self, arm: str, at_most: int) -> int | None:

@@ -15,15 +15,16 @@ import logging
 
 import grpc
 from opentelemetry import trace
+from opentelemetry.util.types import AttributeValue
 from pydantic import Field
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import SettingsConfigDict
 
-from rtrl import otel
-from rtrl.config import StackSettings
+from rtrl import entrypoint, otel
+from rtrl.config import Settings, StackSettings
 from rtrl.tls import TLSListener
 from rtrl.runtime import service_process, until_stopped
 from rtrl.v1 import weights_pb2
-from weight_sync.broadcast import Broadcaster, add_to_server, observe_fanout
+from weight_sync.broadcast import Broadcaster, abort, add_to_server, observe_fanout
 from weight_sync.store import check_arm
 from weight_sync.stream import AsyncVersionStream
 
@@ -31,8 +32,8 @@ log = logging.getLogger("weight_sync.relay")
 _tracer = trace.get_tracer("rtrl.relay")
 
 
-class RelaySettings(BaseSettings, TLSListener):
-    model_config = SettingsConfigDict(env_prefix="RTRL_WEIGHT_SYNC_RELAY_", extra="ignore")
+class RelaySettings(Settings, TLSListener):
+    model_config = SettingsConfigDict(env_prefix="RTRL_WEIGHT_SYNC_RELAY_")
 
     upstream_addr: str = "127.0.0.1:50061"
     """gRPC address of the weight_sync server, or of a relay nearer to it."""
@@ -106,7 +107,7 @@ class RelayCache:
 
 class RelayService(Broadcaster):
     async def Publish(self, request_iterator, context) -> weights_pb2.PublishResponse:
-        await context.abort(grpc.StatusCode.PERMISSION_DENIED, "this is a relay: publish to the weight_sync server")
+        await abort(context, grpc.StatusCode.PERMISSION_DENIED, "this is a relay: publish to the weight_sync server")
 
 
 class Relay:
@@ -164,7 +165,7 @@ class Relay:
             stream.accept(held)
             # A span in the version's trace (a child of its weight_sync commit): which
             # relays a version passed through on its way to the workers.
-            attributes = {"rtrl.arm": arm, "rtrl.policy.version": held, "rtrl.relay.upstream": self.settings.upstream_addr}
+            attributes: dict[str, AttributeValue] = {"rtrl.arm": arm, "rtrl.policy.version": held, "rtrl.relay.upstream": self.settings.upstream_addr}
             _tracer.start_span("weights relay", context=otel.parent(manifest.traceparent), attributes=attributes).end()
             self.cache.add(manifest, blob)
             self.service.verified(manifest, blob)
@@ -192,9 +193,8 @@ async def serve(settings: RelaySettings, stack: StackSettings) -> None:
 
 
 def main() -> None:
-    settings = RelaySettings()
-    stack = StackSettings()
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    settings, stack = entrypoint.parse_settings("python -m weight_sync.relay", __doc__, RelaySettings, StackSettings)
+    entrypoint.configure_logging()
     service_process()
     otel.configure("relay", stack)
     asyncio.run(serve(settings, stack))

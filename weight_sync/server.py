@@ -17,7 +17,7 @@ from opentelemetry import metrics
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from rtrl import heartbeat, otel
+from rtrl import entrypoint, heartbeat, otel
 from rtrl.config import StackSettings
 from rtrl.runtime import service_process, until_stopped
 from weight_sync import gc
@@ -120,21 +120,23 @@ class WeightSyncServer:
 
     async def _watch_registry(self) -> None:
         """Notice a lost registry while nothing reads it (every read and commit checks too)."""
+        unavailable: tuple[type[BaseException], ...] = (*_REDIS_DOWN, *self.store.unavailable)
         while True:
             await asyncio.sleep(self.settings.poll_interval_s)
             try:
                 await self.recovery.ensure()
-            except (*_REDIS_DOWN, *self.store.unavailable) as exc:
+            except unavailable as exc:
                 log.warning("registry check failed (%s: %s); next try in %.1f s", type(exc).__name__, exc, self.settings.poll_interval_s)
 
     async def _collect_garbage(self) -> None:
         """Every server of a registry may run this: collection is idempotent, and a stale
         view of the registry only makes it delete less."""
+        unavailable: tuple[type[BaseException], ...] = (*_REDIS_DOWN, *self.store.unavailable)
         while True:
             await asyncio.sleep(self.settings.gc_interval_s)
             try:
                 await self.collect_garbage()
-            except (*_REDIS_DOWN, *self.store.unavailable) as exc:
+            except unavailable as exc:
                 log.warning("garbage collection failed (%s: %s); next try in %.0f s", type(exc).__name__, exc, self.settings.gc_interval_s)
 
     async def collect_garbage(self) -> list[gc.ArmPlan]:
@@ -142,17 +144,17 @@ class WeightSyncServer:
         self.versions_collected += sum(len(p.versions) for p in plans)
         return plans
 
-    async def status(self) -> dict:
-        return {
-            "port": self.port,
-            "latest": await self.registry.latest_by_arm(),
-            "subscribers": self.service.subscribers,
-            "bytes_sent": self.service.bytes_sent,
-            "versions_published": self.service.versions_published,
-            "versions_collected": self.versions_collected,
-            "registry_rebuilds": self.recovery.rebuilds,
-            "last_registry_rebuild": self.recovery.last_rebuild,
-        }
+    async def status(self) -> heartbeat.WeightSyncBeat:
+        return heartbeat.WeightSyncBeat(
+            port=self.port,
+            latest=await self.registry.latest_by_arm(),
+            subscribers=self.service.subscribers,
+            bytes_sent=self.service.bytes_sent,
+            versions_published=self.service.versions_published,
+            versions_collected=self.versions_collected,
+            registry_rebuilds=self.recovery.rebuilds,
+            last_registry_rebuild=self.recovery.last_rebuild,
+        )
 
 
 async def serve(settings: WeightSyncSettings, stack: StackSettings) -> None:
@@ -167,9 +169,8 @@ async def serve(settings: WeightSyncSettings, stack: StackSettings) -> None:
 
 
 def main() -> None:
-    settings = WeightSyncSettings()
-    stack = StackSettings()
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    settings, stack = entrypoint.parse_settings("python -m weight_sync", __doc__, WeightSyncSettings, StackSettings)
+    entrypoint.configure_logging()
     service_process()
     otel.configure("weight_sync", stack)
     asyncio.run(serve(settings, stack))

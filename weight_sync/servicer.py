@@ -20,7 +20,7 @@ from opentelemetry import trace
 from rtrl import otel
 from rtrl.v1 import weights_pb2
 from weight_sync import lineage
-from weight_sync.broadcast import Broadcaster, retrieve_exception, valid_arm
+from weight_sync.broadcast import Broadcaster, abort, retrieve_exception, valid_arm
 from weight_sync.checksum import xxh3_hex
 from weight_sync.config import WeightSyncSettings
 from weight_sync.recovery import stored_manifest
@@ -178,23 +178,23 @@ class WeightSyncService(Broadcaster):
         async for chunk in request_iterator:
             if manifest is None:
                 if not chunk.HasField("manifest"):
-                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the first PublishChunk must carry the manifest")
+                    await abort(context, grpc.StatusCode.INVALID_ARGUMENT, "the first PublishChunk must carry the manifest")
                 manifest = weights_pb2.Manifest()
                 manifest.CopyFrom(chunk.manifest)
                 if manifest.blob_size > self._settings.max_blob_bytes:
-                    await context.abort(
-                        grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    await abort(
+                        context, grpc.StatusCode.RESOURCE_EXHAUSTED,
                         f"the manifest declares {manifest.blob_size} bytes, more than max_blob_bytes {self._settings.max_blob_bytes}",
                     )
             # The declared size is enforced as the stream arrives, not after buffering it.
             received += len(chunk.data)
             if received > manifest.blob_size:
-                await context.abort(
-                    grpc.StatusCode.INVALID_ARGUMENT, f"the stream carries more than the {manifest.blob_size} bytes its manifest declares"
+                await abort(
+                    context, grpc.StatusCode.INVALID_ARGUMENT, f"the stream carries more than the {manifest.blob_size} bytes its manifest declares"
                 )
             parts.append(chunk.data)
         if manifest is None:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "empty publish")
+            await abort(context, grpc.StatusCode.INVALID_ARGUMENT, "empty publish")
         arm = await valid_arm(manifest.arm, context)
         with _tracer.start_as_current_span(
             "weights commit", context=otel.parent(manifest.traceparent), kind=trace.SpanKind.SERVER,
@@ -209,8 +209,8 @@ class WeightSyncService(Broadcaster):
         manifest carries this span's traceparent: each worker's apply span is its child."""
         arm = manifest.arm
         if len(blob) != manifest.blob_size or xxh3_hex(blob) != manifest.blob_checksum:
-            await context.abort(
-                grpc.StatusCode.DATA_LOSS,
+            await abort(
+                context, grpc.StatusCode.DATA_LOSS,
                 f"received {len(blob)} bytes hashing to {xxh3_hex(blob)}; manifest says {manifest.blob_size} bytes, {manifest.blob_checksum}",
             )
         async with self._publish_locks.setdefault(arm, asyncio.Lock()):
@@ -221,7 +221,7 @@ class WeightSyncService(Broadcaster):
             )
             if problem:
                 self._registry_source.head_disputed(arm)
-                await context.abort(grpc.StatusCode.FAILED_PRECONDITION, problem)
+                await abort(context, grpc.StatusCode.FAILED_PRECONDITION, problem)
             manifest.version = next_version
             if manifest.keyframe:
                 # In a publish, parent_version is the compare-and-set token; stored keyframes say -1.
@@ -234,7 +234,7 @@ class WeightSyncService(Broadcaster):
             await asyncio.to_thread(self._store.write_manifest, arm, manifest.version, stored_manifest(manifest))
             if not await self._registry.commit(manifest, expected_latest=latest):
                 self._registry_source.head_disputed(arm)
-                await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"another publisher committed version {manifest.version} of arm {arm!r} first")
+                await abort(context, grpc.StatusCode.FAILED_PRECONDITION, f"another publisher committed version {manifest.version} of arm {arm!r} first")
         self._registry_source.committed(manifest)
         self.verified(manifest, blob)
         self.published(arm, manifest.version)

@@ -17,7 +17,7 @@ import asyncio
 import contextlib
 import logging
 import threading
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncGenerator, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -182,7 +182,7 @@ class AsyncVersionStream:
         if self._wake is not None:
             self._wake.set()
 
-    async def follow(self, have_version: int = -1) -> AsyncIterator[tuple[weights_pb2.Manifest, bytes]]:
+    async def follow(self, have_version: int = -1) -> AsyncGenerator[tuple[weights_pb2.Manifest, bytes], None]:
         """Yield (manifest, blob) for each version on the path from have_version, then
         each new one, until stop(). The caller must accept() or reject() each."""
         self.held = have_version

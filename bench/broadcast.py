@@ -1,0 +1,228 @@
+"""`rtrl bench broadcast`: how long one new version takes to reach 1, 2, 4 and 8 workers.
+
+Real processes on loopback: redis-server, the weight_sync server, optionally two
+relays, and subscriber probes (rtrl.ops.broadcast_probe). The versions
+are the MiniLM fine-tune of `rtrl bench codec` (22.7 M bf16 weights): a keyframe
+first, which every subscriber must hold before timing starts, then deltas of about
+180 KB, the steady state of real-time RL.
+
+Delivery time of a version = from the moment the trainer's Publish call starts
+(after encoding) until the last subscriber holds the whole blob, checksum-verified;
+the median over rounds. It includes the upload and the commit, which cost the same
+whatever the fan-out.
+
+Subscribers are measured two ways. ``connections``: one probe process holds every
+subscriber's own connection, so the server sees N independent streams while the
+receiving side costs this machine little (in production each worker has its own
+CPUs); this gives ``fanout_N_vs_1``. ``processes``: a process per subscriber, as
+workers are, all sharing this machine's cores with the server and relays; this
+gives ``fanout_N_vs_1_processes``, the pessimistic figure. Probes do not decode:
+decoding is each worker's own CPU work (`rtrl bench codec` measures it), and eight
+decoders on a 2-core machine would measure the machine, not the broadcast.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import secrets
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import redis
+from rich.console import Console
+from rich.progress import Progress
+from rich.table import Table
+
+from rtrl import heartbeat, procs, signing
+from rtrl.config import StackSettings
+
+FANOUTS = (1, 2, 4, 8)
+PROBE_MODULE = "rtrl.ops.broadcast_probe"
+RELAYS = 2
+
+
+MODES = ("connections", "processes")
+
+
+@dataclass(frozen=True)
+class Topology:
+    subscribers: int
+    relays: int
+    mode: str
+    """``connections``: one probe process holds every subscriber's connection;
+    ``processes``: a process per subscriber, as a fleet of workers would be."""
+
+    @property
+    def arm(self) -> str:
+        return f"{'relayed' if self.relays else 'direct'}-{self.mode}-{self.subscribers}"
+
+
+class Probes:
+    """The subscribers of one topology and what they wrote: one process per subscriber
+    (``processes``), or one process holding every subscriber's connection (``connections``)."""
+
+    def __init__(self, addrs: list[str], arm: str, workdir: Path, mode: str) -> None:
+        prefix = workdir / f"{arm}-{mode}"
+        if mode == "processes":
+            self.files = [Path(f"{prefix}{i}-0.jsonl") for i in range(len(addrs))]
+            groups = [(f"{prefix}{i}", [addr]) for i, addr in enumerate(addrs)]
+        else:
+            self.files = [Path(f"{prefix}-{i}.jsonl") for i in range(len(addrs))]
+            groups = [(str(prefix), addrs)]
+        self._seen: dict[Path, dict[int, float]] = {}
+        self._read_to: dict[Path, int] = {}
+        self.procs = [
+            procs.spawn(f"probe-{i}", [sys.executable, "-m", "rtrl.ops.broadcast_probe", out_prefix, arm, *group], Path(f"{out_prefix}.log"))
+            for i, (out_prefix, group) in enumerate(groups)
+        ]
+
+    def delivered(self, version: int, timeout_s: float = 60.0) -> list[float]:
+        """Each probe's delivery time of ``version``, waiting until all have it."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            times = [self._delivered(out, version) for out in self.files]
+            arrived = [t for t in times if t is not None]
+            if len(arrived) == len(times):
+                return arrived
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"v{version} reached {sum(t is not None for t in times)} of {len(times)} subscribers in {timeout_s} s")
+            time.sleep(0.02)
+
+    def _delivered(self, out: Path, version: int) -> float | None:
+        """Read only what the probe appended since the last look (whole lines)."""
+        seen = self._seen.setdefault(out, {})
+        if version not in seen and out.exists():
+            with out.open("rb") as lines:
+                lines.seek(self._read_to.get(out, 0))
+                for line in lines:
+                    if not line.endswith(b"\n"):
+                        break
+                    self._read_to[out] = self._read_to.get(out, 0) + len(line)
+                    record = json.loads(line)
+                    seen[record["version"]] = record["delivered"]
+        return seen.get(version)
+
+    def stop(self) -> None:
+        for proc in self.procs:
+            proc.stop()
+
+
+def run_topology(topology: Topology, server_addr: str, relay_addrs: list[str], versions, stack: StackSettings, workdir: Path) -> dict:
+    from weight_sync.client import Publisher
+
+    addrs = [relay_addrs[i % len(relay_addrs)] for i in range(topology.subscribers)] if topology.relays else [server_addr] * topology.subscribers
+    probes = Probes(addrs, topology.arm, workdir, topology.mode)
+    publisher = Publisher(server_addr, stack.weight_sync_token.get_secret_value(), topology.arm, keyframe_every=1000, signing_key=signing.generate_private_key())  # its probes count bytes, they do not verify
+    try:
+        publisher.publish(versions[0])
+        probes.delivered(0)
+        times, firsts = [], []
+        for version, weights in enumerate(versions[1:], start=1):
+            time.sleep(0.2)  # let every stream settle back into waiting
+            publisher.publish(weights)
+            published = publisher.last_upload_started_s
+            delivered = probes.delivered(version)
+            times.append(max(delivered) - published)
+            firsts.append(min(delivered) - published)
+        return {
+            "mode": topology.mode,
+            "subscribers": topology.subscribers,
+            "relays": topology.relays,
+            "delivery_s": statistics.median(times),
+            "first_delivery_s": statistics.median(firsts),
+            "rounds": len(times),
+        }
+    finally:
+        publisher.close()
+        probes.stop()
+
+
+def server_bytes_sent(client: redis.Redis, instance: str) -> int:
+    time.sleep(1.2)  # one heartbeat interval, so the figure is current
+    beat = heartbeat.read_one(client, "weight_sync", instance)
+    return beat.beat.bytes_sent if beat is not None and isinstance(beat.beat, heartbeat.WeightSyncBeat) else 0
+
+
+def run(out: Path, console: Console, rounds: int = 15) -> dict:
+    from bench.codec import minilm_versions
+
+    # The bench's own servers, relays and probes (which inherit this environment) share a pair
+    # of tokens made for the run: weight_sync has no defaults.
+    for name in ("RTRL_WEIGHT_SYNC_TOKEN", "RTRL_WEIGHT_SYNC_SUBSCRIBE_TOKEN"):
+        os.environ.setdefault(name, secrets.token_urlsafe(24))
+
+    with console.status("MiniLM: fine-tuning for the versions to broadcast"):
+        versions = minilm_versions(5 + rounds, keep=1 + rounds)
+    from weight_sync import codec
+
+    keyframe_bytes = len(codec.encode(None, versions[0]).blob)
+    delta_sizes = [len(codec.encode(parent, new).blob) for parent, new in itertools.pairwise(versions)]
+    delta_bytes = round(statistics.median(delta_sizes))
+    topologies = [
+        Topology(n, relays, mode) for mode in MODES for relays in (0, RELAYS) for n in FANOUTS if n >= max(relays, 1)
+    ]
+    results: dict = {"delta_bytes": delta_bytes, "keyframe_bytes": keyframe_bytes, "rounds": rounds, "topologies": []}
+    with tempfile.TemporaryDirectory(prefix="rtrl-bench-broadcast-") as tmp:
+        workdir = Path(tmp)
+        redis_proc = procs.start_redis(workdir / "redis", workdir / "redis.log")
+        stack = StackSettings(redis_url=f"redis://127.0.0.1:{redis_proc.port}/0", state_dir=workdir / "state", instance="bench")
+        port = procs.free_port()
+        env = {"RTRL_REDIS_URL": stack.redis_url, "RTRL_STATE_DIR": str(stack.state_dir), "RTRL_INSTANCE": "bench", "RTRL_WEIGHT_SYNC_PORT": str(port), "RTRL_WEIGHT_SYNC_GC_INTERVAL_S": "0"}
+        started = [redis_proc, procs.spawn("weight_sync", [sys.executable, "-m", "weight_sync"], workdir / "weight_sync.log", env=env, port=port)]
+        server_addr = f"127.0.0.1:{port}"
+        relay_arms = json.dumps([t.arm for t in topologies if t.relays])
+        relay_addrs = []
+        for i in range(RELAYS):
+            relay_port = procs.free_port()
+            relay_env = {"RTRL_WEIGHT_SYNC_RELAY_UPSTREAM_ADDR": server_addr, "RTRL_WEIGHT_SYNC_RELAY_PORT": str(relay_port), "RTRL_WEIGHT_SYNC_RELAY_ARMS": relay_arms}
+            started.append(procs.spawn(f"relay-{i}", [sys.executable, "-m", "weight_sync.relay"], workdir / f"relay-{i}.log", env=relay_env, port=relay_port))
+            relay_addrs.append(f"127.0.0.1:{relay_port}")
+        client = redis.Redis.from_url(stack.redis_url)
+        try:
+            for proc in started[1:]:
+                assert proc.port is not None  # spawned with port= above
+                procs.wait_for_port(proc.port)
+            with Progress(console=console, transient=True) as progress:
+                task = progress.add_task("broadcasting", total=len(topologies))
+                for topology in topologies:
+                    progress.update(task, description=topology.arm)
+                    before = server_bytes_sent(client, "bench")
+                    result = run_topology(topology, server_addr, relay_addrs, versions, stack, workdir)
+                    # Egress in copies of the arm's versions: what the server's own streams carried.
+                    sent = server_bytes_sent(client, "bench") - before
+                    result["server_copies_per_version"] = round(sent / (keyframe_bytes + sum(delta_sizes)), 3)
+                    results["topologies"].append(result)
+                    progress.advance(task)
+        finally:
+            client.close()
+            for proc in reversed(started):
+                proc.stop()
+    by = {(t["mode"], t["relays"], t["subscribers"]): t["delivery_s"] for t in results["topologies"]}
+    for mode in MODES:
+        suffix = "" if mode == "connections" else "_processes"
+        for n in FANOUTS[1:]:
+            results[f"fanout_{n}_vs_1{suffix}"] = round(by[(mode, 0, n)] / by[(mode, 0, 1)], 2)
+            if (mode, RELAYS, n) in by:
+                results[f"fanout_{n}_vs_1_relayed{suffix}"] = round(by[(mode, RELAYS, n)] / by[(mode, 0, 1)], 2)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=2))
+    _print(results, out, console)
+    return results
+
+
+def _print(results: dict, out: Path, console: Console) -> None:
+    base = {t["mode"]: t["delivery_s"] for t in results["topologies"] if t["relays"] == 0 and t["subscribers"] == 1}
+    table = Table(title=f"bench broadcast -> {out} (deltas ~{results['delta_bytes']:,} B, keyframe {results['keyframe_bytes']:,} B)", title_justify="left")
+    for column in ("probes", "topology", "subscribers", "delivery (median)", "vs 1 direct", "server egress (copies)"):
+        table.add_column(column, justify="right")
+    for t in results["topologies"]:
+        name = f"{t['relays']} relays" if t["relays"] else "direct"
+        held_by = "1 process" if t["mode"] == "connections" else "1 per subscriber"
+        table.add_row(held_by, name, str(t["subscribers"]), f"{t['delivery_s'] * 1000:.1f} ms", f"{t['delivery_s'] / base[t['mode']]:.2f}", f"{t['server_copies_per_version']:g}")
+    console.print(table)

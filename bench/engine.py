@@ -1,0 +1,215 @@
+"""`rtrl bench engine`: the embedded engine against Hugging Face `generate()`, and the
+cost of swapping weights under load.
+
+Everything runs in this process, on one torch thread, with one model (the demo
+policy's shape), the same prompts (the simulator's task prompts) and the same lengths
+(``max_tokens`` per completion: EOS is ignored by the engine and suppressed in
+`generate()` with min_new_tokens):
+
+* ``hf_generate_tokens_per_s``: `model.generate()` over batches of ``concurrency``
+  left-padded prompts, sampling at temperature 1;
+* ``tokens_per_s``: the engine with ``concurrency`` requests in flight at all times
+  (each finished request submits the next), so the continuous batch stays full;
+* ``ratio`` = tokens_per_s / hf_generate_tokens_per_s (target >= 2);
+* ``swap_slowdown``: engine throughput while a new version arrives every
+  ``swap_every_s`` (staged from another thread, as the weight subscriber does, with
+  the default "keep" policy), divided by its throughput without swaps (target >= 0.9).
+  ``swap_slowdown_recompute`` is the same with the "recompute" policy.
+
+Phases alternate (no swaps, swaps, no swaps, ...) so a drift in the machine's speed
+hits both sides; each rate is tokens over the span from the phase's start to its
+last completion.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from rich.console import Console
+from rich.progress import Progress
+from rich.table import Table
+
+from inference.engine import Engine, EngineConfig, prompt_token_ids
+from bench.join import code_version
+from rtrl.policy import EOS, PAD, build_model, state_dict_fp32
+from simulator.tasks import random_task
+
+
+@dataclass
+class Phase:
+    name: str
+    tokens: int
+    seconds: float
+    swaps: int = 0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.seconds
+
+
+def task_prompts(n: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [prompt_token_ids(random_task(rng).prompt) for _ in range(n)]
+
+
+def hf_generate(model, prompts: list[list[int]], batch: int, max_tokens: int, seconds: float, progress: Progress) -> Phase:
+    task = progress.add_task("HF generate()", total=seconds)
+    tokens, started, i = 0, time.perf_counter(), 0
+    while time.perf_counter() - started < seconds:
+        group = [prompts[(i + j) % len(prompts)] for j in range(batch)]
+        i += batch
+        width = max(len(p) for p in group)
+        ids = torch.tensor([[PAD] * (width - len(p)) + p for p in group])
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in group])
+        with torch.inference_mode():
+            out = model.generate(
+                input_ids=ids, attention_mask=mask, max_new_tokens=max_tokens, min_new_tokens=max_tokens,
+                do_sample=True, temperature=1.0, top_k=0, top_p=1.0, pad_token_id=PAD, eos_token_id=EOS,
+            )
+        tokens += (out.shape[1] - width) * batch
+        progress.update(task, completed=min(time.perf_counter() - started, seconds))
+    return Phase("hf_generate", tokens, time.perf_counter() - started)
+
+
+@dataclass
+class _InFlight:
+    """What engine_phase's submitter and completion callbacks share, under its lock."""
+
+    tokens: int = 0
+    in_flight: int = 0
+    next: int = 0
+    """Index of the next prompt to submit."""
+    last: float = 0.0
+    """perf_counter() of the latest completion."""
+    error: BaseException | None = None
+
+
+def engine_phase(
+    engine: Engine, name: str, prompts: list[list[int]], concurrency: int, max_tokens: int, seconds: float,
+    progress: Progress, swap: tuple[float, list[dict[str, torch.Tensor]]] | None = None, label: str = "",
+) -> Phase:
+    """Keep ``concurrency`` requests in flight for ``seconds``; with ``swap`` = (every_s,
+    weight sets), stage a new version every every_s from another thread."""
+    task = progress.add_task(label or name, total=seconds)
+    lock = threading.Lock()
+    state = _InFlight()
+    idle = threading.Event()
+    started = time.perf_counter()
+    deadline = started + seconds
+
+    def submit() -> None:
+        with lock:
+            prompt = prompts[state.next % len(prompts)]
+            state.next += 1
+            state.in_flight += 1
+        engine.submit("control", prompt, max_tokens=max_tokens, temperature=1.0, ignore_eos=True).add_done_callback(done)
+
+    def done(future) -> None:
+        if future.exception() is not None:
+            state.error = future.exception()
+            idle.set()
+            return
+        completion = future.result()
+        now = time.perf_counter()
+        with lock:
+            state.tokens += len(completion.result.token_ids)
+            state.in_flight -= 1
+            state.last = now
+            finished = state.in_flight == 0
+        if now < deadline:
+            submit()
+        elif finished:
+            idle.set()
+
+    stop = threading.Event()
+    swaps = [0]
+
+    def swapper(every_s: float, sets: list[dict[str, torch.Tensor]]) -> None:
+        while not stop.wait(every_s):
+            version = engine.held_version("control") + 1
+            engine.stage("control", version, sets[version % len(sets)])
+            swaps[0] += 1
+
+    thread = threading.Thread(target=swapper, args=swap, daemon=True) if swap else None
+    if thread:
+        thread.start()
+    for _ in range(concurrency):
+        submit()
+    while not idle.wait(0.25):
+        progress.update(task, completed=min(time.perf_counter() - started, seconds))
+    stop.set()
+    if thread:
+        thread.join()
+    if state.error is not None:
+        raise RuntimeError(f"{name}: a request failed") from state.error
+    progress.update(task, completed=seconds)
+    return Phase(name, state.tokens, state.last - started, swaps[0])
+
+
+def run(out: Path, console: Console, concurrency: int = 8, max_tokens: int = 48, phase_s: float = 10.0, rounds: int = 2, swap_every_s: float = 2.0) -> dict:
+    torch.set_num_threads(1)
+    model = build_model(seed=1)
+    sets = [state_dict_fp32(build_model(seed=s)) for s in (1, 2)]
+    prompts = task_prompts(256)
+    phases: dict[str, list[Phase]] = {}
+    with Progress(console=console, transient=True) as progress:
+        for policy in ("keep", "recompute"):
+            engine = Engine(EngineConfig(max_batch=concurrency, swap_policy=policy))
+            engine.stage("control", 0, sets[0])
+            engine.start()
+            try:
+                engine_phase(engine, f"warm-up ({policy})", prompts, concurrency, max_tokens, 1.0, progress)
+                for r in range(rounds if policy == "keep" else 1):
+                    if policy == "keep":
+                        phases.setdefault("hf_generate", []).append(hf_generate(model, prompts, concurrency, max_tokens, phase_s, progress))
+                    for swapping in (False, True):
+                        name = f"engine_{policy}_{'swaps' if swapping else 'steady'}"
+                        swap = (swap_every_s, sets) if swapping else None
+                        phases.setdefault(name, []).append(engine_phase(engine, name, prompts, concurrency, max_tokens, phase_s, progress, swap, f"{name} {r + 1}"))
+            finally:
+                engine.stop()
+
+    def rate(name: str) -> float:
+        return sum(p.tokens for p in phases[name]) / sum(p.seconds for p in phases[name])
+
+    steady, hf = rate("engine_keep_steady"), rate("hf_generate")
+    results = {
+        "code": code_version("inference"),
+        "concurrency": concurrency,
+        "max_tokens": max_tokens,
+        "torch_threads": torch.get_num_threads(),
+        "phase_s": phase_s,
+        "swap_every_s": swap_every_s,
+        "tokens_per_s": round(steady, 1),
+        "hf_generate_tokens_per_s": round(hf, 1),
+        "ratio": round(steady / hf, 3),
+        "swap_slowdown": round(rate("engine_keep_swaps") / steady, 3),
+        "swap_slowdown_recompute": round(rate("engine_recompute_swaps") / rate("engine_recompute_steady"), 3),
+        "swaps": sum(p.swaps for name in ("engine_keep_swaps", "engine_recompute_swaps") for p in phases[name]),
+        "phases": [{"name": p.name, "tokens": p.tokens, "seconds": round(p.seconds, 3), "tokens_per_s": round(p.tokens_per_s, 1), "swaps": p.swaps} for ps in phases.values() for p in ps],
+    }
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=2))
+    _print(results, out, console)
+    return results
+
+
+def _print(r: dict, out: Path, console: Console) -> None:
+    table = Table(title=f"bench engine -> {out} ({r['concurrency']} in flight, {r['max_tokens']} tokens each, {r['torch_threads']} torch thread)")
+    for column in ("generator", "tokens/s", "vs HF generate()"):
+        table.add_column(column, justify="right")
+    hf = r["hf_generate_tokens_per_s"]
+    rows = [("HF generate()", hf), ("engine", r["tokens_per_s"])]
+    for name, value in rows:
+        table.add_row(name, f"{value:,.0f}", f"{value / hf:.2f}")
+    console.print(table)
+    console.print(
+        f"ratio {r['ratio']:.2f} (target >= 2), swap_slowdown {r['swap_slowdown']:.3f} (target >= 0.9; a version every "
+        f"{r['swap_every_s']:g} s, {r['swaps']} swaps), recompute policy {r['swap_slowdown_recompute']:.3f}"
+    )

@@ -1,0 +1,291 @@
+"""`rtrl bench ingest`: events/s through the gateway against a bare producer.
+
+On a fresh Tansu broker and Redis, the gateway (``python -m ingest``, API keys
+required, as deployed) takes batches of realistic ~1 KB events over gRPC from
+``concurrency`` clients in this process. The baseline is a bare confluent-kafka
+producer in this process sending the same serialized events, keyed the same way,
+to the same topics of the same broker. The two alternate for ``rounds`` rounds;
+each figure is the best round, and ``ratio`` is gateway / raw.
+
+The load generator behaves as a client should: it resends events answered RETRY
+(backpressure). Every event is also checked: none refused, and the broker's end
+offsets grew by exactly the number sent (nothing lost, nothing doubled).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import TypedDict
+
+from rich.console import Console
+from rich.table import Table
+
+from rtrl import procs, topics
+from bench.join import code_version
+from rtrl.config import StackSettings
+
+EVENT_BYTES = 1024
+
+
+@dataclass(frozen=True)
+class IngestBench:
+    events_per_s: float
+    raw_producer_events_per_s: float
+    ratio: float
+    event_bytes: int
+    batch: int
+    concurrency: int
+    events_per_round: int
+    rounds: int
+    gateway_rounds: list[float]
+    raw_rounds: list[float]
+    exact: bool
+    """Every gateway event ACCEPTED and the topics grew by exactly the events sent."""
+    sent: int
+    landed: int
+    """Growth of the topics' end offsets over the timed rounds (raw and gateway)."""
+    not_accepted: int
+    """Gateway events answered neither ACCEPTED nor RETRY (RETRY ones are resent, as clients do)."""
+    resent: int
+    code_version: str
+    key_verify_us: float = 0.0
+    """Verifying the operator's signature on one API key record (once per key per cache TTL)."""
+    rollout_sign_us: float = 0.0
+    """Signing one rollout record of the demo's size (the serving API, once per completion)."""
+    rollout_verify_us: float = 0.0
+    """Verifying it (the joiner, once per rollout)."""
+    rollout_bytes: int = 0
+
+
+class SignatureCosts(TypedDict):
+    """signature_costs' measurements: the IngestBench fields of the same names."""
+
+    key_verify_us: float
+    rollout_sign_us: float
+    rollout_verify_us: float
+    rollout_bytes: int
+
+
+def signature_costs(repeats: int = 2_000) -> SignatureCosts:
+    """Microseconds per record for what the trust boundary adds around ingest, in this
+    process: the key record check (rtrl/api_keys.py) and the rollout signature the serving
+    API makes and the joiner checks (a real completion's record, from the demo's engine)."""
+    from rtrl import signing
+    from rtrl.api_keys import KeyAuthority, KeyVerifier, key_hash
+    from bench.join import rollout_records
+
+    operator = signing.generate_private_key()
+    digest = key_hash("rtrl_bench")
+    record = KeyAuthority(operator).signed(digest, {"client_id": "bench", "scopes": "*,completions", "rate_per_s": "0.0"})
+    verifier = KeyVerifier([signing.public_key_of(operator)])
+    start = time.perf_counter()
+    assert all(verifier.problem(digest, record) is None for _ in range(repeats))
+    key_verify = time.perf_counter() - start
+
+    worker = signing.generate_private_key()
+    signer = signing.Signer(worker, signing.Purpose.ROLLOUT)
+    rollouts = [rollout_records(f"r{i:06d}", 0)[0][1] for i in range(repeats)]
+    start = time.perf_counter()
+    headers = [signer.headers(value) for value in rollouts]
+    signed = time.perf_counter() - start
+    check = signing.Verifier([signing.public_key_of(worker)], signing.Purpose.ROLLOUT)
+    start = time.perf_counter()
+    assert not any(check.problem(value, header) for value, header in zip(rollouts, headers))
+    verified = time.perf_counter() - start
+    return {
+        "key_verify_us": round(key_verify / repeats * 1e6, 1),
+        "rollout_sign_us": round(signed / repeats * 1e6, 1),
+        "rollout_verify_us": round(verified / repeats * 1e6, 1),
+        "rollout_bytes": round(sum(map(len, rollouts)) / repeats),
+    }
+
+
+def make_events(n: int, seed: int = 0) -> list:
+    """Edit-shown events of about EVENT_BYTES serialized, over many rollouts."""
+    from ingest.client import make_event
+    from rtrl.v1 import telemetry_pb2
+
+    now_ms = time.time_ns() // 1_000_000
+    body = ("    return helper(value)  # keep the house style\n" * 40)[: EVENT_BYTES - 190]
+    events = []
+    for i in range(n):
+        event = make_event(
+            f"rollout-{seed}-{i // 4}", f"session-{i // 64}", f"user-{i % 997}",
+            edit_shown=telemetry_pb2.EditShown(file_path=f"src/module_{i % 50}.py", edit_text=body),
+            client_ts_ms=now_ms,
+        )
+        events.append(event)
+    return events
+
+
+def raw_round(stack: StackSettings, events: list) -> float:
+    from confluent_kafka import Producer
+
+    from rtrl.kafka import producer_config
+
+    records = [(topics.BY_PAYLOAD[e.WhichOneof("payload")], e.SerializeToString(), e.rollout_id.encode()) for e in events]
+    producer = Producer(producer_config(stack))
+    started = time.perf_counter()
+    for topic, value, key in records:
+        while True:
+            try:
+                producer.produce(topic, value, key=key)
+                break
+            except BufferError:
+                producer.poll(0.01)
+        producer.poll(0)
+    left = producer.flush(60)
+    elapsed = time.perf_counter() - started
+    if left:
+        raise RuntimeError(f"raw producer: {left} events unacknowledged after 60 s")
+    return len(records) / elapsed
+
+
+async def gateway_round(addr: str, key: str, events: list, batch: int, concurrency: int) -> tuple[float, int, int]:
+    """(events/s, events neither ACCEPTED nor RETRY, RETRY answers resent), as a client
+    that resends what the gateway asked it to retry."""
+    import grpc
+
+    from rtrl.v1 import ingest_pb2
+
+    retry = ingest_pb2.EventResult.STATUS_RETRY
+    queue: asyncio.Queue[tuple[list, bytes]] = asyncio.Queue()
+    for start in range(0, len(events), batch):
+        chunk = events[start : start + batch]
+        queue.put_nowait((chunk, ingest_pb2.PublishEventsRequest(events=chunk).SerializeToString()))
+    refused = resent = 0
+    async with grpc.aio.insecure_channel(addr, options=[("grpc.max_receive_message_length", 64 << 20)]) as channel:
+        call = channel.unary_unary("/rtrl.v1.Ingest/PublishEvents", request_serializer=None, response_deserializer=ingest_pb2.PublishEventsResponse.FromString)
+        metadata = (("authorization", f"Bearer {key}"),)
+
+        async def client() -> None:
+            nonlocal refused, resent
+            while not queue.empty():
+                chunk, body = queue.get_nowait()
+                while True:
+                    try:
+                        answer = await call(body, metadata=metadata, timeout=60)
+                    except grpc.aio.AioRpcError as exc:
+                        if exc.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:
+                            raise
+                        resent += len(chunk)
+                        await asyncio.sleep(0.05)
+                        continue
+                    again = [event for event, r in zip(chunk, answer.results) if r.status == retry]
+                    refused += sum(r.status not in (ingest_pb2.EventResult.STATUS_ACCEPTED, retry) for r in answer.results)
+                    if not again:
+                        break
+                    resent += len(again)
+                    chunk, body = again, ingest_pb2.PublishEventsRequest(events=again).SerializeToString()
+                    await asyncio.sleep(0.05)
+
+        started = time.perf_counter()
+        await asyncio.gather(*(client() for _ in range(concurrency)))
+        elapsed = time.perf_counter() - started
+    return len(events) / elapsed, refused, resent
+
+
+def _end_total(stack: StackSettings) -> int:
+    from rtrl import kafka
+
+    return sum(kafka.end_offsets(stack, kafka.partitions(stack, (topics.EDIT,))).values())
+
+
+def run(
+    out: Path, console: Console, *, events_per_round: int = 60_000, batch: int = 500, concurrency: int = 8, rounds: int = 3
+) -> IngestBench:
+    from rtrl import signing
+    from rtrl.api_keys import KeyAuthority, call_sync, issue_key
+    from rtrl.kafka import ensure_topics, wait_for_broker
+
+    operator_key = signing.generate_private_key()  # the bench's own operator: it signs the bench's key
+
+    with tempfile.TemporaryDirectory(prefix="rtrl-bench-ingest-") as tmp:
+        tmp_path = Path(tmp)
+        tansu = procs.start_tansu(tmp_path / "tansu.log")
+        redis_proc = procs.start_redis(tmp_path / "redis", tmp_path / "redis.log")
+        gateway = None
+        try:
+            stack = StackSettings(
+                kafka_bootstrap=f"127.0.0.1:{tansu.port}", redis_url=f"redis://127.0.0.1:{redis_proc.port}/0", state_dir=tmp_path / "state"
+            )
+            wait_for_broker(stack)
+            ensure_topics(stack)
+            http_port, grpc_port = procs.free_port(), procs.free_port()
+            env = {
+                "RTRL_KAFKA_BOOTSTRAP": stack.kafka_bootstrap, "RTRL_REDIS_URL": stack.redis_url, "RTRL_STATE_DIR": str(stack.state_dir),
+                "RTRL_INGEST_HTTP_PORT": str(http_port), "RTRL_INGEST_GRPC_PORT": str(grpc_port),
+                "RTRL_INGEST_MAX_INFLIGHT": str(batch * concurrency * 2), "RTRL_OTEL_EXPORTER": "none",
+                "RTRL_API_KEY_PUBLIC_KEYS": signing.public_key_of(operator_key),
+                "PYTHONPATH": str(Path(__file__).resolve().parent.parent) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+            }
+            gateway = procs.spawn("ingest", [sys.executable, "-m", "ingest"], tmp_path / "ingest.log", env=env, port=grpc_port)
+            procs.wait_for_port(grpc_port, timeout_s=60)
+
+            key = call_sync(stack.redis_url, issue_key, KeyAuthority(operator_key), "bench")
+            # Warm both paths (connections, topic metadata, the gateway's scripts).
+            raw_round(stack, make_events(2_000, seed=-1))
+            asyncio.run(gateway_round(f"127.0.0.1:{grpc_port}", key, make_events(2_000, seed=-2), batch, concurrency))
+
+            gateway_rates, raw_rates, refused, resent, sent = [], [], 0, 0, 0
+            before = _end_total(stack)
+            for round_index in range(rounds):
+                raw_rates.append(raw_round(stack, make_events(events_per_round, seed=2 * round_index)))
+                rate, not_accepted, again = asyncio.run(
+                    gateway_round(f"127.0.0.1:{grpc_port}", key, make_events(events_per_round, seed=2 * round_index + 1), batch, concurrency)
+                )
+                gateway_rates.append(rate)
+                refused += not_accepted
+                resent += again
+                sent += 2 * events_per_round
+                console.print(f"round {round_index + 1}/{rounds}: raw producer {raw_rates[-1]:,.0f} events/s, gateway {rate:,.0f} events/s")
+            landed = _end_total(stack) - before
+            exact = refused == 0 and landed == sent
+        finally:
+            if gateway is not None:
+                gateway.stop()
+            redis_proc.stop()
+            tansu.stop()
+
+    best_gateway, best_raw = max(gateway_rates), max(raw_rates)
+    result = IngestBench(
+        events_per_s=round(best_gateway),
+        raw_producer_events_per_s=round(best_raw),
+        ratio=round(best_gateway / best_raw, 3),
+        event_bytes=len(make_events(1)[0].SerializeToString()),
+        batch=batch,
+        concurrency=concurrency,
+        events_per_round=events_per_round,
+        rounds=rounds,
+        gateway_rounds=[round(r) for r in gateway_rates],
+        raw_rounds=[round(r) for r in raw_rates],
+        exact=exact,
+        sent=sent,
+        landed=landed,
+        not_accepted=refused,
+        resent=resent,
+        code_version=code_version("ingest"),
+        **signature_costs(),
+    )
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(asdict(result), indent=2) + "\n")
+    table = Table(title=f"rtrl bench ingest ({result.event_bytes} B events, batches of {batch}, {concurrency} in flight)", title_justify="left")
+    for column in ("path", "events/s (best round)", "rounds", "ratio"):
+        table.add_column(column, justify="left" if column == "path" else "right")
+    table.add_row("bare confluent-kafka producer", f"{best_raw:,.0f}", ", ".join(f"{r:,.0f}" for r in raw_rates), "1.00")
+    table.add_row("gateway (gRPC, keys, dedup, validation)", f"{best_gateway:,.0f}", ", ".join(f"{r:,.0f}" for r in gateway_rates), f"{result.ratio:.2f}")
+    console.print(table)
+    console.print(f"exact: {exact}: {sent:,} sent, the topics grew by {landed:,}, {refused} gateway events refused, {resent} resent after RETRY")
+    console.print(
+        f"signatures: {result.key_verify_us} us to verify an API key record (per key per cache TTL); "
+        f"{result.rollout_sign_us} us to sign a {result.rollout_bytes:,}-byte rollout (the serving API), "
+        f"{result.rollout_verify_us} us to verify it (the joiner)"
+    )
+    return result

@@ -1,0 +1,125 @@
+"""`rtrl bench trainer`: the training step against a bare torch loop on the same batch.
+
+One batch of production-shaped rollouts: ``batch`` completions of ``max_tokens``
+tokens sampled by the embedded engine from the simulator's task prompts, with their
+behaviour log-probs, rewards in [0, 1] and groups of four per prompt. Then, alternating
+in rounds so a drift in the machine's speed hits both sides:
+
+* ``tokens_per_s``: trainer.step.rl_step (leave-one-out advantages, truncated
+  importance ratios, k1 KL to a frozen reference, gradient clipping, AdamW, metrics);
+* ``plain_loop_tokens_per_s``: the same forward passes (reference without gradients,
+  policy with), log-softmax and gather, a masked policy-gradient loss, backward,
+  gradient clipping and AdamW step, written as a bare loop;
+* ``overhead_ratio`` = tokens_per_s / plain_loop_tokens_per_s (target >= 0.9).
+
+Tokens are completion tokens, the ones the loss is over. Each side trains its own
+copy of the same initial model, so neither runs on the other's updated weights.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import random
+import time
+from pathlib import Path
+
+import torch
+from rich.console import Console
+from rich.progress import Progress
+
+from inference.engine import Engine, EngineConfig, prompt_token_ids
+from bench.join import code_version
+from rtrl.policy import build_model, state_dict_fp32
+from simulator.tasks import random_task
+from trainer.batch import TrainBatch, TrainSample, collate
+from trainer.config import TrainerSettings
+from trainer.objective import leave_one_out_advantages
+from trainer.step import build_optimizer, rl_step
+
+
+def production_batch(size: int, max_tokens: int, seed: int = 0) -> TrainBatch:
+    """``size`` completions sampled by the engine (groups of four per prompt)."""
+    rng = random.Random(seed)
+    engine = Engine(EngineConfig(max_batch=min(size, 32)))
+    engine.stage("control", 0, state_dict_fp32(build_model(seed=1)))
+    engine.start()
+    try:
+        prompts = [random_task(rng).prompt for _ in range(size // 4)]
+        requests = [(p, i) for i, p in enumerate(prompts) for _ in range(4)]
+        futures = [engine.submit("control", prompt_token_ids(p), max_tokens=max_tokens, ignore_eos=True, seed=rng.randrange(2**62)) for p, _ in requests]
+        samples: list[TrainSample] = []
+        for (prompt, group), future in zip(requests, futures):
+            done = future.result()
+            samples.append(TrainSample(
+                rollout_id=f"r{len(samples)}", group=f"g{group}", prompt_ids=tuple(done.prompt_ids), completion_ids=done.result.token_ids,
+                behaviour_logprobs=done.result.logprobs, temperature=done.params.temperature, reward=rng.random(),
+                oldest_version=0, last_event_ts_ms=0,
+            ))
+    finally:
+        engine.stop()
+    return collate(samples)
+
+
+def plain_step(model, ref, optimizer, batch: TrainBatch, advantages: torch.Tensor, kl_coef: float, grad_clip: float) -> None:
+    """The bare loop's step: the same forward/backward as rl_step, nothing else."""
+    ids, mask = batch.input_ids, batch.target_mask
+    with torch.no_grad():
+        ref_logp = torch.log_softmax(ref(input_ids=ids).logits[:, :-1].float() / batch.temperature[:, None, None], -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+    model.train()
+    logp = torch.log_softmax(model(input_ids=ids).logits[:, :-1].float() / batch.temperature[:, None, None], -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+    ratio = torch.exp((logp.detach() - batch.behaviour_logprobs) * mask).clamp(max=2.0)
+    token_adv = advantages[:, None] - kl_coef * (logp.detach() - ref_logp) * mask
+    loss = -(ratio * token_adv * logp * mask).sum() / mask.sum()
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+    optimizer.step()
+    model.eval()
+
+
+def run(out: Path, console: Console, batch_size: int = 64, max_tokens: int = 48, steps: int = 10, rounds: int = 3) -> dict:
+    settings = TrainerSettings()
+    with console.status("sampling a batch with the engine"):
+        batch = production_batch(batch_size, max_tokens)
+    tokens_per_step = int(batch.target_mask.sum())
+    base = build_model(seed=1)
+    ref = copy.deepcopy(base).eval()
+    sides = {}
+    for side in ("trainer", "plain"):
+        model = copy.deepcopy(base).eval()
+        sides[side] = (model, build_optimizer(model, settings.lr))
+    # The bare loop gets the same leave-one-out advantages, computed once outside its loop.
+    advantages = torch.tensor(leave_one_out_advantages(batch.rewards, batch.groups, std_normalize=False), dtype=torch.float32)
+    seconds = {"trainer": 0.0, "plain": 0.0}
+    with Progress(console=console, transient=True) as progress:
+        task = progress.add_task("trainer step vs bare loop", total=2 * rounds * steps)
+        for _ in range(rounds):
+            for side in ("trainer", "plain"):
+                model, optimizer = sides[side]
+                started = time.perf_counter()
+                for _ in range(steps):
+                    if side == "trainer":
+                        rl_step(model, optimizer, batch, ref_model=ref, is_cap=settings.is_cap, kl_coef=settings.kl_coef, grad_clip=settings.grad_clip)
+                    else:
+                        plain_step(model, ref, optimizer, batch, advantages, settings.kl_coef, settings.grad_clip)
+                    progress.advance(task)
+                seconds[side] += time.perf_counter() - started
+    trained = tokens_per_step * steps * rounds
+    results = {
+        "code": code_version("trainer"),
+        "batch": batch_size,
+        "completion_tokens_per_step": tokens_per_step,
+        "steps": steps * rounds,
+        "torch_threads": torch.get_num_threads(),
+        "tokens_per_s": round(trained / seconds["trainer"], 1),
+        "plain_loop_tokens_per_s": round(trained / seconds["plain"], 1),
+        "overhead_ratio": round(seconds["plain"] / seconds["trainer"], 3),
+    }
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=2))
+    console.print(
+        f"bench trainer -> {out}: rl_step {results['tokens_per_s']:,.0f} tokens/s, bare loop {results['plain_loop_tokens_per_s']:,.0f}, "
+        f"overhead_ratio {results['overhead_ratio']:.3f} (target >= 0.9; batch {batch_size}, {tokens_per_step} completion tokens per step)"
+    )
+    return results

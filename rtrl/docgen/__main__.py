@@ -1,4 +1,0 @@
-from rtrl.docgen import main
-
-if __name__ == "__main__":
-    main()

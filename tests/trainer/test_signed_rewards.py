@@ -1,0 +1,105 @@
+"""Rewards that steer training are the joiner's, or they are not trained on (guarantee 7).
+
+Forged reward records written straight to the broker, which the embedded Tansu lets
+anyone do, reach the trainer beside honest ones: unsigned, signed by another key,
+signed for another purpose, tampered with after signing, or an honest record's
+signature replayed onto another. The trainer takes only the honest ones; the rest are
+counted by reason and dead-lettered with it.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+from confluent_kafka import Consumer, Producer
+
+from rtrl import signing, topics
+from rtrl.kafka import consumer_config
+from support.trainer import reward_record
+from trainer.batch import Drop
+from trainer.config import TrainerSettings
+from trainer.loop import Trainer
+
+HONEST = 12
+
+
+def _record(reward: float = 1.0):
+    return reward_record("p", [1, 5], [6, 2], [-0.5, -0.1], reward)
+
+
+@pytest.mark.guarantee(7)
+@pytest.mark.integration
+def test_only_the_joiners_rewards_are_trained_on(stack_settings):
+    joiner = signing.Signer(os.environ["RTRL_REWARD_SIGNING_KEY"], signing.Purpose.REWARD)
+    stranger = signing.Signer(signing.generate_private_key(), signing.Purpose.REWARD)
+    honest = [_record() for _ in range(HONEST)]
+    forged: list[tuple[bytes, bytes, list, str]] = []  # (key, value, headers, expected drop)
+
+    def add(record, headers, drop: Drop) -> None:
+        value = record if isinstance(record, bytes) else record.SerializeToString()
+        forged.append((b"forged", value, headers, drop))
+
+    add(_record(), None, Drop.UNSIGNED)
+    add(_record(), [("rtrl-sig", b"")], Drop.UNSIGNED)
+    value = _record().SerializeToString()
+    add(value, list(stranger.headers(value)), Drop.FORGED)  # a key the trainer does not know
+    add(value, [(signing.SIGNATURE_HEADER, stranger.sign(value)), (signing.SIGNER_HEADER, joiner.key_id.encode())], Drop.FORGED)
+    tampered = _record(reward=0.0)
+    signed = list(joiner.headers(tampered.SerializeToString()))
+    tampered.reward = 100.0  # the reward raised after the joiner signed it
+    add(tampered, signed, Drop.FORGED)
+    other = _record().SerializeToString()
+    add(other, list(joiner.headers(honest[0].SerializeToString())), Drop.FORGED)  # another record's signature
+    add(other, [(signing.SIGNATURE_HEADER, b"\0" * 64), (signing.SIGNER_HEADER, joiner.key_id.encode())], Drop.FORGED)
+
+    producer = Producer({"bootstrap.servers": stack_settings.kafka_bootstrap})
+    for record in honest:
+        value = record.SerializeToString()
+        producer.produce(topics.REWARD, value, key=record.rollout_id.encode(), headers=list(joiner.headers(value)))
+    for key, value, headers, _ in forged:
+        producer.produce(topics.REWARD, value, key=key, headers=headers)
+    assert producer.flush(30) == 0
+
+    dead: list[tuple[bytes, str]] = []
+    settings = TrainerSettings(batch_size=64, min_batch=1)
+    consumer = Consumer(consumer_config(stack_settings, "trainer-signatures"))
+    trainer = Trainer(
+        settings, stack_settings.state_dir, consumer, publishers={}, fetch_weights=None,
+        dead_letter=lambda message, reason: dead.append((message.value(), reason)),
+    )
+    consumer.subscribe([topics.REWARD], on_assign=trainer._on_assign)
+    try:
+        deadline = time.monotonic() + 60
+        while len(trainer.pending) + sum(trainer.drops.values()) < HONEST + len(forged):
+            assert time.monotonic() < deadline, (len(trainer.pending), dict(trainer.drops))
+            trainer.poll()
+    finally:
+        consumer.close()
+
+    assert sorted(s.rollout_id for s in trainer.pending) == sorted(r.rollout_id for r in honest)
+    expected = {Drop.UNSIGNED: 0, Drop.FORGED: 0}
+    for *_, drop in forged:
+        expected[drop] += 1
+    assert dict(trainer.drops) == expected
+    assert sorted(value for value, _ in dead) == sorted(value for _, value, _, _ in forged)
+    assert {reason for _, reason in dead} >= {"unsigned", "bad signature"} and any("unknown key" in r for _, r in dead)
+
+
+def test_a_trainer_without_the_joiners_key_will_not_start(tmp_path, monkeypatch):
+    monkeypatch.delenv("RTRL_TRAINER_REWARD_PUBLIC_KEYS")
+    with pytest.raises(ValueError, match="at least one public key"):
+        Trainer(TrainerSettings(), tmp_path, consumer=None, publishers={}, fetch_weights=None)
+
+
+def test_verifiers_take_both_keys_while_the_signers_key_rotates():
+    old, new = signing.generate_private_key(), signing.generate_private_key()
+    payload = b"a reward record"
+    verifier = signing.Verifier([signing.public_key_of(old), signing.public_key_of(new)], signing.Purpose.REWARD)
+    for key in (old, new):
+        assert verifier.problem(payload, signing.Signer(key, signing.Purpose.REWARD).headers(payload)) is None
+    only_new = signing.Verifier([signing.public_key_of(new)], signing.Purpose.REWARD)
+    assert "unknown key" in only_new.problem(payload, signing.Signer(old, signing.Purpose.REWARD).headers(payload))
+    with pytest.raises(ValueError, match="public key"):
+        signing.parse_public_keys("not-a-key")
