@@ -6,7 +6,6 @@ from pydantic import Field, SecretStr
 from pydantic_settings import SettingsConfigDict
 
 from rtrl.config import Settings
-
 from rtrl.tls import TLSListener
 
 

@@ -109,9 +109,20 @@ class HourRow:
 
 def arm_metrics(query_fn: QueryFn, since_ms: int | None = None) -> dict[str, ArmMetrics]:
     """Per arm, over rollouts with event time >= since_ms (all when None)."""
-    reward_filter = f" AND toUnixTimestamp64Milli(rollout_ts) >= {int(since_ms)}" if since_ms is not None else ""
-    rollout_filter = f" WHERE toUnixTimestamp64Milli(ts) >= {int(since_ms)}" if since_ms is not None else ""
-    rewards = {r["arm"]: r for r in query_fn(f"SELECT arm, {_REWARD_AGGREGATES} FROM {_REWARDS}{reward_filter} GROUP BY arm")}
+    reward_filter = (
+        f" AND toUnixTimestamp64Milli(rollout_ts) >= {int(since_ms)}"
+        if since_ms is not None
+        else ""
+    )
+    rollout_filter = (
+        f" WHERE toUnixTimestamp64Milli(ts) >= {int(since_ms)}" if since_ms is not None else ""
+    )
+    rewards = {
+        r["arm"]: r
+        for r in query_fn(
+            f"SELECT arm, {_REWARD_AGGREGATES} FROM {_REWARDS}{reward_filter} GROUP BY arm"
+        )
+    }
     rollouts = {
         r["arm"]: r
         for r in query_fn(
@@ -161,12 +172,16 @@ def ab_table(query_fn: QueryFn) -> list[ABRow]:
     return rows
 
 
-def by_version(query_fn: QueryFn, bucket_size: int | None = None, max_buckets: int = 20) -> list[VersionRow]:
+def by_version(
+    query_fn: QueryFn, bucket_size: int | None = None, max_buckets: int = 20
+) -> list[VersionRow]:
     """Reward metrics per arm and policy-version bucket, from the A/B views; the latency is
     that of the bucket's rollouts. Without a bucket_size, buckets are sized so treatment gets
     at most ``max_buckets`` of them."""
     if bucket_size is None:
-        (row,) = query_fn(f"SELECT max(policy_version) AS hi, min(policy_version) AS lo FROM {schema.AB_REWARDS}")
+        (row,) = query_fn(
+            f"SELECT max(policy_version) AS hi, min(policy_version) AS lo FROM {schema.AB_REWARDS}"
+        )
         spread = int(row["hi"] or 0) - int(row["lo"] or 0) + 1
         bucket_size = max(1, math.ceil(spread / max_buckets))
     b = int(bucket_size)
@@ -211,7 +226,9 @@ def by_hour(query_fn: QueryFn) -> list[HourRow]:
     return rows
 
 
-def _from_view(query_fn: QueryFn, view: str, values: dict[str, str], keys: dict[str, str]) -> dict[tuple, dict]:
+def _from_view(
+    query_fn: QueryFn, view: str, values: dict[str, str], keys: dict[str, str]
+) -> dict[tuple, dict]:
     """Per group of ``keys`` (alias -> expression over the view's key columns): ``ids``, the
     number of distinct ids, and each of ``values`` as its mean (latency_s as quantiles).
     The groups' id -> values maps are merged first, so an id in several parts counts once."""
@@ -219,7 +236,10 @@ def _from_view(query_fn: QueryFn, view: str, values: dict[str, str], keys: dict[
     for index, name in enumerate(values, start=2):
         array = f"tupleElement(m, {index})"
         if name == "latency_s":
-            metrics += [f"arrayReduce('quantileExactInclusive({q})', {array}) AS {metric}" for metric, q in LATENCY_QUANTILES.items()]
+            metrics += [
+                f"arrayReduce('quantileExactInclusive({q})', {array}) AS {metric}"
+                for metric, q in LATENCY_QUANTILES.items()
+            ]
         else:
             metrics.append(f"arrayAvg({array}) AS {name}")
     groups = ", ".join(f"{expression} AS {alias}" for alias, expression in keys.items())
@@ -249,7 +269,8 @@ def write_html(
         for r in ab_rows
     )
     version_body = "".join(
-        f"<tr><td>{html.escape(v.arm)}</td><td>{v.policy_version}" + (f"–{v.policy_version + v.bucket_size - 1}" if v.bucket_size > 1 else "")
+        f"<tr><td>{html.escape(v.arm)}</td><td>{v.policy_version}"
+        + (f"–{v.policy_version + v.bucket_size - 1}" if v.bucket_size > 1 else "")
         + f"</td><td>{v.rewards}</td><td>{_fmt('persisted_rate', v.persisted_rate)}</td>"
         f"<td>{_fmt('dissatisfied_rate', v.dissatisfied_rate)}</td><td>{_fmt('reward_mean', v.reward_mean)}</td>"
         f"<td>{_fmt('latency_p50_s', v.latency_p50_s)}</td></tr>"
@@ -284,15 +305,28 @@ td,th{{border:1px solid #ccc;padding:4px 10px;text-align:right}}td:first-child,t
 def render(query_fn: QueryFn, path: Path | str, bucket_size: int | None = None) -> Path:
     from analytics.training_report import figures
 
-    return write_html(path, ab_table(query_fn), by_version(query_fn, bucket_size), extra_figures=figures(query_fn).items)
+    return write_html(
+        path,
+        ab_table(query_fn),
+        by_version(query_fn, bucket_size),
+        extra_figures=figures(query_fn).items,
+    )
 
 
 def _plot_png(ab_rows: list[ABRow], version_rows: list[VersionRow]) -> bytes:
     figure = Figure(figsize=(10, 4), layout="constrained")
     overall = {r.metric: r for r in ab_rows if r.window == "all"}
     treatment = [v for v in version_rows if v.arm == "treatment"]
-    for axes, metric, label in zip(figure.subplots(1, 2), ("persisted_rate", "dissatisfied_rate"), ("edits persisted", "dissatisfied follow-ups")):
-        points = [(v.policy_version, getattr(v, metric)) for v in treatment if getattr(v, metric) is not None]
+    for axes, metric, label in zip(
+        figure.subplots(1, 2),
+        ("persisted_rate", "dissatisfied_rate"),
+        ("edits persisted", "dissatisfied follow-ups"),
+    ):
+        points = [
+            (v.policy_version, getattr(v, metric))
+            for v in treatment
+            if getattr(v, metric) is not None
+        ]
         if points:
             axes.plot(*zip(*points), marker="o", color="tab:orange", label="treatment")
         control = overall[metric].control if metric in overall else None
@@ -330,4 +364,3 @@ def _fmt(metric: str, value: float | None) -> str:
 
 def _change(value: float | None) -> str:
     return "–" if value is None else f"{100 * value:+.2f} %"
-

@@ -11,7 +11,7 @@ from __future__ import annotations
 import base64
 import json
 from dataclasses import dataclass
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 
 from google.protobuf.message import DecodeError
 
@@ -20,7 +20,7 @@ from rtrl import topics
 from rtrl.v1 import reward_pb2, rollout_pb2, telemetry_pb2, trainer_pb2
 
 ARM_NAMES = {1: "control", 2: "treatment"}
-_EPOCH = datetime(1970, 1, 1, tzinfo=timezone.utc)
+_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 # What every timestamp column stores: DateTime64(3) reaches 2299, but the A/B views
 # bucket by toStartOfHour into a DateTime, whose range is [1970-01-01, 2106-02-07 06:28:15].
 TS_MIN_MS = 0
@@ -30,30 +30,107 @@ TS_MAX_MS = (2**32 - 1) * 1000 + 999
 class Unstorable(ValueError):
     """A field's value has no column representation; str(exc) is the dead letter's reason."""
 
+
 COLUMNS: dict[str, tuple[str, ...]] = {
     schema.ROLLOUTS: (
-        "rollout_id", "event_id", "arm", "worker_id", "user_id", "session_id", "model_name", "prompt_group_id", "ts",
-        "policy_version_min", "policy_version_max", "prompt_tokens", "completion_tokens", "latency_s",
-        "time_to_first_token_s", "tool_calls", "invalid_tool_calls", "prompt_text", "completion_text", "finish_reason",
+        "rollout_id",
+        "event_id",
+        "arm",
+        "worker_id",
+        "user_id",
+        "session_id",
+        "model_name",
+        "prompt_group_id",
+        "ts",
+        "policy_version_min",
+        "policy_version_max",
+        "prompt_tokens",
+        "completion_tokens",
+        "latency_s",
+        "time_to_first_token_s",
+        "tool_calls",
+        "invalid_tool_calls",
+        "prompt_text",
+        "completion_text",
+        "finish_reason",
         "traceparent",
     ),
     schema.TELEMETRY: (
-        "event_id", "rollout_id", "session_id", "user_id", "kind", "ts", "file_path", "edit_text", "outcome",
-        "seconds_after_edit", "region_text", "followup_message",
+        "event_id",
+        "rollout_id",
+        "session_id",
+        "user_id",
+        "kind",
+        "ts",
+        "file_path",
+        "edit_text",
+        "outcome",
+        "seconds_after_edit",
+        "region_text",
+        "followup_message",
     ),
     schema.REWARDS: (
-        "reward_id", "rollout_id", "topic", "arm", "policy_version", "rollout_ts", "completion_tokens", "latency_s",
-        "persisted_fraction", "persistence_observed", "dissatisfied", "followup_observed", "tool_call_validity",
-        "effort_penalty", "reward", "defaulted", "reward_fn_version", "last_event_ts", "settled_ts", "event_count",
+        "reward_id",
+        "rollout_id",
+        "topic",
+        "arm",
+        "policy_version",
+        "rollout_ts",
+        "completion_tokens",
+        "latency_s",
+        "persisted_fraction",
+        "persistence_observed",
+        "dissatisfied",
+        "followup_observed",
+        "tool_call_validity",
+        "effort_penalty",
+        "reward",
+        "defaulted",
+        "reward_fn_version",
+        "last_event_ts",
+        "settled_ts",
+        "event_count",
     ),
     schema.TRAINER_STEPS: (
-        "step_id", "lineage", "step", "base_version", "version", "published", "ts", "rollouts", "tokens", "reward_mean",
-        "loss", "kl", "entropy", "clipped_fraction", "ratio_mean", "grad_norm", "advantage_abs_mean", "staleness",
-        "dropped", "eval_candidate", "eval_published", "eval_regressions", "batch_wait_s", "step_s", "eval_s",
-        "publish_s", "traceparent",
+        "step_id",
+        "lineage",
+        "step",
+        "base_version",
+        "version",
+        "published",
+        "ts",
+        "rollouts",
+        "tokens",
+        "reward_mean",
+        "loss",
+        "kl",
+        "entropy",
+        "clipped_fraction",
+        "ratio_mean",
+        "grad_norm",
+        "advantage_abs_mean",
+        "staleness",
+        "dropped",
+        "eval_candidate",
+        "eval_published",
+        "eval_regressions",
+        "batch_wait_s",
+        "step_s",
+        "eval_s",
+        "publish_s",
+        "traceparent",
     ),
     schema.LATE: ("event_id", "rollout_id", "source_topic", "kind", "event_ts", "ingested_ts"),
-    schema.DEAD_LETTERS: ("topic", "partition", "offset", "key", "reason", "headers_json", "value_b64", "ingested_ts"),
+    schema.DEAD_LETTERS: (
+        "topic",
+        "partition",
+        "offset",
+        "key",
+        "reason",
+        "headers_json",
+        "value_b64",
+        "ingested_ts",
+    ),
 }
 
 
@@ -80,7 +157,9 @@ class KafkaRecord:
 def ts(ms: int, field: str = "ts_ms") -> datetime:
     """Epoch milliseconds as a UTC datetime, or Unstorable naming ``field`` when out of range."""
     if not TS_MIN_MS <= ms <= TS_MAX_MS:
-        raise Unstorable(f"{field} {ms} cannot be stored: timestamps must lie in [{TS_MIN_MS}, {TS_MAX_MS}] ms (1970-01-01 to 2106-02-07 UTC)")
+        raise Unstorable(
+            f"{field} {ms} cannot be stored: timestamps must lie in [{TS_MIN_MS}, {TS_MAX_MS}] ms (1970-01-01 to 2106-02-07 UTC)"
+        )
     return _EPOCH + timedelta(milliseconds=ms)
 
 
@@ -124,7 +203,17 @@ def late_row(record: KafkaRecord, now_ms: int) -> Row:
         event_ts = message.client_ts_ms
     else:
         return dead_letter(record, f"late record from unknown source_topic {source!r}", now_ms)
-    return Row(schema.LATE, (message.event_id, message.rollout_id, source, headers.get("kind", ""), ts(event_ts, "client_ts_ms"), ts(now_ms)))
+    return Row(
+        schema.LATE,
+        (
+            message.event_id,
+            message.rollout_id,
+            source,
+            headers.get("kind", ""),
+            ts(event_ts, "client_ts_ms"),
+            ts(now_ms),
+        ),
+    )
 
 
 def version_range(rollout: rollout_pb2.RolloutRecord) -> tuple[int, int]:
@@ -138,10 +227,27 @@ def rollout_row(r: rollout_pb2.RolloutRecord) -> Row:
     return Row(
         schema.ROLLOUTS,
         (
-            r.rollout_id, r.event_id, arm_name(r.arm), r.worker_id, r.user_id, r.session_id, r.model_name,
-            r.prompt_group_id, ts(r.client_ts_ms, "client_ts_ms"), low, high, len(r.prompt_token_ids), len(r.completion_token_ids),
-            r.latency_s, r.time_to_first_token_s, len(r.tool_calls), sum(not call.valid for call in r.tool_calls),
-            r.prompt_text, r.completion_text, r.finish_reason, r.traceparent,
+            r.rollout_id,
+            r.event_id,
+            arm_name(r.arm),
+            r.worker_id,
+            r.user_id,
+            r.session_id,
+            r.model_name,
+            r.prompt_group_id,
+            ts(r.client_ts_ms, "client_ts_ms"),
+            low,
+            high,
+            len(r.prompt_token_ids),
+            len(r.completion_token_ids),
+            r.latency_s,
+            r.time_to_first_token_s,
+            len(r.tool_calls),
+            sum(not call.valid for call in r.tool_calls),
+            r.prompt_text,
+            r.completion_text,
+            r.finish_reason,
+            r.traceparent,
         ),
     )
 
@@ -150,13 +256,29 @@ def telemetry_row(e: telemetry_pb2.TelemetryEvent) -> Row:
     kind = e.WhichOneof("payload") or "none"
     outcome = ""
     if kind == "edit_outcome":
-        outcome = telemetry_pb2.EditOutcome.Outcome.Name(e.edit_outcome.outcome) if e.edit_outcome.outcome in (0, 1, 2) else str(e.edit_outcome.outcome)
-    seconds_after_edit = e.persistence.seconds_after_edit if kind == "persistence" else e.followup.seconds_after_edit
+        outcome = (
+            telemetry_pb2.EditOutcome.Outcome.Name(e.edit_outcome.outcome)
+            if e.edit_outcome.outcome in (0, 1, 2)
+            else str(e.edit_outcome.outcome)
+        )
+    seconds_after_edit = (
+        e.persistence.seconds_after_edit if kind == "persistence" else e.followup.seconds_after_edit
+    )
     return Row(
         schema.TELEMETRY,
         (
-            e.event_id, e.rollout_id, e.session_id, e.user_id, kind, ts(e.client_ts_ms, "client_ts_ms"), e.edit_shown.file_path,
-            e.edit_shown.edit_text, outcome, seconds_after_edit, e.persistence.region_text, e.followup.message,
+            e.event_id,
+            e.rollout_id,
+            e.session_id,
+            e.user_id,
+            kind,
+            ts(e.client_ts_ms, "client_ts_ms"),
+            e.edit_shown.file_path,
+            e.edit_shown.edit_text,
+            outcome,
+            seconds_after_edit,
+            e.persistence.region_text,
+            e.followup.message,
         ),
     )
 
@@ -167,11 +289,26 @@ def reward_row(rec: reward_pb2.RewardRecord, topic: str) -> Row:
     return Row(
         schema.REWARDS,
         (
-            rec.reward_id, rec.rollout_id, topic, arm_name(rollout.arm), policy_version, ts(rollout.client_ts_ms, "rollout.client_ts_ms"),
-            len(rollout.completion_token_ids), parts.latency_s or rollout.latency_s, parts.persisted_fraction,
-            parts.persistence_observed, parts.dissatisfied, parts.followup_observed, parts.tool_call_validity,
-            parts.effort_penalty, rec.reward, rec.defaulted, rec.reward_fn_version, ts(rec.last_event_ts_ms, "last_event_ts_ms"),
-            ts(rec.settled_ts_ms, "settled_ts_ms"), len(rec.event_ids),
+            rec.reward_id,
+            rec.rollout_id,
+            topic,
+            arm_name(rollout.arm),
+            policy_version,
+            ts(rollout.client_ts_ms, "rollout.client_ts_ms"),
+            len(rollout.completion_token_ids),
+            parts.latency_s or rollout.latency_s,
+            parts.persisted_fraction,
+            parts.persistence_observed,
+            parts.dissatisfied,
+            parts.followup_observed,
+            parts.tool_call_validity,
+            parts.effort_penalty,
+            rec.reward,
+            rec.defaulted,
+            rec.reward_fn_version,
+            ts(rec.last_event_ts_ms, "last_event_ts_ms"),
+            ts(rec.settled_ts_ms, "settled_ts_ms"),
+            len(rec.event_ids),
         ),
     )
 
@@ -180,12 +317,33 @@ def trainer_step_row(step: trainer_pb2.TrainerStep) -> Row:
     return Row(
         schema.TRAINER_STEPS,
         (
-            step.step_id, step.lineage, step.step, step.base_version, step.version, step.published, ts(step.ts_ms, "ts_ms"),
-            step.rollouts, step.tokens, step.reward_mean, step.loss, step.kl, step.entropy, step.clipped_fraction,
-            step.ratio_mean, step.grad_norm, step.advantage_abs_mean,
-            {bucket.staleness: bucket.rollouts for bucket in step.staleness}, dict(step.dropped),
-            dict(step.eval_candidate), dict(step.eval_published), list(step.eval_regressions),
-            step.batch_wait_s, step.step_s, step.eval_s, step.publish_s, step.traceparent,
+            step.step_id,
+            step.lineage,
+            step.step,
+            step.base_version,
+            step.version,
+            step.published,
+            ts(step.ts_ms, "ts_ms"),
+            step.rollouts,
+            step.tokens,
+            step.reward_mean,
+            step.loss,
+            step.kl,
+            step.entropy,
+            step.clipped_fraction,
+            step.ratio_mean,
+            step.grad_norm,
+            step.advantage_abs_mean,
+            {bucket.staleness: bucket.rollouts for bucket in step.staleness},
+            dict(step.dropped),
+            dict(step.eval_candidate),
+            dict(step.eval_published),
+            list(step.eval_regressions),
+            step.batch_wait_s,
+            step.step_s,
+            step.eval_s,
+            step.publish_s,
+            step.traceparent,
         ),
     )
 
@@ -195,7 +353,13 @@ def dead_letter(record: KafkaRecord, reason: str, now_ms: int) -> Row:
     return Row(
         schema.DEAD_LETTERS,
         (
-            record.topic, record.partition, record.offset, (record.key or b"").decode("utf-8", "replace"), reason,
-            json.dumps(headers, sort_keys=True), base64.b64encode(record.value or b"").decode(), ts(now_ms),
+            record.topic,
+            record.partition,
+            record.offset,
+            (record.key or b"").decode("utf-8", "replace"),
+            reason,
+            json.dumps(headers, sort_keys=True),
+            base64.b64encode(record.value or b"").decode(),
+            ts(now_ms),
         ),
     )

@@ -218,10 +218,20 @@ class View:
 
     @property
     def ddl(self) -> str:
-        return f"CREATE MATERIALIZED VIEW IF NOT EXISTS {self.name} TO {self.target} AS {self.select}"
+        return (
+            f"CREATE MATERIALIZED VIEW IF NOT EXISTS {self.name} TO {self.target} AS {self.select}"
+        )
 
 
-def _ab_view(target: str, source: str, id_column: str, version: str, ts: str, values: dict[str, str], where: str = "") -> View:
+def _ab_view(
+    target: str,
+    source: str,
+    id_column: str,
+    version: str,
+    ts: str,
+    values: dict[str, str],
+    where: str = "",
+) -> View:
     """The view of one source per (arm, policy_version, hour): ``by_id`` is the maxMap state
     id -> one Float64 per entry of ``values``."""
     arrays = ", ".join(f"[toFloat64({expression})]" for expression in values.values())
@@ -241,7 +251,15 @@ CREATE TABLE IF NOT EXISTS {target} (
 
 
 VIEWS = (
-    _ab_view(AB_REWARDS, REWARDS, "reward_id", "policy_version", "rollout_ts", REWARD_VALUES, f" WHERE topic = '{topics.REWARD}'"),
+    _ab_view(
+        AB_REWARDS,
+        REWARDS,
+        "reward_id",
+        "policy_version",
+        "rollout_ts",
+        REWARD_VALUES,
+        f" WHERE topic = '{topics.REWARD}'",
+    ),
     _ab_view(AB_ROLLOUTS, ROLLOUTS, "rollout_id", "policy_version_max", "ts", ROLLOUT_VALUES),
 )
 

@@ -26,41 +26,80 @@ SERVICE = "analytics"
 def _observe(sink: Sink, group: str) -> None:
     """The sink's counters and its consumer's lag as OpenTelemetry (and so Prometheus) metrics."""
     meter = metrics.get_meter("rtrl.analytics")
-    otel.observe(meter, "rtrl.analytics.consumed", "counter", lambda: [(sink.consumed, {})], unit="{record}", description="Records read")
     otel.observe(
-        meter, "rtrl.analytics.inserted", "counter", lambda: [(n, {"table": table}) for table, n in sink.inserted.items()],
-        unit="{row}", description="Rows inserted, per table (a replay after a crash inserts some twice; tables dedup by id)",
+        meter,
+        "rtrl.analytics.consumed",
+        "counter",
+        lambda: [(sink.consumed, {})],
+        unit="{record}",
+        description="Records read",
     )
-    otel.observe(meter, "rtrl.analytics.pending", "gauge", lambda: [(sink.status().pending, {})], unit="{row}", description="Rows buffered, not yet inserted")
+    otel.observe(
+        meter,
+        "rtrl.analytics.inserted",
+        "counter",
+        lambda: [(n, {"table": table}) for table, n in sink.inserted.items()],
+        unit="{row}",
+        description="Rows inserted, per table (a replay after a crash inserts some twice; tables dedup by id)",
+    )
+    otel.observe(
+        meter,
+        "rtrl.analytics.pending",
+        "gauge",
+        lambda: [(sink.status().pending, {})],
+        unit="{row}",
+        description="Rows buffered, not yet inserted",
+    )
     otel.observe_lag(meter, group, sink.lag.readings)
 
 
-async def serve(stack: StackSettings, settings: AnalyticsSettings, stop: asyncio.Event | None = None) -> None:
+async def serve(
+    stack: StackSettings, settings: AnalyticsSettings, stop: asyncio.Event | None = None
+) -> None:
     """Run until SIGTERM/SIGINT (or ``stop`` is set); then insert and commit what is buffered."""
     await asyncio.to_thread(kafka.wait_for_broker, stack)
     await asyncio.to_thread(kafka.ensure_topics, stack)
     writer = query.connect(stack)
     schema.create_tables(writer)
     reader = query.read_only_client(
-        stack, settings.query_timeout_s, settings.query_max_rows, settings.query_max_bytes, settings.query_clickhouse_url.get_secret_value()
+        stack,
+        settings.query_timeout_s,
+        settings.query_max_rows,
+        settings.query_max_bytes,
+        settings.query_clickhouse_url.get_secret_value(),
     )
     tables = query.project_tables(writer)
     consumer = Consumer(kafka.consumer_config(stack, settings.group_id))
-    sink = Sink(consumer, writer, batch_size=settings.batch_size, flush_interval_s=settings.flush_interval_s)
+    sink = Sink(
+        consumer, writer, batch_size=settings.batch_size, flush_interval_s=settings.flush_interval_s
+    )
     consumer.subscribe(list(topics.ALL), on_revoke=sink.on_revoke)
 
     token = settings.query_token.get_secret_value()
-    runner = web.AppRunner(query.build_query_app(reader, tables, token, settings.query_max_rows), access_log=None)
+    runner = web.AppRunner(
+        query.build_query_app(reader, tables, token, settings.query_max_rows), access_log=None
+    )
     await runner.setup()
-    await web.TCPSite(runner, settings.bind_host, settings.query_port, ssl_context=settings.http_context()).start()
+    await web.TCPSite(
+        runner, settings.bind_host, settings.query_port, ssl_context=settings.http_context()
+    ).start()
     if not token:
-        log.warning("no RTRL_ANALYTICS_QUERY_TOKEN: the query endpoint serves nothing (there is no default token)")
+        log.warning(
+            "no RTRL_ANALYTICS_QUERY_TOKEN: the query endpoint serves nothing (there is no default token)"
+        )
     redis = aioredis.Redis.from_url(stack.redis_url)
     stopping = threading.Event()
-    sink_task = asyncio.create_task(asyncio.to_thread(sink.run, stopping, settings.shutdown_drain_s))
+    sink_task = asyncio.create_task(
+        asyncio.to_thread(sink.run, stopping, settings.shutdown_drain_s)
+    )
     _observe(sink, settings.group_id)
     beats = asyncio.create_task(heartbeat.beat_forever(redis, SERVICE, stack.instance, sink.status))
-    log.info("analytics sink on %s, query endpoint %s:%d", stack.resolved_clickhouse_url(), settings.bind_host, settings.query_port)
+    log.info(
+        "analytics sink on %s, query endpoint %s:%d",
+        stack.resolved_clickhouse_url(),
+        settings.bind_host,
+        settings.query_port,
+    )
     try:
         # A failed insert or a lost Redis ends the process; the supervisor restarts it and
         # the sink resumes from the last committed offsets.
@@ -77,7 +116,9 @@ async def serve(stack: StackSettings, settings: AnalyticsSettings, stop: asyncio
 
 
 def main() -> None:
-    settings, stack = entrypoint.parse_settings("python -m analytics", __doc__, AnalyticsSettings, StackSettings)
+    settings, stack = entrypoint.parse_settings(
+        "python -m analytics", __doc__, AnalyticsSettings, StackSettings
+    )
     entrypoint.configure_logging()
     service_process()
     otel.configure(SERVICE, stack)

@@ -10,15 +10,15 @@ import logging
 import threading
 import time
 from collections import Counter
-from typing import Callable
+from collections.abc import Callable
 
 from confluent_kafka import Consumer, KafkaException, TopicPartition
 
 from analytics.rows import COLUMNS, KafkaRecord, convert
 from analytics.schema import DEAD_LETTERS
 from rtrl import otel
-from rtrl.kafka import record_headers, record_position
 from rtrl.heartbeat import AnalyticsBeat
+from rtrl.kafka import record_headers, record_position
 
 log = logging.getLogger("analytics.sink")
 
@@ -54,7 +54,11 @@ class Sink:
         """The consumer's lag, refreshed between polls for the metrics scrape."""
 
     def status(self) -> AnalyticsBeat:
-        return AnalyticsBeat(consumed=self.consumed, pending=self._pending, inserted={t: self.inserted[t] for t in COLUMNS})
+        return AnalyticsBeat(
+            consumed=self.consumed,
+            pending=self._pending,
+            inserted={t: self.inserted[t] for t in COLUMNS},
+        )
 
     def run(self, stopping: threading.Event, drain_s: float = 0.0) -> None:
         """Consume until ``stopping`` is set; then read on while records still come, for
@@ -78,16 +82,26 @@ class Sink:
                     raise KafkaException(error)
                 log.warning("consumer error (librdkafka retries it): %s", error)
                 continue
-            self.add(KafkaRecord(*record_position(msg), msg.key(), msg.value(), record_headers(msg)))
+            self.add(
+                KafkaRecord(*record_position(msg), msg.key(), msg.value(), record_headers(msg))
+            )
         self.lag.refresh(self._consumer, self._clock())
-        if self._pending >= self._batch_size or (self._pending and self._clock() - self._oldest_pending_at >= self._flush_interval_s):
+        if self._pending >= self._batch_size or (
+            self._pending and self._clock() - self._oldest_pending_at >= self._flush_interval_s
+        ):
             self.flush()
         return len(messages)
 
     def add(self, record: KafkaRecord) -> None:
         row = convert(record, self._now_ms())
         if row.table == DEAD_LETTERS:
-            log.warning("dead letter %s[%d]@%d: %s", record.topic, record.partition, record.offset, row.values[4])
+            log.warning(
+                "dead letter %s[%d]@%d: %s",
+                record.topic,
+                record.partition,
+                record.offset,
+                row.values[4],
+            )
         if not self._pending:
             self._oldest_pending_at = self._clock()
         self._rows[row.table].append(row.values)
@@ -104,7 +118,10 @@ class Sink:
                 self._client.insert(table, rows, column_names=COLUMNS[table])
                 self.inserted[table] += len(rows)
                 rows.clear()
-        offsets = [TopicPartition(topic, partition, offset) for (topic, partition), offset in self._next_offsets.items()]
+        offsets = [
+            TopicPartition(topic, partition, offset)
+            for (topic, partition), offset in self._next_offsets.items()
+        ]
         self._consumer.commit(offsets=offsets, asynchronous=False)
         self._next_offsets.clear()
         self._pending = 0

@@ -30,24 +30,114 @@ FUNCTIONS = frozenset(
     name.lower()
     for name in (
         # aggregates
-        "count", "sum", "avg", "min", "max", "any", "anyLast", "uniq", "uniqExact", "countIf", "sumIf", "avgIf",
-        "quantile", "quantiles", "quantileExact", "quantileExactInclusive", "quantileTDigest", "median",
-        "groupArray", "groupUniqArray", "argMin", "argMax", "stddevPop", "stddevSamp", "varPop", "varSamp",
-        "maxMapMerge", "sumMap", "maxMap", "minMap",
+        "count",
+        "sum",
+        "avg",
+        "min",
+        "max",
+        "any",
+        "anyLast",
+        "uniq",
+        "uniqExact",
+        "countIf",
+        "sumIf",
+        "avgIf",
+        "quantile",
+        "quantiles",
+        "quantileExact",
+        "quantileExactInclusive",
+        "quantileTDigest",
+        "median",
+        "groupArray",
+        "groupUniqArray",
+        "argMin",
+        "argMax",
+        "stddevPop",
+        "stddevSamp",
+        "varPop",
+        "varSamp",
+        "maxMapMerge",
+        "sumMap",
+        "maxMap",
+        "minMap",
         # conditionals and logic
-        "if", "multiIf", "coalesce", "ifNull", "nullIf", "isNull", "isNotNull", "and", "or", "not", "xor",
+        "if",
+        "multiIf",
+        "coalesce",
+        "ifNull",
+        "nullIf",
+        "isNull",
+        "isNotNull",
+        "and",
+        "or",
+        "not",
+        "xor",
         # numbers
-        "abs", "round", "floor", "ceil", "intDiv", "modulo", "least", "greatest", "exp", "log", "sqrt", "pow",
-        "toInt32", "toInt64", "toUInt32", "toUInt64", "toFloat64", "toString", "toDecimal64",
+        "abs",
+        "round",
+        "floor",
+        "ceil",
+        "intDiv",
+        "modulo",
+        "least",
+        "greatest",
+        "exp",
+        "log",
+        "sqrt",
+        "pow",
+        "toInt32",
+        "toInt64",
+        "toUInt32",
+        "toUInt64",
+        "toFloat64",
+        "toString",
+        "toDecimal64",
         # time
-        "toUnixTimestamp", "toUnixTimestamp64Milli", "fromUnixTimestamp64Milli", "toDateTime", "toDateTime64",
-        "toDate", "toStartOfHour", "toStartOfMinute", "toStartOfInterval", "now", "now64", "dateDiff", "toIntervalSecond",
+        "toUnixTimestamp",
+        "toUnixTimestamp64Milli",
+        "fromUnixTimestamp64Milli",
+        "toDateTime",
+        "toDateTime64",
+        "toDate",
+        "toStartOfHour",
+        "toStartOfMinute",
+        "toStartOfInterval",
+        "now",
+        "now64",
+        "dateDiff",
+        "toIntervalSecond",
         # strings
-        "length", "lower", "upper", "substring", "position", "match", "like", "concat", "startsWith", "endsWith",
-        "trim", "replaceAll", "lengthUTF8",
+        "length",
+        "lower",
+        "upper",
+        "substring",
+        "position",
+        "match",
+        "like",
+        "concat",
+        "startsWith",
+        "endsWith",
+        "trim",
+        "replaceAll",
+        "lengthUTF8",
         # arrays, maps, tuples
-        "arrayAvg", "arraySum", "arrayMin", "arrayMax", "arrayReduce", "arrayJoin", "has", "empty", "notEmpty",
-        "tupleElement", "mapKeys", "mapValues", "array", "tuple", "map", "indexOf", "arrayElement",
+        "arrayAvg",
+        "arraySum",
+        "arrayMin",
+        "arrayMax",
+        "arrayReduce",
+        "arrayJoin",
+        "has",
+        "empty",
+        "notEmpty",
+        "tupleElement",
+        "mapKeys",
+        "mapValues",
+        "array",
+        "tuple",
+        "map",
+        "indexOf",
+        "arrayElement",
     )
 )
 
@@ -58,16 +148,65 @@ _NAMED_AGGREGATE_ARG = {"arrayreduce"}
 # and tables (checked on their own). Anything else (a Command, a SETTINGS or FORMAT
 # clause, a placeholder, a parameter, DDL, DML) is refused.
 _ALLOWED_NODES: tuple[type[exp.Expr], ...] = (
-    exp.Select, exp.Union, exp.Subquery, exp.From, exp.Join, exp.Where, exp.Group, exp.Having, exp.Order,
-    exp.Ordered, exp.Limit, exp.Offset, exp.Distinct, exp.With, exp.CTE, exp.TableAlias, exp.Alias, exp.Identifier,
-    exp.Star, exp.Literal, exp.Boolean, exp.Null, exp.Paren, exp.Tuple, exp.Array, exp.Interval, exp.Var,
-    exp.Connector, exp.Binary, exp.Unary, exp.Predicate, exp.Between, exp.In, exp.Case, exp.If, exp.Cast,
-    exp.DataType, exp.DataTypeParam, exp.Final, exp.Lambda, exp.Bracket, exp.Dot, exp.Column, exp.Table, exp.Func,
+    exp.Select,
+    exp.Union,
+    exp.Subquery,
+    exp.From,
+    exp.Join,
+    exp.Where,
+    exp.Group,
+    exp.Having,
+    exp.Order,
+    exp.Ordered,
+    exp.Limit,
+    exp.Offset,
+    exp.Distinct,
+    exp.With,
+    exp.CTE,
+    exp.TableAlias,
+    exp.Alias,
+    exp.Identifier,
+    exp.Star,
+    exp.Literal,
+    exp.Boolean,
+    exp.Null,
+    exp.Paren,
+    exp.Tuple,
+    exp.Array,
+    exp.Interval,
+    exp.Var,
+    exp.Connector,
+    exp.Binary,
+    exp.Unary,
+    exp.Predicate,
+    exp.Between,
+    exp.In,
+    exp.Case,
+    exp.If,
+    exp.Cast,
+    exp.DataType,
+    exp.DataTypeParam,
+    exp.Final,
+    exp.Lambda,
+    exp.Bracket,
+    exp.Dot,
+    exp.Column,
+    exp.Table,
+    exp.Func,
 )
 # sqlglot models operators (AND, =, +, NOT, IN, BETWEEN, CASE, CAST) as functions too;
 # they compute on the row and are checked only through their operands.
 _OPERATORS: tuple[type[exp.Expr], ...] = (
-    exp.Binary, exp.Unary, exp.Connector, exp.Predicate, exp.Cast, exp.If, exp.Case, exp.Array, exp.Tuple, exp.Bracket,
+    exp.Binary,
+    exp.Unary,
+    exp.Connector,
+    exp.Predicate,
+    exp.Cast,
+    exp.If,
+    exp.Case,
+    exp.Array,
+    exp.Tuple,
+    exp.Bracket,
 )
 _REFUSED_ARGS = ("settings", "format", "into", "sample", "kind")
 
@@ -85,7 +224,9 @@ def checked_sql(sql: str, tables: Mapping[str, Collection[str]]) -> str:
     try:
         statements = [s for s in sqlglot.parse(sql, read="clickhouse") if s is not None]
     except (ParseError, sqlglot.errors.TokenError) as exc:
-        raise Refused(f"not a query this endpoint understands: {str(exc).splitlines()[0]}") from None
+        raise Refused(
+            f"not a query this endpoint understands: {str(exc).splitlines()[0]}"
+        ) from None
     if len(statements) != 1:
         raise Refused(f"one statement only (got {len(statements)})")
     (tree,) = statements
@@ -101,7 +242,9 @@ def _check(tree: exp.Expression, tables: Mapping[str, Collection[str]]) -> None:
     for node in tree.walk():
         if not isinstance(node, _ALLOWED_NODES):
             raise Refused(f"{node.key.upper()} is not allowed in a query here: {_show(node)}")
-        if isinstance(node, (exp.Select, exp.Union)) and (arg := next((a for a in _REFUSED_ARGS if node.args.get(a)), None)):
+        if isinstance(node, (exp.Select, exp.Union)) and (
+            arg := next((a for a in _REFUSED_ARGS if node.args.get(a)), None)
+        ):
             raise Refused(f"{arg.upper()} is not allowed: {_show(node.args[arg])}")
         if isinstance(node, exp.Table):
             _check_table(node, tables, defined)
@@ -139,7 +282,9 @@ def _check_function(node: exp.Func) -> None:
 def _function_name(node: exp.Func) -> str:
     """The name ClickHouse will see: what the checked tree renders before the call's "(".
     (sqlglot's own names differ: its COUNT_IF is ClickHouse's countIf.)"""
-    if isinstance(node, (exp.Anonymous, exp.ParameterizedAgg, exp.AnonymousAggFunc, exp.CombinedAggFunc)):
+    if isinstance(
+        node, (exp.Anonymous, exp.ParameterizedAgg, exp.AnonymousAggFunc, exp.CombinedAggFunc)
+    ):
         this = node.this
         return (this.name if isinstance(this, exp.Identifier) else str(this)).lower()
     rendered = node.sql(dialect="clickhouse")

@@ -19,7 +19,13 @@ from analytics.query import QueryFn
 from analytics.schema import TRAINER_STEPS
 from rtrl import topics
 
-COMPONENTS = ("persisted_fraction", "dissatisfied", "effort_penalty", "tool_call_validity", "reward")
+COMPONENTS = (
+    "persisted_fraction",
+    "dissatisfied",
+    "effort_penalty",
+    "tool_call_validity",
+    "reward",
+)
 PHASES = ("batch_wait_s", "step_s", "eval_s", "publish_s")
 
 
@@ -32,7 +38,9 @@ class Figures:
 
 def reward_components(query_fn: QueryFn, max_buckets: int = 20) -> list[dict]:
     """Mean of each reward component per arm and policy-version bucket."""
-    (span,) = query_fn(f"SELECT min(policy_version) AS lo, max(policy_version) AS hi FROM rewards FINAL WHERE topic = '{topics.REWARD}'")
+    (span,) = query_fn(
+        f"SELECT min(policy_version) AS lo, max(policy_version) AS hi FROM rewards FINAL WHERE topic = '{topics.REWARD}'"
+    )
     size = max(1, math.ceil((int(span["hi"] or 0) - int(span["lo"] or 0) + 1) / max_buckets))
     means = ", ".join(f"avg({c}) AS {c}" for c in COMPONENTS)
     return query_fn(
@@ -52,11 +60,29 @@ def figures(query_fn: QueryFn) -> Figures:
     items = []
     components = reward_components(query_fn)
     if components:
-        items.append(("Reward components by policy version", "mean of each reward component per arm", _components_png(components)))
+        items.append(
+            (
+                "Reward components by policy version",
+                "mean of each reward component per arm",
+                _components_png(components),
+            )
+        )
     steps = trainer_steps(query_fn)
     if steps:
-        items.append(("Training steps", "reward, KL and eval-gate scores per step; refused candidates marked", _steps_png(steps)))
-        items.append(("Staleness and loop latency", "rollout staleness at training time; time per step phase", _latency_png(steps)))
+        items.append(
+            (
+                "Training steps",
+                "reward, KL and eval-gate scores per step; refused candidates marked",
+                _steps_png(steps),
+            )
+        )
+        items.append(
+            (
+                "Staleness and loop latency",
+                "rollout staleness at training time; time per step phase",
+                _latency_png(steps),
+            )
+        )
     return Figures(tuple(items))
 
 
@@ -64,7 +90,11 @@ def _components_png(rows: list[dict]) -> bytes:
     figure = Figure(figsize=(12, 3.2), layout="constrained")
     for axes, component in zip(figure.subplots(1, len(COMPONENTS)), COMPONENTS):
         for arm, color in (("control", "tab:blue"), ("treatment", "tab:orange")):
-            points = [(int(r["version"]), float(r[component])) for r in rows if r["arm"] == arm and r[component] is not None]
+            points = [
+                (int(r["version"]), float(r[component]))
+                for r in rows
+                if r["arm"] == arm and r[component] is not None
+            ]
             if points:
                 axes.plot(*zip(*points), marker="o", markersize=3, color=color, label=arm)
         axes.set_title(component.replace("_", " "))
@@ -88,7 +118,14 @@ def _steps_png(steps: list[dict]) -> bytes:
         gate.plot(x, [s["eval_candidate"].get(checker) for s in steps], color=color, label=checker)
     refused = [s for s in steps if not s["published"]]
     if refused:
-        gate.scatter([int(s["step"]) for s in refused], [s["eval_candidate"].get("well_formed") for s in refused], color="red", marker="x", zorder=3, label="refused")
+        gate.scatter(
+            [int(s["step"]) for s in refused],
+            [s["eval_candidate"].get("well_formed") for s in refused],
+            color="red",
+            marker="x",
+            zorder=3,
+            label="refused",
+        )
     gate.set_title("eval gate: candidate scores")
     gate.legend(loc="best")
     for axes in (reward, kl, gate):

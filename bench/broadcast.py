@@ -78,7 +78,11 @@ class Probes:
         self._seen: dict[Path, dict[int, float]] = {}
         self._read_to: dict[Path, int] = {}
         self.procs = [
-            procs.spawn(f"probe-{i}", [sys.executable, "-m", "rtrl.ops.broadcast_probe", out_prefix, arm, *group], Path(f"{out_prefix}.log"))
+            procs.spawn(
+                f"probe-{i}",
+                [sys.executable, "-m", "rtrl.ops.broadcast_probe", out_prefix, arm, *group],
+                Path(f"{out_prefix}.log"),
+            )
             for i, (out_prefix, group) in enumerate(groups)
         ]
 
@@ -91,7 +95,9 @@ class Probes:
             if len(arrived) == len(times):
                 return arrived
             if time.monotonic() > deadline:
-                raise TimeoutError(f"v{version} reached {sum(t is not None for t in times)} of {len(times)} subscribers in {timeout_s} s")
+                raise TimeoutError(
+                    f"v{version} reached {sum(t is not None for t in times)} of {len(times)} subscribers in {timeout_s} s"
+                )
             time.sleep(0.02)
 
     def _delivered(self, out: Path, version: int) -> float | None:
@@ -113,12 +119,29 @@ class Probes:
             proc.stop()
 
 
-def run_topology(topology: Topology, server_addr: str, relay_addrs: list[str], versions, stack: StackSettings, workdir: Path) -> dict:
+def run_topology(
+    topology: Topology,
+    server_addr: str,
+    relay_addrs: list[str],
+    versions,
+    stack: StackSettings,
+    workdir: Path,
+) -> dict:
     from weight_sync.client import Publisher
 
-    addrs = [relay_addrs[i % len(relay_addrs)] for i in range(topology.subscribers)] if topology.relays else [server_addr] * topology.subscribers
+    addrs = (
+        [relay_addrs[i % len(relay_addrs)] for i in range(topology.subscribers)]
+        if topology.relays
+        else [server_addr] * topology.subscribers
+    )
     probes = Probes(addrs, topology.arm, workdir, topology.mode)
-    publisher = Publisher(server_addr, stack.weight_sync_token.get_secret_value(), topology.arm, keyframe_every=1000, signing_key=signing.generate_private_key())  # its probes count bytes, they do not verify
+    publisher = Publisher(
+        server_addr,
+        stack.weight_sync_token.get_secret_value(),
+        topology.arm,
+        keyframe_every=1000,
+        signing_key=signing.generate_private_key(),
+    )  # its probes count bytes, they do not verify
     try:
         publisher.publish(versions[0])
         probes.delivered(0)
@@ -146,7 +169,11 @@ def run_topology(topology: Topology, server_addr: str, relay_addrs: list[str], v
 def server_bytes_sent(client: redis.Redis, instance: str) -> int:
     time.sleep(1.2)  # one heartbeat interval, so the figure is current
     beat = heartbeat.read_one(client, "weight_sync", instance)
-    return beat.beat.bytes_sent if beat is not None and isinstance(beat.beat, heartbeat.WeightSyncBeat) else 0
+    return (
+        beat.beat.bytes_sent
+        if beat is not None and isinstance(beat.beat, heartbeat.WeightSyncBeat)
+        else 0
+    )
 
 
 def run(out: Path, console: Console, rounds: int = 15) -> dict:
@@ -162,26 +189,68 @@ def run(out: Path, console: Console, rounds: int = 15) -> dict:
     from weight_sync import codec
 
     keyframe_bytes = len(codec.encode(None, versions[0]).blob)
-    delta_sizes = [len(codec.encode(parent, new).blob) for parent, new in itertools.pairwise(versions)]
+    delta_sizes = [
+        len(codec.encode(parent, new).blob) for parent, new in itertools.pairwise(versions)
+    ]
     delta_bytes = round(statistics.median(delta_sizes))
     topologies = [
-        Topology(n, relays, mode) for mode in MODES for relays in (0, RELAYS) for n in FANOUTS if n >= max(relays, 1)
+        Topology(n, relays, mode)
+        for mode in MODES
+        for relays in (0, RELAYS)
+        for n in FANOUTS
+        if n >= max(relays, 1)
     ]
-    results: dict = {"delta_bytes": delta_bytes, "keyframe_bytes": keyframe_bytes, "rounds": rounds, "topologies": []}
+    results: dict = {
+        "delta_bytes": delta_bytes,
+        "keyframe_bytes": keyframe_bytes,
+        "rounds": rounds,
+        "topologies": [],
+    }
     with tempfile.TemporaryDirectory(prefix="rtrl-bench-broadcast-") as tmp:
         workdir = Path(tmp)
         redis_proc = procs.start_redis(workdir / "redis", workdir / "redis.log")
-        stack = StackSettings(redis_url=f"redis://127.0.0.1:{redis_proc.port}/0", state_dir=workdir / "state", instance="bench")
+        stack = StackSettings(
+            redis_url=f"redis://127.0.0.1:{redis_proc.port}/0",
+            state_dir=workdir / "state",
+            instance="bench",
+        )
         port = procs.free_port()
-        env = {"RTRL_REDIS_URL": stack.redis_url, "RTRL_STATE_DIR": str(stack.state_dir), "RTRL_INSTANCE": "bench", "RTRL_WEIGHT_SYNC_PORT": str(port), "RTRL_WEIGHT_SYNC_GC_INTERVAL_S": "0"}
-        started = [redis_proc, procs.spawn("weight_sync", [sys.executable, "-m", "weight_sync"], workdir / "weight_sync.log", env=env, port=port)]
+        env = {
+            "RTRL_REDIS_URL": stack.redis_url,
+            "RTRL_STATE_DIR": str(stack.state_dir),
+            "RTRL_INSTANCE": "bench",
+            "RTRL_WEIGHT_SYNC_PORT": str(port),
+            "RTRL_WEIGHT_SYNC_GC_INTERVAL_S": "0",
+        }
+        started = [
+            redis_proc,
+            procs.spawn(
+                "weight_sync",
+                [sys.executable, "-m", "weight_sync"],
+                workdir / "weight_sync.log",
+                env=env,
+                port=port,
+            ),
+        ]
         server_addr = f"127.0.0.1:{port}"
         relay_arms = json.dumps([t.arm for t in topologies if t.relays])
         relay_addrs = []
         for i in range(RELAYS):
             relay_port = procs.free_port()
-            relay_env = {"RTRL_WEIGHT_SYNC_RELAY_UPSTREAM_ADDR": server_addr, "RTRL_WEIGHT_SYNC_RELAY_PORT": str(relay_port), "RTRL_WEIGHT_SYNC_RELAY_ARMS": relay_arms}
-            started.append(procs.spawn(f"relay-{i}", [sys.executable, "-m", "weight_sync.relay"], workdir / f"relay-{i}.log", env=relay_env, port=relay_port))
+            relay_env = {
+                "RTRL_WEIGHT_SYNC_RELAY_UPSTREAM_ADDR": server_addr,
+                "RTRL_WEIGHT_SYNC_RELAY_PORT": str(relay_port),
+                "RTRL_WEIGHT_SYNC_RELAY_ARMS": relay_arms,
+            }
+            started.append(
+                procs.spawn(
+                    f"relay-{i}",
+                    [sys.executable, "-m", "weight_sync.relay"],
+                    workdir / f"relay-{i}.log",
+                    env=relay_env,
+                    port=relay_port,
+                )
+            )
             relay_addrs.append(f"127.0.0.1:{relay_port}")
         client = redis.Redis.from_url(stack.redis_url)
         try:
@@ -193,23 +262,31 @@ def run(out: Path, console: Console, rounds: int = 15) -> dict:
                 for topology in topologies:
                     progress.update(task, description=topology.arm)
                     before = server_bytes_sent(client, "bench")
-                    result = run_topology(topology, server_addr, relay_addrs, versions, stack, workdir)
+                    result = run_topology(
+                        topology, server_addr, relay_addrs, versions, stack, workdir
+                    )
                     # Egress in copies of the arm's versions: what the server's own streams carried.
                     sent = server_bytes_sent(client, "bench") - before
-                    result["server_copies_per_version"] = round(sent / (keyframe_bytes + sum(delta_sizes)), 3)
+                    result["server_copies_per_version"] = round(
+                        sent / (keyframe_bytes + sum(delta_sizes)), 3
+                    )
                     results["topologies"].append(result)
                     progress.advance(task)
         finally:
             client.close()
             for proc in reversed(started):
                 proc.stop()
-    by = {(t["mode"], t["relays"], t["subscribers"]): t["delivery_s"] for t in results["topologies"]}
+    by = {
+        (t["mode"], t["relays"], t["subscribers"]): t["delivery_s"] for t in results["topologies"]
+    }
     for mode in MODES:
         suffix = "" if mode == "connections" else "_processes"
         for n in FANOUTS[1:]:
             results[f"fanout_{n}_vs_1{suffix}"] = round(by[(mode, 0, n)] / by[(mode, 0, 1)], 2)
             if (mode, RELAYS, n) in by:
-                results[f"fanout_{n}_vs_1_relayed{suffix}"] = round(by[(mode, RELAYS, n)] / by[(mode, 0, 1)], 2)
+                results[f"fanout_{n}_vs_1_relayed{suffix}"] = round(
+                    by[(mode, RELAYS, n)] / by[(mode, 0, 1)], 2
+                )
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=2))
     _print(results, out, console)
@@ -217,12 +294,33 @@ def run(out: Path, console: Console, rounds: int = 15) -> dict:
 
 
 def _print(results: dict, out: Path, console: Console) -> None:
-    base = {t["mode"]: t["delivery_s"] for t in results["topologies"] if t["relays"] == 0 and t["subscribers"] == 1}
-    table = Table(title=f"bench broadcast -> {out} (deltas ~{results['delta_bytes']:,} B, keyframe {results['keyframe_bytes']:,} B)", title_justify="left")
-    for column in ("probes", "topology", "subscribers", "delivery (median)", "vs 1 direct", "server egress (copies)"):
+    base = {
+        t["mode"]: t["delivery_s"]
+        for t in results["topologies"]
+        if t["relays"] == 0 and t["subscribers"] == 1
+    }
+    table = Table(
+        title=f"bench broadcast -> {out} (deltas ~{results['delta_bytes']:,} B, keyframe {results['keyframe_bytes']:,} B)",
+        title_justify="left",
+    )
+    for column in (
+        "probes",
+        "topology",
+        "subscribers",
+        "delivery (median)",
+        "vs 1 direct",
+        "server egress (copies)",
+    ):
         table.add_column(column, justify="right")
     for t in results["topologies"]:
         name = f"{t['relays']} relays" if t["relays"] else "direct"
         held_by = "1 process" if t["mode"] == "connections" else "1 per subscriber"
-        table.add_row(held_by, name, str(t["subscribers"]), f"{t['delivery_s'] * 1000:.1f} ms", f"{t['delivery_s'] / base[t['mode']]:.2f}", f"{t['server_copies_per_version']:g}")
+        table.add_row(
+            held_by,
+            name,
+            str(t["subscribers"]),
+            f"{t['delivery_s'] * 1000:.1f} ms",
+            f"{t['delivery_s'] / base[t['mode']]:.2f}",
+            f"{t['server_copies_per_version']:g}",
+        )
     console.print(table)

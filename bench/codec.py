@@ -75,7 +75,9 @@ def minilm_versions(steps: int, keep: int, seed: int = 0) -> list[Weights]:
         loss.backward()
         optimizer.step()
         if step > steps - keep:
-            snapshots.append({k: v.detach().to(torch.bfloat16).clone() for k, v in model.state_dict().items()})
+            snapshots.append(
+                {k: v.detach().to(torch.bfloat16).clone() for k, v in model.state_dict().items()}
+            )
     return snapshots
 
 
@@ -90,9 +92,21 @@ def policy_workload(seed: int = 0) -> tuple[Weights, Weights]:
     model = build_model(seed=seed)
     rng = random.Random(seed)
     tasks = [random_task(rng) for _ in range(32)]
-    rollouts = sample(model, [prompt_ids(t.prompt) for t in tasks], generator=torch.Generator().manual_seed(seed))
+    rollouts = sample(
+        model, [prompt_ids(t.prompt) for t in tasks], generator=torch.Generator().manual_seed(seed)
+    )
     samples = [
-        TrainSample(str(i), t.prompt, tuple(prompt_ids(t.prompt)), r.completion_ids, r.logprobs, 1.0, rng.random(), 0, 0)
+        TrainSample(
+            str(i),
+            t.prompt,
+            tuple(prompt_ids(t.prompt)),
+            r.completion_ids,
+            r.logprobs,
+            1.0,
+            rng.random(),
+            0,
+            0,
+        )
         for i, (t, r) in enumerate(zip(tasks, rollouts))
     ]
     before = state_dict_fp32(model)
@@ -116,7 +130,10 @@ def order0_bound_bytes(parent: Weights, new: Weights, values: str = "xor") -> tu
         old = parent[name]
         width = tensor.element_size()
         bits_dtype = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[width]
-        new_bits, old_bits = tensor.contiguous().view(bits_dtype).flatten(), old.contiguous().view(bits_dtype).flatten()
+        new_bits, old_bits = (
+            tensor.contiguous().view(bits_dtype).flatten(),
+            old.contiguous().view(bits_dtype).flatten(),
+        )
         diff = new_bits != old_bits
         total += new_bits.numel()
         changed += int(diff.sum())
@@ -125,7 +142,9 @@ def order0_bound_bytes(parent: Weights, new: Weights, values: str = "xor") -> tu
         for v, c in zip(distinct.tolist(), counts.tolist()):
             value_counts[(width, v)] = value_counts.get((width, v), 0) + c
     p = changed / total
-    position_bits = 0.0 if p in (0.0, 1.0) else total * -(p * math.log2(p) + (1 - p) * math.log2(1 - p))
+    position_bits = (
+        0.0 if p in (0.0, 1.0) else total * -(p * math.log2(p) + (1 - p) * math.log2(1 - p))
+    )
     counts = np.array(list(value_counts.values()), dtype=np.float64)
     value_bits = float(-(counts * np.log2(counts / counts.sum())).sum()) if changed else 0.0
     return (position_bits + value_bits) / 8, p
@@ -139,14 +158,23 @@ def plain_xor_gap_zstd(parent: Weights, new: Weights) -> bytes:
     for name, tensor in new.items():
         width = tensor.element_size()
         bits = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[width]
-        new_bits, old_bits = tensor.contiguous().view(bits).flatten(), parent[name].contiguous().view(bits).flatten()
+        new_bits, old_bits = (
+            tensor.contiguous().view(bits).flatten(),
+            parent[name].contiguous().view(bits).flatten(),
+        )
         positions = torch.nonzero(new_bits != old_bits).flatten()
         gaps = torch.diff(positions, prepend=positions.new_zeros(1))
-        frames.append(compressor.compress(gaps.numpy().tobytes() + (new_bits ^ old_bits)[positions].numpy().tobytes()))
+        frames.append(
+            compressor.compress(
+                gaps.numpy().tobytes() + (new_bits ^ old_bits)[positions].numpy().tobytes()
+            )
+        )
     return b"".join(frames)
 
 
-def paired_ratio(work: Callable[[], object], baseline: Callable[[], object], repeats: int) -> tuple[float, float]:
+def paired_ratio(
+    work: Callable[[], object], baseline: Callable[[], object], repeats: int
+) -> tuple[float, float]:
     """(median time of work / median time of baseline, median baseline seconds).
 
     The two run alternately, so a burst of load on a noisy machine hits both.
@@ -166,12 +194,18 @@ def measure(parent: Weights, new: Weights, repeats: int = 15) -> dict:
 
     full_bytes = sum(t.numel() * t.element_size() for t in new.values())
     encoded = codec.encode(parent, new)
-    blob, manifest = encoded.blob, encoded.manifest(arm="bench", version=1, parent_version=0, keyframe=False)
+    blob, manifest = (
+        encoded.blob,
+        encoded.manifest(arm="bench", version=1, parent_version=0, keyframe=False),
+    )
     bound_bytes, changed_fraction = order0_bound_bytes(parent, new)
     diff_bound_bytes, _ = order0_bound_bytes(parent, new, values="diff")
     plain_bytes = len(plain_xor_gap_zstd(parent, new))
     decoded = codec.decode(blob, manifest, parent)
-    if not all(torch.equal(decoded[k].view(torch.uint8), new[k].contiguous().view(torch.uint8)) for k in new):
+    if not all(
+        torch.equal(decoded[k].view(torch.uint8), new[k].contiguous().view(torch.uint8))
+        for k in new
+    ):
         raise AssertionError("the codec did not reproduce the new weights bit for bit")
 
     def memcpy() -> None:
@@ -179,7 +213,9 @@ def measure(parent: Weights, new: Weights, repeats: int = 15) -> dict:
             tensor.clone()
 
     buffers = codec.EncodeBuffers()  # as a publisher keeps them from one step to the next
-    encode_vs_memcpy, memcpy_s = paired_ratio(lambda: codec.encode(parent, new, buffers), memcpy, repeats)
+    encode_vs_memcpy, memcpy_s = paired_ratio(
+        lambda: codec.encode(parent, new, buffers), memcpy, repeats
+    )
     apply_vs_memcpy, _ = paired_ratio(lambda: codec.decode(blob, manifest, parent), memcpy, repeats)
     return {
         "tensors": len(new),
@@ -190,7 +226,9 @@ def measure(parent: Weights, new: Weights, repeats: int = 15) -> dict:
         "changed_fraction": round(changed_fraction, 6),
         "entropy_bound_bytes": round(bound_bytes),
         "entropy_bound_ratio": round(full_bytes / bound_bytes, 2) if bound_bytes else None,
-        "diff_entropy_bound_ratio": round(full_bytes / diff_bound_bytes, 2) if diff_bound_bytes else None,
+        "diff_entropy_bound_ratio": round(full_bytes / diff_bound_bytes, 2)
+        if diff_bound_bytes
+        else None,
         "plain_xor_gap_zstd_ratio": round(full_bytes / plain_bytes, 2),
         "encode_vs_memcpy": round(encode_vs_memcpy, 2),
         "apply_vs_memcpy": round(apply_vs_memcpy, 2),

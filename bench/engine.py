@@ -35,8 +35,8 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
-from inference.engine import Engine, EngineConfig, prompt_token_ids
 from bench.join import code_version
+from inference.engine import Engine, EngineConfig, prompt_token_ids
 from rtrl.policy import EOS, PAD, build_model, state_dict_fp32
 from simulator.tasks import random_task
 
@@ -58,7 +58,9 @@ def task_prompts(n: int, seed: int = 0) -> list[list[int]]:
     return [prompt_token_ids(random_task(rng).prompt) for _ in range(n)]
 
 
-def hf_generate(model, prompts: list[list[int]], batch: int, max_tokens: int, seconds: float, progress: Progress) -> Phase:
+def hf_generate(
+    model, prompts: list[list[int]], batch: int, max_tokens: int, seconds: float, progress: Progress
+) -> Phase:
     task = progress.add_task("HF generate()", total=seconds)
     tokens, started, i = 0, time.perf_counter(), 0
     while time.perf_counter() - started < seconds:
@@ -69,8 +71,16 @@ def hf_generate(model, prompts: list[list[int]], batch: int, max_tokens: int, se
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in group])
         with torch.inference_mode():
             out = model.generate(
-                input_ids=ids, attention_mask=mask, max_new_tokens=max_tokens, min_new_tokens=max_tokens,
-                do_sample=True, temperature=1.0, top_k=0, top_p=1.0, pad_token_id=PAD, eos_token_id=EOS,
+                input_ids=ids,
+                attention_mask=mask,
+                max_new_tokens=max_tokens,
+                min_new_tokens=max_tokens,
+                do_sample=True,
+                temperature=1.0,
+                top_k=0,
+                top_p=1.0,
+                pad_token_id=PAD,
+                eos_token_id=EOS,
             )
         tokens += (out.shape[1] - width) * batch
         progress.update(task, completed=min(time.perf_counter() - started, seconds))
@@ -91,8 +101,15 @@ class _InFlight:
 
 
 def engine_phase(
-    engine: Engine, name: str, prompts: list[list[int]], concurrency: int, max_tokens: int, seconds: float,
-    progress: Progress, swap: tuple[float, list[dict[str, torch.Tensor]]] | None = None, label: str = "",
+    engine: Engine,
+    name: str,
+    prompts: list[list[int]],
+    concurrency: int,
+    max_tokens: int,
+    seconds: float,
+    progress: Progress,
+    swap: tuple[float, list[dict[str, torch.Tensor]]] | None = None,
+    label: str = "",
 ) -> Phase:
     """Keep ``concurrency`` requests in flight for ``seconds``; with ``swap`` = (every_s,
     weight sets), stage a new version every every_s from another thread."""
@@ -108,7 +125,9 @@ def engine_phase(
             prompt = prompts[state.next % len(prompts)]
             state.next += 1
             state.in_flight += 1
-        engine.submit("control", prompt, max_tokens=max_tokens, temperature=1.0, ignore_eos=True).add_done_callback(done)
+        engine.submit(
+            "control", prompt, max_tokens=max_tokens, temperature=1.0, ignore_eos=True
+        ).add_done_callback(done)
 
     def done(future) -> None:
         if future.exception() is not None:
@@ -152,7 +171,15 @@ def engine_phase(
     return Phase(name, state.tokens, state.last - started, swaps[0])
 
 
-def run(out: Path, console: Console, concurrency: int = 8, max_tokens: int = 48, phase_s: float = 10.0, rounds: int = 2, swap_every_s: float = 2.0) -> dict:
+def run(
+    out: Path,
+    console: Console,
+    concurrency: int = 8,
+    max_tokens: int = 48,
+    phase_s: float = 10.0,
+    rounds: int = 2,
+    swap_every_s: float = 2.0,
+) -> dict:
     torch.set_num_threads(1)
     model = build_model(seed=1)
     sets = [state_dict_fp32(build_model(seed=s)) for s in (1, 2)]
@@ -164,14 +191,30 @@ def run(out: Path, console: Console, concurrency: int = 8, max_tokens: int = 48,
             engine.stage("control", 0, sets[0])
             engine.start()
             try:
-                engine_phase(engine, f"warm-up ({policy})", prompts, concurrency, max_tokens, 1.0, progress)
+                engine_phase(
+                    engine, f"warm-up ({policy})", prompts, concurrency, max_tokens, 1.0, progress
+                )
                 for r in range(rounds if policy == "keep" else 1):
                     if policy == "keep":
-                        phases.setdefault("hf_generate", []).append(hf_generate(model, prompts, concurrency, max_tokens, phase_s, progress))
+                        phases.setdefault("hf_generate", []).append(
+                            hf_generate(model, prompts, concurrency, max_tokens, phase_s, progress)
+                        )
                     for swapping in (False, True):
                         name = f"engine_{policy}_{'swaps' if swapping else 'steady'}"
                         swap = (swap_every_s, sets) if swapping else None
-                        phases.setdefault(name, []).append(engine_phase(engine, name, prompts, concurrency, max_tokens, phase_s, progress, swap, f"{name} {r + 1}"))
+                        phases.setdefault(name, []).append(
+                            engine_phase(
+                                engine,
+                                name,
+                                prompts,
+                                concurrency,
+                                max_tokens,
+                                phase_s,
+                                progress,
+                                swap,
+                                f"{name} {r + 1}",
+                            )
+                        )
             finally:
                 engine.stop()
 
@@ -190,9 +233,25 @@ def run(out: Path, console: Console, concurrency: int = 8, max_tokens: int = 48,
         "hf_generate_tokens_per_s": round(hf, 1),
         "ratio": round(steady / hf, 3),
         "swap_slowdown": round(rate("engine_keep_swaps") / steady, 3),
-        "swap_slowdown_recompute": round(rate("engine_recompute_swaps") / rate("engine_recompute_steady"), 3),
-        "swaps": sum(p.swaps for name in ("engine_keep_swaps", "engine_recompute_swaps") for p in phases[name]),
-        "phases": [{"name": p.name, "tokens": p.tokens, "seconds": round(p.seconds, 3), "tokens_per_s": round(p.tokens_per_s, 1), "swaps": p.swaps} for ps in phases.values() for p in ps],
+        "swap_slowdown_recompute": round(
+            rate("engine_recompute_swaps") / rate("engine_recompute_steady"), 3
+        ),
+        "swaps": sum(
+            p.swaps
+            for name in ("engine_keep_swaps", "engine_recompute_swaps")
+            for p in phases[name]
+        ),
+        "phases": [
+            {
+                "name": p.name,
+                "tokens": p.tokens,
+                "seconds": round(p.seconds, 3),
+                "tokens_per_s": round(p.tokens_per_s, 1),
+                "swaps": p.swaps,
+            }
+            for ps in phases.values()
+            for p in ps
+        ],
     }
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=2))
@@ -201,7 +260,9 @@ def run(out: Path, console: Console, concurrency: int = 8, max_tokens: int = 48,
 
 
 def _print(r: dict, out: Path, console: Console) -> None:
-    table = Table(title=f"bench engine -> {out} ({r['concurrency']} in flight, {r['max_tokens']} tokens each, {r['torch_threads']} torch thread)")
+    table = Table(
+        title=f"bench engine -> {out} ({r['concurrency']} in flight, {r['max_tokens']} tokens each, {r['torch_threads']} torch thread)"
+    )
     for column in ("generator", "tokens/s", "vs HF generate()"):
         table.add_column(column, justify="right")
     hf = r["hf_generate_tokens_per_s"]

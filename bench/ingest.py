@@ -27,8 +27,8 @@ from typing import TypedDict
 from rich.console import Console
 from rich.table import Table
 
-from rtrl import procs, topics
 from bench.join import code_version
+from rtrl import procs, topics
 from rtrl.config import StackSettings
 
 EVENT_BYTES = 1024
@@ -77,13 +77,15 @@ def signature_costs(repeats: int = 2_000) -> SignatureCosts:
     """Microseconds per record for what the trust boundary adds around ingest, in this
     process: the key record check (rtrl/api_keys.py) and the rollout signature the serving
     API makes and the joiner checks (a real completion's record, from the demo's engine)."""
+    from bench.join import rollout_records
     from rtrl import signing
     from rtrl.api_keys import KeyAuthority, KeyVerifier, key_hash
-    from bench.join import rollout_records
 
     operator = signing.generate_private_key()
     digest = key_hash("rtrl_bench")
-    record = KeyAuthority(operator).signed(digest, {"client_id": "bench", "scopes": "*,completions", "rate_per_s": "0.0"})
+    record = KeyAuthority(operator).signed(
+        digest, {"client_id": "bench", "scopes": "*,completions", "rate_per_s": "0.0"}
+    )
     verifier = KeyVerifier([signing.public_key_of(operator)])
     start = time.perf_counter()
     assert all(verifier.problem(digest, record) is None for _ in range(repeats))
@@ -117,7 +119,9 @@ def make_events(n: int, seed: int = 0) -> list:
     events = []
     for i in range(n):
         event = make_event(
-            f"rollout-{seed}-{i // 4}", f"session-{i // 64}", f"user-{i % 997}",
+            f"rollout-{seed}-{i // 4}",
+            f"session-{i // 64}",
+            f"user-{i % 997}",
             edit_shown=telemetry_pb2.EditShown(file_path=f"src/module_{i % 50}.py", edit_text=body),
             client_ts_ms=now_ms,
         )
@@ -130,7 +134,10 @@ def raw_round(stack: StackSettings, events: list) -> float:
 
     from rtrl.kafka import producer_config
 
-    records = [(topics.BY_PAYLOAD[e.WhichOneof("payload")], e.SerializeToString(), e.rollout_id.encode()) for e in events]
+    records = [
+        (topics.BY_PAYLOAD[e.WhichOneof("payload")], e.SerializeToString(), e.rollout_id.encode())
+        for e in events
+    ]
     producer = Producer(producer_config(stack))
     started = time.perf_counter()
     for topic, value, key in records:
@@ -148,7 +155,9 @@ def raw_round(stack: StackSettings, events: list) -> float:
     return len(records) / elapsed
 
 
-async def gateway_round(addr: str, key: str, events: list, batch: int, concurrency: int) -> tuple[float, int, int]:
+async def gateway_round(
+    addr: str, key: str, events: list, batch: int, concurrency: int
+) -> tuple[float, int, int]:
     """(events/s, events neither ACCEPTED nor RETRY, RETRY answers resent), as a client
     that resends what the gateway asked it to retry."""
     import grpc
@@ -161,8 +170,14 @@ async def gateway_round(addr: str, key: str, events: list, batch: int, concurren
         chunk = events[start : start + batch]
         queue.put_nowait((chunk, ingest_pb2.PublishEventsRequest(events=chunk).SerializeToString()))
     refused = resent = 0
-    async with grpc.aio.insecure_channel(addr, options=[("grpc.max_receive_message_length", 64 << 20)]) as channel:
-        call = channel.unary_unary("/rtrl.v1.Ingest/PublishEvents", request_serializer=None, response_deserializer=ingest_pb2.PublishEventsResponse.FromString)
+    async with grpc.aio.insecure_channel(
+        addr, options=[("grpc.max_receive_message_length", 64 << 20)]
+    ) as channel:
+        call = channel.unary_unary(
+            "/rtrl.v1.Ingest/PublishEvents",
+            request_serializer=None,
+            response_deserializer=ingest_pb2.PublishEventsResponse.FromString,
+        )
         metadata = (("authorization", f"Bearer {key}"),)
 
         async def client() -> None:
@@ -179,11 +194,17 @@ async def gateway_round(addr: str, key: str, events: list, batch: int, concurren
                         await asyncio.sleep(0.05)
                         continue
                     again = [event for event, r in zip(chunk, answer.results) if r.status == retry]
-                    refused += sum(r.status not in (ingest_pb2.EventResult.STATUS_ACCEPTED, retry) for r in answer.results)
+                    refused += sum(
+                        r.status not in (ingest_pb2.EventResult.STATUS_ACCEPTED, retry)
+                        for r in answer.results
+                    )
                     if not again:
                         break
                     resent += len(again)
-                    chunk, body = again, ingest_pb2.PublishEventsRequest(events=again).SerializeToString()
+                    chunk, body = (
+                        again,
+                        ingest_pb2.PublishEventsRequest(events=again).SerializeToString(),
+                    )
                     await asyncio.sleep(0.05)
 
         started = time.perf_counter()
@@ -199,13 +220,21 @@ def _end_total(stack: StackSettings) -> int:
 
 
 def run(
-    out: Path, console: Console, *, events_per_round: int = 60_000, batch: int = 500, concurrency: int = 8, rounds: int = 3
+    out: Path,
+    console: Console,
+    *,
+    events_per_round: int = 60_000,
+    batch: int = 500,
+    concurrency: int = 8,
+    rounds: int = 3,
 ) -> IngestBench:
     from rtrl import signing
     from rtrl.api_keys import KeyAuthority, call_sync, issue_key
     from rtrl.kafka import ensure_topics, wait_for_broker
 
-    operator_key = signing.generate_private_key()  # the bench's own operator: it signs the bench's key
+    operator_key = (
+        signing.generate_private_key()
+    )  # the bench's own operator: it signs the bench's key
 
     with tempfile.TemporaryDirectory(prefix="rtrl-bench-ingest-") as tmp:
         tmp_path = Path(tmp)
@@ -214,38 +243,66 @@ def run(
         gateway = None
         try:
             stack = StackSettings(
-                kafka_bootstrap=f"127.0.0.1:{tansu.port}", redis_url=f"redis://127.0.0.1:{redis_proc.port}/0", state_dir=tmp_path / "state"
+                kafka_bootstrap=f"127.0.0.1:{tansu.port}",
+                redis_url=f"redis://127.0.0.1:{redis_proc.port}/0",
+                state_dir=tmp_path / "state",
             )
             wait_for_broker(stack)
             ensure_topics(stack)
             http_port, grpc_port = procs.free_port(), procs.free_port()
             env = {
-                "RTRL_KAFKA_BOOTSTRAP": stack.kafka_bootstrap, "RTRL_REDIS_URL": stack.redis_url, "RTRL_STATE_DIR": str(stack.state_dir),
-                "RTRL_INGEST_HTTP_PORT": str(http_port), "RTRL_INGEST_GRPC_PORT": str(grpc_port),
-                "RTRL_INGEST_MAX_INFLIGHT": str(batch * concurrency * 2), "RTRL_OTEL_EXPORTER": "none",
+                "RTRL_KAFKA_BOOTSTRAP": stack.kafka_bootstrap,
+                "RTRL_REDIS_URL": stack.redis_url,
+                "RTRL_STATE_DIR": str(stack.state_dir),
+                "RTRL_INGEST_HTTP_PORT": str(http_port),
+                "RTRL_INGEST_GRPC_PORT": str(grpc_port),
+                "RTRL_INGEST_MAX_INFLIGHT": str(batch * concurrency * 2),
+                "RTRL_OTEL_EXPORTER": "none",
                 "RTRL_API_KEY_PUBLIC_KEYS": signing.public_key_of(operator_key),
-                "PYTHONPATH": str(Path(__file__).resolve().parent.parent) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+                "PYTHONPATH": str(Path(__file__).resolve().parent.parent)
+                + os.pathsep
+                + os.environ.get("PYTHONPATH", ""),
             }
-            gateway = procs.spawn("ingest", [sys.executable, "-m", "ingest"], tmp_path / "ingest.log", env=env, port=grpc_port)
+            gateway = procs.spawn(
+                "ingest",
+                [sys.executable, "-m", "ingest"],
+                tmp_path / "ingest.log",
+                env=env,
+                port=grpc_port,
+            )
             procs.wait_for_port(grpc_port, timeout_s=60)
 
             key = call_sync(stack.redis_url, issue_key, KeyAuthority(operator_key), "bench")
             # Warm both paths (connections, topic metadata, the gateway's scripts).
             raw_round(stack, make_events(2_000, seed=-1))
-            asyncio.run(gateway_round(f"127.0.0.1:{grpc_port}", key, make_events(2_000, seed=-2), batch, concurrency))
+            asyncio.run(
+                gateway_round(
+                    f"127.0.0.1:{grpc_port}", key, make_events(2_000, seed=-2), batch, concurrency
+                )
+            )
 
             gateway_rates, raw_rates, refused, resent, sent = [], [], 0, 0, 0
             before = _end_total(stack)
             for round_index in range(rounds):
-                raw_rates.append(raw_round(stack, make_events(events_per_round, seed=2 * round_index)))
+                raw_rates.append(
+                    raw_round(stack, make_events(events_per_round, seed=2 * round_index))
+                )
                 rate, not_accepted, again = asyncio.run(
-                    gateway_round(f"127.0.0.1:{grpc_port}", key, make_events(events_per_round, seed=2 * round_index + 1), batch, concurrency)
+                    gateway_round(
+                        f"127.0.0.1:{grpc_port}",
+                        key,
+                        make_events(events_per_round, seed=2 * round_index + 1),
+                        batch,
+                        concurrency,
+                    )
                 )
                 gateway_rates.append(rate)
                 refused += not_accepted
                 resent += again
                 sent += 2 * events_per_round
-                console.print(f"round {round_index + 1}/{rounds}: raw producer {raw_rates[-1]:,.0f} events/s, gateway {rate:,.0f} events/s")
+                console.print(
+                    f"round {round_index + 1}/{rounds}: raw producer {raw_rates[-1]:,.0f} events/s, gateway {rate:,.0f} events/s"
+                )
             landed = _end_total(stack) - before
             exact = refused == 0 and landed == sent
         finally:
@@ -276,13 +333,28 @@ def run(
     )
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(asdict(result), indent=2) + "\n")
-    table = Table(title=f"rtrl bench ingest ({result.event_bytes} B events, batches of {batch}, {concurrency} in flight)", title_justify="left")
+    table = Table(
+        title=f"rtrl bench ingest ({result.event_bytes} B events, batches of {batch}, {concurrency} in flight)",
+        title_justify="left",
+    )
     for column in ("path", "events/s (best round)", "rounds", "ratio"):
         table.add_column(column, justify="left" if column == "path" else "right")
-    table.add_row("bare confluent-kafka producer", f"{best_raw:,.0f}", ", ".join(f"{r:,.0f}" for r in raw_rates), "1.00")
-    table.add_row("gateway (gRPC, keys, dedup, validation)", f"{best_gateway:,.0f}", ", ".join(f"{r:,.0f}" for r in gateway_rates), f"{result.ratio:.2f}")
+    table.add_row(
+        "bare confluent-kafka producer",
+        f"{best_raw:,.0f}",
+        ", ".join(f"{r:,.0f}" for r in raw_rates),
+        "1.00",
+    )
+    table.add_row(
+        "gateway (gRPC, keys, dedup, validation)",
+        f"{best_gateway:,.0f}",
+        ", ".join(f"{r:,.0f}" for r in gateway_rates),
+        f"{result.ratio:.2f}",
+    )
     console.print(table)
-    console.print(f"exact: {exact}: {sent:,} sent, the topics grew by {landed:,}, {refused} gateway events refused, {resent} resent after RETRY")
+    console.print(
+        f"exact: {exact}: {sent:,} sent, the topics grew by {landed:,}, {refused} gateway events refused, {resent} resent after RETRY"
+    )
     console.print(
         f"signatures: {result.key_verify_us} us to verify an API key record (per key per cache TTL); "
         f"{result.rollout_sign_us} us to sign a {result.rollout_bytes:,}-byte rollout (the serving API), "

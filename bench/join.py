@@ -101,33 +101,62 @@ def rollout_signer() -> signing.Signer:
     return signing.Signer(os.environ["RTRL_INFERENCE_ROLLOUT_SIGNING_KEY"], signing.Purpose.ROLLOUT)
 
 
-def signed_records(rollout_id: str, ts_ms: int, signer: signing.Signer) -> list[tuple[str, bytes, Headers]]:
+def signed_records(
+    rollout_id: str, ts_ms: int, signer: signing.Signer
+) -> list[tuple[str, bytes, Headers]]:
     """rollout_records with the headers a producer sends: the rollout signed as a worker signs it."""
-    return [(topic, value, list(signer.headers(value)) if topic == topics.ROLLOUT else []) for topic, value in rollout_records(rollout_id, ts_ms)]
+    return [
+        (topic, value, list(signer.headers(value)) if topic == topics.ROLLOUT else [])
+        for topic, value in rollout_records(rollout_id, ts_ms)
+    ]
 
 
 def rollout_records(rollout_id: str, ts_ms: int) -> list[tuple[str, bytes]]:
     """The three records of one rollout, as (topic, value)."""
     record = rollout_pb2.RolloutRecord(
-        event_id=str(uuid.uuid4()), rollout_id=rollout_id, session_id="bench", client_ts_ms=ts_ms,
-        model_name="bench-policy", completion_text=EDIT_TEXT[:200], latency_s=0.4,
+        event_id=str(uuid.uuid4()),
+        rollout_id=rollout_id,
+        session_id="bench",
+        client_ts_ms=ts_ms,
+        model_name="bench-policy",
+        completion_text=EDIT_TEXT[:200],
+        latency_s=0.4,
         completion_token_ids=[(7919 * i) % 50_000 for i in range(TOKENS)],
         completion_logprobs=[-0.01 * (i % 97) for i in range(TOKENS)],
     )
     shown = telemetry_pb2.TelemetryEvent(
-        event_id=str(uuid.uuid4()), rollout_id=rollout_id, session_id="bench", client_ts_ms=ts_ms + 1,
+        event_id=str(uuid.uuid4()),
+        rollout_id=rollout_id,
+        session_id="bench",
+        client_ts_ms=ts_ms + 1,
         edit_shown=telemetry_pb2.EditShown(file_path="src/bench.py", edit_text=EDIT_TEXT),
     )
     kept = telemetry_pb2.TelemetryEvent(
-        event_id=str(uuid.uuid4()), rollout_id=rollout_id, session_id="bench", client_ts_ms=ts_ms + 2,
+        event_id=str(uuid.uuid4()),
+        rollout_id=rollout_id,
+        session_id="bench",
+        client_ts_ms=ts_ms + 2,
         persistence=telemetry_pb2.PersistenceSnapshot(seconds_after_edit=30, region_text=EDIT_TEXT),
     )
-    return [(topics.ROLLOUT, record.SerializeToString()), (topics.EDIT, shown.SerializeToString()), (topics.PERSISTENCE, kept.SerializeToString())]
+    return [
+        (topics.ROLLOUT, record.SerializeToString()),
+        (topics.EDIT, shown.SerializeToString()),
+        (topics.PERSISTENCE, kept.SerializeToString()),
+    ]
 
 
-def produce_load(stack: StackSettings, rollouts: int, spacing_ms: int, base_ms: int, close_after_ms: int, progress: Progress) -> tuple[list[str], int]:
+def produce_load(
+    stack: StackSettings,
+    rollouts: int,
+    spacing_ms: int,
+    base_ms: int,
+    close_after_ms: int,
+    progress: Progress,
+) -> tuple[list[str], int]:
     """The main load plus one sentinel per partition; returns the rollout ids and the bytes produced."""
-    producer = Producer(kafka.producer_config(stack, **{"linger.ms": 20, "queue.buffering.max.messages": 200_000}))
+    producer = Producer(
+        kafka.producer_config(stack, **{"linger.ms": 20, "queue.buffering.max.messages": 200_000})
+    )
     task = progress.add_task("producing", total=rollouts)
     signer = rollout_signer()
     ids, size = [], 0
@@ -189,7 +218,12 @@ def worker_env(stack: StackSettings, workdir: Path, app_id: str, instance: str) 
 def faust_floor(stack: StackSettings, workdir: Path, expected: int, progress: Progress) -> Span:
     out = workdir / "floor.json"
     env = worker_env(stack, workdir, "bench-join-floor", "floor")
-    proc = procs.spawn("floor", [sys.executable, "-m", "bench.join_floor", str(out), str(expected)], workdir / "floor.log", env=env)
+    proc = procs.spawn(
+        "floor",
+        [sys.executable, "-m", "bench.join_floor", str(out), str(expected)],
+        workdir / "floor.log",
+        env=env,
+    )
     task = progress.add_task("faust floor", total=expected)
     deadline = time.monotonic() + TIMEOUT_S
     try:
@@ -210,13 +244,17 @@ def read_rewards(stack: StackSettings) -> list[tuple[str, int]]:
     tps = [TopicPartition(topics.REWARD, p) for p in range(PARTITIONS)]
     ends = kafka.end_offsets(stack, tps)
     remaining = {k for k, end in ends.items() if end > 0}
-    consumer = Consumer(kafka.client_config(stack, **{"group.id": "bench-join-read", "enable.auto.commit": False}))
+    consumer = Consumer(
+        kafka.client_config(stack, **{"group.id": "bench-join-read", "enable.auto.commit": False})
+    )
     consumer.assign([TopicPartition(tp.topic, tp.partition, OFFSET_BEGINNING) for tp in tps])
     rewards = []
     deadline = time.monotonic() + 60
     try:
         while remaining:
-            assert time.monotonic() < deadline, f"could not read rewards up to the end of {remaining}"
+            assert time.monotonic() < deadline, (
+                f"could not read rewards up to the end of {remaining}"
+            )
             for msg in consumer.consume(1000, timeout=0.2):
                 if msg.error() is None:
                     topic, partition, offset = kafka.record_position(msg)
@@ -238,7 +276,11 @@ def reward_key(msg: Message) -> str:
 def read_all_rewards(stack: StackSettings, idle_s: float = 3.0) -> str:
     """Every reward record, read until none came for ``idle_s`` (end offsets not trusted):
     a diagnosis when the broker seems to hold fewer rewards than the workers settled."""
-    consumer = Consumer(kafka.client_config(stack, **{"group.id": "bench-join-diagnosis", "enable.auto.commit": False}))
+    consumer = Consumer(
+        kafka.client_config(
+            stack, **{"group.id": "bench-join-diagnosis", "enable.auto.commit": False}
+        )
+    )
     consumer.assign([TopicPartition(topics.REWARD, p, OFFSET_BEGINNING) for p in range(PARTITIONS)])
     keys: list[str] = []
     offsets: dict[int, int] = {}
@@ -279,20 +321,33 @@ class Joiners:
         self.instances = [f"join{n}w-{i}" for i in range(n)]
         self.stack, self.workdir = stack, workdir
         self.procs = [
-            procs.spawn(i, [sys.executable, "-m", "reward_stream"], workdir / f"{i}.log", env=worker_env(stack, workdir, f"bench-join-{n}w", i))
+            procs.spawn(
+                i,
+                [sys.executable, "-m", "reward_stream"],
+                workdir / f"{i}.log",
+                env=worker_env(stack, workdir, f"bench-join-{n}w", i),
+            )
             for i in self.instances
         ]
 
     def heartbeats(self, client: redis.Redis) -> list[heartbeat.RewardStreamBeat]:
         found = (heartbeat.read_one(client, "reward_stream", i) for i in self.instances)
-        return [beat.beat for beat in found if beat is not None and isinstance(beat.beat, heartbeat.RewardStreamBeat)]
+        return [
+            beat.beat
+            for beat in found
+            if beat is not None and isinstance(beat.beat, heartbeat.RewardStreamBeat)
+        ]
 
     def totals(self, client: redis.Redis) -> dict[str, int]:
         beats = self.heartbeats(client)
-        totals = {k: sum(getattr(beat, k) for beat in beats) for k in ("events", "pending", *QUALITY)}
+        totals = {
+            k: sum(getattr(beat, k) for beat in beats) for k in ("events", "pending", *QUALITY)
+        }
         return {**totals, "beats": len(beats)}
 
-    def read_until_idle(self, client: redis.Redis, events: int, progress: Progress, description: str) -> Span:
+    def read_until_idle(
+        self, client: redis.Redis, events: int, progress: Progress, description: str
+    ) -> Span:
         """Wait until the workers have read ``events`` records and hold nothing pending, and
         every reward they settled is on the broker.
 
@@ -306,7 +361,9 @@ class Joiners:
             totals = self.totals(client)
             for proc in self.procs:
                 assert proc.alive(), (self.workdir / f"{proc.name}.log").read_text()[-3000:]
-            assert time.monotonic() < deadline, f"{description}: {totals} after {TIMEOUT_S:.0f} s; logs in {self.workdir}"
+            assert time.monotonic() < deadline, (
+                f"{description}: {totals} after {TIMEOUT_S:.0f} s; logs in {self.workdir}"
+            )
             done = done or totals["events"] >= events
             progress.update(task, completed=min(totals["events"], events))
             if done and totals["pending"] == 0 and totals["beats"] == len(self.instances):
@@ -324,7 +381,11 @@ class Joiners:
                 drained_since = None
             if drained_since and time.monotonic() - drained_since > 15:
                 deadline = 0.0
-            read_back = read_all_rewards(self.stack) if time.monotonic() > deadline or not all(alive) else None
+            read_back = (
+                read_all_rewards(self.stack)
+                if time.monotonic() > deadline or not all(alive)
+                else None
+            )
             assert time.monotonic() < deadline and all(alive), (
                 f"{description}: {totals['settled']} rewards settled, {sum(written.values())} on the broker by end offsets, "
                 f"{read_back} read back "
@@ -333,14 +394,20 @@ class Joiners:
             )
             time.sleep(0.2)
         beats = self.heartbeats(client)
-        return Span(sum(b.events for b in beats), min(b.first_event_ms for b in beats) / 1000, max(b.last_event_ms for b in beats) / 1000)
+        return Span(
+            sum(b.events for b in beats),
+            min(b.first_event_ms for b in beats) / 1000,
+            max(b.last_event_ms for b in beats) / 1000,
+        )
 
     def stop(self) -> None:
         for proc in self.procs:
             proc.stop(timeout_s=20)
 
 
-def produce_live(stack: StackSettings, rollouts: int, rate_per_s: float, progress: Progress) -> dict[str, int]:
+def produce_live(
+    stack: StackSettings, rollouts: int, rate_per_s: float, progress: Progress
+) -> dict[str, int]:
     """Rollouts produced in real time; returns rollout_id -> event time of its first event."""
     producer = Producer(kafka.producer_config(stack))
     task = progress.add_task("live rollouts", total=rollouts)
@@ -358,7 +425,9 @@ def produce_live(stack: StackSettings, rollouts: int, rate_per_s: float, progres
     return opened
 
 
-def settle_latencies(rewards: list[tuple[str, int]], opened: dict[str, int], close_after_ms: int) -> list[float]:
+def settle_latencies(
+    rewards: list[tuple[str, int]], opened: dict[str, int], close_after_ms: int
+) -> list[float]:
     last_open = max(opened.values())
     return sorted(
         (ts - opened[rollout_id] - close_after_ms) / 1000
@@ -379,7 +448,9 @@ def empty_reward_topics(stack: StackSettings) -> None:
     kafka.ensure_topics(stack)
 
 
-def joiner_inprocess(rollouts: int, spacing_ms: int, base_ms: int, reward_key: str | None = None) -> Span:
+def joiner_inprocess(
+    rollouts: int, spacing_ms: int, base_ms: int, reward_key: str | None = None
+) -> Span:
     """Joiner.feed_record alone on the same load, decoded in this process, each partition's
     records in production order (every topic aligned, as no broker delivers them): the
     ceiling of the join's own CPU cost, without faust or publishing; with ``reward_key``,
@@ -387,7 +458,10 @@ def joiner_inprocess(rollouts: int, spacing_ms: int, base_ms: int, reward_key: s
     signer = verifier = None
     if reward_key is not None:
         signer = signing.Signer(reward_key, signing.Purpose.REWARD)
-        verifier = signing.Verifier([signing.public_key_of(os.environ["RTRL_INFERENCE_ROLLOUT_SIGNING_KEY"])], signing.Purpose.ROLLOUT)
+        verifier = signing.Verifier(
+            [signing.public_key_of(os.environ["RTRL_INFERENCE_ROLLOUT_SIGNING_KEY"])],
+            signing.Purpose.ROLLOUT,
+        )
     joiner = Joiner(RewardStreamSettings().join_config(), signer=signer, rollout_verifier=verifier)
     records: list[tuple[str, int, bytes, bytes, Headers]] = []
     rollouts_signer = rollout_signer()
@@ -395,7 +469,10 @@ def joiner_inprocess(rollouts: int, spacing_ms: int, base_ms: int, reward_key: s
         rollout_id = f"r{i:06d}"
         partition = zlib.crc32(rollout_id.encode()) % PARTITIONS
         signed = signed_records(rollout_id, base_ms + spacing_ms * i, rollouts_signer)
-        records.extend((topic, partition, rollout_id.encode(), value, headers) for topic, value, headers in signed)
+        records.extend(
+            (topic, partition, rollout_id.encode(), value, headers)
+            for topic, value, headers in signed
+        )
     now_ms = int(time.time() * 1000)
     start = time.perf_counter()
     for offset, (topic, partition, key, value, headers) in enumerate(records):
@@ -412,10 +489,17 @@ def signature_costs(key: str, rewards: int = 2_000) -> dict[str, float]:
     rollouts = [rollout_records(f"s{i:06d}", 0)[0][1] for i in range(rewards)]
     costs: dict[str, float] = {}
     for kind, purpose, values in (
-        ("reward", signing.Purpose.REWARD, [value * 2 for value in rollouts]),  # ~a reward with its rollout
+        (
+            "reward",
+            signing.Purpose.REWARD,
+            [value * 2 for value in rollouts],
+        ),  # ~a reward with its rollout
         ("rollout", signing.Purpose.ROLLOUT, rollouts),
     ):
-        signer, verifier = signing.Signer(key, purpose), signing.Verifier([signing.public_key_of(key)], purpose)
+        signer, verifier = (
+            signing.Signer(key, purpose),
+            signing.Verifier([signing.public_key_of(key)], purpose),
+        )
         start = time.perf_counter()
         headers = [signer.headers(value) for value in values]
         signed = time.perf_counter() - start
@@ -437,7 +521,9 @@ def code_version(watched: str = "reward_stream") -> str:
     repo = Path(__file__).resolve().parent.parent
 
     def git(*args: str) -> str:
-        return subprocess.run(["git", *args], cwd=repo, capture_output=True, text=True, check=False).stdout.strip()
+        return subprocess.run(
+            ["git", *args], cwd=repo, capture_output=True, text=True, check=False
+        ).stdout.strip()
 
     head = git("rev-parse", "--short", "HEAD")
     return f"{head}+dirty" if head and git("status", "--porcelain", "--", watched) else head
@@ -447,24 +533,37 @@ def percentile(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, round(q * (len(values) - 1)))]
 
 
-def run(out: Path, console: Console, rollouts: int = 20_000, spacing_ms: int = 2, live_rollouts: int = 2_000, live_rate_per_s: float = 250.0) -> dict:
+def run(
+    out: Path,
+    console: Console,
+    rollouts: int = 20_000,
+    spacing_ms: int = 2,
+    live_rollouts: int = 2_000,
+    live_rate_per_s: float = 250.0,
+) -> dict:
     # The bench's joiners (which inherit this environment) sign with a key made for the run
     # unless one is set: the service has no default key.
     key = os.environ.setdefault("RTRL_REWARD_SIGNING_KEY", signing.generate_private_key())
-    rollout_key = os.environ.setdefault("RTRL_INFERENCE_ROLLOUT_SIGNING_KEY", signing.generate_private_key())
+    rollout_key = os.environ.setdefault(
+        "RTRL_INFERENCE_ROLLOUT_SIGNING_KEY", signing.generate_private_key()
+    )
     os.environ.setdefault("RTRL_REWARD_ROLLOUT_PUBLIC_KEYS", signing.public_key_of(rollout_key))
     join_settings = RewardStreamSettings()
     code = code_version()
     close_after_ms = round((join_settings.window_s + join_settings.grace_s) * 1000)
     if live_rollouts / live_rate_per_s <= 1.2 * close_after_ms / 1000:
-        raise ValueError(f"live rollouts must keep coming well past one window + grace ({close_after_ms} ms) to close any by stream time")
+        raise ValueError(
+            f"live rollouts must keep coming well past one window + grace ({close_after_ms} ms) to close any by stream time"
+        )
     with tempfile.TemporaryDirectory(prefix="rtrl-bench-join-") as tmp:
         workdir = Path(tmp)
         tansu = procs.start_tansu(workdir / "tansu.log")
         redis_proc = procs.start_redis(workdir / "redis", workdir / "redis.log")
         stack = StackSettings(
-            kafka_bootstrap=f"127.0.0.1:{tansu.port}", redis_url=f"redis://127.0.0.1:{redis_proc.port}/0",
-            kafka_partitions=PARTITIONS, state_dir=workdir / "state",
+            kafka_bootstrap=f"127.0.0.1:{tansu.port}",
+            redis_url=f"redis://127.0.0.1:{redis_proc.port}/0",
+            kafka_partitions=PARTITIONS,
+            state_dir=workdir / "state",
         )
         client = redis.Redis.from_url(stack.redis_url)
         try:
@@ -472,7 +571,9 @@ def run(out: Path, console: Console, rollouts: int = 20_000, spacing_ms: int = 2
             with Progress(console=console, transient=True) as progress:
                 # Event time ends well before now, so the live rollouts' windows start fresh.
                 base_ms = int(time.time() * 1000) - spacing_ms * rollouts - 10 * close_after_ms
-                ids, load_bytes = produce_load(stack, rollouts, spacing_ms, base_ms, close_after_ms, progress)
+                ids, load_bytes = produce_load(
+                    stack, rollouts, spacing_ms, base_ms, close_after_ms, progress
+                )
                 events = 3 * len(ids)
                 with console.status("joiner in-process, then signing each reward"):
                     inprocess = joiner_inprocess(rollouts, spacing_ms, base_ms)
@@ -486,7 +587,9 @@ def run(out: Path, console: Console, rollouts: int = 20_000, spacing_ms: int = 2
                 try:
                     read_one = one.read_until_idle(client, events, progress, "joiner, 1 worker")
                     opened = produce_live(stack, live_rollouts, live_rate_per_s, progress)
-                    one.read_until_idle(client, events + 3 * live_rollouts, progress, "live rollouts settling")
+                    one.read_until_idle(
+                        client, events + 3 * live_rollouts, progress, "live rollouts settling"
+                    )
                     time.sleep(1.1)  # one more heartbeat, so the counters are final
                     quality_one = one.totals(client)
                 finally:
@@ -498,7 +601,9 @@ def run(out: Path, console: Console, rollouts: int = 20_000, spacing_ms: int = 2
                 empty_reward_topics(stack)
                 two = Joiners(stack, workdir, 2)
                 try:
-                    read_two = two.read_until_idle(client, events + 3 * live_rollouts, progress, "joiner, 2 workers")
+                    read_two = two.read_until_idle(
+                        client, events + 3 * live_rollouts, progress, "joiner, 2 workers"
+                    )
                     time.sleep(1.1)  # one more heartbeat, so the counters are final
                     quality_two = two.totals(client)
                     partitions_two = [list(beat.partitions) for beat in two.heartbeats(client)]
@@ -509,7 +614,10 @@ def run(out: Path, console: Console, rollouts: int = 20_000, spacing_ms: int = 2
             client.close()
             redis_proc.stop()
             tansu.stop()
-    settle_one, settle_two = rewards_span(rewards_one, main_ids), rewards_span(rewards_two, main_ids)
+    settle_one, settle_two = (
+        rewards_span(rewards_one, main_ids),
+        rewards_span(rewards_two, main_ids),
+    )
     one_rate, two_rate = read_one.events_per_s, read_two.events_per_s
     results = {
         "code": code,
@@ -524,7 +632,9 @@ def run(out: Path, console: Console, rollouts: int = 20_000, spacing_ms: int = 2
         "faust_floor_events_per_s": round(floor.events_per_s),
         "joiner_inprocess_events_per_s": round(inprocess.events_per_s),
         "joiner_inprocess_signed_events_per_s": round(inprocess_signed.events_per_s),
-        "signed_vs_unsigned_inprocess": round(inprocess_signed.events_per_s / inprocess.events_per_s, 3),
+        "signed_vs_unsigned_inprocess": round(
+            inprocess_signed.events_per_s / inprocess.events_per_s, 3
+        ),
         **signatures,
         "events_per_s": round(one_rate),
         "events_per_s_2_workers": round(two_rate),
@@ -565,7 +675,10 @@ def _print(r: dict, out: Path, console: Console) -> None:
         ("raw confluent-kafka consumer", raw),
         ("bare faust agent (floor)", floor),
         ("Joiner.feed_record in-process, aligned", r["joiner_inprocess_events_per_s"]),
-        ("... verifying every rollout, signing every reward (Ed25519)", r["joiner_inprocess_signed_events_per_s"]),
+        (
+            "... verifying every rollout, signing every reward (Ed25519)",
+            r["joiner_inprocess_signed_events_per_s"],
+        ),
         ("reward_stream, 1 worker", r["events_per_s"]),
         ("reward_stream, 2 workers", r["events_per_s_2_workers"]),
     ):

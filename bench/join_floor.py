@@ -35,7 +35,9 @@ class FloorCount(TypedDict):
     last_s: float | None
 
 
-def create_app(settings: RewardStreamSettings, stack: StackSettings, out: Path, expected: int) -> faust.App:
+def create_app(
+    settings: RewardStreamSettings, stack: StackSettings, out: Path, expected: int
+) -> faust.App:
     app = faust_app(settings, stack, "bench_join_floor")
     counted: FloorCount = {"events": 0, "first_s": None, "last_s": None}
 

@@ -80,8 +80,16 @@ class StepTimes:
     @classmethod
     def of(cls, record: trainer_pb2.TrainerStep) -> StepTimes:
         return cls(
-            record.version, record.newest_reward_ts_ms, record.newest_read_ts_ms, record.started_ts_ms,
-            record.step_s, record.eval_s, record.publish_s, record.rollouts, record.optimizer_steps, record.gate_wait_s,
+            record.version,
+            record.newest_reward_ts_ms,
+            record.newest_read_ts_ms,
+            record.started_ts_ms,
+            record.step_s,
+            record.eval_s,
+            record.publish_s,
+            record.rollouts,
+            record.optimizer_steps,
+            record.gate_wait_s,
         )
 
 
@@ -102,7 +110,9 @@ def phases(row: VersionLatency, step: StepTimes) -> dict[str, float]:
     return seconds
 
 
-def phase_breakdown(rows: Sequence[VersionLatency], steps: Sequence[StepTimes]) -> dict[str, dict[str, float]]:
+def phase_breakdown(
+    rows: Sequence[VersionLatency], steps: Sequence[StepTimes]
+) -> dict[str, dict[str, float]]:
     """p50, p95 and mean seconds per phase over the versions that have a step record
     with the newest rollout's instants (records from an older trainer have none)."""
     by_version = {step.version: step for step in steps if step.newest_reward_ts_ms > 0}
@@ -138,13 +148,18 @@ def trend(rows: Sequence[VersionLatency], bucket_s: float = 60.0) -> dict:
     rise = slope * (max(xs) - min(xs))
     buckets: dict[int, list[float]] = {}
     for r in rows:
-        buckets.setdefault(int((r.published_ts_ms - t0) / 1000 // bucket_s), []).append(r.event_to_live_s)
+        buckets.setdefault(int((r.published_ts_ms - t0) / 1000 // bucket_s), []).append(
+            r.event_to_live_s
+        )
     return {
         "slope_s_per_min": round(slope, 3),
         "slope_stderr_s_per_min": round(stderr, 3),
         "rise_over_run_s": round(rise, 3),
         "bucket_s": bucket_s,
-        "p50_per_bucket_s": [round(statistics.median(buckets[b]), 3) if b in buckets else None for b in range(max(buckets) + 1)],
+        "p50_per_bucket_s": [
+            round(statistics.median(buckets[b]), 3) if b in buckets else None
+            for b in range(max(buckets) + 1)
+        ],
         "rising": rise > RISE_TOLERANCE_S and slope > 2 * stderr,
     }
 
@@ -159,7 +174,13 @@ def live_times(applied: dict[int, dict[str, int]]) -> dict[int, int]:
     for version in applied:
         per_worker = []
         for worker in workers:
-            times = [ts for v, pw in applied.items() if v >= version for w, ts in pw.items() if w == worker]
+            times = [
+                ts
+                for v, pw in applied.items()
+                if v >= version
+                for w, ts in pw.items()
+                if w == worker
+            ]
             if not times:
                 break
             per_worker.append(min(times))
@@ -194,7 +215,14 @@ def collect(redis_url: str, since_ms: int) -> list[VersionLatency]:
             if manifest.trained_through_event_ts_ms <= 0 or manifest.created_ts_ms < since_ms:
                 continue
             if manifest.version in live:
-                rows.append(VersionLatency(manifest.version, manifest.trained_through_event_ts_ms, manifest.created_ts_ms, live[manifest.version]))
+                rows.append(
+                    VersionLatency(
+                        manifest.version,
+                        manifest.trained_through_event_ts_ms,
+                        manifest.created_ts_ms,
+                        live[manifest.version],
+                    )
+                )
         return sorted(rows, key=lambda r: r.version)
     finally:
         client.close()
@@ -206,7 +234,10 @@ def _quantile(values: list[float], q: float) -> float:
 
 
 def summarize(
-    rows: list[VersionLatency], versions_published: int, reward_window_s: float, steps: Sequence[StepTimes] = ()
+    rows: list[VersionLatency],
+    versions_published: int,
+    reward_window_s: float,
+    steps: Sequence[StepTimes] = (),
 ) -> dict:
     e2l = [r.event_to_live_s for r in rows]
     published = {s.version: s for s in steps}
@@ -219,7 +250,9 @@ def summarize(
         "versions_live_on_every_worker": len(rows),
         "p50_publish_to_live_s": round(statistics.median(p2l), 3) if p2l else None,
         "reward_window_s": reward_window_s,
-        "p50_event_to_live_vs_reward_window": round(p50 / reward_window_s, 2) if reward_window_s else None,
+        "p50_event_to_live_vs_reward_window": round(p50 / reward_window_s, 2)
+        if reward_window_s
+        else None,
         "phases_s": phase_breakdown(rows, steps),
         "trend": trend(rows),
         "versions": [_version_row(r, published.get(r.version)) for r in rows],
@@ -231,11 +264,15 @@ def _version_row(row: VersionLatency, step: StepTimes | None) -> dict:
     if step is not None:
         out |= {"rollouts": step.rollouts, "optimizer_steps": step.optimizer_steps}
         if step.newest_reward_ts_ms:
-            out["phases_s"] = {name: round(seconds, 3) for name, seconds in phases(row, step).items()}
+            out["phases_s"] = {
+                name: round(seconds, 3) for name, seconds in phases(row, step).items()
+            }
     return out
 
 
-def read_step_records(kafka_bootstrap: str, since_ms: int, timeout_s: float = 30.0) -> list[trainer_pb2.TrainerStep]:
+def read_step_records(
+    kafka_bootstrap: str, since_ms: int, timeout_s: float = 30.0
+) -> list[trainer_pb2.TrainerStep]:
     """Every candidate's step record (published or refused) written since since_ms, read to each partition's EOF."""
     from confluent_kafka import Consumer, KafkaError, TopicPartition
 
@@ -245,7 +282,9 @@ def read_step_records(kafka_bootstrap: str, since_ms: int, timeout_s: float = 30
 
     settings = StackSettings(kafka_bootstrap=kafka_bootstrap)
     tps = partitions(settings, (topics.TRAINER_STEPS,))
-    consumer = Consumer(consumer_config(settings, f"bench-loop-{since_ms}", **{"enable.partition.eof": True}))
+    consumer = Consumer(
+        consumer_config(settings, f"bench-loop-{since_ms}", **{"enable.partition.eof": True})
+    )
     try:
         consumer.assign([TopicPartition(tp.topic, tp.partition, 0) for tp in tps])
         waiting = {tp.partition for tp in tps}
@@ -287,12 +326,17 @@ def intake(records: Sequence[trainer_pb2.TrainerStep]) -> dict:
 
 def _git(*args: str) -> str:
     repo = Path(__file__).resolve().parent.parent
-    return subprocess.run(["git", *args], cwd=repo, capture_output=True, text=True, check=False).stdout.strip()
+    return subprocess.run(
+        ["git", *args], cwd=repo, capture_output=True, text=True, check=False
+    ).stdout.strip()
 
 
 def _provenance() -> dict:
     """The commit measured, and whether tracked files differed from it."""
-    return {"commit": _git("rev-parse", "--short", "HEAD"), "tree_dirty": bool(_git("status", "--porcelain", "--untracked-files=no"))}
+    return {
+        "commit": _git("rev-parse", "--short", "HEAD"),
+        "tree_dirty": bool(_git("status", "--porcelain", "--untracked-files=no")),
+    }
 
 
 def run(state_dir: Path, duration_s: float, out: Path, console: Console) -> dict:
@@ -316,7 +360,8 @@ def run(state_dir: Path, duration_s: float, out: Path, console: Console) -> dict
         client = redis.Redis.from_url(stack.redis_url)
         latest = int(client.get(f"rtrl:ws:{ARM}:latest") or -1)
         published = sum(
-            1 for key in client.scan_iter(f"rtrl:ws:{ARM}:manifest:*")
+            1
+            for key in client.scan_iter(f"rtrl:ws:{ARM}:manifest:*")
             if _manifest(client, key).created_ts_ms >= since_ms
         )
         client.close()
@@ -327,7 +372,10 @@ def run(state_dir: Path, duration_s: float, out: Path, console: Console) -> dict
     result = summarize(rows, published, RewardStreamSettings().window_s, steps)
     # What the stack's trainer ran with: the embedded defaults under whatever the environment set.
     # Field values go in as the environment's strings, for pydantic to parse (hence Any).
-    fields: dict[str, Any] = {name.removeprefix("RTRL_TRAINER_").lower(): value for name, value in embedded_trainer_env(os.environ).items()}
+    fields: dict[str, Any] = {
+        name.removeprefix("RTRL_TRAINER_").lower(): value
+        for name, value in embedded_trainer_env(os.environ).items()
+    }
     trainer = TrainerSettings(**fields)
     result |= {
         "intake": intake(records),
@@ -366,15 +414,31 @@ def plot_png(result: dict, path: Path) -> Path | None:
     minutes = [(v["published_ts_ms"] - t0) / 60_000 for v in versions]
     figure = Figure(figsize=(9, 6.5))
     top, bottom = figure.subplots(2, 1, sharex=True)
-    top.scatter(minutes, [v["event_to_live_s"] for v in versions], s=8, label="event -> live per version")
+    top.scatter(
+        minutes, [v["event_to_live_s"] for v in versions], s=8, label="event -> live per version"
+    )
     trend_fit = result.get("trend") or {}
     if trend_fit:
         medians = trend_fit["p50_per_bucket_s"]
         width = trend_fit["bucket_s"] / 60
-        top.step([i * width for i in range(len(medians))], medians, where="post", color="black", label="median per minute")
-        mean_x, mean_y = statistics.fmean(minutes), statistics.fmean(v["event_to_live_s"] for v in versions)
+        top.step(
+            [i * width for i in range(len(medians))],
+            medians,
+            where="post",
+            color="black",
+            label="median per minute",
+        )
+        mean_x, mean_y = (
+            statistics.fmean(minutes),
+            statistics.fmean(v["event_to_live_s"] for v in versions),
+        )
         slope = trend_fit["slope_s_per_min"]
-        top.plot([0, max(minutes)], [mean_y - slope * mean_x, mean_y + slope * (max(minutes) - mean_x)], "r--", label=f"fit {slope:+.2f} s/min")
+        top.plot(
+            [0, max(minutes)],
+            [mean_y - slope * mean_x, mean_y + slope * (max(minutes) - mean_x)],
+            "r--",
+            label=f"fit {slope:+.2f} s/min",
+        )
     top.set_ylabel("seconds")
     top.legend(loc="upper left", fontsize=8)
     top.set_title(f"rtrl bench loop at {result.get('commit', '?')}: event -> live", fontsize=10)
@@ -401,11 +465,15 @@ def _print(result: dict, duration_s: float, out: Path, plot: Path | None, consol
             table.add_row(k, str(v))
     console.print(table)
     if result["phases_s"]:
-        phase_table = Table(title="where event -> live goes (newest rollout of each version)", title_justify="left")
+        phase_table = Table(
+            title="where event -> live goes (newest rollout of each version)", title_justify="left"
+        )
         for column in ("phase", "p50 s", "p95 s", "mean s"):
             phase_table.add_column(column, justify="left" if column == "phase" else "right")
         for name, stats in result["phases_s"].items():
-            phase_table.add_row(name, f"{stats['p50']:.3f}", f"{stats['p95']:.3f}", f"{stats['mean']:.3f}")
+            phase_table.add_row(
+                name, f"{stats['p50']:.3f}", f"{stats['p95']:.3f}", f"{stats['mean']:.3f}"
+            )
         console.print(phase_table)
     if result.get("intake"):
         taken = result["intake"]

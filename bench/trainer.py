@@ -28,8 +28,8 @@ import torch
 from rich.console import Console
 from rich.progress import Progress
 
-from inference.engine import Engine, EngineConfig, prompt_token_ids
 from bench.join import code_version
+from inference.engine import Engine, EngineConfig, prompt_token_ids
 from rtrl.policy import build_model, state_dict_fp32
 from simulator.tasks import random_task
 from trainer.batch import TrainBatch, TrainSample, collate
@@ -47,27 +47,64 @@ def production_batch(size: int, max_tokens: int, seed: int = 0) -> TrainBatch:
     try:
         prompts = [random_task(rng).prompt for _ in range(size // 4)]
         requests = [(p, i) for i, p in enumerate(prompts) for _ in range(4)]
-        futures = [engine.submit("control", prompt_token_ids(p), max_tokens=max_tokens, ignore_eos=True, seed=rng.randrange(2**62)) for p, _ in requests]
+        futures = [
+            engine.submit(
+                "control",
+                prompt_token_ids(p),
+                max_tokens=max_tokens,
+                ignore_eos=True,
+                seed=rng.randrange(2**62),
+            )
+            for p, _ in requests
+        ]
         samples: list[TrainSample] = []
         for (prompt, group), future in zip(requests, futures):
             done = future.result()
-            samples.append(TrainSample(
-                rollout_id=f"r{len(samples)}", group=f"g{group}", prompt_ids=tuple(done.prompt_ids), completion_ids=done.result.token_ids,
-                behaviour_logprobs=done.result.logprobs, temperature=done.params.temperature, reward=rng.random(),
-                oldest_version=0, last_event_ts_ms=0,
-            ))
+            samples.append(
+                TrainSample(
+                    rollout_id=f"r{len(samples)}",
+                    group=f"g{group}",
+                    prompt_ids=tuple(done.prompt_ids),
+                    completion_ids=done.result.token_ids,
+                    behaviour_logprobs=done.result.logprobs,
+                    temperature=done.params.temperature,
+                    reward=rng.random(),
+                    oldest_version=0,
+                    last_event_ts_ms=0,
+                )
+            )
     finally:
         engine.stop()
     return collate(samples)
 
 
-def plain_step(model, ref, optimizer, batch: TrainBatch, advantages: torch.Tensor, kl_coef: float, grad_clip: float) -> None:
+def plain_step(
+    model,
+    ref,
+    optimizer,
+    batch: TrainBatch,
+    advantages: torch.Tensor,
+    kl_coef: float,
+    grad_clip: float,
+) -> None:
     """The bare loop's step: the same forward/backward as rl_step, nothing else."""
     ids, mask = batch.input_ids, batch.target_mask
     with torch.no_grad():
-        ref_logp = torch.log_softmax(ref(input_ids=ids).logits[:, :-1].float() / batch.temperature[:, None, None], -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+        ref_logp = (
+            torch.log_softmax(
+                ref(input_ids=ids).logits[:, :-1].float() / batch.temperature[:, None, None], -1
+            )
+            .gather(-1, ids[:, 1:, None])
+            .squeeze(-1)
+        )
     model.train()
-    logp = torch.log_softmax(model(input_ids=ids).logits[:, :-1].float() / batch.temperature[:, None, None], -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+    logp = (
+        torch.log_softmax(
+            model(input_ids=ids).logits[:, :-1].float() / batch.temperature[:, None, None], -1
+        )
+        .gather(-1, ids[:, 1:, None])
+        .squeeze(-1)
+    )
     ratio = torch.exp((logp.detach() - batch.behaviour_logprobs) * mask).clamp(max=2.0)
     token_adv = advantages[:, None] - kl_coef * (logp.detach() - ref_logp) * mask
     loss = -(ratio * token_adv * logp * mask).sum() / mask.sum()
@@ -78,7 +115,14 @@ def plain_step(model, ref, optimizer, batch: TrainBatch, advantages: torch.Tenso
     model.eval()
 
 
-def run(out: Path, console: Console, batch_size: int = 64, max_tokens: int = 48, steps: int = 10, rounds: int = 3) -> dict:
+def run(
+    out: Path,
+    console: Console,
+    batch_size: int = 64,
+    max_tokens: int = 48,
+    steps: int = 10,
+    rounds: int = 3,
+) -> dict:
     settings = TrainerSettings()
     with console.status("sampling a batch with the engine"):
         batch = production_batch(batch_size, max_tokens)
@@ -90,7 +134,10 @@ def run(out: Path, console: Console, batch_size: int = 64, max_tokens: int = 48,
         model = copy.deepcopy(base).eval()
         sides[side] = (model, build_optimizer(model, settings.lr))
     # The bare loop gets the same leave-one-out advantages, computed once outside its loop.
-    advantages = torch.tensor(leave_one_out_advantages(batch.rewards, batch.groups, std_normalize=False), dtype=torch.float32)
+    advantages = torch.tensor(
+        leave_one_out_advantages(batch.rewards, batch.groups, std_normalize=False),
+        dtype=torch.float32,
+    )
     seconds = {"trainer": 0.0, "plain": 0.0}
     with Progress(console=console, transient=True) as progress:
         task = progress.add_task("trainer step vs bare loop", total=2 * rounds * steps)
@@ -100,9 +147,25 @@ def run(out: Path, console: Console, batch_size: int = 64, max_tokens: int = 48,
                 started = time.perf_counter()
                 for _ in range(steps):
                     if side == "trainer":
-                        rl_step(model, optimizer, batch, ref_model=ref, is_cap=settings.is_cap, kl_coef=settings.kl_coef, grad_clip=settings.grad_clip)
+                        rl_step(
+                            model,
+                            optimizer,
+                            batch,
+                            ref_model=ref,
+                            is_cap=settings.is_cap,
+                            kl_coef=settings.kl_coef,
+                            grad_clip=settings.grad_clip,
+                        )
                     else:
-                        plain_step(model, ref, optimizer, batch, advantages, settings.kl_coef, settings.grad_clip)
+                        plain_step(
+                            model,
+                            ref,
+                            optimizer,
+                            batch,
+                            advantages,
+                            settings.kl_coef,
+                            settings.grad_clip,
+                        )
                     progress.advance(task)
                 seconds[side] += time.perf_counter() - started
     trained = tokens_per_step * steps * rounds

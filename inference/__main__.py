@@ -9,7 +9,9 @@ def main() -> None:
     from rtrl.config import StackSettings
     from rtrl.runtime import service_process
 
-    settings, stack = entrypoint.parse_settings("python -m inference", __doc__, InferenceSettings, StackSettings)
+    settings, stack = entrypoint.parse_settings(
+        "python -m inference", __doc__, InferenceSettings, StackSettings
+    )
     entrypoint.configure_logging()
     service_process()
 

@@ -37,28 +37,41 @@ class ServingDoor:
         self.refused: Counter[int] = Counter()
         """Requests refused, by HTTP status."""
 
-    async def admit(self, authorization: str, content_length: int | None) -> tuple[ApiKey | None, Denied | None]:
+    async def admit(
+        self, authorization: str, content_length: int | None
+    ) -> tuple[ApiKey | None, Denied | None]:
         """The key, or why the request is refused, from its headers alone."""
         key, denied = await self._admit(authorization, content_length)
         if denied is not None:
             self.refused[denied.status] += 1
         return key, denied
 
-    async def _admit(self, authorization: str, content_length: int | None) -> tuple[ApiKey | None, Denied | None]:
+    async def _admit(
+        self, authorization: str, content_length: int | None
+    ) -> tuple[ApiKey | None, Denied | None]:
         key, why = await bearer_key(self.keys, authorization)
         if why is not None:
             return key, Denied(401, why)
         assert key is not None
         if not key.allows(COMPLETIONS):
-            return key, Denied(403, f"the API key of client {key.client_id!r} may not ask for completions (scopes: {', '.join(sorted(key.scopes))})")
+            return key, Denied(
+                403,
+                f"the API key of client {key.client_id!r} may not ask for completions (scopes: {', '.join(sorted(key.scopes))})",
+            )
         if content_length is not None and content_length > self.body_limit(key):
             return key, self.too_large(key, content_length)
         if key.max_concurrency and self.in_flight[key.key_hash] >= key.max_concurrency:
-            return key, Denied(429, f"client {key.client_id!r} has {key.max_concurrency} completions in flight, its budget: retry when one ends", 1.0)
+            return key, Denied(
+                429,
+                f"client {key.client_id!r} has {key.max_concurrency} completions in flight, its budget: retry when one ends",
+                1.0,
+            )
         wait_s = await self._limiter.take(key, 1)
         if wait_s > 0:
             return key, Denied(
-                429, f"rate limit of client {key.client_id!r} ({key.rate_per_s:g} completions/s) spent: retry in {wait_s:.2f} s", wait_s
+                429,
+                f"rate limit of client {key.client_id!r} ({key.rate_per_s:g} completions/s) spent: retry in {wait_s:.2f} s",
+                wait_s,
             )
         return key, None
 
@@ -70,13 +83,22 @@ class ServingDoor:
 
     def too_large(self, key: ApiKey | None, size: int) -> Denied:
         if key is not None and key.max_request_bytes and size > key.max_request_bytes:
-            return Denied(429, f"a request of {size} bytes is over client {key.client_id!r}'s budget of {key.max_request_bytes} bytes")
-        return Denied(413, f"a request of {size} bytes is over the server's bound of {self._max_request_bytes} bytes")
+            return Denied(
+                429,
+                f"a request of {size} bytes is over client {key.client_id!r}'s budget of {key.max_request_bytes} bytes",
+            )
+        return Denied(
+            413,
+            f"a request of {size} bytes is over the server's bound of {self._max_request_bytes} bytes",
+        )
 
     def tokens_denied(self, key: ApiKey | None, max_tokens: int) -> Denied | None:
         if key is not None and key.max_tokens and max_tokens > key.max_tokens:
             self.refused[429] += 1
-            return Denied(429, f"max_tokens {max_tokens} is over client {key.client_id!r}'s budget of {key.max_tokens} tokens per completion")
+            return Denied(
+                429,
+                f"max_tokens {max_tokens} is over client {key.client_id!r}'s budget of {key.max_tokens} tokens per completion",
+            )
         return None
 
     @contextlib.contextmanager

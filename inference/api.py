@@ -49,7 +49,9 @@ class CompletionBody(BaseModel):
     def check_client_ts(self, now_ms: int, window: EventTimeWindow) -> None:
         """Raise FieldRefused unless client_ts_ms (when given) lies in ``window`` around ``now_ms``:
         the rollout's event time drives the joiner's stream time downstream."""
-        if self.client_ts_ms is not None and (problem := window.problem(self.client_ts_ms, now_ms, "server clock")):
+        if self.client_ts_ms is not None and (
+            problem := window.problem(self.client_ts_ms, now_ms, "server clock")
+        ):
             raise FieldRefused("client_ts_ms", problem)
 
     def stop_strings(self) -> tuple[str, ...]:
@@ -58,7 +60,9 @@ class CompletionBody(BaseModel):
         return (self.stop,) if isinstance(self.stop, str) else tuple(s for s in self.stop if s)
 
 
-def completion_response(rollout_id: str, model_name: str, completion: Completion, latency_s: float) -> dict[str, Any]:
+def completion_response(
+    rollout_id: str, model_name: str, completion: Completion, latency_s: float
+) -> dict[str, Any]:
     result = completion.result
     usage = {
         "prompt_tokens": len(completion.prompt_ids),
@@ -74,8 +78,18 @@ def completion_response(rollout_id: str, model_name: str, completion: Completion
         "arm": completion.arm,
         "text": result.text,
         "finish_reason": result.finish_reason,
-        "choices": [{"index": 0, "text": result.text, "finish_reason": result.finish_reason, "logprobs": None}],
-        "policy_versions": [{"version": s.version, "start": s.start, "end": s.end} for s in version_spans(result.versions)],
+        "choices": [
+            {
+                "index": 0,
+                "text": result.text,
+                "finish_reason": result.finish_reason,
+                "logprobs": None,
+            }
+        ],
+        "policy_versions": [
+            {"version": s.version, "start": s.start, "end": s.end}
+            for s in version_spans(result.versions)
+        ],
         "usage": usage,
         "seed": completion.params.seed,
         "ttft_s": completion.ttft_s,

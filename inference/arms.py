@@ -10,7 +10,7 @@ ARM_ENUM = {"control": common_pb2.ARM_CONTROL, "treatment": common_pb2.ARM_TREAT
 
 
 def assign_arm(user_id: str, treatment_fraction: float) -> str:
-    """"treatment" for a fixed ``treatment_fraction`` of user ids, "control" otherwise.
+    """ "treatment" for a fixed ``treatment_fraction`` of user ids, "control" otherwise.
 
     sha256 rather than hash(): Python salts str hashes per process, and every worker
     must put a user in the same arm for the whole experiment."""

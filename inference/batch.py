@@ -91,7 +91,9 @@ class RunningBatch(Generic[Owner]):
         """The most tokens any running row has generated."""
         return max((len(r.tokens) for r in self.rows), default=0)
 
-    def admit(self, params: Params, version: int, requests: list[tuple[SequenceParams, Owner]]) -> list[tuple[Owner, SequenceResult]]:
+    def admit(
+        self, params: Params, version: int, requests: list[tuple[SequenceParams, Owner]]
+    ) -> list[tuple[Owner, SequenceResult]]:
         """Prefill ``requests`` (sequence, owner) into free rows and sample their first
         tokens under ``version``; returns those already finished (owner, result)."""
         if len(requests) > self.free():
@@ -109,7 +111,9 @@ class RunningBatch(Generic[Owner]):
             return []
         tokens = torch.tensor([r.tokens[-1] for r in self.rows])
         positions = [r.position for r in self.rows]
-        logits = decode_step(params, self.cache, tokens, torch.tensor(positions), max(positions) + 1)
+        logits = decode_step(
+            params, self.cache, tokens, torch.tensor(positions), max(positions) + 1
+        )
         for r in self.rows:
             r.position += 1
         return self._sample(logits, range(len(self.rows)), version)
@@ -117,9 +121,13 @@ class RunningBatch(Generic[Owner]):
     def recompute(self, params: Params) -> None:
         """Rebuild every row's cache under ``params`` (the "recompute" swap policy)."""
         if self.rows:
-            prefill(params, self.cache, 0, [[*r.params.prompt_ids, *r.tokens[:-1]] for r in self.rows])
+            prefill(
+                params, self.cache, 0, [[*r.params.prompt_ids, *r.tokens[:-1]] for r in self.rows]
+            )
 
-    def _sample(self, logits: torch.Tensor, indices: range, version: int) -> list[tuple[Owner, SequenceResult]]:
+    def _sample(
+        self, logits: torch.Tensor, indices: range, version: int
+    ) -> list[tuple[Owner, SequenceResult]]:
         rows = [self.rows[i] for i in indices]
         if len(rows) == len(self.rows) and self._sampling is not None:
             temperature, top_p, seeds = self._sampling
@@ -129,7 +137,13 @@ class RunningBatch(Generic[Owner]):
             seeds = torch.tensor([r.params.seed for r in rows], dtype=torch.int64)
             if len(rows) == len(self.rows):
                 self._sampling = (temperature, top_p, seeds)
-        tokens, logprobs = sample(logits, temperature, top_p, seeds, torch.tensor([len(r.tokens) for r in rows], dtype=torch.int64))
+        tokens, logprobs = sample(
+            logits,
+            temperature,
+            top_p,
+            seeds,
+            torch.tensor([len(r.tokens) for r in rows], dtype=torch.int64),
+        )
         finished: list[tuple[int, SequenceResult]] = []
         for i, row, token, logprob in zip(indices, rows, tokens.tolist(), logprobs.tolist()):
             row.tokens.append(token)

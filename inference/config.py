@@ -11,7 +11,6 @@ from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import SettingsConfigDict
 
 from rtrl.config import Settings
-
 from rtrl.event_time import EventTimeWindow
 from rtrl.tls import TLSListener
 
@@ -139,7 +138,11 @@ class InferenceSettings(Settings, TLSListener):
         if self.backend == "sglang":
             urls = self.sglang_url_map()
             unknown = set(urls) - {"control", "treatment"}
-            if not urls or unknown or not all(url.startswith(("http://", "https://")) for url in urls.values()):
+            if (
+                not urls
+                or unknown
+                or not all(url.startswith(("http://", "https://")) for url in urls.values())
+            ):
                 raise ValueError(
                     f"backend=sglang needs RTRL_INFERENCE_SGLANG_URLS as arm=http://host:port pairs for control and/or treatment, got {self.sglang_urls!r}"
                 )

@@ -19,10 +19,9 @@ import secrets
 import threading
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 
@@ -69,7 +68,9 @@ class EngineConfig:
         if self.max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {self.max_batch}")
         if self.batch_wait_s < 0 or self.ready_timeout_s <= 0:
-            raise ValueError(f"batch_wait_s must be >= 0 and ready_timeout_s > 0, got {self.batch_wait_s}, {self.ready_timeout_s}")
+            raise ValueError(
+                f"batch_wait_s must be >= 0 and ready_timeout_s > 0, got {self.batch_wait_s}, {self.ready_timeout_s}"
+            )
         if self.swap_policy not in ("keep", "recompute"):
             raise ValueError(f"swap_policy must be 'keep' or 'recompute', got {self.swap_policy!r}")
 
@@ -130,7 +131,9 @@ def sequence_params(
     if not 0 < len(prompt_ids) < max_positions:
         raise ValueError(f"prompt is {len(prompt_ids)} tokens; it must be 1..{max_positions - 1}")
     if max_tokens < 1 or temperature < 0 or not 0 < top_p <= 1:
-        raise ValueError(f"bad sampling params: max_tokens={max_tokens} temperature={temperature} top_p={top_p}")
+        raise ValueError(
+            f"bad sampling params: max_tokens={max_tokens} temperature={temperature} top_p={top_p}"
+        )
     params = SequenceParams(
         prompt_ids=tuple(prompt_ids),
         max_tokens=min(max_tokens, max_positions - len(prompt_ids)),
@@ -260,8 +263,14 @@ class Engine:
         on the engine thread (keep it short: it holds up every request)."""
         self._check_arm(arm)
         params = sequence_params(
-            prompt_ids, self.config.policy.max_positions,
-            max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed, stop=stop, ignore_eos=ignore_eos,
+            prompt_ids,
+            self.config.policy.max_positions,
+            max_tokens=max_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            seed=seed,
+            stop=stop,
+            ignore_eos=ignore_eos,
         )
         pending = _Pending(params, arm, time.monotonic(), on_token=on_token)
         with self._cond:
@@ -283,9 +292,13 @@ class Engine:
         """Reject a bad version in the caller's thread, so applying it cannot fail."""
         missing = self._required - weights.keys()
         unknown = weights.keys() - self._shapes.keys()
-        wrong = [n for n, t in weights.items() if n in self._shapes and tuple(t.shape) != self._shapes[n]]
+        wrong = [
+            n for n, t in weights.items() if n in self._shapes and tuple(t.shape) != self._shapes[n]
+        ]
         if missing or unknown or wrong:
-            raise ValueError(f"weights do not fit the policy: missing={sorted(missing)[:3]} unknown={sorted(unknown)[:3]} wrong_shape={wrong[:3]}")
+            raise ValueError(
+                f"weights do not fit the policy: missing={sorted(missing)[:3]} unknown={sorted(unknown)[:3]} wrong_shape={wrong[:3]}"
+            )
 
     # ---- engine thread ----------------------------------------------------------
 
@@ -358,7 +371,11 @@ class Engine:
                 if admissions or running or self._staged:
                     return admissions
                 if next_wait is None:
-                    unready = [q[0].submitted + self.config.ready_timeout_s for arm, q in self._waiting.items() if q and self._versions[arm] < 0]
+                    unready = [
+                        q[0].submitted + self.config.ready_timeout_s
+                        for arm, q in self._waiting.items()
+                        if q and self._versions[arm] < 0
+                    ]
                     next_wait = max(min(unready) - now, 0.001) if unready else None
                 self._cond.wait(next_wait)
             return None
@@ -368,14 +385,21 @@ class Engine:
             if self._versions[arm] >= 0:
                 continue
             while queue and now - queue[0].submitted >= self.config.ready_timeout_s:
-                _fail(queue.popleft(), ArmNotReady(f"arm {arm!r} has no weights after {self.config.ready_timeout_s:g} s"))
+                _fail(
+                    queue.popleft(),
+                    ArmNotReady(
+                        f"arm {arm!r} has no weights after {self.config.ready_timeout_s:g} s"
+                    ),
+                )
 
     def _admit(self, arm: str, pendings: list[_Pending]) -> None:
         self.stats.batches += 1
         started = time.monotonic()
         for p in pendings:
             p.started = started
-        finished = self._batches[arm].admit(self._serving(arm), self._versions[arm], [(p.params, p) for p in pendings])
+        finished = self._batches[arm].admit(
+            self._serving(arm), self._versions[arm], [(p.params, p) for p in pendings]
+        )
         now = time.monotonic()
         for p in pendings:
             p.ttft_s = now - p.submitted
@@ -391,7 +415,9 @@ class Engine:
         if self.on_step is not None:
             self.on_step(arm, generated)
 
-    def _stream(self, batch: RunningBatch[_Pending], finished: list[tuple[_Pending, SequenceResult]]) -> None:
+    def _stream(
+        self, batch: RunningBatch[_Pending], finished: list[tuple[_Pending, SequenceResult]]
+    ) -> None:
         """Hand each request with on_token the tokens it got since the last call."""
         for row in batch.rows:
             if row.owner.on_token is not None:
@@ -426,7 +452,9 @@ class Engine:
         )
 
 
-def _send(pending: _Pending, tokens: Sequence[int], logprobs: Sequence[float], versions: Sequence[int]) -> None:
+def _send(
+    pending: _Pending, tokens: Sequence[int], logprobs: Sequence[float], versions: Sequence[int]
+) -> None:
     on_token = pending.on_token
     assert on_token is not None  # only requests that stream are sent their tokens
     for i in range(pending.streamed, len(tokens)):

@@ -65,7 +65,9 @@ class Params:
     """Copies of the weights as staged (what the arm serves, for inspection)."""
 
     @classmethod
-    def from_state_dict(cls, weights: dict[str, torch.Tensor], config: PolicyConfig = PolicyConfig()) -> Params:
+    def from_state_dict(
+        cls, weights: dict[str, torch.Tensor], config: PolicyConfig = PolicyConfig()
+    ) -> Params:
         """Copies what it needs, so the caller's tensors may change afterwards."""
 
         def get(name: str) -> torch.Tensor:
@@ -79,7 +81,11 @@ class Params:
         half = head_dim // 2
         within = torch.arange(config.hidden_size) % head_dim
         # rotate_half(q)[j] = -q[j + half] for the first half of each head, q[j - half] after.
-        source_row = torch.where(within < half, torch.arange(config.hidden_size) + half, torch.arange(config.hidden_size) - half)
+        source_row = torch.where(
+            within < half,
+            torch.arange(config.hidden_size) + half,
+            torch.arange(config.hidden_size) - half,
+        )
         sign = torch.where(within < half, -1.0, 1.0)[:, None]
 
         # The attention's 1/sqrt(head_dim) is folded into q (rope is linear, so before it is the same).
@@ -90,9 +96,20 @@ class Params:
             q, k, v = (get(p + f"self_attn.{n}_proj.weight") for n in "qkv")
             layers.append(
                 Layer(
-                    qkv=fold(p + "input_layernorm.weight", q * scale, k, v, q[source_row] * sign * scale, k[source_row] * sign),
+                    qkv=fold(
+                        p + "input_layernorm.weight",
+                        q * scale,
+                        k,
+                        v,
+                        q[source_row] * sign * scale,
+                        k[source_row] * sign,
+                    ),
                     out=get(p + "self_attn.o_proj.weight").T.contiguous(),
-                    gate_up=fold(p + "post_attention_layernorm.weight", get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")),
+                    gate_up=fold(
+                        p + "post_attention_layernorm.weight",
+                        get(p + "mlp.gate_proj.weight"),
+                        get(p + "mlp.up_proj.weight"),
+                    ),
                     down=get(p + "mlp.down_proj.weight").T.contiguous(),
                 )
             )
@@ -100,7 +117,15 @@ class Params:
         head = "lm_head.weight" if "lm_head.weight" in weights else "model.embed_tokens.weight"
         cos, sin = rope_tables(config)
         source = {name: get(name).clone() for name in weights}
-        return cls(config, source["model.embed_tokens.weight"], tuple(layers), fold("model.norm.weight", get(head)), cos, sin, source)
+        return cls(
+            config,
+            source["model.embed_tokens.weight"],
+            tuple(layers),
+            fold("model.norm.weight", get(head)),
+            cos,
+            sin,
+            source,
+        )
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The weights this version was built from, under the trainer's names (read-only)."""
@@ -109,7 +134,9 @@ class Params:
 
 def rope_tables(config: PolicyConfig) -> tuple[torch.Tensor, torch.Tensor]:
     head_dim = config.hidden_size // config.num_heads
-    inv_freq = 1.0 / (ROPE_THETA ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    inv_freq = 1.0 / (
+        ROPE_THETA ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim)
+    )
     freqs = torch.arange(config.max_positions, dtype=torch.float32)[:, None] * inv_freq[None, :]
     emb = torch.cat([freqs, freqs], dim=-1)
     return emb.cos(), emb.sin()
@@ -122,8 +149,12 @@ class SlotCache:
 
     def __init__(self, config: PolicyConfig, slots: int) -> None:
         head_dim = config.hidden_size // config.num_heads
-        self.k = torch.zeros((config.num_layers, slots, config.num_heads, head_dim, config.max_positions))
-        self.v = torch.zeros((config.num_layers, slots, config.num_heads, config.max_positions, head_dim))
+        self.k = torch.zeros(
+            (config.num_layers, slots, config.num_heads, head_dim, config.max_positions)
+        )
+        self.v = torch.zeros(
+            (config.num_layers, slots, config.num_heads, config.max_positions, head_dim)
+        )
 
     def move(self, src: int, dst: int, length: int) -> None:
         """Copy row ``src``'s first ``length`` positions into row ``dst``."""
@@ -145,7 +176,9 @@ def _out_and_mlp(x: torch.Tensor, attn: torch.Tensor, layer: Layer) -> torch.Ten
     return torch.addmm(x, F.silu(gate) * up, layer.down)
 
 
-def decode_step(params: Params, cache: SlotCache, tokens: torch.Tensor, positions: torch.Tensor, length: int) -> torch.Tensor:
+def decode_step(
+    params: Params, cache: SlotCache, tokens: torch.Tensor, positions: torch.Tensor, length: int
+) -> torch.Tensor:
     """Feed one token to each of rows 0..n-1 (``tokens``/``positions`` [n]); returns
     next-token logits [n, vocab]. Row i's token goes in at ``positions[i]``, after
     the cached keys/values of its earlier positions; ``length`` = max(positions) + 1."""
@@ -164,12 +197,16 @@ def decode_step(params: Params, cache: SlotCache, tokens: torch.Tensor, position
         cache.v[i, rows, :, positions] = qkv[:, 2]
         # One query per row: a plain softmax over its keys beats the fused kernel's setup.
         scores = torch.matmul(q[:, :, None, :], cache.k[i, :n, :, :, :length])
-        attn = torch.matmul(scores.masked_fill_(hidden, float("-inf")).softmax(-1), cache.v[i, :n, :, :length])
+        attn = torch.matmul(
+            scores.masked_fill_(hidden, float("-inf")).softmax(-1), cache.v[i, :n, :, :length]
+        )
         x = _out_and_mlp(x, attn.reshape(n, cfg.hidden_size), layer)
     return torch.mm(_rms(x), params.lm_head)
 
 
-def prefill(params: Params, cache: SlotCache, first_row: int, sequences: list[list[int]]) -> torch.Tensor:
+def prefill(
+    params: Params, cache: SlotCache, first_row: int, sequences: list[list[int]]
+) -> torch.Tensor:
     """Run whole sequences into rows first_row.. of the cache (positions 0..len-1);
     returns the logits after each sequence's last token [len(sequences), vocab]."""
     cfg = params.config
@@ -182,7 +219,9 @@ def prefill(params: Params, cache: SlotCache, first_row: int, sequences: list[li
         ids[row, : len(seq)] = torch.tensor(seq)
     positions = torch.arange(width)
     # Causal, and blind to the right padding of shorter sequences.
-    mask = (positions[None, :] <= positions[:, None])[None, None] & (positions[None, :] < lengths[:, None])[:, None, None, :]
+    mask = (positions[None, :] <= positions[:, None])[None, None] & (
+        positions[None, :] < lengths[:, None]
+    )[:, None, None, :]
     cos, sin = params.cos[:width][None, :, None, :], params.sin[:width][None, :, None, :]
     x = params.embed[ids]
     rows = slice(first_row, first_row + m)
@@ -193,9 +232,14 @@ def prefill(params: Params, cache: SlotCache, first_row: int, sequences: list[li
         v = qkv[:, :, 2].transpose(1, 2)
         cache.k[i, rows, :, :, :width] = k.transpose(-1, -2)
         cache.v[i, rows, :, :width] = v
-        attn = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=mask, scale=1.0)  # q is pre-scaled
-        flat = _out_and_mlp(x.reshape(m * width, cfg.hidden_size), attn.transpose(1, 2).reshape(m * width, cfg.hidden_size), layer)
+        attn = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k, v, attn_mask=mask, scale=1.0
+        )  # q is pre-scaled
+        flat = _out_and_mlp(
+            x.reshape(m * width, cfg.hidden_size),
+            attn.transpose(1, 2).reshape(m * width, cfg.hidden_size),
+            layer,
+        )
         x = flat.view(m, width, cfg.hidden_size)
     last = x[torch.arange(m), lengths - 1]
     return torch.mm(_rms(last), params.lm_head)
-

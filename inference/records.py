@@ -66,10 +66,14 @@ def rollout_record(context: RolloutContext, completion: Completion) -> rollout_p
         completion_token_ids=result.token_ids,
         completion_logprobs=result.logprobs,
         version_spans=[
-            rollout_pb2.VersionSpan(policy_version=s.version, start=s.start, end=s.end) for s in version_spans(result.versions)
+            rollout_pb2.VersionSpan(policy_version=s.version, start=s.start, end=s.end)
+            for s in version_spans(result.versions)
         ],
         sampling=rollout_pb2.SamplingParams(
-            temperature=params.temperature, top_p=params.top_p, max_tokens=params.max_tokens, seed=params.seed
+            temperature=params.temperature,
+            top_p=params.top_p,
+            max_tokens=params.max_tokens,
+            seed=params.seed,
         ),
         latency_s=completion.latency_s,
         time_to_first_token_s=completion.ttft_s,

@@ -34,7 +34,11 @@ def counter_uniform(seeds: torch.Tensor, counter: int | torch.Tensor) -> torch.T
     cheaper than the same few dozen integer ops as tensor (or numpy) calls, and it
     runs on every step."""
     seed_list = seeds.tolist()
-    counters = counter.tolist() if isinstance(counter, torch.Tensor) and counter.dim() else [int(counter)] * len(seed_list)
+    counters = (
+        counter.tolist()
+        if isinstance(counter, torch.Tensor) and counter.dim()
+        else [int(counter)] * len(seed_list)
+    )
     out = []
     for seed, count in zip(seed_list, counters):
         x = _fmix32((seed & _M32) ^ _fmix32((count & _M32) ^ 0x9E3779B9))
@@ -45,7 +49,9 @@ def counter_uniform(seeds: torch.Tensor, counter: int | torch.Tensor) -> torch.T
     return torch.tensor(out, dtype=torch.float64)
 
 
-def sampling_logprobs(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+def sampling_logprobs(
+    logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor
+) -> torch.Tensor:
     """Log-probs of the distribution actually sampled from: temperature-scaled
     log-softmax, then restricted to the top-p nucleus and renormalized (rows with
     top_p >= 1 are left whole). logits [B, V], temperature/top_p [B]."""

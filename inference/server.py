@@ -73,7 +73,9 @@ class RequestCounters:
 class InferenceServer:
     """A started worker; ``stop()`` drains it."""
 
-    def __init__(self, stack: StackSettings, settings: InferenceSettings, engine: Engine | None = None) -> None:
+    def __init__(
+        self, stack: StackSettings, settings: InferenceSettings, engine: Engine | None = None
+    ) -> None:
         """``engine`` replaces the one built from ``settings`` (tests attach hooks to it)."""
         self.stack = stack
         self.settings = settings
@@ -81,10 +83,14 @@ class InferenceServer:
         self.model_name = settings.model_name or f"rtrl-policy-{PolicyConfig().fingerprint()}"
         key = settings.rollout_signing_key.get_secret_value()
         if not key:
-            raise ValueError("RTRL_INFERENCE_ROLLOUT_SIGNING_KEY is not set: every rollout is signed, and there is no default key")
+            raise ValueError(
+                "RTRL_INFERENCE_ROLLOUT_SIGNING_KEY is not set: every rollout is signed, and there is no default key"
+            )
         self.rollout_signer = signing.Signer(key, signing.Purpose.ROLLOUT)
         if settings.auth_required and not stack.api_key_public_keys.strip():
-            raise ValueError("RTRL_API_KEY_PUBLIC_KEYS is not set: the serving API accepts only API keys the operator signed")
+            raise ValueError(
+                "RTRL_API_KEY_PUBLIC_KEYS is not set: the serving API accepts only API keys the operator signed"
+            )
         self.door: ServingDoor | None = None
         self.engine = engine or _engine(settings)
         self.engine.on_applied = self._applied_from_engine_thread
@@ -100,10 +106,18 @@ class InferenceServer:
         self.redis = aioredis.Redis.from_url(self.stack.redis_url)
         if self.settings.auth_required:
             verifier = KeyVerifier(signing.parse_public_keys(self.stack.api_key_public_keys))
-            self.door = ServingDoor(KeyCache(self.redis, self.settings.key_cache_ttl_s, verifier), RateLimiter(self.redis), self.settings.max_request_bytes)
+            self.door = ServingDoor(
+                KeyCache(self.redis, self.settings.key_cache_ttl_s, verifier),
+                RateLimiter(self.redis),
+                self.settings.max_request_bytes,
+            )
         else:
-            log.warning("RTRL_INFERENCE_AUTH_REQUIRED=false: serving completions without an API key")
-        self.producer = kafka.AsyncProducer(self.stack, **{"message.timeout.ms": self.settings.produce_timeout_ms})
+            log.warning(
+                "RTRL_INFERENCE_AUTH_REQUIRED=false: serving completions without an API key"
+            )
+        self.producer = kafka.AsyncProducer(
+            self.stack, **{"message.timeout.ms": self.settings.produce_timeout_ms}
+        )
         self.engine.start()
         # SGLang gets its weights from its sidecar; only the embedded engine follows them here.
         if self.settings.follow_weights and self.settings.backend == "embedded":
@@ -124,9 +138,16 @@ class InferenceServer:
         app = web.Application()
         app.router.add_post("/v1/completions", self._completions)
         app.router.add_get("/healthz", self._healthz)
-        self.runner = web.AppRunner(app, access_log=None, shutdown_timeout=self.settings.shutdown_grace_s)
+        self.runner = web.AppRunner(
+            app, access_log=None, shutdown_timeout=self.settings.shutdown_grace_s
+        )
         await self.runner.setup()
-        await web.TCPSite(self.runner, self.settings.bind_host, self.settings.http_port, ssl_context=self.settings.http_context()).start()
+        await web.TCPSite(
+            self.runner,
+            self.settings.bind_host,
+            self.settings.http_port,
+            ssl_context=self.settings.http_context(),
+        ).start()
         self.port = self.runner.addresses[0][1]
         self._observe()
         self.heartbeat_task = asyncio.create_task(self._beat_forever())
@@ -181,23 +202,58 @@ class InferenceServer:
             ("tokens", "{token}", "Tokens sampled"),
             ("swaps", "{swap}", "Weight versions swapped in"),
         ):
-            otel.observe(meter, f"rtrl.inference.{name}", "counter", _reading(stats, name), unit=unit, description=description)
-        otel.observe(meter, "rtrl.inference.swap.pause", "counter", lambda: [(stats.swap_pause_s, {})], unit="s", description="Time decoding stood still for weight swaps")
+            otel.observe(
+                meter,
+                f"rtrl.inference.{name}",
+                "counter",
+                _reading(stats, name),
+                unit=unit,
+                description=description,
+            )
         otel.observe(
-            meter, "rtrl.inference.requests", "counter",
-            lambda: [(counters.records, {"outcome": "recorded"}), (counters.private, {"outcome": "private"}),
-                     (counters.rejected, {"outcome": "rejected"}), (counters.unavailable, {"outcome": "unavailable"}),
-                     (counters.unrecorded, {"outcome": "unrecorded"})],
-            unit="{request}", description="Completion requests by outcome (rejected: 400, unavailable: 503, unrecorded: served, kept from training)",
+            meter,
+            "rtrl.inference.swap.pause",
+            "counter",
+            lambda: [(stats.swap_pause_s, {})],
+            unit="s",
+            description="Time decoding stood still for weight swaps",
         )
         otel.observe(
-            meter, "rtrl.inference.policy.version", "gauge", lambda: [(v, {"arm": arm}) for arm, v in self.engine.versions().items()],
+            meter,
+            "rtrl.inference.requests",
+            "counter",
+            lambda: [
+                (counters.records, {"outcome": "recorded"}),
+                (counters.private, {"outcome": "private"}),
+                (counters.rejected, {"outcome": "rejected"}),
+                (counters.unavailable, {"outcome": "unavailable"}),
+                (counters.unrecorded, {"outcome": "unrecorded"}),
+            ],
+            unit="{request}",
+            description="Completion requests by outcome (rejected: 400, unavailable: 503, unrecorded: served, kept from training)",
+        )
+        otel.observe(
+            meter,
+            "rtrl.inference.policy.version",
+            "gauge",
+            lambda: [(v, {"arm": arm}) for arm, v in self.engine.versions().items()],
             description="Policy version each arm serves (-1: none yet)",
         )
-        otel.observe(meter, "rtrl.inference.queue_depth", "gauge", lambda: [(self.engine.queue_depth(), {})], unit="{request}", description="Requests waiting for the engine")
         otel.observe(
-            meter, "rtrl.inference.weights.refused", "counter", lambda: [(sum(f.refused for f in self._followers), {})],
-            unit="{version}", description="Weight versions refused because the trainer did not sign their manifest",
+            meter,
+            "rtrl.inference.queue_depth",
+            "gauge",
+            lambda: [(self.engine.queue_depth(), {})],
+            unit="{request}",
+            description="Requests waiting for the engine",
+        )
+        otel.observe(
+            meter,
+            "rtrl.inference.weights.refused",
+            "counter",
+            lambda: [(sum(f.refused for f in self._followers), {})],
+            unit="{version}",
+            description="Weight versions refused because the trainer did not sign their manifest",
         )
 
     async def _beat_forever(self) -> None:
@@ -219,31 +275,59 @@ class InferenceServer:
         task.add_done_callback(self._background.discard)
 
     async def _write_applied(self, arm: str, version: int, applied_ms: int) -> None:
-        await self.redis.hset(APPLIED_KEY.format(arm=arm, version=version), self.worker_id, applied_ms)
+        await self.redis.hset(
+            APPLIED_KEY.format(arm=arm, version=version), self.worker_id, applied_ms
+        )
 
     def _trace_apply(self, arm: str, version: int, applied_ns: int) -> None:
         """The ``weights apply`` span: from the version staged to it serving, a child
         of the weight_sync commit (through the manifest's traceparent)."""
-        staged = next((found for f in self._followers if f.arm == arm and (found := f.staged(version))), None)
-        if staged is None:  # not staged by this process (a test's engine, or SGLang's sidecar, which traces its own)
+        staged = next(
+            (found for f in self._followers if f.arm == arm and (found := f.staged(version))), None
+        )
+        if (
+            staged is None
+        ):  # not staged by this process (a test's engine, or SGLang's sidecar, which traces its own)
             return
         traceparent, staged_ns = staged
         attributes: dict[str, AttributeValue] = {
-            "rtrl.arm": arm, "rtrl.policy.version": version, "rtrl.worker_id": self.worker_id,
+            "rtrl.arm": arm,
+            "rtrl.policy.version": version,
+            "rtrl.worker_id": self.worker_id,
         }
-        span = _tracer.start_span("weights apply", context=otel.parent(traceparent), attributes=attributes, start_time=staged_ns)
+        span = _tracer.start_span(
+            "weights apply",
+            context=otel.parent(traceparent),
+            attributes=attributes,
+            start_time=staged_ns,
+        )
         span.end(end_time=applied_ns)
 
     async def _healthz(self, request: web.Request) -> web.Response:
-        return web.json_response({"ready": self.engine.ready(), "versions": self.engine.versions(), "worker_id": self.worker_id})
+        return web.json_response(
+            {
+                "ready": self.engine.ready(),
+                "versions": self.engine.versions(),
+                "worker_id": self.worker_id,
+            }
+        )
 
     async def _completions(self, request: web.Request) -> web.StreamResponse:
         """The serving span is the root of the rollout's trace (or a child of the
         client's ``traceparent``); the record and the answer carry its traceparent, so
         the client's events and the reward continue the trace."""
-        attributes = {"http.request.method": "POST", "url.path": request.path, "rtrl.worker_id": self.worker_id}
+        attributes = {
+            "http.request.method": "POST",
+            "url.path": request.path,
+            "rtrl.worker_id": self.worker_id,
+        }
         parent = otel.parent(request.headers.get("traceparent", ""))
-        with _tracer.start_as_current_span("POST /v1/completions", context=parent, kind=trace.SpanKind.SERVER, attributes=attributes) as span:
+        with _tracer.start_as_current_span(
+            "POST /v1/completions",
+            context=parent,
+            kind=trace.SpanKind.SERVER,
+            attributes=attributes,
+        ) as span:
             response = await self._complete(request, span)
             span.set_attribute("http.response.status_code", response.status)
             return response
@@ -266,7 +350,9 @@ class InferenceServer:
         """Who is asking is settled from the headers, before the body is read."""
         key = None
         if self.door is not None:
-            key, denied = await self.door.admit(request.headers.get("Authorization", ""), request.content_length)
+            key, denied = await self.door.admit(
+                request.headers.get("Authorization", ""), request.content_length
+            )
             if denied is not None:
                 return _denied(denied)
             assert key is not None  # admitted: its key was verified
@@ -277,20 +363,30 @@ class InferenceServer:
     async def _read_body(self, request: web.Request, key: ApiKey | None) -> bytes | Denied:
         """The whole body, read no further than this request may send (a chunked body has no
         Content-Length to refuse it by)."""
-        limit = self.door.body_limit(key) if self.door is not None else self.settings.max_request_bytes
+        limit = (
+            self.door.body_limit(key) if self.door is not None else self.settings.max_request_bytes
+        )
         raw = bytearray()
         while chunk := await request.content.read(limit + 1 - len(raw)):
             raw += chunk
             if len(raw) > limit:
-                return self.door.too_large(key, len(raw)) if self.door is not None else Denied(413, f"a request over {limit} bytes")
+                return (
+                    self.door.too_large(key, len(raw))
+                    if self.door is not None
+                    else Denied(413, f"a request over {limit} bytes")
+                )
         return bytes(raw)
 
     async def _private(self, body: CompletionBody) -> bool:
         """One privacy policy at every door: the request's flag, or the user registered as
         private (the same set the ingest gateway reads)."""
-        return body.privacy_mode or bool(body.user_id and await self.redis.sismember(PRIVATE_USERS, body.user_id))
+        return body.privacy_mode or bool(
+            body.user_id and await self.redis.sismember(PRIVATE_USERS, body.user_id)
+        )
 
-    async def _serve(self, request: web.Request, span: trace.Span, key: ApiKey | None) -> web.StreamResponse:
+    async def _serve(
+        self, request: web.Request, span: trace.Span, key: ApiKey | None
+    ) -> web.StreamResponse:
         received = time.monotonic()
         received_ms = int(time.time() * 1000)
         tokens: asyncio.Queue[tuple[int, float, int]] = asyncio.Queue()
@@ -301,10 +397,15 @@ class InferenceServer:
             body = CompletionBody.model_validate_json(raw)
             body.check_client_ts(received_ms, self.client_ts_window)
             max_tokens = body.max_tokens or self.settings.max_tokens
-            if self.door is not None and (denied := self.door.tokens_denied(key, max_tokens)) is not None:
+            if (
+                self.door is not None
+                and (denied := self.door.tokens_denied(key, max_tokens)) is not None
+            ):
                 return _denied(denied)
             arm = body.arm or assign_arm(body.user_id, self.settings.treatment_fraction)
-            temperature = self.settings.temperature if body.temperature is None else body.temperature
+            temperature = (
+                self.settings.temperature if body.temperature is None else body.temperature
+            )
             top_p = body.top_p or self.settings.top_p
             unrecorded = self._kept_from_training(body, temperature, top_p)
 
@@ -366,17 +467,31 @@ class InferenceServer:
             record = rollout_record(context, completion)
             if key is not None:
                 # Before the answer: the client's telemetry about it may arrive right after.
-                await self.redis.set(SERVED_PREFIX + rollout_id, key.client_id, ex=self.settings.served_ttl_s)
+                await self.redis.set(
+                    SERVED_PREFIX + rollout_id, key.client_id, ex=self.settings.served_ttl_s
+                )
             publish = otel.kafka_attributes("publish", topics.ROLLOUT, key=rollout_id)
-            with _tracer.start_as_current_span(f"publish {topics.ROLLOUT}", kind=trace.SpanKind.PRODUCER, attributes=publish) as producing:
+            with _tracer.start_as_current_span(
+                f"publish {topics.ROLLOUT}", kind=trace.SpanKind.PRODUCER, attributes=publish
+            ) as producing:
                 value = record.SerializeToString()
-                headers = [*kafka.traceparent_headers(otel.traceparent_of(producing) or traceparent), *self.rollout_signer.headers(value)]
+                headers = [
+                    *kafka.traceparent_headers(otel.traceparent_of(producing) or traceparent),
+                    *self.rollout_signer.headers(value),
+                ]
                 await self.producer.send(topics.ROLLOUT, value, key=rollout_id, headers=headers)
             self.counters.records += 1
-        answer = {**completion_response(rollout_id, self.model_name, completion, time.monotonic() - received), "traceparent": traceparent}
+        answer = {
+            **completion_response(
+                rollout_id, self.model_name, completion, time.monotonic() - received
+            ),
+            "traceparent": traceparent,
+        }
         if unrecorded:
             answer["not_recorded"] = unrecorded  # the product need not report telemetry for it
-        span.set_attribute("rtrl.policy.versions", [s["version"] for s in answer["policy_versions"]])
+        span.set_attribute(
+            "rtrl.policy.versions", [s["version"] for s in answer["policy_versions"]]
+        )
         if stream is None:
             return web.json_response(answer)
         # The text streamed so far stops short of any stop string; the rest comes here.
@@ -385,13 +500,20 @@ class InferenceServer:
         return stream
 
     async def _stream_tokens(
-        self, request: web.Request, rollout_id: str, body: CompletionBody, tokens: asyncio.Queue, waiting: asyncio.Future
+        self,
+        request: web.Request,
+        rollout_id: str,
+        body: CompletionBody,
+        tokens: asyncio.Queue,
+        waiting: asyncio.Future,
     ) -> tuple[web.StreamResponse, int]:
         """Send a server-sent event per token until the completion is done; returns the
         response and how many characters of text it sent. The last characters, as many
         as the longest stop string, are held back: they could still turn out to be part
         of one (the final event sends what remains of the answer's text)."""
-        stream = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        stream = web.StreamResponse(
+            headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+        )
         await stream.prepare(request)
         holdback = max((len(s) for s in body.stop_strings()), default=0)
         text, sent = "", 0
@@ -405,15 +527,27 @@ class InferenceServer:
             text += decode([token])
             delta = text[sent : max(sent, len(text) - holdback)]
             sent += len(delta)
-            await stream.write(_event({"rollout_id": rollout_id, "token_id": token, "logprob": logprob, "policy_version": version, "delta": delta}))
+            await stream.write(
+                _event(
+                    {
+                        "rollout_id": rollout_id,
+                        "token_id": token,
+                        "logprob": logprob,
+                        "policy_version": version,
+                        "delta": delta,
+                    }
+                )
+            )
         return stream, sent
 
 
 def _engine(settings: InferenceSettings) -> Engine | SGLangEngine:
     if settings.backend == "sglang":
         return SGLangEngine(
-            settings.sglang_url_map(), max_positions=PolicyConfig().max_positions,
-            max_concurrency=settings.sglang_max_concurrency, timeout_s=settings.sglang_timeout_s,
+            settings.sglang_url_map(),
+            max_positions=PolicyConfig().max_positions,
+            max_concurrency=settings.sglang_max_concurrency,
+            timeout_s=settings.sglang_timeout_s,
             api_key=settings.sglang_api_key.get_secret_value(),
         )
     return Engine(
@@ -432,7 +566,11 @@ def _reading(stats: object, name: str) -> otel.Reading:
 
 
 def _denied(denied: Denied) -> web.Response:
-    headers = {"Retry-After": str(max(1, math.ceil(denied.retry_after_s)))} if denied.retry_after_s else None
+    headers = (
+        {"Retry-After": str(max(1, math.ceil(denied.retry_after_s)))}
+        if denied.retry_after_s
+        else None
+    )
     return web.json_response({"error": denied.message}, status=denied.status, headers=headers)
 
 

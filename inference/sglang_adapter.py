@@ -40,7 +40,9 @@ class SGLangGenerationError(RuntimeError):
 def request_body(params: SequenceParams) -> dict[str, Any]:
     """The /generate body for ``params`` (streaming, with log-probs)."""
     if params.stop:
-        raise ValueError(f"stop strings {params.stop!r} need SGLang's tokenizer, which this backend skips; stop on EOS or max_tokens")
+        raise ValueError(
+            f"stop strings {params.stop!r} need SGLang's tokenizer, which this backend skips; stop on EOS or max_tokens"
+        )
     truncated = params.temperature == 0 or params.top_p < 1
     sampling = {
         "max_new_tokens": params.max_tokens,
@@ -68,7 +70,9 @@ def completion_from_response(
     meta = response["meta_info"]
     finish = meta.get("finish_reason") or {}
     if finish.get("type") not in ("stop", "length"):
-        raise SGLangGenerationError(f"SGLang ended request {meta.get('id')} with finish_reason {finish or None}: {finish.get('message', '')}")
+        raise SGLangGenerationError(
+            f"SGLang ended request {meta.get('id')} with finish_reason {finish or None}: {finish.get('message', '')}"
+        )
     token_ids = tuple(response["output_ids"])
     if "output_token_sampling_logprobs" in meta:
         logprobs = tuple(float(x) for x in meta["output_token_sampling_logprobs"])
@@ -76,7 +80,9 @@ def completion_from_response(
         logprobs = tuple(float(entry[0]) for entry in meta["output_token_logprobs"])
     versions = versions_per_token(meta.get("weight_versions") or [], len(token_ids))
     if len(logprobs) != len(token_ids):
-        raise SGLangGenerationError(f"SGLang returned {len(token_ids)} tokens but {len(logprobs)} log-probs")
+        raise SGLangGenerationError(
+            f"SGLang returned {len(token_ids)} tokens but {len(logprobs)} log-probs"
+        )
     result = SequenceResult(
         token_ids=token_ids,
         logprobs=logprobs,
@@ -85,7 +91,15 @@ def completion_from_response(
         text=decode(list(token_ids)),
     )
     # SGLang queues inside the server; its queue time is part of ttft_s here.
-    return Completion(prompt_ids=params.prompt_ids, params=params, arm=arm, result=result, queue_s=0.0, ttft_s=ttft_s, latency_s=latency_s)
+    return Completion(
+        prompt_ids=params.prompt_ids,
+        params=params,
+        arm=arm,
+        result=result,
+        queue_s=0.0,
+        ttft_s=ttft_s,
+        latency_s=latency_s,
+    )
 
 
 def versions_per_token(spans: Sequence[dict[str, Any]], n_tokens: int) -> tuple[int, ...]:
@@ -94,7 +108,9 @@ def versions_per_token(spans: Sequence[dict[str, Any]], n_tokens: int) -> tuple[
     versions: list[int] = []
     for span in spans:
         if span["start"] != len(versions) or span["end"] < span["start"]:
-            raise SGLangGenerationError(f"weight_versions {list(spans)} do not tile tokens [0, {n_tokens})")
+            raise SGLangGenerationError(
+                f"weight_versions {list(spans)} do not tile tokens [0, {n_tokens})"
+            )
         try:
             version = int(span["version"])
         except ValueError:
@@ -103,7 +119,9 @@ def versions_per_token(spans: Sequence[dict[str, Any]], n_tokens: int) -> tuple[
             ) from None
         versions.extend([version] * (span["end"] - span["start"]))
     if len(versions) != n_tokens:
-        raise SGLangGenerationError(f"weight_versions {list(spans)} cover {len(versions)} of {n_tokens} tokens")
+        raise SGLangGenerationError(
+            f"weight_versions {list(spans)} cover {len(versions)} of {n_tokens} tokens"
+        )
     return tuple(versions)
 
 
@@ -121,7 +139,10 @@ def generate(
     request = urllib.request.Request(
         f"{url.rstrip('/')}/generate",
         data=json.dumps(request_body(params)).encode(),
-        headers={"Content-Type": "application/json", **({"Authorization": f"Bearer {api_key}"} if api_key else {})},
+        headers={
+            "Content-Type": "application/json",
+            **({"Authorization": f"Bearer {api_key}"} if api_key else {}),
+        },
         method="POST",
     )
     started = time.monotonic()
@@ -130,7 +151,9 @@ def generate(
     try:
         stream = urllib.request.urlopen(request, timeout=timeout_s)
     except urllib.error.HTTPError as exc:
-        raise SGLangGenerationError(f"SGLang /generate refused the request (HTTP {exc.code}): {exc.read().decode(errors='replace')}") from None
+        raise SGLangGenerationError(
+            f"SGLang /generate refused the request (HTTP {exc.code}): {exc.read().decode(errors='replace')}"
+        ) from None
     with stream:
         for raw in stream:
             line = raw.strip()
@@ -150,7 +173,9 @@ def generate(
     if last is None:
         raise SGLangGenerationError("SGLang's /generate stream ended without a result")
     latency_s = time.monotonic() - started
-    return completion_from_response(last, params, arm, ttft_s=latency_s if ttft_s is None else ttft_s, latency_s=latency_s)
+    return completion_from_response(
+        last, params, arm, ttft_s=latency_s if ttft_s is None else ttft_s, latency_s=latency_s
+    )
 
 
 class SGLangEngine:
@@ -231,12 +256,22 @@ class SGLangEngine:
         """Queue a request; the future resolves to a Completion or raises
         SGLangGenerationError (the API answers 503). Bad requests raise ValueError here."""
         if arm not in self.urls:
-            raise ValueError(f"no SGLang server serves arm {arm!r} (RTRL_INFERENCE_SGLANG_URLS names {', '.join(sorted(self.urls))})")
+            raise ValueError(
+                f"no SGLang server serves arm {arm!r} (RTRL_INFERENCE_SGLANG_URLS names {', '.join(sorted(self.urls))})"
+            )
         if on_token is not None:
-            raise ValueError("streaming is not available with the SGLang backend; ask without stream")
+            raise ValueError(
+                "streaming is not available with the SGLang backend; ask without stream"
+            )
         params = sequence_params(
-            prompt_ids, self.max_positions,
-            max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed, stop=stop, ignore_eos=ignore_eos,
+            prompt_ids,
+            self.max_positions,
+            max_tokens=max_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            seed=seed,
+            stop=stop,
+            ignore_eos=ignore_eos,
         )
         request_body(params)  # refuses what SGLang cannot do (stop strings) before it is queued
         with self._lock:
@@ -245,9 +280,13 @@ class SGLangEngine:
 
     def _generate(self, arm: str, params: SequenceParams) -> Completion:
         try:
-            completion = generate(self.urls[arm], arm, params, timeout_s=self.timeout_s, api_key=self.api_key)
+            completion = generate(
+                self.urls[arm], arm, params, timeout_s=self.timeout_s, api_key=self.api_key
+            )
         except OSError as exc:  # connection refused, reset, timed out
-            raise SGLangGenerationError(f"SGLang at {self.urls[arm]} did not answer: {exc}") from exc
+            raise SGLangGenerationError(
+                f"SGLang at {self.urls[arm]} did not answer: {exc}"
+            ) from exc
         finally:
             with self._lock:
                 self._in_flight -= 1
@@ -258,7 +297,10 @@ class SGLangEngine:
     def _poll(self) -> None:
         from inference.sglang_sidecar import SGLangWeights
 
-        servers = {arm: SGLangWeights(url, timeout_s=min(self.timeout_s, 10.0), api_key=self.api_key) for arm, url in self.urls.items()}
+        servers = {
+            arm: SGLangWeights(url, timeout_s=min(self.timeout_s, 10.0), api_key=self.api_key)
+            for arm, url in self.urls.items()
+        }
         while not self._stopped.is_set():
             for arm, server in servers.items():
                 try:

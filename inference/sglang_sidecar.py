@@ -120,7 +120,9 @@ class SGLangWeights:
     Each method raises SGLangRefused when the server refuses the step, and lets
     connection errors propagate (the server is not there to refuse anything)."""
 
-    def __init__(self, url: str, timeout_s: float = 120.0, api_key: str = "", admin_api_key: str = "") -> None:
+    def __init__(
+        self, url: str, timeout_s: float = 120.0, api_key: str = "", admin_api_key: str = ""
+    ) -> None:
         self.url = url.rstrip("/")
         self.timeout_s = timeout_s
         # SGLang takes its --api-key on the serving endpoints (/model_info here) and, when it
@@ -139,7 +141,11 @@ class SGLangWeights:
         """Load the tensors of ``serialized`` (see serialize_named_tensors) and label
         the weights ``weight_version``. ``flush_cache`` must be false while requests are
         paused in place (SGLang refuses to flush a cache that running requests use)."""
-        body = {"serialized_named_tensors": [serialized], "flush_cache": flush_cache, "weight_version": weight_version}
+        body = {
+            "serialized_named_tensors": [serialized],
+            "flush_cache": flush_cache,
+            "weight_version": weight_version,
+        }
         self._post("update", "/update_weights_from_tensor", body)
 
     def end(self) -> None:
@@ -156,7 +162,10 @@ class SGLangWeights:
 
     def _post(self, step: str, path: str, body: dict[str, Any]) -> dict[str, Any]:
         request = urllib.request.Request(
-            f"{self.url}{path}", data=json.dumps(body).encode(), headers={"Content-Type": "application/json", **self._admin_headers}, method="POST"
+            f"{self.url}{path}",
+            data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json", **self._admin_headers},
+            method="POST",
         )
         try:
             with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
@@ -198,18 +207,28 @@ def served_inventory(model_dir: Path) -> dict[str, tuple[int, ...]]:
         with open(path, "rb") as f:
             (length,) = struct.unpack("<Q", f.read(8))
             header = json.loads(f.read(length))
-        inventory.update({name: tuple(meta["shape"]) for name, meta in header.items() if name != "__metadata__"})
+        inventory.update(
+            {name: tuple(meta["shape"]) for name, meta in header.items() if name != "__metadata__"}
+        )
     return inventory
 
 
-def check_fits(version: int, tensors: Mapping[str, Any], inventory: Mapping[str, tuple[int, ...]]) -> None:
+def check_fits(
+    version: int, tensors: Mapping[str, Any], inventory: Mapping[str, tuple[int, ...]]
+) -> None:
     """Raise WeightsRejected unless ``tensors`` has exactly the served names and shapes:
     a partial version would leave old tensors under the new version's label."""
     unknown = sorted(set(tensors) - set(inventory))
     missing = sorted(set(inventory) - set(tensors))
-    wrong = sorted(f"{name} {tuple(t.shape)} (served {inventory[name]})" for name, t in tensors.items() if name in inventory and tuple(t.shape) != inventory[name])
+    wrong = sorted(
+        f"{name} {tuple(t.shape)} (served {inventory[name]})"
+        for name, t in tensors.items()
+        if name in inventory and tuple(t.shape) != inventory[name]
+    )
     if unknown or missing or wrong:
-        raise WeightsRejected(f"v{version} does not fit the served model: unknown {unknown[:5]}, missing {missing[:5]}, wrong shape {wrong[:5]}")
+        raise WeightsRejected(
+            f"v{version} does not fit the served model: unknown {unknown[:5]}, missing {missing[:5]}, wrong shape {wrong[:5]}"
+        )
 
 
 class SGLangSidecar:
@@ -220,7 +239,12 @@ class SGLangSidecar:
     ``apply_pending`` swaps it in; a refused version stays pending until it applies or a
     newer one replaces it, and generation is resumed after every attempt."""
 
-    def __init__(self, weights: SGLangWeights, inventory: Mapping[str, tuple[int, ...]], settings: SidecarSettings) -> None:
+    def __init__(
+        self,
+        weights: SGLangWeights,
+        inventory: Mapping[str, tuple[int, ...]],
+        settings: SidecarSettings,
+    ) -> None:
         self.weights = weights
         self.inventory = dict(inventory)
         self.settings = settings
@@ -265,9 +289,18 @@ class SGLangSidecar:
             version, tensors = pending
             staged = self._follower.staged(version) if self._follower is not None else None
             traceparent, staged_ns = staged or ("", time.time_ns())
-            attributes = {"rtrl.arm": self.settings.arm, "rtrl.policy.version": version, "rtrl.sglang.url": self.weights.url}
+            attributes = {
+                "rtrl.arm": self.settings.arm,
+                "rtrl.policy.version": version,
+                "rtrl.sglang.url": self.weights.url,
+            }
             # The apply span of the embedded worker's kind, a child of the version's weight_sync commit.
-            with _tracer.start_as_current_span("weights apply", context=otel.parent(traceparent), attributes=attributes, start_time=staged_ns):
+            with _tracer.start_as_current_span(
+                "weights apply",
+                context=otel.parent(traceparent),
+                attributes=attributes,
+                start_time=staged_ns,
+            ):
                 serialized = serialize_named_tensors(tensors)
                 attempts = self.settings.max_attempts
                 for attempt in range(1, attempts + 1):
@@ -275,7 +308,9 @@ class SGLangSidecar:
                         self._swap(version, serialized)
                         break
                     except SGLangRefused as exc:
-                        log.warning("v%d: attempt %d/%d refused: %s", version, attempt, attempts, exc)
+                        log.warning(
+                            "v%d: attempt %d/%d refused: %s", version, attempt, attempts, exc
+                        )
                         if attempt == attempts:
                             raise WeightUpdateRefused(version, attempts, exc) from exc
                         time.sleep(self.settings.backoff_s * 2 ** (attempt - 1))
@@ -283,7 +318,12 @@ class SGLangSidecar:
                 self.applied_version = version
                 if self._pending is pending:
                     self._pending = None
-            log.info("v%d live on %s (pause mode %s)", version, self.weights.url, self.settings.pause_mode)
+            log.info(
+                "v%d live on %s (pause mode %s)",
+                version,
+                self.weights.url,
+                self.settings.pause_mode,
+            )
             return version
 
     def _swap(self, version: int, serialized: str) -> None:
@@ -297,7 +337,9 @@ class SGLangSidecar:
             try:
                 # Retracted requests no longer hold KV, so the cache the old weights
                 # filled can be flushed; paused in place they still use it.
-                self.weights.update(serialized, weight_version=str(version), flush_cache=mode == "retract")
+                self.weights.update(
+                    serialized, weight_version=str(version), flush_cache=mode == "retract"
+                )
             finally:
                 self.weights.end()
         finally:
@@ -316,12 +358,26 @@ class SGLangSidecar:
 
     # ---- the running service: one thread follows weight_sync, one applies ----
 
-    def start(self, addr: str, token: str, worker_id: str, public_keys: Sequence[str], tls_ca_file: Path | None = None) -> SGLangSidecar:
+    def start(
+        self,
+        addr: str,
+        token: str,
+        worker_id: str,
+        public_keys: Sequence[str],
+        tls_ca_file: Path | None = None,
+    ) -> SGLangSidecar:
         """Follow the arm's versions from weight_sync (inference.weights.WeightFollower,
         as the embedded worker does) and swap each into the server from a thread of its own."""
         self.recover()
         self._follower = WeightFollower(
-            self.stage, addr, token, self.settings.arm, worker_id, self.settings.retry_s, public_keys=public_keys, tls_ca_file=tls_ca_file
+            self.stage,
+            addr,
+            token,
+            self.settings.arm,
+            worker_id,
+            self.settings.retry_s,
+            public_keys=public_keys,
+            tls_ca_file=tls_ca_file,
         ).start()
         self._thread = threading.Thread(target=self._apply_loop, name="sglang-apply", daemon=True)
         self._thread.start()
@@ -346,7 +402,12 @@ class SGLangSidecar:
             try:
                 self.apply_pending()
             except Exception:  # retried on purpose: the version stays pending
-                log.exception("swapping v%s into %s failed; trying again in %.1f s", self.pending_version, self.weights.url, self.settings.retry_s)
+                log.exception(
+                    "swapping v%s into %s failed; trying again in %.1f s",
+                    self.pending_version,
+                    self.weights.url,
+                    self.settings.retry_s,
+                )
                 self._stopped.wait(self.settings.retry_s)
 
 
@@ -356,27 +417,53 @@ def _observe(sidecar: SGLangSidecar) -> None:
 
     meter = metrics.get_meter("rtrl.sglang_sidecar")
     arm = {"arm": sidecar.settings.arm}
-    otel.observe(meter, "rtrl.sglang_sidecar.swaps", "counter", lambda: [(sidecar.swaps, arm)], unit="{swap}", description="Versions swapped into SGLang")
     otel.observe(
-        meter, "rtrl.sglang_sidecar.swap.pause", "counter", lambda: [(sidecar.swap_pause_s, arm)], unit="s",
+        meter,
+        "rtrl.sglang_sidecar.swaps",
+        "counter",
+        lambda: [(sidecar.swaps, arm)],
+        unit="{swap}",
+        description="Versions swapped into SGLang",
+    )
+    otel.observe(
+        meter,
+        "rtrl.sglang_sidecar.swap.pause",
+        "counter",
+        lambda: [(sidecar.swap_pause_s, arm)],
+        unit="s",
         description="Time SGLang stood paused for weight swaps",
     )
-    otel.observe(meter, "rtrl.sglang_sidecar.policy.version", "gauge", lambda: [(sidecar.applied_version, arm)], description="Policy version SGLang serves")
+    otel.observe(
+        meter,
+        "rtrl.sglang_sidecar.policy.version",
+        "gauge",
+        lambda: [(sidecar.applied_version, arm)],
+        description="Policy version SGLang serves",
+    )
 
 
 def _policy_version(label: str) -> int:
     try:
         return int(label)
     except ValueError:
-        raise ValueError(f"SGLang serves weight version {label!r}, not an rtrl policy version: launch it with --weight-version <n>") from None
+        raise ValueError(
+            f"SGLang serves weight version {label!r}, not an rtrl policy version: launch it with --weight-version <n>"
+        ) from None
 
 
 def main() -> None:
     # Configuration first: a bad setting fails before torch is imported.
-    settings, stack = entrypoint.parse_settings("python -m inference.sglang_sidecar", __doc__, SidecarSettings, StackSettings)
+    settings, stack = entrypoint.parse_settings(
+        "python -m inference.sglang_sidecar", __doc__, SidecarSettings, StackSettings
+    )
     entrypoint.configure_logging()
     otel.configure("sglang_sidecar", stack)
-    weights = SGLangWeights(settings.url, settings.http_timeout_s, settings.api_key.get_secret_value(), settings.admin_api_key.get_secret_value())
+    weights = SGLangWeights(
+        settings.url,
+        settings.http_timeout_s,
+        settings.api_key.get_secret_value(),
+        settings.admin_api_key.get_secret_value(),
+    )
     sidecar = SGLangSidecar(weights, served_inventory(settings.model_dir), settings)
     _observe(sidecar)
     sidecar.start(

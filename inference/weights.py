@@ -50,7 +50,9 @@ class WeightFollower:
     ) -> None:
         from weight_sync.provenance import ManifestVerifier
 
-        ManifestVerifier(public_keys)  # no keys, or a malformed one: refused here, not in the thread
+        ManifestVerifier(
+            public_keys
+        )  # no keys, or a malformed one: refused here, not in the thread
         self.public_keys = tuple(public_keys)
         self.tls_ca_file = tls_ca_file
         self.stage = stage
@@ -99,7 +101,12 @@ class WeightFollower:
         try:
             return latest_version(self.addr, self.token, self.arm, tls_ca_file=self.tls_ca_file)
         except Exception:  # weight_sync unreachable: stage every version as it comes
-            log.warning("could not read the latest %s version from %s; staging every version", self.arm, self.addr, exc_info=True)
+            log.warning(
+                "could not read the latest %s version from %s; staging every version",
+                self.arm,
+                self.addr,
+                exc_info=True,
+            )
             return -1
 
     def _remember(self, version: int, traceparent: str) -> None:
@@ -113,7 +120,14 @@ class WeightFollower:
         from weight_sync.client import Subscriber
 
         while not self._stopped.is_set():
-            subscriber = Subscriber(self.addr, self.arm, self.worker_id, token=self.token, public_keys=self.public_keys, tls_ca_file=self.tls_ca_file)
+            subscriber = Subscriber(
+                self.addr,
+                self.arm,
+                self.worker_id,
+                token=self.token,
+                public_keys=self.public_keys,
+                tls_ca_file=self.tls_ca_file,
+            )
             with self._lock:
                 self._subscriber = subscriber
             if self._stopped.is_set():
@@ -121,7 +135,10 @@ class WeightFollower:
             try:
                 catch_up_to, read_at = self._latest(), time.monotonic()
                 for manifest, weights in subscriber.follow():
-                    if manifest.version < catch_up_to and time.monotonic() - read_at > CATCH_UP_RECHECK_S:
+                    if (
+                        manifest.version < catch_up_to
+                        and time.monotonic() - read_at > CATCH_UP_RECHECK_S
+                    ):
                         # A slow catch-up, or a registry rebuilt below what we were told: ask again.
                         catch_up_to, read_at = self._latest(), time.monotonic()
                     if manifest.version < catch_up_to:
@@ -131,9 +148,20 @@ class WeightFollower:
                             self._remember(manifest.version, manifest.traceparent)
                             log.info("staged %s v%d from %s", self.arm, manifest.version, self.addr)
                     except ValueError as exc:
-                        log.error("%s v%d from %s not staged: %s", self.arm, manifest.version, self.addr, exc)
+                        log.error(
+                            "%s v%d from %s not staged: %s",
+                            self.arm,
+                            manifest.version,
+                            self.addr,
+                            exc,
+                        )
             except Exception:  # retried on purpose: the worker must keep following
-                log.exception("following %s weights from %s failed; starting over in %.1f s", self.arm, self.addr, self.retry_s)
+                log.exception(
+                    "following %s weights from %s failed; starting over in %.1f s",
+                    self.arm,
+                    self.addr,
+                    self.retry_s,
+                )
             finally:
                 subscriber.close()
                 with self._lock:

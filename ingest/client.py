@@ -15,7 +15,7 @@ import json
 import random
 import time
 import uuid
-from typing import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import aiohttp
 import aiohttp.abc
@@ -72,14 +72,18 @@ class IngestClient:
         self._resolver_factory = resolver_factory
         self._session: aiohttp.ClientSession | None = None
 
-    async def publish(self, events: Sequence[telemetry_pb2.TelemetryEvent], *, traceparent: str = "") -> list[ingest_pb2.EventResult]:
+    async def publish(
+        self, events: Sequence[telemetry_pb2.TelemetryEvent], *, traceparent: str = ""
+    ) -> list[ingest_pb2.EventResult]:
         """One result per event, in order. Events still RETRY after the last attempt are
         returned as RETRY with the last error; everything else is final. ``traceparent``
         (the completion's, when the events are about one rollout) puts the gateway's
         span into the rollout's trace."""
         results: list[ingest_pb2.EventResult] = []
         for start in range(0, len(events), self._max_batch):
-            results.extend(await self._publish_batch(events[start : start + self._max_batch], traceparent))
+            results.extend(
+                await self._publish_batch(events[start : start + self._max_batch], traceparent)
+            )
         return results
 
     async def close(self) -> None:
@@ -93,7 +97,9 @@ class IngestClient:
     async def __aexit__(self, *exc) -> None:
         await self.close()
 
-    async def _publish_batch(self, events: Sequence[telemetry_pb2.TelemetryEvent], traceparent: str) -> list[ingest_pb2.EventResult]:
+    async def _publish_batch(
+        self, events: Sequence[telemetry_pb2.TelemetryEvent], traceparent: str
+    ) -> list[ingest_pb2.EventResult]:
         results: list[ingest_pb2.EventResult | None] = [None] * len(events)
         pending = list(range(len(events)))
         last_error = ""
@@ -106,7 +112,12 @@ class IngestClient:
             except _Throttled as exc:
                 last_error, retry_after_s = str(exc), exc.retry_after_s
                 continue
-            except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, asyncio.TimeoutError, _ServerError) as exc:
+            except (
+                TimeoutError,
+                aiohttp.ClientConnectionError,
+                aiohttp.ClientPayloadError,
+                _ServerError,
+            ) as exc:
                 last_error, retry_after_s = f"{type(exc).__name__}: {exc}", 0.0
                 continue
             still_pending = []
@@ -120,16 +131,26 @@ class IngestClient:
         # Only events still pending can lack an answer: they get one that says we gave up.
         gave_up = f"gave up after {self._max_attempts} attempts: {last_error}"
         return [
-            ingest_pb2.EventResult(event_id=events[i].event_id, status=RETRY, error=gave_up) if result is None else result
+            ingest_pb2.EventResult(event_id=events[i].event_id, status=RETRY, error=gave_up)
+            if result is None
+            else result
             for i, result in enumerate(results)
         ]
 
-    async def _post(self, events: list[telemetry_pb2.TelemetryEvent], traceparent: str) -> tuple[ingest_pb2.PublishEventsResponse, float]:
+    async def _post(
+        self, events: list[telemetry_pb2.TelemetryEvent], traceparent: str
+    ) -> tuple[ingest_pb2.PublishEventsResponse, float]:
         """The gateway's answer and how long it asked us to wait before resending its RETRYs."""
         if self._session is None:
-            connector = aiohttp.TCPConnector(resolver=self._resolver_factory()) if self._resolver_factory else None
+            connector = (
+                aiohttp.TCPConnector(resolver=self._resolver_factory())
+                if self._resolver_factory
+                else None
+            )
             self._session = aiohttp.ClientSession(timeout=self._timeout, connector=connector)
-        body = json_format.MessageToJson(ingest_pb2.PublishEventsRequest(events=events), indent=None)
+        body = json_format.MessageToJson(
+            ingest_pb2.PublishEventsRequest(events=events), indent=None
+        )
         headers = {**self._headers, "traceparent": traceparent} if traceparent else self._headers
         async with self._session.post(self._url, data=body, headers=headers) as response:
             text = await response.text()
@@ -140,7 +161,9 @@ class IngestClient:
         except json.JSONDecodeError:
             document = {"error": text[:200]}
         message = document.get("error", text[:200]) if isinstance(document, dict) else text[:200]
-        retry_after_s = _retry_after_s(response.headers.get("Retry-After")) if response.status == 429 else 0.0
+        retry_after_s = (
+            _retry_after_s(response.headers.get("Retry-After")) if response.status == 429 else 0.0
+        )
         if response.status in (401, 403):
             raise IngestAuthError(response.status, message)
         if response.status == 429 and "error" in document:
@@ -150,7 +173,9 @@ class IngestClient:
             raise IngestError(f"HTTP {response.status}: {message}")
         answer = json_format.ParseDict(document, ingest_pb2.PublishEventsResponse())
         if len(answer.results) != len(events):
-            raise IngestError(f"gateway answered {len(answer.results)} results for {len(events)} events")
+            raise IngestError(
+                f"gateway answered {len(answer.results)} results for {len(events)} events"
+            )
         return answer, retry_after_s
 
     def _backoff_s(self, attempt: int) -> float:
@@ -187,7 +212,10 @@ def make_event(
     edit_shown: telemetry_pb2.EditShown | Mapping | None = None,
     persistence: telemetry_pb2.PersistenceSnapshot | Mapping | None = None,
     followup: telemetry_pb2.FollowUp | Mapping | None = None,
-    edit_outcome: telemetry_pb2.EditOutcome | Mapping | telemetry_pb2.EditOutcome.Outcome | None = None,
+    edit_outcome: telemetry_pb2.EditOutcome
+    | Mapping
+    | telemetry_pb2.EditOutcome.Outcome
+    | None = None,
     privacy_mode: bool = False,
     client_ts_ms: int | None = None,
 ) -> telemetry_pb2.TelemetryEvent:
@@ -197,10 +225,17 @@ def make_event(
     """
     if isinstance(edit_outcome, int):
         edit_outcome = telemetry_pb2.EditOutcome(outcome=edit_outcome)
-    payloads = {"edit_shown": edit_shown, "persistence": persistence, "followup": followup, "edit_outcome": edit_outcome}
+    payloads = {
+        "edit_shown": edit_shown,
+        "persistence": persistence,
+        "followup": followup,
+        "edit_outcome": edit_outcome,
+    }
     given = {name: value for name, value in payloads.items() if value is not None}
     if len(given) != 1:
-        raise ValueError(f"give exactly one payload of {sorted(payloads)}, got {sorted(given) or 'none'}")
+        raise ValueError(
+            f"give exactly one payload of {sorted(payloads)}, got {sorted(given) or 'none'}"
+        )
     return telemetry_pb2.TelemetryEvent(
         event_id=str(uuid.uuid4()),
         rollout_id=rollout_id,

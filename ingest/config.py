@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-
 from pydantic import Field, model_validator
 from pydantic_settings import SettingsConfigDict
 
 from rtrl.config import Settings
-
 from rtrl.event_time import EventTimeWindow
 from rtrl.tls import TLSListener
 
@@ -72,7 +70,9 @@ class IngestSettings(Settings, TLSListener):
         # A claim that expired while its produce is still in flight would let a resend
         # produce the same event a second time.
         if self.claim_ttl_s * 1000 <= self.produce_timeout_ms:
-            raise ValueError(f"claim_ttl_s ({self.claim_ttl_s} s) must exceed produce_timeout_ms ({self.produce_timeout_ms} ms)")
+            raise ValueError(
+                f"claim_ttl_s ({self.claim_ttl_s} s) must exceed produce_timeout_ms ({self.produce_timeout_ms} ms)"
+            )
         if self.http_port == self.grpc_port:
             raise ValueError(f"http_port and grpc_port must differ, both are {self.http_port}")
         return self

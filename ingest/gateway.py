@@ -29,15 +29,16 @@ Trace context: each batch is one ``ingest publish`` span (a child of the client'
 from __future__ import annotations
 
 import time
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import asdict, dataclass
-from typing import Awaitable, Callable, Protocol, Sequence
+from typing import Protocol
 
 import redis.asyncio as aioredis
 from opentelemetry import trace
 
-from rtrl.api_keys import PRIVATE_USERS, SERVED_PREFIX, ApiKey
 from ingest.validation import CLIENT_TS_WINDOW, validate
 from rtrl import heartbeat, kafka, otel, topics
+from rtrl.api_keys import PRIVATE_USERS, SERVED_PREFIX, ApiKey
 from rtrl.event_time import EventTimeWindow
 from rtrl.v1 import ingest_pb2, telemetry_pb2
 
@@ -100,7 +101,9 @@ class Producer(Protocol):
     """What the gateway needs from rtrl.kafka.AsyncProducer: a batch send resolved once
     the broker has acknowledged (or failed) every record."""
 
-    def send_batch(self, records: list[tuple[str, bytes, str, list[tuple[str, bytes]]]]) -> Awaitable[list[BaseException | None]]: ...
+    def send_batch(
+        self, records: list[tuple[str, bytes, str, list[tuple[str, bytes]]]]
+    ) -> Awaitable[list[BaseException | None]]: ...
 
 
 @dataclass
@@ -154,22 +157,35 @@ class Gateway:
         return heartbeat.IngestBeat(**asdict(self.counters), inflight=self.inflight)
 
     async def publish(
-        self, events: Sequence[telemetry_pb2.TelemetryEvent], *, key: ApiKey | None = None, traceparent: str = ""
+        self,
+        events: Sequence[telemetry_pb2.TelemetryEvent],
+        *,
+        key: ApiKey | None = None,
+        traceparent: str = "",
     ) -> list[ingest_pb2.EventResult]:
         """One result per event, in order. Good events are written even when others in the
         batch are rejected; only RETRY results are worth sending again. ``key`` limits
         the event types (None: the gateway runs without authentication)."""
-        with _tracer.start_as_current_span("ingest publish", context=otel.parent(traceparent), kind=trace.SpanKind.PRODUCER) as span:
-            span.set_attributes({
-                "messaging.system": "kafka", "messaging.operation.type": "publish", "messaging.batch.message_count": len(events),
-            })
+        with _tracer.start_as_current_span(
+            "ingest publish", context=otel.parent(traceparent), kind=trace.SpanKind.PRODUCER
+        ) as span:
+            span.set_attributes(
+                {
+                    "messaging.system": "kafka",
+                    "messaging.operation.type": "publish",
+                    "messaging.batch.message_count": len(events),
+                }
+            )
             if key is not None:
                 span.set_attribute("rtrl.client_id", key.client_id)
             headers = kafka.traceparent_headers(otel.traceparent_of(span) or traceparent)
             return await self._publish(events, key, headers)
 
     async def _publish(
-        self, events: Sequence[telemetry_pb2.TelemetryEvent], key: ApiKey | None, headers: list[tuple[str, bytes]]
+        self,
+        events: Sequence[telemetry_pb2.TelemetryEvent],
+        key: ApiKey | None,
+        headers: list[tuple[str, bytes]],
     ) -> list[ingest_pb2.EventResult]:
         now_ms = self._clock_ms()
         results: list[ingest_pb2.EventResult | None] = [None] * len(events)
@@ -185,10 +201,18 @@ class Gateway:
                 results[i] = _result(event, REJECTED, rejection.field, rejection.reason)
             elif key is not None and not key.allows(event.WhichOneof("payload")):
                 results[i] = _result(
-                    event, REJECTED, "payload", f"the API key of client {key.client_id!r} may not send {event.WhichOneof('payload')} events"
+                    event,
+                    REJECTED,
+                    "payload",
+                    f"the API key of client {key.client_id!r} may not send {event.WhichOneof('payload')} events",
                 )
             elif key is not None and served_to[i] is not None and served_to[i] != key.client_id:
-                results[i] = _result(event, REJECTED, "rollout_id", f"rollout {event.rollout_id} was served to another client's API key")
+                results[i] = _result(
+                    event,
+                    REJECTED,
+                    "rollout_id",
+                    f"rollout {event.rollout_id} was served to another client's API key",
+                )
             elif event.event_id in first_seen:
                 repeats.append((i, first_seen[event.event_id]))
             else:
@@ -197,7 +221,12 @@ class Gateway:
 
         admitted = fresh[: max(self._max_inflight - self.inflight, 0)]
         for i in fresh[len(admitted) :]:
-            results[i] = _result(events[i], RETRY, "", "gateway busy: too many events awaiting the broker, retry later")
+            results[i] = _result(
+                events[i],
+                RETRY,
+                "",
+                "gateway busy: too many events awaiting the broker, retry later",
+            )
         # Reserve the capacity before the first await so concurrent requests see it.
         self.inflight += len(admitted)
         try:
@@ -222,7 +251,9 @@ class Gateway:
         found = await self._redis.mget([SERVED_PREFIX + event.rollout_id for event in events])
         return [value.decode() if isinstance(value, bytes) else value for value in found]
 
-    async def _write(self, events: list[telemetry_pb2.TelemetryEvent], headers: list[tuple[str, bytes]]) -> list[ingest_pb2.EventResult]:
+    async def _write(
+        self, events: list[telemetry_pb2.TelemetryEvent], headers: list[tuple[str, bytes]]
+    ) -> list[ingest_pb2.EventResult]:
         if not events:
             return []
         keys = [dedup_key(event.event_id) for event in events]
@@ -231,7 +262,13 @@ class Gateway:
         keys.append(INFLIGHT)
         args: list[str | int] = [self._claim_ttl_s, self._dedup_ttl_s, self._clock_ms()]
         for event in events:
-            args.extend((event.user_id, 1 if event.privacy_mode else 0, PAYLOADS.index(event.WhichOneof("payload")) + 1))
+            args.extend(
+                (
+                    event.user_id,
+                    1 if event.privacy_mode else 0,
+                    PAYLOADS.index(event.WhichOneof("payload")) + 1,
+                )
+            )
         claims = await self._claim(keys=keys, args=args)
 
         results: list[ingest_pb2.EventResult | None] = [None] * len(events)
@@ -247,21 +284,35 @@ class Gateway:
                 self.counters.privacy += 1
                 self.counters.accepted -= 1
             else:
-                results[i] = _result(event, RETRY, "event_id", "another request is writing this event_id, retry later")
+                results[i] = _result(
+                    event,
+                    RETRY,
+                    "event_id",
+                    "another request is writing this event_id, retry later",
+                )
         if not to_produce:
             return _answered(results)
 
         # send_batch enqueues in batch order before anything is awaited, so events of
         # one rollout keep their order on its partition.
-        errors = await self._producer.send_batch([
-            (topics.BY_PAYLOAD[events[i].WhichOneof("payload")], events[i].SerializeToString(), events[i].rollout_id, headers)
-            for i in to_produce
-        ])
+        errors = await self._producer.send_batch(
+            [
+                (
+                    topics.BY_PAYLOAD[events[i].WhichOneof("payload")],
+                    events[i].SerializeToString(),
+                    events[i].rollout_id,
+                    headers,
+                )
+                for i in to_produce
+            ]
+        )
         async with self._redis.pipeline(transaction=False) as pipe:
             for i, error in zip(to_produce, errors):
                 if error is not None:
                     pipe.delete(keys[i])
-                    results[i] = _result(events[i], RETRY, "", f"broker did not take the event: {error}")
+                    results[i] = _result(
+                        events[i], RETRY, "", f"broker did not take the event: {error}"
+                    )
                 else:
                     pipe.set(keys[i], _DONE, ex=self._dedup_ttl_s)
                     results[i] = _result(events[i], ACCEPTED)
@@ -269,7 +320,9 @@ class Gateway:
             await pipe.execute()
         return _answered(results)
 
-    def _count(self, events: Sequence[telemetry_pb2.TelemetryEvent], results: list[ingest_pb2.EventResult]) -> None:
+    def _count(
+        self, events: Sequence[telemetry_pb2.TelemetryEvent], results: list[ingest_pb2.EventResult]
+    ) -> None:
         for result in results:
             if result.status == ACCEPTED:
                 self.counters.accepted += 1
@@ -289,6 +342,9 @@ def _answered(results: list[ingest_pb2.EventResult | None]) -> list[ingest_pb2.E
 
 
 def _result(
-    event: telemetry_pb2.TelemetryEvent, status: ingest_pb2.EventResult.Status, field: str = "", error: str = ""
+    event: telemetry_pb2.TelemetryEvent,
+    status: ingest_pb2.EventResult.Status,
+    field: str = "",
+    error: str = "",
 ) -> ingest_pb2.EventResult:
     return ingest_pb2.EventResult(event_id=event.event_id, status=status, field=field, error=error)

@@ -44,7 +44,14 @@ class Sweep:
     """Abandoned events not on their topic: claim released for the resend."""
 
 
-def sweep(stack: StackSettings, redis_url: str, *, older_than_ms: int, dedup_ttl_s: int, now_ms: int | None = None) -> Sweep:
+def sweep(
+    stack: StackSettings,
+    redis_url: str,
+    *,
+    older_than_ms: int,
+    dedup_ttl_s: int,
+    now_ms: int | None = None,
+) -> Sweep:
     """Settle every in-flight record claimed before ``now - older_than_ms``. Blocking."""
     now_ms = time.time_ns() // 1_000_000 if now_ms is None else now_ms
     client = redis.Redis.from_url(redis_url)
@@ -53,12 +60,17 @@ def sweep(stack: StackSettings, redis_url: str, *, older_than_ms: int, dedup_ttl
         for field, value in client.hgetall(INFLIGHT).items():
             claimed_ms, kind = _text(value).split("|")
             if int(claimed_ms) <= now_ms - older_than_ms:
-                abandoned[_text(field)] = (int(claimed_ms), topics.BY_PAYLOAD[PAYLOADS[int(kind) - 1]])
+                abandoned[_text(field)] = (
+                    int(claimed_ms),
+                    topics.BY_PAYLOAD[PAYLOADS[int(kind) - 1]],
+                )
         if not abandoned:
             return Sweep(0, 0)
         since = min(claimed for claimed, _ in abandoned.values()) - LOOKBACK_MS
         wanted = {key.rsplit(":", 1)[1]: key for key in abandoned}
-        found = _event_ids_on(stack, sorted({topic for _, topic in abandoned.values()}), since, set(wanted))
+        found = _event_ids_on(
+            stack, sorted({topic for _, topic in abandoned.values()}), since, set(wanted)
+        )
         with client.pipeline(transaction=False) as pipe:
             for event_id, key in wanted.items():
                 if event_id in found:
@@ -68,19 +80,30 @@ def sweep(stack: StackSettings, redis_url: str, *, older_than_ms: int, dedup_ttl
                 pipe.hdel(INFLIGHT, key)
             pipe.execute()
         result = Sweep(landed=len(found), released=len(wanted) - len(found))
-        log.warning("settled %d events abandoned mid-produce: %d had landed, %d released for resend", len(wanted), result.landed, result.released)
+        log.warning(
+            "settled %d events abandoned mid-produce: %d had landed, %d released for resend",
+            len(wanted),
+            result.landed,
+            result.released,
+        )
         return result
     finally:
         client.close()
 
 
-def _event_ids_on(stack: StackSettings, names: list[str], since_ms: int, wanted: set[str]) -> set[str]:
+def _event_ids_on(
+    stack: StackSettings, names: list[str], since_ms: int, wanted: set[str]
+) -> set[str]:
     """Which of ``wanted`` are on the topics at or after ``since_ms``."""
-    consumer = Consumer(kafka.consumer_config(stack, "rtrl-ingest-recovery", **{"enable.partition.eof": True}))
+    consumer = Consumer(
+        kafka.consumer_config(stack, "rtrl-ingest-recovery", **{"enable.partition.eof": True})
+    )
     try:
         tps = kafka.partitions(stack, tuple(names))
         ends = kafka.end_offsets(stack, tps)
-        starts = consumer.offsets_for_times([TopicPartition(tp.topic, tp.partition, since_ms) for tp in tps], timeout=10)
+        starts = consumer.offsets_for_times(
+            [TopicPartition(tp.topic, tp.partition, since_ms) for tp in tps], timeout=10
+        )
         assign = []
         for tp in starts:
             end = ends[(tp.topic, tp.partition)]
@@ -95,7 +118,9 @@ def _event_ids_on(stack: StackSettings, names: list[str], since_ms: int, wanted:
         deadline = time.monotonic() + READ_TIMEOUT_S
         while remaining:
             if time.monotonic() > deadline:
-                raise TimeoutError(f"recovery could not read to the end of {remaining} within {READ_TIMEOUT_S} s")
+                raise TimeoutError(
+                    f"recovery could not read to the end of {remaining} within {READ_TIMEOUT_S} s"
+                )
             for message in consumer.consume(1000, timeout=1.0):
                 error = message.error()
                 if error is not None:
@@ -106,7 +131,9 @@ def _event_ids_on(stack: StackSettings, names: list[str], since_ms: int, wanted:
                 topic, partition, offset = kafka.record_position(message)
                 value = message.value()
                 if value is None:
-                    raise ValueError(f"record {topic}:{partition}:{offset} has no value; the gateway writes none such")
+                    raise ValueError(
+                        f"record {topic}:{partition}:{offset} has no value; the gateway writes none such"
+                    )
                 event_id = telemetry_pb2.TelemetryEvent.FromString(value).event_id
                 if event_id in wanted:
                     found.add(event_id)

@@ -47,47 +47,99 @@ DUPLICATE = ingest_pb2.EventResult.STATUS_DUPLICATE
 REJECTED = ingest_pb2.EventResult.STATUS_REJECTED
 
 
-
 # ---- typed helpers: one per payload, keyword arguments named as in telemetry.proto ----
 
 
 def edit_shown(
-    *, rollout_id: str, session_id: str, user_id: str, file_path: str, edit_text: str,
-    privacy_mode: bool = False, client_ts_ms: int | None = None,
+    *,
+    rollout_id: str,
+    session_id: str,
+    user_id: str,
+    file_path: str,
+    edit_text: str,
+    privacy_mode: bool = False,
+    client_ts_ms: int | None = None,
 ) -> telemetry_pb2.TelemetryEvent:
     """The product showed the user an edit written by the policy."""
     payload = telemetry_pb2.EditShown(file_path=file_path, edit_text=edit_text)
-    return make_event(rollout_id, session_id, user_id, edit_shown=payload, privacy_mode=privacy_mode, client_ts_ms=client_ts_ms)
+    return make_event(
+        rollout_id,
+        session_id,
+        user_id,
+        edit_shown=payload,
+        privacy_mode=privacy_mode,
+        client_ts_ms=client_ts_ms,
+    )
 
 
 def edit_outcome(
-    *, rollout_id: str, session_id: str, user_id: str, outcome: telemetry_pb2.EditOutcome.Outcome | str,
-    privacy_mode: bool = False, client_ts_ms: int | None = None,
+    *,
+    rollout_id: str,
+    session_id: str,
+    user_id: str,
+    outcome: telemetry_pb2.EditOutcome.Outcome | str,
+    privacy_mode: bool = False,
+    client_ts_ms: int | None = None,
 ) -> telemetry_pb2.TelemetryEvent:
     """What the user did with the edit right away: ``"accepted"``/``"rejected"`` or an ``EditOutcome.Outcome``."""
     if isinstance(outcome, str):
         # protobuf's stubs type Value() as returning int, not the enum it looks the name up in.
         outcome = telemetry_pb2.EditOutcome.Outcome.Value("OUTCOME_" + outcome.upper())  # type: ignore[assignment]
     payload = telemetry_pb2.EditOutcome(outcome=outcome)
-    return make_event(rollout_id, session_id, user_id, edit_outcome=payload, privacy_mode=privacy_mode, client_ts_ms=client_ts_ms)
+    return make_event(
+        rollout_id,
+        session_id,
+        user_id,
+        edit_outcome=payload,
+        privacy_mode=privacy_mode,
+        client_ts_ms=client_ts_ms,
+    )
 
 
 def persistence_snapshot(
-    *, rollout_id: str, session_id: str, user_id: str, seconds_after_edit: float, region_text: str,
-    privacy_mode: bool = False, client_ts_ms: int | None = None,
+    *,
+    rollout_id: str,
+    session_id: str,
+    user_id: str,
+    seconds_after_edit: float,
+    region_text: str,
+    privacy_mode: bool = False,
+    client_ts_ms: int | None = None,
 ) -> telemetry_pb2.TelemetryEvent:
     """The edited region as it looked ``seconds_after_edit`` after the edit was applied."""
-    payload = telemetry_pb2.PersistenceSnapshot(seconds_after_edit=seconds_after_edit, region_text=region_text)
-    return make_event(rollout_id, session_id, user_id, persistence=payload, privacy_mode=privacy_mode, client_ts_ms=client_ts_ms)
+    payload = telemetry_pb2.PersistenceSnapshot(
+        seconds_after_edit=seconds_after_edit, region_text=region_text
+    )
+    return make_event(
+        rollout_id,
+        session_id,
+        user_id,
+        persistence=payload,
+        privacy_mode=privacy_mode,
+        client_ts_ms=client_ts_ms,
+    )
 
 
 def followup(
-    *, rollout_id: str, session_id: str, user_id: str, seconds_after_edit: float, message: str,
-    privacy_mode: bool = False, client_ts_ms: int | None = None,
+    *,
+    rollout_id: str,
+    session_id: str,
+    user_id: str,
+    seconds_after_edit: float,
+    message: str,
+    privacy_mode: bool = False,
+    client_ts_ms: int | None = None,
 ) -> telemetry_pb2.TelemetryEvent:
     """A message the user sent after seeing the edit."""
     payload = telemetry_pb2.FollowUp(seconds_after_edit=seconds_after_edit, message=message)
-    return make_event(rollout_id, session_id, user_id, followup=payload, privacy_mode=privacy_mode, client_ts_ms=client_ts_ms)
+    return make_event(
+        rollout_id,
+        session_id,
+        user_id,
+        followup=payload,
+        privacy_mode=privacy_mode,
+        client_ts_ms=client_ts_ms,
+    )
 
 
 # ---- the client ----
@@ -137,14 +189,28 @@ class TelemetrySettings:
     """Most recent REJECTED events kept in Telemetry.rejected."""
 
     def __post_init__(self) -> None:
-        if min(self.max_batch, self.max_batch_bytes, self.attempts_per_round) < 1 or self.max_rejected_kept < 0:
-            raise ValueError("max_batch, max_batch_bytes and attempts_per_round must be >= 1, max_rejected_kept >= 0")
-        if min(self.linger_s, self.base_delay_s, self.close_timeout_s) < 0 or self.request_timeout_s <= 0:
-            raise ValueError("linger_s, base_delay_s and close_timeout_s must be >= 0, request_timeout_s > 0")
+        if (
+            min(self.max_batch, self.max_batch_bytes, self.attempts_per_round) < 1
+            or self.max_rejected_kept < 0
+        ):
+            raise ValueError(
+                "max_batch, max_batch_bytes and attempts_per_round must be >= 1, max_rejected_kept >= 0"
+            )
+        if (
+            min(self.linger_s, self.base_delay_s, self.close_timeout_s) < 0
+            or self.request_timeout_s <= 0
+        ):
+            raise ValueError(
+                "linger_s, base_delay_s and close_timeout_s must be >= 0, request_timeout_s > 0"
+            )
         if self.max_delay_s < self.base_delay_s:
-            raise ValueError(f"max_delay_s ({self.max_delay_s}) must be >= base_delay_s ({self.base_delay_s})")
+            raise ValueError(
+                f"max_delay_s ({self.max_delay_s}) must be >= base_delay_s ({self.base_delay_s})"
+            )
         if not 0 < self.segment_bytes <= self.max_spool_bytes:
-            raise ValueError(f"segment_bytes ({self.segment_bytes}) must be in 1..max_spool_bytes ({self.max_spool_bytes})")
+            raise ValueError(
+                f"segment_bytes ({self.segment_bytes}) must be in 1..max_spool_bytes ({self.max_spool_bytes})"
+            )
 
 
 @dataclass(frozen=True)
@@ -200,13 +266,20 @@ class Telemetry:
             raise ValueError(f"the gateway URL must be http(s)://host:port, got {url!r}")
         self.settings = settings
         self.stats = DeliveryStats()
-        self.rejected: collections.deque[RejectedEvent] = collections.deque(maxlen=settings.max_rejected_kept)
+        self.rejected: collections.deque[RejectedEvent] = collections.deque(
+            maxlen=settings.max_rejected_kept
+        )
         self.last_error: BaseException | None = None
         """Why the latest round delivered nothing; None after a round with answers."""
         self._url = url
         self._api_key = api_key
         self._on_rejected = on_rejected
-        self._spool = Spool(spool_dir, max_bytes=settings.max_spool_bytes, segment_bytes=settings.segment_bytes, fsync=settings.fsync)
+        self._spool = Spool(
+            spool_dir,
+            max_bytes=settings.max_spool_bytes,
+            segment_bytes=settings.segment_bytes,
+            fsync=settings.fsync,
+        )
         self._wake = threading.Condition()
         self._hurry = 0  # flush() calls waiting: send partial batches without lingering
         self._stopping = False
@@ -221,40 +294,94 @@ class Telemetry:
     # -- reporting: durable when the call returns --
 
     def edit_shown(
-        self, *, rollout_id: str, session_id: str, user_id: str, file_path: str, edit_text: str,
-        privacy_mode: bool = False, client_ts_ms: int | None = None,
+        self,
+        *,
+        rollout_id: str,
+        session_id: str,
+        user_id: str,
+        file_path: str,
+        edit_text: str,
+        privacy_mode: bool = False,
+        client_ts_ms: int | None = None,
     ) -> telemetry_pb2.TelemetryEvent:
-        return self._report(edit_shown(
-            rollout_id=rollout_id, session_id=session_id, user_id=user_id, file_path=file_path, edit_text=edit_text,
-            privacy_mode=privacy_mode, client_ts_ms=client_ts_ms,
-        ))
+        return self._report(
+            edit_shown(
+                rollout_id=rollout_id,
+                session_id=session_id,
+                user_id=user_id,
+                file_path=file_path,
+                edit_text=edit_text,
+                privacy_mode=privacy_mode,
+                client_ts_ms=client_ts_ms,
+            )
+        )
 
     def edit_outcome(
-        self, *, rollout_id: str, session_id: str, user_id: str, outcome: telemetry_pb2.EditOutcome.Outcome | str,
-        privacy_mode: bool = False, client_ts_ms: int | None = None,
+        self,
+        *,
+        rollout_id: str,
+        session_id: str,
+        user_id: str,
+        outcome: telemetry_pb2.EditOutcome.Outcome | str,
+        privacy_mode: bool = False,
+        client_ts_ms: int | None = None,
     ) -> telemetry_pb2.TelemetryEvent:
-        return self._report(edit_outcome(
-            rollout_id=rollout_id, session_id=session_id, user_id=user_id, outcome=outcome,
-            privacy_mode=privacy_mode, client_ts_ms=client_ts_ms,
-        ))
+        return self._report(
+            edit_outcome(
+                rollout_id=rollout_id,
+                session_id=session_id,
+                user_id=user_id,
+                outcome=outcome,
+                privacy_mode=privacy_mode,
+                client_ts_ms=client_ts_ms,
+            )
+        )
 
     def persistence_snapshot(
-        self, *, rollout_id: str, session_id: str, user_id: str, seconds_after_edit: float, region_text: str,
-        privacy_mode: bool = False, client_ts_ms: int | None = None,
+        self,
+        *,
+        rollout_id: str,
+        session_id: str,
+        user_id: str,
+        seconds_after_edit: float,
+        region_text: str,
+        privacy_mode: bool = False,
+        client_ts_ms: int | None = None,
     ) -> telemetry_pb2.TelemetryEvent:
-        return self._report(persistence_snapshot(
-            rollout_id=rollout_id, session_id=session_id, user_id=user_id, seconds_after_edit=seconds_after_edit,
-            region_text=region_text, privacy_mode=privacy_mode, client_ts_ms=client_ts_ms,
-        ))
+        return self._report(
+            persistence_snapshot(
+                rollout_id=rollout_id,
+                session_id=session_id,
+                user_id=user_id,
+                seconds_after_edit=seconds_after_edit,
+                region_text=region_text,
+                privacy_mode=privacy_mode,
+                client_ts_ms=client_ts_ms,
+            )
+        )
 
     def followup(
-        self, *, rollout_id: str, session_id: str, user_id: str, seconds_after_edit: float, message: str,
-        privacy_mode: bool = False, client_ts_ms: int | None = None,
+        self,
+        *,
+        rollout_id: str,
+        session_id: str,
+        user_id: str,
+        seconds_after_edit: float,
+        message: str,
+        privacy_mode: bool = False,
+        client_ts_ms: int | None = None,
     ) -> telemetry_pb2.TelemetryEvent:
-        return self._report(followup(
-            rollout_id=rollout_id, session_id=session_id, user_id=user_id, seconds_after_edit=seconds_after_edit,
-            message=message, privacy_mode=privacy_mode, client_ts_ms=client_ts_ms,
-        ))
+        return self._report(
+            followup(
+                rollout_id=rollout_id,
+                session_id=session_id,
+                user_id=user_id,
+                seconds_after_edit=seconds_after_edit,
+                message=message,
+                privacy_mode=privacy_mode,
+                client_ts_ms=client_ts_ms,
+            )
+        )
 
     def send(self, events: Sequence[telemetry_pb2.TelemetryEvent]) -> None:
         """Report ready-made events with one spool write (and one fsync): on disk when this
@@ -322,7 +449,11 @@ class Telemetry:
             self._stop()
             _open_clients.discard(self)
         if not delivered:
-            log.warning("telemetry: %d events not delivered yet; they stay in %s for the next start", self.pending, self._spool.directory)
+            log.warning(
+                "telemetry: %d events not delivered yet; they stay in %s for the next start",
+                self.pending,
+                self._spool.directory,
+            )
         return delivered
 
     def __enter__(self) -> Self:
@@ -341,7 +472,10 @@ class Telemetry:
             loop.call_soon_threadsafe(current.cancel)
         self._sender.join(timeout=self.settings.request_timeout_s)
         if self._sender.is_alive():
-            log.error("telemetry sender did not stop; leaving spool %s locked until exit", self._spool.directory)
+            log.error(
+                "telemetry sender did not stop; leaving spool %s locked until exit",
+                self._spool.directory,
+            )
         else:
             self._spool.close()
 
@@ -352,8 +486,13 @@ class Telemetry:
         self._loop = loop
         s = self.settings
         client = IngestClient(
-            self._url, api_key=self._api_key, max_attempts=s.attempts_per_round, base_delay_s=s.base_delay_s,
-            max_delay_s=s.max_delay_s, timeout_s=s.request_timeout_s, max_batch=s.max_batch,
+            self._url,
+            api_key=self._api_key,
+            max_attempts=s.attempts_per_round,
+            base_delay_s=s.base_delay_s,
+            max_delay_s=s.max_delay_s,
+            timeout_s=s.request_timeout_s,
+            max_batch=s.max_batch,
             resolver_factory=_InlineResolver,
         )
         rng = random.Random()
@@ -362,7 +501,7 @@ class Telemetry:
             while True:
                 backoff = 0.0
                 if idle_rounds:
-                    ceiling = min(s.max_delay_s, s.base_delay_s * 2 ** idle_rounds)
+                    ceiling = min(s.max_delay_s, s.base_delay_s * 2**idle_rounds)
                     backoff = ceiling / 2 + rng.uniform(0, ceiling / 2)
                 batch = self._next_batch(time.monotonic() + backoff)
                 if batch is None:
@@ -427,15 +566,27 @@ class Telemetry:
         self._spool.ack(answered)
         for rejection in rejected:
             log.warning(
-                "telemetry event %s rejected by the gateway: %s: %s", rejection.event.event_id, rejection.field, rejection.error
+                "telemetry event %s rejected by the gateway: %s: %s",
+                rejection.event.event_id,
+                rejection.field,
+                rejection.error,
             )
             self.rejected.append(rejection)
             if self._on_rejected is not None:
                 try:
                     self._on_rejected(rejection)
-                except Exception:  # the product's callback must not stop delivery of everything else
-                    log.exception("telemetry: on_rejected callback failed for event %s", rejection.event.event_id)
-        self.last_error = None if answered else RuntimeError(f"every event got RETRY, the first: {results[0].error}")
+                except (
+                    Exception
+                ):  # the product's callback must not stop delivery of everything else
+                    log.exception(
+                        "telemetry: on_rejected callback failed for event %s",
+                        rejection.event.event_id,
+                    )
+        self.last_error = (
+            None
+            if answered
+            else RuntimeError(f"every event got RETRY, the first: {results[0].error}")
+        )
         with self._wake:
             self._wake.notify_all()
         return bool(answered)
@@ -454,10 +605,21 @@ class _InlineResolver(aiohttp.abc.AbstractResolver):
     thread pool, and thread pools refuse work once the interpreter is exiting: exactly
     when the exit hook flushes clients that were never closed."""
 
-    async def resolve(self, host: str, port: int = 0, family: socket.AddressFamily = socket.AF_INET) -> list[ResolveResult]:
-        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, family=family, flags=socket.AI_ADDRCONFIG)
+    async def resolve(
+        self, host: str, port: int = 0, family: socket.AddressFamily = socket.AF_INET
+    ) -> list[ResolveResult]:
+        infos = socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, family=family, flags=socket.AI_ADDRCONFIG
+        )
         return [
-            ResolveResult(hostname=host, host=address[0], port=address[1], family=af, proto=proto, flags=socket.AI_NUMERICHOST)
+            ResolveResult(
+                hostname=host,
+                host=address[0],
+                port=address[1],
+                family=af,
+                proto=proto,
+                flags=socket.AI_NUMERICHOST,
+            )
             for af, _, proto, _, address in infos
             # Always true of an IPv4/IPv6 address; it tells the type checker it is one.
             if af in (socket.AF_INET, socket.AF_INET6) and isinstance(address[0], str)

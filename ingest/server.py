@@ -34,19 +34,19 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, fields
 
-import grpc
-import redis.asyncio as aioredis
 import aiohttp
 import aiohttp.http_exceptions
+import grpc
+import redis.asyncio as aioredis
 from aiohttp import web
 from google.protobuf import json_format
 from google.protobuf.message import DecodeError
 from opentelemetry import metrics
 
-from rtrl.api_keys import ApiKey, KeyCache, KeyVerifier, RateLimiter, bearer_key
 from ingest.config import IngestSettings
 from ingest.gateway import REJECTED, RETRY, Gateway
 from rtrl import entrypoint, heartbeat, kafka, otel, signing
+from rtrl.api_keys import ApiKey, KeyCache, KeyVerifier, RateLimiter, bearer_key
 from rtrl.config import StackSettings
 from rtrl.runtime import service_process, until_stopped
 from rtrl.v1 import ingest_pb2, telemetry_pb2
@@ -88,7 +88,9 @@ class Door:
             self.refused[refusal.http_status] += 1
         return key, refusal
 
-    async def authorize(self, key: ApiKey | None, events: Sequence[telemetry_pb2.TelemetryEvent]) -> Refusal | None:
+    async def authorize(
+        self, key: ApiKey | None, events: Sequence[telemetry_pb2.TelemetryEvent]
+    ) -> Refusal | None:
         """May this key send these events now (scope, rate)?"""
         refusal = await self._authorize(key, events)
         if refusal is not None:
@@ -103,20 +105,24 @@ class Door:
             return key, Refusal(401, grpc.StatusCode.UNAUTHENTICATED, why)
         return key, None
 
-    async def _authorize(self, key: ApiKey | None, events: Sequence[telemetry_pb2.TelemetryEvent]) -> Refusal | None:
+    async def _authorize(
+        self, key: ApiKey | None, events: Sequence[telemetry_pb2.TelemetryEvent]
+    ) -> Refusal | None:
         if key is None or self._limiter is None:
             return None
         kinds = {event.WhichOneof("payload") for event in events} - {None}
         if kinds and not any(key.allows(kind) for kind in kinds):
             allowed = ", ".join(sorted(key.scopes))
             return Refusal(
-                403, grpc.StatusCode.PERMISSION_DENIED,
+                403,
+                grpc.StatusCode.PERMISSION_DENIED,
                 f"the API key of client {key.client_id!r} may send only {allowed}, not {', '.join(sorted(kinds))}",
             )
         wait_s = await self._limiter.take(key, len(events))
         if wait_s > 0:
             return Refusal(
-                429, grpc.StatusCode.RESOURCE_EXHAUSTED,
+                429,
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
                 f"rate limit of client {key.client_id!r} ({key.rate_per_s:g} events/s) spent: retry in {wait_s:.2f} s",
                 retry_after_s=wait_s,
             )
@@ -135,7 +141,9 @@ def http_status(results: list[ingest_pb2.EventResult]) -> int:
     return 200
 
 
-def build_http_app(gateway: Gateway, settings: IngestSettings, door: Door | None = None) -> web.Application:
+def build_http_app(
+    gateway: Gateway, settings: IngestSettings, door: Door | None = None
+) -> web.Application:
     app = web.Application(client_max_size=settings.max_body_bytes)
     app[_GATEWAY] = gateway
     app[_SETTINGS] = settings
@@ -158,17 +166,24 @@ async def _post_events(request: web.Request) -> web.Response:
     try:
         text = raw.decode("utf-8")
         batch = json_format.Parse(text, ingest_pb2.PublishEventsRequest())
-        problem = _json_type_error(json.loads(text), ingest_pb2.PublishEventsRequest.DESCRIPTOR, "PublishEventsRequest")
+        problem = _json_type_error(
+            json.loads(text), ingest_pb2.PublishEventsRequest.DESCRIPTOR, "PublishEventsRequest"
+        )
         if problem:
             raise json_format.ParseError(problem)
     except (UnicodeDecodeError, json_format.ParseError) as exc:
         return _error(400, f"body is not the JSON form of rtrl.v1.PublishEventsRequest: {exc}")
     if len(batch.events) > settings.max_batch:
-        return _error(400, f"batch has {len(batch.events)} events, at most {settings.max_batch} allowed: split it")
+        return _error(
+            400,
+            f"batch has {len(batch.events)} events, at most {settings.max_batch} allowed: split it",
+        )
     refusal = await door.authorize(key, batch.events)
     if refusal is not None:
         return _refused(refusal)
-    results = await gateway.publish(batch.events, key=key, traceparent=request.headers.get("traceparent", ""))
+    results = await gateway.publish(
+        batch.events, key=key, traceparent=request.headers.get("traceparent", "")
+    )
     status = http_status(results)
     headers = {"Retry-After": str(settings.retry_after_s)} if status == 429 else None
     body = json_format.MessageToJson(ingest_pb2.PublishEventsResponse(results=results), indent=None)
@@ -184,8 +199,14 @@ async def _read_body(request: web.Request, settings: IngestSettings) -> bytes | 
     at the bound, read no further)."""
     encoding = request.headers.get("Content-Encoding", "identity").strip().lower() or "identity"
     if encoding not in ACCEPTED_ENCODINGS:
-        return _error(415, f"Content-Encoding {encoding!r} is not accepted: send {', '.join(ACCEPTED_ENCODINGS)}")
-    limit, why = settings.max_body_bytes, f"body is larger than {settings.max_body_bytes} bytes: split the batch"
+        return _error(
+            415,
+            f"Content-Encoding {encoding!r} is not accepted: send {', '.join(ACCEPTED_ENCODINGS)}",
+        )
+    limit, why = (
+        settings.max_body_bytes,
+        f"body is larger than {settings.max_body_bytes} bytes: split the batch",
+    )
     if encoding != "identity":
         if request.content_length is None:
             return _error(411, f"a {encoding} body needs a Content-Length")
@@ -198,13 +219,19 @@ async def _read_body(request: web.Request, settings: IngestSettings) -> bytes | 
             body += chunk
             if len(body) > limit:
                 return _error(413, why)
-    except (web.RequestPayloadError, aiohttp.ClientPayloadError, aiohttp.http_exceptions.HttpProcessingError) as exc:
+    except (
+        web.RequestPayloadError,
+        aiohttp.ClientPayloadError,
+        aiohttp.http_exceptions.HttpProcessingError,
+    ) as exc:
         return _error(400, f"body does not decode ({encoding}): {exc}")
     return bytes(body)
 
 
 def _refused(refusal: Refusal) -> web.Response:
-    headers = {"Retry-After": str(math.ceil(refusal.retry_after_s))} if refusal.retry_after_s else None
+    headers = (
+        {"Retry-After": str(math.ceil(refusal.retry_after_s))} if refusal.retry_after_s else None
+    )
     return _error(refusal.http_status, refusal.message, headers)
 
 
@@ -218,7 +245,9 @@ def _json_type_error(value, descriptor, path: str) -> str | None:
             item = value.get(key)
             if item is None:
                 continue
-            for i, element in enumerate(item if field.is_repeated and isinstance(item, list) else [item]):
+            for i, element in enumerate(
+                item if field.is_repeated and isinstance(item, list) else [item]
+            ):
                 where = f"{path}.{key}[{i}]" if field.is_repeated else f"{path}.{key}"
                 if field.message_type is not None:
                     problem = _json_type_error(element, field.message_type, where)
@@ -236,7 +265,12 @@ async def _healthz(request: web.Request) -> web.Response:
 
 
 def _error(status: int, message: str, headers: dict[str, str] | None = None) -> web.Response:
-    return web.Response(status=status, text=json.dumps({"error": message}), content_type="application/json", headers=headers)
+    return web.Response(
+        status=status,
+        text=json.dumps({"error": message}),
+        content_type="application/json",
+        headers=headers,
+    )
 
 
 class IngestServicer:
@@ -251,11 +285,15 @@ class IngestServicer:
 
     def handler(self) -> grpc.GenericRpcHandler:
         method = grpc.unary_unary_rpc_method_handler(
-            self.publish_events, request_deserializer=None, response_serializer=ingest_pb2.PublishEventsResponse.SerializeToString
+            self.publish_events,
+            request_deserializer=None,
+            response_serializer=ingest_pb2.PublishEventsResponse.SerializeToString,
         )
         return grpc.method_handlers_generic_handler("rtrl.v1.Ingest", {"PublishEvents": method})
 
-    async def publish_events(self, raw: bytes, context: grpc.aio.ServicerContext) -> ingest_pb2.PublishEventsResponse:
+    async def publish_events(
+        self, raw: bytes, context: grpc.aio.ServicerContext
+    ) -> ingest_pb2.PublishEventsResponse:
         metadata = dict(context.invocation_metadata() or ())
         # Who is asking, from the metadata alone, before the request is parsed.
         key, refusal = await self._door.authenticate(metadata.get("authorization", ""))
@@ -264,23 +302,40 @@ class IngestServicer:
         try:
             request = ingest_pb2.PublishEventsRequest.FromString(raw)
         except DecodeError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"request is not a serialized rtrl.v1.PublishEventsRequest: {exc}")
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"request is not a serialized rtrl.v1.PublishEventsRequest: {exc}",
+            )
         events = request.events
         if len(events) > self._settings.max_batch:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"batch has {len(events)} events, at most {self._settings.max_batch} allowed")
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"batch has {len(events)} events, at most {self._settings.max_batch} allowed",
+            )
         refusal = await self._door.authorize(key, events)
         if refusal is not None:
             if refusal.retry_after_s:
-                context.set_trailing_metadata((("retry-after", str(math.ceil(refusal.retry_after_s))),))
+                context.set_trailing_metadata(
+                    (("retry-after", str(math.ceil(refusal.retry_after_s))),)
+                )
             await context.abort(refusal.grpc_code, refusal.message)
-        results = await self._gateway.publish(events, key=key, traceparent=metadata.get("traceparent", ""))
+        results = await self._gateway.publish(
+            events, key=key, traceparent=metadata.get("traceparent", "")
+        )
         statuses = {r.status for r in results}
         if results and statuses == {REJECTED}:
-            problems = "; ".join(f"event {i} ({r.event_id[:40]!r}): {r.field}: {r.error}" for i, r in enumerate(results[:20]))
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"every event is invalid: {problems}")
+            problems = "; ".join(
+                f"event {i} ({r.event_id[:40]!r}): {r.field}: {r.error}"
+                for i, r in enumerate(results[:20])
+            )
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, f"every event is invalid: {problems}"
+            )
         if results and statuses == {RETRY}:
             context.set_trailing_metadata((("retry-after", str(self._settings.retry_after_s)),))
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"no event admitted: {results[0].error}")
+            await context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED, f"no event admitted: {results[0].error}"
+            )
         return ingest_pb2.PublishEventsResponse(results=results)
 
 
@@ -305,10 +360,17 @@ class IngestServer:
         self.heartbeat_task.cancel()
         await _bounded("gRPC drain", self.grpc_server.stop(grace_s), grace_s + 2)
         await _bounded("HTTP drain", self.http_runner.cleanup(), grace_s)
-        await _bounded("background tasks", asyncio.gather(self.recovery_task, self.heartbeat_task, return_exceptions=True), 2)
+        await _bounded(
+            "background tasks",
+            asyncio.gather(self.recovery_task, self.heartbeat_task, return_exceptions=True),
+            2,
+        )
         undelivered = await _bounded("producer flush", _in_daemon_thread(self.producer.close), 15)
         if undelivered:
-            log.warning("%d events were still undelivered at shutdown (their clients got no ACCEPTED)", undelivered)
+            log.warning(
+                "%d events were still undelivered at shutdown (their clients got no ACCEPTED)",
+                undelivered,
+            )
         await _bounded("Redis close", self.redis.aclose(), 2)
         log.info("ingest stopped")
 
@@ -329,7 +391,9 @@ async def start(stack: StackSettings, settings: IngestSettings) -> IngestServer:
 
     if settings.auth_required:
         if not stack.api_key_public_keys.strip():
-            raise SystemExit("RTRL_API_KEY_PUBLIC_KEYS is not set: the gateway accepts only API keys the operator signed (rtrl up derives it)")
+            raise SystemExit(
+                "RTRL_API_KEY_PUBLIC_KEYS is not set: the gateway accepts only API keys the operator signed (rtrl up derives it)"
+            )
         verifier = KeyVerifier(signing.parse_public_keys(stack.api_key_public_keys))
         door = Door(KeyCache(redis, settings.key_cache_ttl_s, verifier), RateLimiter(redis))
     else:
@@ -338,22 +402,36 @@ async def start(stack: StackSettings, settings: IngestSettings) -> IngestServer:
 
     runner = web.AppRunner(build_http_app(gateway, settings, door), access_log=None)
     await runner.setup()
-    await web.TCPSite(runner, settings.bind_host, settings.http_port, ssl_context=settings.http_context()).start()
+    await web.TCPSite(
+        runner, settings.bind_host, settings.http_port, ssl_context=settings.http_context()
+    ).start()
 
     options = [("grpc.max_receive_message_length", settings.max_body_bytes)]
     grpc_server = grpc.aio.server(options=options)
     grpc_server.add_generic_rpc_handlers((IngestServicer(gateway, settings, door).handler(),))
     address = f"{settings.bind_host}:{settings.grpc_port}"
     credentials = settings.grpc_credentials()
-    bound = grpc_server.add_secure_port(address, credentials) if credentials else grpc_server.add_insecure_port(address)
+    bound = (
+        grpc_server.add_secure_port(address, credentials)
+        if credentials
+        else grpc_server.add_insecure_port(address)
+    )
     if bound == 0:
         raise RuntimeError(f"cannot bind gRPC to {address}")
     await grpc_server.start()
 
     _observe(gateway, door)
-    beats = asyncio.create_task(heartbeat.beat_forever(redis, SERVICE, stack.instance, gateway.status))
+    beats = asyncio.create_task(
+        heartbeat.beat_forever(redis, SERVICE, stack.instance, gateway.status)
+    )
     recovery = asyncio.create_task(_recover_forever(stack, settings))
-    log.info("ingest listening: http %s:%d, grpc %s:%d", settings.bind_host, settings.http_port, settings.bind_host, settings.grpc_port)
+    log.info(
+        "ingest listening: http %s:%d, grpc %s:%d",
+        settings.bind_host,
+        settings.http_port,
+        settings.bind_host,
+        settings.grpc_port,
+    )
     return IngestServer(gateway, producer, redis, runner, grpc_server, beats, recovery, door)
 
 
@@ -362,14 +440,29 @@ def _observe(gateway: Gateway, door: Door) -> None:
     meter = metrics.get_meter("rtrl.ingest")
     counters = gateway.counters
     otel.observe(
-        meter, "rtrl.ingest.events", "counter", lambda: [(getattr(counters, f.name), {"outcome": f.name}) for f in fields(counters)],
-        unit="{event}", description="Events answered, by outcome (privacy: counted, never published)",
+        meter,
+        "rtrl.ingest.events",
+        "counter",
+        lambda: [(getattr(counters, f.name), {"outcome": f.name}) for f in fields(counters)],
+        unit="{event}",
+        description="Events answered, by outcome (privacy: counted, never published)",
     )
     otel.observe(
-        meter, "rtrl.ingest.refused_requests", "counter", lambda: [(n, {"http_status": str(status)}) for status, n in door.refused.items()],
-        unit="{request}", description="Requests refused before any event was looked at: 401 key, 403 scope, 429 rate limit",
+        meter,
+        "rtrl.ingest.refused_requests",
+        "counter",
+        lambda: [(n, {"http_status": str(status)}) for status, n in door.refused.items()],
+        unit="{request}",
+        description="Requests refused before any event was looked at: 401 key, 403 scope, 429 rate limit",
     )
-    otel.observe(meter, "rtrl.ingest.inflight", "gauge", lambda: [(gateway.inflight, {})], unit="{event}", description="Events claimed and not yet acked by the broker")
+    otel.observe(
+        meter,
+        "rtrl.ingest.inflight",
+        "gauge",
+        lambda: [(gateway.inflight, {})],
+        unit="{event}",
+        description="Events claimed and not yet acked by the broker",
+    )
 
 
 async def _recover_forever(stack: StackSettings, settings: IngestSettings) -> None:
@@ -380,9 +473,13 @@ async def _recover_forever(stack: StackSettings, settings: IngestSettings) -> No
     while True:
         try:
             await _in_daemon_thread(
-                sweep, stack, stack.redis_url, older_than_ms=settings.claim_ttl_s * 1000, dedup_ttl_s=settings.dedup_ttl_s
+                sweep,
+                stack,
+                stack.redis_url,
+                older_than_ms=settings.claim_ttl_s * 1000,
+                dedup_ttl_s=settings.dedup_ttl_s,
             )
-        except Exception:  # noqa: BLE001 - the next sweep retries; requests meanwhile get RETRY, never a duplicate
+        except Exception:
             log.exception("recovery sweep failed")
         await asyncio.sleep(max(settings.claim_ttl_s / 2, 0.5))
 
@@ -409,7 +506,7 @@ async def _in_daemon_thread(function, *args, **kwargs):
     def run() -> None:
         try:
             result = function(*args, **kwargs)
-        except BaseException as exc:  # noqa: BLE001 - handed to the awaiting task
+        except BaseException as exc:
             outcome = (future.set_exception, exc)
         else:
             outcome = (future.set_result, result)
@@ -433,7 +530,9 @@ async def serve(stack: StackSettings, settings: IngestSettings) -> None:
 
 
 def main() -> None:
-    settings, stack = entrypoint.parse_settings("python -m ingest", __doc__, IngestSettings, StackSettings)
+    settings, stack = entrypoint.parse_settings(
+        "python -m ingest", __doc__, IngestSettings, StackSettings
+    )
     entrypoint.configure_logging()
     service_process()
     otel.configure(SERVICE, stack)

@@ -77,7 +77,14 @@ class Spool:
     """Length-prefixed, CRC-checked records in append-only segment files, bounded in bytes.
     Thread-safe: product threads append while the sender reads and acks."""
 
-    def __init__(self, directory: str | os.PathLike, *, max_bytes: int, segment_bytes: int, fsync: bool = True) -> None:
+    def __init__(
+        self,
+        directory: str | os.PathLike,
+        *,
+        max_bytes: int,
+        segment_bytes: int,
+        fsync: bool = True,
+    ) -> None:
         self.directory = Path(directory)
         # Events hold users' code and messages: the spool is its owner's alone.
         self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -86,7 +93,9 @@ class Spool:
         self._segment_bytes = segment_bytes
         self._fsync = fsync
         self._lock = threading.Lock()
-        self._lock_file = os.fdopen(os.open(self.directory / "LOCK", os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o600), "a+b")
+        self._lock_file = os.fdopen(
+            os.open(self.directory / "LOCK", os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o600), "a+b"
+        )
         try:
             fcntl.flock(self._lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -174,7 +183,10 @@ class Spool:
                 else:
                     # Without this, a restart would resend the answered part of the segment
                     # (harmless, DUPLICATE) but only while the gateway still remembers it.
-                    with os.fdopen(os.open(segment.acks_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600), "ab") as acks:
+                    with os.fdopen(
+                        os.open(segment.acks_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600),
+                        "ab",
+                    ) as acks:
                         acks.write(b"".join(_ACK.pack(o) for o in offsets))
                         acks.flush()
                         if self._fsync:
@@ -220,7 +232,9 @@ class Spool:
             self._next_segment += 1
             # O_APPEND: after a failed write is truncated away, the next one lands at the new end.
             # 0o600: events carry the user's code and messages.
-            self._active_fd = os.open(segment.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND, 0o600)
+            self._active_fd = os.open(
+                segment.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND, 0o600
+            )
             if self._fsync:
                 _fsync_dir(self.directory)  # the new file's name must survive a power cut too
             self._active = segment
@@ -247,7 +261,12 @@ class Spool:
             data = segment.path.read_bytes()
             records, end = _scan(data)
             if end < len(data):
-                log.warning("spool %s: cut %d bytes of a torn record at the end of %s", self.directory, len(data) - end, segment.path.name)
+                log.warning(
+                    "spool %s: cut %d bytes of a torn record at the end of %s",
+                    self.directory,
+                    len(data) - end,
+                    segment.path.name,
+                )
                 with open(segment.path, "r+b") as file:
                     file.truncate(end)
                     os.fsync(file.fileno())
@@ -266,7 +285,11 @@ class Spool:
                 acks.unlink()
         self._next_segment = (segments[-1] + 1) if segments else 1
         if self._unanswered:
-            log.info("spool %s: %d undelivered events from an earlier run will be resent", self.directory, len(self._unanswered))
+            log.info(
+                "spool %s: %d undelivered events from an earlier run will be resent",
+                self.directory,
+                len(self._unanswered),
+            )
 
 
 def _scan(data: bytes) -> tuple[list[tuple[int, bytes]], int]:

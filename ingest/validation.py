@@ -17,7 +17,9 @@ MAX_PATH_BYTES = 4 * 1024
 # The defaults of IngestSettings.client_ts_max_future_s / client_ts_max_age_s.
 CLIENT_TS_WINDOW = EventTimeWindow(max_future_ms=5 * 60 * 1000, max_age_ms=7 * 24 * 3600 * 1000)
 
-_KNOWN_OUTCOMES = frozenset({telemetry_pb2.EditOutcome.OUTCOME_ACCEPTED, telemetry_pb2.EditOutcome.OUTCOME_REJECTED})
+_KNOWN_OUTCOMES = frozenset(
+    {telemetry_pb2.EditOutcome.OUTCOME_ACCEPTED, telemetry_pb2.EditOutcome.OUTCOME_REJECTED}
+)
 
 
 @dataclass(frozen=True)
@@ -28,13 +30,17 @@ class Rejection:
     reason: str
 
 
-def validate(event: telemetry_pb2.TelemetryEvent, now_ms: int, window: EventTimeWindow = CLIENT_TS_WINDOW) -> Rejection | None:
+def validate(
+    event: telemetry_pb2.TelemetryEvent, now_ms: int, window: EventTimeWindow = CLIENT_TS_WINDOW
+) -> Rejection | None:
     """The first problem with ``event`` at gateway time ``now_ms``, or None if it is
     publishable. ``client_ts_ms`` must lie in ``window`` around ``now_ms``."""
     return _envelope(event, now_ms, window) or _payload(event)
 
 
-def _envelope(event: telemetry_pb2.TelemetryEvent, now_ms: int, window: EventTimeWindow) -> Rejection | None:
+def _envelope(
+    event: telemetry_pb2.TelemetryEvent, now_ms: int, window: EventTimeWindow
+) -> Rejection | None:
     # The event_id is the dedup key of every hop, so only one spelling of a UUID is
     # accepted: "ABC…" and "abc…" must not pass as two different events.
     try:
@@ -42,7 +48,10 @@ def _envelope(event: telemetry_pb2.TelemetryEvent, now_ms: int, window: EventTim
     except ValueError:
         return Rejection("event_id", f"must be a UUID, got {_preview(event.event_id)}")
     if canonical != event.event_id:
-        return Rejection("event_id", f"must be a lowercase hyphenated UUID ({canonical}), got {_preview(event.event_id)}")
+        return Rejection(
+            "event_id",
+            f"must be a lowercase hyphenated UUID ({canonical}), got {_preview(event.event_id)}",
+        )
     for name in ("rollout_id", "session_id", "user_id"):
         value = getattr(event, name)
         if not value.strip():
@@ -58,19 +67,24 @@ def _envelope(event: telemetry_pb2.TelemetryEvent, now_ms: int, window: EventTim
 def _payload(event: telemetry_pb2.TelemetryEvent) -> Rejection | None:
     kind = event.WhichOneof("payload")
     if kind is None:
-        return Rejection("payload", "must be one of edit_shown, edit_outcome, persistence, followup")
+        return Rejection(
+            "payload", "must be one of edit_shown, edit_outcome, persistence, followup"
+        )
     if kind == "edit_shown":
         return _text("edit_shown.file_path", event.edit_shown.file_path, MAX_PATH_BYTES) or _text(
             "edit_shown.edit_text", event.edit_shown.edit_text, MAX_TEXT_BYTES
         )
     if kind == "edit_outcome":
         if event.edit_outcome.outcome not in _KNOWN_OUTCOMES:
-            return Rejection("edit_outcome.outcome", f"must be OUTCOME_ACCEPTED or OUTCOME_REJECTED, got {event.edit_outcome.outcome}")
+            return Rejection(
+                "edit_outcome.outcome",
+                f"must be OUTCOME_ACCEPTED or OUTCOME_REJECTED, got {event.edit_outcome.outcome}",
+            )
         return None
     if kind == "persistence":
-        return _delay("persistence.seconds_after_edit", event.persistence.seconds_after_edit) or _text(
-            "persistence.region_text", event.persistence.region_text, MAX_TEXT_BYTES
-        )
+        return _delay(
+            "persistence.seconds_after_edit", event.persistence.seconds_after_edit
+        ) or _text("persistence.region_text", event.persistence.region_text, MAX_TEXT_BYTES)
     return _delay("followup.seconds_after_edit", event.followup.seconds_after_edit) or _text(
         "followup.message", event.followup.message, MAX_TEXT_BYTES
     )

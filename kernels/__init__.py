@@ -47,13 +47,31 @@ def delta_apply(old: torch.Tensor, delta: SparseDelta) -> torch.Tensor:
 
 def mxfp8_quantize(x: torch.Tensor) -> MXFP8Tensor:
     """MXFP8 (E4M3 elements, one E8M0 scale per 32) of x, fused on GPUs."""
-    path = _triton_or("kernels.triton_mxfp8", _mxfp8_torch) if x.device.type == "cuda" else _mxfp8_torch
+    path = (
+        _triton_or("kernels.triton_mxfp8", _mxfp8_torch)
+        if x.device.type == "cuda"
+        else _mxfp8_torch
+    )
     return path.mxfp8_quantize(x)
 
 
-def mxfp8_dequantize(data: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    path = _triton_or("kernels.triton_mxfp8", _mxfp8_torch) if data.device.type == "cuda" else _mxfp8_torch
+def mxfp8_dequantize(
+    data: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.bfloat16
+) -> torch.Tensor:
+    path = (
+        _triton_or("kernels.triton_mxfp8", _mxfp8_torch)
+        if data.device.type == "cuda"
+        else _mxfp8_torch
+    )
     return path.mxfp8_dequantize(data, scales, dtype)
 
 
-__all__ = ["MXFP8Tensor", "SparseDelta", "bits_dtype", "delta_apply", "delta_encode", "mxfp8_dequantize", "mxfp8_quantize"]
+__all__ = [
+    "MXFP8Tensor",
+    "SparseDelta",
+    "bits_dtype",
+    "delta_apply",
+    "delta_encode",
+    "mxfp8_dequantize",
+    "mxfp8_quantize",
+]

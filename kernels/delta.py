@@ -55,19 +55,28 @@ def flat_bits(tensor: torch.Tensor) -> torch.Tensor:
 
 def check_pair(old: torch.Tensor, new: torch.Tensor) -> None:
     if old.shape != new.shape or old.dtype != new.dtype:
-        raise ValueError(f"delta needs equal shape and dtype, got {tuple(old.shape)}/{old.dtype} and {tuple(new.shape)}/{new.dtype}")
+        raise ValueError(
+            f"delta needs equal shape and dtype, got {tuple(old.shape)}/{old.dtype} and {tuple(new.shape)}/{new.dtype}"
+        )
 
 
 def check_delta(delta: SparseDelta, dtype: torch.dtype, numel: int) -> None:
     """A delta must name each position once, in order, inside the tensor: a bad one would
     silently change the wrong element."""
     positions, diffs = delta.positions, delta.diffs
-    if positions.dtype != torch.int64 or diffs.dtype != bits_dtype(dtype) or positions.dim() != 1 or positions.shape != diffs.shape:
+    if (
+        positions.dtype != torch.int64
+        or diffs.dtype != bits_dtype(dtype)
+        or positions.dim() != 1
+        or positions.shape != diffs.shape
+    ):
         raise ValueError(
             f"malformed delta for {dtype}: positions {positions.dtype}{tuple(positions.shape)}, diffs {diffs.dtype}{tuple(diffs.shape)}"
         )
     if positions.numel() and (
-        bool(positions[0] < 0) or bool((positions[1:] <= positions[:-1]).any()) or int(positions[-1]) >= numel
+        bool(positions[0] < 0)
+        or bool((positions[1:] <= positions[:-1]).any())
+        or int(positions[-1]) >= numel
     ):
         raise ValueError(f"delta positions are not strictly increasing within {numel} elements")
 

@@ -42,7 +42,9 @@ def _changes_kernel(lanes: int):
     wrap = _wrap_kernel(64 // lanes)
 
     @numba.njit(cache=True, nogil=True, boundscheck=False)
-    def changes(old, new, old_words, new_words, positions, diffs, count):  # pragma: no cover - compiled
+    def changes(
+        old, new, old_words, new_words, positions, diffs, count
+    ):  # pragma: no cover - compiled
         """Append the changed elements of old -> new to positions/diffs from index count;
         return the new count.
 
@@ -108,7 +110,9 @@ class Changes:
         if old_words.size != new_words.size:
             old_words = new_words = np.empty(0, dtype=np.int64)
         kernel = _CHANGES[old_bits.itemsize]
-        end = kernel(old_bits, new_bits, old_words, new_words, self._positions, self._diffs, self.count)
+        end = kernel(
+            old_bits, new_bits, old_words, new_words, self._positions, self._diffs, self.count
+        )
         self.counts.append(end - self.count)
         self.count = end
         return self.counts[-1]

@@ -64,7 +64,9 @@ class MXFP8Tensor:
 
 def _check_blocked_shape(shape: torch.Size) -> None:
     if len(shape) == 0 or shape[-1] % BLOCK_SIZE:
-        raise ValueError(f"MXFP8 needs a last dimension that is a multiple of {BLOCK_SIZE}, got shape {tuple(shape)}")
+        raise ValueError(
+            f"MXFP8 needs a last dimension that is a multiple of {BLOCK_SIZE}, got shape {tuple(shape)}"
+        )
 
 
 def check_input(x: torch.Tensor) -> None:
@@ -75,11 +77,15 @@ def check_input(x: torch.Tensor) -> None:
 
 def check_quantized(data: torch.Tensor, scales: torch.Tensor) -> None:
     if data.dtype != torch.float8_e4m3fn or scales.dtype != torch.uint8:
-        raise ValueError(f"MXFP8 needs float8_e4m3fn data and uint8 scales, got {data.dtype} and {scales.dtype}")
+        raise ValueError(
+            f"MXFP8 needs float8_e4m3fn data and uint8 scales, got {data.dtype} and {scales.dtype}"
+        )
     _check_blocked_shape(data.shape)
     expected = (*data.shape[:-1], data.shape[-1] // BLOCK_SIZE)
     if tuple(scales.shape) != expected:
-        raise ValueError(f"MXFP8 data of shape {tuple(data.shape)} needs scales of shape {expected}, got {tuple(scales.shape)}")
+        raise ValueError(
+            f"MXFP8 data of shape {tuple(data.shape)} needs scales of shape {expected}, got {tuple(scales.shape)}"
+        )
 
 
 def check_output_dtype(dtype: torch.dtype) -> None:
@@ -118,7 +124,9 @@ def e8m0_to_float32(scales: torch.Tensor) -> torch.Tensor:
     return torch.where(exponent == E8M0_NAN, torch.nan, bits.view(torch.float32))
 
 
-def mxfp8_dequantize(data: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+def mxfp8_dequantize(
+    data: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.bfloat16
+) -> torch.Tensor:
     """The values ``data`` and ``scales`` stand for, as ``dtype`` (fp32/bf16/fp16)."""
     check_quantized(data, scales)
     check_output_dtype(dtype)

@@ -41,7 +41,9 @@ def _count_changes(old_ptr, new_ptr, counts_ptr, numel, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _compact_changes(old_ptr, new_ptr, starts_ptr, positions_ptr, diffs_ptr, numel, BLOCK: tl.constexpr):
+def _compact_changes(
+    old_ptr, new_ptr, starts_ptr, positions_ptr, diffs_ptr, numel, BLOCK: tl.constexpr
+):
     block = tl.program_id(0)
     offsets = block.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     in_range = offsets < numel
@@ -80,7 +82,9 @@ def delta_encode(old: torch.Tensor, new: torch.Tensor) -> SparseDelta:
     positions = torch.empty(changed, dtype=torch.int64, device=old_bits.device)
     diffs = torch.empty(changed, dtype=old_bits.dtype, device=old_bits.device)
     if changed:
-        _compact_changes[(blocks,)](old_bits, new_bits, starts, positions, diffs, numel, BLOCK=ENCODE_BLOCK)
+        _compact_changes[(blocks,)](
+            old_bits, new_bits, starts, positions, diffs, numel, BLOCK=ENCODE_BLOCK
+        )
     return SparseDelta(positions=positions, diffs=diffs)
 
 

@@ -56,7 +56,15 @@ def _e4m3_bits(scaled):
 
 
 @triton.jit
-def _quantize(x_ptr, data_ptr, scales_ptr, blocks, X_BF16: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+def _quantize(
+    x_ptr,
+    data_ptr,
+    scales_ptr,
+    blocks,
+    X_BF16: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     offsets = rows[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
     in_range = rows < blocks
@@ -80,7 +88,15 @@ def _quantize(x_ptr, data_ptr, scales_ptr, blocks, X_BF16: tl.constexpr, ROWS: t
 
 
 @triton.jit
-def _dequantize(data_ptr, scales_ptr, out_ptr, blocks, OUT_BF16: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+def _dequantize(
+    data_ptr,
+    scales_ptr,
+    out_ptr,
+    blocks,
+    OUT_BF16: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     offsets = rows[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
     in_range = rows < blocks
@@ -92,7 +108,9 @@ def _dequantize(data_ptr, scales_ptr, out_ptr, blocks, OUT_BF16: tl.constexpr, R
     subnormal = mantissa.to(tl.float32) * 0.001953125  # 2**-9, exact
     value = tl.where(exponent == 0, subnormal, normal)
     # The sign goes on as a bit: negating would turn -0.0 into +0.0.
-    value = (value.to(tl.int32, bitcast=True) | ((element & 0x80) << 24)).to(tl.float32, bitcast=True)
+    value = (value.to(tl.int32, bitcast=True) | ((element & 0x80) << 24)).to(
+        tl.float32, bitcast=True
+    )
 
     scale_byte = tl.load(scales_ptr + rows, mask=in_range, other=127).to(tl.int32)
     # Byte 0 is 2**-127, an fp32 subnormal whose bit pattern is the mantissa's top bit.
@@ -103,7 +121,11 @@ def _dequantize(data_ptr, scales_ptr, out_ptr, blocks, OUT_BF16: tl.constexpr, R
     if OUT_BF16:
         bits = product.to(tl.int32, bitcast=True)
         rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
-        tl.store(out_ptr + offsets, tl.where(is_nan, 0x7FC0, rounded).to(tl.int16), mask=in_range[:, None])
+        tl.store(
+            out_ptr + offsets,
+            tl.where(is_nan, 0x7FC0, rounded).to(tl.int16),
+            mask=in_range[:, None],
+        )
     else:
         nan = tl.full(product.shape, 0x7FC00000, tl.int32).to(tl.float32, bitcast=True)
         tl.store(out_ptr + offsets, tl.where(is_nan, nan, product), mask=in_range[:, None])
@@ -127,7 +149,9 @@ def mxfp8_quantize(x: torch.Tensor) -> MXFP8Tensor:
     )
 
 
-def mxfp8_dequantize(data: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+def mxfp8_dequantize(
+    data: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.bfloat16
+) -> torch.Tensor:
     """The values ``data`` and ``scales`` stand for, as ``dtype`` (fp32/bf16/fp16)."""
     check_quantized(data, scales)
     check_output_dtype(dtype)

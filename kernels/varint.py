@@ -46,7 +46,9 @@ def _leb128_encode(values: np.ndarray, out: np.ndarray) -> int:  # pragma: no co
 
 
 @numba.njit(cache=True, nogil=True, boundscheck=False)
-def _leb128_decode(data: np.ndarray, out: np.ndarray) -> tuple[int, int]:  # pragma: no cover - compiled
+def _leb128_decode(
+    data: np.ndarray, out: np.ndarray
+) -> tuple[int, int]:  # pragma: no cover - compiled
     """Returns (values decoded, bytes consumed); stops early on a malformed value."""
     n = 0
     i = 0
@@ -68,7 +70,9 @@ def _leb128_decode(data: np.ndarray, out: np.ndarray) -> tuple[int, int]:  # pra
 
 
 @numba.njit(cache=True, nogil=True, boundscheck=False)
-def _zigzag_leb128_encode(values: np.ndarray, out: np.ndarray) -> int:  # pragma: no cover - compiled
+def _zigzag_leb128_encode(
+    values: np.ndarray, out: np.ndarray
+) -> int:  # pragma: no cover - compiled
     n = 0
     for i in range(values.size):
         signed = values[i]
@@ -96,7 +100,9 @@ def leb128_decode(data: bytes, count: int) -> np.ndarray:
     out = np.empty(count, dtype=np.uint64)
     decoded, used = _leb128_decode(np.frombuffer(data, dtype=np.uint8), out)
     if decoded != count or used != len(data):
-        raise ValueError(f"varint stream holds {decoded} whole values in {used} of {len(data)} bytes, expected exactly {count}")
+        raise ValueError(
+            f"varint stream holds {decoded} whole values in {used} of {len(data)} bytes, expected exactly {count}"
+        )
     return out
 
 

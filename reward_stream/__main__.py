@@ -13,7 +13,9 @@ from rtrl.runtime import service_process
 
 
 def main() -> None:
-    settings, stack = entrypoint.parse_settings("python -m reward_stream", __doc__, RewardStreamSettings, StackSettings)
+    settings, stack = entrypoint.parse_settings(
+        "python -m reward_stream", __doc__, RewardStreamSettings, StackSettings
+    )
     entrypoint.configure_logging()
     service_process(shutdown_budget_s=None)
     # Imported after the configuration is parsed so config errors do not wait for faust.

@@ -82,11 +82,22 @@ def create_app(settings: RewardStreamSettings, stack: StackSettings) -> faust.Ap
     app = faust_app(settings, stack, "reward_stream")
     key = settings.signing_key.get_secret_value()
     if not key:
-        raise SystemExit("RTRL_REWARD_SIGNING_KEY is not set: the joiner signs every reward and has no default key (python -m rtrl.signing)")
+        raise SystemExit(
+            "RTRL_REWARD_SIGNING_KEY is not set: the joiner signs every reward and has no default key (python -m rtrl.signing)"
+        )
     if not settings.rollout_public_keys.strip():
-        raise SystemExit("RTRL_REWARD_ROLLOUT_PUBLIC_KEYS is not set: the joiner joins only rollouts an inference worker signed")
-    rollouts = signing.Verifier(signing.parse_public_keys(settings.rollout_public_keys), signing.Purpose.ROLLOUT)
-    joiner = Joiner(settings.join_config(), settings.reward_fn_version, signing.Signer(key, signing.Purpose.REWARD), rollouts)
+        raise SystemExit(
+            "RTRL_REWARD_ROLLOUT_PUBLIC_KEYS is not set: the joiner joins only rollouts an inference worker signed"
+        )
+    rollouts = signing.Verifier(
+        signing.parse_public_keys(settings.rollout_public_keys), signing.Purpose.ROLLOUT
+    )
+    joiner = Joiner(
+        settings.join_config(),
+        settings.reward_fn_version,
+        signing.Signer(key, signing.Purpose.REWARD),
+        rollouts,
+    )
     ordered = OrderedAcks()
 
     def release(handle: object) -> None:
@@ -100,7 +111,15 @@ def create_app(settings: RewardStreamSettings, stack: StackSettings) -> faust.Ap
 
     read: dict = {}
     """Offset of the newest record read, per topic partition (consumer lag)."""
-    _observe(joiner, publisher, settings.app_id, lambda: [(max(0, (highwater(tp) or 0) - offset - 1), tp.topic, tp.partition) for tp, offset in list(read.items())])
+    _observe(
+        joiner,
+        publisher,
+        settings.app_id,
+        lambda: [
+            (max(0, (highwater(tp) or 0) - offset - 1), tp.topic, tp.partition)
+            for tp, offset in list(read.items())
+        ],
+    )
 
     @app.agent(app.topic(*topics.TELEMETRY), name="join")
     async def join_agent(stream):
@@ -108,12 +127,23 @@ def create_app(settings: RewardStreamSettings, stack: StackSettings) -> faust.Ap
             message = event.message
             read[message.tp] = message.offset
             if not joiner.restored(message.partition):
-                positions = await asyncio.to_thread(recovery.input_positions, stack, settings.app_id, message.partition)
-                settled = await asyncio.to_thread(recovery.settled_rollouts, stack, message.partition)
+                positions = await asyncio.to_thread(
+                    recovery.input_positions, stack, settings.app_id, message.partition
+                )
+                settled = await asyncio.to_thread(
+                    recovery.settled_rollouts, stack, message.partition
+                )
                 joiner.restore(message.partition, settled, now_ms(), positions)
             batch = joiner.feed_record(
-                message.topic, message.partition, message.offset, message.key, message.value, now_ms(),
-                ordered.read(message.tp, event), functools.partial(highwater, message.tp), message.headers,
+                message.topic,
+                message.partition,
+                message.offset,
+                message.key,
+                message.value,
+                now_ms(),
+                ordered.read(message.tp, event),
+                functools.partial(highwater, message.tp),
+                message.headers,
             )
             publisher.publish(batch)
             if publisher.full():
@@ -142,7 +172,10 @@ def create_app(settings: RewardStreamSettings, stack: StackSettings) -> faust.Ap
 
     def status() -> heartbeat.RewardStreamBeat:
         return dataclasses.replace(
-            joiner.status(), assigned=len(app.consumer.assignment()), in_flight=publisher.in_flight(), unacked=ordered.waiting()
+            joiner.status(),
+            assigned=len(app.consumer.assignment()),
+            in_flight=publisher.in_flight(),
+            unacked=ordered.waiting(),
         )
 
     @app.task
@@ -160,26 +193,75 @@ def _observe(joiner: Joiner, publisher: OutputPublisher, group: str, lag) -> Non
     """The joiner's counters and the consumer's lag as OpenTelemetry (and so Prometheus) metrics."""
     meter = metrics.get_meter("rtrl.reward_stream")
     counters = joiner.counters
-    outcomes = ("settled", "defaulted", "duplicates", "late", "dlq", "dropped", "privacy_dropped", "unauthenticated", "foreign")
-    otel.observe(meter, "rtrl.reward_stream.records", "counter", lambda: [(counters.events, {})], unit="{record}", description="Input records read")
-    otel.observe(
-        meter, "rtrl.reward_stream.outcomes", "counter", lambda: [(getattr(counters, name), {"outcome": name}) for name in outcomes],
-        unit="{record}", description="Rollouts settled (defaulted: without a user signal) and records set aside, by outcome",
+    outcomes = (
+        "settled",
+        "defaulted",
+        "duplicates",
+        "late",
+        "dlq",
+        "dropped",
+        "privacy_dropped",
+        "unauthenticated",
+        "foreign",
     )
     otel.observe(
-        meter, "rtrl.reward.settled", "counter", lambda: [(n, {"arm": arm, "defaulted": d}) for (arm, d), n in list(joiner.settled.items())],
-        unit="{reward}", description="Rewards settled, by arm and whether the window closed without a user signal",
+        meter,
+        "rtrl.reward_stream.records",
+        "counter",
+        lambda: [(counters.events, {})],
+        unit="{record}",
+        description="Input records read",
     )
     otel.observe(
-        meter, "rtrl.reward.accumulated", "gauge", lambda: [(v, {"arm": arm, "defaulted": d}) for (arm, d), v in list(joiner.reward_sums.items())],
+        meter,
+        "rtrl.reward_stream.outcomes",
+        "counter",
+        lambda: [(getattr(counters, name), {"outcome": name}) for name in outcomes],
+        unit="{record}",
+        description="Rollouts settled (defaulted: without a user signal) and records set aside, by outcome",
+    )
+    otel.observe(
+        meter,
+        "rtrl.reward.settled",
+        "counter",
+        lambda: [(n, {"arm": arm, "defaulted": d}) for (arm, d), n in list(joiner.settled.items())],
+        unit="{reward}",
+        description="Rewards settled, by arm and whether the window closed without a user signal",
+    )
+    otel.observe(
+        meter,
+        "rtrl.reward.accumulated",
+        "gauge",
+        lambda: [
+            (v, {"arm": arm, "defaulted": d}) for (arm, d), v in list(joiner.reward_sums.items())
+        ],
         description="Sum of the rewards settled (a reward can be negative), by arm and defaulted: over rtrl.reward.settled, the mean",
     )
     otel.observe(
-        meter, "rtrl.reward.component", "counter", lambda: [(v, {"arm": arm, "component": c}) for (arm, c), v in list(joiner.component_sums.items())],
+        meter,
+        "rtrl.reward.component",
+        "counter",
+        lambda: [
+            (v, {"arm": arm, "component": c}) for (arm, c), v in list(joiner.component_sums.items())
+        ],
         description="Sum of each reward component over the rewards settled, by arm: over rtrl.reward.settled, its mean",
     )
-    otel.observe(meter, "rtrl.reward_stream.pending", "gauge", lambda: [(joiner.pending(), {})], unit="{rollout}", description="Rollouts waiting for their window to close")
-    otel.observe(meter, "rtrl.reward_stream.in_flight", "gauge", lambda: [(publisher.in_flight(), {})], unit="{record}", description="Outputs not yet acked by the broker")
+    otel.observe(
+        meter,
+        "rtrl.reward_stream.pending",
+        "gauge",
+        lambda: [(joiner.pending(), {})],
+        unit="{rollout}",
+        description="Rollouts waiting for their window to close",
+    )
+    otel.observe(
+        meter,
+        "rtrl.reward_stream.in_flight",
+        "gauge",
+        lambda: [(publisher.in_flight(), {})],
+        unit="{record}",
+        description="Outputs not yet acked by the broker",
+    )
     otel.observe_lag(meter, group, lag)
 
 

@@ -35,7 +35,9 @@ class Encoder:
 
     def embed(self, messages: list[str]) -> torch.Tensor:
         """(len(messages), 384) float32, unit-norm rows; one forward pass for the whole list."""
-        batch = self.tokenizer(messages, padding=True, truncation=True, max_length=MAX_TOKENS, return_tensors="pt")
+        batch = self.tokenizer(
+            messages, padding=True, truncation=True, max_length=MAX_TOKENS, return_tensors="pt"
+        )
         with torch.inference_mode():
             hidden = self.model(**batch).last_hidden_state
         mask = batch["attention_mask"].unsqueeze(-1).to(hidden.dtype)
@@ -73,7 +75,9 @@ def load_head(path: Path = HEAD_PATH, meta_path: Path = HEAD_META_PATH) -> Head:
     tensors = load_file(path)
     meta = json.loads(meta_path.read_text())
     if meta["embedding_model"] != ENCODER_NAME:
-        raise ValueError(f"{path} was trained on {meta['embedding_model']} embeddings, not {ENCODER_NAME}")
+        raise ValueError(
+            f"{path} was trained on {meta['embedding_model']} embeddings, not {ENCODER_NAME}"
+        )
     return Head(tensors["weight"], tensors["bias"], float(meta["threshold"]))
 
 
@@ -84,9 +88,13 @@ class DissatisfactionClassifier:
     by exact message text; only the misses go through the encoder, ``batch_size`` at a time.
     """
 
-    def __init__(self, encoder: Encoder, head: Head, cache_size: int = 8192, batch_size: int = 64) -> None:
+    def __init__(
+        self, encoder: Encoder, head: Head, cache_size: int = 8192, batch_size: int = 64
+    ) -> None:
         if cache_size < 0 or batch_size < 1:
-            raise ValueError(f"cache_size ({cache_size}) must be >= 0 and batch_size ({batch_size}) >= 1")
+            raise ValueError(
+                f"cache_size ({cache_size}) must be >= 0 and batch_size ({batch_size}) >= 1"
+            )
         self.encoder = encoder
         self.head = head
         self.cache_size = cache_size
@@ -110,7 +118,7 @@ class DissatisfactionClassifier:
         # Similar lengths in one batch waste less compute on padding.
         misses = sorted(dict.fromkeys(m for m in messages if m not in found), key=len)
         for start in range(0, len(misses), self.batch_size):
-            chunk = misses[start:start + self.batch_size]
+            chunk = misses[start : start + self.batch_size]
             for message, row in zip(chunk, self.encoder.embed(chunk), strict=True):
                 found[message] = row
                 self._remember(message, row)

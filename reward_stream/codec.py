@@ -27,7 +27,13 @@ class PrivacyModeEvent(Exception):
     """
 
 
-def decode(topic: str, key: bytes | None, value: bytes | None, handle: object = None, caught_up: bool = True) -> Event:
+def decode(
+    topic: str,
+    key: bytes | None,
+    value: bytes | None,
+    handle: object = None,
+    caught_up: bool = True,
+) -> Event:
     if not value:
         raise MalformedEvent("empty value")
     message: rollout_pb2.RolloutRecord | telemetry_pb2.TelemetryEvent
@@ -54,7 +60,16 @@ def decode(topic: str, key: bytes | None, value: bytes | None, handle: object = 
     if key is not None and key != message.rollout_id.encode():
         raise MalformedEvent(f"key {key!r} differs from rollout_id {message.rollout_id!r}")
     raw = value if kind == "rollout" else None
-    return Event(kind, message.event_id, message.rollout_id, message.client_ts_ms, message, handle, caught_up, raw)
+    return Event(
+        kind,
+        message.event_id,
+        message.rollout_id,
+        message.client_ts_ms,
+        message,
+        handle,
+        caught_up,
+        raw,
+    )
 
 
 # The join carries an Event's message without looking inside (Event.message is an
@@ -65,7 +80,9 @@ def message_of(event: Event) -> rollout_pb2.RolloutRecord | telemetry_pb2.Teleme
     """The protobuf decode() put in ``event``."""
     message = event.message
     if not isinstance(message, (rollout_pb2.RolloutRecord, telemetry_pb2.TelemetryEvent)):
-        raise TypeError(f"event {event.event_id} holds no decoded record but a {type(message).__name__}")
+        raise TypeError(
+            f"event {event.event_id} holds no decoded record but a {type(message).__name__}"
+        )
     return message
 
 

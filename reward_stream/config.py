@@ -5,9 +5,8 @@ from __future__ import annotations
 from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import SettingsConfigDict
 
-from rtrl.config import Settings
-
 from reward_stream.join import JoinConfig
+from rtrl.config import Settings
 
 
 class RewardStreamSettings(Settings):
@@ -78,7 +77,9 @@ class RewardStreamSettings(Settings):
         from reward_stream.reward import FUNCTIONS
 
         if self.reward_fn_version not in FUNCTIONS:
-            raise ValueError(f"reward_fn_version {self.reward_fn_version!r} is not one of {sorted(FUNCTIONS)}")
+            raise ValueError(
+                f"reward_fn_version {self.reward_fn_version!r} is not one of {sorted(FUNCTIONS)}"
+            )
         return self
 
     def join_config(self) -> JoinConfig:

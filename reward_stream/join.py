@@ -100,7 +100,14 @@ class JoinConfig:
     """How far behind the wall clock an event time may be before the event is refused."""
 
     def __post_init__(self) -> None:
-        for name in ("window_ms", "grace_ms", "deadline_slack_ms", "max_wait_ms", "settled_ttl_ms", "max_future_ms"):
+        for name in (
+            "window_ms",
+            "grace_ms",
+            "deadline_slack_ms",
+            "max_wait_ms",
+            "settled_ttl_ms",
+            "max_future_ms",
+        ):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.max_age_ms <= 0:
@@ -258,11 +265,15 @@ def step(state: JoinState, event: Event, now_ms: int) -> tuple[JoinState, list[O
         elif event.kind == "rollout":
             # Its window closed while it waited for this: it settles now.
             del state.incomplete[rollout_id]
-            closed = state.stream_time_ms >= incomplete.open_ts_ms + config.window_ms + config.grace_ms
+            closed = (
+                state.stream_time_ms >= incomplete.open_ts_ms + config.window_ms + config.grace_ms
+            )
             trigger: SettleTrigger = "stream_time" if closed else "deadline"
             outputs.append(Settled(rollout_id, event, tuple(incomplete.events), now_ms, trigger))
             incomplete.event_ids.add(event.event_id)
-            state.settled[rollout_id] = SettledMark(now_ms + state.config.settled_ttl_ms, incomplete.event_ids)
+            state.settled[rollout_id] = SettledMark(
+                now_ms + state.config.settled_ttl_ms, incomplete.event_ids
+            )
         else:
             incomplete.events.append(event)
             incomplete.event_ids.add(event.event_id)
@@ -276,8 +287,13 @@ def step(state: JoinState, event: Event, now_ms: int) -> tuple[JoinState, list[O
             event_ids={event.event_id},
             seq=seq,
         )
-        heapq.heappush(state.close_heap, (event.client_ts_ms + config.window_ms + config.grace_ms, seq, rollout_id))
-    elif event.event_id in pending.event_ids or (event.kind == "rollout" and pending.rollout is not None):
+        heapq.heappush(
+            state.close_heap,
+            (event.client_ts_ms + config.window_ms + config.grace_ms, seq, rollout_id),
+        )
+    elif event.event_id in pending.event_ids or (
+        event.kind == "rollout" and pending.rollout is not None
+    ):
         # A second RolloutRecord under a new event_id is a producer retry with a fresh
         # id; the first one holds the tokens the trainer will use.
         outputs.append(Duplicate(event))
@@ -323,7 +339,9 @@ def _read_from(state: JoinState, source: str, caught_up: bool) -> JoinState:
     return state
 
 
-def skip(state: JoinState, source: str, caught_up: bool, now_ms: int) -> tuple[JoinState, list[Output]]:
+def skip(
+    state: JoinState, source: str, caught_up: bool, now_ms: int
+) -> tuple[JoinState, list[Output]]:
     """A record of ``source`` was read that the join never sees (malformed or private):
     it still says how far that source has been read (consumes ``state``)."""
     state = _read_from(state, source, caught_up)
@@ -355,13 +373,24 @@ def _settle_ready(state: JoinState, now_ms: int) -> list[Output]:
     for rollout_id, trigger in closing.items():
         pending = state.pending.pop(rollout_id)
         if pending.rollout is not None:
-            outputs.append((pending.seq, Settled(rollout_id, pending.rollout, tuple(pending.events), now_ms, trigger)))
-            state.settled[rollout_id] = SettledMark(now_ms + config.settled_ttl_ms, pending.event_ids)
+            outputs.append(
+                (
+                    pending.seq,
+                    Settled(rollout_id, pending.rollout, tuple(pending.events), now_ms, trigger),
+                )
+            )
+            state.settled[rollout_id] = SettledMark(
+                now_ms + config.settled_ttl_ms, pending.event_ids
+            )
         else:
             state.incomplete[rollout_id] = pending
             by_wall, by_event = state.expiry_heaps
-            heapq.heappush(by_wall, (pending.first_arrival_ms + config.max_wait_ms, pending.seq, rollout_id))
-            heapq.heappush(by_event, (pending.open_ts_ms + config.max_wait_ms, pending.seq, rollout_id))
+            heapq.heappush(
+                by_wall, (pending.first_arrival_ms + config.max_wait_ms, pending.seq, rollout_id)
+            )
+            heapq.heappush(
+                by_event, (pending.open_ts_ms + config.max_wait_ms, pending.seq, rollout_id)
+            )
     # Incomplete rollouts whose RolloutRecord never came, on either clock (the wall
     # clock only while no source is behind).
     wall_clock = -1 if state.behind else now_ms
@@ -372,7 +401,9 @@ def _settle_ready(state: JoinState, now_ms: int) -> list[Output]:
             if incomplete is not None and incomplete.seq == seq:
                 del state.incomplete[rollout_id]
                 outputs.append((seq, Dropped(rollout_id, tuple(incomplete.events))))
-                state.settled[rollout_id] = SettledMark(now_ms + config.settled_ttl_ms, incomplete.event_ids)
+                state.settled[rollout_id] = SettledMark(
+                    now_ms + config.settled_ttl_ms, incomplete.event_ids
+                )
     outputs.sort(key=lambda pair: pair[0])
     return [output for _, output in outputs]
 

@@ -97,7 +97,9 @@ class MonitorConfig:
 
     def __post_init__(self) -> None:
         if self.min_samples < 2 or self.drift_window < 2:
-            raise ValueError(f"min_samples and drift_window must be >= 2, got {self.min_samples}, {self.drift_window}")
+            raise ValueError(
+                f"min_samples and drift_window must be >= 2, got {self.min_samples}, {self.drift_window}"
+            )
         if self.drift_min_shift < 0:
             raise ValueError(f"drift_min_shift must be >= 0, got {self.drift_min_shift}")
         if self.z_threshold <= 0 or self.min_shift < 0 or self.max_examples < 0:
@@ -146,7 +148,9 @@ def is_clarifying_question(completion_text: str) -> bool:
     return completion_text.strip().endswith("?") and not has_code(completion_text)
 
 
-def behaviours(record: reward_pb2.RewardRecord, rollout: rollout_pb2.RolloutRecord) -> dict[str, bool]:
+def behaviours(
+    record: reward_pb2.RewardRecord, rollout: rollout_pb2.RolloutRecord
+) -> dict[str, bool]:
     c = record.components
     return {
         "edit": c.persistence_observed or has_code(rollout.completion_text),
@@ -158,11 +162,16 @@ def behaviours(record: reward_pb2.RewardRecord, rollout: rollout_pb2.RolloutReco
 
 def values(record: reward_pb2.RewardRecord) -> dict[str, float]:
     c = record.components
-    return {**{name: getattr(c, name) for name in MEANS if name != "reward"}, "reward": record.reward}
+    return {
+        **{name: getattr(c, name) for name in MEANS if name != "reward"},
+        "reward": record.reward,
+    }
 
 
 def step(
-    state: MonitorState, record: reward_pb2.RewardRecord, rollout: rollout_pb2.RolloutRecord | None = None
+    state: MonitorState,
+    record: reward_pb2.RewardRecord,
+    rollout: rollout_pb2.RolloutRecord | None = None,
 ) -> tuple[MonitorState, list[Alert]]:
     """Count one reward record; returns the alerts it triggered (consumes ``state``).
 
@@ -185,14 +194,22 @@ def step(
         return state, alerts
     steps = [
         alert
-        for alert in (*_rate_alerts(state, previous, version), *_mean_alerts(state, previous, version))
+        for alert in (
+            *_rate_alerts(state, previous, version),
+            *_mean_alerts(state, previous, version),
+        )
         if (version, alert.metric) not in state.alerted
     ]
     state.alerted.update((version, alert.metric) for alert in steps)
     return state, alerts + steps
 
 
-def _count(tally: VersionTally, record: reward_pb2.RewardRecord, rollout: rollout_pb2.RolloutRecord, max_examples: int) -> None:
+def _count(
+    tally: VersionTally,
+    record: reward_pb2.RewardRecord,
+    rollout: rollout_pb2.RolloutRecord,
+    max_examples: int,
+) -> None:
     tally.n += 1
     for metric, flag in behaviours(record, rollout).items():
         tally.hits[metric] += flag
@@ -204,16 +221,25 @@ def _count(tally: VersionTally, record: reward_pb2.RewardRecord, rollout: rollou
         tally.squares[metric] += value * value
         for high in (True, False):
             # Keep the max_examples largest (high) or smallest values, as (value, id) pairs.
-            kept = sorted([*tally.extremes.get((metric, high), []), (value, record.rollout_id)], reverse=high)
+            kept = sorted(
+                [*tally.extremes.get((metric, high), []), (value, record.rollout_id)], reverse=high
+            )
             tally.extremes[(metric, high)] = kept[:max_examples]
 
 
-def reward_by_version(state: MonitorState, newest: int = REWARD_VERSIONS_SHOWN) -> tuple[RewardByVersion, ...]:
+def reward_by_version(
+    state: MonitorState, newest: int = REWARD_VERSIONS_SHOWN
+) -> tuple[RewardByVersion, ...]:
     """Rollouts and mean reward of the newest ``newest`` versions and of the oldest (the
     warm start, which the control arm serves), oldest first. Produced for the heartbeat;
     consumed by rtrl.ops.status_view's reward trend, which adds up the workers' counts."""
     shown = sorted({*state.ordered[:1], *state.ordered[-newest:]})
-    return tuple(RewardByVersion(v, state.versions[v].n, state.versions[v].sums["reward"] / state.versions[v].n) for v in shown)
+    return tuple(
+        RewardByVersion(
+            v, state.versions[v].n, state.versions[v].sums["reward"] / state.versions[v].n
+        )
+        for v in shown
+    )
 
 
 def _previous(state: MonitorState, version: int) -> int | None:
@@ -247,8 +273,12 @@ def _mean_alerts(state: MonitorState, previous: int, version: int) -> list[Alert
         # Two constant samples that differ are as significant as it gets.
         z = (m1 - m0) / se if se > 0 else (math.copysign(math.inf, m1 - m0) if m1 != m0 else 0.0)
         if abs(z) >= config.z_threshold and abs(m1 - m0) >= config.min_shift:
-            examples = tuple(rollout_id for _, rollout_id in after.extremes.get((metric, m1 > m0), []))
-            alerts.append(_step_alert(state, f"mean_{metric}", previous, version, m0, m1, z, examples))
+            examples = tuple(
+                rollout_id for _, rollout_id in after.extremes.get((metric, m1 > m0), [])
+            )
+            alerts.append(
+                _step_alert(state, f"mean_{metric}", previous, version, m0, m1, z, examples)
+            )
     return alerts
 
 
@@ -264,8 +294,18 @@ def _step_alert(
 ) -> Alert:
     n0, n1 = state.versions[previous].n, state.versions[version].n
     return Alert(
-        metric, previous, version, before, after, z, examples,
-        kind="step", previous_first_version=previous, first_version=version, previous_samples=n0, samples=n1,
+        metric,
+        previous,
+        version,
+        before,
+        after,
+        z,
+        examples,
+        kind="step",
+        previous_first_version=previous,
+        first_version=version,
+        previous_samples=n0,
+        samples=n1,
     )
 
 
@@ -281,8 +321,14 @@ def _drift_alerts(state: MonitorState) -> list[Alert]:
     for metric, direction in DRIFT.items():
         reference = state.drift_reference[metric]
         if reference not in pools:
-            current = _window(state, reversed(state.ordered[bisect.bisect_right(state.ordered, reference[-1]) :]))
-            pools[reference] = None if current is None else (current, _pooled(state, reference), _pooled(state, current))
+            current = _window(
+                state, reversed(state.ordered[bisect.bisect_right(state.ordered, reference[-1]) :])
+            )
+            pools[reference] = (
+                None
+                if current is None
+                else (current, _pooled(state, reference), _pooled(state, current))
+            )
         pool = pools[reference]
         if pool is None:
             continue
@@ -293,11 +339,25 @@ def _drift_alerts(state: MonitorState) -> list[Alert]:
         se = math.sqrt(pooled * (1 - pooled) * (1 / n0 + 1 / n1))
         z = (p1 - p0) / se if se > 0 else 0.0
         if direction * z >= config.z_threshold and direction * (p1 - p0) >= config.drift_min_shift:
-            examples = [i for v in reversed(current) for i in state.versions[v].examples.get((metric, direction > 0), [])]
+            examples = [
+                i
+                for v in reversed(current)
+                for i in state.versions[v].examples.get((metric, direction > 0), [])
+            ]
             alerts.append(
                 Alert(
-                    metric, reference[-1], current[-1], p0, p1, z, tuple(examples[: config.max_examples]),
-                    kind="drift", previous_first_version=reference[0], first_version=current[0], previous_samples=n0, samples=n1,
+                    metric,
+                    reference[-1],
+                    current[-1],
+                    p0,
+                    p1,
+                    z,
+                    tuple(examples[: config.max_examples]),
+                    kind="drift",
+                    previous_first_version=reference[0],
+                    first_version=current[0],
+                    previous_samples=n0,
+                    samples=n1,
                 )
             )
             state.drift_reference[metric] = current

@@ -37,7 +37,11 @@ class OutputPublisher:
         release: Callable[[object], None],
         on_refused: Callable[[str], None] | None = None,
     ) -> None:
-        self.producer = Producer(kafka.producer_config(stack, **{"linger.ms": 5, "queue.buffering.max.messages": 4 * max_in_flight}))
+        self.producer = Producer(
+            kafka.producer_config(
+                stack, **{"linger.ms": 5, "queue.buffering.max.messages": 4 * max_in_flight}
+            )
+        )
         self.max_in_flight = max_in_flight
         self.release = release
         """Called with each input handle once its outputs are durable (OrderedAcks.done)."""
@@ -64,7 +68,13 @@ class OutputPublisher:
                     release(handle)
 
         for record in batch.records:
-            self.producer.produce(record.topic, record.value, record.key, headers=list(record.headers), on_delivery=delivered)
+            self.producer.produce(
+                record.topic,
+                record.value,
+                record.key,
+                headers=list(record.headers),
+                on_delivery=delivered,
+            )
         self.producer.poll(0)
 
     def poll(self) -> None:

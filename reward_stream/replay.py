@@ -80,7 +80,9 @@ class Replay:
 
 
 def read_retained(
-    settings: StackSettings, topic_names: tuple[str, ...] = topics.TELEMETRY, timeout_s: float = 60.0
+    settings: StackSettings,
+    topic_names: tuple[str, ...] = topics.TELEMETRY,
+    timeout_s: float = 60.0,
 ) -> list[RetainedRecord]:
     """Every record of the topics (by default the join's inputs), up to the log ends seen when called."""
     tps = kafka.partitions(settings, topic_names)
@@ -107,7 +109,9 @@ def read_retained(
                     kind, timestamp_ms = msg.timestamp()
                     known = timestamp_ms if kind != TIMESTAMP_NOT_AVAILABLE else None
                     headers = kafka.record_headers(msg)
-                    records.append(RetainedRecord(topic, partition, msg.key(), msg.value(), known, headers))
+                    records.append(
+                        RetainedRecord(topic, partition, msg.key(), msg.value(), known, headers)
+                    )
                 if offset + 1 >= ends[tp]:
                     remaining.discard(tp)
     finally:
@@ -116,19 +120,29 @@ def read_retained(
 
 
 def rejoin(
-    retained: list[RetainedRecord], config: join.JoinConfig, version: str, rollout_verifier: signing.Verifier | None = None
+    retained: list[RetainedRecord],
+    config: join.JoinConfig,
+    version: str,
+    rollout_verifier: signing.Verifier | None = None,
 ) -> Replay:
     """The pure part: join retained records per partition on an event-time clock. With
     ``rollout_verifier`` (the command always has one), a rollout no worker signed is skipped
     as the live joiner dead-letters it."""
     if version not in reward.FUNCTIONS:
-        raise KeyError(f"unknown reward function version {version!r}; known: {sorted(reward.FUNCTIONS)}")
+        raise KeyError(
+            f"unknown reward function version {version!r}; known: {sorted(reward.FUNCTIONS)}"
+        )
     by_partition: dict[int, list[join.Event]] = defaultdict(list)
     skipped = unauthenticated = 0
     for record in retained:
-        if record.topic == topics.ROLLOUT and rollout_verifier is not None and rollout_verifier.problem(
-            # Empty stands in for a header without a value: the verifier finds either unsigned.
-            record.value or b"", [(name, value or b"") for name, value in record.headers]
+        if (
+            record.topic == topics.ROLLOUT
+            and rollout_verifier is not None
+            and rollout_verifier.problem(
+                # Empty stands in for a header without a value: the verifier finds either unsigned.
+                record.value or b"",
+                [(name, value or b"") for name, value in record.headers],
+            )
         ):
             skipped += 1
             unauthenticated += 1
@@ -139,7 +153,9 @@ def rejoin(
             skipped += 1
             continue
         if record.timestamp_ms is not None and not (
-            record.timestamp_ms - config.max_age_ms <= event.client_ts_ms <= record.timestamp_ms + config.max_future_ms
+            record.timestamp_ms - config.max_age_ms
+            <= event.client_ts_ms
+            <= record.timestamp_ms + config.max_future_ms
         ):
             skipped += 1
             continue
@@ -153,18 +169,27 @@ def rejoin(
             state, out = join.step(state, event, max(state.stream_time_ms, event.client_ts_ms))
             outputs.extend(out)
         # Past every deadline and max_wait: everything still pending settles or is dropped.
-        state, out = join.tick(state, state.stream_time_ms + config.max_wait_ms + config.window_ms + 1)
+        state, out = join.tick(
+            state, state.stream_time_ms + config.max_wait_ms + config.window_ms + 1
+        )
         outputs.extend(out)
         for output in outputs:
             if isinstance(output, join.Settled):
                 rollout, telemetry = rollout_of(output.rollout), telemetry_of(output.events)
-                records.append(reward.reward_record(rollout, telemetry, output.settled_ts_ms, version))
+                records.append(
+                    reward.reward_record(rollout, telemetry, output.settled_ts_ms, version)
+                )
             dropped += isinstance(output, join.Dropped)
             late += isinstance(output, join.Late)
     return Replay(version, tuple(records), skipped, dropped, late, unauthenticated)
 
 
-def publish(settings: StackSettings, result: Replay, timeout_s: float = 30.0, signer: signing.Signer | None = None) -> str:
+def publish(
+    settings: StackSettings,
+    result: Replay,
+    timeout_s: float = 30.0,
+    signer: signing.Signer | None = None,
+) -> str:
     """Write the replayed records to their own topic, signed as the joiner signs (a trainer
     trains on nothing else); returns its name."""
     if signer is None:
@@ -172,7 +197,9 @@ def publish(settings: StackSettings, result: Replay, timeout_s: float = 30.0, si
 
         key = RewardStreamSettings().signing_key.get_secret_value()
         if not key:
-            raise RuntimeError("RTRL_REWARD_SIGNING_KEY is not set: a replay is signed with the joiner's key, or no trainer takes it")
+            raise RuntimeError(
+                "RTRL_REWARD_SIGNING_KEY is not set: a replay is signed with the joiner's key, or no trainer takes it"
+            )
         signer = signing.Signer(key, signing.Purpose.REWARD)
     topic = topics.reward_replay(result.version)
     kafka.ensure_topics(settings, (topic,))
@@ -185,7 +212,13 @@ def publish(settings: StackSettings, result: Replay, timeout_s: float = 30.0, si
 
     for record in result.records:
         value = record.SerializeToString()
-        producer.produce(topic, value, key=record.rollout_id.encode(), headers=list(signer.headers(value)), on_delivery=on_delivery)
+        producer.produce(
+            topic,
+            value,
+            key=record.rollout_id.encode(),
+            headers=list(signer.headers(value)),
+            on_delivery=on_delivery,
+        )
     undelivered = producer.flush(timeout_s)
     producer.close()
     if undelivered or errors:
@@ -194,7 +227,11 @@ def publish(settings: StackSettings, result: Replay, timeout_s: float = 30.0, si
 
 
 def replay(
-    settings: StackSettings, config: join.JoinConfig, version: str, write: bool = True, rollout_verifier: signing.Verifier | None = None
+    settings: StackSettings,
+    config: join.JoinConfig,
+    version: str,
+    write: bool = True,
+    rollout_verifier: signing.Verifier | None = None,
 ) -> Replay:
     result = rejoin(read_retained(settings), config, version, rollout_verifier)
     if write:
@@ -204,14 +241,20 @@ def replay(
 
 def main() -> None:
     if len(sys.argv) != 2 or sys.argv[1] not in reward.FUNCTIONS:
-        print(f"usage: python -m reward_stream.replay VERSION  (one of {sorted(reward.FUNCTIONS)})\n{__doc__}")
+        print(
+            f"usage: python -m reward_stream.replay VERSION  (one of {sorted(reward.FUNCTIONS)})\n{__doc__}"
+        )
         raise SystemExit(2)
     from reward_stream.config import RewardStreamSettings
 
     settings = RewardStreamSettings()
     if not settings.rollout_public_keys.strip():
-        raise SystemExit("RTRL_REWARD_ROLLOUT_PUBLIC_KEYS is not set: a replay joins only rollouts an inference worker signed")
-    verifier = signing.Verifier(signing.parse_public_keys(settings.rollout_public_keys), signing.Purpose.ROLLOUT)
+        raise SystemExit(
+            "RTRL_REWARD_ROLLOUT_PUBLIC_KEYS is not set: a replay joins only rollouts an inference worker signed"
+        )
+    verifier = signing.Verifier(
+        signing.parse_public_keys(settings.rollout_public_keys), signing.Purpose.ROLLOUT
+    )
     result = replay(StackSettings(), settings.join_config(), sys.argv[1], rollout_verifier=verifier)
     print(
         f"{topics.reward_replay(result.version)}: {len(result.records)} rewards, "

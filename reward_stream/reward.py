@@ -129,7 +129,9 @@ _NAMESPACE_BYTES = REWARD_ID_NAMESPACE.bytes
 _REJECTED = telemetry_pb2.EditOutcome.OUTCOME_REJECTED
 
 
-def _newest(events: Sequence[telemetry_pb2.TelemetryEvent], payload: str) -> telemetry_pb2.TelemetryEvent | None:
+def _newest(
+    events: Sequence[telemetry_pb2.TelemetryEvent], payload: str
+) -> telemetry_pb2.TelemetryEvent | None:
     matching = [e for e in events if e.WhichOneof("payload") == payload]
     # max keeps the first of equal timestamps; reversed makes it the last to arrive.
     return max(reversed(matching), key=lambda e: e.client_ts_ms) if matching else None
@@ -166,7 +168,9 @@ def reward(c: reward_pb2.RewardComponents) -> float:
     )
 
 
-def made_no_edit(rollout: rollout_pb2.RolloutRecord, telemetry: Sequence[telemetry_pb2.TelemetryEvent]) -> bool:
+def made_no_edit(
+    rollout: rollout_pb2.RolloutRecord, telemetry: Sequence[telemetry_pb2.TelemetryEvent]
+) -> bool:
     """No edit was shown or snapshotted and the completion holds no code (r3)."""
     kinds = {e.WhichOneof("payload") for e in telemetry}
     return not kinds & {"edit_shown", "persistence"} and not has_code(rollout.completion_text)
@@ -188,7 +192,9 @@ def persistence_trust(age_s: float) -> float:
 
 
 def effort_penalty_r2(completion_tokens: int, tool_calls: int) -> float:
-    excess = max(0.0, completion_tokens / TOKEN_BUDGET - 1.0) + max(0.0, tool_calls / TOOL_CALL_BUDGET - 1.0)
+    excess = max(0.0, completion_tokens / TOKEN_BUDGET - 1.0) + max(
+        0.0, tool_calls / TOOL_CALL_BUDGET - 1.0
+    )
     return min(EFFORT_CAP_R2, EFFORT_WEIGHT_R2 * excess**2)
 
 
@@ -207,7 +213,10 @@ def components_r2(
         if age_s <= 0 and shown is not None:
             age_s = (snapshot.client_ts_ms - shown.client_ts_ms) / 1000
         trust = persistence_trust(age_s)
-        persisted = trust * _snapshot_fraction(rollout, shown, snapshot) + (1.0 - trust) * PERSISTENCE_DEFAULT
+        persisted = (
+            trust * _snapshot_fraction(rollout, shown, snapshot)
+            + (1.0 - trust) * PERSISTENCE_DEFAULT
+        )
     else:
         persisted = _unobserved_persistence(telemetry)
     followups = _followups(telemetry)
@@ -217,7 +226,9 @@ def components_r2(
         persisted_fraction=persisted,
         persistence_observed=snapshot is not None,
         dissatisfied=max(dissatisfaction(followups)) if followups else 0.0,
-        effort_penalty=effort_penalty_r2(len(rollout.completion_token_ids), len(rollout.tool_calls)),
+        effort_penalty=effort_penalty_r2(
+            len(rollout.completion_token_ids), len(rollout.tool_calls)
+        ),
     )
 
 
@@ -279,7 +290,10 @@ class RewardFunction:
     """One version of the reward: how components are computed and folded into the scalar."""
 
     version: str
-    components: Callable[[rollout_pb2.RolloutRecord, Sequence[telemetry_pb2.TelemetryEvent]], reward_pb2.RewardComponents]
+    components: Callable[
+        [rollout_pb2.RolloutRecord, Sequence[telemetry_pb2.TelemetryEvent]],
+        reward_pb2.RewardComponents,
+    ]
     scalar: Callable[[reward_pb2.RewardComponents], float]
 
 
@@ -368,7 +382,9 @@ def encode_with_rollout(record: reward_pb2.RewardRecord, rollout_bytes: bytes) -
     the inference worker wrote, fields this version does not know included."""
     if record.HasField("rollout"):
         raise ValueError("record already holds a rollout; build it with with_rollout=False")
-    return b"".join((record.SerializeToString(), _ROLLOUT_KEY, _varint(len(rollout_bytes)), rollout_bytes))
+    return b"".join(
+        (record.SerializeToString(), _ROLLOUT_KEY, _varint(len(rollout_bytes)), rollout_bytes)
+    )
 
 
 def _varint(n: int) -> bytes:

@@ -48,7 +48,10 @@ _tracer = trace.get_tracer("rtrl.reward_stream")
 _ARMS = {1: "control", 2: "treatment"}
 COMPONENTS = ("persisted_fraction", "dissatisfied", "tool_call_validity", "effort_penalty")
 
-SOURCE_OF_TOPIC = {topics.ROLLOUT: join.SOURCE["rollout"], **{topic: join.SOURCE[kind] for kind, topic in topics.BY_PAYLOAD.items()}}
+SOURCE_OF_TOPIC = {
+    topics.ROLLOUT: join.SOURCE["rollout"],
+    **{topic: join.SOURCE[kind] for kind, topic in topics.BY_PAYLOAD.items()},
+}
 
 
 @dataclass(slots=True)
@@ -130,7 +133,13 @@ class Joiner:
         self.alerts: deque[monitors.Alert] = deque(maxlen=20)
 
     def feed(
-        self, topic: str, partition: int, offset: int, key: bytes | None, value: bytes | None, now_ms: int
+        self,
+        topic: str,
+        partition: int,
+        offset: int,
+        key: bytes | None,
+        value: bytes | None,
+        now_ms: int,
     ) -> list[OutRecord]:
         return self.feed_record(topic, partition, offset, key, value, now_ms).records
 
@@ -168,7 +177,9 @@ class Joiner:
         records are read again by the new owner from the committed offsets."""
         for partition in partitions:
             self.states.pop(partition, None)
-        self.start_ends = {tp: end for tp, end in self.start_ends.items() if tp[1] not in partitions}
+        self.start_ends = {
+            tp: end for tp, end in self.start_ends.items() if tp[1] not in partitions
+        }
 
     def feed_record(
         self,
@@ -199,12 +210,16 @@ class Joiner:
             self._authenticate(topic, value, headers)
             event = decode(topic, key, value, handle, caught_up)
         except (MalformedEvent, PrivacyModeEvent) as exc:
-            self.states[partition], outputs = join.skip(state, SOURCE_OF_TOPIC[topic], caught_up, now_ms)
+            self.states[partition], outputs = join.skip(
+                state, SOURCE_OF_TOPIC[topic], caught_up, now_ms
+            )
             batch = self._batch(outputs)
             if isinstance(exc, PrivacyModeEvent):
                 self.counters.privacy_dropped += 1
             else:
-                batch.records.append(self._dead_letter(str(exc), topic, partition, offset, key, value))
+                batch.records.append(
+                    self._dead_letter(str(exc), topic, partition, offset, key, value)
+                )
             if handle is not None:
                 batch.acks.append(handle)
             return batch
@@ -212,10 +227,14 @@ class Joiner:
         batch = self._batch(outputs)
         if outputs and isinstance(refused := outputs[0], join.Refused):
             # Its handle is acknowledged by _batch along with the dead letter.
-            batch.records.insert(0, self._dead_letter(refused.reason, topic, partition, offset, key, value))
+            batch.records.insert(
+                0, self._dead_letter(refused.reason, topic, partition, offset, key, value)
+            )
         return batch
 
-    def _authenticate(self, topic: str, value: bytes | None, headers: Sequence[tuple[str, bytes]] | None) -> None:
+    def _authenticate(
+        self, topic: str, value: bytes | None, headers: Sequence[tuple[str, bytes]] | None
+    ) -> None:
         if topic != topics.ROLLOUT or self.rollout_verifier is None:
             return
         problem = self.rollout_verifier.problem(value or b"", headers)
@@ -223,7 +242,15 @@ class Joiner:
             self.counters.unauthenticated += 1
             raise UnauthenticatedRollout(f"rollout not signed by an inference worker: {problem}")
 
-    def _dead_letter(self, reason: str, topic: str, partition: int, offset: int, key: bytes | None, value: bytes | None) -> OutRecord:
+    def _dead_letter(
+        self,
+        reason: str,
+        topic: str,
+        partition: int,
+        offset: int,
+        key: bytes | None,
+        value: bytes | None,
+    ) -> OutRecord:
         """The input record as read, for the .dlq topic, with why it cannot be joined."""
         self.counters.dlq += 1
         headers = (
@@ -265,11 +292,17 @@ class Joiner:
                 acks.extend(e.handle for e in (output.rollout, *output.events))
                 rollout, telemetry = rollout_of(output.rollout), telemetry_of(output.events)
                 record = reward.reward_record(
-                    rollout, telemetry, output.settled_ts_ms, self.reward_fn_version, with_rollout=False
+                    rollout,
+                    telemetry,
+                    output.settled_ts_ms,
+                    self.reward_fn_version,
+                    with_rollout=False,
                 )
                 self.counters.settled += 1
                 self.counters.defaulted += record.defaulted
-                self.counters.foreign += len(telemetry) - len(reward.from_its_client(rollout, telemetry))
+                self.counters.foreign += len(telemetry) - len(
+                    reward.from_its_client(rollout, telemetry)
+                )
                 self._watch(record, rollout)
                 self._observe(record, rollout)
                 raw = output.rollout.raw
@@ -287,10 +320,17 @@ class Joiner:
                 acks.append(output.event.handle)
                 self.counters.late += 1
                 event = output.event
-                source = topics.ROLLOUT if event.kind == "rollout" else topics.BY_PAYLOAD[event.kind]
+                source = (
+                    topics.ROLLOUT if event.kind == "rollout" else topics.BY_PAYLOAD[event.kind]
+                )
                 headers = (("source_topic", source.encode()), ("kind", event.kind.encode()))
                 records.append(
-                    OutRecord(topics.REWARD_LATE, event.rollout_id.encode(), message_of(event).SerializeToString(), headers)
+                    OutRecord(
+                        topics.REWARD_LATE,
+                        event.rollout_id.encode(),
+                        message_of(event).SerializeToString(),
+                        headers,
+                    )
                 )
             elif isinstance(output, join.Refused):
                 acks.append(output.event.handle)
@@ -309,10 +349,18 @@ class Joiner:
         components = record.components
         for name in COMPONENTS:
             self.component_sums[arm, name] += getattr(components, name)
-        span = _tracer.start_span("reward settle", context=otel.parent(rollout.traceparent), kind=trace.SpanKind.PRODUCER, attributes={
-            "messaging.system": "kafka", "messaging.operation.type": "publish", "messaging.destination.name": topics.REWARD,
-            "rtrl.rollout_id": record.rollout_id, "rtrl.reward": record.reward,
-        })
+        span = _tracer.start_span(
+            "reward settle",
+            context=otel.parent(rollout.traceparent),
+            kind=trace.SpanKind.PRODUCER,
+            attributes={
+                "messaging.system": "kafka",
+                "messaging.operation.type": "publish",
+                "messaging.destination.name": topics.REWARD,
+                "rtrl.rollout_id": record.rollout_id,
+                "rtrl.reward": record.reward,
+            },
+        )
         record.traceparent = otel.traceparent_of(span)
         span.end()
 
@@ -322,7 +370,12 @@ class Joiner:
         for alert in alerts:
             log.warning(
                 "reward-hacking alert: %s moved %.3f -> %.3f from v%d to v%d (z %.1f), e.g. %s",
-                alert.metric, alert.previous_value, alert.value, alert.previous_version, alert.version, alert.z_score, ", ".join(alert.examples),
+                alert.metric,
+                alert.previous_value,
+                alert.value,
+                alert.previous_version,
+                alert.version,
+                alert.z_score,
+                ", ".join(alert.examples),
             )
         self.alerts.extend(alerts)
-

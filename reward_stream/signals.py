@@ -109,7 +109,9 @@ def _scorer() -> Callable[[list[str]], list[float]]:
     from reward_stream import classifier
 
     try:
-        model = classifier.DissatisfactionClassifier(classifier.load_encoder(), classifier.load_head())
+        model = classifier.DissatisfactionClassifier(
+            classifier.load_encoder(), classifier.load_head()
+        )
     except ImportError as exc:
         log.warning("dissatisfaction: rule fallback (trained classifier unavailable: %s)", exc)
         return _rule_scores

@@ -51,7 +51,12 @@ class TrainConfig:
     """Seeds torch so the head is bit-for-bit reproducible on one machine."""
 
     def __post_init__(self) -> None:
-        if min(self.l2_grid, default=-1) < 0 or self.cv_folds < 2 or self.max_iter < 1 or not 0 < self.threshold < 1:
+        if (
+            min(self.l2_grid, default=-1) < 0
+            or self.cv_folds < 2
+            or self.max_iter < 1
+            or not 0 < self.threshold < 1
+        ):
             raise ValueError(f"bad TrainConfig: {self}")
 
 
@@ -75,12 +80,16 @@ def metrics(predicted: list[bool], labels: list[int]) -> Metrics:
     return Metrics(correct / len(labels), precision, recall, f1, len(labels))
 
 
-def fit_head(embeddings: torch.Tensor, labels: torch.Tensor, l2: float, config: TrainConfig) -> Head:
+def fit_head(
+    embeddings: torch.Tensor, labels: torch.Tensor, l2: float, config: TrainConfig
+) -> Head:
     """Logistic regression by full-batch L-BFGS: a few hundred rows, a convex loss."""
     torch.manual_seed(config.seed)
     weight = torch.zeros(embeddings.shape[1], requires_grad=True)
     bias = torch.zeros((), requires_grad=True)
-    optimizer = torch.optim.LBFGS([weight, bias], max_iter=config.max_iter, line_search_fn="strong_wolfe")
+    optimizer = torch.optim.LBFGS(
+        [weight, bias], max_iter=config.max_iter, line_search_fn="strong_wolfe"
+    )
 
     def closure() -> torch.Tensor:
         optimizer.zero_grad()
@@ -94,10 +103,14 @@ def fit_head(embeddings: torch.Tensor, labels: torch.Tensor, l2: float, config: 
     return Head(weight.detach().clone(), bias.detach().clone(), config.threshold)
 
 
-def choose_l2(embeddings: torch.Tensor, train: list[FollowUp], config: TrainConfig) -> dict[float, float]:
+def choose_l2(
+    embeddings: torch.Tensor, train: list[FollowUp], config: TrainConfig
+) -> dict[float, float]:
     """Cross-validated F1 per candidate L2 weight, folds grouped by template so each
     validation fold, like the held-out split, holds only phrasings its head never saw."""
-    fold = torch.tensor([int(hashlib.md5(f.template.encode()).hexdigest(), 16) % config.cv_folds for f in train])
+    fold = torch.tensor(
+        [int(hashlib.md5(f.template.encode()).hexdigest(), 16) % config.cv_folds for f in train]
+    )
     labels = torch.tensor([float(f.label) for f in train])
     scores = {}
     for l2 in config.l2_grid:
@@ -106,7 +119,9 @@ def choose_l2(embeddings: torch.Tensor, train: list[FollowUp], config: TrainConf
         for k in range(config.cv_folds):
             head = fit_head(embeddings[fold != k], labels[fold != k], l2, config)
             predicted += (head.probability(embeddings[fold == k]) >= head.threshold).tolist()
-            truth += [f.label for f, in_fold in zip(train, (fold == k).tolist(), strict=True) if in_fold]
+            truth += [
+                f.label for f, in_fold in zip(train, (fold == k).tolist(), strict=True) if in_fold
+            ]
         scores[l2] = metrics(predicted, truth).f1
     return scores
 
@@ -136,7 +151,9 @@ def main(config: TrainConfig = TrainConfig()) -> None:
     torch.set_num_threads(min(torch.get_num_threads(), 2))  # the CI box is shared
     corpus = load()
     encoder = load_encoder()
-    embeddings = torch.cat([encoder.embed([f.message for f in corpus[i:i + 64]]) for i in range(0, len(corpus), 64)])
+    embeddings = torch.cat(
+        [encoder.embed([f.message for f in corpus[i : i + 64]]) for i in range(0, len(corpus), 64)]
+    )
     is_train = torch.tensor([f.split == "train" for f in corpus])
     labels = torch.tensor([float(f.label) for f in corpus])
     heldout = [f for f in corpus if f.split == "heldout"]
@@ -163,17 +180,24 @@ def main(config: TrainConfig = TrainConfig()) -> None:
     }
     HEAD_META_PATH.write_text(json.dumps(meta, indent=2) + "\n")
 
-    table = Table(title=f"dissatisfaction, held-out split ({len(heldout)} messages, templates unseen in training)")
+    table = Table(
+        title=f"dissatisfaction, held-out split ({len(heldout)} messages, templates unseen in training)"
+    )
     for column in ("scorer", "accuracy", "precision", "recall", "F1"):
         table.add_column(column, justify="left" if column == "scorer" else "right")
     for name, m in results.items():
         table.add_row(name, *(f"{v:.3f}" for v in (m.accuracy, m.precision, m.recall, m.f1)))
     console = Console()
-    console.print(f"L2 weight {l2:g} (grouped {config.cv_folds}-fold CV F1 on train: "
-                  + ", ".join(f"{k:g}: {v:.3f}" for k, v in cv_f1.items()) + ")")
+    console.print(
+        f"L2 weight {l2:g} (grouped {config.cv_folds}-fold CV F1 on train: "
+        + ", ".join(f"{k:g}: {v:.3f}" for k, v in cv_f1.items())
+        + ")"
+    )
     console.print(table)
     batched, unbatched = _latency_ms(encoder, [f.message for f in heldout[:64]])
-    console.print(f"embedding latency per message: {batched:.2f} ms batched (64), {unbatched:.2f} ms one by one")
+    console.print(
+        f"embedding latency per message: {batched:.2f} ms batched (64), {unbatched:.2f} ms one by one"
+    )
     console.print(f"wrote {HEAD_PATH} and {HEAD_META_PATH.name}")
 
 

@@ -96,7 +96,9 @@ class ApiKey:
 
     def allows(self, event_type: str) -> bool:
         """May send events of this type (``*`` covers every event type, not completions)."""
-        return (ALL_EVENTS in self.scopes and event_type in EVENT_TYPES) or event_type in self.scopes
+        return (
+            ALL_EVENTS in self.scopes and event_type in EVENT_TYPES
+        ) or event_type in self.scopes
 
 
 class KeyAuthority:
@@ -108,11 +110,17 @@ class KeyAuthority:
     def signed(self, digest: str, fields: dict[str, str]) -> dict[str, str]:
         """``fields`` with the signature over them (and the key's hash) added."""
         signature = self._signer.sign(_claim(digest, fields))
-        return {**fields, "sig": base64.b64encode(signature).decode(), "signer": self._signer.key_id}
+        return {
+            **fields,
+            "sig": base64.b64encode(signature).decode(),
+            "signer": self._signer.key_id,
+        }
 
 
 def _claim(digest: str, fields: dict[str, str]) -> bytes:
-    return "\n".join([digest, *(f"{name}={fields.get(name, '')}" for name in SIGNED_FIELDS)]).encode()
+    return "\n".join(
+        [digest, *(f"{name}={fields.get(name, '')}" for name in SIGNED_FIELDS)]
+    ).encode()
 
 
 def _str(reply: bytes | str) -> str:
@@ -121,7 +129,12 @@ def _str(reply: bytes | str) -> str:
 
 
 def _text(fields: dict) -> dict[str, str]:
-    return {(k.decode() if isinstance(k, bytes) else k): (v.decode() if isinstance(v, bytes) else str(v)) for k, v in fields.items()}
+    return {
+        (k.decode() if isinstance(k, bytes) else k): (
+            v.decode() if isinstance(v, bytes) else str(v)
+        )
+        for k, v in fields.items()
+    }
 
 
 async def issue_key(
@@ -147,32 +160,43 @@ async def issue_key(
         raise ValueError(f"unknown scopes {sorted(unknown)}; known: {sorted(SCOPES)}")
     if rate_per_s is not None and rate_per_s < 0:
         raise ValueError(f"rate_per_s must be >= 0, got {rate_per_s}")
-    for name, value in (("max_request_bytes", max_request_bytes), ("max_tokens", max_tokens), ("max_concurrency", max_concurrency)):
+    for name, value in (
+        ("max_request_bytes", max_request_bytes),
+        ("max_tokens", max_tokens),
+        ("max_concurrency", max_concurrency),
+    ):
         if value < 0:
             raise ValueError(f"{name} must be >= 0, got {value}")
     api_key = "rtrl_" + base64.urlsafe_b64encode(secrets.token_bytes(24)).decode().rstrip("=")
     digest = key_hash(api_key)
     rate = float(rate_per_s or 0)
-    fields = _text({
-        "client_id": client_id,
-        "scopes": ",".join(sorted(wanted)),
-        "rate_per_s": rate,
-        "burst": float(burst if burst is not None else max(rate, 1.0)),
-        "revoked": 0,
-        "expires_ms": 0,
-        "max_request_bytes": int(max_request_bytes),
-        "max_tokens": int(max_tokens),
-        "max_concurrency": int(max_concurrency),
-    })
+    fields = _text(
+        {
+            "client_id": client_id,
+            "scopes": ",".join(sorted(wanted)),
+            "rate_per_s": rate,
+            "burst": float(burst if burst is not None else max(rate, 1.0)),
+            "revoked": 0,
+            "expires_ms": 0,
+            "max_request_bytes": int(max_request_bytes),
+            "max_tokens": int(max_tokens),
+            "max_concurrency": int(max_concurrency),
+        }
+    )
     async with redis.pipeline(transaction=True) as pipe:
         # redis types the mapping's keys invariantly (Mapping[FieldT, ...]): a dict[str, ...] is refused.
-        pipe.hset(KEY_PREFIX + digest, mapping={**authority.signed(digest, fields), "created_ms": now_ms()})  # type: ignore[dict-item]
+        pipe.hset(
+            KEY_PREFIX + digest,
+            mapping={**authority.signed(digest, fields), "created_ms": now_ms()},
+        )  # type: ignore[dict-item]
         pipe.sadd(CLIENT_PREFIX + client_id, digest)
         await pipe.execute()
     return api_key
 
 
-async def _amend(redis: aioredis.Redis, authority: KeyAuthority, digest: str, **changes: object) -> bool:
+async def _amend(
+    redis: aioredis.Redis, authority: KeyAuthority, digest: str, **changes: object
+) -> bool:
     """Change signed fields of a key record and sign it again; False if there is no record."""
     async with redis.pipeline(transaction=True) as pipe:
         await pipe.watch(KEY_PREFIX + digest)
@@ -204,11 +228,17 @@ def call_sync(redis_url: str, function, *args, **kwargs):
 
 async def revoke_key(redis: aioredis.Redis, authority: KeyAuthority, api_key_or_hash: str) -> bool:
     """Revoke one key (given as the key or its hash); False if it does not exist."""
-    digest = api_key_or_hash if len(api_key_or_hash) == 64 and not api_key_or_hash.startswith("rtrl_") else key_hash(api_key_or_hash)
+    digest = (
+        api_key_or_hash
+        if len(api_key_or_hash) == 64 and not api_key_or_hash.startswith("rtrl_")
+        else key_hash(api_key_or_hash)
+    )
     return await _amend(redis, authority, digest, revoked=1)
 
 
-async def rotate_keys(redis: aioredis.Redis, authority: KeyAuthority, client_id: str, grace_s: float, **issue) -> str:
+async def rotate_keys(
+    redis: aioredis.Redis, authority: KeyAuthority, client_id: str, grace_s: float, **issue
+) -> str:
     """A new key for the client, with the scopes and budgets of its newest key unless
     ``issue`` says otherwise; its existing keys expire after ``grace_s``."""
     old = await redis.smembers(CLIENT_PREFIX + client_id)
@@ -280,7 +310,9 @@ class KeyVerifier:
             signature = base64.b64decode(fields.get("sig", ""), validate=True)
         except ValueError:
             return "a signature that is not base64"
-        return self._verifier.signature_problem(_claim(digest, fields), signature, fields.get("signer"))
+        return self._verifier.signature_problem(
+            _claim(digest, fields), signature, fields.get("signer")
+        )
 
 
 class KeyCache:
@@ -316,11 +348,18 @@ class KeyCache:
                 record = self._verified[digest] = _parse(digest, fields)
             else:
                 self.forged += 1
-                log.warning("API key record %s… in Redis is not the operator's (%s): treated as no key", digest[:12], problem)
+                log.warning(
+                    "API key record %s… in Redis is not the operator's (%s): treated as no key",
+                    digest[:12],
+                    problem,
+                )
         elif digest in self._verified:
             record = self._verified[digest]
             if not self.vanished:
-                log.warning("API key record %s… is gone from Redis (was Redis lost?): serving its last verified copy", digest[:12])
+                log.warning(
+                    "API key record %s… is gone from Redis (was Redis lost?): serving its last verified copy",
+                    digest[:12],
+                )
             self.vanished += 1
         if len(self._entries) > 100_000:
             self._entries.clear()
@@ -365,5 +404,7 @@ class RateLimiter:
             return 0.0
         # A request larger than the burst could never pass: it is judged against the burst.
         wanted = min(float(events), key.burst)
-        wait_ms = await self._script(keys=[BUCKET_PREFIX + key.key_hash], args=[key.rate_per_s, key.burst, now_ms(), wanted])
+        wait_ms = await self._script(
+            keys=[BUCKET_PREFIX + key.key_hash], args=[key.rate_per_s, key.burst, now_ms(), wanted]
+        )
         return int(wait_ms) / 1000

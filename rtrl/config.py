@@ -133,8 +133,12 @@ class StackSettings(Settings):
 
     @model_validator(mode="after")
     def _sasl_has_credentials(self) -> StackSettings:
-        if self.kafka_security_protocol.startswith("SASL_") and not (self.kafka_sasl_username and self.kafka_sasl_password.get_secret_value()):
-            raise ValueError(f"kafka_security_protocol {self.kafka_security_protocol} needs kafka_sasl_username and kafka_sasl_password")
+        if self.kafka_security_protocol.startswith("SASL_") and not (
+            self.kafka_sasl_username and self.kafka_sasl_password.get_secret_value()
+        ):
+            raise ValueError(
+                f"kafka_security_protocol {self.kafka_security_protocol} needs kafka_sasl_username and kafka_sasl_password"
+            )
         return self
 
     def resolved_clickhouse_url(self) -> str:

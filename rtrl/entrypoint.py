@@ -52,7 +52,11 @@ def usage(prog: str, summary: str | None, classes: Sequence[type[BaseSettings]])
             if field.is_required():
                 default = "required"
             elif isinstance(value, SecretStr):
-                default = "secret, default empty" if not value.get_secret_value() else "secret, has a default"
+                default = (
+                    "secret, default empty"
+                    if not value.get_secret_value()
+                    else "secret, has a default"
+                )
             else:
                 default = f"default {value!r}"
             description = " ".join((field.description or "").split())
@@ -62,7 +66,9 @@ def usage(prog: str, summary: str | None, classes: Sequence[type[BaseSettings]])
     return "\n".join(lines)
 
 
-def parse_settings(prog: str, summary: str | None, *classes: type[BaseSettings], argv: Sequence[str] | None = None) -> tuple[Any, ...]:
+def parse_settings(
+    prog: str, summary: str | None, *classes: type[BaseSettings], argv: Sequence[str] | None = None
+) -> tuple[Any, ...]:
     """Each settings class read from the environment, in order; ``--help`` prints the usage
     and exits 0, anything else on the command line or a bad setting exits 2."""
     args = list(sys.argv[1:] if argv is None else argv)
@@ -70,7 +76,10 @@ def parse_settings(prog: str, summary: str | None, *classes: type[BaseSettings],
         print(usage(prog, summary, classes))
         sys.exit(0)
     if args:
-        _usage_error(prog, f"unexpected arguments {' '.join(args)!r}: settings come from environment variables (see --help)")
+        _usage_error(
+            prog,
+            f"unexpected arguments {' '.join(args)!r}: settings come from environment variables (see --help)",
+        )
     parsed = []
     for cls in classes:
         try:

@@ -26,7 +26,9 @@ class EventTimeWindow:
 
     def __post_init__(self) -> None:
         if self.max_future_ms < 0 or self.max_age_ms <= 0:
-            raise ValueError(f"max_future_ms must be >= 0 and max_age_ms > 0, got {self.max_future_ms} and {self.max_age_ms}")
+            raise ValueError(
+                f"max_future_ms must be >= 0 and max_age_ms > 0, got {self.max_future_ms} and {self.max_age_ms}"
+            )
 
     @classmethod
     def of_seconds(cls, max_future_s: float, max_age_s: float) -> EventTimeWindow:
@@ -36,7 +38,9 @@ class EventTimeWindow:
         """Why ``ts_ms`` is out of the window around ``now_ms`` (the ``clock`` named in
         the reason, e.g. "gateway clock"), or None when it is inside."""
         if ts_ms > now_ms + self.max_future_ms:
-            return f"{ts_ms} is more than {duration(self.max_future_ms)} after the {clock} ({now_ms})"
+            return (
+                f"{ts_ms} is more than {duration(self.max_future_ms)} after the {clock} ({now_ms})"
+            )
         if ts_ms < now_ms - self.max_age_ms:
             return f"{ts_ms} is more than {duration(self.max_age_ms)} before the {clock} ({now_ms})"
         return None

@@ -232,7 +232,9 @@ class AnalyticsBeat:
     """Rows inserted per table."""
 
 
-Beat = Union[IngestBeat, RewardStreamBeat, TrainerBeat, InferenceBeat, WeightSyncBeat, AnalyticsBeat]
+Beat = Union[
+    IngestBeat, RewardStreamBeat, TrainerBeat, InferenceBeat, WeightSyncBeat, AnalyticsBeat
+]
 
 BEATS: dict[str, type[Beat]] = {
     "ingest": IngestBeat,
@@ -271,7 +273,12 @@ def document(service: str, instance: str, beat: Beat, ts: float | None = None) -
     """The JSON document stored for a beat: the envelope and the beat's fields side by side."""
     if not isinstance(beat, BEATS[service]):
         raise TypeError(f"{service} beats are {BEATS[service].__name__}, not {type(beat).__name__}")
-    return {"service": service, "instance": instance, "ts": time.time() if ts is None else ts, **dataclasses.asdict(beat)}
+    return {
+        "service": service,
+        "instance": instance,
+        "ts": time.time() if ts is None else ts,
+        **dataclasses.asdict(beat),
+    }
 
 
 def parse(doc: Mapping[str, Any] | bytes | str) -> Heartbeat:
@@ -286,13 +293,20 @@ def parse(doc: Mapping[str, Any] | bytes | str) -> Heartbeat:
     service = doc.get("service")
     if service not in BEATS:
         raise HeartbeatError(f"a heartbeat of unknown service {service!r}")
-    return Heartbeat(service, str(doc.get("instance", "")), float(doc.get("ts", 0.0)), _build(BEATS[service], doc))
+    return Heartbeat(
+        service,
+        str(doc.get("instance", "")),
+        float(doc.get("ts", 0.0)),
+        _build(BEATS[service], doc),
+    )
 
 
 def _build(cls: type[Any], doc: Mapping[str, Any]) -> Any:
     hints = get_type_hints(cls)
     names = {f.name for f in dataclasses.fields(cls)}
-    return cls(**{name: _decode(hints[name], value) for name, value in doc.items() if name in names})
+    return cls(
+        **{name: _decode(hints[name], value) for name, value in doc.items() if name in names}
+    )
 
 
 def _decode(hint: Any, value: Any) -> Any:
@@ -309,7 +323,9 @@ def _decode(hint: Any, value: Any) -> Any:
 
 
 async def beat(client: aioredis.Redis, service: str, instance: str, status: Beat) -> None:
-    await client.set(key(service, instance), json.dumps(document(service, instance, status)), ex=TTL_S)
+    await client.set(
+        key(service, instance), json.dumps(document(service, instance, status)), ex=TTL_S
+    )
 
 
 async def beat_forever(
@@ -321,7 +337,9 @@ async def beat_forever(
 ) -> None:
     while True:
         current = status()
-        await beat(client, service, instance, await current if isinstance(current, Awaitable) else current)
+        await beat(
+            client, service, instance, await current if isinstance(current, Awaitable) else current
+        )
         await asyncio.sleep(interval_s)
 
 

@@ -21,10 +21,12 @@ from confluent_kafka.admin import AdminClient, NewTopic
 from rtrl import topics
 from rtrl.config import StackSettings
 
-
 log = logging.getLogger("rtrl.kafka")
 
-def ensure_topics(settings: StackSettings, names: tuple[str, ...] = topics.ALL, timeout_s: float = 20.0) -> None:
+
+def ensure_topics(
+    settings: StackSettings, names: tuple[str, ...] = topics.ALL, timeout_s: float = 20.0
+) -> None:
     """Create the topics with the configured partition count and replication factor
     (retention is the broker's default); existing ones are kept.
 
@@ -33,10 +35,24 @@ def ensure_topics(settings: StackSettings, names: tuple[str, ...] = topics.ALL, 
     """
     admin = AdminClient(client_config(settings))
     existing = admin.list_topics(timeout=timeout_s).topics
-    wrong = {n: len(existing[n].partitions) for n in names if n in existing and len(existing[n].partitions) != settings.kafka_partitions}
+    wrong = {
+        n: len(existing[n].partitions)
+        for n in names
+        if n in existing and len(existing[n].partitions) != settings.kafka_partitions
+    }
     if wrong:
-        raise RuntimeError(f"topics exist with partition counts {wrong}, expected {settings.kafka_partitions} for all")
-    missing = [NewTopic(n, num_partitions=settings.kafka_partitions, replication_factor=settings.kafka_replication_factor) for n in names if n not in existing]
+        raise RuntimeError(
+            f"topics exist with partition counts {wrong}, expected {settings.kafka_partitions} for all"
+        )
+    missing = [
+        NewTopic(
+            n,
+            num_partitions=settings.kafka_partitions,
+            replication_factor=settings.kafka_replication_factor,
+        )
+        for n in names
+        if n not in existing
+    ]
     for future in admin.create_topics(missing).values() if missing else ():
         try:
             future.result(timeout=timeout_s)
@@ -54,7 +70,9 @@ def wait_for_broker(settings: StackSettings, timeout_s: float = 30.0) -> None:
             return
         except KafkaException as exc:
             if time.monotonic() > deadline:
-                raise RuntimeError(f"Kafka broker at {settings.kafka_bootstrap} not reachable: {exc}") from exc
+                raise RuntimeError(
+                    f"Kafka broker at {settings.kafka_bootstrap} not reachable: {exc}"
+                ) from exc
             time.sleep(0.3)
 
 
@@ -62,7 +80,10 @@ def client_config(settings: StackSettings, **overrides) -> dict:
     """What every librdkafka client of the stack starts from: the brokers and how to reach
     them (SASL and TLS when the settings say so). Every producer, consumer and admin client
     is built on it, so none connects without the process's credentials."""
-    config: dict = {"bootstrap.servers": settings.kafka_bootstrap, "security.protocol": settings.kafka_security_protocol.lower()}
+    config: dict = {
+        "bootstrap.servers": settings.kafka_bootstrap,
+        "security.protocol": settings.kafka_security_protocol.lower(),
+    }
     if settings.kafka_security_protocol.startswith("SASL_"):
         config |= {
             "sasl.mechanism": settings.kafka_sasl_mechanism,
@@ -82,7 +103,11 @@ def faust_credentials(settings: StackSettings):
     from faust.auth import SASLCredentials, SSLCredentials
 
     protocol = settings.kafka_security_protocol
-    context = ssl.create_default_context(cafile=settings.kafka_ssl_ca_file or None) if protocol.endswith("SSL") else None
+    context = (
+        ssl.create_default_context(cafile=settings.kafka_ssl_ca_file or None)
+        if protocol.endswith("SSL")
+        else None
+    )
     if protocol.startswith("SASL_"):
         return SASLCredentials(
             username=settings.kafka_sasl_username, password=settings.kafka_sasl_password.get_secret_value(),
@@ -141,10 +166,12 @@ class AsyncProducer:
         while self._running:
             try:
                 self._producer.poll(0.05)
-            except Exception:  # noqa: BLE001 - logged; the thread serves every other send
+            except Exception:
                 log.exception("a Kafka delivery callback failed")
 
-    def send(self, topic: str, value: bytes, key: str, headers: list[tuple[str, bytes]] | None = None) -> asyncio.Future:
+    def send(
+        self, topic: str, value: bytes, key: str, headers: list[tuple[str, bytes]] | None = None
+    ) -> asyncio.Future:
         loop = asyncio.get_running_loop()
         future = loop.create_future()
 
@@ -156,10 +183,14 @@ class AsyncProducer:
 
         # confluent_kafka types headers as list[tuple[str, str | bytes | None]]; lists
         # being invariant, it refuses a list[tuple[str, bytes]], which it takes at run time.
-        self._producer.produce(topic, value, key=key.encode(), headers=headers or [], on_delivery=on_delivery)  # type: ignore[arg-type]
+        self._producer.produce(
+            topic, value, key=key.encode(), headers=headers or [], on_delivery=on_delivery
+        )  # type: ignore[arg-type]
         return future
 
-    def send_batch(self, records: list[tuple[str, bytes, str, list[tuple[str, bytes]]]]) -> asyncio.Future:
+    def send_batch(
+        self, records: list[tuple[str, bytes, str, list[tuple[str, bytes]]]]
+    ) -> asyncio.Future:
         """Produce (topic, value, key, headers) records in order; the future resolves once
         every one is acknowledged or failed, to a list of per-record errors (None for
         acknowledged). One wake-up of the event loop per batch, not per record."""
@@ -178,14 +209,19 @@ class AsyncProducer:
                 loop.call_soon_threadsafe(_set_result, future, errors)
 
         for index, (topic, value, key, headers) in enumerate(records):
+
             def on_delivery(err, msg, index=index) -> None:
                 if err is not None:
                     errors[index] = KafkaException(err)
                 settle()
 
             try:
-                self._producer.produce(topic, value, key=key.encode(), headers=headers, on_delivery=on_delivery)  # type: ignore[arg-type]  # as in send()
-            except BufferError as exc:  # librdkafka's local queue is full: this one and the rest fail
+                self._producer.produce(
+                    topic, value, key=key.encode(), headers=headers, on_delivery=on_delivery
+                )  # type: ignore[arg-type]  # as in send()
+            except (
+                BufferError
+            ) as exc:  # librdkafka's local queue is full: this one and the rest fail
                 for rest in range(index, len(records)):
                     errors[rest] = exc
                     settle()
@@ -247,7 +283,13 @@ def consumer_lag(
         if ends is None:
             ends = end_offsets(settings, tps, timeout_s)
         return [
-            PartitionLag(group, tp.topic, tp.partition, tp.offset if tp.offset >= 0 else -1, ends[(tp.topic, tp.partition)])
+            PartitionLag(
+                group,
+                tp.topic,
+                tp.partition,
+                tp.offset if tp.offset >= 0 else -1,
+                ends[(tp.topic, tp.partition)],
+            )
             for tp in committed
         ]
     finally:
@@ -260,10 +302,14 @@ def cluster_id(settings: StackSettings, timeout_s: float = 10.0) -> str:
     return AdminClient(client_config(settings)).list_topics(timeout=timeout_s).cluster_id or ""
 
 
-def partitions(settings: StackSettings, topic_names: tuple[str, ...], timeout_s: float = 5.0) -> list[TopicPartition]:
+def partitions(
+    settings: StackSettings, topic_names: tuple[str, ...], timeout_s: float = 5.0
+) -> list[TopicPartition]:
     """Every partition of the named topics that exist, from the broker's metadata."""
     metadata = AdminClient(client_config(settings)).list_topics(timeout=timeout_s).topics
-    return [TopicPartition(t, p) for t in topic_names if t in metadata for p in metadata[t].partitions]
+    return [
+        TopicPartition(t, p) for t in topic_names if t in metadata for p in metadata[t].partitions
+    ]
 
 
 PROBE_FETCH = {"fetch.wait.max.ms": 10}
@@ -273,7 +319,9 @@ trip, not half a second per fetch (the joiner reads back every partition it is a
 before joining its first record; under traffic, at 500 ms, that stalled it ~3 s a partition)."""
 
 
-def end_offsets(settings: StackSettings, tps: list[TopicPartition], timeout_s: float = 5.0) -> dict[tuple[str, int], int]:
+def end_offsets(
+    settings: StackSettings, tps: list[TopicPartition], timeout_s: float = 5.0
+) -> dict[tuple[str, int], int]:
     """The offset after each partition's last record.
 
     Tansu answers ListOffsets(latest) with the base offset of the last record batch
@@ -281,7 +329,17 @@ def end_offsets(settings: StackSettings, tps: list[TopicPartition], timeout_s: f
     a fast producer). So read from high-1 to the partition's EOF and take the last
     record's offset + 1 (exact on Apache Kafka too).
     """
-    probe = Consumer(client_config(settings, **{"group.id": "rtrl-end-offsets", "enable.auto.commit": False, "enable.partition.eof": True, **PROBE_FETCH}))
+    probe = Consumer(
+        client_config(
+            settings,
+            **{
+                "group.id": "rtrl-end-offsets",
+                "enable.auto.commit": False,
+                "enable.partition.eof": True,
+                **PROBE_FETCH,
+            },
+        )
+    )
     try:
         ends: dict[tuple[str, int], int] = {}
         to_read: list[TopicPartition] = []

@@ -33,7 +33,12 @@ from opentelemetry import context as otel_context
 from opentelemetry import metrics, trace
 from opentelemetry.metrics import CallbackOptions, Meter, Observation
 from opentelemetry.sdk.metrics import MeterProvider
-from opentelemetry.sdk.metrics.export import ConsoleMetricExporter, MetricExporter, MetricReader, PeriodicExportingMetricReader
+from opentelemetry.sdk.metrics.export import (
+    ConsoleMetricExporter,
+    MetricExporter,
+    MetricReader,
+    PeriodicExportingMetricReader,
+)
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter, SpanExporter
@@ -54,7 +59,9 @@ def otel_dir(stack: StackSettings) -> Path:
 def configure(service: str, stack: StackSettings) -> None:
     """Install tracer and meter providers for this process (once, at start-up), and
     serve the Prometheus endpoint if ``stack.metrics_port`` names one."""
-    resource = Resource.create({"service.name": f"rtrl-{service}", "service.instance.id": stack.instance})
+    resource = Resource.create(
+        {"service.name": f"rtrl-{service}", "service.instance.id": stack.instance}
+    )
     readers: list[MetricReader] = []
     closing: list[Callable[[], None]] = []
     span_exporter: SpanExporter | None = None
@@ -67,7 +74,9 @@ def configure(service: str, stack: StackSettings) -> None:
         samples = open(directory / f"{stem}.metrics.jsonl", "a", encoding="utf-8")
         closing += [spans.close, samples.close]
         span_exporter = ConsoleSpanExporter(out=spans, formatter=span_line)
-        metric_exporter = ConsoleMetricExporter(out=samples, formatter=lambda data: data.to_json(indent=None) + "\n")
+        metric_exporter = ConsoleMetricExporter(
+            out=samples, formatter=lambda data: data.to_json(indent=None) + "\n"
+        )
     elif stack.otel_exporter == "otlp":
         from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import OTLPMetricExporter
         from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
@@ -76,9 +85,20 @@ def configure(service: str, stack: StackSettings) -> None:
         span_exporter = OTLPSpanExporter(endpoint=stack.otlp_endpoint, insecure=insecure)
         metric_exporter = OTLPMetricExporter(endpoint=stack.otlp_endpoint, insecure=insecure)
     if span_exporter is not None:
-        readers.append(PeriodicExportingMetricReader(metric_exporter, export_interval_millis=stack.otel_metric_interval_s * 1000))
+        readers.append(
+            PeriodicExportingMetricReader(
+                metric_exporter, export_interval_millis=stack.otel_metric_interval_s * 1000
+            )
+        )
     if stack.metrics_port:
-        readers.append(_serve_prometheus(stack.metrics_bind_host, stack.metrics_port, stack.metrics_tls_cert_file, stack.metrics_tls_key_file))
+        readers.append(
+            _serve_prometheus(
+                stack.metrics_bind_host,
+                stack.metrics_port,
+                stack.metrics_tls_cert_file,
+                stack.metrics_tls_key_file,
+            )
+        )
     if span_exporter is None and not readers:
         return
     sampler = ParentBased(TraceIdRatioBased(stack.otel_trace_sample_ratio))
@@ -103,38 +123,61 @@ def span_line(span: ReadableSpan) -> str:
     that a reader follows traces by (ids as 0x-prefixed hex, times in ns since the
     epoch), at a quarter of its cost, which the joiner pays per reward."""
     context = span.context
-    return json.dumps(
-        {
-            "name": span.name,
-            "context": {"trace_id": f"0x{context.trace_id:032x}", "span_id": f"0x{context.span_id:016x}"},
-            "kind": str(span.kind),
-            "parent_id": f"0x{span.parent.span_id:016x}" if span.parent is not None else None,
-            "start_time": span.start_time,
-            "end_time": span.end_time,
-            "status": span.status.status_code.name,
-            "attributes": dict(span.attributes or {}),
-            "links": [
-                {"context": {"trace_id": f"0x{link.context.trace_id:032x}", "span_id": f"0x{link.context.span_id:016x}"}}
-                for link in span.links
-            ],
-            "resource": {"attributes": dict(span.resource.attributes)},
-        },
-        separators=(",", ":"),
-    ) + "\n"
+    return (
+        json.dumps(
+            {
+                "name": span.name,
+                "context": {
+                    "trace_id": f"0x{context.trace_id:032x}",
+                    "span_id": f"0x{context.span_id:016x}",
+                },
+                "kind": str(span.kind),
+                "parent_id": f"0x{span.parent.span_id:016x}" if span.parent is not None else None,
+                "start_time": span.start_time,
+                "end_time": span.end_time,
+                "status": span.status.status_code.name,
+                "attributes": dict(span.attributes or {}),
+                "links": [
+                    {
+                        "context": {
+                            "trace_id": f"0x{link.context.trace_id:032x}",
+                            "span_id": f"0x{link.context.span_id:016x}",
+                        }
+                    }
+                    for link in span.links
+                ],
+                "resource": {"attributes": dict(span.resource.attributes)},
+            },
+            separators=(",", ":"),
+        )
+        + "\n"
+    )
 
 
-def _serve_prometheus(host: str, port: int, cert_file: Path | None = None, key_file: Path | None = None) -> MetricReader:
+def _serve_prometheus(
+    host: str, port: int, cert_file: Path | None = None, key_file: Path | None = None
+) -> MetricReader:
     from opentelemetry.exporter.prometheus import PrometheusMetricReader
     from prometheus_client import start_http_server
 
     try:
         if cert_file:
-            start_http_server(port, addr=host, certfile=str(cert_file), keyfile=str(key_file), tls_min_version=ssl.TLSVersion.TLSv1_2)
+            start_http_server(
+                port,
+                addr=host,
+                certfile=str(cert_file),
+                keyfile=str(key_file),
+                tls_min_version=ssl.TLSVersion.TLSv1_2,
+            )
         else:
             start_http_server(port, addr=host)
     except OSError as exc:
-        raise RuntimeError(f"cannot serve Prometheus metrics on {host}:{port} (RTRL_METRICS_PORT): {exc}") from exc
-    log.info("Prometheus metrics on %s://%s:%d/metrics", "https" if cert_file else "http", host, port)
+        raise RuntimeError(
+            f"cannot serve Prometheus metrics on {host}:{port} (RTRL_METRICS_PORT): {exc}"
+        ) from exc
+    log.info(
+        "Prometheus metrics on %s://%s:%d/metrics", "https" if cert_file else "http", host, port
+    )
     # No "target_info" series and no otel_scope_* labels: the names already say which
     # service a series belongs to, and Prometheus's own job/instance labels which process.
     return PrometheusMetricReader(disable_target_info=True, scope_info_enabled=False)
@@ -147,7 +190,11 @@ def parent(traceparent: str) -> otel_context.Context | None:
     """The context to start a child span of a W3C ``traceparent`` received from another
     process; None when it is empty or malformed (the span then starts a new trace)."""
     span_context = _span_context(traceparent)
-    return trace.set_span_in_context(trace.NonRecordingSpan(span_context)) if span_context is not None else None
+    return (
+        trace.set_span_in_context(trace.NonRecordingSpan(span_context))
+        if span_context is not None
+        else None
+    )
 
 
 def traceparent_of(span: trace.Span) -> str:
@@ -176,15 +223,31 @@ def _span_context(traceparent: str) -> trace.SpanContext | None:
     if len(parts) != 4 or len(parts[1]) != 32 or len(parts[2]) != 16 or len(parts[3]) != 2:
         return None
     try:
-        span_context = trace.SpanContext(int(parts[1], 16), int(parts[2], 16), is_remote=True, trace_flags=trace.TraceFlags(int(parts[3], 16)))
+        span_context = trace.SpanContext(
+            int(parts[1], 16),
+            int(parts[2], 16),
+            is_remote=True,
+            trace_flags=trace.TraceFlags(int(parts[3], 16)),
+        )
     except ValueError:
         return None
     return span_context if span_context.is_valid else None
 
 
-def kafka_attributes(operation: str, topic: str, *, key: str | None = None, partition: int | None = None, offset: int | None = None) -> dict:
+def kafka_attributes(
+    operation: str,
+    topic: str,
+    *,
+    key: str | None = None,
+    partition: int | None = None,
+    offset: int | None = None,
+) -> dict:
     """Messaging semantic-convention attributes of a span that sends or processes a Kafka record."""
-    attributes: dict = {"messaging.system": "kafka", "messaging.operation.type": operation, "messaging.destination.name": topic}
+    attributes: dict = {
+        "messaging.system": "kafka",
+        "messaging.operation.type": operation,
+        "messaging.destination.name": topic,
+    }
     if key is not None:
         attributes["messaging.kafka.message.key"] = key
     if partition is not None:
@@ -199,7 +262,9 @@ def kafka_attributes(operation: str, topic: str, *, key: str | None = None, part
 Reading = Callable[[], Iterable[tuple[float, dict]]]
 
 
-def observe(meter: Meter, name: str, kind: str, read: Reading, *, unit: str = "", description: str = "") -> None:
+def observe(
+    meter: Meter, name: str, kind: str, read: Reading, *, unit: str = "", description: str = ""
+) -> None:
     """An asynchronous instrument whose value is read from the service's own counters
     when metrics are collected, so the hot path pays nothing for it. ``kind`` is
     ``counter`` (monotonic) or ``gauge``; ``read`` returns (value, attributes) pairs."""
@@ -211,19 +276,29 @@ def observe(meter: Meter, name: str, kind: str, read: Reading, *, unit: str = ""
             log.exception("reading metric %s failed", name)
             return []
 
-    create = {"counter": meter.create_observable_counter, "gauge": meter.create_observable_gauge}[kind]
+    create = {"counter": meter.create_observable_counter, "gauge": meter.create_observable_gauge}[
+        kind
+    ]
     create(name, callbacks=[callback], unit=unit, description=description)
 
 
-def observe_lag(meter: Meter, group: str, read: Callable[[], Iterable[tuple[float, str, int]]]) -> None:
+def observe_lag(
+    meter: Meter, group: str, read: Callable[[], Iterable[tuple[float, str, int]]]
+) -> None:
     """``rtrl.consumer.lag`` of one consumer group: ``read`` gives (records behind,
     topic, partition) per partition the process reads (``PositionLag.readings`` for a
     confluent-kafka Consumer). ``read`` runs on the scrape's thread: it must return
     values the service already holds, never ask Kafka."""
     observe(
-        meter, "rtrl.consumer.lag", "gauge",
-        lambda: [(lag, {"group": group, "topic": topic, "partition": str(partition)}) for lag, topic, partition in read()],
-        unit="{record}", description="Records behind the partition's high watermark",
+        meter,
+        "rtrl.consumer.lag",
+        "gauge",
+        lambda: [
+            (lag, {"group": group, "topic": topic, "partition": str(partition)})
+            for lag, topic, partition in read()
+        ],
+        unit="{record}",
+        description="Records behind the partition's high watermark",
     )
 
 

@@ -31,8 +31,12 @@ def load(spec: str) -> Any:
     try:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as error:
-        raise PluginError(f"plug-in {spec!r}: module {module_name!r} is not importable ({error})") from error
+        raise PluginError(
+            f"plug-in {spec!r}: module {module_name!r} is not importable ({error})"
+        ) from error
     try:
         return getattr(module, attribute)
     except AttributeError:
-        raise PluginError(f"plug-in {spec!r}: module {module_name!r} has no {attribute!r}") from None
+        raise PluginError(
+            f"plug-in {spec!r}: module {module_name!r} has no {attribute!r}"
+        ) from None

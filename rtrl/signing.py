@@ -109,9 +109,15 @@ class Verifier:
         """None if ``payload`` carries a valid signature by one of the keys; else why not."""
         found = dict(headers or ())
         signer = found.get(SIGNER_HEADER)
-        return self.signature_problem(payload, found.get(SIGNATURE_HEADER), None if signer is None else signer.decode(errors="replace"))
+        return self.signature_problem(
+            payload,
+            found.get(SIGNATURE_HEADER),
+            None if signer is None else signer.decode(errors="replace"),
+        )
 
-    def signature_problem(self, payload: bytes, signature: bytes | None, signer: str | None) -> str | None:
+    def signature_problem(
+        self, payload: bytes, signature: bytes | None, signer: str | None
+    ) -> str | None:
         """As problem(), for a signature and key id carried elsewhere than in Kafka headers."""
         if not signature or not signer:
             return UNSIGNED

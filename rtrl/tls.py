@@ -45,7 +45,9 @@ class TLSListener(BaseModel):
         """For a gRPC server's add_secure_port; None: plaintext."""
         if self.tls_cert_file is None or self.tls_key_file is None:
             return None
-        return grpc.ssl_server_credentials([(self.tls_key_file.read_bytes(), self.tls_cert_file.read_bytes())])
+        return grpc.ssl_server_credentials(
+            [(self.tls_key_file.read_bytes(), self.tls_cert_file.read_bytes())]
+        )
 
 
 def client_credentials(ca_file: Path | None) -> grpc.ChannelCredentials | None:

@@ -44,7 +44,11 @@ class Access:
 
 ACCESS = {
     # Writes telemetry; its recovery sweep reads back what it wrote (kafka.end_offsets too).
-    "ingest": Access(writes=(EDIT, PERSISTENCE, FOLLOWUP), reads=(EDIT, PERSISTENCE, FOLLOWUP), groups=("rtrl-ingest-recovery", "rtrl-end-offsets")),
+    "ingest": Access(
+        writes=(EDIT, PERSISTENCE, FOLLOWUP),
+        reads=(EDIT, PERSISTENCE, FOLLOWUP),
+        groups=("rtrl-ingest-recovery", "rtrl-end-offsets"),
+    ),
     "inference": Access(writes=(ROLLOUT,)),
     # The joiner: faust's group and its internal topics (prefix), the read-backs of its outputs.
     "reward_stream": Access(
@@ -53,6 +57,10 @@ ACCESS = {
         groups=("rtrl-reward-stream", "rtrl-reward-recovery", "rtrl-end-offsets"),
     ),
     # The trainer reads rewards (or a replay) and dead-letters the ones that do not verify.
-    "trainer": Access(writes=(TRAINER_STEPS, REWARD_DLQ), reads=(REWARD, "rl.reward.replay.*"), groups=("trainer",)),
+    "trainer": Access(
+        writes=(TRAINER_STEPS, REWARD_DLQ),
+        reads=(REWARD, "rl.reward.replay.*"),
+        groups=("trainer",),
+    ),
     "analytics": Access(reads=ALL, groups=("analytics", "rtrl-end-offsets")),
 }

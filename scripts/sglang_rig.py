@@ -60,27 +60,41 @@ def __getattr__(name):
 # core. The radix (prefix) cache is off because in-place weight swaps keep the KV
 # cache (flush_cache=false): a cached prefix would outlive the weights that made it.
 SERVER_FLAGS = (
-    "--device", "cpu",
-    "--attention-backend", "torch_native",
-    "--cuda-graph-backend-decode", "disabled",
-    "--cuda-graph-backend-prefill", "disabled",
-    "--max-total-tokens", "20000",
-    "--mem-fraction-static", "0.05",
-    "--max-running-requests", "8",
-    "--chunked-prefill-size", "-1",
+    "--device",
+    "cpu",
+    "--attention-backend",
+    "torch_native",
+    "--cuda-graph-backend-decode",
+    "disabled",
+    "--cuda-graph-backend-prefill",
+    "disabled",
+    "--max-total-tokens",
+    "20000",
+    "--mem-fraction-static",
+    "0.05",
+    "--max-running-requests",
+    "8",
+    "--chunked-prefill-size",
+    "-1",
     "--disable-radix-cache",
     "--disable-overlap-schedule",
     "--skip-tokenizer-init",
     "--skip-server-warmup",
     "--sleep-on-idle",
-    "--dtype", "float32",
-    "--random-seed", "0",
+    "--dtype",
+    "float32",
+    "--random-seed",
+    "0",
 )
 
 
 def sglang_home() -> Path:
     """Where SGLang's venv lives: ``$RTRL_SGLANG_HOME`` or the per-user cache."""
-    return Path(os.environ.get("RTRL_SGLANG_HOME", Path.home() / ".cache" / "rtrl" / f"sglang-{SGLANG_VERSION}"))
+    return Path(
+        os.environ.get(
+            "RTRL_SGLANG_HOME", Path.home() / ".cache" / "rtrl" / f"sglang-{SGLANG_VERSION}"
+        )
+    )
 
 
 def ensure_installed(home: Path | None = None) -> Path:
@@ -106,13 +120,24 @@ def ensure_installed(home: Path | None = None) -> Path:
             return bin_dir
         if not (bin_dir / "python").exists():
             _run([sys.executable, "-m", "venv", str(home)], "creating SGLang's venv")
-        _run([str(bin_dir / "python"), "-m", "pip", "install", "-q", f"sglang=={SGLANG_VERSION}"], "pip install sglang (pulls ~11 GB of CUDA torch the first time)")
+        _run(
+            [str(bin_dir / "python"), "-m", "pip", "install", "-q", f"sglang=={SGLANG_VERSION}"],
+            "pip install sglang (pulls ~11 GB of CUDA torch the first time)",
+        )
         found = subprocess.run(
-            [str(bin_dir / "python"), "-c", "import importlib.metadata as m; print(m.version('sglang'))"],
-            capture_output=True, text=True, check=False,
+            [
+                str(bin_dir / "python"),
+                "-c",
+                "import importlib.metadata as m; print(m.version('sglang'))",
+            ],
+            capture_output=True,
+            text=True,
+            check=False,
         ).stdout.strip()
         if found != SGLANG_VERSION:
-            raise RuntimeError(f"{home}: expected sglang {SGLANG_VERSION} after install, found {found or 'nothing'}")
+            raise RuntimeError(
+                f"{home}: expected sglang {SGLANG_VERSION} after install, found {found or 'nothing'}"
+            )
         stamp.write_text(f"sglang=={SGLANG_VERSION}\n")
     return bin_dir
 
@@ -154,7 +179,9 @@ class SGLangServer:
 
     def rss_bytes(self) -> int:
         """Resident memory of the server and its children (scheduler, detokenizer)."""
-        pids = subprocess.run(["pgrep", "-g", str(self.proc.pid)], capture_output=True, text=True, check=False).stdout.split()
+        pids = subprocess.run(
+            ["pgrep", "-g", str(self.proc.pid)], capture_output=True, text=True, check=False
+        ).stdout.split()
         total = 0
         for pid in pids:
             try:
@@ -193,10 +220,16 @@ def start_server(
     port = port or procs.free_port()
     standin = write_custom_ops_standin(log_path.parent / "vllm-standin")
     argv = [
-        str(bin_dir / "sglang"), "serve",
-        "--model-path", str(model_dir),
-        "--host", "127.0.0.1", "--port", str(port),
-        "--weight-version", weight_version,
+        str(bin_dir / "sglang"),
+        "serve",
+        "--model-path",
+        str(model_dir),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--weight-version",
+        weight_version,
         *SERVER_FLAGS,
         *(["--api-key", api_key] if api_key else []),
         *(["--admin-api-key", admin_api_key] if admin_api_key else []),
@@ -208,13 +241,17 @@ def start_server(
     deadline = started + timeout_s
     while True:
         if not proc.alive():
-            raise RuntimeError(f"sglang serve exited with {proc.popen.returncode} while starting; log {log_path}:\n{server.log_tail()}")
+            raise RuntimeError(
+                f"sglang serve exited with {proc.popen.returncode} while starting; log {log_path}:\n{server.log_tail()}"
+            )
         if _healthy(server.url):
             server.startup_s = time.monotonic() - started
             return server
         if time.monotonic() > deadline:
             server.stop()
-            raise TimeoutError(f"sglang serve not healthy after {timeout_s:.0f} s; log {log_path}:\n{server.log_tail()}")
+            raise TimeoutError(
+                f"sglang serve not healthy after {timeout_s:.0f} s; log {log_path}:\n{server.log_tail()}"
+            )
         time.sleep(1.0)
 
 
@@ -235,18 +272,33 @@ def _check(server: SGLangServer) -> None:
         "sampling_params": {"temperature": 0.0, "max_new_tokens": 16},
         "return_logprob": True,
     }
-    request = urllib.request.Request(f"{server.url}/generate", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    request = urllib.request.Request(
+        f"{server.url}/generate",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
     started = time.monotonic()
     with urllib.request.urlopen(request, timeout=60) as response:
         out = json.loads(response.read())
-    print(f"generate: {len(out['output_ids'])} tokens in {time.monotonic() - started:.2f} s; weight_versions={out['meta_info'].get('weight_versions')}")
+    print(
+        f"generate: {len(out['output_ids'])} tokens in {time.monotonic() - started:.2f} s; weight_versions={out['meta_info'].get('weight_versions')}"
+    )
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("command", choices=("install", "serve", "check"))
-    parser.add_argument("--port", type=int, default=None, help="serve/check: port (default: a free one)")
-    parser.add_argument("--workdir", type=Path, default=None, help="serve/check: model and log directory (default: a temp dir)")
+    parser.add_argument(
+        "--port", type=int, default=None, help="serve/check: port (default: a free one)"
+    )
+    parser.add_argument(
+        "--workdir",
+        type=Path,
+        default=None,
+        help="serve/check: model and log directory (default: a temp dir)",
+    )
     args = parser.parse_args()
 
     # SIGTERM ends `serve` like Ctrl-C does, so the server never outlives the rig.
@@ -258,7 +310,9 @@ def main() -> None:
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="rtrl-sglang-"))
     model_dir = write_tiny_model(workdir / "model")
     server = start_server(model_dir, workdir / "sglang.log", args.port)
-    print(f"SGLang serving {model_dir} at {server.url} (ready in {server.startup_s:.1f} s, RSS {server.rss_bytes() / 2**20:.0f} MiB, log {server.log_path})")
+    print(
+        f"SGLang serving {model_dir} at {server.url} (ready in {server.startup_s:.1f} s, RSS {server.rss_bytes() / 2**20:.0f} MiB, log {server.log_path})"
+    )
     try:
         if args.command == "check":
             _check(server)

@@ -36,7 +36,9 @@ class ArmStats:
     dissatisfied: int = 0
     questions: int = 0
     latency_s: list[float] = field(default_factory=list)
-    recent: deque = field(default_factory=lambda: deque(maxlen=400))  # (persisted, dissatisfied, asked)
+    recent: deque = field(
+        default_factory=lambda: deque(maxlen=400)
+    )  # (persisted, dissatisfied, asked)
     asked: list[tuple[float, bool]] = field(default_factory=list)
     """(seconds since the product started, asked a question?) per completion."""
     max_version: int = -1
@@ -53,12 +55,17 @@ class ArmStats:
         buckets: dict[int, list[bool]] = {}
         for elapsed_s, asked in self.asked:
             buckets.setdefault(int(elapsed_s // bucket_s), []).append(asked)
-        return [(b * bucket_s, len(flags), sum(flags) / len(flags)) for b, flags in sorted(buckets.items())]
+        return [
+            (b * bucket_s, len(flags), sum(flags) / len(flags))
+            for b, flags in sorted(buckets.items())
+        ]
 
 
 @dataclass
 class ProductStats:
-    arms: dict[str, ArmStats] = field(default_factory=lambda: {"control": ArmStats(), "treatment": ArmStats()})
+    arms: dict[str, ArmStats] = field(
+        default_factory=lambda: {"control": ArmStats(), "treatment": ArmStats()}
+    )
     events_accepted: int = 0
     # Accepted from privacy-mode users: counted by the gateway, never written to a topic.
     events_private: int = 0
@@ -78,8 +85,17 @@ class ProductStats:
         return sum(a.completions for a in self.arms.values())
 
 
-def _event(user: User, rollout_id: str, session_id: str, ts_ms: int, **payload) -> telemetry_pb2.TelemetryEvent:
-    return make_event(rollout_id, session_id, user.user_id, privacy_mode=user.privacy_mode, client_ts_ms=ts_ms, **payload)
+def _event(
+    user: User, rollout_id: str, session_id: str, ts_ms: int, **payload
+) -> telemetry_pb2.TelemetryEvent:
+    return make_event(
+        rollout_id,
+        session_id,
+        user.user_id,
+        privacy_mode=user.privacy_mode,
+        client_ts_ms=ts_ms,
+        **payload,
+    )
 
 
 class Product:
@@ -130,16 +146,25 @@ class Product:
             user = rng.choice(self.users)
             try:
                 await self._one_edit(http, url, user, rng)
-            except (aiohttp.ClientError, asyncio.TimeoutError, RuntimeError) as exc:
+            except (TimeoutError, aiohttp.ClientError, RuntimeError) as exc:
                 self.stats.errors += 1
                 self.stats.last_error = f"{type(exc).__name__}: {exc}"
                 await asyncio.sleep(0.5)
 
-    async def _one_edit(self, http: aiohttp.ClientSession, url: str, user: User, rng: random.Random) -> None:
+    async def _one_edit(
+        self, http: aiohttp.ClientSession, url: str, user: User, rng: random.Random
+    ) -> None:
         task = random_task(rng, project=user.project)
         session_id = f"s-{user.user_id}"
-        body = {"prompt": task.prompt, "user_id": user.user_id, "session_id": session_id, "privacy_mode": user.privacy_mode}
-        async with http.post(f"{url}/v1/completions", json=body, headers=self._serving_headers) as resp:
+        body = {
+            "prompt": task.prompt,
+            "user_id": user.user_id,
+            "session_id": session_id,
+            "privacy_mode": user.privacy_mode,
+        }
+        async with http.post(
+            f"{url}/v1/completions", json=body, headers=self._serving_headers
+        ) as resp:
             if resp.status != 200:
                 raise RuntimeError(f"inference answered {resp.status}: {(await resp.text())[:200]}")
             completion = await resp.json()
@@ -158,36 +183,80 @@ class Product:
             arm.latency_s.append(completion["latency_s"])
             arm.recent.append((reaction.persisted_fraction >= 0.999, reaction.dissatisfied, asked))
             arm.asked.append((time.monotonic() - self.stats.started, asked))
-            arm.max_version = max([arm.max_version] + [span["version"] for span in completion["policy_versions"]])
+            arm.max_version = max(
+                [arm.max_version] + [span["version"] for span in completion["policy_versions"]]
+            )
         rollout_id = completion["rollout_id"]
         shown = None
         if reaction.region_text is not None:
             shown = _event(
-                user, rollout_id, session_id, shown_ms,
-                edit_shown=telemetry_pb2.EditShown(file_path=f"p{user.project}/helpers.py", edit_text=completion["text"]),
+                user,
+                rollout_id,
+                session_id,
+                shown_ms,
+                edit_shown=telemetry_pb2.EditShown(
+                    file_path=f"p{user.project}/helpers.py", edit_text=completion["text"]
+                ),
             )
-        report = asyncio.create_task(self._report(user, rollout_id, completion.get("traceparent", ""), session_id, shown, reaction, rng.random()))
+        report = asyncio.create_task(
+            self._report(
+                user,
+                rollout_id,
+                completion.get("traceparent", ""),
+                session_id,
+                shown,
+                reaction,
+                rng.random(),
+            )
+        )
         self._reports.add(report)
         report.add_done_callback(self._reports.discard)
 
-    async def _report(self, user: User, rollout_id: str, traceparent: str, session_id: str, shown, reaction, roll: float) -> None:
+    async def _report(
+        self,
+        user: User,
+        rollout_id: str,
+        traceparent: str,
+        session_id: str,
+        shown,
+        reaction,
+        roll: float,
+    ) -> None:
         await asyncio.sleep(self.report_delay_s)
         now_ms = int(time.time() * 1000)
         events = []
         if shown is not None:
             events += [
                 shown,
-                _event(user, rollout_id, session_id, now_ms, persistence=telemetry_pb2.PersistenceSnapshot(
-                    seconds_after_edit=self.report_delay_s, region_text=reaction.region_text)),
+                _event(
+                    user,
+                    rollout_id,
+                    session_id,
+                    now_ms,
+                    persistence=telemetry_pb2.PersistenceSnapshot(
+                        seconds_after_edit=self.report_delay_s, region_text=reaction.region_text
+                    ),
+                ),
             ]
         if reaction.followup:
-            events.append(_event(user, rollout_id, session_id, now_ms, followup=telemetry_pb2.FollowUp(
-                seconds_after_edit=self.report_delay_s, message=reaction.followup)))
+            events.append(
+                _event(
+                    user,
+                    rollout_id,
+                    session_id,
+                    now_ms,
+                    followup=telemetry_pb2.FollowUp(
+                        seconds_after_edit=self.report_delay_s, message=reaction.followup
+                    ),
+                )
+            )
         if not events:
             return  # an unanswered question: the editor has nothing to report
         await self._send(events, user.privacy_mode, traceparent)
         if roll < self.duplicate_share:
-            await self._send(events, user.privacy_mode, traceparent)  # a client retry of a batch that already landed
+            await self._send(
+                events, user.privacy_mode, traceparent
+            )  # a client retry of a batch that already landed
 
     async def _send(self, events, private: bool, traceparent: str) -> None:
         try:

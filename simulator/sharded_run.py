@@ -22,7 +22,14 @@ import torch
 from rtrl.policy import EOS, encode
 from simulator.tasks import PROJECT_STYLES, random_style, random_task
 from trainer.batch import TrainBatch, TrainSample, collate
-from trainer.distributed import broadcast_batch, close_world, full_state_dict, init_world, shard, sharded_rl_step
+from trainer.distributed import (
+    broadcast_batch,
+    close_world,
+    full_state_dict,
+    init_world,
+    shard,
+    sharded_rl_step,
+)
 from trainer.sampling import prompt_ids
 from trainer.step import StepMetrics, build_optimizer, rl_step, token_logprobs
 
@@ -56,32 +63,44 @@ def synthetic_batches(model: torch.nn.Module, steps: int, seed: int) -> list[Tra
                 style = random_style(rng)
                 completion = encode(task.render(style)) + [EOS]
                 completion = completion[: rng.randint(len(completion) // 2, len(completion))]
-                house = PROJECT_STYLES[task.project] if task.project < len(PROJECT_STYLES) else random_style(rng)
-                samples.append(TrainSample(
-                    rollout_id=f"s{step}-r{len(samples)}",
-                    group=task.prompt,
-                    prompt_ids=tuple(prompt_ids(task.prompt)),
-                    completion_ids=tuple(completion),
-                    behaviour_logprobs=(0.0,) * len(completion),
-                    temperature=temperature,
-                    reward=float(style == house) + 0.1 * rng.random(),
-                    oldest_version=0,
-                    last_event_ts_ms=0,
-                ))
+                house = (
+                    PROJECT_STYLES[task.project]
+                    if task.project < len(PROJECT_STYLES)
+                    else random_style(rng)
+                )
+                samples.append(
+                    TrainSample(
+                        rollout_id=f"s{step}-r{len(samples)}",
+                        group=task.prompt,
+                        prompt_ids=tuple(prompt_ids(task.prompt)),
+                        completion_ids=tuple(completion),
+                        behaviour_logprobs=(0.0,) * len(completion),
+                        temperature=temperature,
+                        reward=float(style == house) + 0.1 * rng.random(),
+                        oldest_version=0,
+                        last_event_ts_ms=0,
+                    )
+                )
         batch = collate(samples)
         with torch.no_grad():
             logp, _ = token_logprobs(model, batch)
         jitter = BEHAVIOUR_NOISE * torch.randn(logp.shape, generator=noise)
-        batches.append(dataclasses.replace(batch, behaviour_logprobs=(logp + jitter) * batch.target_mask))
+        batches.append(
+            dataclasses.replace(batch, behaviour_logprobs=(logp + jitter) * batch.target_mask)
+        )
     return batches
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, required=True)
-    parser.add_argument("--out", type=Path, required=True, help="JSON of per-step metrics (written by rank 0)")
+    parser.add_argument(
+        "--out", type=Path, required=True, help="JSON of per-step metrics (written by rank 0)"
+    )
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--weights", type=Path, help="also save the final weights here (safetensors)")
+    parser.add_argument(
+        "--weights", type=Path, help="also save the final weights here (safetensors)"
+    )
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
 
@@ -97,21 +116,46 @@ def main() -> None:
     # Rank 0 makes the batches; the other ranks receive them.
     batches = synthetic_batches(model, args.steps, args.seed) if rank == 0 else []
     if world:
-        batches = [broadcast_batch(batches[i] if rank == 0 else None, world) for i in range(args.steps)]
+        batches = [
+            broadcast_batch(batches[i] if rank == 0 else None, world) for i in range(args.steps)
+        ]
         shard(model, world)
         shard(ref, world)
     optimizer = build_optimizer(model, LEARNING_RATE)
     history: list[StepMetrics] = []
     for step, batch in enumerate(batches):
         if world:
-            metrics = sharded_rl_step(model, optimizer, batch, world, ref_model=ref, is_cap=IS_CAP, kl_coef=KL_COEF, grad_clip=GRAD_CLIP)
+            metrics = sharded_rl_step(
+                model,
+                optimizer,
+                batch,
+                world,
+                ref_model=ref,
+                is_cap=IS_CAP,
+                kl_coef=KL_COEF,
+                grad_clip=GRAD_CLIP,
+            )
         else:
-            metrics = rl_step(model, optimizer, batch, ref_model=ref, is_cap=IS_CAP, kl_coef=KL_COEF, grad_clip=GRAD_CLIP)
+            metrics = rl_step(
+                model,
+                optimizer,
+                batch,
+                ref_model=ref,
+                is_cap=IS_CAP,
+                kl_coef=KL_COEF,
+                grad_clip=GRAD_CLIP,
+            )
         history.append(metrics)
         if rank == 0:
             log.info(
                 "step %d rows %d tokens %d loss %.5f kl %.5f grad_norm %.4f clipped %.3f",
-                step, metrics.rollouts, metrics.tokens, metrics.loss, metrics.kl, metrics.grad_norm, metrics.clipped_fraction,
+                step,
+                metrics.rollouts,
+                metrics.tokens,
+                metrics.loss,
+                metrics.kl,
+                metrics.grad_norm,
+                metrics.clipped_fraction,
             )
     final = full_state_dict(model, world) if world else state_dict_fp32(model)
     if rank == 0:
@@ -131,7 +175,11 @@ def main() -> None:
 
 
 def _write_report(
-    out: Path, world_size: int, history: list[StepMetrics], initial: dict[str, torch.Tensor], final: dict[str, torch.Tensor]
+    out: Path,
+    world_size: int,
+    history: list[StepMetrics],
+    initial: dict[str, torch.Tensor],
+    final: dict[str, torch.Tensor],
 ) -> None:
     moved = sum(((final[k] - initial[k]) ** 2).sum().item() for k in initial) ** 0.5
     report = {

@@ -16,7 +16,14 @@ import random
 import torch
 
 from rtrl.policy import EOS, decode
-from simulator.tasks import MIXED_PROJECT, PROJECT_STYLES, QUESTION_TOPICS, Task, parse_style, random_task
+from simulator.tasks import (
+    MIXED_PROJECT,
+    PROJECT_STYLES,
+    QUESTION_TOPICS,
+    Task,
+    parse_style,
+    random_task,
+)
 from trainer.evaluation import EvalScores
 from trainer.sampling import prompt_ids, sample
 
@@ -43,8 +50,12 @@ class DemoSuite:
         model.eval()
         try:
             completions = sample(
-                model, self._prompts, temperature=1.0, max_new_tokens=self.max_new_tokens,
-                generator=torch.Generator().manual_seed(self.seed), one_batch=True,
+                model,
+                self._prompts,
+                temperature=1.0,
+                max_new_tokens=self.max_new_tokens,
+                generator=torch.Generator().manual_seed(self.seed),
+                one_batch=True,
             )
         finally:
             model.train(was_training)
@@ -55,11 +66,16 @@ class DemoSuite:
                 continue
             text = decode(list(ids))
             style = parse_style(task, text)
-            well_formed += style is not None or text in {task.question(topic) for topic in QUESTION_TOPICS}
+            well_formed += style is not None or text in {
+                task.question(topic) for topic in QUESTION_TOPICS
+            }
             if task.project != MIXED_PROJECT:
                 house_style += style == PROJECT_STYLES[task.project]
         styled_tasks = sum(task.project != MIXED_PROJECT for task in self.tasks)
-        scores = {"well_formed": well_formed / len(self.tasks), "house_style": house_style / max(styled_tasks, 1)}
+        scores = {
+            "well_formed": well_formed / len(self.tasks),
+            "house_style": house_style / max(styled_tasks, 1),
+        }
         return EvalScores(scores=scores, samples=len(self.tasks))
 
 

@@ -33,15 +33,32 @@ from simulator.tasks import MIXED_PROJECT, PROJECT_STYLES, Style, Task, is_quest
 
 PEEVES = ("indent", "quote")
 # (peeves, share of users)
-PEEVE_MIX = ((frozenset({"indent"}), 0.5), (frozenset({"quote"}), 0.2), (frozenset({"indent", "quote"}), 0.3))
+PEEVE_MIX = (
+    (frozenset({"indent"}), 0.5),
+    (frozenset({"quote"}), 0.2),
+    (frozenset({"indent", "quote"}), 0.3),
+)
 
 ANNOYED = {
-    "indent": ("no, use {indent}-space indent like the rest of the file", "wrong indentation again, this project uses {indent} spaces"),
-    "quote": ("no, we use {quote_name} quotes here", "why did you switch the quotes? revert to {quote_name} quotes"),
+    "indent": (
+        "no, use {indent}-space indent like the rest of the file",
+        "wrong indentation again, this project uses {indent} spaces",
+    ),
+    "quote": (
+        "no, we use {quote_name} quotes here",
+        "why did you switch the quotes? revert to {quote_name} quotes",
+    ),
     "broken": ("that's not valid code, it broke the build", "no, that is wrong, undo it"),
 }
-CONTENT = ("thanks, now add a test for it", "great, can you also add a docstring?", "ok, next do the same for errors")
-ANSWERS = ("{indent} spaces and {quote_name} quotes", "this project uses {indent}-space indent with {quote_name} quotes")
+CONTENT = (
+    "thanks, now add a test for it",
+    "great, can you also add a docstring?",
+    "ok, next do the same for errors",
+)
+ANSWERS = (
+    "{indent} spaces and {quote_name} quotes",
+    "this project uses {indent}-space indent with {quote_name} quotes",
+)
 ANSWER_RATE = 0.6
 MIXED_SHARE = 0.2
 """Share of users working in the mixed project."""
@@ -86,11 +103,17 @@ def population(size: int, seed: int = 7, privacy_share: float = 0.0) -> list[Use
             if roll < acc:
                 peeves = candidate
                 break
-        project = MIXED_PROJECT if rng.random() < MIXED_SHARE else rng.randrange(len(PROJECT_STYLES))
+        project = (
+            MIXED_PROJECT if rng.random() < MIXED_SHARE else rng.randrange(len(PROJECT_STYLES))
+        )
         private = rng.random() < privacy_share
         if project == MIXED_PROJECT:
-            own = PROJECT_STYLES[sum(u.project == MIXED_PROJECT for u in users) % len(PROJECT_STYLES)]
-            users.append(User(f"user-{seed}-{i:04d}", project, frozenset(PEEVES), private, own_style=own))
+            own = PROJECT_STYLES[
+                sum(u.project == MIXED_PROJECT for u in users) % len(PROJECT_STYLES)
+            ]
+            users.append(
+                User(f"user-{seed}-{i:04d}", project, frozenset(PEEVES), private, own_style=own)
+            )
         else:
             users.append(User(f"user-{seed}-{i:04d}", project, peeves, private))
     return users
@@ -101,7 +124,11 @@ def react(user: User, task: Task, completion: str, rng: random.Random) -> Reacti
     house = user.house_style
     quote_name = "single" if house.quote == "'" else "double"
     if is_question(completion):
-        answer = rng.choice(ANSWERS).format(indent=house.indent, quote_name=quote_name) if rng.random() < ANSWER_RATE else None
+        answer = (
+            rng.choice(ANSWERS).format(indent=house.indent, quote_name=quote_name)
+            if rng.random() < ANSWER_RATE
+            else None
+        )
         return Reaction(None, 0.0, answer, False)
     agent_lines = [line for line in completion.splitlines() if line.strip()]
     style = parse_style(task, completion)

@@ -55,7 +55,15 @@ import rtrl.policy
 import simulator.tasks
 import trainer.sampling
 from rtrl.policy import EOS, PAD, PolicyConfig, build_model, decode, encode, state_dict_fp32
-from simulator.tasks import MIXED_PROJECT, PROJECT_STYLES, PROJECTS, QUESTION_TOPICS, Task, parse_style, random_task
+from simulator.tasks import (
+    MIXED_PROJECT,
+    PROJECT_STYLES,
+    PROJECTS,
+    QUESTION_TOPICS,
+    Task,
+    parse_style,
+    random_task,
+)
 from trainer.sampling import prompt_ids, sample
 
 Progress = Callable[[int, int, float], None]
@@ -130,18 +138,29 @@ def cache_key(policy_config: PolicyConfig, recipe: WarmStartRecipe) -> str:
     return digest.hexdigest()[:16]
 
 
-def cache_path(state_dir: Path, policy_config: PolicyConfig = PolicyConfig(), recipe: WarmStartRecipe = WarmStartRecipe()) -> Path:
+def cache_path(
+    state_dir: Path,
+    policy_config: PolicyConfig = PolicyConfig(),
+    recipe: WarmStartRecipe = WarmStartRecipe(),
+) -> Path:
     return Path(state_dir) / "cache" / f"warmstart-{cache_key(policy_config, recipe)}.safetensors"
 
 
 @torch.no_grad()
-def measure(model: torch.nn.Module, samples: int = 200, seed: int = 1, temperature: float = 1.0) -> PolicyQuality:
+def measure(
+    model: torch.nn.Module, samples: int = 200, seed: int = 1, temperature: float = 1.0
+) -> PolicyQuality:
     """Sample completions for random tasks and judge them with parse_style()."""
     rng = random.Random(seed)
     tasks = [random_task(rng) for _ in range(samples)]
     was_training = model.training
     model.eval()
-    out = sample(model, [prompt_ids(t.prompt) for t in tasks], temperature=temperature, generator=torch.Generator().manual_seed(seed))
+    out = sample(
+        model,
+        [prompt_ids(t.prompt) for t in tasks],
+        temperature=temperature,
+        generator=torch.Generator().manual_seed(seed),
+    )
     model.train(was_training)
     projects = PROJECTS
     parsed = [0] * projects
@@ -176,12 +195,16 @@ def batch_rows(rng: random.Random, recipe: WarmStartRecipe) -> list[tuple[Task, 
         rows.extend((task, task.render(style)) for style in PROJECT_STYLES)
     for i in range(recipe.question_rows):
         mixed = rng.random() < recipe.mixed_question_share
-        task = random_task(rng, project=MIXED_PROJECT if mixed else rng.randrange(len(PROJECT_STYLES)))
+        task = random_task(
+            rng, project=MIXED_PROJECT if mixed else rng.randrange(len(PROJECT_STYLES))
+        )
         rows.append((task, task.question(QUESTION_TOPICS[i % len(QUESTION_TOPICS)])))
     return rows
 
 
-def _batch(rng: random.Random, recipe: WarmStartRecipe) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _batch(
+    rng: random.Random, recipe: WarmStartRecipe
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Token ids [B, L], completion-target mask [B, L-1], project of each row [B]."""
     sequences, masks, projects = [], [], []
     for task, text in batch_rows(rng, recipe):
@@ -197,7 +220,9 @@ def _batch(rng: random.Random, recipe: WarmStartRecipe) -> tuple[torch.Tensor, t
 
 
 def train(
-    policy_config: PolicyConfig = PolicyConfig(), recipe: WarmStartRecipe = WarmStartRecipe(), progress: Progress | None = None
+    policy_config: PolicyConfig = PolicyConfig(),
+    recipe: WarmStartRecipe = WarmStartRecipe(),
+    progress: Progress | None = None,
 ) -> tuple[torch.nn.Module, WarmStartStats]:
     """Teacher-forced cross-entropy on completion tokens (and EOS) only."""
     started = time.monotonic()
@@ -214,14 +239,20 @@ def train(
         ids, mask, projects = _batch(rng, recipe)
         outputs = model(input_ids=ids, output_hidden_states=recipe.context_aux_weight > 0)
         logits = outputs.logits[:, :-1]
-        token_loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1), reduction="none")
+        token_loss = F.cross_entropy(
+            logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1), reduction="none"
+        )
         loss = (token_loss.view(mask.shape) * mask).sum() / mask.sum()
         total = loss
         if recipe.context_aux_weight > 0:
             project_logits = project_head(outputs.hidden_states[-1][:, :-1])
             targets = projects[:, None].expand(mask.shape)
-            aux = F.cross_entropy(project_logits.reshape(-1, PROJECTS), targets.reshape(-1), reduction="none")
-            total = loss + recipe.context_aux_weight * (aux.view(mask.shape) * mask).sum() / mask.sum()
+            aux = F.cross_entropy(
+                project_logits.reshape(-1, PROJECTS), targets.reshape(-1), reduction="none"
+            )
+            total = (
+                loss + recipe.context_aux_weight * (aux.view(mask.shape) * mask).sum() / mask.sum()
+            )
         optimizer.zero_grad(set_to_none=True)
         total.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -238,7 +269,9 @@ def train(
         progress(recipe.max_steps, recipe.max_steps, loss_value)
     model.eval()
     seconds = time.monotonic() - started
-    return model, WarmStartStats(steps=step, seconds=seconds, final_loss=loss_value, quality=measure(model))
+    return model, WarmStartStats(
+        steps=step, seconds=seconds, final_loss=loss_value, quality=measure(model)
+    )
 
 
 def ensure_warm_start(
@@ -269,7 +302,10 @@ def ensure_warm_start(
         finally:
             torch.set_num_threads(previous_threads)
         tmp = path.with_suffix(f".tmp{os.getpid()}")
-        metadata = {"cache_key": cache_key(policy_config, recipe), "stats": json.dumps(asdict(stats))}
+        metadata = {
+            "cache_key": cache_key(policy_config, recipe),
+            "stats": json.dumps(asdict(stats)),
+        }
         save_file(state_dict_fp32(model), str(tmp), metadata=metadata)
         os.replace(tmp, path)
     return path
@@ -281,13 +317,17 @@ def load_warm_start(path: Path) -> dict[str, torch.Tensor]:
 
 def demo_policy(state_dir: Path, policy_config: PolicyConfig, seed: int) -> Path:
     """The trainer's default initial policy (trainer.plugins.InitialPolicy)."""
-    return ensure_warm_start(state_dir, policy_config=policy_config, recipe=WarmStartRecipe(seed=seed))
+    return ensure_warm_start(
+        state_dir, policy_config=policy_config, recipe=WarmStartRecipe(seed=seed)
+    )
 
 
 def main() -> None:
     import argparse
 
-    parser = argparse.ArgumentParser(description="Train the warm start (uncached) and print its quality.")
+    parser = argparse.ArgumentParser(
+        description="Train the warm start (uncached) and print its quality."
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
@@ -301,9 +341,15 @@ def main() -> None:
     _, stats = train(PolicyConfig(), recipe, report)
     q = stats.quality
     print(f"steps {stats.steps}  time {stats.seconds:.1f} s  final loss {stats.final_loss:.4f}")
-    print(f"parse rate {q.parse_rate:.3f}, question rate {q.question_rate:.3f} over {q.samples} samples at temperature 1.0")
+    print(
+        f"parse rate {q.parse_rate:.3f}, question rate {q.question_rate:.3f} over {q.samples} samples at temperature 1.0"
+    )
     for project in range(PROJECTS):
-        house = PROJECT_STYLES[project] if project < len(PROJECT_STYLES) else "none: each user has their own"
+        house = (
+            PROJECT_STYLES[project]
+            if project < len(PROJECT_STYLES)
+            else "none: each user has their own"
+        )
         print(
             f"  project {project}: single quote {q.single_quote_by_project[project]:.2f}  "
             f"indent 2 {q.indent2_by_project[project]:.2f}  (house style {house})"

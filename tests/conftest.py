@@ -29,13 +29,23 @@ os.environ.setdefault("RTRL_WEIGHT_SYNC_SUBSCRIBE_TOKEN", secrets.token_urlsafe(
 # Rewards are signed by the joiner and verified by the trainer (rtrl/signing.py): one pair
 # per run; support.trainer.produce signs the records tests write for a trainer with it.
 os.environ.setdefault("RTRL_REWARD_SIGNING_KEY", signing.generate_private_key())
-os.environ.setdefault("RTRL_TRAINER_REWARD_PUBLIC_KEYS", signing.public_key_of(os.environ["RTRL_REWARD_SIGNING_KEY"]))
+os.environ.setdefault(
+    "RTRL_TRAINER_REWARD_PUBLIC_KEYS", signing.public_key_of(os.environ["RTRL_REWARD_SIGNING_KEY"])
+)
 os.environ.setdefault("RTRL_TRAINER_MANIFEST_SIGNING_KEY", signing.generate_private_key())
-os.environ.setdefault("RTRL_MANIFEST_PUBLIC_KEYS", signing.public_key_of(os.environ["RTRL_TRAINER_MANIFEST_SIGNING_KEY"]))
+os.environ.setdefault(
+    "RTRL_MANIFEST_PUBLIC_KEYS",
+    signing.public_key_of(os.environ["RTRL_TRAINER_MANIFEST_SIGNING_KEY"]),
+)
 os.environ.setdefault("RTRL_INFERENCE_ROLLOUT_SIGNING_KEY", signing.generate_private_key())
 os.environ.setdefault("RTRL_API_KEY_SIGNING_KEY", signing.generate_private_key())
-os.environ.setdefault("RTRL_API_KEY_PUBLIC_KEYS", signing.public_key_of(os.environ["RTRL_API_KEY_SIGNING_KEY"]))
-os.environ.setdefault("RTRL_REWARD_ROLLOUT_PUBLIC_KEYS", signing.public_key_of(os.environ["RTRL_INFERENCE_ROLLOUT_SIGNING_KEY"]))
+os.environ.setdefault(
+    "RTRL_API_KEY_PUBLIC_KEYS", signing.public_key_of(os.environ["RTRL_API_KEY_SIGNING_KEY"])
+)
+os.environ.setdefault(
+    "RTRL_REWARD_ROLLOUT_PUBLIC_KEYS",
+    signing.public_key_of(os.environ["RTRL_INFERENCE_ROLLOUT_SIGNING_KEY"]),
+)
 
 
 @pytest.fixture(scope="session")
@@ -116,7 +126,10 @@ def server(stack):
     from weight_sync.config import WeightSyncSettings
 
     # Small chunks so every keyframe spans many WeightChunks.
-    handle = InProcessServer(WeightSyncSettings(port=procs.free_port(), chunk_bytes=64 * 1024, poll_interval_s=0.2), stack)
+    handle = InProcessServer(
+        WeightSyncSettings(port=procs.free_port(), chunk_bytes=64 * 1024, poll_interval_s=0.2),
+        stack,
+    )
     handle.start()
     yield handle
     handle.close()
@@ -127,7 +140,13 @@ def publisher(server, stack):
     from support.weight_sync import ARM, MANIFEST_KEY
     from weight_sync.client import Publisher
 
-    client = Publisher(server.addr, stack.weight_sync_token.get_secret_value(), ARM, keyframe_every=20, signing_key=MANIFEST_KEY)
+    client = Publisher(
+        server.addr,
+        stack.weight_sync_token.get_secret_value(),
+        ARM,
+        keyframe_every=20,
+        signing_key=MANIFEST_KEY,
+    )
     yield client
     client.close()
 
@@ -143,10 +162,22 @@ class _Recording:
     def __init__(self) -> None:
         self.on = False
 
-    def should_sample(self, parent_context, trace_id, name, kind=None, attributes=None, links=None, trace_state=None):
+    def should_sample(
+        self,
+        parent_context,
+        trace_id,
+        name,
+        kind=None,
+        attributes=None,
+        links=None,
+        trace_state=None,
+    ):
         from opentelemetry.sdk.trace.sampling import Decision, SamplingResult
 
-        return SamplingResult(Decision.RECORD_AND_SAMPLE if self.on else Decision.DROP, attributes if self.on else None)
+        return SamplingResult(
+            Decision.RECORD_AND_SAMPLE if self.on else Decision.DROP,
+            attributes if self.on else None,
+        )
 
     def get_description(self) -> str:
         return "on while a test uses otel_memory"

@@ -19,7 +19,9 @@ from trainer.config import TrainerSettings
 
 
 def main() -> None:
-    settings, stack = entrypoint.parse_settings("python -m trainer", __doc__, TrainerSettings, StackSettings)
+    settings, stack = entrypoint.parse_settings(
+        "python -m trainer", __doc__, TrainerSettings, StackSettings
+    )
     entrypoint.configure_logging()
     service_process(shutdown_budget_s=None)
     from trainer.distributed import close_world, init_world

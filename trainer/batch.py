@@ -110,11 +110,15 @@ def shed_oldest(samples: Sequence[TrainSample], keep: int) -> tuple[list[TrainSa
     """The ``keep`` most recently rewarded samples, in their order; returns (kept, how many were shed)."""
     if len(samples) <= keep:
         return list(samples), 0
-    newest = sorted(range(len(samples)), key=lambda i: samples[i].reward_ts_ms)[len(samples) - keep :]
+    newest = sorted(range(len(samples)), key=lambda i: samples[i].reward_ts_ms)[
+        len(samples) - keep :
+    ]
     return [samples[i] for i in sorted(newest)], len(samples) - keep
 
 
-def drop_stale(samples: Sequence[TrainSample], current_version: int, max_staleness: int) -> tuple[list[TrainSample], int]:
+def drop_stale(
+    samples: Sequence[TrainSample], current_version: int, max_staleness: int
+) -> tuple[list[TrainSample], int]:
     """Keep samples whose oldest token version is within max_staleness of current;
     returns (kept, how many were dropped)."""
     fresh = [s for s in samples if s.oldest_version >= current_version - max_staleness]

@@ -58,7 +58,11 @@ class Judge:
     def __init__(self, gate: EvalGate, model: torch.nn.Module, *, background: bool) -> None:
         self.gate = gate
         self.model = model
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="eval-gate") if background else None
+        self._pool = (
+            ThreadPoolExecutor(max_workers=1, thread_name_prefix="eval-gate")
+            if background
+            else None
+        )
 
     def submit(self, weights: dict[str, torch.Tensor]) -> Future[Verdict]:
         """Judge these weights against the gate's current references. Call only once the

@@ -9,7 +9,6 @@ from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import SettingsConfigDict
 
 from rtrl.config import Settings
-
 from rtrl.plugins import check_spec
 
 
@@ -131,5 +130,7 @@ class TrainerSettings(Settings):
     @model_validator(mode="after")
     def _min_batch_fits(self) -> TrainerSettings:
         if self.min_batch > self.batch_size:
-            raise ValueError(f"min_batch ({self.min_batch}) must not exceed batch_size ({self.batch_size})")
+            raise ValueError(
+                f"min_batch ({self.min_batch}) must not exceed batch_size ({self.batch_size})"
+            )
         return self

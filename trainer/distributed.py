@@ -15,16 +15,10 @@ compared step by step.
 
 from __future__ import annotations
 
-import argparse
-import copy
 import dataclasses
-import json
 import logging
 import os
-import random
-import sys
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
@@ -33,9 +27,9 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
-from trainer.batch import TrainBatch, TrainSample, collate
+from trainer.batch import TrainBatch
 from trainer.objective import leave_one_out_advantages, policy_gradient_loss
-from trainer.step import StepMetrics, build_optimizer, rl_step, token_logprobs
+from trainer.step import StepMetrics, token_logprobs
 
 if TYPE_CHECKING:
     from transformers import LlamaForCausalLM
@@ -175,7 +169,9 @@ def local_objective(
     means = [terms.loss.item(), terms.kl, terms.clipped_fraction, terms.ratio_mean]
     sums[:4] = torch.tensor(means, dtype=torch.float64) * local_tokens
     sums[4] = (entropy * rows.target_mask).sum().double()
-    return LocalObjective(loss=terms.loss * (local_tokens * world.world_size / batch_tokens), sums=sums)
+    return LocalObjective(
+        loss=terms.loss * (local_tokens * world.world_size / batch_tokens), sums=sums
+    )
 
 
 def sharded_rl_step(
@@ -195,9 +191,13 @@ def sharded_rl_step(
     batch_tokens = batch.target_mask.sum().item()
     if batch_tokens == 0:
         raise ValueError("no completion tokens in the batch")
-    advantages = torch.tensor(leave_one_out_advantages(batch.rewards, batch.groups, std_normalize=std_normalize))
+    advantages = torch.tensor(
+        leave_one_out_advantages(batch.rewards, batch.groups, std_normalize=std_normalize)
+    )
     model.train()
-    local = local_objective(model, batch, advantages, world, ref_model=ref_model, is_cap=is_cap, kl_coef=kl_coef)
+    local = local_objective(
+        model, batch, advantages, world, ref_model=ref_model, is_cap=is_cap, kl_coef=kl_coef
+    )
     optimizer.zero_grad(set_to_none=True)
     local.loss.backward()
     grad_norm = _clip_global_grad_norm(model, grad_clip)

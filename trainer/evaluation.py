@@ -77,7 +77,9 @@ class Suite(Protocol):
 class EvalGate:
     """Judges candidates against the published version's and the control's scores."""
 
-    def __init__(self, suite: Suite, tolerance: float, control: EvalScores, published: EvalScores) -> None:
+    def __init__(
+        self, suite: Suite, tolerance: float, control: EvalScores, published: EvalScores
+    ) -> None:
         if not 0 <= tolerance <= 1:
             raise ValueError(f"tolerance {tolerance} is not a share in [0, 1]")
         self.suite = suite
@@ -94,7 +96,11 @@ class EvalGate:
             if candidate[checker] < reference[checker] - self.tolerance
         )
         return Verdict(
-            accepted=not regressions, candidate=candidate, published=self.published, control=self.control, regressions=regressions
+            accepted=not regressions,
+            candidate=candidate,
+            published=self.published,
+            control=self.control,
+            regressions=regressions,
         )
 
     def accept(self, verdict: Verdict) -> None:

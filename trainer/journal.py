@@ -77,12 +77,35 @@ class Journal:
 
     def reset(self, *, version: int, step: int = 0) -> None:
         """Start a new lineage (a fresh registry): forget every earlier entry."""
-        self._rewrite([{"kind": "base", "step": step, "version": version, "positions": {}, "cluster_id": "", "ids": []}])
+        self._rewrite(
+            [
+                {
+                    "kind": "base",
+                    "step": step,
+                    "version": version,
+                    "positions": {},
+                    "cluster_id": "",
+                    "ids": [],
+                }
+            ]
+        )
 
-    def candidate(self, step: int, positions: Mapping[str, int], rollout_ids: Iterable[str], cluster_id: str = "") -> None:
-        self._append({
-            "kind": "candidate", "step": step, "positions": dict(positions), "cluster_id": cluster_id, "ids": list(rollout_ids),
-        })
+    def candidate(
+        self,
+        step: int,
+        positions: Mapping[str, int],
+        rollout_ids: Iterable[str],
+        cluster_id: str = "",
+    ) -> None:
+        self._append(
+            {
+                "kind": "candidate",
+                "step": step,
+                "positions": dict(positions),
+                "cluster_id": cluster_id,
+                "ids": list(rollout_ids),
+            }
+        )
 
     def published(self, step: int, version: int) -> None:
         self._append({"kind": "published", "step": step, "version": version})
@@ -100,14 +123,23 @@ class Journal:
         for entry in self._entries():
             kind = entry["kind"]
             if kind == "base":
-                step, positions, version, kept = entry["step"], entry["positions"], entry["version"], entry["ids"]
+                step, positions, version, kept = (
+                    entry["step"],
+                    entry["positions"],
+                    entry["version"],
+                    entry["ids"],
+                )
                 cluster_id = entry.get("cluster_id", "")
                 trained, refused, in_flight = [], [], None
             elif kind == "candidate":
                 in_flight = entry
             elif in_flight is not None and entry["step"] == in_flight["step"]:
                 (trained if kind == "published" else refused).extend(in_flight["ids"])
-                step, positions, cluster_id = in_flight["step"], in_flight["positions"], in_flight.get("cluster_id", "")
+                step, positions, cluster_id = (
+                    in_flight["step"],
+                    in_flight["positions"],
+                    in_flight.get("cluster_id", ""),
+                )
                 if kind == "published":
                     version = entry["version"]
                 in_flight = None
@@ -131,14 +163,18 @@ class Journal:
     def compact(self, registry_latest: int, keep_ids: int) -> None:
         """Fold everything final into one base entry (call only between steps)."""
         state = self.replay(registry_latest)
-        self._rewrite([{
-            "kind": "base",
-            "step": state.step,
-            "version": state.last_published_version,
-            "positions": state.positions,
-            "cluster_id": state.cluster_id,
-            "ids": list(state.recent_ids[-keep_ids:]),
-        }])
+        self._rewrite(
+            [
+                {
+                    "kind": "base",
+                    "step": state.step,
+                    "version": state.last_published_version,
+                    "positions": state.positions,
+                    "cluster_id": state.cluster_id,
+                    "ids": list(state.recent_ids[-keep_ids:]),
+                }
+            ]
+        )
 
     def _entries(self) -> Iterable[dict]:
         if not self.path.exists():

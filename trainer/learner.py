@@ -32,7 +32,9 @@ log = logging.getLogger("trainer")
 
 
 class LocalLearner:
-    def __init__(self, model: torch.nn.Module, ref_model: torch.nn.Module, settings: TrainerSettings) -> None:
+    def __init__(
+        self, model: torch.nn.Module, ref_model: torch.nn.Module, settings: TrainerSettings
+    ) -> None:
         self.model = model
         self.ref_model = ref_model
         self.settings = settings
@@ -42,8 +44,14 @@ class LocalLearner:
     def step(self, batch: TrainBatch) -> StepMetrics:
         s = self.settings
         return rl_step(
-            self.model, self.optimizer, batch,
-            ref_model=self.ref_model, is_cap=s.is_cap, kl_coef=s.kl_coef, grad_clip=s.grad_clip, std_normalize=s.std_normalize,
+            self.model,
+            self.optimizer,
+            batch,
+            ref_model=self.ref_model,
+            is_cap=s.is_cap,
+            kl_coef=s.kl_coef,
+            grad_clip=s.grad_clip,
+            std_normalize=s.std_normalize,
         )
 
     def weights(self) -> dict[str, torch.Tensor]:
@@ -57,7 +65,9 @@ class LocalLearner:
         """A copy of the current weights and optimizer state (training goes on without touching it)."""
         return state_dict_fp32(self.model), copy.deepcopy(self.optimizer.state_dict())
 
-    def remember(self, published: tuple[dict[str, torch.Tensor], dict[str, Any]] | None = None) -> None:
+    def remember(
+        self, published: tuple[dict[str, torch.Tensor], dict[str, Any]] | None = None
+    ) -> None:
         """This state (by default the current one) is published: a refused candidate returns here."""
         self._published = published if published is not None else self.snapshot()
 
@@ -71,12 +81,16 @@ class LocalLearner:
         """(weights, optimizer state) for a checkpoint."""
         return state_dict_fp32(self.model), self.optimizer.state_dict()
 
-    def load(self, weights: dict[str, torch.Tensor], optimizer_state: dict[str, Any] | None) -> None:
+    def load(
+        self, weights: dict[str, torch.Tensor], optimizer_state: dict[str, Any] | None
+    ) -> None:
         load_weights(self.model, weights)
         if optimizer_state is None:
             return
         if any(isinstance(key, str) for key in optimizer_state.get("state", {})):
-            log.warning("the checkpoint's optimizer state is from a sharded run; Adam's moments restart")
+            log.warning(
+                "the checkpoint's optimizer state is from a sharded run; Adam's moments restart"
+            )
             return
         self.optimizer.load_state_dict(optimizer_state)
 
@@ -92,7 +106,13 @@ class ShardedLearner:
     switching between the two keeps the weights and restarts Adam's moments.
     """
 
-    def __init__(self, model: LlamaForCausalLM, ref_model: LlamaForCausalLM, settings: TrainerSettings, world: World) -> None:
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        ref_model: LlamaForCausalLM,
+        settings: TrainerSettings,
+        world: World,
+    ) -> None:
         from trainer.distributed import shard
 
         self.world = world
@@ -134,7 +154,9 @@ class ShardedLearner:
         assert state is not None  # gathered on rank 0, which runs this
         return state
 
-    def load(self, weights: dict[str, torch.Tensor], optimizer_state: dict[str, Any] | None) -> None:
+    def load(
+        self, weights: dict[str, torch.Tensor], optimizer_state: dict[str, Any] | None
+    ) -> None:
         self._command("load", optimizer_state is not None)
         self._load(weights, optimizer_state)
 
@@ -179,8 +201,15 @@ class ShardedLearner:
 
         s = self.settings
         return sharded_rl_step(
-            self.model, self.optimizer, batch, self.world,
-            ref_model=self.ref_model, is_cap=s.is_cap, kl_coef=s.kl_coef, grad_clip=s.grad_clip, std_normalize=s.std_normalize,
+            self.model,
+            self.optimizer,
+            batch,
+            self.world,
+            ref_model=self.ref_model,
+            is_cap=s.is_cap,
+            kl_coef=s.kl_coef,
+            grad_clip=s.grad_clip,
+            std_normalize=s.std_normalize,
         )
 
     def _weights(self) -> dict[str, torch.Tensor] | None:
@@ -202,18 +231,25 @@ class ShardedLearner:
         self.optimizer.load_state_dict(copy.deepcopy(optimizer_state))
 
     def _state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]] | None:
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_optimizer_state_dict,
+        )
 
         weights = self._weights()
         optimizer_state = get_optimizer_state_dict(
-            self.model, self.optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+            self.model,
+            self.optimizer,
+            options=StateDictOptions(full_state_dict=True, cpu_offload=True),
         )
         if self.world.rank != 0:
             return None
         assert weights is not None  # gathered on rank 0
         return weights, optimizer_state
 
-    def _load(self, weights: dict[str, torch.Tensor] | None, optimizer_state: dict[str, Any] | None) -> None:
+    def _load(
+        self, weights: dict[str, torch.Tensor] | None, optimizer_state: dict[str, Any] | None
+    ) -> None:
         """Rank 0 passes full weights (and optimizer state); the others receive them."""
         from torch.distributed.checkpoint.state_dict import (
             StateDictOptions,
@@ -229,14 +265,27 @@ class ShardedLearner:
         # strict=False: the checkpoint lists tied weights once. The ignore: torch types the
         # state dict as an (invariant) dict of its ValueType union, which a dict of tensors is not.
         set_model_state_dict(
-            self.model, received, options=StateDictOptions(full_state_dict=True, strict=False)  # type: ignore[arg-type]
+            self.model,
+            received,
+            options=StateDictOptions(full_state_dict=True, strict=False),  # type: ignore[arg-type]
         )
         if optimizer_state is None:
             return
-        usable = [self.world.rank != 0 or "state" in optimizer_state and all(isinstance(k, str) for k in optimizer_state["state"])]
+        usable = [
+            self.world.rank != 0
+            or "state" in optimizer_state
+            and all(isinstance(k, str) for k in optimizer_state["state"])
+        ]
         dist.broadcast_object_list(usable, src=0)
         if not usable[0]:
             if self.world.rank == 0:
-                log.warning("the checkpoint's optimizer state is from a one-process run; Adam's moments restart")
+                log.warning(
+                    "the checkpoint's optimizer state is from a one-process run; Adam's moments restart"
+                )
             return
-        set_optimizer_state_dict(self.model, self.optimizer, optimizer_state if self.world.rank == 0 else {}, options=options)
+        set_optimizer_state_dict(
+            self.model,
+            self.optimizer,
+            optimizer_state if self.world.rank == 0 else {},
+            options=options,
+        )

@@ -28,15 +28,15 @@ import threading
 import time
 from collections import Counter, deque
 from collections.abc import Callable, Mapping
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Protocol
 
 import torch
-from safetensors.torch import load_file
 from confluent_kafka import KafkaError, KafkaException, TopicPartition
 from google.protobuf.message import DecodeError
 from opentelemetry import trace
+from safetensors.torch import load_file
 
 from rtrl import otel, signing
 from rtrl.heartbeat import GateRefusal, TrainerBeat
@@ -44,12 +44,21 @@ from rtrl.policy import PolicyConfig, build_model, load_weights
 from rtrl.v1 import reward_pb2, trainer_pb2, weights_pb2
 from trainer import checkpoint, plugins
 from trainer import metrics as step_metrics
-from trainer.batch import Drop, SeenRollouts, TrainSample, collate, drop_stale, shed_oldest, split_even, to_sample
+from trainer.batch import (
+    Drop,
+    SeenRollouts,
+    TrainSample,
+    collate,
+    drop_stale,
+    shed_oldest,
+    split_even,
+    to_sample,
+)
 from trainer.candidate import Candidate, Judge
 from trainer.config import TrainerSettings
+from trainer.distributed import World
 from trainer.evaluation import EvalGate, Verdict
 from trainer.journal import Journal, parse_position_key, position_key
-from trainer.distributed import World
 from trainer.learner import LocalLearner, ShardedLearner
 from trainer.step import StepMetrics, combine
 
@@ -72,7 +81,12 @@ class WeightPublisher(Protocol):
     """One arm's side of weight_sync (weight_sync.client.Publisher)."""
 
     def publish(
-        self, weights: dict[str, torch.Tensor], *, trained_through_event_ts_ms: int = 0, rollouts_trained: int = 0, train_step: int = 0
+        self,
+        weights: dict[str, torch.Tensor],
+        *,
+        trained_through_event_ts_ms: int = 0,
+        rollouts_trained: int = 0,
+        train_step: int = 0,
     ) -> int: ...
 
     def latest(self) -> int: ...
@@ -100,7 +114,9 @@ class Trainer:
     ) -> None:
         self.settings = settings
         # Refuses to build without a key: a trainer that cannot check rewards trains on none.
-        self.verifier = signing.Verifier(signing.parse_public_keys(settings.reward_public_keys), signing.Purpose.REWARD)
+        self.verifier = signing.Verifier(
+            signing.parse_public_keys(settings.reward_public_keys), signing.Purpose.REWARD
+        )
         self.dead_letter = dead_letter
         """Where refused records go, with the reason (the reward DLQ); None: counted only."""
         self.state_dir = Path(state_dir)
@@ -139,7 +155,9 @@ class Trainer:
         """Load the warm start, make sure both arms have a version, resume if we can."""
         torch.manual_seed(self.settings.seed)
         self.cluster_id = self.consumer.list_topics(timeout=30).cluster_id or ""
-        path = plugins.initial_policy(self.settings)(self.state_dir, self.policy_config, self.settings.seed)
+        path = plugins.initial_policy(self.settings)(
+            self.state_dir, self.policy_config, self.settings.seed
+        )
         self.warm_start = path.name
         warm = load_file(str(path))
         model = build_model(self.policy_config)
@@ -169,15 +187,26 @@ class Trainer:
             self._resume(latest)
         self.learner.remember()
         published = control if self.version == 0 else suite.score(self.learner.eval_model())
-        self.gate = EvalGate(suite, self.settings.eval_tolerance, control=control, published=published)
-        log.info("eval gate: control %s, published v%d %s", control.as_dict(), self.version, published.as_dict())
+        self.gate = EvalGate(
+            suite, self.settings.eval_tolerance, control=control, published=published
+        )
+        log.info(
+            "eval gate: control %s, published v%d %s",
+            control.as_dict(),
+            self.version,
+            published.as_dict(),
+        )
         self.consumer.subscribe([self.settings.topic], on_assign=self._on_assign)
         self.status = self._status(None)
 
     def _resume(self, latest: int) -> None:
         saved = checkpoint.load(self.checkpoint_dir)
         if saved is not None and (saved.warm_start != self.warm_start or saved.version > latest):
-            log.warning("ignoring checkpoint v%d from warm start %s: not in this registry's lineage", saved.version, saved.warm_start)
+            log.warning(
+                "ignoring checkpoint v%d from warm start %s: not in this registry's lineage",
+                saved.version,
+                saved.warm_start,
+            )
             saved = None
         if saved is not None and saved.version == latest:
             self.learner.load(saved.model, saved.optimizer)
@@ -189,17 +218,27 @@ class Trainer:
             # Adam moments a few steps old beat starting them from zero.
             self.learner.load(weights, saved.optimizer if saved is not None else None)
             self.step, self.rollouts_trained = manifest.train_step, manifest.rollouts_trained
-            log.info("resumed from published treatment v%d at step %d (checkpoint: %s)", latest, self.step, saved and f"v{saved.version}")
+            log.info(
+                "resumed from published treatment v%d at step %d (checkpoint: %s)",
+                latest,
+                self.step,
+                saved and f"v{saved.version}",
+            )
         self.version = latest
         replayed = self.journal.replay(latest)
         if replayed.in_flight_published:
             self.journal.published(replayed.step, latest)
-            log.info("the candidate of step %d was published as v%d before the crash", replayed.step, latest)
+            log.info(
+                "the candidate of step %d was published as v%d before the crash",
+                replayed.step,
+                latest,
+            )
         elif replayed.last_published_version != latest:
             log.warning(
                 "journal ends at v%d but the registry holds v%d: resuming from the journal's last positions (the committed offsets "
                 "where it has none); rollouts since may be retrained",
-                replayed.last_published_version, latest,
+                replayed.last_published_version,
+                latest,
             )
         # Refused candidates advance the step counter without a version.
         self.step = max(self.step, replayed.step)
@@ -208,12 +247,17 @@ class Trainer:
             log.warning(
                 "the broker is new (cluster %r; the journal's positions are in %r): its topics start empty, so the journal's "
                 "positions are not applied; whatever the old broker held and was not yet trained on is gone with it",
-                self.cluster_id, replayed.cluster_id,
+                self.cluster_id,
+                replayed.cluster_id,
             )
             self.positions = {}
         for rollout_id in replayed.recent_ids:
             self.seen.admit(rollout_id)
-        log.info("resuming at %s with %d recent rollout ids", self.positions or "the committed offsets", len(replayed.recent_ids))
+        log.info(
+            "resuming at %s with %d recent rollout ids",
+            self.positions or "the committed offsets",
+            len(replayed.recent_ids),
+        )
 
     def _on_assign(self, consumer, partitions: list[TopicPartition]) -> None:
         for partition in partitions:
@@ -221,7 +265,6 @@ class Trainer:
             if resume is not None:
                 partition.offset = resume
         consumer.assign(partitions)
-
 
     def run(self, stop: threading.Event) -> None:
         self.judge = Judge(self.gate, build_model(self.policy_config), background=self.pipelined)
@@ -234,7 +277,12 @@ class Trainer:
                 now = time.monotonic()
                 if self.due(now):
                     self.train_pending()
-                elif not self.pending and self.in_flight is None and self.uncommitted and now - self.last_commit_at >= IDLE_COMMIT_S:
+                elif (
+                    not self.pending
+                    and self.in_flight is None
+                    and self.uncommitted
+                    and now - self.last_commit_at >= IDLE_COMMIT_S
+                ):
                     self.commit()
             self._settle(block=True)
         finally:
@@ -283,7 +331,9 @@ class Trainer:
             if message.error() is not None:
                 raise KafkaException(message.error())
             self.uncommitted = True
-            self.positions[position_key(message.topic(), message.partition())] = message.offset() + 1
+            self.positions[position_key(message.topic(), message.partition())] = (
+                message.offset() + 1
+            )
             problem = self.verifier.problem(message.value(), message.headers())
             if problem is not None:
                 # Not the joiner's: never trained on, whatever it says.
@@ -304,11 +354,15 @@ class Trainer:
                 continue
             if not self.pending:
                 self.first_pending_at = time.monotonic()
-            self.pending.append(replace(sample, reward_ts_ms=max(message.timestamp()[1], 0), read_ts_ms=read_ts_ms))
+            self.pending.append(
+                replace(sample, reward_ts_ms=max(message.timestamp()[1], 0), read_ts_ms=read_ts_ms)
+            )
 
     def due(self, now: float) -> bool:
         n = len(self.pending)
-        return n >= self.settings.batch_size or (n >= self.settings.min_batch and now - self.first_pending_at >= self.settings.max_wait_s)
+        return n >= self.settings.batch_size or (
+            n >= self.settings.min_batch and now - self.first_pending_at >= self.settings.max_wait_s
+        )
 
     def train_pending(self) -> None:
         """Train everything pending as the next candidate (as few optimizer steps of at most
@@ -329,7 +383,9 @@ class Trainer:
         batches = split_even(fresh, self.settings.batch_size)
         metrics, gate_wait_s = self._train(batches)
         self.step += 1
-        self.journal.candidate(self.step, positions, (sample.rollout_id for sample in fresh), self.cluster_id)
+        self.journal.candidate(
+            self.step, positions, (sample.rollout_id for sample in fresh), self.cluster_id
+        )
         optimizer_state: dict[str, Any] | None = None
         if self.pipelined:
             assert isinstance(self.learner, LocalLearner)  # as pipelined says
@@ -338,10 +394,21 @@ class Trainer:
             weights = self.learner.weights()
         handed_over = time.monotonic()
         self.in_flight = Candidate(
-            step=self.step, base_version=self.version, samples=tuple(fresh), positions=positions, metrics=metrics,
-            optimizer_steps=len(batches), staleness=staleness, started_ns=started_ns, batch_wait_s=batch_wait_s,
-            step_s=handed_over - started - gate_wait_s, gate_wait_s=gate_wait_s, judging_since=handed_over,
-            weights=weights, optimizer_state=optimizer_state, verdict=self.judge.submit(weights),
+            step=self.step,
+            base_version=self.version,
+            samples=tuple(fresh),
+            positions=positions,
+            metrics=metrics,
+            optimizer_steps=len(batches),
+            staleness=staleness,
+            started_ns=started_ns,
+            batch_wait_s=batch_wait_s,
+            step_s=handed_over - started - gate_wait_s,
+            gate_wait_s=gate_wait_s,
+            judging_since=handed_over,
+            weights=weights,
+            optimizer_state=optimizer_state,
+            verdict=self.judge.submit(weights),
         )
         if not self.pipelined:
             self._settle(block=True)
@@ -364,7 +431,11 @@ class Trainer:
                 gate_wait_s += time.monotonic() - waiting_since
                 if settled is not False:
                     return combine(results), gate_wait_s
-            log.info("training %d rollouts again on v%d: the candidate they were built on was refused", sum(map(len, batches)), self.version)
+            log.info(
+                "training %d rollouts again on v%d: the candidate they were built on was refused",
+                sum(map(len, batches)),
+                self.version,
+            )
 
     def _settle(self, block: bool) -> bool | None:
         """Act on the verdict of the candidate at the gate if it is in (with block, wait for it):
@@ -381,12 +452,18 @@ class Trainer:
         """Publish or refuse, then the step record, span, status and log line."""
         judged = time.monotonic()
         timings = {
-            "batch_wait": candidate.batch_wait_s, "step": candidate.step_s, "gate_wait": candidate.gate_wait_s,
+            "batch_wait": candidate.batch_wait_s,
+            "step": candidate.step_s,
+            "gate_wait": candidate.gate_wait_s,
             "eval": judged - candidate.judging_since,
         }
         fresh = candidate.samples
         newest = max(fresh, key=lambda sample: sample.last_event_ts_ms)
-        span = _tracer.start_span("trainer.step", links=otel.links(s.traceparent for s in fresh), start_time=candidate.started_ns)
+        span = _tracer.start_span(
+            "trainer.step",
+            links=otel.links(s.traceparent for s in fresh),
+            start_time=candidate.started_ns,
+        )
         with trace.use_span(span, end_on_exit=True):
             if verdict.accepted:
                 self._publish(candidate, verdict)
@@ -394,30 +471,58 @@ class Trainer:
             else:
                 self._refuse(verdict, len(fresh))
                 self.commit(candidate.positions)
-            span.set_attributes({
-                "rtrl.trainer.step": candidate.step, "rtrl.policy.base_version": candidate.base_version,
-                "rtrl.policy.version": self.version, "rtrl.trainer.published": verdict.accepted, "rtrl.trainer.rollouts": len(fresh),
-            })
+            span.set_attributes(
+                {
+                    "rtrl.trainer.step": candidate.step,
+                    "rtrl.policy.base_version": candidate.base_version,
+                    "rtrl.policy.version": self.version,
+                    "rtrl.trainer.published": verdict.accepted,
+                    "rtrl.trainer.rollouts": len(fresh),
+                }
+            )
             record = step_metrics.step_record(
-                lineage=self.warm_start, step=candidate.step, base_version=candidate.base_version,
-                version=self.version if verdict.accepted else -1, ts_ms=int(time.time() * 1000), metrics=candidate.metrics,
-                verdict=verdict, staleness=candidate.staleness, dropped=self._dropped_since_last_record(), timings=timings,
-                traceparent=otel.traceparent_of(span), newest=newest, started_ts_ms=candidate.started_ns // 1_000_000,
+                lineage=self.warm_start,
+                step=candidate.step,
+                base_version=candidate.base_version,
+                version=self.version if verdict.accepted else -1,
+                ts_ms=int(time.time() * 1000),
+                metrics=candidate.metrics,
+                verdict=verdict,
+                staleness=candidate.staleness,
+                dropped=self._dropped_since_last_record(),
+                timings=timings,
+                traceparent=otel.traceparent_of(span),
+                newest=newest,
+                started_ts_ms=candidate.started_ns // 1_000_000,
                 optimizer_steps=candidate.optimizer_steps,
             )
         self.status = self._status(
-            candidate.metrics, verdict, batch_wait_s=candidate.batch_wait_s, step_s=candidate.step_s, eval_s=timings["eval"],
+            candidate.metrics,
+            verdict,
+            batch_wait_s=candidate.batch_wait_s,
+            step_s=candidate.step_s,
+            eval_s=timings["eval"],
             publish_s=timings.get("publish"),
-            event_to_publish_s=time.time() - newest.last_event_ts_ms / 1000 if verdict.accepted and newest.last_event_ts_ms else None,
+            event_to_publish_s=time.time() - newest.last_event_ts_ms / 1000
+            if verdict.accepted and newest.last_event_ts_ms
+            else None,
         )
         if self.on_step is not None:
             self.on_step(record, self.version)
         metrics = candidate.metrics
         log.info(
             "step %d -> %s rollouts %d in %d steps reward %.3f kl %.4f entropy %.3f grad_norm %.3f clipped %.3f stale %d eval %s %s",
-            candidate.step, f"v{self.version}" if verdict.accepted else "refused", metrics.rollouts, candidate.optimizer_steps,
-            metrics.reward_mean, metrics.kl, metrics.entropy, metrics.grad_norm, metrics.clipped_fraction,
-            sum(s > self.settings.max_staleness for s in candidate.staleness), verdict.candidate.as_dict(),
+            candidate.step,
+            f"v{self.version}" if verdict.accepted else "refused",
+            metrics.rollouts,
+            candidate.optimizer_steps,
+            metrics.reward_mean,
+            metrics.kl,
+            metrics.entropy,
+            metrics.grad_norm,
+            metrics.clipped_fraction,
+            sum(s > self.settings.max_staleness for s in candidate.staleness),
+            verdict.candidate.as_dict(),
             " ".join(f"{phase} {seconds:.3f}s" for phase, seconds in timings.items()),
         )
 
@@ -437,7 +542,9 @@ class Trainer:
         if candidate.optimizer_state is None:
             self.learner.remember()
         else:
-            assert isinstance(self.learner, LocalLearner)  # only a pipelined candidate carries optimizer state
+            assert isinstance(
+                self.learner, LocalLearner
+            )  # only a pipelined candidate carries optimizer state
             published = (candidate.weights, candidate.optimizer_state)
             self.learner.remember(published)
         self.commit(candidate.positions)
@@ -446,7 +553,11 @@ class Trainer:
         self.rewards.append(candidate.metrics.reward_mean)
 
     def _dropped_since_last_record(self) -> dict[str, int]:
-        delta = {str(reason): n - self.dropped_recorded[reason] for reason, n in self.drops.items() if n > self.dropped_recorded[reason]}
+        delta = {
+            str(reason): n - self.dropped_recorded[reason]
+            for reason, n in self.drops.items()
+            if n > self.dropped_recorded[reason]
+        }
         self.dropped_recorded = self.drops.copy()
         return delta
 
@@ -456,13 +567,24 @@ class Trainer:
         self.learner.restore()
         self.refused += 1
         gate = verdict.as_gate()
-        self.refusals.append(GateRefusal(
-            step=self.step, ts_ms=int(time.time() * 1000), rollouts=rollouts, accepted=gate.accepted,
-            candidate=gate.candidate, published=gate.published, control=gate.control, regressions=gate.regressions,
-        ))
+        self.refusals.append(
+            GateRefusal(
+                step=self.step,
+                ts_ms=int(time.time() * 1000),
+                rollouts=rollouts,
+                accepted=gate.accepted,
+                candidate=gate.candidate,
+                published=gate.published,
+                control=gate.control,
+                regressions=gate.regressions,
+            )
+        )
         log.warning(
             "eval gate refused the candidate of step %d (%d rollouts); v%d stays: %s",
-            self.step, rollouts, self.version, "; ".join(verdict.regressions),
+            self.step,
+            rollouts,
+            self.version,
+            "; ".join(verdict.regressions),
         )
 
     def commit(self, positions: Mapping[str, int] | None = None) -> None:
@@ -471,7 +593,10 @@ class Trainer:
         if self.uncommitted:
             offsets = None
             if positions is not None:
-                offsets = [TopicPartition(*parse_position_key(key), offset) for key, offset in positions.items()]
+                offsets = [
+                    TopicPartition(*parse_position_key(key), offset)
+                    for key, offset in positions.items()
+                ]
             try:
                 if offsets:
                     self.consumer.commit(offsets=offsets, asynchronous=False)
@@ -501,7 +626,9 @@ class Trainer:
         )
         self.journal.compact(self.version, keep_ids=self.settings.dedup_capacity)
 
-    def _status(self, metrics: StepMetrics | None, verdict: Verdict | None = None, **latency: float | None) -> TrainerBeat:
+    def _status(
+        self, metrics: StepMetrics | None, verdict: Verdict | None = None, **latency: float | None
+    ) -> TrainerBeat:
         previous = self.status
         return TrainerBeat(
             step=self.step,

@@ -25,14 +25,24 @@ from trainer.step import StepMetrics
 log = logging.getLogger("trainer")
 
 _meter = metrics.get_meter("rtrl.trainer")
-_steps = _meter.create_counter("rtrl.trainer.steps", unit="{step}", description="Candidates judged, by outcome")
-_rollouts = _meter.create_counter("rtrl.trainer.rollouts", unit="{rollout}", description="Rollouts in published versions")
-_dropped = _meter.create_counter("rtrl.trainer.dropped", unit="{rollout}", description="Reward records not trained on, by reason")
+_steps = _meter.create_counter(
+    "rtrl.trainer.steps", unit="{step}", description="Candidates judged, by outcome"
+)
+_rollouts = _meter.create_counter(
+    "rtrl.trainer.rollouts", unit="{rollout}", description="Rollouts in published versions"
+)
+_dropped = _meter.create_counter(
+    "rtrl.trainer.dropped", unit="{rollout}", description="Reward records not trained on, by reason"
+)
 _staleness = _meter.create_histogram(
-    "rtrl.trainer.staleness", unit="{version}", description="Versions between the trainer and a rollout's oldest token",
+    "rtrl.trainer.staleness",
+    unit="{version}",
+    description="Versions between the trainer and a rollout's oldest token",
     explicit_bucket_boundaries_advisory=[0, 1, 2, 4, 8, 16, 32],
 )
-_duration = _meter.create_histogram("rtrl.trainer.phase.duration", unit="s", description="Time per step phase")
+_duration = _meter.create_histogram(
+    "rtrl.trainer.phase.duration", unit="s", description="Time per step phase"
+)
 _gauges = {
     name: _meter.create_gauge(f"rtrl.trainer.{name}", description=description)
     for name, description in (
@@ -44,7 +54,9 @@ _gauges = {
         ("version", "Treatment version the trainer holds"),
     )
 }
-_eval = _meter.create_gauge("rtrl.trainer.eval.score", description="Eval-gate checker score of the candidate")
+_eval = _meter.create_gauge(
+    "rtrl.trainer.eval.score", description="Eval-gate checker score of the candidate"
+)
 
 
 def staleness_buckets(staleness: Iterable[int]) -> list[trainer_pb2.StalenessBucket]:
@@ -118,7 +130,10 @@ def record_instruments(record: trainer_pb2.TrainerStep, version: int) -> None:
     for phase in ("batch_wait", "step", "eval", "publish"):
         _duration.record(getattr(record, f"{phase}_s"), {"phase": phase})
     for name, gauge in _gauges.items():
-        gauge.set(version if name == "version" else getattr(record, name), outcome if name != "version" else None)
+        gauge.set(
+            version if name == "version" else getattr(record, name),
+            outcome if name != "version" else None,
+        )
     for checker, score in record.eval_candidate.items():
         _eval.set(score, {"checker": checker, **outcome})
 
@@ -134,20 +149,38 @@ class StepExporter:
 
     def __call__(self, record: trainer_pb2.TrainerStep, version: int) -> None:
         record_instruments(record, version)
-        self._producer.produce(self._topic, record.SerializeToString(), key=record.lineage.encode(), on_delivery=self._delivered)
+        self._producer.produce(
+            self._topic,
+            record.SerializeToString(),
+            key=record.lineage.encode(),
+            on_delivery=self._delivered,
+        )
         self._producer.poll(0)
 
     def dead_letter(self, message, reason: str) -> None:
         """A consumed record the trainer refused to train on, to the reward DLQ with the reason
         in its headers (the analytics sink keeps it in dead_letters)."""
-        headers = [("reason", f"trainer: {reason}".encode()), ("source_topic", message.topic().encode())]
-        self._producer.produce(topics.REWARD_DLQ, message.value(), key=message.key(), headers=headers, on_delivery=self._delivered)
+        headers = [
+            ("reason", f"trainer: {reason}".encode()),
+            ("source_topic", message.topic().encode()),
+        ]
+        self._producer.produce(
+            topics.REWARD_DLQ,
+            message.value(),
+            key=message.key(),
+            headers=headers,
+            on_delivery=self._delivered,
+        )
         self._producer.poll(0)
 
     def _delivered(self, err, msg) -> None:
         if err is not None:
             self.failed += 1
-            log.warning("trainer record not delivered to %s: %s", msg.topic() if msg is not None else self._topic, err)
+            log.warning(
+                "trainer record not delivered to %s: %s",
+                msg.topic() if msg is not None else self._topic,
+                err,
+            )
 
     def flush(self, timeout_s: float = 10.0) -> None:
         if self._producer.flush(timeout_s):

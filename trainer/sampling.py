@@ -50,7 +50,9 @@ def sample(
     out: list[Sampled | None] = [None] * len(prompts)
     for indices in by_length.values():
         batch = torch.tensor([prompts[i] for i in indices], dtype=torch.long)
-        for i, sampled in zip(indices, _decode(model, batch, None, temperature, max_new_tokens, generator)):
+        for i, sampled in zip(
+            indices, _decode(model, batch, None, temperature, max_new_tokens, generator)
+        ):
             out[i] = sampled
     return out  # type: ignore[return-value]
 
@@ -96,9 +98,19 @@ def _decode(
         if bool(finished.all()):
             break
         if padding:
-            attention_mask = torch.cat([padding["attention_mask"], torch.ones(rows, 1, dtype=torch.long)], dim=1)
-            padding = {"attention_mask": attention_mask, "position_ids": padding["position_ids"][:, -1:] + 1}
-        outputs = model(input_ids=next_tokens[:, None], past_key_values=outputs.past_key_values, use_cache=True, **padding)
+            attention_mask = torch.cat(
+                [padding["attention_mask"], torch.ones(rows, 1, dtype=torch.long)], dim=1
+            )
+            padding = {
+                "attention_mask": attention_mask,
+                "position_ids": padding["position_ids"][:, -1:] + 1,
+            }
+        outputs = model(
+            input_ids=next_tokens[:, None],
+            past_key_values=outputs.past_key_values,
+            use_cache=True,
+            **padding,
+        )
     return [
         Sampled(tuple(tokens[r, : lengths[r]].tolist()), tuple(logprobs[r, : lengths[r]].tolist()))
         for r in range(rows)

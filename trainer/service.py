@@ -19,19 +19,19 @@ from pathlib import Path
 
 import redis.asyncio as aioredis
 import torch
-from safetensors.torch import load_file
 from confluent_kafka import Consumer, Producer
 from opentelemetry import metrics
+from safetensors.torch import load_file
 
+from rtrl import otel, signing
 from rtrl.config import StackSettings
 from rtrl.heartbeat import beat_forever
-from rtrl import otel, signing
 from rtrl.kafka import consumer_config, producer_config
-from rtrl.v1 import weights_pb2
-from trainer.config import TrainerSettings
 from rtrl.policy import PolicyConfig, build_model, load_weights
-from trainer.distributed import World
+from rtrl.v1 import weights_pb2
 from trainer import plugins
+from trainer.config import TrainerSettings
+from trainer.distributed import World
 from trainer.learner import ShardedLearner
 from trainer.loop import CONTROL, TREATMENT, Trainer
 from trainer.metrics import StepExporter
@@ -40,13 +40,25 @@ log = logging.getLogger("trainer")
 
 
 def fetch_published(
-    addr: str, token: str, arm: str, version: int, public_keys: Sequence[str], tls_ca_file: Path | None = None
+    addr: str,
+    token: str,
+    arm: str,
+    version: int,
+    public_keys: Sequence[str],
+    tls_ca_file: Path | None = None,
 ) -> tuple[weights_pb2.Manifest, dict[str, torch.Tensor]]:
     """The manifest and weights weight_sync holds for one version of an arm, if the
     trainer signed it (a resume never starts from weights someone else wrote)."""
     from weight_sync.client import Subscriber
 
-    subscriber = Subscriber(addr, arm, worker_id="trainer-resume", token=token, public_keys=public_keys, tls_ca_file=tls_ca_file)
+    subscriber = Subscriber(
+        addr,
+        arm,
+        worker_id="trainer-resume",
+        token=token,
+        public_keys=public_keys,
+        tls_ca_file=tls_ca_file,
+    )
     try:
         for manifest, weights in subscriber.follow(have_version=version - 1):
             if manifest.version >= version:
@@ -65,7 +77,9 @@ def follow_rank_zero(settings: TrainerSettings, stack: StackSettings, world: Wor
     """
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, signal.SIG_IGN)
-    warm = load_file(str(plugins.initial_policy(settings)(stack.state_dir, PolicyConfig(), settings.seed)))
+    warm = load_file(
+        str(plugins.initial_policy(settings)(stack.state_dir, PolicyConfig(), settings.seed))
+    )
     model, ref_model = build_model(PolicyConfig()), build_model(PolicyConfig())
     load_weights(model, warm)
     load_weights(ref_model, warm)
@@ -75,7 +89,9 @@ def follow_rank_zero(settings: TrainerSettings, stack: StackSettings, world: Wor
     learner.follow()
 
 
-async def serve(settings: TrainerSettings, stack: StackSettings, world: World | None = None) -> None:
+async def serve(
+    settings: TrainerSettings, stack: StackSettings, world: World | None = None
+) -> None:
     from weight_sync.client import Publisher
 
     torch.set_num_threads(1)
@@ -90,11 +106,23 @@ async def serve(settings: TrainerSettings, stack: StackSettings, world: World | 
     token = stack.weight_sync_token.get_secret_value()
     signing_key = settings.manifest_signing_key.get_secret_value()
     if not signing_key:
-        raise SystemExit("trainer: RTRL_TRAINER_MANIFEST_SIGNING_KEY is not set: workers apply only versions it signs (rtrl up generates one)")
+        raise SystemExit(
+            "trainer: RTRL_TRAINER_MANIFEST_SIGNING_KEY is not set: workers apply only versions it signs (rtrl up generates one)"
+        )
     # Its own versions, and those of a key being rotated out.
-    own_keys = [signing.public_key_of(signing_key), *signing.parse_public_keys(stack.manifest_public_keys)]
+    own_keys = [
+        signing.public_key_of(signing_key),
+        *signing.parse_public_keys(stack.manifest_public_keys),
+    ]
     publishers = {
-        arm: Publisher(stack.weight_sync_addr, token, arm, settings.keyframe_every, signing_key=signing_key, tls_ca_file=stack.weight_sync_tls_ca_file)
+        arm: Publisher(
+            stack.weight_sync_addr,
+            token,
+            arm,
+            settings.keyframe_every,
+            signing_key=signing_key,
+            tls_ca_file=stack.weight_sync_tls_ca_file,
+        )
         for arm in (CONTROL, TREATMENT)
     }
     # The trainer subscribes itself: it seeks to its journal's positions on assignment.
@@ -106,17 +134,23 @@ async def serve(settings: TrainerSettings, stack: StackSettings, world: World | 
         stack.state_dir,
         rewards,
         publishers,
-        fetch_weights=lambda arm, version: fetch_published(stack.weight_sync_addr, token, arm, version, own_keys, stack.weight_sync_tls_ca_file),
+        fetch_weights=lambda arm, version: fetch_published(
+            stack.weight_sync_addr, token, arm, version, own_keys, stack.weight_sync_tls_ca_file
+        ),
         on_step=exporter,
         world=world,
         dead_letter=exporter.dead_letter,
     )
-    otel.observe_lag(metrics.get_meter("rtrl.trainer"), settings.consumer_group, trainer.lag.readings)
+    otel.observe_lag(
+        metrics.get_meter("rtrl.trainer"), settings.consumer_group, trainer.lag.readings
+    )
     redis = aioredis.from_url(stack.redis_url)
     heartbeat: asyncio.Task | None = None
     try:
         await asyncio.to_thread(trainer.start)
-        heartbeat = asyncio.create_task(beat_forever(redis, "trainer", stack.instance, trainer.heartbeat))
+        heartbeat = asyncio.create_task(
+            beat_forever(redis, "trainer", stack.instance, trainer.heartbeat)
+        )
         log.info("trainer up: treatment v%d, step %d", trainer.version, trainer.step)
         await asyncio.to_thread(trainer.run, stop)
         log.info("trainer stopped at step %d, treatment v%d", trainer.step, trainer.version)

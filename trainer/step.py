@@ -85,7 +85,9 @@ def rl_step(
     grad_clip: float = 1.0,
     std_normalize: bool = False,
 ) -> StepMetrics:
-    advantages = torch.tensor(leave_one_out_advantages(batch.rewards, batch.groups, std_normalize=std_normalize))
+    advantages = torch.tensor(
+        leave_one_out_advantages(batch.rewards, batch.groups, std_normalize=std_normalize)
+    )
     ref_logp = None
     if ref_model is not None:
         with torch.no_grad():
@@ -121,5 +123,7 @@ def rl_step(
     )
 
 
-def build_optimizer(model: torch.nn.Module, lr: float, weight_decay: float = 0.0) -> torch.optim.AdamW:
+def build_optimizer(
+    model: torch.nn.Module, lr: float, weight_decay: float = 0.0
+) -> torch.optim.AdamW:
     return torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)

@@ -51,7 +51,9 @@ class VersionSource(Protocol):
 
     async def newest_keyframe(self, arm: str, at_most: int) -> int | None: ...
 
-    async def manifests(self, arm: str, first: int, last: int) -> dict[int, weights_pb2.Manifest]: ...
+    async def manifests(
+        self, arm: str, first: int, last: int
+    ) -> dict[int, weights_pb2.Manifest]: ...
 
     async def blob(self, manifest: weights_pb2.Manifest) -> bytes | None:
         """The blob's bytes, None if it is gone (unverified: the Broadcaster checks)."""
@@ -62,7 +64,9 @@ class VersionSource(Protocol):
         ...
 
 
-def version_chunks(manifest: weights_pb2.Manifest, blob: bytes, chunk_bytes: int, start: int = 0) -> Iterator[weights_pb2.WeightChunk]:
+def version_chunks(
+    manifest: weights_pb2.Manifest, blob: bytes, chunk_bytes: int, start: int = 0
+) -> Iterator[weights_pb2.WeightChunk]:
     """One version as WeightChunks from byte ``start``: the first carries the manifest, the final one has last=True."""
     for offset in range(start, max(len(blob), start + 1), chunk_bytes):
         chunk = weights_pb2.WeightChunk(
@@ -86,8 +90,13 @@ class Frame:
     last: bool
 
 
-def frames(manifest: weights_pb2.Manifest, blob: bytes, chunk_bytes: int, start: int = 0) -> list[Frame]:
-    return [Frame(c.SerializeToString(), c.version, len(c.data), c.last) for c in version_chunks(manifest, blob, chunk_bytes, start)]
+def frames(
+    manifest: weights_pb2.Manifest, blob: bytes, chunk_bytes: int, start: int = 0
+) -> list[Frame]:
+    return [
+        Frame(c.SerializeToString(), c.version, len(c.data), c.last)
+        for c in version_chunks(manifest, blob, chunk_bytes, start)
+    ]
 
 
 def add_to_server(service: weights_pb2_grpc.WeightSyncServicer, server) -> None:
@@ -110,7 +119,9 @@ def add_to_server(service: weights_pb2_grpc.WeightSyncServicer, server) -> None:
             response_serializer=weights_pb2.LatestResponse.SerializeToString,
         ),
     }
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("rtrl.v1.WeightSync", handlers),))
+    server.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler("rtrl.v1.WeightSync", handlers),)
+    )
     server.add_registered_method_handlers("rtrl.v1.WeightSync", handlers)
 
 
@@ -183,7 +194,9 @@ class Broadcaster(weights_pb2_grpc.WeightSyncServicer):
     ) -> None:
         self._source = source
         if not all(subscribe_tokens):
-            raise ValueError("a weight_sync listener needs its tokens (RTRL_WEIGHT_SYNC_TOKEN, RTRL_WEIGHT_SYNC_SUBSCRIBE_TOKEN): there are no defaults")
+            raise ValueError(
+                "a weight_sync listener needs its tokens (RTRL_WEIGHT_SYNC_TOKEN, RTRL_WEIGHT_SYNC_SUBSCRIBE_TOKEN): there are no defaults"
+            )
         self._bearers = tuple(f"Bearer {token}".encode() for token in subscribe_tokens)
         self._chunk_bytes = chunk_bytes
         self._poll_interval_s = poll_interval_s
@@ -203,14 +216,20 @@ class Broadcaster(weights_pb2_grpc.WeightSyncServicer):
     def verified(self, manifest: weights_pb2.Manifest, blob: bytes) -> None:
         """Cache a version whose blob the caller has just checked against its manifest
         (a publish), so its subscribers are served without reading it back."""
-        self._verified.put(manifest, VerifiedVersion(blob, frames(manifest, blob, self._chunk_bytes)))
+        self._verified.put(
+            manifest, VerifiedVersion(blob, frames(manifest, blob, self._chunk_bytes))
+        )
 
-    async def Latest(self, request: weights_pb2.LatestRequest, context) -> weights_pb2.LatestResponse:
+    async def Latest(
+        self, request: weights_pb2.LatestRequest, context
+    ) -> weights_pb2.LatestResponse:
         await self._authorize(context, self._bearers, "reading versions")
         arm = await valid_arm(request.arm, context)
         return weights_pb2.LatestResponse(version=await self._source.latest(arm))
 
-    async def Subscribe(self, request: weights_pb2.SubscribeRequest, context) -> AsyncIterator[Frame]:
+    async def Subscribe(
+        self, request: weights_pb2.SubscribeRequest, context
+    ) -> AsyncIterator[Frame]:
         await self._authorize(context, self._bearers, "subscribing")
         arm = await valid_arm(request.arm, context)
         held = request.have_version
@@ -241,7 +260,9 @@ class Broadcaster(weights_pb2_grpc.WeightSyncServicer):
         finally:
             self.subscribers -= 1
 
-    async def _path_frames(self, arm: str, held: int, latest: int, resume: weights_pb2.Resume | None, context) -> AsyncIterator[Frame]:
+    async def _path_frames(
+        self, arm: str, held: int, latest: int, resume: weights_pb2.Resume | None, context
+    ) -> AsyncIterator[Frame]:
         """Chunks of every version from held to latest; a version whose blob turns out
         missing or corrupt is never sent, and the path is planned again without it."""
         unusable: set[int] = set()
@@ -253,7 +274,8 @@ class Broadcaster(weights_pb2_grpc.WeightSyncServicer):
             path = lineage.sync_path(held, latest, newest_keyframe, available)
             if path is None:
                 await abort(
-                    context, grpc.StatusCode.DATA_LOSS,
+                    context,
+                    grpc.StatusCode.DATA_LOSS,
                     f"no intact path from {arm} v{held} to v{latest} (newest keyframe {newest_keyframe}, "
                     f"unusable {sorted(unusable)}); waiting for the next keyframe",
                 )
@@ -264,7 +286,12 @@ class Broadcaster(weights_pb2_grpc.WeightSyncServicer):
                     unusable.add(version)
                     break
                 to_send = verified.frames
-                if resume is not None and resume.version == version and resume.blob_checksum == manifest.blob_checksum and 0 < resume.offset < len(verified.blob):
+                if (
+                    resume is not None
+                    and resume.version == version
+                    and resume.blob_checksum == manifest.blob_checksum
+                    and 0 < resume.offset < len(verified.blob)
+                ):
                     to_send = frames(manifest, verified.blob, self._chunk_bytes, resume.offset)
                     self.resumed += 1
                 resume = None
@@ -289,10 +316,20 @@ class Broadcaster(weights_pb2_grpc.WeightSyncServicer):
     async def _load_version(self, manifest: weights_pb2.Manifest) -> VerifiedVersion | None:
         blob = await self._source.blob(manifest)
         if blob is None:
-            log.error("blob of %s v%d is missing: %s", manifest.arm, manifest.version, manifest.blob_uri)
+            log.error(
+                "blob of %s v%d is missing: %s", manifest.arm, manifest.version, manifest.blob_uri
+            )
             return None
-        if len(blob) != manifest.blob_size or await asyncio.to_thread(xxh3_hex, blob) != manifest.blob_checksum:
-            log.error("blob of %s v%d is corrupt (checksum mismatch): %s", manifest.arm, manifest.version, manifest.blob_uri)
+        if (
+            len(blob) != manifest.blob_size
+            or await asyncio.to_thread(xxh3_hex, blob) != manifest.blob_checksum
+        ):
+            log.error(
+                "blob of %s v%d is corrupt (checksum mismatch): %s",
+                manifest.arm,
+                manifest.version,
+                manifest.blob_uri,
+            )
             return None
         verified = VerifiedVersion(blob, frames(manifest, blob, self._chunk_bytes))
         self._verified.put(manifest, verified)
@@ -304,7 +341,11 @@ class Broadcaster(weights_pb2_grpc.WeightSyncServicer):
         # compare_digest against every token, so the time taken does not say which one nearly matched.
         matches = [hmac.compare_digest(supplied, bearer) for bearer in bearers]
         if not any(matches):
-            await abort(context, grpc.StatusCode.UNAUTHENTICATED, f"{doing} needs metadata 'authorization: Bearer <token>' with a valid token")
+            await abort(
+                context,
+                grpc.StatusCode.UNAUTHENTICATED,
+                f"{doing} needs metadata 'authorization: Bearer <token>' with a valid token",
+            )
 
 
 async def valid_arm(arm: str, context) -> str:
@@ -317,5 +358,19 @@ async def valid_arm(arm: str, context) -> str:
 def observe_fanout(prefix: str, service: Broadcaster) -> None:
     """A broadcaster's (server's or relay's) fan-out as OpenTelemetry (and so Prometheus) metrics."""
     meter = metrics.get_meter(prefix)
-    otel.observe(meter, f"{prefix}.subscribers", "gauge", lambda: [(service.subscribers, {})], unit="{subscriber}", description="Open Subscribe streams")
-    otel.observe(meter, f"{prefix}.sent", "counter", lambda: [(service.bytes_sent, {})], unit="By", description="Weight bytes streamed to subscribers")
+    otel.observe(
+        meter,
+        f"{prefix}.subscribers",
+        "gauge",
+        lambda: [(service.subscribers, {})],
+        unit="{subscriber}",
+        description="Open Subscribe streams",
+    )
+    otel.observe(
+        meter,
+        f"{prefix}.sent",
+        "counter",
+        lambda: [(service.bytes_sent, {})],
+        unit="By",
+        description="Weight bytes streamed to subscribers",
+    )

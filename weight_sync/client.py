@@ -47,7 +47,9 @@ class Publisher:
         tls_ca_file: Path | None = None,
     ) -> None:
         if keyframe_every < 1 or chunk_bytes < 1:
-            raise ValueError(f"keyframe_every ({keyframe_every}) and chunk_bytes ({chunk_bytes}) must be positive")
+            raise ValueError(
+                f"keyframe_every ({keyframe_every}) and chunk_bytes ({chunk_bytes}) must be positive"
+            )
         self._signer = ManifestSigner(signing_key)
         self.arm = arm
         self.keyframe_every = keyframe_every
@@ -65,7 +67,9 @@ class Publisher:
 
     def latest(self) -> int:
         request = weights_pb2.LatestRequest(arm=self.arm)
-        return self._stub.Latest(request, metadata=self._metadata, timeout=self._timeout_s, wait_for_ready=True).version
+        return self._stub.Latest(
+            request, metadata=self._metadata, timeout=self._timeout_s, wait_for_ready=True
+        ).version
 
     def publish(
         self,
@@ -80,17 +84,28 @@ class Publisher:
         If another publisher got there first (FAILED_PRECONDITION), publishes once
         more as a keyframe on top of the server's latest version.
         """
-        snapshot = {name: tensor.detach().to("cpu", copy=True).contiguous() for name, tensor in weights.items()}
-        stats = {"trained_through_event_ts_ms": trained_through_event_ts_ms, "rollouts_trained": rollouts_trained, "train_step": train_step}
+        snapshot = {
+            name: tensor.detach().to("cpu", copy=True).contiguous()
+            for name, tensor in weights.items()
+        }
+        stats = {
+            "trained_through_event_ts_ms": trained_through_event_ts_ms,
+            "rollouts_trained": rollouts_trained,
+            "train_step": train_step,
+        }
         if self._parent is None:
             self._parent_version = self.latest()
-        keyframe = self._parent is None or lineage.keyframe_due(self._parent_version + 1, self.keyframe_every)
+        keyframe = self._parent is None or lineage.keyframe_due(
+            self._parent_version + 1, self.keyframe_every
+        )
         try:
             version = self._send(snapshot, self._parent_version, keyframe, stats)
         except grpc.RpcError as exc:
             if exc.code() != grpc.StatusCode.FAILED_PRECONDITION:
                 raise
-            log.warning("publish of %s refused (%s); resending as a keyframe", self.arm, exc.details())
+            log.warning(
+                "publish of %s refused (%s); resending as a keyframe", self.arm, exc.details()
+            )
             version = self._send(snapshot, self.latest(), True, stats)
         self._parent, self._parent_version = snapshot, version
         return version
@@ -98,13 +113,29 @@ class Publisher:
     def close(self) -> None:
         self._channel.close()
 
-    def _send(self, weights: dict[str, torch.Tensor], parent_version: int, keyframe: bool, stats: dict[str, int]) -> int:
+    def _send(
+        self,
+        weights: dict[str, torch.Tensor],
+        parent_version: int,
+        keyframe: bool,
+        stats: dict[str, int],
+    ) -> int:
         encoded = codec.encode(None if keyframe else self._parent, weights, self._buffers)
-        manifest = encoded.manifest(arm=self.arm, parent_version=parent_version, keyframe=keyframe, **stats)
+        manifest = encoded.manifest(
+            arm=self.arm, parent_version=parent_version, keyframe=keyframe, **stats
+        )
         self._signer.sign(manifest)
         blob = encoded.blob
-        attributes: dict[str, AttributeValue] = {"rpc.system": "grpc", "rpc.method": "rtrl.v1.WeightSync/Publish", "rtrl.arm": self.arm, "rtrl.weights.keyframe": keyframe, "rtrl.weights.bytes": len(blob)}
-        with _tracer.start_as_current_span("weights publish", kind=trace.SpanKind.CLIENT, attributes=attributes) as span:
+        attributes: dict[str, AttributeValue] = {
+            "rpc.system": "grpc",
+            "rpc.method": "rtrl.v1.WeightSync/Publish",
+            "rtrl.arm": self.arm,
+            "rtrl.weights.keyframe": keyframe,
+            "rtrl.weights.bytes": len(blob),
+        }
+        with _tracer.start_as_current_span(
+            "weights publish", kind=trace.SpanKind.CLIENT, attributes=attributes
+        ) as span:
             manifest.traceparent = otel.traceparent_of(span)
             self.last_upload_started_s = time.time()
             response = self._stub.Publish(
@@ -117,7 +148,9 @@ class Publisher:
         return response.version
 
 
-def _publish_chunks(manifest: weights_pb2.Manifest, blob: bytes, chunk_bytes: int) -> Iterator[weights_pb2.PublishChunk]:
+def _publish_chunks(
+    manifest: weights_pb2.Manifest, blob: bytes, chunk_bytes: int
+) -> Iterator[weights_pb2.PublishChunk]:
     for offset in range(0, max(len(blob), 1), chunk_bytes):
         chunk = weights_pb2.PublishChunk(data=blob[offset : offset + chunk_bytes])
         if offset == 0:
@@ -127,15 +160,23 @@ def _publish_chunks(manifest: weights_pb2.Manifest, blob: bytes, chunk_bytes: in
 
 def _sync_channel(addr: str, tls_ca_file: Path | None) -> grpc.Channel:
     credentials = tls.client_credentials(tls_ca_file)
-    return grpc.secure_channel(addr, credentials, options=CHANNEL_OPTIONS) if credentials else grpc.insecure_channel(addr, options=CHANNEL_OPTIONS)
+    return (
+        grpc.secure_channel(addr, credentials, options=CHANNEL_OPTIONS)
+        if credentials
+        else grpc.insecure_channel(addr, options=CHANNEL_OPTIONS)
+    )
 
 
-def latest_version(addr: str, token: str, arm: str, timeout_s: float = 10.0, tls_ca_file: Path | None = None) -> int:
+def latest_version(
+    addr: str, token: str, arm: str, timeout_s: float = 10.0, tls_ca_file: Path | None = None
+) -> int:
     """The arm's newest committed version (-1: none), with a subscriber's token."""
     with _sync_channel(addr, tls_ca_file) as channel:
         stub = weights_pb2_grpc.WeightSyncStub(channel)
         request = weights_pb2.LatestRequest(arm=arm)
-        return stub.Latest(request, metadata=bearer(token), timeout=timeout_s, wait_for_ready=True).version
+        return stub.Latest(
+            request, metadata=bearer(token), timeout=timeout_s, wait_for_ready=True
+        ).version
 
 
 class Subscriber:
@@ -165,7 +206,15 @@ class Subscriber:
         """Versions refused because their manifest was not signed by the trainer."""
         self.arm = arm
         self.worker_id = worker_id
-        self.stream = VersionStream(addr, arm, worker_id, token, min_backoff_s=min_backoff_s, max_backoff_s=max_backoff_s, tls_ca_file=tls_ca_file)
+        self.stream = VersionStream(
+            addr,
+            arm,
+            worker_id,
+            token,
+            min_backoff_s=min_backoff_s,
+            max_backoff_s=max_backoff_s,
+            tls_ca_file=tls_ca_file,
+        )
 
     @property
     def resubscribes(self) -> int:
@@ -194,18 +243,32 @@ class Subscriber:
             problem = self._verifier.problem(manifest)
             if problem is not None:
                 # Whoever wrote this manifest is not the trainer: nothing of it is decoded.
-                log.error("%s: refusing %s v%d: its manifest does not verify (%s); re-subscribing from a keyframe", self.worker_id, self.arm, manifest.version, problem)
+                log.error(
+                    "%s: refusing %s v%d: its manifest does not verify (%s); re-subscribing from a keyframe",
+                    self.worker_id,
+                    self.arm,
+                    manifest.version,
+                    problem,
+                )
                 self.forged += 1
                 self.stream.reject()
                 held_version, held = -1, None
                 continue
             try:
                 if not manifest.keyframe and manifest.parent_version != held_version:
-                    raise codec.ParentMismatch(f"{self.arm} v{manifest.version} is a delta on v{manifest.parent_version}, we hold v{held_version}")
+                    raise codec.ParentMismatch(
+                        f"{self.arm} v{manifest.version} is a delta on v{manifest.parent_version}, we hold v{held_version}"
+                    )
                 held = codec.decode(blob, manifest, held)
             except codec.DecodeError as exc:
                 # Our copy may be what is wrong, so start over from a keyframe.
-                log.error("%s: discarding %s v%d: %s; re-subscribing from a keyframe", self.worker_id, self.arm, manifest.version, exc)
+                log.error(
+                    "%s: discarding %s v%d: %s; re-subscribing from a keyframe",
+                    self.worker_id,
+                    self.arm,
+                    manifest.version,
+                    exc,
+                )
                 self.stream.reject()
                 held_version, held = -1, None
                 continue

@@ -85,11 +85,15 @@ def tensor_checksum(tensor: torch.Tensor) -> str:
     return xxh3_hex(tensor_bytes(tensor).data)
 
 
-def tensor_from_bytes(data: bytes | memoryview, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+def tensor_from_bytes(
+    data: bytes | memoryview, dtype: torch.dtype, shape: tuple[int, ...]
+) -> torch.Tensor:
     width = torch.empty((), dtype=dtype).element_size()
     numel = int(np.prod(shape, dtype=np.int64))
     if len(data) != numel * width:
-        raise DecodeError(f"{len(data)} bytes cannot hold a {dtype_name(dtype)} tensor of shape {list(shape)}")
+        raise DecodeError(
+            f"{len(data)} bytes cannot hold a {dtype_name(dtype)} tensor of shape {list(shape)}"
+        )
     if numel == 0:
         return torch.empty(shape, dtype=dtype)
     # Copied so the tensor owns writable memory instead of aliasing the blob.
@@ -108,7 +112,12 @@ class EncodedVersion:
 
     def manifest(self, **fields) -> weights_pb2.Manifest:
         """A Manifest describing this blob; ``fields`` add arm, version, keyframe and the rest."""
-        manifest = weights_pb2.Manifest(tensors=self.tensors, blob_size=len(self.blob), blob_checksum=xxh3_hex(self.blob), **fields)
+        manifest = weights_pb2.Manifest(
+            tensors=self.tensors,
+            blob_size=len(self.blob),
+            blob_checksum=xxh3_hex(self.blob),
+            **fields,
+        )
         if self.delta_positions is not None:
             assert self.delta_values is not None  # encode() gives both sections or neither
             manifest.delta_positions.CopyFrom(self.delta_positions)
@@ -130,7 +139,9 @@ class EncodeBuffers:
         return self._varints
 
 
-def encode(parent: Weights | None, new: Weights, buffers: EncodeBuffers | None = None) -> EncodedVersion:
+def encode(
+    parent: Weights | None, new: Weights, buffers: EncodeBuffers | None = None
+) -> EncodedVersion:
     """A keyframe blob when ``parent`` is None, else a delta blob against it.
 
     Tensors absent from the parent, or whose shape or dtype changed, are stored full.
@@ -144,7 +155,12 @@ def encode(parent: Weights | None, new: Weights, buffers: EncodeBuffers | None =
     offset = 0
     for name, tensor in new.items():
         raw = tensor_bytes(tensor)
-        meta = weights_pb2.TensorMeta(name=name, shape=list(tensor.shape), dtype=dtype_name(tensor.dtype), checksum=xxh3_hex(raw.data))
+        meta = weights_pb2.TensorMeta(
+            name=name,
+            shape=list(tensor.shape),
+            dtype=dtype_name(tensor.dtype),
+            checksum=xxh3_hex(raw.data),
+        )
         base = None if parent is None else parent.get(name)
         if base is not None and base.shape == tensor.shape and base.dtype == tensor.dtype:
             meta.encoding, meta.changed = SPARSE_DIFF, _append_changes(changes, base, tensor, raw)
@@ -157,10 +173,14 @@ def encode(parent: Weights | None, new: Weights, buffers: EncodeBuffers | None =
     if parent is None:
         return EncodedVersion(b"".join(sections), metas, None, None)
     position_bytes = compressor.compress(to_planes(_gaps(changes)))
-    value_bytes = compressor.compress(zigzag_leb128_encode(changes.diffs, buffers.varints(changes.count)))
+    value_bytes = compressor.compress(
+        zigzag_leb128_encode(changes.diffs, buffers.varints(changes.count))
+    )
     delta_positions = weights_pb2.Section(offset=offset, length=len(position_bytes))
     delta_values = weights_pb2.Section(offset=offset + len(position_bytes), length=len(value_bytes))
-    return EncodedVersion(b"".join([*sections, position_bytes, value_bytes]), metas, delta_positions, delta_values)
+    return EncodedVersion(
+        b"".join([*sections, position_bytes, value_bytes]), metas, delta_positions, delta_values
+    )
 
 
 def _gaps(changes: delta_cpu.Changes) -> np.ndarray:
@@ -174,7 +194,9 @@ def _gaps(changes: delta_cpu.Changes) -> np.ndarray:
     return gaps
 
 
-def _append_changes(changes: delta_cpu.Changes, base: torch.Tensor, tensor: torch.Tensor, raw: np.ndarray) -> int:
+def _append_changes(
+    changes: delta_cpu.Changes, base: torch.Tensor, tensor: torch.Tensor, raw: np.ndarray
+) -> int:
     """Append tensor's changes against base; on the CPU straight from the numpy bytes at
     hand (torch's per-call overhead is a tenth of the work on small tensors)."""
     if tensor.is_cpu and base.is_cpu:
@@ -193,7 +215,9 @@ def verify_blob(blob: bytes, manifest: weights_pb2.Manifest) -> None:
         )
 
 
-def decode(blob: bytes, manifest: weights_pb2.Manifest, parent: Weights | None) -> dict[str, torch.Tensor]:
+def decode(
+    blob: bytes, manifest: weights_pb2.Manifest, parent: Weights | None
+) -> dict[str, torch.Tensor]:
     """The full weights of ``manifest``'s version, every checksum verified.
 
     ``parent`` must be the weights of manifest.parent_version for a delta; it is
@@ -213,12 +237,26 @@ def decode(blob: bytes, manifest: weights_pb2.Manifest, parent: Weights | None) 
         if meta.encoding == FULL:
             dtype, shape = parse_dtype(meta.dtype), tuple(meta.shape)
             size = int(np.prod(shape, dtype=np.int64)) * torch.empty((), dtype=dtype).element_size()
-            payload = _decompress(decompressor, view, meta.offset, meta.length, size, f"tensor {meta.name} of {manifest.arm} v{manifest.version}")
+            payload = _decompress(
+                decompressor,
+                view,
+                meta.offset,
+                meta.length,
+                size,
+                f"tensor {meta.name} of {manifest.arm} v{manifest.version}",
+            )
             tensor = tensor_from_bytes(payload, dtype, shape)
         elif meta.encoding == SPARSE_DIFF:
             if cursor + meta.changed > len(gaps):
-                raise DecodeError(f"tensor {meta.name} claims {meta.changed} changes past the {len(gaps)} in the delta sections")
-            tensor = _apply_sparse(meta, gaps[cursor : cursor + meta.changed], values[cursor : cursor + meta.changed], parent)
+                raise DecodeError(
+                    f"tensor {meta.name} claims {meta.changed} changes past the {len(gaps)} in the delta sections"
+                )
+            tensor = _apply_sparse(
+                meta,
+                gaps[cursor : cursor + meta.changed],
+                values[cursor : cursor + meta.changed],
+                parent,
+            )
             cursor += meta.changed
         else:
             raise DecodeError(f"tensor {meta.name} has unknown encoding {meta.encoding!r}")
@@ -229,11 +267,20 @@ def decode(blob: bytes, manifest: weights_pb2.Manifest, parent: Weights | None) 
             )
         weights[meta.name] = tensor
     if cursor != len(gaps):
-        raise DecodeError(f"the delta sections hold {len(gaps)} changes but the tensors claim {cursor}")
+        raise DecodeError(
+            f"the delta sections hold {len(gaps)} changes but the tensors claim {cursor}"
+        )
     return weights
 
 
-def _decompress(decompressor: zstandard.ZstdDecompressor, view: memoryview, offset: int, length: int, max_size: int, what: str) -> bytes:
+def _decompress(
+    decompressor: zstandard.ZstdDecompressor,
+    view: memoryview,
+    offset: int,
+    length: int,
+    max_size: int,
+    what: str,
+) -> bytes:
     """A section's bytes; a frame that claims more than max_size bytes is refused before
     anything is allocated for it (a flipped bit in its header could ask for exabytes)."""
     if offset + length > len(view):
@@ -242,7 +289,9 @@ def _decompress(decompressor: zstandard.ZstdDecompressor, view: memoryview, offs
     try:
         size = zstandard.frame_content_size(frame)
         if not 0 <= size <= max_size:
-            raise DecodeError(f"{what}: its zstd frame claims {size} bytes, at most {max_size} expected")
+            raise DecodeError(
+                f"{what}: its zstd frame claims {size} bytes, at most {max_size} expected"
+            )
         return decompressor.decompress(frame, max_output_size=max_size)
     except zstandard.ZstdError as exc:
         raise DecodeError(f"{what}: {exc}") from exc
@@ -255,39 +304,67 @@ def _check_sparse_against_parent(manifest: weights_pb2.Manifest, parent: Weights
         if meta.encoding != SPARSE_DIFF:
             continue
         base = None if parent is None else parent.get(meta.name)
-        if base is None or list(base.shape) != list(meta.shape) or dtype_name(base.dtype) != meta.dtype:
-            raise ParentMismatch(f"tensor {meta.name} is a delta but the parent weights hold no {meta.dtype}{list(meta.shape)} tensor by that name")
+        if (
+            base is None
+            or list(base.shape) != list(meta.shape)
+            or dtype_name(base.dtype) != meta.dtype
+        ):
+            raise ParentMismatch(
+                f"tensor {meta.name} is a delta but the parent weights hold no {meta.dtype}{list(meta.shape)} tensor by that name"
+            )
         if meta.changed > base.numel():
-            raise DecodeError(f"tensor {meta.name} claims {meta.changed} changes in {base.numel()} elements")
+            raise DecodeError(
+                f"tensor {meta.name} claims {meta.changed} changes in {base.numel()} elements"
+            )
 
 
-def _delta_sections(view: memoryview, manifest: weights_pb2.Manifest, decompressor) -> tuple[np.ndarray, np.ndarray]:
+def _delta_sections(
+    view: memoryview, manifest: weights_pb2.Manifest, decompressor
+) -> tuple[np.ndarray, np.ndarray]:
     """(gaps as int64, differences as int64) of every sparse tensor, concatenated."""
     total = sum(meta.changed for meta in manifest.tensors if meta.encoding == SPARSE_DIFF)
     if not manifest.HasField("delta_positions"):
         if total:
-            raise DecodeError(f"{manifest.arm} v{manifest.version} has sparse tensors but no delta sections")
+            raise DecodeError(
+                f"{manifest.arm} v{manifest.version} has sparse tensors but no delta sections"
+            )
         return np.empty(0, np.int64), np.empty(0, np.int64)
     what = f"delta sections of {manifest.arm} v{manifest.version}"
     positions = manifest.delta_positions
     value_section = manifest.delta_values
     try:
-        gaps = from_planes(_decompress(decompressor, view, positions.offset, positions.length, 8 * total, what), total)
-        values = unzigzag(leb128_decode(_decompress(decompressor, view, value_section.offset, value_section.length, 10 * total, what), total))
+        gaps = from_planes(
+            _decompress(decompressor, view, positions.offset, positions.length, 8 * total, what),
+            total,
+        )
+        values = unzigzag(
+            leb128_decode(
+                _decompress(
+                    decompressor, view, value_section.offset, value_section.length, 10 * total, what
+                ),
+                total,
+            )
+        )
     except ValueError as exc:
         raise DecodeError(f"{what}: {exc}") from exc
     return gaps.view(np.int64), values
 
 
-def _apply_sparse(meta: weights_pb2.TensorMeta, gaps: np.ndarray, values: np.ndarray, parent: Weights | None) -> torch.Tensor:
+def _apply_sparse(
+    meta: weights_pb2.TensorMeta, gaps: np.ndarray, values: np.ndarray, parent: Weights | None
+) -> torch.Tensor:
     dtype, shape = parse_dtype(meta.dtype), tuple(meta.shape)
     base = None if parent is None else parent.get(meta.name)
     if base is None or tuple(base.shape) != shape or base.dtype != dtype:
-        raise ParentMismatch(f"tensor {meta.name} is a delta but the parent weights hold no {meta.dtype}{list(shape)} tensor by that name")
+        raise ParentMismatch(
+            f"tensor {meta.name} is a delta but the parent weights hold no {meta.dtype}{list(shape)} tensor by that name"
+        )
     # Differences were sign-extended from the tensor's integer width; truncating restores them exactly.
     delta = SparseDelta(
         positions=torch.from_numpy(np.cumsum(gaps)),
-        diffs=torch.from_numpy(values.astype(np.dtype(str(bits_dtype(dtype)).removeprefix("torch.")))),
+        diffs=torch.from_numpy(
+            values.astype(np.dtype(str(bits_dtype(dtype)).removeprefix("torch.")))
+        ),
     )
     try:
         return kernels.delta_apply(base.detach().cpu(), delta)

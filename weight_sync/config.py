@@ -13,7 +13,6 @@ from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import SettingsConfigDict
 
 from rtrl.config import Settings
-
 from rtrl.tls import TLSListener
 
 # S3's bucket naming rules, less the rarely used ones (no "..", no IP-address names).
@@ -27,7 +26,9 @@ def split_s3_url(url: str) -> tuple[str, str]:
     if parsed.scheme != "s3":
         raise ValueError(f"{url!r} is not an s3:// URL")
     if not _BUCKET.fullmatch(parsed.netloc):
-        raise ValueError(f"{url!r} needs a bucket name (3-63 of a-z, 0-9, '.', '-'): s3://bucket/prefix")
+        raise ValueError(
+            f"{url!r} needs a bucket name (3-63 of a-z, 0-9, '.', '-'): s3://bucket/prefix"
+        )
     if parsed.params or parsed.query or parsed.fragment:
         raise ValueError(f"{url!r} has a query or fragment; use s3://bucket/prefix")
     prefix = parsed.path.strip("/")
@@ -108,18 +109,37 @@ class WeightSyncSettings(Settings, TLSListener):
             split_s3_url(self.blob_url)
         elif scheme == "file":
             parsed = urlparse(self.blob_url)
-            if parsed.netloc not in ("", "localhost") or not PurePosixPath(unquote(parsed.path)).is_absolute():
-                raise ValueError(f"blob_url {self.blob_url!r} must be file:///absolute/path (a local directory)")
+            if (
+                parsed.netloc not in ("", "localhost")
+                or not PurePosixPath(unquote(parsed.path)).is_absolute()
+            ):
+                raise ValueError(
+                    f"blob_url {self.blob_url!r} must be file:///absolute/path (a local directory)"
+                )
         elif self.blob_url:
-            raise ValueError(f"blob_url {self.blob_url!r} must be '' (<state_dir>/blobs), file:///absolute/path or s3://bucket/prefix")
-        s3_fields = [name for name in ("s3_endpoint_url", "s3_region", "s3_access_key_id") if getattr(self, name)]
+            raise ValueError(
+                f"blob_url {self.blob_url!r} must be '' (<state_dir>/blobs), file:///absolute/path or s3://bucket/prefix"
+            )
+        s3_fields = [
+            name
+            for name in ("s3_endpoint_url", "s3_region", "s3_access_key_id")
+            if getattr(self, name)
+        ]
         if self.s3_secret_access_key.get_secret_value():
             s3_fields.append("s3_secret_access_key")
         if s3_fields and scheme != "s3":
-            raise ValueError(f"{', '.join(s3_fields)} set, but blob_url {self.blob_url!r} is not an s3:// URL")
+            raise ValueError(
+                f"{', '.join(s3_fields)} set, but blob_url {self.blob_url!r} is not an s3:// URL"
+            )
         if bool(self.s3_access_key_id) != bool(self.s3_secret_access_key.get_secret_value()):
-            raise ValueError("s3_access_key_id and s3_secret_access_key go together: set both, or neither for boto3's credential chain")
+            raise ValueError(
+                "s3_access_key_id and s3_secret_access_key go together: set both, or neither for boto3's credential chain"
+            )
         endpoint = urlparse(self.s3_endpoint_url)
-        if self.s3_endpoint_url and (endpoint.scheme not in ("http", "https") or not endpoint.hostname):
-            raise ValueError(f"s3_endpoint_url {self.s3_endpoint_url!r} must be http(s)://host[:port]")
+        if self.s3_endpoint_url and (
+            endpoint.scheme not in ("http", "https") or not endpoint.hostname
+        ):
+            raise ValueError(
+                f"s3_endpoint_url {self.s3_endpoint_url!r} must be http(s)://host[:port]"
+            )
         return self

@@ -59,7 +59,9 @@ def plan(view: ArmView, keep_keyframes: int) -> ArmPlan:
     if not keyframes:
         return ArmPlan(view.arm, None)
     keep_from = keyframes[-keep_keyframes:][0]
-    versions = sorted({v for v in view.blob_uris if v < keep_from} | {k for k in view.keyframes if k < keep_from})
+    versions = sorted(
+        {v for v in view.blob_uris if v < keep_from} | {k for k in view.keyframes if k < keep_from}
+    )
     return ArmPlan(
         view.arm,
         keep_from,
@@ -77,7 +79,9 @@ async def view_of(registry: Registry, arm: str) -> ArmView:
         first, end = keyframes[0], min(keyframes[-1], latest + 1)
         # In slices: the first collection of a long history must not hold every manifest at once.
         for start in range(first, end, _MANIFESTS_PER_READ):
-            manifests = await registry.manifests(arm, start, min(start + _MANIFESTS_PER_READ, end) - 1)
+            manifests = await registry.manifests(
+                arm, start, min(start + _MANIFESTS_PER_READ, end) - 1
+            )
             blob_uris.update((v, m.blob_uri) for v, m in manifests.items())
     return ArmView(arm, latest, tuple(keyframes), blob_uris)
 
@@ -91,16 +95,30 @@ async def collect(registry: Registry, store: BlobStore, keep_keyframes: int) -> 
     for arm in await registry.arms():
         arm_plan = plan(await view_of(registry, arm), keep_keyframes)
         if not await registry.forget(arm, list(arm_plan.versions), list(arm_plan.blob_uris)):
-            log.warning("registry lost during garbage collection of %s; collecting again after the rebuild", arm)
+            log.warning(
+                "registry lost during garbage collection of %s; collecting again after the rebuild",
+                arm,
+            )
             continue
         unreferenced = await registry.unreferenced_blobs(arm)
         for blob_uri in unreferenced:
             if store.owns(blob_uri):
                 await asyncio.to_thread(store.delete, blob_uri)
             else:
-                log.warning("not deleting %s: it is not in the store at %s (blob_url changed?)", blob_uri, store.url)
+                log.warning(
+                    "not deleting %s: it is not in the store at %s (blob_url changed?)",
+                    blob_uri,
+                    store.url,
+                )
         await registry.blobs_deleted(arm, unreferenced)
         if arm_plan.versions:
-            log.info("collected %s v%d..v%d (%d versions); keeping v%d on", arm, arm_plan.versions[0], arm_plan.versions[-1], len(arm_plan.versions), arm_plan.keep_from)
+            log.info(
+                "collected %s v%d..v%d (%d versions); keeping v%d on",
+                arm,
+                arm_plan.versions[0],
+                arm_plan.versions[-1],
+                len(arm_plan.versions),
+                arm_plan.keep_from,
+            )
         plans.append(arm_plan)
     return plans

@@ -42,7 +42,11 @@ def sync_path(
         return []
     if 0 <= have_version < latest and _deltas_available(have_version + 1, latest, available):
         return list(range(have_version + 1, latest + 1))
-    if newest_keyframe is not None and newest_keyframe in available and _deltas_available(newest_keyframe + 1, latest, available):
+    if (
+        newest_keyframe is not None
+        and newest_keyframe in available
+        and _deltas_available(newest_keyframe + 1, latest, available)
+    ):
         return list(range(newest_keyframe, latest + 1))
     return None
 

@@ -16,7 +16,15 @@ from collections.abc import Iterable
 from rtrl import signing
 from rtrl.v1 import weights_pb2
 
-SERVER_ASSIGNED = ("version", "parent_version", "blob_uri", "created_ts_ms", "traceparent", "signature", "signer")
+SERVER_ASSIGNED = (
+    "version",
+    "parent_version",
+    "blob_uri",
+    "created_ts_ms",
+    "traceparent",
+    "signature",
+    "signer",
+)
 
 
 def claim(manifest: weights_pb2.Manifest) -> bytes:
@@ -48,4 +56,6 @@ class ManifestVerifier:
 
     def problem(self, manifest: weights_pb2.Manifest) -> str | None:
         """None if the trainer signed this manifest; else why it must not be applied."""
-        return self._verifier.signature_problem(claim(manifest), manifest.signature, manifest.signer)
+        return self._verifier.signature_problem(
+            claim(manifest), manifest.signature, manifest.signer
+        )

@@ -94,7 +94,9 @@ def recover_arm(
         except ValueError as exc:
             return f"blob URI unusable: {exc}"
         if len(blob) != manifest.blob_size or xxh3_hex(blob) != manifest.blob_checksum:
-            return f"blob does not match the manifest ({len(blob)} bytes, checksum {xxh3_hex(blob)})"
+            return (
+                f"blob does not match the manifest ({len(blob)} bytes, checksum {xxh3_hex(blob)})"
+            )
         return None
 
     checked: dict[int, str | None] = {}
@@ -130,7 +132,12 @@ def recover_arm(
         if version not in files.blobs:
             unusable.setdefault(version, "blob missing")
         else:
-            unusable.setdefault(version, f"not on a complete chain (newest complete: v{newest[-1]})" if newest else "no complete chain")
+            unusable.setdefault(
+                version,
+                f"not on a complete chain (newest complete: v{newest[-1]})"
+                if newest
+                else "no complete chain",
+            )
     lowest_next = max(files.manifests | files.blobs, default=-1) + 1
     restored = RestoredArm(arm, tuple(manifests[v] for v in kept), lowest_next)
     return RecoveredArm(restored, {v: unusable[v] for v in sorted(unusable) if v not in kept})
@@ -151,7 +158,12 @@ def _manifest_problem(arm: str, version: int, manifest: weights_pb2.Manifest) ->
 def recover_store(store: BlobStore) -> list[RecoveredArm]:
     """recover_arm for every arm the store holds files of (blocking: reads the store)."""
     return [
-        recover_arm(arm, files, functools.partial(store.read_manifest, arm), lambda manifest: store.read(manifest.blob_uri))
+        recover_arm(
+            arm,
+            files,
+            functools.partial(store.read_manifest, arm),
+            lambda manifest: store.read(manifest.blob_uri),
+        )
         for arm, files in store.listing().items()
     ]
 
@@ -175,13 +187,20 @@ class RegistryRecovery:
         async with self._lock:
             if await self._registry.marked():
                 return
-            log.warning("the weight registry's marker is missing: rebuilding the registry from the blob store at %s", self._store.url)
+            log.warning(
+                "the weight registry's marker is missing: rebuilding the registry from the blob store at %s",
+                self._store.url,
+            )
             recovered = await asyncio.to_thread(recover_store, self._store)
             marker = f"{int(time.time() * 1000)} {self._store.url}"
             outcome = await self._registry.restore([arm.restored for arm in recovered], marker)
             for arm in recovered:
                 if arm.unusable:
-                    log.warning("registry rebuild: %s left out %s", arm.restored.arm, "; ".join(f"v{v}: {why}" for v, why in arm.unusable.items()))
+                    log.warning(
+                        "registry rebuild: %s left out %s",
+                        arm.restored.arm,
+                        "; ".join(f"v{v}: {why}" for v, why in arm.unusable.items()),
+                    )
             if outcome == "restored" and recovered:
                 self.rebuilds += 1
                 latest = {arm.restored.arm: arm.restored.latest for arm in recovered}

@@ -66,7 +66,9 @@ def arm_of_channel(channel: str) -> str:
 
 
 class Registry:
-    def __init__(self, client: aioredis.Redis, on_lost: Callable[[], Awaitable[None]] | None = None) -> None:
+    def __init__(
+        self, client: aioredis.Redis, on_lost: Callable[[], Awaitable[None]] | None = None
+    ) -> None:
         """on_lost: called when the marker is found missing, to rebuild the registry; without
         it the marker is not checked (a plain view of the keys, for tools and tests)."""
         self._redis = client
@@ -102,12 +104,16 @@ class Registry:
         return latest + 1 if raw is None else max(latest + 1, int(raw))
 
     async def latest_by_arm(self) -> dict[str, int]:
-        arms = sorted(a.decode() if isinstance(a, bytes) else a for a in await self._redis.smembers(ARMS_KEY))
+        arms = sorted(
+            a.decode() if isinstance(a, bytes) else a for a in await self._redis.smembers(ARMS_KEY)
+        )
         values = await self._redis.mget([latest_key(a) for a in arms]) if arms else []
         return {arm: int(v) for arm, v in zip(arms, values) if v is not None}
 
     async def arms(self) -> list[str]:
-        return sorted(a.decode() if isinstance(a, bytes) else a for a in await self._redis.smembers(ARMS_KEY))
+        return sorted(
+            a.decode() if isinstance(a, bytes) else a for a in await self._redis.smembers(ARMS_KEY)
+        )
 
     async def latest_and_keyframes(self, arm: str) -> tuple[int, list[int]]:
         """The latest version and every keyframe version (ascending), read together."""
@@ -120,7 +126,9 @@ class Registry:
         return (-1 if raw is None else int(raw)), sorted(int(k) for k in keyframes)
 
     async def newest_keyframe(self, arm: str, at_most: int) -> int | None:
-        (found,) = await self._read(lambda pipe: pipe.zrevrangebyscore(keyframes_key(arm), at_most, "-inf", start=0, num=1))
+        (found,) = await self._read(
+            lambda pipe: pipe.zrevrangebyscore(keyframes_key(arm), at_most, "-inf", start=0, num=1)
+        )
         return int(found[0]) if found else None
 
     async def manifest(self, arm: str, version: int) -> weights_pb2.Manifest | None:
@@ -133,9 +141,15 @@ class Registry:
             return {}
         versions = range(first, last + 1)
         (raws,) = await self._read(lambda pipe: pipe.mget([manifest_key(arm, v) for v in versions]))
-        return {v: weights_pb2.Manifest.FromString(raw) for v, raw in zip(versions, raws) if raw is not None}
+        return {
+            v: weights_pb2.Manifest.FromString(raw)
+            for v, raw in zip(versions, raws)
+            if raw is not None
+        }
 
-    async def commit(self, manifest: weights_pb2.Manifest, expected_latest: int | None = None) -> bool:
+    async def commit(
+        self, manifest: weights_pb2.Manifest, expected_latest: int | None = None
+    ) -> bool:
         """Make manifest.version the latest of its arm, if the latest is still
         expected_latest (version - 1 unless given: a rebuild may have set lowest_next).
 
@@ -158,7 +172,10 @@ class Registry:
                     raw = await pipe.get(latest_key(arm))
                     latest = -1 if raw is None else int(raw)
                     if latest != expected:
-                        return latest == version and await pipe.get(manifest_key(arm, version)) == serialized
+                        return (
+                            latest == version
+                            and await pipe.get(manifest_key(arm, version)) == serialized
+                        )
                     pipe.multi()
                     pipe.set(manifest_key(arm, version), serialized)
                     if manifest.keyframe:
@@ -219,7 +236,10 @@ class Registry:
 
     async def unreferenced_blobs(self, arm: str) -> list[str]:
         """Blobs whose manifests are gone but which may still be stored."""
-        return sorted(u.decode() if isinstance(u, bytes) else u for u in await self._redis.smembers(unreferenced_blobs_key(arm)))
+        return sorted(
+            u.decode() if isinstance(u, bytes) else u
+            for u in await self._redis.smembers(unreferenced_blobs_key(arm))
+        )
 
     async def blobs_deleted(self, arm: str, blob_uris: list[str]) -> None:
         if blob_uris:

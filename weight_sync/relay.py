@@ -21,8 +21,8 @@ from pydantic_settings import SettingsConfigDict
 
 from rtrl import entrypoint, otel
 from rtrl.config import Settings, StackSettings
-from rtrl.tls import TLSListener
 from rtrl.runtime import service_process, until_stopped
+from rtrl.tls import TLSListener
 from rtrl.v1 import weights_pb2
 from weight_sync.broadcast import Broadcaster, abort, add_to_server, observe_fanout
 from weight_sync.store import check_arm
@@ -91,7 +91,9 @@ class RelayCache:
         return self.held(arm)
 
     async def newest_keyframe(self, arm: str, at_most: int) -> int | None:
-        keyframes = [v for v, (m, _) in self._versions.get(arm, {}).items() if m.keyframe and v <= at_most]
+        keyframes = [
+            v for v, (m, _) in self._versions.get(arm, {}).items() if m.keyframe and v <= at_most
+        ]
         return max(keyframes) if keyframes else None
 
     async def manifests(self, arm: str, first: int, last: int) -> dict[int, weights_pb2.Manifest]:
@@ -107,7 +109,11 @@ class RelayCache:
 
 class RelayService(Broadcaster):
     async def Publish(self, request_iterator, context) -> weights_pb2.PublishResponse:
-        await abort(context, grpc.StatusCode.PERMISSION_DENIED, "this is a relay: publish to the weight_sync server")
+        await abort(
+            context,
+            grpc.StatusCode.PERMISSION_DENIED,
+            "this is a relay: publish to the weight_sync server",
+        )
 
 
 class Relay:
@@ -125,7 +131,13 @@ class Relay:
             blob_cache_bytes=settings.blob_cache_bytes,
         )
         self.streams = {
-            arm: AsyncVersionStream(settings.upstream_addr, arm, f"relay-{stack.instance}", token, tls_ca_file=stack.weight_sync_tls_ca_file)
+            arm: AsyncVersionStream(
+                settings.upstream_addr,
+                arm,
+                f"relay-{stack.instance}",
+                token,
+                tls_ca_file=stack.weight_sync_tls_ca_file,
+            )
             for arm in settings.arms
         }
         self._server = grpc.aio.server()
@@ -136,14 +148,25 @@ class Relay:
     async def start(self) -> int:
         address = f"{self.settings.bind_host}:{self.settings.port}"
         credentials = self.settings.grpc_credentials()
-        self.port = self._server.add_secure_port(address, credentials) if credentials else self._server.add_insecure_port(address)
+        self.port = (
+            self._server.add_secure_port(address, credentials)
+            if credentials
+            else self._server.add_insecure_port(address)
+        )
         if self.port == 0:
             raise RuntimeError(f"cannot bind {self.settings.bind_host}:{self.settings.port}")
         await self._server.start()
         observe_fanout("rtrl.relay", self.service)
         # A follower that fails for good (a wrong token, say) ends its task, and the relay with it.
-        self.tasks = [asyncio.create_task(self._follow(arm, stream)) for arm, stream in self.streams.items()]
-        log.info("relay of %s listening on %s:%d", self.settings.upstream_addr, self.settings.bind_host, self.port)
+        self.tasks = [
+            asyncio.create_task(self._follow(arm, stream)) for arm, stream in self.streams.items()
+        ]
+        log.info(
+            "relay of %s listening on %s:%d",
+            self.settings.upstream_addr,
+            self.settings.bind_host,
+            self.port,
+        )
         return self.port
 
     async def stop(self, grace_s: float = 0.5) -> None:
@@ -157,7 +180,13 @@ class Relay:
         held = -1
         async for manifest, blob in stream.follow(held):
             if not manifest.keyframe and manifest.parent_version != held:
-                log.error("relay: %s v%d is a delta on v%d but the relay holds v%d; starting over from a keyframe", arm, manifest.version, manifest.parent_version, held)
+                log.error(
+                    "relay: %s v%d is a delta on v%d but the relay holds v%d; starting over from a keyframe",
+                    arm,
+                    manifest.version,
+                    manifest.parent_version,
+                    held,
+                )
                 stream.reject()
                 held = -1
                 continue
@@ -165,8 +194,14 @@ class Relay:
             stream.accept(held)
             # A span in the version's trace (a child of its weight_sync commit): which
             # relays a version passed through on its way to the workers.
-            attributes: dict[str, AttributeValue] = {"rtrl.arm": arm, "rtrl.policy.version": held, "rtrl.relay.upstream": self.settings.upstream_addr}
-            _tracer.start_span("weights relay", context=otel.parent(manifest.traceparent), attributes=attributes).end()
+            attributes: dict[str, AttributeValue] = {
+                "rtrl.arm": arm,
+                "rtrl.policy.version": held,
+                "rtrl.relay.upstream": self.settings.upstream_addr,
+            }
+            _tracer.start_span(
+                "weights relay", context=otel.parent(manifest.traceparent), attributes=attributes
+            ).end()
             self.cache.add(manifest, blob)
             self.service.verified(manifest, blob)
             self.service.published(manifest.arm, manifest.version)
@@ -193,7 +228,9 @@ async def serve(settings: RelaySettings, stack: StackSettings) -> None:
 
 
 def main() -> None:
-    settings, stack = entrypoint.parse_settings("python -m weight_sync.relay", __doc__, RelaySettings, StackSettings)
+    settings, stack = entrypoint.parse_settings(
+        "python -m weight_sync.relay", __doc__, RelaySettings, StackSettings
+    )
     entrypoint.configure_logging()
     service_process()
     otel.configure("relay", stack)

@@ -58,30 +58,54 @@ class WeightSyncServer:
         """Listen and start the background loops; returns the bound port."""
         address = f"{self.settings.bind_host}:{self.settings.port}"
         credentials = self.settings.grpc_credentials()
-        self.port = self._server.add_secure_port(address, credentials) if credentials else self._server.add_insecure_port(address)
+        self.port = (
+            self._server.add_secure_port(address, credentials)
+            if credentials
+            else self._server.add_insecure_port(address)
+        )
         if self.port == 0:
             raise RuntimeError(f"cannot bind {self.settings.bind_host}:{self.settings.port}")
         # Before the first answer: a registry Redis lost while we were down comes back first.
         await self.recovery.ensure()
         await self._server.start()
-        self.tasks = [asyncio.create_task(self._listen()), asyncio.create_task(self._heartbeat()), asyncio.create_task(self._watch_registry())]
+        self.tasks = [
+            asyncio.create_task(self._listen()),
+            asyncio.create_task(self._heartbeat()),
+            asyncio.create_task(self._watch_registry()),
+        ]
         observe_fanout("rtrl.weight_sync", self.service)
         meter = metrics.get_meter("rtrl.weight_sync")
         otel.observe(
-            meter, "rtrl.weight_sync.versions_published", "counter",
-            lambda: [(self.service.versions_published, {})], unit="{version}", description="Versions committed by this server",
+            meter,
+            "rtrl.weight_sync.versions_published",
+            "counter",
+            lambda: [(self.service.versions_published, {})],
+            unit="{version}",
+            description="Versions committed by this server",
         )
         otel.observe(
-            meter, "rtrl.weight_sync.latest_version", "gauge",
-            lambda: [(v, {"arm": arm}) for arm, v in self.service.latest.items()], description="Newest version this server committed, per arm",
+            meter,
+            "rtrl.weight_sync.latest_version",
+            "gauge",
+            lambda: [(v, {"arm": arm}) for arm, v in self.service.latest.items()],
+            description="Newest version this server committed, per arm",
         )
         otel.observe(
-            meter, "rtrl.weight_sync.registry_rebuilds", "counter",
-            lambda: [(self.recovery.rebuilds, {})], unit="{rebuild}", description="Lost registries this server rebuilt from the blob store",
+            meter,
+            "rtrl.weight_sync.registry_rebuilds",
+            "counter",
+            lambda: [(self.recovery.rebuilds, {})],
+            unit="{rebuild}",
+            description="Lost registries this server rebuilt from the blob store",
         )
         if self.settings.gc_interval_s > 0:
             self.tasks.append(asyncio.create_task(self._collect_garbage()))
-        log.info("weight_sync listening on %s:%d, blobs in %s", self.settings.bind_host, self.port, self.store.url)
+        log.info(
+            "weight_sync listening on %s:%d, blobs in %s",
+            self.settings.bind_host,
+            self.port,
+            self.store.url,
+        )
         return self.port
 
     async def stop(self, grace_s: float | None = None) -> None:
@@ -103,7 +127,9 @@ class WeightSyncServer:
                 await pubsub.psubscribe(PUBLISHED_PATTERN)
                 async for message in pubsub.listen():
                     if message["type"] == "pmessage":
-                        self.service.published(arm_of_channel(message["channel"].decode()), int(message["data"]))
+                        self.service.published(
+                            arm_of_channel(message["channel"].decode()), int(message["data"])
+                        )
             except _REDIS_DOWN as exc:
                 log.warning("pub/sub listener lost Redis (%s); retrying in 1 s", exc)
                 await asyncio.sleep(1.0)
@@ -126,7 +152,12 @@ class WeightSyncServer:
             try:
                 await self.recovery.ensure()
             except unavailable as exc:
-                log.warning("registry check failed (%s: %s); next try in %.1f s", type(exc).__name__, exc, self.settings.poll_interval_s)
+                log.warning(
+                    "registry check failed (%s: %s); next try in %.1f s",
+                    type(exc).__name__,
+                    exc,
+                    self.settings.poll_interval_s,
+                )
 
     async def _collect_garbage(self) -> None:
         """Every server of a registry may run this: collection is idempotent, and a stale
@@ -137,7 +168,12 @@ class WeightSyncServer:
             try:
                 await self.collect_garbage()
             except unavailable as exc:
-                log.warning("garbage collection failed (%s: %s); next try in %.0f s", type(exc).__name__, exc, self.settings.gc_interval_s)
+                log.warning(
+                    "garbage collection failed (%s: %s); next try in %.0f s",
+                    type(exc).__name__,
+                    exc,
+                    self.settings.gc_interval_s,
+                )
 
     async def collect_garbage(self) -> list[gc.ArmPlan]:
         plans = await gc.collect(self.registry, self.store, self.settings.keep_keyframes)
@@ -169,7 +205,9 @@ async def serve(settings: WeightSyncSettings, stack: StackSettings) -> None:
 
 
 def main() -> None:
-    settings, stack = entrypoint.parse_settings("python -m weight_sync", __doc__, WeightSyncSettings, StackSettings)
+    settings, stack = entrypoint.parse_settings(
+        "python -m weight_sync", __doc__, WeightSyncSettings, StackSettings
+    )
     entrypoint.configure_logging()
     service_process()
     otel.configure("weight_sync", stack)

@@ -50,7 +50,9 @@ class RegistrySource:
     case an announcement was missed.
     """
 
-    def __init__(self, registry: Registry, store: BlobStore, head_max_age_s: float, max_manifests: int = 4096) -> None:
+    def __init__(
+        self, registry: Registry, store: BlobStore, head_max_age_s: float, max_manifests: int = 4096
+    ) -> None:
         self.registry = registry
         self.store = store
         self._head_max_age_s = head_max_age_s
@@ -74,11 +76,17 @@ class RegistrySource:
         """This server just committed ``manifest``: its head and manifest are known without asking Redis."""
         arm = manifest.arm
         cached = self._heads.get(arm)
-        newest_keyframe = manifest.version if manifest.keyframe else (None if cached is None else cached.newest_keyframe)
+        newest_keyframe = (
+            manifest.version
+            if manifest.keyframe
+            else (None if cached is None else cached.newest_keyframe)
+        )
         if manifest.keyframe or (cached is not None and cached.latest == manifest.version - 1):
             generation = self._generation.get(arm, 0) + 1
             self._generation[arm] = generation
-            self._heads[arm] = _Head(generation, time.monotonic(), manifest.version, newest_keyframe)
+            self._heads[arm] = _Head(
+                generation, time.monotonic(), manifest.version, newest_keyframe
+            )
         else:
             self.published(arm, manifest.version)
         self._manifests[(arm, manifest.version)] = manifest
@@ -86,7 +94,11 @@ class RegistrySource:
     async def _head(self, arm: str) -> tuple[int, int | None]:
         generation = self._generation.get(arm, 0)
         cached = self._heads.get(arm)
-        if cached is not None and cached.generation == generation and time.monotonic() - cached.read_at < self._head_max_age_s:
+        if (
+            cached is not None
+            and cached.generation == generation
+            and time.monotonic() - cached.read_at < self._head_max_age_s
+        ):
             return cached.latest, cached.newest_keyframe
         reading = self._reading.get(arm)
         # A read that began before the latest announcement may miss that version, and a
@@ -105,7 +117,12 @@ class RegistrySource:
         if cached is not None and latest < cached.latest:
             # The registry went back (flushed, or restored from an older copy): version
             # numbers are being reused, so what was cached under them no longer holds.
-            log.warning("registry of %s went back from v%d to v%d; dropping cached manifests", arm, cached.latest, latest)
+            log.warning(
+                "registry of %s went back from v%d to v%d; dropping cached manifests",
+                arm,
+                cached.latest,
+                latest,
+            )
             for key in [key for key in self._manifests if key[0] == arm]:
                 del self._manifests[key]
         if self._generation.get(arm, 0) == generation:
@@ -122,7 +139,9 @@ class RegistrySource:
         return await self.registry.newest_keyframe(arm, at_most)
 
     async def manifests(self, arm: str, first: int, last: int) -> dict[int, weights_pb2.Manifest]:
-        found = {v: m for v in range(first, last + 1) if (m := self._manifests.get((arm, v))) is not None}
+        found = {
+            v: m for v in range(first, last + 1) if (m := self._manifests.get((arm, v))) is not None
+        }
         missing = [v for v in range(first, last + 1) if v not in found]
         if missing:
             fetched = await self.registry.manifests(arm, missing[0], missing[-1])
@@ -144,8 +163,17 @@ class WeightSyncService(Broadcaster):
     """Publish for the holder of the publish token (the trainer); Subscribe and Latest
     for holders of the subscribe token (workers, relays) or the publish token."""
 
-    def __init__(self, settings: WeightSyncSettings, token: str, subscribe_token: str, registry: Registry, store: BlobStore) -> None:
-        self._registry_source = RegistrySource(registry, store, head_max_age_s=settings.poll_interval_s / 2)
+    def __init__(
+        self,
+        settings: WeightSyncSettings,
+        token: str,
+        subscribe_token: str,
+        registry: Registry,
+        store: BlobStore,
+    ) -> None:
+        self._registry_source = RegistrySource(
+            registry, store, head_max_age_s=settings.poll_interval_s / 2
+        )
         super().__init__(
             self._registry_source,
             subscribe_tokens=(subscribe_token, token),
@@ -162,7 +190,9 @@ class WeightSyncService(Broadcaster):
         self.latest: dict[str, int] = {}
         """The newest version this server committed, per arm."""
 
-    async def Latest(self, request: weights_pb2.LatestRequest, context) -> weights_pb2.LatestResponse:
+    async def Latest(
+        self, request: weights_pb2.LatestRequest, context
+    ) -> weights_pb2.LatestResponse:
         """Read from the registry itself, not the shared cached head: a publisher's next
         parent_version comes from here, and after a rebuild by another server the cached
         head may still name a version the registry no longer holds."""
@@ -170,7 +200,9 @@ class WeightSyncService(Broadcaster):
         arm = await valid_arm(request.arm, context)
         return weights_pb2.LatestResponse(version=await self._registry.latest(arm))
 
-    async def Publish(self, request_iterator: AsyncIterator[weights_pb2.PublishChunk], context) -> weights_pb2.PublishResponse:
+    async def Publish(
+        self, request_iterator: AsyncIterator[weights_pb2.PublishChunk], context
+    ) -> weights_pb2.PublishResponse:
         await self._authorize(context, self._publish_bearer, "publishing")
         manifest: weights_pb2.Manifest | None = None
         parts: list[bytes] = []
@@ -178,46 +210,66 @@ class WeightSyncService(Broadcaster):
         async for chunk in request_iterator:
             if manifest is None:
                 if not chunk.HasField("manifest"):
-                    await abort(context, grpc.StatusCode.INVALID_ARGUMENT, "the first PublishChunk must carry the manifest")
+                    await abort(
+                        context,
+                        grpc.StatusCode.INVALID_ARGUMENT,
+                        "the first PublishChunk must carry the manifest",
+                    )
                 manifest = weights_pb2.Manifest()
                 manifest.CopyFrom(chunk.manifest)
                 if manifest.blob_size > self._settings.max_blob_bytes:
                     await abort(
-                        context, grpc.StatusCode.RESOURCE_EXHAUSTED,
+                        context,
+                        grpc.StatusCode.RESOURCE_EXHAUSTED,
                         f"the manifest declares {manifest.blob_size} bytes, more than max_blob_bytes {self._settings.max_blob_bytes}",
                     )
             # The declared size is enforced as the stream arrives, not after buffering it.
             received += len(chunk.data)
             if received > manifest.blob_size:
                 await abort(
-                    context, grpc.StatusCode.INVALID_ARGUMENT, f"the stream carries more than the {manifest.blob_size} bytes its manifest declares"
+                    context,
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"the stream carries more than the {manifest.blob_size} bytes its manifest declares",
                 )
             parts.append(chunk.data)
         if manifest is None:
             await abort(context, grpc.StatusCode.INVALID_ARGUMENT, "empty publish")
         arm = await valid_arm(manifest.arm, context)
         with _tracer.start_as_current_span(
-            "weights commit", context=otel.parent(manifest.traceparent), kind=trace.SpanKind.SERVER,
-            attributes={"rpc.system": "grpc", "rpc.method": "rtrl.v1.WeightSync/Publish", "rtrl.arm": arm},
+            "weights commit",
+            context=otel.parent(manifest.traceparent),
+            kind=trace.SpanKind.SERVER,
+            attributes={
+                "rpc.system": "grpc",
+                "rpc.method": "rtrl.v1.WeightSync/Publish",
+                "rtrl.arm": arm,
+            },
         ) as span:
             await self._commit(manifest, b"".join(parts), context, span)
         return weights_pb2.PublishResponse(version=manifest.version)
 
-    async def _commit(self, manifest: weights_pb2.Manifest, blob: bytes, context, span: trace.Span) -> None:
+    async def _commit(
+        self, manifest: weights_pb2.Manifest, blob: bytes, context, span: trace.Span
+    ) -> None:
         """Store the blob, then commit the manifest as the arm's next version (the
         registry's compare-and-set decides between concurrent publishers). The stored
         manifest carries this span's traceparent: each worker's apply span is its child."""
         arm = manifest.arm
         if len(blob) != manifest.blob_size or xxh3_hex(blob) != manifest.blob_checksum:
             await abort(
-                context, grpc.StatusCode.DATA_LOSS,
+                context,
+                grpc.StatusCode.DATA_LOSS,
                 f"received {len(blob)} bytes hashing to {xxh3_hex(blob)}; manifest says {manifest.blob_size} bytes, {manifest.blob_checksum}",
             )
         async with self._publish_locks.setdefault(arm, asyncio.Lock()):
             latest = await self._registry.latest(arm)
             next_version = await self._registry.next_version(arm, latest)
             problem = lineage.publish_problem(
-                manifest, latest, await self._registry.newest_keyframe(arm, latest), self._settings.keyframe_every, next_version
+                manifest,
+                latest,
+                await self._registry.newest_keyframe(arm, latest),
+                self._settings.keyframe_every,
+                next_version,
             )
             if problem:
                 self._registry_source.head_disputed(arm)
@@ -228,16 +280,35 @@ class WeightSyncService(Broadcaster):
                 manifest.parent_version = -1
             manifest.created_ts_ms = int(time.time() * 1000)
             manifest.traceparent = otel.traceparent_of(span) or manifest.traceparent
-            span.set_attributes({"rtrl.policy.version": manifest.version, "rtrl.weights.keyframe": manifest.keyframe})
-            manifest.blob_uri = await asyncio.to_thread(self._store.write, arm, manifest.version, blob)
+            span.set_attributes(
+                {
+                    "rtrl.policy.version": manifest.version,
+                    "rtrl.weights.keyframe": manifest.keyframe,
+                }
+            )
+            manifest.blob_uri = await asyncio.to_thread(
+                self._store.write, arm, manifest.version, blob
+            )
             # Durable beside its blob before the commit: a committed version can always be rebuilt.
-            await asyncio.to_thread(self._store.write_manifest, arm, manifest.version, stored_manifest(manifest))
+            await asyncio.to_thread(
+                self._store.write_manifest, arm, manifest.version, stored_manifest(manifest)
+            )
             if not await self._registry.commit(manifest, expected_latest=latest):
                 self._registry_source.head_disputed(arm)
-                await abort(context, grpc.StatusCode.FAILED_PRECONDITION, f"another publisher committed version {manifest.version} of arm {arm!r} first")
+                await abort(
+                    context,
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    f"another publisher committed version {manifest.version} of arm {arm!r} first",
+                )
         self._registry_source.committed(manifest)
         self.verified(manifest, blob)
         self.published(arm, manifest.version)
         self.versions_published += 1
         self.latest[arm] = max(self.latest.get(arm, -1), manifest.version)
-        log.info("published %s v%d (%s, %d bytes)", arm, manifest.version, "keyframe" if manifest.keyframe else "delta", len(blob))
+        log.info(
+            "published %s v%d (%s, %d bytes)",
+            arm,
+            manifest.version,
+            "keyframe" if manifest.keyframe else "delta",
+            len(blob),
+        )

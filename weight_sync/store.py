@@ -31,7 +31,9 @@ _STORED_NAME = re.compile(r"(0|[1-9][0-9]*)\.(blob|manifest)")
 
 def check_arm(arm: str) -> str:
     if not _ARM.fullmatch(arm):
-        raise ValueError(f"arm {arm!r} is not a valid arm name (letters, digits, '_', '.', '-'; at most 64)")
+        raise ValueError(
+            f"arm {arm!r} is not a valid arm name (letters, digits, '_', '.', '-'; at most 64)"
+        )
     return arm
 
 
@@ -61,11 +63,16 @@ def add_listed(found: dict[str, dict[str, set[int]]], name: str) -> None:
     arm, _, file_name = name.partition("/")
     matched = _STORED_NAME.fullmatch(file_name)
     if _ARM.fullmatch(arm) and matched is not None:
-        found.setdefault(arm, {"blob": set(), "manifest": set()})[matched.group(2)].add(int(matched.group(1)))
+        found.setdefault(arm, {"blob": set(), "manifest": set()})[matched.group(2)].add(
+            int(matched.group(1))
+        )
 
 
 def arm_files(found: dict[str, dict[str, set[int]]]) -> dict[str, ArmFiles]:
-    return {arm: ArmFiles(frozenset(kinds["manifest"]), frozenset(kinds["blob"])) for arm, kinds in sorted(found.items())}
+    return {
+        arm: ArmFiles(frozenset(kinds["manifest"]), frozenset(kinds["blob"]))
+        for arm, kinds in sorted(found.items())
+    }
 
 
 def parse_blob_name(name: str, blob_uri: str) -> tuple[str, int]:
@@ -73,7 +80,9 @@ def parse_blob_name(name: str, blob_uri: str) -> tuple[str, int]:
     arm, _, file_name = name.partition("/")
     found = _BLOB_NAME.fullmatch(file_name)
     if not _ARM.fullmatch(arm) or found is None:
-        raise ValueError(f"blob URI {blob_uri!r} does not name <arm>/<version>.blob inside the store")
+        raise ValueError(
+            f"blob URI {blob_uri!r} does not name <arm>/<version>.blob inside the store"
+        )
     return arm, int(found.group(1))
 
 

@@ -82,7 +82,9 @@ class S3BlobStore(BlobStore):
         return f"s3://{self.bucket}/{key}"
 
     def write_manifest(self, arm: str, version: int, manifest: bytes) -> None:
-        self._client.put_object(Bucket=self.bucket, Key=self._key(manifest_name(arm, version)), Body=manifest)
+        self._client.put_object(
+            Bucket=self.bucket, Key=self._key(manifest_name(arm, version)), Body=manifest
+        )
 
     def read_manifest(self, arm: str, version: int) -> bytes:
         key = self._key(manifest_name(arm, version))
@@ -95,7 +97,9 @@ class S3BlobStore(BlobStore):
     def listing(self) -> dict[str, ArmFiles]:
         found: dict[str, dict[str, set[int]]] = {}
         start = f"{self.prefix}/" if self.prefix else ""
-        for page in self._client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=start):
+        for page in self._client.get_paginator("list_objects_v2").paginate(
+            Bucket=self.bucket, Prefix=start
+        ):
             for item in page.get("Contents", []):
                 add_listed(found, item["Key"].removeprefix(start))
         return arm_files(found)

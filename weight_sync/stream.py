@@ -54,10 +54,16 @@ RESUBSCRIBE = frozenset(
 )
 
 
-def open_channel(addr: str, credentials: grpc.ChannelCredentials | None, options) -> grpc.aio.Channel:
+def open_channel(
+    addr: str, credentials: grpc.ChannelCredentials | None, options
+) -> grpc.aio.Channel:
     """A channel to weight_sync (or a relay): TLS when the caller trusts a CA for it."""
     options = list(options)
-    return grpc.aio.secure_channel(addr, credentials, options=options) if credentials else grpc.aio.insecure_channel(addr, options=options)
+    return (
+        grpc.aio.secure_channel(addr, credentials, options=options)
+        if credentials
+        else grpc.aio.insecure_channel(addr, options=options)
+    )
 
 
 class TornStream(Exception):
@@ -78,7 +84,11 @@ class Partial:
     size: int = 0
 
     def resume(self) -> weights_pb2.Resume:
-        return weights_pb2.Resume(version=self.manifest.version, offset=self.size, blob_checksum=self.manifest.blob_checksum)
+        return weights_pb2.Resume(
+            version=self.manifest.version,
+            offset=self.size,
+            blob_checksum=self.manifest.blob_checksum,
+        )
 
 
 class Assembler:
@@ -94,21 +104,32 @@ class Assembler:
                 self.partial = Partial(chunk.manifest)
             elif not self._resumes(chunk):
                 self.partial = None
-                raise TornStream(f"v{chunk.version} resumed at offset {chunk.offset}, which is not where we stopped")
+                raise TornStream(
+                    f"v{chunk.version} resumed at offset {chunk.offset}, which is not where we stopped"
+                )
         partial = self.partial
-        if partial is None or chunk.version != partial.manifest.version or chunk.offset != partial.size:
+        if (
+            partial is None
+            or chunk.version != partial.manifest.version
+            or chunk.offset != partial.size
+        ):
             self.partial = None
             raise TornStream(f"torn stream at v{chunk.version}, offset {chunk.offset}")
         partial.parts.append(chunk.data)
         partial.size += len(chunk.data)
         if partial.size > partial.manifest.blob_size:
             self.partial = None
-            raise TornStream(f"v{chunk.version} ran past its blob size {partial.manifest.blob_size}")
+            raise TornStream(
+                f"v{chunk.version} ran past its blob size {partial.manifest.blob_size}"
+            )
         if not chunk.last:
             return None
         self.partial = None
         blob = b"".join(partial.parts)
-        if len(blob) != partial.manifest.blob_size or xxh3_hex(blob) != partial.manifest.blob_checksum:
+        if (
+            len(blob) != partial.manifest.blob_size
+            or xxh3_hex(blob) != partial.manifest.blob_checksum
+        ):
             raise TornStream(
                 f"v{partial.manifest.version}: received {len(blob)} bytes hashing to {xxh3_hex(blob)}, "
                 f"manifest says {partial.manifest.blob_size} bytes, {partial.manifest.blob_checksum}"
@@ -182,7 +203,9 @@ class AsyncVersionStream:
         if self._wake is not None:
             self._wake.set()
 
-    async def follow(self, have_version: int = -1) -> AsyncGenerator[tuple[weights_pb2.Manifest, bytes], None]:
+    async def follow(
+        self, have_version: int = -1
+    ) -> AsyncGenerator[tuple[weights_pb2.Manifest, bytes], None]:
         """Yield (manifest, blob) for each version on the path from have_version, then
         each new one, until stop(). The caller must accept() or reject() each."""
         self.held = have_version
@@ -192,10 +215,14 @@ class AsyncVersionStream:
             stub = weights_pb2_grpc.WeightSyncStub(channel)
             while not self._stopped:
                 partial = self._assembler.partial
-                request = weights_pb2.SubscribeRequest(arm=self.arm, have_version=self.held, worker_id=self.worker_id, follow=True)
+                request = weights_pb2.SubscribeRequest(
+                    arm=self.arm, have_version=self.held, worker_id=self.worker_id, follow=True
+                )
                 if partial is not None:
                     request.resume.CopyFrom(partial.resume())
-                self._call = call = stub.Subscribe(request, metadata=self._metadata, wait_for_ready=True)
+                self._call = call = stub.Subscribe(
+                    request, metadata=self._metadata, wait_for_ready=True
+                )
                 try:
                     async for chunk in call:
                         self.bytes_received += len(chunk.data)
@@ -221,8 +248,20 @@ class AsyncVersionStream:
                     if exc.code() not in RESUBSCRIBE:
                         raise
                     partial = self._assembler.partial
-                    where = f", resuming v{partial.manifest.version} at byte {partial.size}" if partial else ""
-                    log.warning("%s: stream of %s ended (%s: %s); re-subscribing from v%d%s", self.worker_id, self.arm, exc.code().name, exc.details(), self.held, where)
+                    where = (
+                        f", resuming v{partial.manifest.version} at byte {partial.size}"
+                        if partial
+                        else ""
+                    )
+                    log.warning(
+                        "%s: stream of %s ended (%s: %s); re-subscribing from v%d%s",
+                        self.worker_id,
+                        self.arm,
+                        exc.code().name,
+                        exc.details(),
+                        self.held,
+                        where,
+                    )
                 finally:
                     call.cancel()
                     self._call = None
@@ -250,7 +289,13 @@ class VersionStream:
         tls_ca_file: Path | None = None,
     ) -> None:
         self._stream = AsyncVersionStream(
-            addr, arm, worker_id, token, min_backoff_s=min_backoff_s, max_backoff_s=max_backoff_s, tls_ca_file=tls_ca_file
+            addr,
+            arm,
+            worker_id,
+            token,
+            min_backoff_s=min_backoff_s,
+            max_backoff_s=max_backoff_s,
+            tls_ca_file=tls_ca_file,
         )
         self._loop = asyncio.new_event_loop()
         self._lock = threading.Lock()

@@ -21,11 +21,16 @@ from weight_sync.stream import AsyncVersionStream
 
 
 async def follow(stream: AsyncVersionStream, out: str) -> None:
-    with open(out, "a") as sink:  # noqa: ASYNC230 - one short line per version
+    with open(out, "a") as sink:
         async for manifest, blob in stream.follow():
             delivered = time.time()
             stream.accept(manifest.version)
-            sink.write(json.dumps({"version": manifest.version, "delivered": delivered, "bytes": len(blob)}) + "\n")
+            sink.write(
+                json.dumps(
+                    {"version": manifest.version, "delivered": delivered, "bytes": len(blob)}
+                )
+                + "\n"
+            )
             sink.flush()
 
 
@@ -33,10 +38,14 @@ async def probe(out_prefix: str, arm: str, addrs: list[str]) -> None:
     token = StackSettings().weight_sync_subscribe_token.get_secret_value()
     # A private subchannel pool per stream: without it, gRPC would share one connection among them.
     streams = [
-        AsyncVersionStream(addr, arm, f"probe-{i}", token, channel_options=(("grpc.use_local_subchannel_pool", 1),))
+        AsyncVersionStream(
+            addr, arm, f"probe-{i}", token, channel_options=(("grpc.use_local_subchannel_pool", 1),)
+        )
         for i, addr in enumerate(addrs)
     ]
-    await asyncio.gather(*(follow(stream, f"{out_prefix}-{i}.jsonl") for i, stream in enumerate(streams)))
+    await asyncio.gather(
+        *(follow(stream, f"{out_prefix}-{i}.jsonl") for i, stream in enumerate(streams))
+    )
 
 
 def main() -> None:

@@ -77,7 +77,14 @@ def started(state_dir: Path, settings: StackSettings) -> BrokerHistory:
     return history
 
 
-def measure(settings: StackSettings, record: BrokerRecord, *, joiner_group: str, trainer_group: str, final: bool = False) -> BrokerRecord:
+def measure(
+    settings: StackSettings,
+    record: BrokerRecord,
+    *,
+    joiner_group: str,
+    trainer_group: str,
+    final: bool = False,
+) -> BrokerRecord:
     """The record with what the broker holds that nothing durable has taken in yet."""
     joiner = kafka.consumer_lag(settings, joiner_group, topics.TELEMETRY)
     trainer = kafka.consumer_lag(settings, trainer_group, (topics.REWARD,))

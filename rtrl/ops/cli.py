@@ -14,8 +14,12 @@ from rich.console import Console
 
 from rtrl.runtime import owner_only_files
 
-app = typer.Typer(help="rtrl: real-time reinforcement learning from product telemetry.", no_args_is_help=True)
-bench_app = typer.Typer(help="Benchmarks; each writes bench/results/<name>.json.", no_args_is_help=True)
+app = typer.Typer(
+    help="rtrl: real-time reinforcement learning from product telemetry.", no_args_is_help=True
+)
+bench_app = typer.Typer(
+    help="Benchmarks; each writes bench/results/<name>.json.", no_args_is_help=True
+)
 app.add_typer(bench_app, name="bench")
 keys_app = typer.Typer(
     help="API keys of product clients, stored hashed in the Redis of the stack running in RTRL_STATE_DIR (or RTRL_REDIS_URL's).",
@@ -42,7 +46,11 @@ def _require_stack():
     return stack
 
 
-FRESH = typer.Option(False, "--fresh", help="Start over from the warm start: empty the state directory but for its cache.")
+FRESH = typer.Option(
+    False,
+    "--fresh",
+    help="Start over from the warm start: empty the state directory but for its cache.",
+)
 
 
 @app.command()
@@ -50,7 +58,8 @@ def up(fresh: bool = FRESH) -> None:
     """Start the embedded stack (Tansu, Redis, chdb, every service) and wait until healthy.
     Resumes the run in RTRL_STATE_DIR (lineage, registry, blobs, checkpoint, API keys,
     analytics); only the memory-only broker's topics start empty."""
-    from rtrl.ops.lifecycle import StackError, up as start
+    from rtrl.ops.lifecycle import StackError
+    from rtrl.ops.lifecycle import up as start
 
     try:
         stack = start(_state_dir(), console, fresh=fresh)
@@ -88,7 +97,11 @@ def down() -> None:
 @app.command()
 def status(
     watch: bool = typer.Option(False, "--watch", "-w", help="Refresh every second until Ctrl-C."),
-    as_json: bool = typer.Option(False, "--json", help="Print the status as one JSON object (rtrl.ops.status_view.StackStatus) for scripts."),
+    as_json: bool = typer.Option(
+        False,
+        "--json",
+        help="Print the status as one JSON object (rtrl.ops.status_view.StackStatus) for scripts.",
+    ),
 ) -> None:
     """Health of every component, consumer lag per topic, policy version per worker."""
     from rich.live import Live
@@ -118,7 +131,8 @@ def demo(
     minutes: float = typer.Option(6.0, help="How long the simulated product runs."),
     keep_running: bool = typer.Option(False, help="Leave the stack up afterwards."),
     reward_fn: str | None = typer.Option(
-        None, help="Reward function to settle with (sets RTRL_STACK_REWARD_FN_VERSION; default r3). r1 pays for asking instead of editing."
+        None,
+        help="Reward function to settle with (sets RTRL_STACK_REWARD_FN_VERSION; default r3). r1 pays for asking instead of editing.",
     ),
     fresh: bool = FRESH,
 ) -> None:
@@ -127,7 +141,9 @@ def demo(
     import os
 
     from rtrl.ops.demo import print_hacking_report, run_product
-    from rtrl.ops.lifecycle import StackError, down as stop, up as start
+    from rtrl.ops.lifecycle import StackError
+    from rtrl.ops.lifecycle import down as stop
+    from rtrl.ops.lifecycle import up as start
     from rtrl.ops.stack import StackConfig
 
     if reward_fn is not None:
@@ -155,7 +171,9 @@ def _finish_report(stack, stats) -> None:
 
 
 @app.command()
-def report(html: Path = typer.Option(Path("reports/report.html"), help="Where to write the HTML report.")) -> None:
+def report(
+    html: Path = typer.Option(Path("reports/report.html"), help="Where to write the HTML report."),
+) -> None:
     """The A/B table (edits persisted, dissatisfied follow-ups, latency) per arm, and an HTML report."""
     from rtrl.ops.health import running_stack
     from rtrl.ops.reporting import print_report
@@ -202,19 +220,30 @@ def bench_broadcast(
 def bench_join(
     rollouts: int = typer.Option(20_000, help="Rollouts of three records each in the load."),
     spacing_ms: int = typer.Option(2, help="Event time between consecutive rollouts."),
-    live_rollouts: int = typer.Option(2_000, help="Rollouts produced in real time for the settle latency."),
+    live_rollouts: int = typer.Option(
+        2_000, help="Rollouts produced in real time for the settle latency."
+    ),
     live_rate: float = typer.Option(250.0, help="Live rollouts per second."),
     out: Path = typer.Option(Path("bench/results/join.json")),
 ) -> None:
     """Reward-join events/s against a bare faust agent and a raw consumer, 2 workers vs 1, settle latency."""
     from bench.join import run
 
-    run(out, console, rollouts=rollouts, spacing_ms=spacing_ms, live_rollouts=live_rollouts, live_rate_per_s=live_rate)
+    run(
+        out,
+        console,
+        rollouts=rollouts,
+        spacing_ms=spacing_ms,
+        live_rollouts=live_rollouts,
+        live_rate_per_s=live_rate,
+    )
 
 
 @bench_app.command("engine")
 def bench_engine(
-    concurrency: int = typer.Option(8, help="Requests in flight at once (and HF generate()'s batch)."),
+    concurrency: int = typer.Option(
+        8, help="Requests in flight at once (and HF generate()'s batch)."
+    ),
     max_tokens: int = typer.Option(48, help="Tokens per completion, on both sides."),
     phase_s: float = typer.Option(10.0, help="Seconds per measured phase."),
     out: Path = typer.Option(Path("bench/results/engine.json")),
@@ -261,13 +290,19 @@ def _redis_url() -> str:
     stack = running_stack(_state_dir())
     if stack is not None:
         if os.environ.get("RTRL_REDIS_URL", stack.redis_url) != stack.redis_url:
-            err_console.print(f"[yellow]RTRL_REDIS_URL is set, but the stack in {_state_dir()} runs its own Redis: using the stack's[/]")
+            err_console.print(
+                f"[yellow]RTRL_REDIS_URL is set, but the stack in {_state_dir()} runs its own Redis: using the stack's[/]"
+            )
         err_console.print(f"using the stack in {_state_dir()} (redis {stack.redis_url})")
         return stack.redis_url
     if "RTRL_REDIS_URL" in os.environ:
-        err_console.print(f"no stack running in {_state_dir()}: using RTRL_REDIS_URL ({os.environ['RTRL_REDIS_URL']})")
+        err_console.print(
+            f"no stack running in {_state_dir()}: using RTRL_REDIS_URL ({os.environ['RTRL_REDIS_URL']})"
+        )
         return os.environ["RTRL_REDIS_URL"]
-    err_console.print(f"[red]no stack running in {_state_dir()}[/]: start one with `rtrl up`, or set RTRL_REDIS_URL to your Redis")
+    err_console.print(
+        f"[red]no stack running in {_state_dir()}[/]: start one with `rtrl up`, or set RTRL_REDIS_URL to your Redis"
+    )
     raise typer.Exit(1)
 
 
@@ -296,11 +331,19 @@ def keys_create(
         help="Comma-separated scopes: event types it may send (edit_shown, edit_outcome, persistence, followup, or * for all), "
         "and `completions` for the serving API (never implied by *).",
     ),
-    rate: float = typer.Option(0.0, help="Events (gateway) or completions (serving API) per second (0: unlimited)."),
+    rate: float = typer.Option(
+        0.0, help="Events (gateway) or completions (serving API) per second (0: unlimited)."
+    ),
     burst: float = typer.Option(None, help="Largest burst (default: one second's worth)."),
-    max_request_bytes: int = typer.Option(0, help="Serving API: largest request body in bytes (0: the server's bound)."),
-    max_tokens: int = typer.Option(0, help="Serving API: most tokens one completion may ask for (0: the server's bound)."),
-    max_concurrency: int = typer.Option(0, help="Serving API: completions in flight at once, per server (0: unlimited)."),
+    max_request_bytes: int = typer.Option(
+        0, help="Serving API: largest request body in bytes (0: the server's bound)."
+    ),
+    max_tokens: int = typer.Option(
+        0, help="Serving API: most tokens one completion may ask for (0: the server's bound)."
+    ),
+    max_concurrency: int = typer.Option(
+        0, help="Serving API: completions in flight at once, per server (0: unlimited)."
+    ),
 ) -> None:
     """Issue a key; it is printed once and stored only as its hash, signed by the operator."""
     from rtrl.api_keys import issue_key
@@ -329,7 +372,9 @@ def keys_rotate(
 
 
 @keys_app.command("revoke")
-def keys_revoke(key: str = typer.Argument(..., help="The key, or its SHA-256 as `rtrl keys list` shows it.")) -> None:
+def keys_revoke(
+    key: str = typer.Argument(..., help="The key, or its SHA-256 as `rtrl keys list` shows it."),
+) -> None:
     """Revoke one key at once (gateways notice within RTRL_INGEST_KEY_CACHE_TTL_S)."""
     from rtrl.api_keys import revoke_key
 
@@ -347,7 +392,14 @@ def keys_list(client: str = typer.Argument(...)) -> None:
 
     table = Table("key sha256", "events", "rate/s", "revoked", "expires (ms)", "created (ms)")
     for row in _redis_call(list_keys, client):
-        table.add_row(row["key_hash"][:16] + "…", row["scopes"], row["rate_per_s"], row["revoked"], row["expires_ms"], row["created_ms"])
+        table.add_row(
+            row["key_hash"][:16] + "…",
+            row["scopes"],
+            row["rate_per_s"],
+            row["revoked"],
+            row["expires_ms"],
+            row["created_ms"],
+        )
     console.print(table)
 
 

@@ -23,16 +23,34 @@ from simulator.product import Product, ProductStats
 
 
 def _arm_table(stats: ProductStats, trainer: heartbeat.Beat | None) -> Table:
-    title = f"trainer step {trainer.step}, published v{trainer.version}" if isinstance(trainer, heartbeat.TrainerBeat) else "trainer starting"
+    title = (
+        f"trainer step {trainer.step}, published v{trainer.version}"
+        if isinstance(trainer, heartbeat.TrainerBeat)
+        else "trainer starting"
+    )
     table = Table(title_justify="left", title=title)
-    columns = ("arm", "completions", "persisted (last 400)", "dissatisfied (last 400)", "questions (last 400)", "latency p50", "newest version")
+    columns = (
+        "arm",
+        "completions",
+        "persisted (last 400)",
+        "dissatisfied (last 400)",
+        "questions (last 400)",
+        "latency p50",
+        "newest version",
+    )
     for column in columns:
         table.add_column(column, justify="left" if column == "arm" else "right")
     for name, arm in stats.arms.items():
         persisted, dissatisfied, asked = arm.recent_rates()
         p50 = statistics.median(arm.latency_s[-400:]) if arm.latency_s else float("nan")
         table.add_row(
-            name, str(arm.completions), f"{persisted:.3f}", f"{dissatisfied:.3f}", f"{asked:.3f}", f"{p50:.3f} s", str(arm.max_version)
+            name,
+            str(arm.completions),
+            f"{persisted:.3f}",
+            f"{dissatisfied:.3f}",
+            f"{asked:.3f}",
+            f"{p50:.3f} s",
+            str(arm.max_version),
         )
     return table
 
@@ -48,7 +66,11 @@ def _statuses(client: redis.Redis) -> dict[str, heartbeat.Beat]:
 def _footer(stats: ProductStats, beats: dict[str, heartbeat.Beat]) -> str:
     footer = f"events accepted {stats.events_accepted}, duplicate replies {stats.events_duplicate_replies}, errors {stats.errors}"
     joiner = beats.get("reward_stream")
-    alerts = [a for a in joiner.alerts if a.metric in DRIFT] if isinstance(joiner, heartbeat.RewardStreamBeat) else []
+    alerts = (
+        [a for a in joiner.alerts if a.metric in DRIFT]
+        if isinstance(joiner, heartbeat.RewardStreamBeat)
+        else []
+    )
     if alerts:
         newest = alerts[-1]
         footer += f"\n[bold red]reward-hacking alerts: {len(alerts)}[/], newest: {newest.metric} {newest.previous_value:.3f} -> {newest.value:.3f}"
@@ -57,8 +79,15 @@ def _footer(stats: ProductStats, beats: dict[str, heartbeat.Beat]) -> str:
     return footer
 
 
-async def _drive(product: Product, duration_s: float, console: Console, redis_url: str) -> ProductStats:
-    progress = Progress(TextColumn("[bold]product[/] running"), BarColumn(), TextColumn("{task.percentage:>3.0f}%"), TimeRemainingColumn())
+async def _drive(
+    product: Product, duration_s: float, console: Console, redis_url: str
+) -> ProductStats:
+    progress = Progress(
+        TextColumn("[bold]product[/] running"),
+        BarColumn(),
+        TextColumn("{task.percentage:>3.0f}%"),
+        TimeRemainingColumn(),
+    )
     task = progress.add_task("run", total=duration_s)
     client = redis.Redis.from_url(redis_url)
     run = asyncio.create_task(product.run(duration_s))
@@ -67,11 +96,23 @@ async def _drive(product: Product, duration_s: float, console: Console, redis_ur
         while not run.done():
             progress.update(task, completed=min(time.monotonic() - started, duration_s))
             beats = _statuses(client)
-            live.update(Group(progress, _arm_table(product.stats, beats.get("trainer")), _footer(product.stats, beats)))
+            live.update(
+                Group(
+                    progress,
+                    _arm_table(product.stats, beats.get("trainer")),
+                    _footer(product.stats, beats),
+                )
+            )
             await asyncio.sleep(0.5)
         progress.update(task, completed=duration_s)
         beats = _statuses(client)
-        live.update(Group(progress, _arm_table(product.stats, beats.get("trainer")), _footer(product.stats, beats)))
+        live.update(
+            Group(
+                progress,
+                _arm_table(product.stats, beats.get("trainer")),
+                _footer(product.stats, beats),
+            )
+        )
     client.close()
     return await run
 
@@ -82,10 +123,14 @@ def simulator_key(stack: StackFile) -> str:
     from rtrl.api_keys import ALL_EVENTS, COMPLETIONS, call_sync, issue_key
 
     authority = stack_secrets.key_authority(Path(stack.state_dir))
-    return call_sync(stack.redis_url, issue_key, authority, "simulated-product", scopes={ALL_EVENTS, COMPLETIONS})
+    return call_sync(
+        stack.redis_url, issue_key, authority, "simulated-product", scopes={ALL_EVENTS, COMPLETIONS}
+    )
 
 
-def run_product(stack: StackFile, duration_s: float, console: Console, **product_options) -> ProductStats:
+def run_product(
+    stack: StackFile, duration_s: float, console: Console, **product_options
+) -> ProductStats:
     product = Product(
         stack.urls("inference", "RTRL_INFERENCE_HTTP_PORT"),
         stack.urls("ingest", "RTRL_INGEST_HTTP_PORT")[0],
@@ -97,18 +142,28 @@ def run_product(stack: StackFile, duration_s: float, console: Console, **product
 
 
 def question_rate_table(stats: ProductStats, bucket_s: float = 30.0) -> Table:
-    table = Table(title=f"clarifying questions asked, per {bucket_s:.0f} s of the run", title_justify="left")
+    table = Table(
+        title=f"clarifying questions asked, per {bucket_s:.0f} s of the run", title_justify="left"
+    )
     table.add_column("from")
-    rates = {name: {start: (n, rate) for start, n, rate in arm.question_rates(bucket_s)} for name, arm in stats.arms.items()}
+    rates = {
+        name: {start: (n, rate) for start, n, rate in arm.question_rates(bucket_s)}
+        for name, arm in stats.arms.items()
+    }
     for name in rates:
         table.add_column(name, justify="right")
     for start in sorted({start for per_arm in rates.values() for start in per_arm}):
-        cells = [f"{per_arm[start][1]:.3f} of {per_arm[start][0]}" if start in per_arm else "–" for per_arm in rates.values()]
+        cells = [
+            f"{per_arm[start][1]:.3f} of {per_arm[start][0]}" if start in per_arm else "–"
+            for per_arm in rates.values()
+        ]
         table.add_row(f"{start:.0f} s", *cells)
     return table
 
 
-def print_hacking_report(stack: StackFile, stats: ProductStats, console: Console) -> list[heartbeat.RewardAlert]:
+def print_hacking_report(
+    stack: StackFile, stats: ProductStats, console: Console
+) -> list[heartbeat.RewardAlert]:
     """The question rate over the run and the reward-hacking alerts reward_stream raised;
     returns those alerts. Read from the heartbeat, so the stack must still be up."""
     alerts = [a for a in hacking_alerts(health.check(stack)) if a.metric in DRIFT]

@@ -53,7 +53,10 @@ def ready(beat: heartbeat.Beat) -> tuple[bool, str]:
     if isinstance(beat, heartbeat.InferenceBeat):
         versions = beat.versions
         ok = beat.ready and all(versions.get(arm, -1) >= 0 for arm in ("control", "treatment"))
-        return ok, f"control v{versions.get('control', '-')}, treatment v{versions.get('treatment', '-')}"
+        return (
+            ok,
+            f"control v{versions.get('control', '-')}, treatment v{versions.get('treatment', '-')}",
+        )
     if isinstance(beat, heartbeat.TrainerBeat):
         return beat.version >= 0, f"step {beat.step}, published v{beat.version}"
     if isinstance(beat, heartbeat.RewardStreamBeat) and not beat.assigned:
@@ -76,7 +79,9 @@ def check(stack: StackFile) -> list[ComponentHealth]:
         client.close()
     rows = [
         ComponentHealth("tansu", pid_alive(stack.infra["tansu"]), stack.kafka_bootstrap),
-        ComponentHealth("redis", pid_alive(stack.infra["redis"]) and redis_detail == "ok", redis_detail),
+        ComponentHealth(
+            "redis", pid_alive(stack.infra["redis"]) and redis_detail == "ok", redis_detail
+        ),
     ]
     now = time.time()
     for spec in stack.services:
@@ -86,10 +91,18 @@ def check(stack: StackFile) -> list[ComponentHealth]:
         if spec.state == "failed":
             rows.append(ComponentHealth(spec.key, False, f"failed after {spec.restarts} restarts"))
         elif beat is None:
-            rows.append(ComponentHealth(spec.key, False, "no heartbeat yet" if pid_alive(spec.pid) else "process down"))
+            rows.append(
+                ComponentHealth(
+                    spec.key, False, "no heartbeat yet" if pid_alive(spec.pid) else "process down"
+                )
+            )
         else:
             ok, detail = ready(beat.beat)
-            rows.append(ComponentHealth(spec.key, ok, detail or f"heartbeat {now - beat.ts:.1f} s ago", beat.beat))
+            rows.append(
+                ComponentHealth(
+                    spec.key, ok, detail or f"heartbeat {now - beat.ts:.1f} s ago", beat.beat
+                )
+            )
     return rows
 
 

@@ -47,11 +47,17 @@ def render() -> str:
         for topic in topics.ALL:
             lines.append(f"acls {principal} --operation Describe --topic {topic}")
         for topic in access.writes:
-            lines.append(f"acls {principal} --operation Write --operation Describe --topic {_resource(topic)}")
+            lines.append(
+                f"acls {principal} --operation Write --operation Describe --topic {_resource(topic)}"
+            )
         for topic in access.reads:
-            lines.append(f"acls {principal} --operation Read --operation Describe --topic {_resource(topic)}")
+            lines.append(
+                f"acls {principal} --operation Read --operation Describe --topic {_resource(topic)}"
+            )
         for group in access.groups:
-            lines.append(f"acls {principal} --operation Read --operation Describe --group {_resource(group)}")
+            lines.append(
+                f"acls {principal} --operation Read --operation Describe --group {_resource(group)}"
+            )
     lines.append('echo "topics and ACLs in place"')
     return "\n".join(lines) + "\n"
 

@@ -28,8 +28,12 @@ def warm_start(state_dir: Path, console: Console) -> Path:
     from simulator.warmstart import ensure_warm_start  # torch import: only when needed
 
     with Progress(
-        TextColumn("[bold]warm start[/] {task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
-        TimeElapsedColumn(), console=console, transient=False,
+        TextColumn("[bold]warm start[/] {task.description}"),
+        BarColumn(),
+        TextColumn("{task.completed}/{task.total}"),
+        TimeElapsedColumn(),
+        console=console,
+        transient=False,
     ) as progress:
         task = progress.add_task("supervised stage", total=None)
 
@@ -47,11 +51,15 @@ def health_table(rows: list[health.ComponentHealth]) -> Table:
     table.add_column("health")
     table.add_column("detail")
     for row in rows:
-        table.add_row(row.name, "[green]healthy[/]" if row.healthy else "[yellow]waiting[/]", row.detail)
+        table.add_row(
+            row.name, "[green]healthy[/]" if row.healthy else "[yellow]waiting[/]", row.detail
+        )
     return table
 
 
-def up(state_dir: Path, console: Console, config: StackConfig | None = None, *, fresh: bool = False) -> StackFile:
+def up(
+    state_dir: Path, console: Console, config: StackConfig | None = None, *, fresh: bool = False
+) -> StackFile:
     """Start the stack on state_dir: resume the run it holds (lineage, registry, blobs,
     checkpoint and journal, API keys, ClickHouse), or with ``fresh`` start over from the
     warm start. Only the memory-only broker's topics are new either way."""
@@ -59,7 +67,9 @@ def up(state_dir: Path, console: Console, config: StackConfig | None = None, *, 
     state_dir = state_dir.resolve()
     running = health.running_stack(state_dir)
     if running is not None:
-        console.print(f"stack already running (supervisor pid {running.supervisor_pid}); `rtrl down` stops it")
+        console.print(
+            f"stack already running (supervisor pid {running.supervisor_pid}); `rtrl down` stops it"
+        )
         return running
     try:
         resumed = statedir.is_state_dir(state_dir) and not fresh
@@ -67,14 +77,19 @@ def up(state_dir: Path, console: Console, config: StackConfig | None = None, *, 
     except statedir.NotAStateDir as exc:
         raise StackError(str(exc)) from None
     began = time.strftime("%Y-%m-%d %H:%M", time.localtime(marker.created_ts))
-    console.print(f"{'resuming' if resumed else 'starting'} the run in {state_dir} (lineage began {began}; `rtrl up --fresh` starts over)")
+    console.print(
+        f"{'resuming' if resumed else 'starting'} the run in {state_dir} (lineage began {began}; `rtrl up --fresh` starts over)"
+    )
     warm_start(state_dir, console)
     (state_dir / "logs").mkdir(parents=True, exist_ok=True)
     log = procs.open_log(state_dir / "logs" / "supervisor.out")
     supervisor = subprocess.Popen(
         [sys.executable, "-m", "rtrl.ops.supervisor"],
         env={**os.environ, "RTRL_STATE_DIR": str(state_dir)},
-        stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+        start_new_session=True,
     )
     log.close()
     deadline = time.monotonic() + config.health_timeout_s
@@ -82,9 +97,13 @@ def up(state_dir: Path, console: Console, config: StackConfig | None = None, *, 
     with Live(console=console, refresh_per_second=4, transient=False) as live:
         while time.monotonic() < deadline:
             if supervisor.poll() is not None:
-                raise StackError(f"the supervisor exited with {supervisor.returncode}; see {state_dir / 'logs'}")
+                raise StackError(
+                    f"the supervisor exited with {supervisor.returncode}; see {state_dir / 'logs'}"
+                )
             if stack_path(state_dir).exists():
-                stack = StackFile.read(stack_path(state_dir))  # re-read: the supervisor records restarts
+                stack = StackFile.read(
+                    stack_path(state_dir)
+                )  # re-read: the supervisor records restarts
                 rows = health.check(stack)
                 live.update(health_table(rows))
                 if all(r.healthy for r in rows):
@@ -92,7 +111,9 @@ def up(state_dir: Path, console: Console, config: StackConfig | None = None, *, 
             time.sleep(0.5)
     unhealthy = [r.name for r in health.check(stack)] if stack else ["supervisor"]
     down(state_dir, console)
-    raise StackError(f"not healthy after {config.health_timeout_s:.0f} s: {unhealthy}; logs in {state_dir / 'logs'}")
+    raise StackError(
+        f"not healthy after {config.health_timeout_s:.0f} s: {unhealthy}; logs in {state_dir / 'logs'}"
+    )
 
 
 def down(state_dir: Path, console: Console) -> list[str]:
@@ -110,7 +131,11 @@ def down(state_dir: Path, console: Console) -> list[str]:
         while health.pid_alive(stack.supervisor_pid) and time.monotonic() < deadline:
             time.sleep(0.2)
     forced = []
-    pids = {**stack.infra, **{s.key: s.pid for s in stack.services}, "supervisor": stack.supervisor_pid}
+    pids = {
+        **stack.infra,
+        **{s.key: s.pid for s in stack.services},
+        "supervisor": stack.supervisor_pid,
+    }
     for name, pid in pids.items():
         if pid and health.pid_alive(pid):
             procs.stop_group(pid, timeout_s=5)

@@ -9,8 +9,8 @@ from rich.console import Console
 from rich.table import Table
 
 from rtrl import topics
-from rtrl.ops import stack_secrets
 from rtrl.config import StackSettings
+from rtrl.ops import stack_secrets
 from rtrl.ops.stack import StackFile
 
 LABELS = {
@@ -30,13 +30,19 @@ def query_function(stack: StackFile | None, state_dir: Path | None = None):
     if stack is not None:
         secrets = stack_secrets.load(Path(stack.state_dir))
         if secrets is None:
-            raise RuntimeError(f"the stack in {stack.state_dir} has no {stack_secrets.SECRETS_FILE}: its query token is unknown")
-        return http_query_fn(stack.urls("analytics", "RTRL_ANALYTICS_QUERY_PORT")[0], secrets.analytics_query_token)
-    return client_query_fn(connect(StackSettings(state_dir=state_dir) if state_dir else StackSettings()))
+            raise RuntimeError(
+                f"the stack in {stack.state_dir} has no {stack_secrets.SECRETS_FILE}: its query token is unknown"
+            )
+        return http_query_fn(
+            stack.urls("analytics", "RTRL_ANALYTICS_QUERY_PORT")[0], secrets.analytics_query_token
+        )
+    return client_query_fn(
+        connect(StackSettings(state_dir=state_dir) if state_dir else StackSettings())
+    )
 
 
 def landed(query) -> dict[str, int]:
-    one = lambda sql: int(list(query(sql)[0].values())[0])  # noqa: E731
+    one = lambda sql: int(list(query(sql)[0].values())[0])
     return {
         "rollouts": one("SELECT count() FROM rollouts FINAL"),
         "events": one("SELECT count() FROM telemetry_events FINAL"),
@@ -47,7 +53,11 @@ def landed(query) -> dict[str, int]:
 def drain(stack: StackFile, stats, console: Console, timeout_s: float = 90.0) -> dict[str, int]:
     """Wait until every completion has a rollout row and a reward, and every accepted event a row."""
     query = query_function(stack)
-    this_run = {"rollouts": stats.completions, "events": stats.events_accepted, "rewards": stats.completions}
+    this_run = {
+        "rollouts": stats.completions,
+        "events": stats.events_accepted,
+        "rewards": stats.completions,
+    }
     expected = {name: stats.landed_before.get(name, 0) + n for name, n in this_run.items()}
     deadline = time.monotonic() + timeout_s
     with console.status("draining the pipeline into ClickHouse") as spinner:
@@ -58,7 +68,9 @@ def drain(stack: StackFile, stats, console: Console, timeout_s: float = 90.0) ->
                 break
             time.sleep(1)
     if counts != expected:
-        console.print(f"[yellow]after {timeout_s:.0f} s ClickHouse holds {counts}, expected {expected}[/]")
+        console.print(
+            f"[yellow]after {timeout_s:.0f} s ClickHouse holds {counts}, expected {expected}[/]"
+        )
     else:
         console.print(f"drained: ClickHouse holds {counts}, exactly what was sent")
     return counts
@@ -81,14 +93,33 @@ def ab_rich_table(rows, window: str, title: str) -> Table:
     for row in rows:
         if row.window != window:
             continue
-        absolute = "" if row.control is None or row.treatment is None or row.metric in ("rollouts", "rewards") else row.treatment - row.control
-        absolute = f"{absolute * 1000:+.0f} ms" if row.metric == "latency_p50_s" and absolute != "" else (f"{absolute:+.3f}" if absolute != "" else "")
+        absolute = (
+            ""
+            if row.control is None or row.treatment is None or row.metric in ("rollouts", "rewards")
+            else row.treatment - row.control
+        )
+        absolute = (
+            f"{absolute * 1000:+.0f} ms"
+            if row.metric == "latency_p50_s" and absolute != ""
+            else (f"{absolute:+.3f}" if absolute != "" else "")
+        )
         relative = "" if row.relative_change is None else f"{100 * row.relative_change:+.1f} %"
-        table.add_row(LABELS.get(row.metric, row.metric), _fmt(row.metric, row.control), _fmt(row.metric, row.treatment), absolute, relative)
+        table.add_row(
+            LABELS.get(row.metric, row.metric),
+            _fmt(row.metric, row.control),
+            _fmt(row.metric, row.treatment),
+            absolute,
+            relative,
+        )
     return table
 
 
-def print_report(stack: StackFile | None, console: Console, html: Path = Path("reports/report.html"), state_dir: Path | None = None) -> list:
+def print_report(
+    stack: StackFile | None,
+    console: Console,
+    html: Path = Path("reports/report.html"),
+    state_dir: Path | None = None,
+) -> list:
     from analytics.report import ab_table, by_version, write_html
     from analytics.training_report import figures
 
@@ -97,7 +128,11 @@ def print_report(stack: StackFile | None, console: Console, html: Path = Path("r
     if not rows or all(r.control is None and r.treatment is None for r in rows):
         console.print("[yellow]no data in ClickHouse yet: run `rtrl demo` first[/]")
         return rows
-    console.print(ab_rich_table(rows, "all", "A/B: control (frozen policy) vs treatment (real-time RL), whole run"))
+    console.print(
+        ab_rich_table(
+            rows, "all", "A/B: control (frozen policy) vs treatment (real-time RL), whole run"
+        )
+    )
     console.print(ab_rich_table(rows, "last_half", "A/B, second half of the run"))
     path = write_html(html, rows, by_version(query), extra_figures=figures(query).items)
     console.print(f"HTML report with plots against policy version: {path.resolve()}")

@@ -132,7 +132,7 @@ class StackFile:
         os.replace(tmp, path)
 
     @classmethod
-    def read(cls, path: Path) -> "StackFile":
+    def read(cls, path: Path) -> StackFile:
         doc = json.loads(path.read_text())
         doc["services"] = [ServiceSpec(**s) for s in doc["services"]]
         return cls(**doc)

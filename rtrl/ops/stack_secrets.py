@@ -46,8 +46,14 @@ class StackSecrets:
 
     @classmethod
     def generate(cls) -> StackSecrets:
-        tokens = {f.name: secrets.token_urlsafe(32) for f in fields(cls) if f.name.endswith("_token")}
-        keys = {f.name: signing.generate_private_key() for f in fields(cls) if f.name.endswith("_signing_key")}
+        tokens = {
+            f.name: secrets.token_urlsafe(32) for f in fields(cls) if f.name.endswith("_token")
+        }
+        keys = {
+            f.name: signing.generate_private_key()
+            for f in fields(cls)
+            if f.name.endswith("_signing_key")
+        }
         return cls(**tokens, **keys)
 
     def values(self) -> list[str]:
@@ -61,15 +67,27 @@ SERVICE_SECRETS: dict[str, dict[str, str]] = {
         "RTRL_WEIGHT_SYNC_TOKEN": "weight_sync_publish_token",
         "RTRL_WEIGHT_SYNC_SUBSCRIBE_TOKEN": "weight_sync_subscribe_token",
     },
-    "trainer": {"RTRL_WEIGHT_SYNC_TOKEN": "weight_sync_publish_token", "RTRL_TRAINER_MANIFEST_SIGNING_KEY": "manifest_signing_key"},
-    "inference": {"RTRL_WEIGHT_SYNC_SUBSCRIBE_TOKEN": "weight_sync_subscribe_token", "RTRL_INFERENCE_ROLLOUT_SIGNING_KEY": "rollout_signing_key"},
+    "trainer": {
+        "RTRL_WEIGHT_SYNC_TOKEN": "weight_sync_publish_token",
+        "RTRL_TRAINER_MANIFEST_SIGNING_KEY": "manifest_signing_key",
+    },
+    "inference": {
+        "RTRL_WEIGHT_SYNC_SUBSCRIBE_TOKEN": "weight_sync_subscribe_token",
+        "RTRL_INFERENCE_ROLLOUT_SIGNING_KEY": "rollout_signing_key",
+    },
     "reward_stream": {"RTRL_REWARD_SIGNING_KEY": "reward_signing_key"},
 }
 
 # Service -> environment variable -> the public half of a key pair it verifies with (not secret).
 SERVICE_PUBLIC_KEYS: dict[str, dict[str, str]] = {
-    "trainer": {"RTRL_TRAINER_REWARD_PUBLIC_KEYS": "reward_signing_key", "RTRL_MANIFEST_PUBLIC_KEYS": "manifest_signing_key"},
-    "inference": {"RTRL_MANIFEST_PUBLIC_KEYS": "manifest_signing_key", "RTRL_API_KEY_PUBLIC_KEYS": "api_key_signing_key"},
+    "trainer": {
+        "RTRL_TRAINER_REWARD_PUBLIC_KEYS": "reward_signing_key",
+        "RTRL_MANIFEST_PUBLIC_KEYS": "manifest_signing_key",
+    },
+    "inference": {
+        "RTRL_MANIFEST_PUBLIC_KEYS": "manifest_signing_key",
+        "RTRL_API_KEY_PUBLIC_KEYS": "api_key_signing_key",
+    },
     "ingest": {"RTRL_API_KEY_PUBLIC_KEYS": "api_key_signing_key"},
     "reward_stream": {"RTRL_REWARD_ROLLOUT_PUBLIC_KEYS": "rollout_signing_key"},
 }
@@ -87,10 +105,28 @@ SERVICE_PREFIX = {
 }
 
 # What a Python service needs of the operating system's environment.
-OS_VARIABLES = frozenset({
-    "PATH", "HOME", "USER", "LOGNAME", "LANG", "LANGUAGE", "LC_ALL", "LC_CTYPE", "TZ", "TMPDIR", "PYTHONPATH", "VIRTUAL_ENV",
-    "OMP_NUM_THREADS", "MKL_NUM_THREADS", "TOKENIZERS_PARALLELISM", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "CUDA_VISIBLE_DEVICES",
-})
+OS_VARIABLES = frozenset(
+    {
+        "PATH",
+        "HOME",
+        "USER",
+        "LOGNAME",
+        "LANG",
+        "LANGUAGE",
+        "LC_ALL",
+        "LC_CTYPE",
+        "TZ",
+        "TMPDIR",
+        "PYTHONPATH",
+        "VIRTUAL_ENV",
+        "OMP_NUM_THREADS",
+        "MKL_NUM_THREADS",
+        "TOKENIZERS_PARALLELISM",
+        "HF_HUB_OFFLINE",
+        "TRANSFORMERS_OFFLINE",
+        "CUDA_VISIBLE_DEVICES",
+    }
+)
 
 
 def ensure(state_dir: Path) -> StackSecrets:
@@ -132,7 +168,9 @@ def load(state_dir: Path) -> StackSecrets | None:
     if not path.exists():
         return None
     if path.stat().st_mode & 0o077:
-        raise PermissionError(f"{path} is readable by others than its owner: chmod 600 it (and rotate what it holds)")
+        raise PermissionError(
+            f"{path} is readable by others than its owner: chmod 600 it (and rotate what it holds)"
+        )
     doc = json.loads(path.read_text())
     return StackSecrets(**{f.name: str(doc[f.name]) for f in fields(StackSecrets)})
 
@@ -145,18 +183,24 @@ def key_authority(state_dir: Path) -> KeyAuthority:
         return KeyAuthority(stack_secrets.api_key_signing_key)
     private = os.environ.get(API_KEY_SIGNING_VARIABLE)
     if not private:
-        raise RuntimeError(f"no {SECRETS_FILE} in {state_dir} and no {API_KEY_SIGNING_VARIABLE} set: API keys cannot be signed")
+        raise RuntimeError(
+            f"no {SECRETS_FILE} in {state_dir} and no {API_KEY_SIGNING_VARIABLE} set: API keys cannot be signed"
+        )
     return KeyAuthority(private)
 
 
 def _stack_variables() -> frozenset[str]:
     """The shared settings (StackSettings, prefix RTRL_) every service may be given: not the secrets."""
     return frozenset(
-        f"RTRL_{name.upper()}" for name, field in StackSettings.model_fields.items() if field.annotation is not SecretStr
+        f"RTRL_{name.upper()}"
+        for name, field in StackSettings.model_fields.items()
+        if field.annotation is not SecretStr
     )
 
 
-def service_env(service: str, environ: Mapping[str, str], stack_secrets: StackSecrets) -> dict[str, str]:
+def service_env(
+    service: str, environ: Mapping[str, str], stack_secrets: StackSecrets
+) -> dict[str, str]:
     """The whole environment a service process starts with (see the module docstring)."""
     shared = _stack_variables()
     prefix = SERVICE_PREFIX.get(service)
@@ -165,8 +209,15 @@ def service_env(service: str, environ: Mapping[str, str], stack_secrets: StackSe
     env = {
         name: value
         for name, value in environ.items()
-        if name in OS_VARIABLES or name in shared or (prefix is not None and name.startswith(prefix) and name not in secret_names)
+        if name in OS_VARIABLES
+        or name in shared
+        or (prefix is not None and name.startswith(prefix) and name not in secret_names)
     }
     env.update({name: getattr(stack_secrets, secret) for name, secret in own_secrets.items()})
-    env.update({name: signing.public_key_of(getattr(stack_secrets, key)) for name, key in SERVICE_PUBLIC_KEYS.get(service, {}).items()})
+    env.update(
+        {
+            name: signing.public_key_of(getattr(stack_secrets, key))
+            for name, key in SERVICE_PUBLIC_KEYS.get(service, {}).items()
+        }
+    )
     return env

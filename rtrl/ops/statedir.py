@@ -23,10 +23,23 @@ KEPT_BY_FRESH = frozenset({"cache", MARKER})
 
 # Everything an rtrl stack writes at the top of its state directory. A directory
 # holding only these (and no marker) is one that an rtrl from before the marker wrote.
-STACK_ENTRIES = frozenset({
-    "cache", "logs", "chdb", "blobs", "trainer", "redis", "otel", "reward_stream",
-    "stack.json", "stack.tmp", "broker.json", "broker.tmp", MARKER,
-})
+STACK_ENTRIES = frozenset(
+    {
+        "cache",
+        "logs",
+        "chdb",
+        "blobs",
+        "trainer",
+        "redis",
+        "otel",
+        "reward_stream",
+        "stack.json",
+        "stack.tmp",
+        "broker.json",
+        "broker.tmp",
+        MARKER,
+    }
+)
 
 
 class NotAStateDir(RuntimeError):

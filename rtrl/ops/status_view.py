@@ -7,9 +7,9 @@ reward trend per arm, and the reward-hacking alerts reward_stream keeps in its h
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Mapping, Sequence
-import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -92,17 +92,25 @@ def consumer_lag(stack: StackFile) -> list[TopicLag]:
             by_topic.setdefault(row.topic, []).append(row)
         for topic, parts in by_topic.items():
             committed = sum(max(p.committed, 0) for p in parts)
-            lags.append(TopicLag(group, topic, committed, sum(p.end for p in parts), sum(p.lag for p in parts)))
+            lags.append(
+                TopicLag(
+                    group, topic, committed, sum(p.end for p in parts), sum(p.lag for p in parts)
+                )
+            )
     return lags
 
 
 def lag_table(stack: StackFile) -> Table:
     table = Table(title="consumer lag", title_justify="left")
     for column in ("group", "topic", "committed", "end", "lag"):
-        table.add_column(column, justify="right" if column in ("committed", "end", "lag") else "left")
+        table.add_column(
+            column, justify="right" if column in ("committed", "end", "lag") else "left"
+        )
     for row in consumer_lag(stack):
         style = "green" if row.lag < 100 else "yellow" if row.lag < 1000 else "red"
-        table.add_row(row.group, row.topic, str(row.committed), str(row.end), f"[{style}]{row.lag}[/]")
+        table.add_row(
+            row.group, row.topic, str(row.committed), str(row.end), f"[{style}]{row.lag}[/]"
+        )
     return table
 
 
@@ -123,7 +131,12 @@ def workers_table(rows: Sequence[health.ComponentHealth]) -> Table:
         table.add_column(column)
     for worker in worker_versions(rows):
         detail = f"{worker.completions} completions, {worker.swaps} swaps"
-        table.add_row(worker.worker, str(worker.versions.get("control", "-")), str(worker.versions.get("treatment", "-")), detail)
+        table.add_row(
+            worker.worker,
+            str(worker.versions.get("control", "-")),
+            str(worker.versions.get("treatment", "-")),
+            detail,
+        )
     for name, beat in _beats(rows, TrainerBeat):
         reward = "–" if beat.reward_mean is None else f"{beat.reward_mean:.3f}"
         shed = beat.dropped.get("shed", 0)
@@ -171,7 +184,16 @@ def _versions(first: int, last: int) -> str:
 
 def alerts_table(alerts: Sequence[RewardAlert], examples: int = 2) -> Table:
     table = Table(title="reward-hacking alerts (newest last)", title_justify="left")
-    for column in ("kind", "metric", "from", "to", "rate / mean", "z", "rollouts", "e.g. rollout ids"):
+    for column in (
+        "kind",
+        "metric",
+        "from",
+        "to",
+        "rate / mean",
+        "z",
+        "rollouts",
+        "e.g. rollout ids",
+    ):
         table.add_column(column, justify="right" if column in ("z", "rollouts") else "left")
     for a in alerts:
         table.add_row(
@@ -194,7 +216,9 @@ def sparkline(values: Sequence[float]) -> str:
     low, high = min(values), max(values)
     if high == low:
         return SPARKS[3] * len(values)
-    return "".join(SPARKS[min(len(SPARKS) - 1, int((v - low) / (high - low) * len(SPARKS)))] for v in values)
+    return "".join(
+        SPARKS[min(len(SPARKS) - 1, int((v - low) / (high - low) * len(SPARKS)))] for v in values
+    )
 
 
 def fitted_change(values: Sequence[float]) -> float:
@@ -204,7 +228,9 @@ def fitted_change(values: Sequence[float]) -> float:
     if k < 2:
         return 0.0
     mid, mean = (k - 1) / 2, sum(values) / k
-    slope = sum((x - mid) * (y - mean) for x, y in enumerate(values)) / sum((x - mid) ** 2 for x in range(k))
+    slope = sum((x - mid) * (y - mean) for x, y in enumerate(values)) / sum(
+        (x - mid) ** 2 for x in range(k)
+    )
     return slope * (k - 1)
 
 
@@ -229,7 +255,9 @@ def reward_totals(rows: Sequence[health.ComponentHealth]) -> dict[int, tuple[int
     return totals
 
 
-def pool(totals: dict[int, tuple[int, float]], min_rollouts: int = TREND_MIN_ROLLOUTS) -> list[TrendPoint]:
+def pool(
+    totals: dict[int, tuple[int, float]], min_rollouts: int = TREND_MIN_ROLLOUTS
+) -> list[TrendPoint]:
     """Consecutive versions pooled from the newest back until each point holds min_rollouts,
     oldest first. The oldest versions left over join the oldest point, or are the only one."""
     groups: list[list[int]] = []
@@ -285,10 +313,25 @@ def trend_table(rows: Sequence[health.ComponentHealth]) -> Table | str:
     if not any(arms.values()):
         return "reward trend: no rewards yet"
     control_n = sum(p.rollouts for p in arms["control"])
-    control_mean = sum(p.rollouts * p.reward_mean for p in arms["control"]) / control_n if control_n else None
-    table = Table(title=f"reward trend (mean reward, a point per {TREND_MIN_ROLLOUTS}+ rollouts of consecutive versions)", title_justify="left")
-    for column in ("arm", "latest", "change", f"last {TREND_POINTS} points", "versions", "rollouts", "vs control"):
-        table.add_column(column, justify="right" if column in ("latest", "rollouts", "vs control") else "left")
+    control_mean = (
+        sum(p.rollouts * p.reward_mean for p in arms["control"]) / control_n if control_n else None
+    )
+    table = Table(
+        title=f"reward trend (mean reward, a point per {TREND_MIN_ROLLOUTS}+ rollouts of consecutive versions)",
+        title_justify="left",
+    )
+    for column in (
+        "arm",
+        "latest",
+        "change",
+        f"last {TREND_POINTS} points",
+        "versions",
+        "rollouts",
+        "vs control",
+    ):
+        table.add_column(
+            column, justify="right" if column in ("latest", "rollouts", "vs control") else "left"
+        )
     for arm, points in arms.items():
         window = points[-TREND_POINTS:]
         if not window:
@@ -338,7 +381,9 @@ def render(stack: StackFile) -> Group:
     parts = [health_table(rows), workers_table(rows), trend_table(rows), lag_table(stack)]
     alerts = hacking_alerts(rows)
     if stack.reward_fn_version:
-        parts.append(f"reward function: {stack.reward_fn_version}; reward-hacking alerts: {len(alerts) or 'none'}")
+        parts.append(
+            f"reward function: {stack.reward_fn_version}; reward-hacking alerts: {len(alerts) or 'none'}"
+        )
     if alerts:
         parts.append(alerts_table(alerts))
     refusals = gate_refusals(rows)

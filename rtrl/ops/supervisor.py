@@ -14,10 +14,17 @@ import sys
 import time
 
 from rtrl import kafka, procs
-from rtrl.ops import broker_record, stack_secrets
-from rtrl.runtime import owner_only_files
 from rtrl.config import StackSettings
-from rtrl.ops.stack import SERVICE_ORDER, ServiceSpec, StackConfig, StackFile, embedded_trainer_env, stack_path
+from rtrl.ops import broker_record, stack_secrets
+from rtrl.ops.stack import (
+    SERVICE_ORDER,
+    ServiceSpec,
+    StackConfig,
+    StackFile,
+    embedded_trainer_env,
+    stack_path,
+)
+from rtrl.runtime import owner_only_files
 
 log = logging.getLogger("rtrl.ops.supervisor")
 
@@ -37,9 +44,16 @@ PORTS = {
 
 
 def plan(config: StackConfig) -> list[ServiceSpec]:
-    instances = [(name, str(i)) for name in SERVICE_ORDER for i in range(config.inference_workers if name == "inference" else 1)]
+    instances = [
+        (name, str(i))
+        for name in SERVICE_ORDER
+        for i in range(config.inference_workers if name == "inference" else 1)
+    ]
     ports = iter(procs.free_ports(sum(len(PORTS[name]) for name, _ in instances)))
-    return [ServiceSpec(name, instance, {var: next(ports) for var in PORTS[name]}) for name, instance in instances]
+    return [
+        ServiceSpec(name, instance, {var: next(ports) for var in PORTS[name]})
+        for name, instance in instances
+    ]
 
 
 class Supervisor:
@@ -81,12 +95,19 @@ class Supervisor:
             started_ts=time.time(),
             reward_fn_version=self.config.reward_fn_version,
         )
-        stack_settings = StackSettings(kafka_bootstrap=self.stack.kafka_bootstrap, kafka_partitions=self.settings.kafka_partitions)
+        stack_settings = StackSettings(
+            kafka_bootstrap=self.stack.kafka_bootstrap,
+            kafka_partitions=self.settings.kafka_partitions,
+        )
         kafka.wait_for_broker(stack_settings)
         kafka.ensure_topics(stack_settings)
         self.broker = broker_record.started(self.state_dir, stack_settings)
         if self.broker.previous is not None:
-            log.info("the previous broker %s is gone with its topics: %s", self.broker.previous.cluster_id, self.broker.previous)
+            log.info(
+                "the previous broker %s is gone with its topics: %s",
+                self.broker.previous.cluster_id,
+                self.broker.previous,
+            )
         self.measured_at = time.monotonic()
         for spec in specs:
             self._spawn(spec)
@@ -105,7 +126,13 @@ class Supervisor:
             "PYTHONUNBUFFERED": "1",
             **{var: str(port) for var, port in spec.ports.items()},
         }
-        proc = procs.spawn(spec.key, [sys.executable, "-m", spec.name], spec.log_path(self.state_dir), env=env, inherit_env=False)
+        proc = procs.spawn(
+            spec.key,
+            [sys.executable, "-m", spec.name],
+            spec.log_path(self.state_dir),
+            env=env,
+            inherit_env=False,
+        )
         self.children[spec.key] = proc
         spec.pid = proc.pid
         spec.state = "running"
@@ -149,11 +176,17 @@ class Supervisor:
         self.measured_at = time.monotonic()
         if self.broker is None or self.broker.current is None:
             return
-        settings = StackSettings(kafka_bootstrap=self.started_stack.kafka_bootstrap, kafka_partitions=self.settings.kafka_partitions)
+        settings = StackSettings(
+            kafka_bootstrap=self.started_stack.kafka_bootstrap,
+            kafka_partitions=self.settings.kafka_partitions,
+        )
         try:
             current = broker_record.measure(
-                settings, self.broker.current, joiner_group=RewardStreamSettings().app_id,
-                trainer_group=TrainerSettings().consumer_group, final=final,
+                settings,
+                self.broker.current,
+                joiner_group=RewardStreamSettings().app_id,
+                trainer_group=TrainerSettings().consumer_group,
+                final=final,
             )
         except Exception:
             log.exception("could not measure what the broker holds")

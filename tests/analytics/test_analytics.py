@@ -39,7 +39,16 @@ def test_ab_numbers_match_the_hand_computed_ones(tmp_path):
 
         def feed(topic, message, headers=()):
             offset = offsets[topic] = offsets.get(topic, -1) + 1
-            sink.add(KafkaRecord(topic, 0, offset, message.rollout_id.encode(), message.SerializeToString(), headers))
+            sink.add(
+                KafkaRecord(
+                    topic,
+                    0,
+                    offset,
+                    message.rollout_id.encode(),
+                    message.SerializeToString(),
+                    headers,
+                )
+            )
 
         for r in rollouts:
             feed(topics.ROLLOUT, r)
@@ -50,28 +59,71 @@ def test_ab_numbers_match_the_hand_computed_ones(tmp_path):
         feed(topics.ROLLOUT, rollouts[4])
         feed(topics.REWARD, rewards[0])
         # inputs the joiner set aside as late, with the headers it gives them
-        late_event = telemetry_pb2.TelemetryEvent(event_id="late-1", rollout_id=rollouts[1].rollout_id, client_ts_ms=T0 + 5_000,
-                                                  followup=telemetry_pb2.FollowUp(message="no"))
-        feed(topics.REWARD_LATE, late_event, (("source_topic", topics.FOLLOWUP.encode()), ("kind", b"followup")))
-        feed(topics.REWARD_LATE, late_event, (("source_topic", topics.FOLLOWUP.encode()), ("kind", b"followup")))  # written again after a crash
-        feed(topics.REWARD_LATE, rollouts[2], (("source_topic", topics.ROLLOUT.encode()), ("kind", b"rollout")))
+        late_event = telemetry_pb2.TelemetryEvent(
+            event_id="late-1",
+            rollout_id=rollouts[1].rollout_id,
+            client_ts_ms=T0 + 5_000,
+            followup=telemetry_pb2.FollowUp(message="no"),
+        )
+        feed(
+            topics.REWARD_LATE,
+            late_event,
+            (("source_topic", topics.FOLLOWUP.encode()), ("kind", b"followup")),
+        )
+        feed(
+            topics.REWARD_LATE,
+            late_event,
+            (("source_topic", topics.FOLLOWUP.encode()), ("kind", b"followup")),
+        )  # written again after a crash
+        feed(
+            topics.REWARD_LATE,
+            rollouts[2],
+            (("source_topic", topics.ROLLOUT.encode()), ("kind", b"rollout")),
+        )
         sink.add(KafkaRecord(topics.EDIT, 3, 0, b"r9", b"\xff\xfe not protobuf"))
-        sink.add(KafkaRecord(topics.REWARD_DLQ, 1, 5, b"r8", b"raw", (("reason", b"no rollout record"),)))
+        sink.add(
+            KafkaRecord(topics.REWARD_DLQ, 1, 5, b"r8", b"raw", (("reason", b"no rollout record"),))
+        )
         sink.flush()
-        assert consumer.commits[-1] == {(topics.ROLLOUT, 0): 10, (topics.REWARD, 0): 10, (topics.REWARD_LATE, 0): 3, (topics.EDIT, 3): 1, (topics.REWARD_DLQ, 1): 6}
+        assert consumer.commits[-1] == {
+            (topics.ROLLOUT, 0): 10,
+            (topics.REWARD, 0): 10,
+            (topics.REWARD_LATE, 0): 3,
+            (topics.EDIT, 3): 1,
+            (topics.REWARD_DLQ, 1): 6,
+        }
 
         query = client_query_fn(client)
         assert query("SELECT count() AS n FROM rollouts FINAL") == [{"n": 9}]
-        assert query("SELECT count(DISTINCT reward_id) AS n FROM rewards WHERE topic = 'rl.reward.v1'") == [{"n": 9}]
-        assert query("SELECT count() AS n FROM rewards") == [{"n": 10}], "a late input is not a reward"
-        assert query("SELECT source_topic, kind, rollout_id FROM late_records FINAL ORDER BY kind") == [
-            {"source_topic": topics.FOLLOWUP, "kind": "followup", "rollout_id": rollouts[1].rollout_id},
-            {"source_topic": topics.ROLLOUT, "kind": "rollout", "rollout_id": rollouts[2].rollout_id},
+        assert query(
+            "SELECT count(DISTINCT reward_id) AS n FROM rewards WHERE topic = 'rl.reward.v1'"
+        ) == [{"n": 9}]
+        assert query("SELECT count() AS n FROM rewards") == [{"n": 10}], (
+            "a late input is not a reward"
+        )
+        assert query(
+            "SELECT source_topic, kind, rollout_id FROM late_records FINAL ORDER BY kind"
+        ) == [
+            {
+                "source_topic": topics.FOLLOWUP,
+                "kind": "followup",
+                "rollout_id": rollouts[1].rollout_id,
+            },
+            {
+                "source_topic": topics.ROLLOUT,
+                "kind": "rollout",
+                "rollout_id": rollouts[2].rollout_id,
+            },
         ]
         letters = query("SELECT topic, reason, headers_json FROM dead_letters FINAL ORDER BY topic")
-        assert [(d["topic"], json.loads(d["headers_json"])) for d in letters] == [(topics.REWARD_DLQ, {"reason": "no rollout record"}), (topics.EDIT, {})]
+        assert [(d["topic"], json.loads(d["headers_json"])) for d in letters] == [
+            (topics.REWARD_DLQ, {"reason": "no rollout record"}),
+            (topics.EDIT, {}),
+        ]
         assert "does not decode" in letters[1]["reason"]
-        assert query("SELECT policy_version_min AS lo, policy_version_max AS hi FROM rollouts FINAL WHERE rollout_id = 't4'") == [{"lo": 2, "hi": 3}]
+        assert query(
+            "SELECT policy_version_min AS lo, policy_version_max AS hi FROM rollouts FINAL WHERE rollout_id = 't4'"
+        ) == [{"lo": 2, "hi": 3}]
 
         rows = report.ab_table(query)
         every = by_metric(rows, "all")
@@ -88,7 +140,9 @@ def test_ab_numbers_match_the_hand_computed_ones(tmp_path):
         for metric, (control, treatment, change) in expected.items():
             row = every[metric]
             assert (row.control, row.treatment) == pytest.approx((control, treatment)), metric
-            assert row.relative_change == (None if change is None else pytest.approx(change)), metric
+            assert row.relative_change == (None if change is None else pytest.approx(change)), (
+                metric
+            )
 
         # the run spans T0 .. T0+1000 s; the last half starts at +500 s: c3 c4 | t3 t4 t5
         late = by_metric(rows, "last_half")
@@ -102,9 +156,14 @@ def test_ab_numbers_match_the_hand_computed_ones(tmp_path):
         for metric, (control, treatment, change) in expected.items():
             row = late[metric]
             assert (row.control, row.treatment) == pytest.approx((control, treatment)), metric
-            assert row.relative_change == (None if change is None else pytest.approx(change)), metric
+            assert row.relative_change == (None if change is None else pytest.approx(change)), (
+                metric
+            )
 
-        versions = [(v.arm, v.policy_version, v.rewards, v.persisted_rate, v.dissatisfied_rate) for v in report.by_version(query, bucket_size=1)]
+        versions = [
+            (v.arm, v.policy_version, v.rewards, v.persisted_rate, v.dissatisfied_rate)
+            for v in report.by_version(query, bucket_size=1)
+        ]
         assert versions == [
             ("control", 0, 4, 0.5, 0.25),
             ("treatment", 1, 2, 0.5, 0.5),
@@ -112,32 +171,62 @@ def test_ab_numbers_match_the_hand_computed_ones(tmp_path):
             ("treatment", 3, 2, 0.5, 0.5),
         ]
         buckets = report.by_version(query, bucket_size=2)
-        assert [(v.arm, v.policy_version, v.rewards) for v in buckets] == [("control", 0, 4), ("treatment", 0, 2), ("treatment", 2, 3)]
+        assert [(v.arm, v.policy_version, v.rewards) for v in buckets] == [
+            ("control", 0, 4),
+            ("treatment", 0, 2),
+            ("treatment", 2, 3),
+        ]
 
-        page = report.write_html(tmp_path / "report" / "ab.html", rows, report.by_version(query)).read_text()
+        page = report.write_html(
+            tmp_path / "report" / "ab.html", rows, report.by_version(query)
+        ).read_text()
         assert "data:image/png;base64,iVBOR" in page  # an embedded PNG
         assert "+20.00 %" in page and "persisted_rate" in page
     finally:
         client.close()
 
 
-def test_sink_deduplicates_replays_and_commits_after_insert(stack_settings, stack_env, tmp_path, repo_root):
+def test_sink_deduplicates_replays_and_commits_after_insert(
+    stack_settings, stack_env, tmp_path, repo_root
+):
     port = procs.free_port()
     token = secrets.token_urlsafe(16)
     env = {
-        **stack_env, "RTRL_ANALYTICS_QUERY_PORT": str(port), "RTRL_ANALYTICS_BATCH_SIZE": "4", "RTRL_ANALYTICS_FLUSH_INTERVAL_S": "0.2",
-        "RTRL_ANALYTICS_QUERY_TOKEN": token, "PYTHONPATH": str(repo_root),
+        **stack_env,
+        "RTRL_ANALYTICS_QUERY_PORT": str(port),
+        "RTRL_ANALYTICS_BATCH_SIZE": "4",
+        "RTRL_ANALYTICS_FLUSH_INTERVAL_S": "0.2",
+        "RTRL_ANALYTICS_QUERY_TOKEN": token,
+        "PYTHONPATH": str(repo_root),
     }
-    sink = procs.spawn("analytics", [sys.executable, "-m", "analytics"], tmp_path / "analytics.log", env=env, port=port)
+    sink = procs.spawn(
+        "analytics",
+        [sys.executable, "-m", "analytics"],
+        tmp_path / "analytics.log",
+        env=env,
+        port=port,
+    )
     rollouts, rewards = hand_made_records()
-    events = [make_event(r.rollout_id, "s1", "u1", followup=telemetry_pb2.FollowUp(message="no")) for r in rollouts[:3]]
+    events = [
+        make_event(r.rollout_id, "s1", "u1", followup=telemetry_pb2.FollowUp(message="no"))
+        for r in rollouts[:3]
+    ]
 
     async def produce():
         producer = kafka.AsyncProducer(stack_settings)
         try:
-            sends = [producer.send(topics.ROLLOUT, r.SerializeToString(), key=r.rollout_id) for r in rollouts + rollouts[:4]]
-            sends += [producer.send(topics.REWARD, r.SerializeToString(), key=r.rollout_id) for r in rewards + rewards[2:5]]
-            sends += [producer.send(topics.FOLLOWUP, e.SerializeToString(), key=e.rollout_id) for e in events + events[:1]]
+            sends = [
+                producer.send(topics.ROLLOUT, r.SerializeToString(), key=r.rollout_id)
+                for r in rollouts + rollouts[:4]
+            ]
+            sends += [
+                producer.send(topics.REWARD, r.SerializeToString(), key=r.rollout_id)
+                for r in rewards + rewards[2:5]
+            ]
+            sends += [
+                producer.send(topics.FOLLOWUP, e.SerializeToString(), key=e.rollout_id)
+                for e in events + events[:1]
+            ]
             await asyncio.gather(*sends)
         finally:
             producer.close()
@@ -180,16 +269,24 @@ def test_sink_deduplicates_replays_and_commits_after_insert(stack_settings, stac
         inserted = {}
         while {k: inserted.get(k) for k in expected} != expected:
             assert time.monotonic() < deadline, inserted
-            raw = redis.Redis.from_url(stack_settings.redis_url).get(heartbeat.key("analytics", "0"))
+            raw = redis.Redis.from_url(stack_settings.redis_url).get(
+                heartbeat.key("analytics", "0")
+            )
             inserted = json.loads(raw)["inserted"] if raw else {}
             time.sleep(0.2)
     finally:
         os.killpg(sink.pid, signal.SIGTERM)
         assert sink.popen.wait(timeout=30) == 0, (tmp_path / "analytics.log").read_text()
 
-    lag = kafka.consumer_lag(stack_settings, "analytics", (topics.ROLLOUT, topics.REWARD, topics.FOLLOWUP))
+    lag = kafka.consumer_lag(
+        stack_settings, "analytics", (topics.ROLLOUT, topics.REWARD, topics.FOLLOWUP)
+    )
     assert sum(p.lag for p in lag) == 0
-    assert {p.topic for p in lag if p.committed > 0} == {topics.ROLLOUT, topics.REWARD, topics.FOLLOWUP}
+    assert {p.topic for p in lag if p.committed > 0} == {
+        topics.ROLLOUT,
+        topics.REWARD,
+        topics.FOLLOWUP,
+    }
 
     # with the sink down the tables open directly, same answers
     client = connect(stack_settings)

@@ -40,10 +40,26 @@ CASES = [
     ("t3", "treatment", [1], 1, 0.1, True, (False, 0.0, 0.0, 0.0)),
     ("t4", "treatment", [1], 1, 0.3, True, (False, 0.0, 0.0, 0.0)),
     ("t5", "treatment", [2], 0, 0.1, False, (True, 1.0, 0.0, 1.0)),
-    ("t6", "treatment", [1, 2], 0, 0.3, False, (True, 1.0, 0.0, 1.0)),  # swapped mid-rollout: version 2
+    (
+        "t6",
+        "treatment",
+        [1, 2],
+        0,
+        0.3,
+        False,
+        (True, 1.0, 0.0, 1.0),
+    ),  # swapped mid-rollout: version 2
     ("t7", "treatment", [2], 0, 0.8, False, (True, 0.2, 1.0, -0.9)),
     ("t8", "treatment", [2], 1, 0.4, False, (True, 1.0, 0.0, 1.0)),
-    ("t9", "treatment", [2], 1, 0.2, True, (False, 1.0, 0.0, 0.0)),  # unobserved never counts as persisted
+    (
+        "t9",
+        "treatment",
+        [2],
+        1,
+        0.2,
+        True,
+        (False, 1.0, 0.0, 0.0),
+    ),  # unobserved never counts as persisted
 ]
 
 # (arm, version, hour): rollouts, rewards, persisted_rate, dissatisfied_rate,
@@ -58,7 +74,15 @@ HAND_COMPUTED = {
     ("treatment", 2, 0): (3, 3, 2 / 3, 1 / 3, 0.0, 1.1 / 3, 0.3),
     ("treatment", 2, 1): (2, 2, 1 / 2, 0.0, 1 / 2, 0.5, 0.3),
 }
-HAND_METRICS = ("rollouts", "rewards", "persisted_rate", "dissatisfied_rate", "clarifying_question_rate", "reward_mean", "latency_p50_s")
+HAND_METRICS = (
+    "rollouts",
+    "rewards",
+    "persisted_rate",
+    "dissatisfied_rate",
+    "clarifying_question_rate",
+    "reward_mean",
+    "latency_p50_s",
+)
 
 # Hours are counted from T0, which falls on the hour.
 BASE_REWARDS = f"""SELECT arm, policy_version AS version, intDiv(toUnixTimestamp(rollout_ts) - {T0 // 1000}, 3600) AS hour,
@@ -86,7 +110,11 @@ def records() -> list[tuple[str, object]]:
         out.append((topics.ROLLOUT, r))
         if settled is not None:
             out.append((topics.REWARD, reward(r, *settled)))
-    late = telemetry_pb2.TelemetryEvent(event_id="late-c1", rollout_id="c1", followup=telemetry_pb2.FollowUp(message="this is wrong"))
+    late = telemetry_pb2.TelemetryEvent(
+        event_id="late-c1",
+        rollout_id="c1",
+        followup=telemetry_pb2.FollowUp(message="this is wrong"),
+    )
     out.append((topics.REWARD_LATE, late))
     return out
 
@@ -101,8 +129,21 @@ class Feeder:
     def insert(self, batch: list[tuple[str, object]]) -> None:
         for topic, message in batch:
             # The joiner's headers on a late input: where it came from.
-            headers = ((("source_topic", topics.FOLLOWUP.encode()), ("kind", b"followup")) if topic == topics.REWARD_LATE else ())
-            self.sink.add(KafkaRecord(topic, 0, self.offset, message.rollout_id.encode(), message.SerializeToString(), headers))
+            headers = (
+                (("source_topic", topics.FOLLOWUP.encode()), ("kind", b"followup"))
+                if topic == topics.REWARD_LATE
+                else ()
+            )
+            self.sink.add(
+                KafkaRecord(
+                    topic,
+                    0,
+                    self.offset,
+                    message.rollout_id.encode(),
+                    message.SerializeToString(),
+                    headers,
+                )
+            )
             self.offset += 1
         self.sink.flush()
 
@@ -120,7 +161,11 @@ def from_views(client) -> dict[tuple, dict]:
     out = {}
     for row in report.by_hour(client_query_fn(client)):
         metrics = asdict(row)
-        key = (metrics.pop("arm"), metrics.pop("policy_version"), (metrics.pop("hour") - t0) // timedelta(hours=1))
+        key = (
+            metrics.pop("arm"),
+            metrics.pop("policy_version"),
+            (metrics.pop("hour") - t0) // timedelta(hours=1),
+        )
         out[key] = metrics
     return out
 
@@ -154,7 +199,11 @@ def test_views_hold_the_hand_computed_numbers_and_a_replay_changes_none(client):
 
     # The sink's replay: every row again, in a later insert and twice within one insert.
     feeder.insert(batch + batch)
-    assert dict(feeder.sink.inserted) == {schema.ROLLOUTS: 3 * 18, schema.REWARDS: 3 * 17, schema.LATE: 3}
+    assert dict(feeder.sink.inserted) == {
+        schema.ROLLOUTS: 3 * 18,
+        schema.REWARDS: 3 * 17,
+        schema.LATE: 3,
+    }
     assert from_views(client) == views
     for table in (schema.ROLLOUTS, schema.REWARDS, schema.AB_ROLLOUTS, schema.AB_REWARDS):
         client.command(f"OPTIMIZE TABLE {table} FINAL")
@@ -199,10 +248,20 @@ def test_rows_inserted_before_the_views_are_backfilled_once(client, before_start
 def test_the_ddl_is_idempotent(client):
     schema.create_tables(client)
     schema.create_tables(client)
-    tables = {row["name"] for row in client_query_fn(client)("SELECT name FROM system.tables WHERE database = currentDatabase()")}
-    assert tables == {schema.ROLLOUTS, schema.TELEMETRY, schema.REWARDS, schema.DEAD_LETTERS, schema.LATE, schema.TRAINER_STEPS} | {
-        name for view in schema.VIEWS for name in (view.name, view.target)
+    tables = {
+        row["name"]
+        for row in client_query_fn(client)(
+            "SELECT name FROM system.tables WHERE database = currentDatabase()"
+        )
     }
+    assert tables == {
+        schema.ROLLOUTS,
+        schema.TELEMETRY,
+        schema.REWARDS,
+        schema.DEAD_LETTERS,
+        schema.LATE,
+        schema.TRAINER_STEPS,
+    } | {name for view in schema.VIEWS for name in (view.name, view.target)}
 
     Feeder(client).insert(records())
     views = from_views(client)
@@ -222,13 +281,25 @@ def test_by_version_reads_the_views_merged_over_hours(client):
         ("treatment", 1): (4, 1 / 2, 1 / 4, 0.25, 0.2),
         ("treatment", 2): (5, 3 / 5, 1 / 5, 0.42, 0.3),
     }
-    assert [(v.arm, v.policy_version, v.bucket_size) for v in rows] == [(*key, 1) for key in expected]
+    assert [(v.arm, v.policy_version, v.bucket_size) for v in rows] == [
+        (*key, 1) for key in expected
+    ]
     for v in rows:
-        assert (v.rewards, v.persisted_rate, v.dissatisfied_rate, v.reward_mean, v.latency_p50_s) == pytest.approx(expected[v.arm, v.policy_version])
+        assert (
+            v.rewards,
+            v.persisted_rate,
+            v.dissatisfied_rate,
+            v.reward_mean,
+            v.latency_p50_s,
+        ) == pytest.approx(expected[v.arm, v.policy_version])
 
 
 def test_the_clarifying_question_rule_is_the_monitors(client):
-    cases = {**QUESTION_CASES, "tab_indented_code": ("Use\n\treturn x\nok?", False), "crlf_after_the_mark": ("Tabs?\r\n", True)}
+    cases = {
+        **QUESTION_CASES,
+        "tab_indented_code": ("Use\n\treturn x\nok?", False),
+        "crlf_after_the_mark": ("Tabs?\r\n", True),
+    }
     result = client.query(
         f"SELECT completion_text, {schema.CLARIFYING_QUESTION} AS question FROM (SELECT arrayJoin({{texts:Array(String)}}) AS completion_text)",
         parameters={"texts": [text for text, _ in cases.values()]},

@@ -32,16 +32,37 @@ ESCAPES = [
     # table functions that read files, the network, processes or other databases
     ("file", "SELECT * FROM file('/etc/passwd', 'LineAsString')"),
     ("file, backquoted", "SELECT * FROM `file`('/etc/passwd', 'LineAsString')"),
-    ("file, double-quoted", 'SELECT * FROM "file"(\'/etc/passwd\', \'LineAsString\')'),
-    ("file, comment inside the name's call", "SELECT * FROM file/**/('/proc/self/environ', 'LineAsString')"),
+    ("file, double-quoted", "SELECT * FROM \"file\"('/etc/passwd', 'LineAsString')"),
+    (
+        "file, comment inside the name's call",
+        "SELECT * FROM file/**/('/proc/self/environ', 'LineAsString')",
+    ),
     ("file, upper case", "SELECT * FROM FILE('/etc/hostname', 'LineAsString')"),
     ("file, mixed case", "SELECT * FROM FiLe('/etc/hostname', 'LineAsString')"),
-    ("file in a subquery", "SELECT count() FROM (SELECT * FROM file('/etc/hostname', 'LineAsString'))"),
-    ("file in a CTE", "WITH x AS (SELECT * FROM file('/etc/hostname', 'LineAsString')) SELECT * FROM x"),
-    ("file in a UNION", "SELECT rollout_id FROM rollouts UNION ALL SELECT line FROM file('/etc/hostname', 'LineAsString')"),
-    ("file in a join", "SELECT * FROM rollouts AS r JOIN file('/etc/hostname', 'LineAsString') AS f ON 1 = 1"),
-    ("file in IN", "SELECT count() FROM rollouts WHERE rollout_id IN (SELECT line FROM file('/etc/hostname', 'LineAsString'))"),
-    ("file as a scalar subquery", "SELECT (SELECT any(line) FROM file('/etc/hostname', 'LineAsString')) AS h"),
+    (
+        "file in a subquery",
+        "SELECT count() FROM (SELECT * FROM file('/etc/hostname', 'LineAsString'))",
+    ),
+    (
+        "file in a CTE",
+        "WITH x AS (SELECT * FROM file('/etc/hostname', 'LineAsString')) SELECT * FROM x",
+    ),
+    (
+        "file in a UNION",
+        "SELECT rollout_id FROM rollouts UNION ALL SELECT line FROM file('/etc/hostname', 'LineAsString')",
+    ),
+    (
+        "file in a join",
+        "SELECT * FROM rollouts AS r JOIN file('/etc/hostname', 'LineAsString') AS f ON 1 = 1",
+    ),
+    (
+        "file in IN",
+        "SELECT count() FROM rollouts WHERE rollout_id IN (SELECT line FROM file('/etc/hostname', 'LineAsString'))",
+    ),
+    (
+        "file as a scalar subquery",
+        "SELECT (SELECT any(line) FROM file('/etc/hostname', 'LineAsString')) AS h",
+    ),
     ("fileCluster", "SELECT * FROM fileCluster('c', '/etc/passwd')"),
     ("url (SSRF)", "SELECT * FROM url('http://127.0.0.1:6379/', 'LineAsString')"),
     ("url, comment", "SELECT * FROM url/**/('http://127.0.0.1:6379/', 'LineAsString')"),
@@ -79,7 +100,10 @@ ESCAPES = [
     ("sleep", "SELECT sleep(3)"),
     ("file as a function", "SELECT file('/etc/hostname') AS x"),
     ("url as a function", "SELECT url('http://127.0.0.1/') AS x"),
-    ("arrayReduce naming a function not allowed", "SELECT arrayReduce('groupArrayInsertAt', [1]) AS x"),
+    (
+        "arrayReduce naming a function not allowed",
+        "SELECT arrayReduce('groupArrayInsertAt', [1]) AS x",
+    ),
     ("arrayReduce with a computed name", "SELECT arrayReduce(concat('s', 'um'), [1]) AS x"),
     ("throwIf", "SELECT throwIf(1) AS x"),
     ("unknown column", "SELECT password FROM rollouts"),
@@ -110,7 +134,10 @@ ESCAPES = [
     ("SETTINGS max_result_rows", "SELECT rollout_id FROM rollouts SETTINGS max_result_rows = 0"),
     ("FORMAT", "SELECT 1 FORMAT JSON"),
     ("INTO OUTFILE", f"SELECT 1 INTO OUTFILE '{OUTFILE}'"),
-    ("INTO OUTFILE in a subquery's place", f"SELECT * FROM rollouts INTO OUTFILE '{OUTFILE}' FORMAT CSV"),
+    (
+        "INTO OUTFILE in a subquery's place",
+        f"SELECT * FROM rollouts INTO OUTFILE '{OUTFILE}' FORMAT CSV",
+    ),
     # text that is not a query
     ("empty", ""),
     ("only a comment", "-- nothing"),
@@ -137,7 +164,11 @@ def tables(tmp_path_factory):
     sink = Sink(RecordingConsumer(), client, batch_size=100, flush_interval_s=1.0)
     for topic, messages in ((topics.ROLLOUT, rollouts), (topics.REWARD, rewards)):
         for offset, message in enumerate(messages):
-            sink.add(KafkaRecord(topic, 0, offset, message.rollout_id.encode(), message.SerializeToString()))
+            sink.add(
+                KafkaRecord(
+                    topic, 0, offset, message.rollout_id.encode(), message.SerializeToString()
+                )
+            )
     sink.flush()
     yield client, project_tables(client)
     client.close()
@@ -172,20 +203,34 @@ def test_the_report_status_and_demo_queries_pass_the_guard_and_answer_the_same(t
 def test_string_values_stay_values(tables):
     """SQL inside a string literal is data: it passes, and ClickHouse compares it as text."""
     client, allowed = tables
-    sql = checked_sql("SELECT count() AS n FROM rollouts WHERE rollout_id = 'x''; DROP TABLE rollouts; --'", allowed)
+    sql = checked_sql(
+        "SELECT count() AS n FROM rollouts WHERE rollout_id = 'x''; DROP TABLE rollouts; --'",
+        allowed,
+    )
     assert client_query_fn(client)(sql) == [{"n": 0}]
     assert client_query_fn(client)("SELECT count() AS n FROM rollouts") != [{"n": 0}]
 
 
 @pytest.mark.guarantee(7)
 @pytest.mark.integration
-def test_a_running_sink_refuses_escapes_strangers_and_huge_answers_and_writes_nothing(stack_env, tmp_path, repo_root):
+def test_a_running_sink_refuses_escapes_strangers_and_huge_answers_and_writes_nothing(
+    stack_env, tmp_path, repo_root
+):
     port, token = procs.free_port(), secrets.token_urlsafe(16)
     env = {
-        **stack_env, "RTRL_ANALYTICS_QUERY_PORT": str(port), "RTRL_ANALYTICS_QUERY_TOKEN": token, "RTRL_ANALYTICS_QUERY_MAX_ROWS": "5",
+        **stack_env,
+        "RTRL_ANALYTICS_QUERY_PORT": str(port),
+        "RTRL_ANALYTICS_QUERY_TOKEN": token,
+        "RTRL_ANALYTICS_QUERY_MAX_ROWS": "5",
         "PYTHONPATH": str(repo_root),
     }
-    sink = procs.spawn("analytics", [sys.executable, "-m", "analytics"], tmp_path / "analytics.log", env=env, port=port)
+    sink = procs.spawn(
+        "analytics",
+        [sys.executable, "-m", "analytics"],
+        tmp_path / "analytics.log",
+        env=env,
+        port=port,
+    )
     url = f"http://127.0.0.1:{port}"
     try:
         procs.wait_for_port(port, timeout_s=60)
@@ -197,7 +242,12 @@ def test_a_running_sink_refuses_escapes_strangers_and_huge_answers_and_writes_no
             assert "refused" in str(refused.value), name
 
         # No token, a wrong one, another scheme: 401 before the body is looked at.
-        for headers in ({}, {"Authorization": "Bearer nope"}, {"Authorization": f"Basic {token}"}, {"Authorization": f"Bearer {token}x"}):
+        for headers in (
+            {},
+            {"Authorization": "Bearer nope"},
+            {"Authorization": f"Basic {token}"},
+            {"Authorization": f"Bearer {token}x"},
+        ):
             status, body = _post(url, b"{not json at all", headers)
             assert status == 401 and "token" in body, (headers, status, body)
         status, _ = _post(url, b"x" * (1 << 20), {"Authorization": "Bearer nope"})
@@ -217,7 +267,9 @@ def test_a_running_sink_refuses_escapes_strangers_and_huge_answers_and_writes_no
 
 
 def _post(url: str, body: bytes, headers: dict[str, str]) -> tuple[int, str]:
-    request = urllib.request.Request(url + "/query", data=body, headers={"Content-Type": "application/json", **headers})
+    request = urllib.request.Request(
+        url + "/query", data=body, headers={"Content-Type": "application/json", **headers}
+    )
     try:
         with urllib.request.urlopen(request, timeout=30) as response:
             return response.status, response.read().decode()

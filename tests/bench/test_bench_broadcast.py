@@ -40,7 +40,16 @@ def test_bench_broadcast_measures_every_topology(tmp_path, monkeypatch):
     per_mode = [(0, 1), (0, 2), (0, 4), (2, 2), (2, 4)]
     assert shapes == [(mode, *shape) for mode in ("connections", "processes") for shape in per_mode]
     assert all(t["delivery_s"] > 0 and t["rounds"] == 2 for t in results["topologies"])
-    copies = {(t["mode"], t["relays"], t["subscribers"]): t["server_copies_per_version"] for t in results["topologies"]}
+    copies = {
+        (t["mode"], t["relays"], t["subscribers"]): t["server_copies_per_version"]
+        for t in results["topologies"]
+    }
     for mode in ("connections", "processes"):
         assert [copies[(mode, *shape)] for shape in per_mode] == [1, 2, 4, 2, 2]
-    assert set(results) >= {"fanout_4_vs_1", "fanout_4_vs_1_relayed", "fanout_4_vs_1_processes", "delta_bytes", "keyframe_bytes"}
+    assert set(results) >= {
+        "fanout_4_vs_1",
+        "fanout_4_vs_1_relayed",
+        "fanout_4_vs_1_processes",
+        "delta_bytes",
+        "keyframe_bytes",
+    }

@@ -15,11 +15,20 @@ pytestmark = pytest.mark.integration
 
 def test_bench_ingest_writes_rates_ratio_and_exactness(tmp_path):
     out = tmp_path / "ingest.json"
-    result = run(out, Console(file=open(tmp_path / "log", "w")), events_per_round=3_000, batch=250, concurrency=4, rounds=1)
+    result = run(
+        out,
+        Console(file=open(tmp_path / "log", "w")),
+        events_per_round=3_000,
+        batch=250,
+        concurrency=4,
+        rounds=1,
+    )
     assert json.loads(out.read_text()) == dataclasses.asdict(result)
     assert result.exact and result.sent == result.landed == 6_000 and result.not_accepted == 0
     assert result.events_per_s > 0 and result.raw_producer_events_per_s > 0
-    assert result.ratio == pytest.approx(result.events_per_s / result.raw_producer_events_per_s, abs=1e-3)
+    assert result.ratio == pytest.approx(
+        result.events_per_s / result.raw_producer_events_per_s, abs=1e-3
+    )
 
 
 def test_bench_events_are_realistic_and_distinct():

@@ -13,21 +13,59 @@ from bench.join import run
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 KEYS = {
-    "code", "rollouts", "events", "mean_event_bytes", "partitions", "spacing_ms", "window_s", "grace_s",
-    "raw_consumer_events_per_s", "faust_floor_events_per_s", "joiner_inprocess_events_per_s", "events_per_s",
-    "events_per_s_2_workers", "ratio_vs_floor", "floor_vs_raw", "scaleout_2_vs_1", "rate_source", "settle_events_per_s", "settle_events_per_s_2_workers",
-    "rewards_1_worker", "rewards_2_workers", "exact_1_worker", "exact_2_workers", "join_1_worker", "join_2_workers",
+    "code",
+    "rollouts",
+    "events",
+    "mean_event_bytes",
+    "partitions",
+    "spacing_ms",
+    "window_s",
+    "grace_s",
+    "raw_consumer_events_per_s",
+    "faust_floor_events_per_s",
+    "joiner_inprocess_events_per_s",
+    "events_per_s",
+    "events_per_s_2_workers",
+    "ratio_vs_floor",
+    "floor_vs_raw",
+    "scaleout_2_vs_1",
+    "rate_source",
+    "settle_events_per_s",
+    "settle_events_per_s_2_workers",
+    "rewards_1_worker",
+    "rewards_2_workers",
+    "exact_1_worker",
+    "exact_2_workers",
+    "join_1_worker",
+    "join_2_workers",
     "partitions_2_workers",
-    "live_rollouts", "live_rate_per_s", "latency_samples", "p50_settle_latency_s", "p99_settle_latency_s",
-    "joiner_inprocess_signed_events_per_s", "signed_vs_unsigned_inprocess", "sign_us_per_reward", "verify_us_per_reward", "reward_bytes",
-    "sign_us_per_rollout", "verify_us_per_rollout", "rollout_bytes",
+    "live_rollouts",
+    "live_rate_per_s",
+    "latency_samples",
+    "p50_settle_latency_s",
+    "p99_settle_latency_s",
+    "joiner_inprocess_signed_events_per_s",
+    "signed_vs_unsigned_inprocess",
+    "sign_us_per_reward",
+    "verify_us_per_reward",
+    "reward_bytes",
+    "sign_us_per_rollout",
+    "verify_us_per_rollout",
+    "rollout_bytes",
 }
 
 
 def test_tiny_load_every_key_exact_counts(tmp_path):
     out = tmp_path / "join.json"
     # 20 ms apart so the 300 rollouts span 6 s of event time and most close by stream time.
-    results = run(out, Console(width=120), rollouts=300, spacing_ms=20, live_rollouts=200, live_rate_per_s=50.0)
+    results = run(
+        out,
+        Console(width=120),
+        rollouts=300,
+        spacing_ms=20,
+        live_rollouts=200,
+        live_rate_per_s=50.0,
+    )
 
     assert json.loads(out.read_text()) == results
     assert set(results) == KEYS
@@ -37,9 +75,29 @@ def test_tiny_load_every_key_exact_counts(tmp_path):
     for run_ in ("1_worker", "2_workers"):
         assert results[f"exact_{run_}"] == {"missing": 0, "doubled": 0}, run_
         join = results[f"join_{run_}"]
-        assert (join["settled"], join["defaulted"], join["late"], join["dropped"]) == (rollouts, 0, 0, 0), run_
-    for key in ("raw_consumer_events_per_s", "faust_floor_events_per_s", "joiner_inprocess_events_per_s", "events_per_s", "events_per_s_2_workers",
-                "ratio_vs_floor", "scaleout_2_vs_1", "settle_events_per_s", "settle_events_per_s_2_workers", "p50_settle_latency_s", "p99_settle_latency_s",
-                "joiner_inprocess_signed_events_per_s", "sign_us_per_reward", "verify_us_per_reward", "sign_us_per_rollout", "verify_us_per_rollout"):
+        assert (join["settled"], join["defaulted"], join["late"], join["dropped"]) == (
+            rollouts,
+            0,
+            0,
+            0,
+        ), run_
+    for key in (
+        "raw_consumer_events_per_s",
+        "faust_floor_events_per_s",
+        "joiner_inprocess_events_per_s",
+        "events_per_s",
+        "events_per_s_2_workers",
+        "ratio_vs_floor",
+        "scaleout_2_vs_1",
+        "settle_events_per_s",
+        "settle_events_per_s_2_workers",
+        "p50_settle_latency_s",
+        "p99_settle_latency_s",
+        "joiner_inprocess_signed_events_per_s",
+        "sign_us_per_reward",
+        "verify_us_per_reward",
+        "sign_us_per_rollout",
+        "verify_us_per_rollout",
+    ):
         assert results[key] > 0, key
     assert results["latency_samples"] > 0

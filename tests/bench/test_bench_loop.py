@@ -42,8 +42,28 @@ def _row(version: int, event_ms: int, published_ms: int, live_ms: int) -> Versio
     return VersionLatency(version, event_ms, published_ms, live_ms)
 
 
-def _step(version: int, reward_ms: int, read_ms: int, started_ms: int, step_s=0.5, eval_s=0.3, publish_s=0.1, gate_wait_s=0.0):
-    return StepTimes(version, reward_ms, read_ms, started_ms, step_s, eval_s, publish_s, rollouts=64, optimizer_steps=1, gate_wait_s=gate_wait_s)
+def _step(
+    version: int,
+    reward_ms: int,
+    read_ms: int,
+    started_ms: int,
+    step_s=0.5,
+    eval_s=0.3,
+    publish_s=0.1,
+    gate_wait_s=0.0,
+):
+    return StepTimes(
+        version,
+        reward_ms,
+        read_ms,
+        started_ms,
+        step_s,
+        eval_s,
+        publish_s,
+        rollouts=64,
+        optimizer_steps=1,
+        gate_wait_s=gate_wait_s,
+    )
 
 
 @pytest.mark.parametrize(
@@ -53,19 +73,40 @@ def _step(version: int, reward_ms: int, read_ms: int, started_ms: int, step_s=0.
         (
             [_row(1, 0, 3_900, 4_100)],
             [_step(1, reward_ms=2_000, read_ms=2_500, started_ms=3_000)],
-            {"reward": 2.0, "queue": 0.5, "batch_wait": 0.5, "step": 0.5, "gate_wait": 0.0, "eval": 0.3, "publish": 0.1, "live": 0.2,
-             "unaccounted": 0.0},
+            {
+                "reward": 2.0,
+                "queue": 0.5,
+                "batch_wait": 0.5,
+                "step": 0.5,
+                "gate_wait": 0.0,
+                "eval": 0.3,
+                "publish": 0.1,
+                "live": 0.2,
+                "unaccounted": 0.0,
+            },
         ),
         # a trainer behind its traffic: the reward waits in Kafka (queue) and for the previous verdict (gate_wait)
         (
-            [_row(1, 0, 13_000, 13_200), _row(2, 1_000, 20_000, 20_300), _row(3, 2_000, 27_000, 27_100)],
+            [
+                _row(1, 0, 13_000, 13_200),
+                _row(2, 1_000, 20_000, 20_300),
+                _row(3, 2_000, 27_000, 27_100),
+            ],
             [
                 _step(1, 2_000, 11_000, 11_500, step_s=1.0, gate_wait_s=0.2),
                 _step(2, 3_000, 18_000, 18_400, step_s=1.0, gate_wait_s=0.3),
                 _step(3, 4_000, 25_000, 25_600, step_s=1.0, gate_wait_s=0.1),
             ],
-            {"reward": 2.0, "queue": 15.0, "batch_wait": 0.5, "step": 1.0, "gate_wait": 0.2, "eval": 0.3, "publish": 0.1,
-             "live": 0.2},
+            {
+                "reward": 2.0,
+                "queue": 15.0,
+                "batch_wait": 0.5,
+                "step": 1.0,
+                "gate_wait": 0.2,
+                "eval": 0.3,
+                "publish": 0.1,
+                "live": 0.2,
+            },
         ),
         # versions without a step record, or from a trainer that records no instants, are left out
         ([_row(1, 0, 3_900, 4_100), _row(2, 0, 5_000, 5_100)], [_step(2, 0, 0, 0)], {}),
@@ -73,7 +114,9 @@ def _step(version: int, reward_ms: int, read_ms: int, started_ms: int, step_s=0.
 )
 def test_phase_breakdown(rows, steps, expected_p50):
     breakdown = phase_breakdown(rows, steps)
-    assert {name: stats["p50"] for name, stats in breakdown.items() if name in expected_p50} == pytest.approx(expected_p50, abs=1e-3)
+    assert {
+        name: stats["p50"] for name, stats in breakdown.items() if name in expected_p50
+    } == pytest.approx(expected_p50, abs=1e-3)
     if breakdown:
         # the phases add up to event -> live, whatever the spread
         for row, step in zip(rows, steps):
@@ -82,7 +125,12 @@ def test_phase_breakdown(rows, steps, expected_p50):
 
 def _series(latencies_s: list[float], every_s: float = 10.0) -> list[VersionLatency]:
     """One version every every_s, its event -> live as given."""
-    return [_row(v, int(v * every_s * 1000 - s * 1000), int(v * every_s * 1000), int(v * every_s * 1000)) for v, s in enumerate(latencies_s, 1)]
+    return [
+        _row(
+            v, int(v * every_s * 1000 - s * 1000), int(v * every_s * 1000), int(v * every_s * 1000)
+        )
+        for v, s in enumerate(latencies_s, 1)
+    ]
 
 
 @pytest.mark.parametrize(
@@ -117,13 +165,17 @@ def test_intake_counts_every_candidate_and_the_share_of_treatment_trained():
     from rtrl.v1 import trainer_pb2
 
     records = [
-        trainer_pb2.TrainerStep(published=True, rollouts=32, dropped={"control_arm": 40, "shed": 10}),
+        trainer_pb2.TrainerStep(
+            published=True, rollouts=32, dropped={"control_arm": 40, "shed": 10}
+        ),
         trainer_pb2.TrainerStep(published=False, rollouts=32, dropped={"shed": 22, "duplicate": 1}),
         trainer_pb2.TrainerStep(published=True, rollouts=16),
     ]
     assert intake(records) == {
         "rollouts_trained": 80,
         "dropped": {"control_arm": 40, "duplicate": 1, "shed": 32},
-        "trained_share_of_treatment": round(80 / 113, 3),  # control's rollouts are not the trainer's to take
+        "trained_share_of_treatment": round(
+            80 / 113, 3
+        ),  # control's rollouts are not the trainer's to take
     }
     assert intake([])["trained_share_of_treatment"] is None

@@ -42,7 +42,7 @@ class Run:
     metrics: dict[str, str]
     """Each service's /metrics page, scraped while the stack ran."""
     pids: list[int]
-    scrapes: list["Scrape"]
+    scrapes: list[Scrape]
     """Every scrape of every service, under load and idle."""
 
 
@@ -109,10 +109,25 @@ def run(tmp_path_factory):
             screen = Console(record=True, width=200, file=open(os.devnull, "w"))
             screen.print(render(stack))
             status_json = subprocess.run(
-                [sys.executable, "-m", "rtrl", "status", "--json"], capture_output=True, text=True, check=True, timeout=120
+                [sys.executable, "-m", "rtrl", "status", "--json"],
+                capture_output=True,
+                text=True,
+                check=True,
+                timeout=120,
             ).stdout
-            scraped = {s.service: s.page for s in scraper.results if s.phase == "idle" and not s.error}
-            yield Run(stack, stats, query_function(stack), screen.export_text(), status_json, scraped, pids, scraper.results)
+            scraped = {
+                s.service: s.page for s in scraper.results if s.phase == "idle" and not s.error
+            }
+            yield Run(
+                stack,
+                stats,
+                query_function(stack),
+                screen.export_text(),
+                status_json,
+                scraped,
+                pids,
+                scraper.results,
+            )
         finally:
             down(state_dir, console)
     assert not [pid for pid in pids if health.pid_alive(pid)], "rtrl down left processes behind"
@@ -125,19 +140,26 @@ def test_status_json_is_the_same_typed_view_for_scripts(run):
     assert {c["name"] for c in status["components"]} == services | {"tansu", "redis"}
     assert all(c["healthy"] for c in status["components"]), status["components"]
     # Lag per consumer group and topic, drained.
-    assert {(row["group"], row["topic"]) for row in status["lag"]} >= {("trainer", "rl.reward.v1"), ("analytics", "telemetry.rollout.v1")}
+    assert {(row["group"], row["topic"]) for row in status["lag"]} >= {
+        ("trainer", "rl.reward.v1"),
+        ("analytics", "telemetry.rollout.v1"),
+    }
     assert all(row["lag"] == 0 for row in status["lag"] if row["group"] == "trainer"), status["lag"]
     # Versions per worker and arm, and the trainer's step: the fleet serves what was published.
     workers = {w["worker"]: w["versions"] for w in status["workers"]}
     assert set(workers) == {s for s in services if s.startswith("inference:")}
     trainer = status["trainers"]["trainer:0"]
-    assert trainer["step"] >= 2 and all(0 < v["treatment"] <= trainer["version"] and v["control"] == 0 for v in workers.values())
+    assert trainer["step"] >= 2 and all(
+        0 < v["treatment"] <= trainer["version"] and v["control"] == 0 for v in workers.values()
+    )
     assert status["trend"]["treatment"] and status["reward_fn_version"] == "r3"
     assert isinstance(status["alerts"], list) and isinstance(status["refusals"], list)
 
 
 def _scrape(port: int) -> str:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=SCRAPE_TIMEOUT_S) as response:
+    with urllib.request.urlopen(
+        f"http://127.0.0.1:{port}/metrics", timeout=SCRAPE_TIMEOUT_S
+    ) as response:
         return response.read().decode()
 
 
@@ -145,7 +167,9 @@ def _applied(redis_url: str) -> dict[int, dict[str, int]]:
     client = redis.Redis.from_url(redis_url)
     try:
         return {
-            int(k.decode().rsplit(":", 1)[1]): {w.decode(): int(t) for w, t in client.hgetall(k).items()}
+            int(k.decode().rsplit(":", 1)[1]): {
+                w.decode(): int(t) for w, t in client.hgetall(k).items()
+            }
             for k in client.scan_iter("rtrl:applied:treatment:*")
         }
     finally:
@@ -157,7 +181,9 @@ def test_loop_end_to_end(run):
     stack, stats, query, text = run.stack, run.stats, run.query, run.status_text
     # Every stage saw traffic.
     assert stats.completions > 50 and stats.errors == 0, stats.last_error
-    assert stats.events_duplicate_replies > 0, "the product's retries must reach the gateway as duplicates"
+    assert stats.events_duplicate_replies > 0, (
+        "the product's retries must reach the gateway as duplicates"
+    )
     beats = {row.name: row.beat for row in health.check(stack)}
     assert beats["ingest:0"].accepted > 0
     assert beats["reward_stream:0"].settled > 0
@@ -175,10 +201,14 @@ def test_loop_end_to_end(run):
     live = live_times(_applied(stack.redis_url))
     workers = {s.key for s in stack.services if s.name == "inference"}
     assert len([v for v in live if v > 0]) >= 2, live
-    assert all(len(per_worker) == len(workers) for v, per_worker in _applied(stack.redis_url).items() if v in live)
+    assert all(
+        len(per_worker) == len(workers)
+        for v, per_worker in _applied(stack.redis_url).items()
+        if v in live
+    )
 
     # ClickHouse holds exactly what was sent: nothing lost, nothing doubled.
-    one = lambda sql: list(query(sql)[0].values())[0]  # noqa: E731
+    one = lambda sql: list(query(sql)[0].values())[0]
     rollouts = one("SELECT count() FROM rollouts FINAL")
     assert rollouts == stats.completions
     assert one("SELECT uniqExact(rollout_id) FROM rollouts") == stats.completions
@@ -204,17 +234,35 @@ def test_every_service_serves_prometheus_metrics(run):
     and ``_bytes`` units) carrying the loop's throughput, errors, consumer lag, reward
     components, staleness, versions and swap pauses."""
     expected = {
-        "ingest": ['rtrl_ingest_events_total{outcome="accepted"}', 'rtrl_ingest_events_total{outcome="rejected"}', "rtrl_ingest_inflight"],
+        "ingest": [
+            'rtrl_ingest_events_total{outcome="accepted"}',
+            'rtrl_ingest_events_total{outcome="rejected"}',
+            "rtrl_ingest_inflight",
+        ],
         "inference": [
-            "rtrl_inference_completions_total", "rtrl_inference_swaps_total", "rtrl_inference_swap_pause_seconds_total",
-            'rtrl_inference_requests_total{outcome="unavailable"}', 'rtrl_inference_policy_version{arm="treatment"}',
+            "rtrl_inference_completions_total",
+            "rtrl_inference_swaps_total",
+            "rtrl_inference_swap_pause_seconds_total",
+            'rtrl_inference_requests_total{outcome="unavailable"}',
+            'rtrl_inference_policy_version{arm="treatment"}',
         ],
         "reward_stream": [
-            'rtrl_reward_stream_outcomes_total{outcome="settled"}', "rtrl_reward_settled_total", "rtrl_reward_accumulated",
-            'rtrl_reward_component_total{arm="treatment",component="persisted_fraction"}', 'rtrl_consumer_lag{group="rtrl-reward-stream"',
+            'rtrl_reward_stream_outcomes_total{outcome="settled"}',
+            "rtrl_reward_settled_total",
+            "rtrl_reward_accumulated",
+            'rtrl_reward_component_total{arm="treatment",component="persisted_fraction"}',
+            'rtrl_consumer_lag{group="rtrl-reward-stream"',
         ],
-        "trainer": ['rtrl_trainer_steps_total{outcome="published"}', "rtrl_trainer_staleness_bucket", "rtrl_consumer_lag{"],
-        "weight_sync": ["rtrl_weight_sync_versions_published_total", 'rtrl_weight_sync_latest_version{arm="treatment"}', "rtrl_weight_sync_sent_bytes_total"],
+        "trainer": [
+            'rtrl_trainer_steps_total{outcome="published"}',
+            "rtrl_trainer_staleness_bucket",
+            "rtrl_consumer_lag{",
+        ],
+        "weight_sync": [
+            "rtrl_weight_sync_versions_published_total",
+            'rtrl_weight_sync_latest_version{arm="treatment"}',
+            "rtrl_weight_sync_sent_bytes_total",
+        ],
         "analytics": ['rtrl_analytics_inserted_total{table="rewards"}', "rtrl_consumer_lag{"],
     }
     for spec in run.stack.services:
@@ -222,8 +270,17 @@ def test_every_service_serves_prometheus_metrics(run):
         for series in expected[spec.name]:
             assert series in page, f"{spec.key}: no {series} in\n{page[:3000]}"
     samples = {key: _samples(page) for key, page in run.metrics.items()}
-    assert samples["ingest:0"]['rtrl_ingest_events_total{outcome="accepted"}'] == run.stats.events_accepted
-    completions = sum(v for key, s in samples.items() if key.startswith("inference") for name, v in s.items() if name == "rtrl_inference_completions_total")
+    assert (
+        samples["ingest:0"]['rtrl_ingest_events_total{outcome="accepted"}']
+        == run.stats.events_accepted
+    )
+    completions = sum(
+        v
+        for key, s in samples.items()
+        if key.startswith("inference")
+        for name, v in s.items()
+        if name == "rtrl_inference_completions_total"
+    )
     assert completions >= run.stats.completions
     assert samples["weight_sync:0"]["rtrl_weight_sync_versions_published_total"] >= 3
 
@@ -276,15 +333,31 @@ def _chain(spans: list[dict], workers: int) -> list[dict] | None:
     for s in spans:
         if s["parent_id"]:
             children.setdefault((s["context"]["trace_id"], s["parent_id"]), []).append(s)
-    for step in (s for s in spans if s["name"] == "trainer.step" and s["attributes"].get("rtrl.trainer.published")):
-        publish = next((c for c in children.get(_id(step), []) if c["name"] == "weights publish"), None)
-        commit = next((c for c in children.get(_id(publish), []) if c["name"] == "weights commit"), None) if publish else None
-        applies = [c for c in children.get(_id(commit), []) if c["name"] == "weights apply"] if commit else []
+    for step in (
+        s
+        for s in spans
+        if s["name"] == "trainer.step" and s["attributes"].get("rtrl.trainer.published")
+    ):
+        publish = next(
+            (c for c in children.get(_id(step), []) if c["name"] == "weights publish"), None
+        )
+        commit = (
+            next((c for c in children.get(_id(publish), []) if c["name"] == "weights commit"), None)
+            if publish
+            else None
+        )
+        applies = (
+            [c for c in children.get(_id(commit), []) if c["name"] == "weights apply"]
+            if commit
+            else []
+        )
         if len({a["attributes"]["rtrl.worker_id"] for a in applies}) < workers:
             continue
         for link in step["links"]:
             reward = by_id.get((link["context"]["trace_id"], link["context"]["span_id"]))
-            serving = by_id.get((reward["context"]["trace_id"], reward["parent_id"])) if reward else None
+            serving = (
+                by_id.get((reward["context"]["trace_id"], reward["parent_id"])) if reward else None
+            )
             if serving is None or serving["name"] != "POST /v1/completions":
                 continue
             events = [c for c in children.get(_id(serving), []) if c["name"] == "ingest publish"]
@@ -311,7 +384,9 @@ def test_one_rollout_traced_from_serving_to_every_workers_apply(run):
     serving, *rest = chain
     services = [_service(s) for s in chain]
     assert services[0] == "rtrl-inference" and services[-1] == "rtrl-inference"
-    assert {"rtrl-ingest", "rtrl-reward_stream", "rtrl-trainer", "rtrl-weight_sync"} <= set(services)
+    assert {"rtrl-ingest", "rtrl-reward_stream", "rtrl-trainer", "rtrl-weight_sync"} <= set(
+        services
+    )
     rollout_id = serving["attributes"]["rtrl.rollout_id"]
     trace_id = serving["context"]["trace_id"]
     events = [s for s in rest if s["name"] == "ingest publish"]
@@ -335,9 +410,16 @@ def test_one_rollout_traced_from_serving_to_every_workers_apply(run):
         assert span["attributes"]["messaging.destination.name"] == topic
     assert all(e["attributes"]["messaging.system"] == "kafka" for e in events)
     # Analytics: the rollout's row and the step's row carry the same trace context.
-    one = lambda sql: list(run.query(sql)[0].values())[0]  # noqa: E731
-    assert one(f"SELECT traceparent FROM rollouts FINAL WHERE rollout_id = '{rollout_id}'").startswith(_traceparent(serving))
-    assert one(f"SELECT count() FROM trainer_steps FINAL WHERE startsWith(traceparent, '{_traceparent(step)}') AND published") == 1
+    one = lambda sql: list(run.query(sql)[0].values())[0]
+    assert one(
+        f"SELECT traceparent FROM rollouts FINAL WHERE rollout_id = '{rollout_id}'"
+    ).startswith(_traceparent(serving))
+    assert (
+        one(
+            f"SELECT count() FROM trainer_steps FINAL WHERE startsWith(traceparent, '{_traceparent(step)}') AND published"
+        )
+        == 1
+    )
 
 
 @pytest.mark.guarantee(7)
@@ -349,28 +431,44 @@ def test_each_secret_is_found_only_where_it_is_used(run):
 
     state_dir = Path(run.stack.state_dir)
     secrets = stack_secrets.load(state_dir)
-    assert secrets is not None and (state_dir / stack_secrets.SECRETS_FILE).stat().st_mode & 0o777 == 0o600
+    assert (
+        secrets is not None
+        and (state_dir / stack_secrets.SECRETS_FILE).stat().st_mode & 0o777 == 0o600
+    )
     names = {value: name for name, value in vars(secrets).items()}
 
     def found_in(blob: bytes) -> set[str]:
         return {name for value, name in names.items() if value.encode() in blob}
 
     # Processes: each service holds exactly its own; the supervisor, the broker and Redis none.
-    expected_by_pid = {spec.pid: set(stack_secrets.SERVICE_SECRETS.get(spec.name, {}).values()) for spec in run.stack.services}
+    expected_by_pid = {
+        spec.pid: set(stack_secrets.SERVICE_SECRETS.get(spec.name, {}).values())
+        for spec in run.stack.services
+    }
     expected_by_pid |= {pid: set() for pid in (run.stack.supervisor_pid, *run.stack.infra.values())}
     for pid, expected in expected_by_pid.items():
         environ = Path(f"/proc/{pid}/environ").read_bytes()
-        assert found_in(environ) == expected, f"pid {pid}: environment holds {found_in(environ)}, expected {expected}"
+        assert found_in(environ) == expected, (
+            f"pid {pid}: environment holds {found_in(environ)}, expected {expected}"
+        )
         assert not found_in(Path(f"/proc/{pid}/cmdline").read_bytes())
         if pid in {spec.pid for spec in run.stack.services}:
-            assert b"\0RTRL_KAFKA_BOOTSTRAP=" in b"\0" + environ, "the stack's settings still reach every service"
+            assert b"\0RTRL_KAFKA_BOOTSTRAP=" in b"\0" + environ, (
+                "the stack's settings still reach every service"
+            )
     # Every file the stack wrote (logs, spans, journal, checkpoint, blobs, Redis's file, chdb), but the secrets file.
-    written = [p for p in state_dir.rglob("*") if p.is_file() and p.name != stack_secrets.SECRETS_FILE]
+    written = [
+        p for p in state_dir.rglob("*") if p.is_file() and p.name != stack_secrets.SECRETS_FILE
+    ]
     assert len(written) > 20
     leaks = {str(p.relative_to(state_dir)): found_in(p.read_bytes()) for p in written}
     assert not {path: found for path, found in leaks.items() if found}
     # ...and only the owner can read them (the warm-start cache is the test's own copy).
-    readable = [str(p.relative_to(state_dir)) for p in written if p.stat().st_mode & 0o077 and "cache" not in p.parts]
+    readable = [
+        str(p.relative_to(state_dir))
+        for p in written
+        if p.stat().st_mode & 0o077 and "cache" not in p.parts
+    ]
     assert not readable, f"readable by others than the owner: {readable[:10]}"
     # Heartbeats and every metrics page.
     client = redis.Redis.from_url(run.stack.redis_url)

@@ -71,44 +71,129 @@ class Case:
 
 CASES = {
     # Before the epoch: no clock reads this, and DateTime cannot store it.
-    "negative": Case("-1", -1, "7 days before the server clock", "7 days before the gateway clock", "is negative", False),
+    "negative": Case(
+        "-1",
+        -1,
+        "7 days before the server clock",
+        "7 days before the gateway clock",
+        "is negative",
+        False,
+    ),
     # The proto default, "unset": it never stands for "now" downstream; 1970-01-01 is storable.
-    "zero": Case("0", 0, "7 days before the server clock", "7 days before the gateway clock", "missing client_ts_ms", True),
+    "zero": Case(
+        "0",
+        0,
+        "7 days before the server clock",
+        "7 days before the gateway clock",
+        "missing client_ts_ms",
+        True,
+    ),
     # 2000-01-01, a client clock decades behind (a dead clock battery): refused, dead-lettered, storable.
-    "far_past": Case("946684800000", 946_684_800_000, "7 days before the server clock", "7 days before the gateway clock", "30 days before the joiner clock", True),
+    "far_past": Case(
+        "946684800000",
+        946_684_800_000,
+        "7 days before the server clock",
+        "7 days before the gateway clock",
+        "30 days before the joiner clock",
+        True,
+    ),
     # The year 2200: twelve of these once settled every honest rollout early with defaults.
-    "year_2200": Case("7258118400000", 7_258_118_400_000, "5 minutes after the server clock", "5 minutes after the gateway clock", "10 minutes after the joiner clock", False),
+    "year_2200": Case(
+        "7258118400000",
+        7_258_118_400_000,
+        "5 minutes after the server clock",
+        "5 minutes after the gateway clock",
+        "10 minutes after the joiner clock",
+        False,
+    ),
     # 2^62: the OverflowError that crash-looped the analytics sink on one uncommitted record.
-    "2^62": Case(str(2**62), 2**62, "5 minutes after the server clock", "5 minutes after the gateway clock", "10 minutes after the joiner clock", False),
+    "2^62": Case(
+        str(2**62),
+        2**62,
+        "5 minutes after the server clock",
+        "5 minutes after the gateway clock",
+        "10 minutes after the joiner clock",
+        False,
+    ),
     # int64's largest value, as a JSON string (the proto3 JSON mapping of int64).
-    "int64_max": Case(f'"{2**63 - 1}"', 2**63 - 1, "5 minutes after the server clock", "5 minutes after the gateway clock", "10 minutes after the joiner clock", False),
+    "int64_max": Case(
+        f'"{2**63 - 1}"',
+        2**63 - 1,
+        "5 minutes after the server clock",
+        "5 minutes after the gateway clock",
+        "10 minutes after the joiner clock",
+        False,
+    ),
     # One past int64: no record can carry it; both APIs refuse it before anything is produced.
-    "2^64": Case(str(2**64), None, "5 minutes after the server clock", "clientTsMs field: Value out of range", None, None),
+    "2^64": Case(
+        str(2**64),
+        None,
+        "5 minutes after the server clock",
+        "clientTsMs field: Value out of range",
+        None,
+        None,
+    ),
     # NaN-like strings: int64 may be a JSON string, but only a decimal integer.
-    "nan_string": Case('"NaN"', None, "valid integer", 'clientTsMs field: Couldn\'t parse non-integer string: "NaN"', None, None),
+    "nan_string": Case(
+        '"NaN"',
+        None,
+        "valid integer",
+        'clientTsMs field: Couldn\'t parse non-integer string: "NaN"',
+        None,
+        None,
+    ),
     # Infinity spelled as a string: no int64 to map it to.
-    "inf_string": Case('"inf"', None, "valid integer", 'clientTsMs field: Couldn\'t parse non-integer string: "inf"', None, None),
+    "inf_string": Case(
+        '"inf"',
+        None,
+        "valid integer",
+        'clientTsMs field: Couldn\'t parse non-integer string: "inf"',
+        None,
+        None,
+    ),
     # A float literal in a string, past any float's range: int64 strings take digits only.
-    "1e400_string": Case('"1e400"', None, "valid integer", 'clientTsMs field: Couldn\'t parse non-integer string: "1e400"', None, None),
+    "1e400_string": Case(
+        '"1e400"',
+        None,
+        "valid integer",
+        'clientTsMs field: Couldn\'t parse non-integer string: "1e400"',
+        None,
+        None,
+    ),
     # 1e400 as a JSON number: it overflows to inf in every parser.
-    "1e400_number": Case("1e400", None, "finite number", "clientTsMs field: Couldn't parse integer: inf", None, None),
+    "1e400_number": Case(
+        "1e400", None, "finite number", "clientTsMs field: Couldn't parse integer: inf", None, None
+    ),
     # A bare NaN token: not JSON, but what Python's json module writes for float("nan").
-    "bare_NaN": Case("NaN", None, "finite number", "clientTsMs field: Couldn't parse integer: nan", None, None),
+    "bare_NaN": Case(
+        "NaN", None, "finite number", "clientTsMs field: Couldn't parse integer: nan", None, None
+    ),
 }
 ON_THE_WIRE = {name: case for name, case in CASES.items() if case.record_ts is not None}
 
 
 def hostile_rollout(rollout_id: str, ts: int) -> rollout_pb2.RolloutRecord:
     return rollout_pb2.RolloutRecord(
-        event_id=str(uuid.uuid4()), rollout_id=rollout_id, session_id="s", user_id="u", client_ts_ms=ts,
-        completion_text="x = 1\n", completion_token_ids=[7] * 4, arm=common_pb2.ARM_TREATMENT,
+        event_id=str(uuid.uuid4()),
+        rollout_id=rollout_id,
+        session_id="s",
+        user_id="u",
+        client_ts_ms=ts,
+        completion_text="x = 1\n",
+        completion_token_ids=[7] * 4,
+        arm=common_pb2.ARM_TREATMENT,
     )
 
 
 def hostile_followup(rollout_id: str, ts: int) -> telemetry_pb2.TelemetryEvent:
     return telemetry_pb2.TelemetryEvent(
-        event_id=str(uuid.uuid4()), rollout_id=rollout_id, session_id="s", user_id="u", client_ts_ms=ts,
-        schema_version=1, followup=telemetry_pb2.FollowUp(message="no, that broke the build"),
+        event_id=str(uuid.uuid4()),
+        rollout_id=rollout_id,
+        session_id="s",
+        user_id="u",
+        client_ts_ms=ts,
+        schema_version=1,
+        followup=telemetry_pb2.FollowUp(message="no, that broke the build"),
     )
 
 
@@ -123,20 +208,29 @@ def error_header(headers) -> str:
 def test_gateway_validation_names_client_ts_and_the_reason(case):
     event = shown("r1", client_ts_ms=case.record_ts)
     rejection = validate(event, NOW_MS)
-    assert rejection is not None and rejection.field == "client_ts_ms" and case.ingest in rejection.reason
+    assert (
+        rejection is not None
+        and rejection.field == "client_ts_ms"
+        and case.ingest in rejection.reason
+    )
 
 
 @pytest.mark.integration
 def test_gateway_refuses_hostile_times_and_writes_the_good_events_beside_them(stack_settings):
     now_ms = int(time.time() * 1000)
     good = [shown(f"good-{i}", client_ts_ms=now_ms) for i in range(2)]
-    hostile = {name: shown(f"hostile-{name}", client_ts_ms=case.record_ts) for name, case in ON_THE_WIRE.items()}
+    hostile = {
+        name: shown(f"hostile-{name}", client_ts_ms=case.record_ts)
+        for name, case in ON_THE_WIRE.items()
+    }
     settings = ingest_settings()
 
     def body_with(token: str) -> str:
         event = json.loads(json_format.MessageToJson(shown("unparsable", client_ts_ms=now_ms)))
         event["clientTsMs"] = "@TS@"
-        return json.dumps({"events": [json.loads(json_format.MessageToJson(good[1])), event]}).replace('"@TS@"', token)
+        return json.dumps(
+            {"events": [json.loads(json_format.MessageToJson(good[1])), event]}
+        ).replace('"@TS@"', token)
 
     async def scenario_():
         server = await start_ingest(stack_settings, settings)
@@ -144,17 +238,29 @@ def test_gateway_refuses_hostile_times_and_writes_the_good_events_beside_them(st
         try:
             async with aiohttp.ClientSession() as http:
                 batch = ingest_pb2.PublishEventsRequest(events=[good[0], *hostile.values()])
-                async with http.post(base, data=json_format.MessageToJson(batch), headers={"Content-Type": "application/json"}) as r:
+                async with http.post(
+                    base,
+                    data=json_format.MessageToJson(batch),
+                    headers={"Content-Type": "application/json"},
+                ) as r:
                     assert r.status == 207
                     answer = json_format.Parse(await r.text(), ingest_pb2.PublishEventsResponse())
                 unmappable = {}
                 for name, case in CASES.items():
                     if case.record_ts is None:
-                        async with http.post(base, data=body_with(case.json), headers={"Content-Type": "application/json"}) as r:
+                        async with http.post(
+                            base,
+                            data=body_with(case.json),
+                            headers={"Content-Type": "application/json"},
+                        ) as r:
                             unmappable[name] = (r.status, (await r.json())["error"])
                 # The gateway is still up and writes what comes next.
                 batch = ingest_pb2.PublishEventsRequest(events=[good[1]])
-                async with http.post(base, data=json_format.MessageToJson(batch), headers={"Content-Type": "application/json"}) as r:
+                async with http.post(
+                    base,
+                    data=json_format.MessageToJson(batch),
+                    headers={"Content-Type": "application/json"},
+                ) as r:
                     assert r.status == 200
         finally:
             await server.stop()
@@ -167,7 +273,9 @@ def test_gateway_refuses_hostile_times_and_writes_the_good_events_beside_them(st
         assert case.ingest in result.error, (name, result.error)
     for name, (status, error) in unmappable.items():
         assert status == 400 and CASES[name].ingest in error, (name, error)
-    landed = [event.rollout_id for items in read_topics(stack_settings).values() for _, event in items]
+    landed = [
+        event.rollout_id for items in read_topics(stack_settings).values() for _, event in items
+    ]
     assert sorted(landed) == ["good-0", "good-1"]
 
 
@@ -177,13 +285,23 @@ def test_gateway_refuses_hostile_times_and_writes_the_good_events_beside_them(st
 @pytest.mark.integration
 def test_serving_api_refuses_hostile_client_ts_and_records_an_honest_one(stack_settings):
     torch.set_num_threads(1)
-    settings = InferenceSettings(http_port=0, follow_weights=False, max_tokens=8, auth_required=False)
+    settings = InferenceSettings(
+        http_port=0, follow_weights=False, max_tokens=8, auth_required=False
+    )
     engine = Engine(EngineConfig(batch_wait_s=0.01))
     honest_ts = int(time.time() * 1000) - 1000
 
     async def post(http, port: int, token: str) -> tuple[int, dict]:
-        body = '{"prompt": "@p1 say hi\\n", "user_id": "u", "session_id": "s", "client_ts_ms": ' + token + "}"
-        async with http.post(f"http://127.0.0.1:{port}/v1/completions", data=body, headers={"Content-Type": "application/json"}) as resp:
+        body = (
+            '{"prompt": "@p1 say hi\\n", "user_id": "u", "session_id": "s", "client_ts_ms": '
+            + token
+            + "}"
+        )
+        async with http.post(
+            f"http://127.0.0.1:{port}/v1/completions",
+            data=body,
+            headers={"Content-Type": "application/json"},
+        ) as resp:
             return resp.status, await resp.json()
 
     async def run():
@@ -193,7 +311,9 @@ def test_serving_api_refuses_hostile_client_ts_and_records_an_honest_one(stack_s
             engine.stage("control", 0, state_dict_fp32(build_model(seed=1)))
             engine.stage("treatment", 0, state_dict_fp32(build_model(seed=2)))
             async with aiohttp.ClientSession() as http:
-                refused = {name: await post(http, server.port, case.json) for name, case in CASES.items()}
+                refused = {
+                    name: await post(http, server.port, case.json) for name, case in CASES.items()
+                }
                 honest = await post(http, server.port, str(honest_ts))
             return refused, honest, server.status()
         finally:
@@ -201,9 +321,17 @@ def test_serving_api_refuses_hostile_client_ts_and_records_an_honest_one(stack_s
 
     refused, (status, answer), counters = asyncio.run(run())
     for name, (code, body) in refused.items():
-        assert code == 400 and body["field"] == "client_ts_ms" and CASES[name].inference in body["error"], (name, body)
+        assert (
+            code == 400
+            and body["field"] == "client_ts_ms"
+            and CASES[name].inference in body["error"]
+        ), (name, body)
     assert status == 200, answer
-    assert counters.rejected == len(CASES) and counters.rollout_records == 1 and counters.completions == 1
+    assert (
+        counters.rejected == len(CASES)
+        and counters.rollout_records == 1
+        and counters.completions == 1
+    )
     [record] = [m for m in read_all(stack_settings, (topics.ROLLOUT,))[topics.ROLLOUT]]
     assert rollout_pb2.RolloutRecord.FromString(record.value()).client_ts_ms == honest_ts
 
@@ -212,27 +340,41 @@ def test_serving_api_refuses_hostile_client_ts_and_records_an_honest_one(stack_s
 
 
 @pytest.mark.parametrize("case", ON_THE_WIRE.values(), ids=ON_THE_WIRE.keys())
-def test_joiner_dead_letters_a_hostile_time_and_settles_the_next_honest_rollout_with_its_real_reward(case):
+def test_joiner_dead_letters_a_hostile_time_and_settles_the_next_honest_rollout_with_its_real_reward(
+    case,
+):
     joiner = Joiner(RewardStreamSettings(window_s=1, grace_s=0.5).join_config())
     hostile = [
         (topics.ROLLOUT, hostile_rollout("hostile-r", case.record_ts)),
         (topics.FOLLOWUP, hostile_followup("hostile-f", case.record_ts)),
     ]
     for offset, (topic, message) in enumerate(hostile):
-        [dead] = joiner.feed(topic, 0, offset, message.rollout_id.encode(), message.SerializeToString(), NOW_MS)
+        [dead] = joiner.feed(
+            topic, 0, offset, message.rollout_id.encode(), message.SerializeToString(), NOW_MS
+        )
         assert dead.topic == topics.REWARD_DLQ and dead.value == message.SerializeToString()
-        assert case.joiner in error_header(dead.headers) and dict(dead.headers)["source_topic"] == topic.encode()
+        assert (
+            case.joiner in error_header(dead.headers)
+            and dict(dead.headers)["source_topic"] == topic.encode()
+        )
     assert joiner.states[0].stream_time_ms <= NOW_MS
     # An honest rollout right after: every event joins, none is late, the reward is its own.
     rollout_id, record, events, expected = scenario(0, NOW_MS + 10)
-    outputs = joiner.feed(topics.ROLLOUT, 0, 5, rollout_id.encode(), record.SerializeToString(), NOW_MS + 20)
+    outputs = joiner.feed(
+        topics.ROLLOUT, 0, 5, rollout_id.encode(), record.SerializeToString(), NOW_MS + 20
+    )
     for offset, (topic, event) in enumerate(events, start=10):
-        outputs += joiner.feed(topic, 0, offset, rollout_id.encode(), event.SerializeToString(), NOW_MS + 30)
+        outputs += joiner.feed(
+            topic, 0, offset, rollout_id.encode(), event.SerializeToString(), NOW_MS + 30
+        )
     outputs += joiner.tick(NOW_MS + 10_000)
     [settled] = outputs
     reward = reward_pb2.RewardRecord.FromString(settled.value)
     assert settled.topic == topics.REWARD and not reward.defaulted
-    assert (reward.components.persisted_fraction, sorted(reward.event_ids)) == (expected["persisted_fraction"], expected["event_ids"])
+    assert (reward.components.persisted_fraction, sorted(reward.event_ids)) == (
+        expected["persisted_fraction"],
+        expected["event_ids"],
+    )
     assert joiner.counters.dlq == 2 and joiner.counters.late == 0
 
 
@@ -242,11 +384,30 @@ def test_replay_skips_a_hostile_time_as_the_live_joiner_does(case):
     honest = []
     for i in range(4):
         rollout_id, record, events, _ = scenario(i, NOW_MS + 10 * i)
-        honest.append(replay.RetainedRecord(topics.ROLLOUT, 0, rollout_id.encode(), record.SerializeToString(), NOW_MS))
-        honest += [replay.RetainedRecord(t, 0, rollout_id.encode(), e.SerializeToString(), NOW_MS) for t, e in events]
+        honest.append(
+            replay.RetainedRecord(
+                topics.ROLLOUT, 0, rollout_id.encode(), record.SerializeToString(), NOW_MS
+            )
+        )
+        honest += [
+            replay.RetainedRecord(t, 0, rollout_id.encode(), e.SerializeToString(), NOW_MS)
+            for t, e in events
+        ]
     hostile = [
-        replay.RetainedRecord(topics.ROLLOUT, 0, b"hostile-r", hostile_rollout("hostile-r", case.record_ts).SerializeToString(), NOW_MS),
-        replay.RetainedRecord(topics.FOLLOWUP, 0, b"hostile-f", hostile_followup("hostile-f", case.record_ts).SerializeToString(), NOW_MS),
+        replay.RetainedRecord(
+            topics.ROLLOUT,
+            0,
+            b"hostile-r",
+            hostile_rollout("hostile-r", case.record_ts).SerializeToString(),
+            NOW_MS,
+        ),
+        replay.RetainedRecord(
+            topics.FOLLOWUP,
+            0,
+            b"hostile-f",
+            hostile_followup("hostile-f", case.record_ts).SerializeToString(),
+            NOW_MS,
+        ),
     ]
     alone = replay.rejoin(honest, config, "r3")
     beside = replay.rejoin(hostile + honest, config, "r3")
@@ -256,30 +417,64 @@ def test_replay_skips_a_hostile_time_as_the_live_joiner_does(case):
 
 @pytest.mark.guarantee(2)
 @pytest.mark.integration
-def test_joiner_service_dead_letters_future_records_then_settles_honest_rollouts_with_real_rewards(stack_settings, stack_env, redis_url, tmp_path):
+def test_joiner_service_dead_letters_future_records_then_settles_honest_rollouts_with_real_rewards(
+    stack_settings, stack_env, redis_url, tmp_path
+):
     env = {**stack_env, "RTRL_REWARD_WINDOW_S": "1", "RTRL_REWARD_WEB_PORT": str(procs.free_port())}
-    service = procs.spawn("reward_stream", [sys.executable, "-m", "reward_stream"], tmp_path / "reward_stream.log", env=env)
+    service = procs.spawn(
+        "reward_stream",
+        [sys.executable, "-m", "reward_stream"],
+        tmp_path / "reward_stream.log",
+        env=env,
+    )
     try:
         producer = Producer(kafka.producer_config(stack_settings))
-        hostile = [(topics.ROLLOUT, hostile_rollout(f"y2200-{i}", CASES["year_2200"].record_ts)) for i in range(12)]
-        hostile += [(topics.ROLLOUT, hostile_rollout(f"hostile-{name}", case.record_ts)) for name, case in ON_THE_WIRE.items()]
-        hostile += [(topics.FOLLOWUP, hostile_followup(f"hostile-{name}", case.record_ts)) for name, case in ON_THE_WIRE.items()]
+        hostile = [
+            (topics.ROLLOUT, hostile_rollout(f"y2200-{i}", CASES["year_2200"].record_ts))
+            for i in range(12)
+        ]
+        hostile += [
+            (topics.ROLLOUT, hostile_rollout(f"hostile-{name}", case.record_ts))
+            for name, case in ON_THE_WIRE.items()
+        ]
+        hostile += [
+            (topics.FOLLOWUP, hostile_followup(f"hostile-{name}", case.record_ts))
+            for name, case in ON_THE_WIRE.items()
+        ]
         for topic, message in hostile:
             # Signed as a worker signs: refused for their time, not for who wrote them.
-            producer.produce(topic, message.SerializeToString(), key=message.rollout_id, headers=worker_headers(topic, message.SerializeToString()))
+            producer.produce(
+                topic,
+                message.SerializeToString(),
+                key=message.rollout_id,
+                headers=worker_headers(topic, message.SerializeToString()),
+            )
         assert producer.flush(10) == 0
         hb = redis.Redis.from_url(redis_url)
         wait_for_heartbeat(hb, lambda d: d["dlq"] >= len(hostile))
         # Honest rollouts after the hostile ones, on the same partitions.
         base_ms = int(time.time() * 1000)
-        honest = {rid: (record, events, expected) for rid, record, events, expected in (scenario(i, base_ms) for i in range(8))}
+        honest = {
+            rid: (record, events, expected)
+            for rid, record, events, expected in (scenario(i, base_ms) for i in range(8))
+        }
         for rollout_id, (record, events, _) in honest.items():
-            producer.produce(topics.ROLLOUT, record.SerializeToString(), key=rollout_id, headers=worker_headers(topics.ROLLOUT, record.SerializeToString()))
+            producer.produce(
+                topics.ROLLOUT,
+                record.SerializeToString(),
+                key=rollout_id,
+                headers=worker_headers(topics.ROLLOUT, record.SerializeToString()),
+            )
             for topic, event in events:
                 producer.produce(topic, event.SerializeToString(), key=rollout_id)
         assert producer.flush(10) == 0
         status = wait_for_heartbeat(hb, lambda d: d["settled"] >= len(honest) and d["pending"] == 0)
-        assert {k: status[k] for k in ("settled", "dlq", "late", "dropped")} == {"settled": len(honest), "dlq": len(hostile), "late": 0, "dropped": 0}
+        assert {k: status[k] for k in ("settled", "dlq", "late", "dropped")} == {
+            "settled": len(honest),
+            "dlq": len(hostile),
+            "late": 0,
+            "dropped": 0,
+        }
         out = read_all(stack_settings, (topics.REWARD, topics.REWARD_DLQ))
     finally:
         service.stop(timeout_s=20)
@@ -287,14 +482,23 @@ def test_joiner_service_dead_letters_future_records_then_settles_honest_rollouts
     for message in out[topics.REWARD]:
         reward = reward_pb2.RewardRecord.FromString(message.value())
         _, _, expected = honest[reward.rollout_id]
-        assert reward.defaulted == expected["defaulted"] and sorted(reward.event_ids) == expected["event_ids"], reward.rollout_id
+        assert (
+            reward.defaulted == expected["defaulted"]
+            and sorted(reward.event_ids) == expected["event_ids"]
+        ), reward.rollout_id
         assert reward.components.persisted_fraction == expected["persisted_fraction"]
         assert reward.components.dissatisfied == expected["dissatisfied"]
-    assert sorted(reward_pb2.RewardRecord.FromString(m.value()).rollout_id for m in out[topics.REWARD]) == sorted(honest)
+    assert sorted(
+        reward_pb2.RewardRecord.FromString(m.value()).rollout_id for m in out[topics.REWARD]
+    ) == sorted(honest)
     reasons = {m.value(): error_header(m.headers()) for m in out[topics.REWARD_DLQ]}
     assert set(reasons) == {message.SerializeToString() for _, message in hostile}
     for topic, message in hostile:
-        case = CASES["year_2200"] if message.rollout_id.startswith("y2200") else ON_THE_WIRE[message.rollout_id.removeprefix("hostile-")]
+        case = (
+            CASES["year_2200"]
+            if message.rollout_id.startswith("y2200")
+            else ON_THE_WIRE[message.rollout_id.removeprefix("hostile-")]
+        )
         assert case.joiner in reasons[message.SerializeToString()], message.rollout_id
 
 
@@ -304,7 +508,13 @@ def test_joiner_service_dead_letters_future_records_then_settles_honest_rollouts
 def sink_records(name: str, ts: int) -> list[tuple[str, bytes, tuple]]:
     """(topic, value, headers) of every record kind the sink turns into a row with a timestamp."""
     rollout = hostile_rollout(f"sink-{name}", ts)
-    reward = reward_pb2.RewardRecord(reward_id=f"rw-{name}", rollout_id=rollout.rollout_id, rollout=rollout, last_event_ts_ms=ts, settled_ts_ms=ts)
+    reward = reward_pb2.RewardRecord(
+        reward_id=f"rw-{name}",
+        rollout_id=rollout.rollout_id,
+        rollout=rollout,
+        last_event_ts_ms=ts,
+        settled_ts_ms=ts,
+    )
     step = trainer_pb2.TrainerStep(step_id=f"step-{name}", lineage="l", step=1, ts_ms=ts)
     followup = hostile_followup(rollout.rollout_id, ts)
     return [
@@ -313,7 +523,11 @@ def sink_records(name: str, ts: int) -> list[tuple[str, bytes, tuple]]:
         (topics.REWARD, reward.SerializeToString(), ()),
         (topics.TRAINER_STEPS, step.SerializeToString(), ()),
         # as the joiner sets it aside on .late, with its headers
-        (topics.REWARD_LATE, followup.SerializeToString(), (("source_topic", topics.FOLLOWUP.encode()), ("kind", b"followup"))),
+        (
+            topics.REWARD_LATE,
+            followup.SerializeToString(),
+            (("source_topic", topics.FOLLOWUP.encode()), ("kind", b"followup")),
+        ),
     ]
 
 
@@ -346,9 +560,19 @@ def test_sink_stores_what_its_columns_hold_and_dead_letters_the_rest(tmp_path):
         query = client_query_fn(client)
         letters = query("SELECT topic, offset, reason FROM dead_letters FINAL")
         assert {(d["topic"], d["offset"]) for d in letters} == expected_letters
-        assert all("cannot be stored" in d["reason"] and "1970-01-01 to 2106-02-07" in d["reason"] for d in letters)
-        stored = {r["rollout_id"]: r["ts"] for r in query("SELECT rollout_id, toUnixTimestamp64Milli(ts) AS ts FROM rollouts FINAL")}
-        assert stored == {f"sink-{name}": ts for name, (ts, storable) in BOUNDARY.items() if storable}
+        assert all(
+            "cannot be stored" in d["reason"] and "1970-01-01 to 2106-02-07" in d["reason"]
+            for d in letters
+        )
+        stored = {
+            r["rollout_id"]: r["ts"]
+            for r in query(
+                "SELECT rollout_id, toUnixTimestamp64Milli(ts) AS ts FROM rollouts FINAL"
+            )
+        }
+        assert stored == {
+            f"sink-{name}": ts for name, (ts, storable) in BOUNDARY.items() if storable
+        }
         steps = query("SELECT count() AS n FROM trainer_steps FINAL")
         assert steps == [{"n": sum(storable for _, storable in BOUNDARY.values())}]
     finally:
@@ -357,30 +581,52 @@ def test_sink_stores_what_its_columns_hold_and_dead_letters_the_rest(tmp_path):
 
 @pytest.mark.guarantee(2)
 @pytest.mark.integration
-def test_sink_process_dead_letters_an_unstorable_record_and_commits_past_it(stack_settings, stack_env, tmp_path, repo_root):
+def test_sink_process_dead_letters_an_unstorable_record_and_commits_past_it(
+    stack_settings, stack_env, tmp_path, repo_root
+):
     port = procs.free_port()
     token = secrets.token_urlsafe(16)
     env = {
-        **stack_env, "RTRL_ANALYTICS_QUERY_PORT": str(port), "RTRL_ANALYTICS_FLUSH_INTERVAL_S": "0.2",
-        "RTRL_ANALYTICS_QUERY_TOKEN": token, "PYTHONPATH": str(repo_root),
+        **stack_env,
+        "RTRL_ANALYTICS_QUERY_PORT": str(port),
+        "RTRL_ANALYTICS_FLUSH_INTERVAL_S": "0.2",
+        "RTRL_ANALYTICS_QUERY_TOKEN": token,
+        "PYTHONPATH": str(repo_root),
     }
     rollouts, rewards = hand_made_records()
     hostile = [
         (topics.ROLLOUT, hostile_rollout("r-2^62", 2**62)),
         (topics.FOLLOWUP, hostile_followup("r-2200", CASES["year_2200"].record_ts)),
-        (topics.REWARD, reward_pb2.RewardRecord(reward_id="rw-max", rollout_id="r-max", rollout=hostile_rollout("r-max", 2**63 - 1))),
+        (
+            topics.REWARD,
+            reward_pb2.RewardRecord(
+                reward_id="rw-max", rollout_id="r-max", rollout=hostile_rollout("r-max", 2**63 - 1)
+            ),
+        ),
     ]
     producer = Producer(kafka.producer_config(stack_settings))
-    for topic, message in [*hostile, *((topics.ROLLOUT, r) for r in rollouts), *((topics.REWARD, r) for r in rewards)]:
+    for topic, message in [
+        *hostile,
+        *((topics.ROLLOUT, r) for r in rollouts),
+        *((topics.REWARD, r) for r in rewards),
+    ]:
         producer.produce(topic, message.SerializeToString(), key=message.rollout_id)
     assert producer.flush(10) == 0
-    sink = procs.spawn("analytics", [sys.executable, "-m", "analytics"], tmp_path / "analytics.log", env=env, port=port)
+    sink = procs.spawn(
+        "analytics",
+        [sys.executable, "-m", "analytics"],
+        tmp_path / "analytics.log",
+        env=env,
+        port=port,
+    )
     try:
         procs.wait_for_port(port, timeout_s=30)
         query = http_query_fn(f"http://127.0.0.1:{port}", token)
         counts = "SELECT (SELECT count() FROM rollouts FINAL) AS rollouts, (SELECT count(DISTINCT reward_id) FROM rewards) AS rewards, (SELECT count() FROM dead_letters FINAL) AS letters"
         deadline = time.monotonic() + 60
-        while query(counts) != [{"rollouts": len(rollouts), "rewards": len(rewards), "letters": len(hostile)}]:
+        while query(counts) != [
+            {"rollouts": len(rollouts), "rewards": len(rewards), "letters": len(hostile)}
+        ]:
             assert time.monotonic() < deadline, f"sink did not catch up: {query(counts)}"
             assert sink.alive(), (tmp_path / "analytics.log").read_text()[-3000:]
             time.sleep(0.3)
@@ -391,10 +637,18 @@ def test_sink_process_dead_letters_an_unstorable_record_and_commits_past_it(stac
     assert sorted(d["topic"] for d in letters) == sorted(t for t, _ in hostile)
     reasons = {d["topic"]: d["reason"] for d in letters}
     assert reasons[topics.ROLLOUT].startswith(f"client_ts_ms {2**62} cannot be stored")
-    assert reasons[topics.FOLLOWUP].startswith(f"client_ts_ms {CASES['year_2200'].record_ts} cannot be stored")
+    assert reasons[topics.FOLLOWUP].startswith(
+        f"client_ts_ms {CASES['year_2200'].record_ts} cannot be stored"
+    )
     assert reasons[topics.REWARD].startswith(f"rollout.client_ts_ms {2**63 - 1} cannot be stored")
-    lag = kafka.consumer_lag(stack_settings, "analytics", (topics.ROLLOUT, topics.REWARD, topics.FOLLOWUP))
-    assert sum(p.lag for p in lag) == 0 and {p.topic for p in lag if p.committed > 0} == {topics.ROLLOUT, topics.REWARD, topics.FOLLOWUP}
+    lag = kafka.consumer_lag(
+        stack_settings, "analytics", (topics.ROLLOUT, topics.REWARD, topics.FOLLOWUP)
+    )
+    assert sum(p.lag for p in lag) == 0 and {p.topic for p in lag if p.committed > 0} == {
+        topics.ROLLOUT,
+        topics.REWARD,
+        topics.FOLLOWUP,
+    }
 
 
 # ---- the trainer: event times only ride along (staleness is by version) ----
@@ -407,7 +661,9 @@ def test_trainer_takes_a_reward_whatever_its_event_time(case):
     rollout.completion_logprobs.extend([-0.5] * 4)
     rollout.version_spans.add(policy_version=0, start=0, end=4)
     rollout.sampling.temperature = 1.0
-    record = reward_pb2.RewardRecord(reward_id="rw", rollout_id="r", rollout=rollout, reward=1.0, last_event_ts_ms=case.record_ts)
+    record = reward_pb2.RewardRecord(
+        reward_id="rw", rollout_id="r", rollout=rollout, reward=1.0, last_event_ts_ms=case.record_ts
+    )
     sample = to_sample(record, max_positions=64)
     assert isinstance(sample, TrainSample) and sample.last_event_ts_ms == case.record_ts
     assert collate([sample]).input_ids.shape[0] == 1

@@ -73,7 +73,14 @@ def resumed(tmp_path_factory):
     install_warm_start(state_dir)
     env = {**os.environ, "RTRL_STATE_DIR": str(state_dir), "RTRL_STACK_INFERENCE_WORKERS": "2"}
     with open(tmp_path / "demo.log", "wb") as log:
-        subprocess.run([sys.executable, "-m", "rtrl", "demo", "--minutes", "1"], env=env, stdout=log, stderr=subprocess.STDOUT, check=True, timeout=900)
+        subprocess.run(
+            [sys.executable, "-m", "rtrl", "demo", "--minutes", "1"],
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            check=True,
+            timeout=900,
+        )
     first = _history(query_function(None, state_dir))
     console = Console(file=io.StringIO())
     with pytest.MonkeyPatch.context() as patch:
@@ -100,12 +107,20 @@ def test_a_stopped_stack_resumes_its_lineage_weights_and_history(resumed):
     assert beats["trainer:0"].version == first["last_version"]
     assert beats["trainer:0"].step == first["last_step"]
     trainer_key = signing.public_key_of(stack_secrets.load(resumed.state_dir).manifest_signing_key)
-    _, published = fetch_published(stack.weight_sync_addr, _subscribe_token(resumed.state_dir), TREATMENT, first["last_version"], [trainer_key])
+    _, published = fetch_published(
+        stack.weight_sync_addr,
+        _subscribe_token(resumed.state_dir),
+        TREATMENT,
+        first["last_version"],
+        [trainer_key],
+    )
     workers = [key for key in beats if key.startswith("inference:")]
     assert len(workers) == 2
     for worker in workers:
         assert beats[worker].versions[TREATMENT] == first["last_version"]
-        assert beats[worker].weights_digests[TREATMENT] == weights_digest(published), f"{worker} serves other weights"
+        assert beats[worker].weights_digests[TREATMENT] == weights_digest(published), (
+            f"{worker} serves other weights"
+        )
 
     # The broker that went away: a new cluster, and what it held unjoined was measured after the services stopped.
     history = broker_record.read(resumed.state_dir)
@@ -119,9 +134,19 @@ def test_a_stopped_stack_resumes_its_lineage_weights_and_history(resumed):
     second = _history(query)
 
     # The lineage continued: new steps and versions follow the first run's, none repeated.
-    assert second["last_version"] > first["last_version"] and second["last_step"] > first["last_step"]
-    assert _one(query, f"SELECT min(version) FROM trainer_steps WHERE published AND step > {first['last_step']}") == first["last_version"] + 1
-    assert _one(query, "SELECT count() FROM trainer_steps FINAL") == _one(query, "SELECT uniqExact(step) FROM trainer_steps")
+    assert (
+        second["last_version"] > first["last_version"] and second["last_step"] > first["last_step"]
+    )
+    assert (
+        _one(
+            query,
+            f"SELECT min(version) FROM trainer_steps WHERE published AND step > {first['last_step']}",
+        )
+        == first["last_version"] + 1
+    )
+    assert _one(query, "SELECT count() FROM trainer_steps FINAL") == _one(
+        query, "SELECT uniqExact(step) FROM trainer_steps"
+    )
     # The report covers both runs, and nothing is counted twice.
     assert second["rollouts"] == first["rollouts"] + stats.completions
     assert _one(query, "SELECT uniqExact(rollout_id) FROM rollouts") == second["rollouts"]
@@ -144,7 +169,11 @@ def test_flushall_mid_run_keeps_training_serving_and_versions_rising(resumed):
     def watch_workers() -> None:
         while not stop.wait(0.5):
             beats = _beats(stack)
-            seen.extend(b["versions"] for key, b in beats.items() if key.startswith("inference:") and "versions" in b)
+            seen.extend(
+                b["versions"]
+                for key, b in beats.items()
+                if key.startswith("inference:") and "versions" in b
+            )
 
     watcher = threading.Thread(target=watch_workers, daemon=True)
     watcher.start()
@@ -162,7 +191,9 @@ def test_flushall_mid_run_keeps_training_serving_and_versions_rising(resumed):
         watcher.join()
     # The workers answered every completion through the flush, with the key they had verified.
     assert during.completions > 0 and during.errors == 0, during.last_error
-    assert stats.completions > 0 and stats.errors == 0 and stats.events_accepted > 0, stats.last_error
+    assert stats.completions > 0 and stats.errors == 0 and stats.events_accepted > 0, (
+        stats.last_error
+    )
     after, beats = _trainer_caught_up(stack, client)
     client.close()
     assert beats["weight_sync:0"].registry_rebuilds >= 1
@@ -189,7 +220,10 @@ def _manifests(stack, arm: str):
 
     client = redis.Redis.from_url(stack.redis_url)
     try:
-        return [weights_pb2.Manifest.FromString(client.get(k)) for k in client.scan_iter(f"rtrl:ws:{arm}:manifest:*")]
+        return [
+            weights_pb2.Manifest.FromString(client.get(k))
+            for k in client.scan_iter(f"rtrl:ws:{arm}:manifest:*")
+        ]
     finally:
         client.close()
 

@@ -47,15 +47,22 @@ def state_dir(tmp_path, monkeypatch, repo_root):
 
 
 def drift_alerts(stack) -> list[RewardAlert]:
-    return [a for a in hacking_alerts(health.check(stack)) if a.kind == "drift" and a.metric == "clarifying_question"]
+    return [
+        a
+        for a in hacking_alerts(health.check(stack))
+        if a.kind == "drift" and a.metric == "clarifying_question"
+    ]
 
 
 async def drive_until_alert(stack) -> tuple[list[RewardAlert], float]:
     from rtrl.ops.demo import simulator_key
 
     product = Product(
-        stack.urls("inference", "RTRL_INFERENCE_HTTP_PORT"), stack.urls("ingest", "RTRL_INGEST_HTTP_PORT")[0],
-        api_key=await asyncio.to_thread(simulator_key, stack), users=400, clients=32,
+        stack.urls("inference", "RTRL_INFERENCE_HTTP_PORT"),
+        stack.urls("ingest", "RTRL_INGEST_HTTP_PORT")[0],
+        api_key=await asyncio.to_thread(simulator_key, stack),
+        users=400,
+        clients=32,
     )
     run = asyncio.create_task(product.run(MAX_PRODUCT_S))
     started = time.monotonic()
@@ -88,7 +95,9 @@ def test_monitor_catches_questions_that_r1_pays_for(state_dir: Path):
         query = query_function(stack)
         ids = ", ".join(f"'{rollout_id}'" for rollout_id in alert.examples)
         deadline = time.monotonic() + 60
-        while len(rows := query(f"SELECT completion_text FROM rollouts FINAL WHERE rollout_id IN ({ids})")) < len(alert.examples):
+        while len(
+            rows := query(f"SELECT completion_text FROM rollouts FINAL WHERE rollout_id IN ({ids})")
+        ) < len(alert.examples):
             assert time.monotonic() < deadline, f"example rollouts never reached ClickHouse: {rows}"
             time.sleep(1)
         assert all(is_question(row["completion_text"]) for row in rows), rows

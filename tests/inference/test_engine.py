@@ -35,7 +35,9 @@ def started():
     eng.stop()
 
 
-def full_forward_logprobs(model_seed: int, prompt_ids, completion, temperature: float, top_p: float = 1.0) -> torch.Tensor:
+def full_forward_logprobs(
+    model_seed: int, prompt_ids, completion, temperature: float, top_p: float = 1.0
+) -> torch.Tensor:
     """log p(completion[i]) from one forward pass over the whole sequence."""
     model = build_model(seed=model_seed)
     ids = torch.tensor([list(prompt_ids) + list(completion)])
@@ -62,7 +64,9 @@ def test_same_seed_same_rollout_across_engines(started):
 @pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (0.7, 1.0), (1.3, 0.8)])
 def test_logprobs_match_full_sequence_forward(started, temperature, top_p):
     ids = prompt_token_ids(PROMPTS[1])
-    completion = started.generate("treatment", ids, max_tokens=30, temperature=temperature, top_p=top_p, seed=3)
+    completion = started.generate(
+        "treatment", ids, max_tokens=30, temperature=temperature, top_p=top_p, seed=3
+    )
     result = completion.result
     expected = full_forward_logprobs(2, ids, result.token_ids, temperature, top_p)
     torch.testing.assert_close(torch.tensor(result.logprobs), expected, atol=1e-4, rtol=0)
@@ -71,14 +75,24 @@ def test_logprobs_match_full_sequence_forward(started, temperature, top_p):
 
 
 def test_greedy_is_argmax_with_zero_logprob(started):
-    result = started.generate("control", prompt_token_ids(PROMPTS[0]), max_tokens=12, temperature=0.0).result
+    result = started.generate(
+        "control", prompt_token_ids(PROMPTS[0]), max_tokens=12, temperature=0.0
+    ).result
     assert all(abs(lp) < 1e-4 for lp in result.logprobs)
-    assert result == started.generate("control", prompt_token_ids(PROMPTS[0]), max_tokens=12, temperature=0.0, seed=5).result
+    assert (
+        result
+        == started.generate(
+            "control", prompt_token_ids(PROMPTS[0]), max_tokens=12, temperature=0.0, seed=5
+        ).result
+    )
 
 
 def test_a_batch_matches_each_prompt_alone():
     batched = engine(EngineConfig(max_batch=8))
-    futures = [batched.submit("control", prompt_token_ids(p), max_tokens=25, seed=i) for i, p in enumerate(PROMPTS)]
+    futures = [
+        batched.submit("control", prompt_token_ids(p), max_tokens=25, seed=i)
+        for i, p in enumerate(PROMPTS)
+    ]
     batched.start()  # everything is queued before the first batch forms
     together = [f.result().result for f in futures]
     batched.stop()
@@ -86,9 +100,13 @@ def test_a_batch_matches_each_prompt_alone():
     alone_engine = engine(EngineConfig(max_batch=1)).start()
     try:
         for i, p in enumerate(PROMPTS):
-            alone = alone_engine.generate("control", prompt_token_ids(p), max_tokens=25, seed=i).result
+            alone = alone_engine.generate(
+                "control", prompt_token_ids(p), max_tokens=25, seed=i
+            ).result
             assert alone.token_ids == together[i].token_ids
-            torch.testing.assert_close(torch.tensor(alone.logprobs), torch.tensor(together[i].logprobs), atol=1e-4, rtol=0)
+            torch.testing.assert_close(
+                torch.tensor(alone.logprobs), torch.tensor(together[i].logprobs), atol=1e-4, rtol=0
+            )
     finally:
         alone_engine.stop()
 
@@ -111,7 +129,10 @@ def test_swap_between_decode_steps(policy):
         eng.stop()
     result = completion.result
     assert len(result.token_ids) == 20
-    assert version_spans(result.versions) == [VersionSpan(0, 0, swap_after), VersionSpan(1, swap_after, 20)]
+    assert version_spans(result.versions) == [
+        VersionSpan(0, 0, swap_after),
+        VersionSpan(1, swap_after, 20),
+    ]
     assert eng.versions()["treatment"] == 1 and eng.stats.swaps == 3
 
     old, new = build_model(seed=2), build_model(seed=7)
@@ -120,17 +141,30 @@ def test_swap_between_decode_steps(policy):
         before = old(input_ids=torch.tensor([ids + tokens[:swap_after]])).logits[0, len(ids) - 1 :]
         if policy == "keep":
             # The cache holds the old weights' keys/values of everything before the swap.
-            cache = old(input_ids=torch.tensor([ids + tokens[: swap_after - 1]]), use_cache=True).past_key_values
-            after = new(input_ids=torch.tensor([tokens[swap_after - 1 : -1]]), past_key_values=cache).logits[0]
+            cache = old(
+                input_ids=torch.tensor([ids + tokens[: swap_after - 1]]), use_cache=True
+            ).past_key_values
+            after = new(
+                input_ids=torch.tensor([tokens[swap_after - 1 : -1]]), past_key_values=cache
+            ).logits[0]
         else:
-            after = new(input_ids=torch.tensor([ids + tokens[:-1]])).logits[0, len(ids) - 1 + swap_after :]
+            after = new(input_ids=torch.tensor([ids + tokens[:-1]])).logits[
+                0, len(ids) - 1 + swap_after :
+            ]
     logits = torch.cat([before[:swap_after], after])
     n = len(tokens)
     expected_tokens, expected_logprobs = zip(
-        *(sample(logits[t : t + 1], torch.tensor([0.9]), torch.tensor([1.0]), torch.tensor([4]), t) for t in range(n))
+        *(
+            sample(
+                logits[t : t + 1], torch.tensor([0.9]), torch.tensor([1.0]), torch.tensor([4]), t
+            )
+            for t in range(n)
+        )
     )
     assert tokens == [int(t) for t in expected_tokens]
-    torch.testing.assert_close(torch.tensor(result.logprobs), torch.cat(expected_logprobs), atol=1e-4, rtol=0)
+    torch.testing.assert_close(
+        torch.tensor(result.logprobs), torch.cat(expected_logprobs), atol=1e-4, rtol=0
+    )
 
 
 def test_model_matches_transformers_forward():
@@ -143,10 +177,23 @@ def test_model_matches_transformers_forward():
     seqs = [prompt_token_ids(p) for p in PROMPTS[:3]]
     with torch.inference_mode():
         logits = prefill(params, cache, 0, seqs)
-        after = decode_step(params, cache, torch.tensor([40, 41, 42]), torch.tensor([len(s) for s in seqs]), max(len(s) for s in seqs) + 1)
+        after = decode_step(
+            params,
+            cache,
+            torch.tensor([40, 41, 42]),
+            torch.tensor([len(s) for s in seqs]),
+            max(len(s) for s in seqs) + 1,
+        )
         for row, seq in enumerate(seqs):
-            torch.testing.assert_close(logits[row], hf(input_ids=torch.tensor([seq])).logits[0, -1], atol=1e-5, rtol=0)
-            torch.testing.assert_close(after[row], hf(input_ids=torch.tensor([seq + [40 + row]])).logits[0, -1], atol=1e-5, rtol=0)
+            torch.testing.assert_close(
+                logits[row], hf(input_ids=torch.tensor([seq])).logits[0, -1], atol=1e-5, rtol=0
+            )
+            torch.testing.assert_close(
+                after[row],
+                hf(input_ids=torch.tensor([seq + [40 + row]])).logits[0, -1],
+                atol=1e-5,
+                rtol=0,
+            )
 
 
 def test_requests_join_a_running_batch_and_match_running_alone():
@@ -157,23 +204,43 @@ def test_requests_join_a_running_batch_and_match_running_alone():
     def on_step(arm: str, generated: int) -> None:
         if generated == 3 and not joined.is_set():
             joined.set()
-            late.extend(eng.submit("control", prompt_token_ids(p), max_tokens=20, seed=10 + i) for i, p in enumerate(PROMPTS[1:]))
+            late.extend(
+                eng.submit("control", prompt_token_ids(p), max_tokens=20, seed=10 + i)
+                for i, p in enumerate(PROMPTS[1:])
+            )
 
     late: list = []
     eng = engine(EngineConfig(max_batch=8), on_step=on_step).start()
     try:
-        first = eng.generate("control", prompt_token_ids(PROMPTS[0]), max_tokens=30, seed=9, ignore_eos=True)
+        first = eng.generate(
+            "control", prompt_token_ids(PROMPTS[0]), max_tokens=30, seed=9, ignore_eos=True
+        )
         others = [f.result().result for f in late]
         assert eng.stats.batches == 2 and eng.stats.steps < 30 + 20  # the late ones ran alongside
     finally:
         eng.stop()
     alone = engine(EngineConfig(max_batch=1)).start()
     try:
-        pairs = [(alone.generate("control", prompt_token_ids(PROMPTS[0]), max_tokens=30, seed=9, ignore_eos=True).result, first.result)]
-        pairs += [(alone.generate("control", prompt_token_ids(p), max_tokens=20, seed=10 + i).result, others[i]) for i, p in enumerate(PROMPTS[1:])]
+        pairs = [
+            (
+                alone.generate(
+                    "control", prompt_token_ids(PROMPTS[0]), max_tokens=30, seed=9, ignore_eos=True
+                ).result,
+                first.result,
+            )
+        ]
+        pairs += [
+            (
+                alone.generate("control", prompt_token_ids(p), max_tokens=20, seed=10 + i).result,
+                others[i],
+            )
+            for i, p in enumerate(PROMPTS[1:])
+        ]
         for again, batched in pairs:
             assert again.token_ids == batched.token_ids
-            torch.testing.assert_close(torch.tensor(again.logprobs), torch.tensor(batched.logprobs), atol=1e-4, rtol=0)
+            torch.testing.assert_close(
+                torch.tensor(again.logprobs), torch.tensor(batched.logprobs), atol=1e-4, rtol=0
+            )
     finally:
         alone.stop()
     assert len(first.result.token_ids) == 30 and first.result.finish_reason == "length"
@@ -183,7 +250,13 @@ def test_tokens_stream_in_order():
     eng = engine().start()
     streamed: list[tuple[int, float, int]] = []
     try:
-        done = eng.generate("control", prompt_token_ids(PROMPTS[0]), max_tokens=15, seed=2, on_token=lambda *t: streamed.append(t))
+        done = eng.generate(
+            "control",
+            prompt_token_ids(PROMPTS[0]),
+            max_tokens=15,
+            seed=2,
+            on_token=lambda *t: streamed.append(t),
+        )
     finally:
         eng.stop()
     assert streamed == list(zip(done.result.token_ids, done.result.logprobs, done.result.versions))
@@ -215,10 +288,15 @@ def test_served_output_switches_to_a_recognisable_version_mid_generation(policy)
 
     eng = engine(EngineConfig(swap_policy=policy), on_step=on_step).start()
     try:
-        result = eng.generate("control", prompt_token_ids(PROMPTS[1]), max_tokens=20, temperature=0.0, ignore_eos=True).result
+        result = eng.generate(
+            "control", prompt_token_ids(PROMPTS[1]), max_tokens=20, temperature=0.0, ignore_eos=True
+        ).result
     finally:
         eng.stop()
-    assert version_spans(result.versions) == [VersionSpan(0, 0, swap_after), VersionSpan(1, swap_after, 20)]
+    assert version_spans(result.versions) == [
+        VersionSpan(0, 0, swap_after),
+        VersionSpan(1, swap_after, 20),
+    ]
     assert result.token_ids[swap_after:] == (z,) * (20 - swap_after)
     assert result.token_ids[:swap_after] != (z,) * swap_after
 
@@ -245,7 +323,12 @@ def test_every_token_is_sampled_by_the_whole_version_it_names():
     thread = threading.Thread(target=swapper)
     thread.start()
     try:
-        futures = [eng.submit("control", prompt_token_ids(PROMPTS[i % 4]), max_tokens=40, seed=i, ignore_eos=True) for i in range(8)]
+        futures = [
+            eng.submit(
+                "control", prompt_token_ids(PROMPTS[i % 4]), max_tokens=40, seed=i, ignore_eos=True
+            )
+            for i in range(8)
+        ]
         completions = [f.result(timeout=60) for f in futures]
     finally:
         stop.set()
@@ -257,9 +340,16 @@ def test_every_token_is_sampled_by_the_whole_version_it_names():
         ids, tokens, versions = list(c.prompt_ids), list(c.result.token_ids), c.result.versions
         switches += len(version_spans(versions)) - 1
         with torch.inference_mode():
-            full = {k: torch.log_softmax(m(input_ids=torch.tensor([ids + tokens])).logits[0, len(ids) - 1 : -1], -1) for k, m in models.items()}
+            full = {
+                k: torch.log_softmax(
+                    m(input_ids=torch.tensor([ids + tokens])).logits[0, len(ids) - 1 : -1], -1
+                )
+                for k, m in models.items()
+            }
         for t, (token, version) in enumerate(zip(tokens, versions)):
-            assert c.result.logprobs[t] == pytest.approx(float(full[version % 2][t, token]), abs=1e-4), (t, version)
+            assert c.result.logprobs[t] == pytest.approx(
+                float(full[version % 2][t, token]), abs=1e-4
+            ), (t, version)
     assert switches >= 8, "the swapper should have landed inside the generations"
 
 
@@ -272,7 +362,12 @@ def test_arm_without_weights_times_out_cleanly():
             eng.generate("treatment", prompt_token_ids(PROMPTS[0]), max_tokens=4)
         assert not eng.ready()
         assert eng.versions() == {"control": 0, "treatment": -1}
-        assert len(eng.generate("control", prompt_token_ids(PROMPTS[0]), max_tokens=4).result.token_ids) <= 4
+        assert (
+            len(
+                eng.generate("control", prompt_token_ids(PROMPTS[0]), max_tokens=4).result.token_ids
+            )
+            <= 4
+        )
     finally:
         eng.stop()
 
@@ -364,4 +459,6 @@ def test_counter_uniform_is_the_documented_hash():
             y = _fmix32(x ^ 0x632BE5AB)
             assert value == ((x << 21) | (y >> 11)) / float(1 << 53)
     per_row = counter_uniform(torch.tensor(seeds[:3]), torch.tensor([4, 5, 6])).tolist()
-    assert per_row == [counter_uniform(torch.tensor([s]), c).item() for s, c in zip(seeds[:3], (4, 5, 6))]
+    assert per_row == [
+        counter_uniform(torch.tensor([s]), c).item() for s, c in zip(seeds[:3], (4, 5, 6))
+    ]

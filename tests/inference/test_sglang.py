@@ -62,9 +62,11 @@ rig = _load_rig()
 def sglang(tmp_path_factory):
     try:
         rig.ensure_installed()
-    except Exception as exc:  # noqa: BLE001 - turned into a failure that says what to do
-        pytest.fail(f"SGLang {rig.SGLANG_VERSION} is not installed in {rig.sglang_home()} and installing it failed: {exc}\n"
-                    f"run `python scripts/sglang_rig.py install` to see the whole error")
+    except Exception as exc:
+        pytest.fail(
+            f"SGLang {rig.SGLANG_VERSION} is not installed in {rig.sglang_home()} and installing it failed: {exc}\n"
+            f"run `python scripts/sglang_rig.py install` to see the whole error"
+        )
     workdir = tmp_path_factory.mktemp("sglang")
     model_dir = rig.write_tiny_model(workdir / "model", seed=0)
     server = rig.start_server(model_dir, workdir / "sglang.log")
@@ -113,18 +115,35 @@ def push(sidecar: SGLangSidecar, weights: dict[str, torch.Tensor]) -> int:
 
 
 def post(server, path: str, body: dict) -> None:
-    request = urllib.request.Request(f"{server.url}{path}", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    request = urllib.request.Request(
+        f"{server.url}{path}",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
     with urllib.request.urlopen(request, timeout=30):
         pass
 
 
 def greedy(max_tokens: int) -> SequenceParams:
-    return SequenceParams(prompt_ids=PROMPT, max_tokens=max_tokens, temperature=0.0, top_p=1.0, seed=7, ignore_eos=True)
+    return SequenceParams(
+        prompt_ids=PROMPT,
+        max_tokens=max_tokens,
+        temperature=0.0,
+        top_p=1.0,
+        seed=7,
+        ignore_eos=True,
+    )
 
 
 def context() -> records.RolloutContext:
     return records.RolloutContext(
-        rollout_id="r-1", session_id="s-1", user_id="u-1", client_ts_ms=1, worker_id="sglang-test", model_name="rtrl-policy", prompt_text="def add(a, b):"
+        rollout_id="r-1",
+        session_id="s-1",
+        user_id="u-1",
+        client_ts_ms=1,
+        worker_id="sglang-test",
+        model_name="rtrl-policy",
+        prompt_text="def add(a, b):",
     )
 
 
@@ -143,7 +162,7 @@ class Generation:
         def run() -> None:
             try:
                 self.completion = generate(url, ARM, params, timeout_s=60, on_tokens=on_tokens)
-            except BaseException as exc:  # noqa: BLE001 - re-raised in the test thread
+            except BaseException as exc:
                 self.error = exc
 
         self._thread = threading.Thread(target=run, daemon=True)
@@ -151,7 +170,9 @@ class Generation:
 
     def result(self):
         self._thread.join(60)
-        assert not self._thread.is_alive(), "the generation never finished: was the server left paused?"
+        assert not self._thread.is_alive(), (
+            "the generation never finished: was the server left paused?"
+        )
         if self.error is not None:
             raise self.error
         return self.completion
@@ -168,7 +189,9 @@ def slow_decode(sglang):
 
 @pytest.mark.guarantee(3)
 @pytest.mark.parametrize("pause_mode", ["in_place", "retract"])
-def test_swap_mid_generation_splits_versions_and_changes_the_tokens(sglang, slow_decode, pause_mode):
+def test_swap_mid_generation_splits_versions_and_changes_the_tokens(
+    sglang, slow_decode, pause_mode
+):
     server, _ = sglang
     sidecar = make_sidecar(sglang, pause_mode=pause_mode)
     n = 100
@@ -216,7 +239,14 @@ def test_logprobs_are_the_sampling_distributions(sglang, temperature, top_p):
     sidecar = make_sidecar(sglang)
     weights = base_weights(2)
     version = push(sidecar, weights)
-    params = SequenceParams(prompt_ids=PROMPT, max_tokens=24, temperature=temperature, top_p=top_p, seed=3, ignore_eos=True)
+    params = SequenceParams(
+        prompt_ids=PROMPT,
+        max_tokens=24,
+        temperature=temperature,
+        top_p=top_p,
+        seed=3,
+        ignore_eos=True,
+    )
     completion = generate(server.url, ARM, params, timeout_s=60)
     tokens = list(completion.result.token_ids)
     assert completion.result.versions == (version,) * len(tokens)
@@ -228,10 +258,19 @@ def test_logprobs_are_the_sampling_distributions(sglang, temperature, top_p):
     with torch.no_grad():
         logits = model(torch.tensor([[*PROMPT, *tokens[:-1]]])).logits[0, len(PROMPT) - 1 :]
     n = len(tokens)
-    expected = sampling_logprobs(logits, torch.full((n,), temperature), torch.full((n,), top_p)).gather(-1, torch.tensor(tokens).unsqueeze(-1)).squeeze(-1)
-    assert torch.allclose(torch.tensor(completion.result.logprobs), expected, atol=2e-3), (completion.result.logprobs, expected.tolist())
+    expected = (
+        sampling_logprobs(logits, torch.full((n,), temperature), torch.full((n,), top_p))
+        .gather(-1, torch.tensor(tokens).unsqueeze(-1))
+        .squeeze(-1)
+    )
+    assert torch.allclose(torch.tensor(completion.result.logprobs), expected, atol=2e-3), (
+        completion.result.logprobs,
+        expected.tolist(),
+    )
     record = records.rollout_record(context(), completion)
-    assert record.sampling.temperature == pytest.approx(temperature) and record.sampling.top_p == pytest.approx(top_p)
+    assert record.sampling.temperature == pytest.approx(
+        temperature
+    ) and record.sampling.top_p == pytest.approx(top_p)
     assert record.time_to_first_token_s <= record.latency_s
 
 
@@ -287,7 +326,11 @@ def test_refusal_is_reported_and_the_version_applies_next_time(sglang, slow_deco
         completion = running.result()
     finally:
         foreign.end()
-    assert refused.value.attempts == 2 and refused.value.last.step == "begin" and refused.value.last.status == 400
+    assert (
+        refused.value.attempts == 2
+        and refused.value.last.step == "begin"
+        and refused.value.last.status == 400
+    )
     assert "already open" in refused.value.last.message
     assert completion.result.versions == (base,) * 60
     assert SGLangWeights(server.url).weight_version() == str(base)
@@ -295,7 +338,9 @@ def test_refusal_is_reported_and_the_version_applies_next_time(sglang, slow_deco
 
     assert sidecar.apply_pending() == base + 1
     after = generate(server.url, ARM, greedy(8), timeout_s=60)
-    assert after.result.versions == (base + 1,) * 8 and set(after.result.token_ids) == {encode("Q")[0]}
+    assert after.result.versions == (base + 1,) * 8 and set(after.result.token_ids) == {
+        encode("Q")[0]
+    }
 
 
 def _wrong_shape(weights):
@@ -331,7 +376,9 @@ def test_version_that_does_not_fit_never_reaches_the_server(sglang, spoil):
 
     version = push(sidecar, dominant_weights("X"))
     after = generate(server.url, ARM, greedy(8), timeout_s=60)
-    assert after.result.versions == (version,) * 8 and set(after.result.token_ids) == {encode("X")[0]}
+    assert after.result.versions == (version,) * 8 and set(after.result.token_ids) == {
+        encode("X")[0]
+    }
 
 
 def test_sidecar_follows_weight_sync_into_sglang(sglang, server, publisher):
@@ -375,7 +422,14 @@ def test_the_serving_api_fronts_sglang(sglang, stack_settings):
     sglang_server, _ = sglang
     sidecar = make_sidecar(sglang)
     version = push(sidecar, base_weights(5))
-    settings = InferenceSettings(http_port=0, backend="sglang", sglang_urls=f"treatment={sglang_server.url}", treatment_fraction=1.0, max_tokens=12, auth_required=False)
+    settings = InferenceSettings(
+        http_port=0,
+        backend="sglang",
+        sglang_urls=f"treatment={sglang_server.url}",
+        treatment_fraction=1.0,
+        max_tokens=12,
+        auth_required=False,
+    )
 
     async def scenario():
         server = InferenceServer(stack_settings, settings)
@@ -388,11 +442,30 @@ def test_the_serving_api_fronts_sglang(sglang, stack_settings):
                 url = f"http://127.0.0.1:{server.port}/v1/completions"
                 answers = []
                 for user in ("u1", "u2", "u3"):
-                    async with http.post(url, json={"prompt": "@p1 add x\n", "user_id": user, "session_id": f"s-{user}"}) as resp:
+                    async with http.post(
+                        url,
+                        json={"prompt": "@p1 add x\n", "user_id": user, "session_id": f"s-{user}"},
+                    ) as resp:
                         answers.append((resp.status, await resp.json()))
-                async with http.post(url, json={"prompt": "@p1 add x\n", "user_id": "u", "session_id": "s", "arm": "control"}) as resp:
+                async with http.post(
+                    url,
+                    json={
+                        "prompt": "@p1 add x\n",
+                        "user_id": "u",
+                        "session_id": "s",
+                        "arm": "control",
+                    },
+                ) as resp:
                     control = (resp.status, await resp.json())
-                async with http.post(url, json={"prompt": "@p1 add x\n", "user_id": "u", "session_id": "s", "stop": ["\n"]}) as resp:
+                async with http.post(
+                    url,
+                    json={
+                        "prompt": "@p1 add x\n",
+                        "user_id": "u",
+                        "session_id": "s",
+                        "stop": ["\n"],
+                    },
+                ) as resp:
                     stop = (resp.status, await resp.json())
                 return answers, control, stop
         finally:
@@ -407,8 +480,12 @@ def test_the_serving_api_fronts_sglang(sglang, stack_settings):
         record = records[answer["rollout_id"]]
         n = len(record.completion_token_ids)
         assert 0 < n <= 12 and record.completion_text == answer["text"]
-        assert [(s.policy_version, s.start, s.end) for s in record.version_spans] == [(version, 0, n)]
-        assert len(record.completion_logprobs) == n and all(lp <= 0 for lp in record.completion_logprobs)
+        assert [(s.policy_version, s.start, s.end) for s in record.version_spans] == [
+            (version, 0, n)
+        ]
+        assert len(record.completion_logprobs) == n and all(
+            lp <= 0 for lp in record.completion_logprobs
+        )
         assert record.worker_id == "inference-0" and record.arm == common_pb2.ARM_TREATMENT
     client = redis.Redis.from_url(stack_settings.redis_url)
     try:
@@ -421,11 +498,20 @@ def test_api_keys_keep_generation_to_the_serving_key_and_swaps_to_the_sidecars(t
     """Compose launches SGLang with --api-key (the serving API's) and --admin-api-key (the
     sidecars'): without a key nothing generates, and the serving key cannot swap weights."""
     model_dir = rig.write_tiny_model(tmp_path / "model", seed=0)
-    keyed = rig.start_server(model_dir, tmp_path / "sglang.log", api_key="serve-key", admin_api_key="admin-key")
+    keyed = rig.start_server(
+        model_dir, tmp_path / "sglang.log", api_key="serve-key", admin_api_key="admin-key"
+    )
     try:
         with pytest.raises(SGLangGenerationError, match="HTTP 401"):
             generate(keyed.url, ARM, greedy(4), timeout_s=60)
-        assert len(generate(keyed.url, ARM, greedy(4), timeout_s=60, api_key="serve-key").result.token_ids) == 4
+        assert (
+            len(
+                generate(
+                    keyed.url, ARM, greedy(4), timeout_s=60, api_key="serve-key"
+                ).result.token_ids
+            )
+            == 4
+        )
         with pytest.raises(SGLangRefused) as refused:
             SGLangWeights(keyed.url, api_key="serve-key").begin()  # the serving key alone: no swap
         assert refused.value.status == 401
@@ -434,14 +520,18 @@ def test_api_keys_keep_generation_to_the_serving_key_and_swaps_to_the_sidecars(t
         sidecar = SGLangSidecar(weights, served_inventory(model_dir), config)
         version = push(sidecar, dominant_weights("K"))
         after = generate(keyed.url, ARM, greedy(6), timeout_s=60, api_key="serve-key")
-        assert after.result.versions == (version,) * 6 and set(after.result.token_ids) == {encode("K")[0]}
+        assert after.result.versions == (version,) * 6 and set(after.result.token_ids) == {
+            encode("K")[0]
+        }
     finally:
         keyed.stop()
 
 
 def test_custom_ops_standin_refuses_every_op(tmp_path):
     root = rig.write_custom_ops_standin(tmp_path)
-    spec = importlib.util.spec_from_file_location("standin_custom_ops", root / "vllm" / "_custom_ops.py")
+    spec = importlib.util.spec_from_file_location(
+        "standin_custom_ops", root / "vllm" / "_custom_ops.py"
+    )
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     with pytest.raises(NotImplementedError, match="rotary_embedding"):

@@ -98,7 +98,9 @@ class Front:
         self._channel = grpc.aio.insecure_channel(f"127.0.0.1:{self.settings.grpc_port}")
         # No serializer: the request is sent as the bytes given, malformed or not.
         self._publish = self._channel.unary_unary(
-            "/rtrl.v1.Ingest/PublishEvents", request_serializer=None, response_deserializer=ingest_pb2.PublishEventsResponse.FromString
+            "/rtrl.v1.Ingest/PublishEvents",
+            request_serializer=None,
+            response_deserializer=ingest_pb2.PublishEventsResponse.FromString,
         )
 
     async def close(self) -> None:
@@ -109,9 +111,16 @@ class Front:
 
     def http(self, body: bytes, authorization: str | None = None) -> HttpAnswer:
         async def post() -> HttpAnswer:
-            headers = {"Content-Type": "application/json", "Authorization": self._authorization(authorization)}
-            async with self._http.post(f"http://127.0.0.1:{self.settings.http_port}/v1/events", data=body, headers=headers) as r:
-                return HttpAnswer(r.status, r.content_type, (await r.read()).decode("utf-8", "replace"))
+            headers = {
+                "Content-Type": "application/json",
+                "Authorization": self._authorization(authorization),
+            }
+            async with self._http.post(
+                f"http://127.0.0.1:{self.settings.http_port}/v1/events", data=body, headers=headers
+            ) as r:
+                return HttpAnswer(
+                    r.status, r.content_type, (await r.read()).decode("utf-8", "replace")
+                )
 
         return self.loop.run_until_complete(post())
 
@@ -129,7 +138,9 @@ class Front:
             lines = head.decode("latin-1").split("\r\n")
             fields = dict(line.lower().split(": ", 1) for line in lines[1:] if ": " in line)
             content_type = fields.get("content-type", "").split(";")[0]
-            return HttpAnswer(int(lines[0].split()[1]), content_type, body.decode("utf-8", "replace"))
+            return HttpAnswer(
+                int(lines[0].split()[1]), content_type, body.decode("utf-8", "replace")
+            )
 
         return self.loop.run_until_complete(exchange())
 
@@ -139,7 +150,9 @@ class Front:
             try:
                 response = await self._publish(raw, metadata=metadata, timeout=30)
             except grpc.aio.AioRpcError as exc:
-                return GrpcAnswer(exc.code(), exc.details() or "", tuple(exc.trailing_metadata() or ()), None)
+                return GrpcAnswer(
+                    exc.code(), exc.details() or "", tuple(exc.trailing_metadata() or ()), None
+                )
             return GrpcAnswer(grpc.StatusCode.OK, "", (), response)
 
         return self.loop.run_until_complete(call())
@@ -158,7 +171,12 @@ class Front:
 @pytest.fixture
 def front(stack_settings):
     loop = asyncio.new_event_loop()
-    ingest = IngestSettings(http_port=free_port(), grpc_port=free_port(), max_batch=MAX_BATCH, max_body_bytes=MAX_BODY_BYTES)
+    ingest = IngestSettings(
+        http_port=free_port(),
+        grpc_port=free_port(),
+        max_batch=MAX_BATCH,
+        max_body_bytes=MAX_BODY_BYTES,
+    )
     server = loop.run_until_complete(start(stack_settings, ingest))
     handle = Front(loop, ingest)
     try:
@@ -175,13 +193,20 @@ def front(stack_settings):
 
 # Examples are whole requests to a live gateway: slow to run, large, and not replayable
 # from a database (the gateway has moved on).
-SLOW_AND_LARGE = [HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much, HealthCheck.large_base_example]
+SLOW_AND_LARGE = [
+    HealthCheck.too_slow,
+    HealthCheck.data_too_large,
+    HealthCheck.filter_too_much,
+    HealthCheck.large_base_example,
+]
 
 
 def fuzz(strategy: st.SearchStrategy, examples: int, check) -> None:
     """Run ``check`` on ``examples`` values of ``strategy``, against the gateway already running."""
 
-    @settings(max_examples=examples, deadline=None, database=None, suppress_health_check=SLOW_AND_LARGE)
+    @settings(
+        max_examples=examples, deadline=None, database=None, suppress_health_check=SLOW_AND_LARGE
+    )
     @given(strategy)
     def run(value) -> None:
         check(value)
@@ -267,7 +292,9 @@ def json_mapping(body: bytes) -> ingest_pb2.PublishEventsRequest | None:
         return None
 
 
-def check_http_events(ledger: Ledger, answer: HttpAnswer, events, faults: list[str | None], kind: str) -> None:
+def check_http_events(
+    ledger: Ledger, answer: HttpAnswer, events, faults: list[str | None], kind: str
+) -> None:
     """A parsed batch: one result per event, the HTTP status the docstring gives for them."""
     due = ledger.due(events, faults)
     rejected = sum(s == REJECTED for s, _ in due)
@@ -281,7 +308,9 @@ def check_http_events(ledger: Ledger, answer: HttpAnswer, events, faults: list[s
     ledger.malformed["http", kind] += rejected
 
 
-def check_grpc_events(ledger: Ledger, answer: GrpcAnswer, events, faults: list[str | None], kind: str) -> None:
+def check_grpc_events(
+    ledger: Ledger, answer: GrpcAnswer, events, faults: list[str | None], kind: str
+) -> None:
     """A parsed batch: OK with one result per event, or INVALID_ARGUMENT naming every
     event's field when none is good."""
     due = ledger.due(events, faults)
@@ -290,7 +319,11 @@ def check_grpc_events(ledger: Ledger, answer: GrpcAnswer, events, faults: list[s
         assert answer.code == grpc.StatusCode.INVALID_ARGUMENT, answer
         assert answer.details.startswith("every event is invalid: "), answer.details
         for i, (_, fault) in enumerate(due[:20]):
-            assert f"event {i} (" in answer.details and f"): {fault}: " in answer.details, (i, fault, answer.details)
+            assert f"event {i} (" in answer.details and f"): {fault}: " in answer.details, (
+                i,
+                fault,
+                answer.details,
+            )
         ledger.record(events, [REJECTED] * len(events))
         return
     assert answer.code == grpc.StatusCode.OK, answer
@@ -320,12 +353,19 @@ def assert_landed_exactly_once(front: Front, ledger: Ledger, stack_settings) -> 
             sent = telemetry_pb2.TelemetryEvent()
             sent.CopyFrom(ledger.published[event.event_id])
             sent.client_id = "fuzz-client"  # stamped by the gateway from the key
-            assert (topic, key, event) == (topics.BY_PAYLOAD[sent.WhichOneof("payload")], sent.rollout_id.encode(), sent)
+            assert (topic, key, event) == (
+                topics.BY_PAYLOAD[sent.WhichOneof("payload")],
+                sent.rollout_id.encode(),
+                sent,
+            )
 
     status, health = front.health()
     assert status == 200 and health["status"] == "ok"
     outcomes = ("accepted", "duplicate", "rejected", "retry", "privacy")
-    assert {k: health[k] for k in (*outcomes, "inflight")} == {**{k: ledger.answered[k] for k in outcomes}, "inflight": 0}
+    assert {k: health[k] for k in (*outcomes, "inflight")} == {
+        **{k: ledger.answered[k] for k in outcomes},
+        "inflight": 0,
+    }
     assert ledger.answered["retry"] == 0
 
 
@@ -333,14 +373,26 @@ def assert_landed_exactly_once(front: Front, ledger: Ledger, stack_settings) -> 
 
 
 def good_event(
-    payload: str, rollout_id: str | tuple = "r1", text: str | tuple = "x = 1\n", seconds: float = 5.0, outcome: int = 1,
-    age_ms: int = 1_000, private: bool = False,
+    payload: str,
+    rollout_id: str | tuple = "r1",
+    text: str | tuple = "x = 1\n",
+    seconds: float = 5.0,
+    outcome: int = 1,
+    age_ms: int = 1_000,
+    private: bool = False,
 ) -> telemetry_pb2.TelemetryEvent:
     """A fresh event the gateway must take; a (character, count) text stands for that many."""
-    rollout_id, text = (value[0] * value[1] if isinstance(value, tuple) else value for value in (rollout_id, text))
+    rollout_id, text = (
+        value[0] * value[1] if isinstance(value, tuple) else value for value in (rollout_id, text)
+    )
     event = telemetry_pb2.TelemetryEvent(
-        event_id=str(uuid.uuid4()), rollout_id=rollout_id, session_id="s1", user_id="u1",
-        client_ts_ms=wall_ms() - age_ms, schema_version=1, privacy_mode=private,
+        event_id=str(uuid.uuid4()),
+        rollout_id=rollout_id,
+        session_id="s1",
+        user_id="u1",
+        client_ts_ms=wall_ms() - age_ms,
+        schema_version=1,
+        privacy_mode=private,
     )
     if payload == "edit_shown":
         event.edit_shown.file_path, event.edit_shown.edit_text = "a.py", text
@@ -359,7 +411,9 @@ def fresh_batch(n: int) -> list[telemetry_pb2.TelemetryEvent]:
 
 def as_json(events, proto_names: bool = False) -> bytes:
     request = ingest_pb2.PublishEventsRequest(events=events)
-    return json_format.MessageToJson(request, preserving_proto_field_name=proto_names, indent=None).encode()
+    return json_format.MessageToJson(
+        request, preserving_proto_field_name=proto_names, indent=None
+    ).encode()
 
 
 def as_proto(events) -> bytes:
@@ -396,30 +450,56 @@ flips = st.lists(st.tuples(st.integers(0, 10**6), st.integers(0, 7)), min_size=1
 # Names at every level of the request, in both spellings: anything else is an unknown field.
 KNOWN_NAMES = {
     name
-    for message in (ingest_pb2.PublishEventsRequest, telemetry_pb2.TelemetryEvent, telemetry_pb2.EditShown,
-                    telemetry_pb2.EditOutcome, telemetry_pb2.PersistenceSnapshot, telemetry_pb2.FollowUp)
-    for f in message.DESCRIPTOR.fields for name in (f.name, f.json_name)
+    for message in (
+        ingest_pb2.PublishEventsRequest,
+        telemetry_pb2.TelemetryEvent,
+        telemetry_pb2.EditShown,
+        telemetry_pb2.EditOutcome,
+        telemetry_pb2.PersistenceSnapshot,
+        telemetry_pb2.FollowUp,
+    )
+    for f in message.DESCRIPTOR.fields
+    for name in (f.name, f.json_name)
 }
 # "[name]" is how the JSON mapping spells an extension
-unknown_names = st.text(min_size=1, max_size=20).filter(lambda s: s not in KNOWN_NAMES and not (s.startswith("[") and s.endswith("]")))
+unknown_names = st.text(min_size=1, max_size=20).filter(
+    lambda s: s not in KNOWN_NAMES and not (s.startswith("[") and s.endswith("]"))
+)
 json_scalars = st.one_of(
-    st.none(), st.booleans(), st.integers(-(2**70), 2**70), st.floats(allow_nan=False, allow_infinity=False), st.text(max_size=10)
+    st.none(),
+    st.booleans(),
+    st.integers(-(2**70), 2**70),
+    st.floats(allow_nan=False, allow_infinity=False),
+    st.text(max_size=10),
 )
 json_values = st.recursive(
-    json_scalars, lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=5), inner, max_size=3), max_leaves=8
+    json_scalars,
+    lambda inner: (
+        st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=5), inner, max_size=3)
+    ),
+    max_leaves=8,
 )
 
 # A JSON value of a type the field's mapping does not take. protobuf's parser reads an empty
 # array or string where a message goes as the empty message, a bool as a double and a
 # fraction as an enum number: test_json_of_the_wrong_type_is_refused_whole pins those.
 objects = st.dictionaries(st.text(max_size=5), json_scalars, min_size=1, max_size=3)
-arrays = st.lists(json_scalars, min_size=1, max_size=3).filter(lambda a: not all(isinstance(x, str) for x in a))
+arrays = st.lists(json_scalars, min_size=1, max_size=3).filter(
+    lambda a: not all(isinstance(x, str) for x in a)
+)
 fractions = st.floats().filter(lambda x: not (math.isfinite(x) and x == int(x)))
 letters = st.text(alphabet="abcxyz ", min_size=1)
 WRONG_TYPES = {
     "string": st.one_of(st.booleans(), st.integers(), st.floats(), objects, arrays),
     "int64": st.one_of(st.booleans(), fractions, letters, objects, arrays),
-    "uint32": st.one_of(st.booleans(), st.integers(max_value=-1), st.integers(min_value=2**32), letters, objects, arrays),
+    "uint32": st.one_of(
+        st.booleans(),
+        st.integers(max_value=-1),
+        st.integers(min_value=2**32),
+        letters,
+        objects,
+        arrays,
+    ),
     "double": st.one_of(letters, objects, arrays),
     "bool": st.one_of(st.integers(), st.text(max_size=5), objects, arrays),
     "enum": st.one_of(letters, objects, arrays, st.integers(min_value=2**31)),
@@ -427,11 +507,31 @@ WRONG_TYPES = {
 }
 # (path from the event, JSON type) of every field a fresh_batch event can carry.
 EVENT_FIELDS = {
-    "edit_shown": [("eventId", "string"), ("rolloutId", "string"), ("clientTsMs", "int64"), ("schemaVersion", "uint32"),
-                   ("editShown", "message"), ("editShown.filePath", "string"), ("editShown.editText", "string")],
-    "edit_outcome": [("sessionId", "string"), ("userId", "string"), ("privacyMode", "bool"), ("editOutcome.outcome", "enum")],
-    "persistence": [("persistence.secondsAfterEdit", "double"), ("persistence.regionText", "string"), ("persistence", "message")],
-    "followup": [("followup.secondsAfterEdit", "double"), ("followup.message", "string"), ("followup", "message")],
+    "edit_shown": [
+        ("eventId", "string"),
+        ("rolloutId", "string"),
+        ("clientTsMs", "int64"),
+        ("schemaVersion", "uint32"),
+        ("editShown", "message"),
+        ("editShown.filePath", "string"),
+        ("editShown.editText", "string"),
+    ],
+    "edit_outcome": [
+        ("sessionId", "string"),
+        ("userId", "string"),
+        ("privacyMode", "bool"),
+        ("editOutcome.outcome", "enum"),
+    ],
+    "persistence": [
+        ("persistence.secondsAfterEdit", "double"),
+        ("persistence.regionText", "string"),
+        ("persistence", "message"),
+    ],
+    "followup": [
+        ("followup.secondsAfterEdit", "double"),
+        ("followup.message", "string"),
+        ("followup", "message"),
+    ],
 }
 
 
@@ -467,7 +567,11 @@ def deep_nesting(draw) -> Probe:
     depth = draw(st.integers(2, 200_000))
     opener, closer = draw(st.sampled_from([("[", "]"), ('{"a":', "}")]))
     nested = opener * depth + "1" + closer * depth
-    where = draw(st.sampled_from(["{}", '{{"events": {}}}', '{{"events": [{}]}}', '{{"events": [{{"editShown": {}}}]}}']))
+    where = draw(
+        st.sampled_from(
+            ["{}", '{{"events": {}}}', '{{"events": [{}]}}', '{{"events": [{{"editShown": {}}}]}}']
+        )
+    )
     return Probe("deep nesting", where.format(nested).encode())
 
 
@@ -477,7 +581,9 @@ def deep_groups(draw) -> Probe:
     depth = draw(st.integers(1, 100_000))
     closed = draw(st.integers(0, depth))
     nested = tag(15, 3) * depth + tag(15, 4) * closed
-    event = nested if draw(st.booleans()) else tag(10, 2) + encoder._VarintBytes(len(nested)) + nested
+    event = (
+        nested if draw(st.booleans()) else tag(10, 2) + encoder._VarintBytes(len(nested)) + nested
+    )
     return Probe("deep nesting", tag(1, 2) + encoder._VarintBytes(len(event)) + event)
 
 
@@ -487,8 +593,12 @@ def non_utf8(draw) -> Probe:
     body = as_json(events)
     at = draw(st.integers(0, len(body)))
     # a stray byte, a cut sequence, a UTF-16 surrogate, an overlong '/', a 5-byte form
-    junk = draw(st.sampled_from([b"\xff", b"\xc3", b"\xed\xa0\x80", b"\xc0\xaf", b"\xf8\x88\x80\x80\x80"]))
-    return Probe("not UTF-8", body[:at] + junk + body[at:], tuple(events), mentions=("codec can't decode",))
+    junk = draw(
+        st.sampled_from([b"\xff", b"\xc3", b"\xed\xa0\x80", b"\xc0\xaf", b"\xf8\x88\x80\x80\x80"])
+    )
+    return Probe(
+        "not UTF-8", body[:at] + junk + body[at:], tuple(events), mentions=("codec can't decode",)
+    )
 
 
 @st.composite
@@ -509,7 +619,11 @@ def garbage_spliced(draw) -> Probe:
     events = draw(small_batches())
     body = as_proto(events)
     at = draw(st.integers(0, len(body)))
-    return Probe("garbage spliced in", body[:at] + draw(st.binary(min_size=1, max_size=32)) + body[at:], tuple(events))
+    return Probe(
+        "garbage spliced in",
+        body[:at] + draw(st.binary(min_size=1, max_size=32)) + body[at:],
+        tuple(events),
+    )
 
 
 def tag(number: int, wire_type: int) -> bytes:
@@ -519,17 +633,30 @@ def tag(number: int, wire_type: int) -> bytes:
 # Fields 1-14 of an event written with any wire type: a known field with the wrong wire
 # type is an unknown field to the parser, and the event then misses the real one.
 wire_field = st.one_of(
-    st.tuples(st.integers(1, 14), st.integers(0, 2**64 - 1)).map(lambda f: tag(f[0], 0) + encoder._VarintBytes(f[1])),
-    st.tuples(st.integers(1, 14), st.binary(max_size=40)).map(lambda f: tag(f[0], 2) + encoder._VarintBytes(len(f[1])) + f[1]),
-    st.tuples(st.integers(1, 14), st.binary(min_size=8, max_size=8)).map(lambda f: tag(f[0], 1) + f[1]),
-    st.tuples(st.integers(1, 14), st.binary(min_size=4, max_size=4)).map(lambda f: tag(f[0], 5) + f[1]),
+    st.tuples(st.integers(1, 14), st.integers(0, 2**64 - 1)).map(
+        lambda f: tag(f[0], 0) + encoder._VarintBytes(f[1])
+    ),
+    st.tuples(st.integers(1, 14), st.binary(max_size=40)).map(
+        lambda f: tag(f[0], 2) + encoder._VarintBytes(len(f[1])) + f[1]
+    ),
+    st.tuples(st.integers(1, 14), st.binary(min_size=8, max_size=8)).map(
+        lambda f: tag(f[0], 1) + f[1]
+    ),
+    st.tuples(st.integers(1, 14), st.binary(min_size=4, max_size=4)).map(
+        lambda f: tag(f[0], 5) + f[1]
+    ),
 )
 
 
 @st.composite
 def wire_soup(draw) -> Probe:
-    events = [draw(st.lists(wire_field, max_size=8).map(b"".join)) for _ in range(draw(st.integers(1, 4)))]
-    return Probe("fields of any wire type", b"".join(tag(1, 2) + encoder._VarintBytes(len(e)) + e for e in events))
+    events = [
+        draw(st.lists(wire_field, max_size=8).map(b"".join)) for _ in range(draw(st.integers(1, 4)))
+    ]
+    return Probe(
+        "fields of any wire type",
+        b"".join(tag(1, 2) + encoder._VarintBytes(len(e)) + e for e in events),
+    )
 
 
 @st.composite
@@ -541,15 +668,25 @@ def oversized_batch(draw, serialize) -> Probe:
 @st.composite
 def bad_api_key(draw, serialize) -> Probe:
     events = fresh_batch(2)
-    token = draw(st.text(alphabet=st.characters(min_codepoint=0x21, max_codepoint=0x7E), max_size=60))
+    token = draw(
+        st.text(alphabet=st.characters(min_codepoint=0x21, max_codepoint=0x7E), max_size=60)
+    )
     authorization = draw(st.sampled_from(["Bearer ", "bearer ", "Basic ", ""])) + token
-    return Probe("bad API key", serialize(events), tuple(events), mentions=("API key",), authorization=authorization)
+    return Probe(
+        "bad API key",
+        serialize(events),
+        tuple(events),
+        mentions=("API key",),
+        authorization=authorization,
+    )
 
 
 random_bytes = st.binary(max_size=512).map(lambda b: Probe("random bytes", b))
 HTTP_PROBES = (
     random_bytes,
-    st.text(alphabet=" \t\r\n", max_size=64).map(lambda s: Probe("empty body", s.encode(), mentions=("Expecting value",))),
+    st.text(alphabet=" \t\r\n", max_size=64).map(
+        lambda s: Probe("empty body", s.encode(), mentions=("Expecting value",))
+    ),
     non_utf8(),
     wrong_type(),
     unknown_field(),
@@ -573,7 +710,11 @@ GRPC_PROBES = (
 
 def send_http_probe(front: Front, ledger: Ledger, probe: Probe) -> None:
     request = json_mapping(probe.body)
-    faults = faults_at_gateway_clock(request.events) if request is not None and len(request.events) <= MAX_BATCH else []
+    faults = (
+        faults_at_gateway_clock(request.events)
+        if request is not None and len(request.events) <= MAX_BATCH
+        else []
+    )
     answer = front.http(probe.body, probe.authorization)
     if probe.authorization is not None:
         assert answer.status == 401 and "API key" in json.loads(answer.text)["error"], answer
@@ -597,14 +738,22 @@ def send_grpc_probe(front: Front, ledger: Ledger, probe: Probe) -> None:
         request = ingest_pb2.PublishEventsRequest.FromString(probe.body)
     except DecodeError:
         request = None
-    faults = faults_at_gateway_clock(request.events) if request is not None and len(request.events) <= MAX_BATCH else []
+    faults = (
+        faults_at_gateway_clock(request.events)
+        if request is not None and len(request.events) <= MAX_BATCH
+        else []
+    )
     answer = front.grpc(probe.body, probe.authorization)
     if probe.authorization is not None:
-        assert answer.code == grpc.StatusCode.UNAUTHENTICATED and "API key" in answer.details, answer
+        assert answer.code == grpc.StatusCode.UNAUTHENTICATED and "API key" in answer.details, (
+            answer
+        )
         ledger.refused(probe.events)
     elif request is None:
         assert answer.code == grpc.StatusCode.INVALID_ARGUMENT, answer
-        assert answer.details.startswith("request is not a serialized rtrl.v1.PublishEventsRequest: "), answer.details
+        assert answer.details.startswith(
+            "request is not a serialized rtrl.v1.PublishEventsRequest: "
+        ), answer.details
         ledger.refused(probe.events)
     elif len(request.events) > MAX_BATCH:
         too_many = f"batch has {len(request.events)} events, at most {MAX_BATCH} allowed"
@@ -621,7 +770,10 @@ def send_grpc_probe(front: Front, ledger: Ledger, probe: Probe) -> None:
 @pytest.mark.slow
 def test_malformed_requests_are_refused_whole_with_the_reason(front, stack_settings):
     ledger = Ledger()
-    for probes, send, examples in ((HTTP_PROBES, send_http_probe, 260), (GRPC_PROBES, send_grpc_probe, 320)):
+    for probes, send, examples in (
+        (HTTP_PROBES, send_http_probe, 260),
+        (GRPC_PROBES, send_grpc_probe, 320),
+    ):
         for strategy in probes:
             fuzz(strategy, examples, lambda probe, send=send: send(front, ledger, probe))
 
@@ -638,17 +790,25 @@ WHITESPACE = " \t\n\r\x0b\x0c\x1c\u00a0\u2003\u3000"
 # One text in 20 at the size limit, exactly: in bytes, not characters. Long values are
 # drawn as (character, count), so a failing example prints short.
 AT_THE_LIMIT = (("x", MAX_TEXT_BYTES), ("é", MAX_TEXT_BYTES // 2))
-good_texts = st.tuples(st.integers(0, 39), st.text(max_size=20)).map(lambda t: AT_THE_LIMIT[t[0]] if t[0] < 2 else t[1])
-good_spec = st.fixed_dictionaries({
-    "payload": st.sampled_from(PAYLOADS),
-    "rollout_id": st.one_of(st.text(min_size=1, max_size=16).filter(str.strip), st.just(("r", 128))),
-    "text": good_texts,
-    "seconds": st.one_of(st.floats(min_value=0, max_value=1e12), st.sampled_from([0.0, -0.0, 5e-324])),
-    "outcome": st.sampled_from([1, 2]),
-    # at most 4 minutes ahead, at least 15 minutes inside the 7-day window
-    "age_ms": st.integers(-4 * 60_000, 7 * DAY_MS - 15 * 60_000),
-    "private": st.integers(0, 9).map(lambda n: n == 9),
-})
+good_texts = st.tuples(st.integers(0, 39), st.text(max_size=20)).map(
+    lambda t: AT_THE_LIMIT[t[0]] if t[0] < 2 else t[1]
+)
+good_spec = st.fixed_dictionaries(
+    {
+        "payload": st.sampled_from(PAYLOADS),
+        "rollout_id": st.one_of(
+            st.text(min_size=1, max_size=16).filter(str.strip), st.just(("r", 128))
+        ),
+        "text": good_texts,
+        "seconds": st.one_of(
+            st.floats(min_value=0, max_value=1e12), st.sampled_from([0.0, -0.0, 5e-324])
+        ),
+        "outcome": st.sampled_from([1, 2]),
+        # at most 4 minutes ahead, at least 15 minutes inside the 7-day window
+        "age_ms": st.integers(-4 * 60_000, 7 * DAY_MS - 15 * 60_000),
+        "private": st.integers(0, 9).map(lambda n: n == 9),
+    }
+)
 non_canonical_ids = st.text(max_size=24).filter(lambda s: not _canonical_uuid(s))
 
 
@@ -661,28 +821,64 @@ def _canonical_uuid(value: str) -> bool:
 
 # (field, how to spoil it); the recipes are resolved against a fresh uuid and the clock by spoil().
 envelope_faults = st.one_of(
-    st.tuples(st.just("event_id"), st.sampled_from(["upper", "braces", "urn", "hex", "padded", "fullwidth", "nul"]), st.none()),
+    st.tuples(
+        st.just("event_id"),
+        st.sampled_from(["upper", "braces", "urn", "hex", "padded", "fullwidth", "nul"]),
+        st.none(),
+    ),
     st.tuples(st.just("event_id"), st.just("text"), non_canonical_ids),
     st.tuples(st.just("event_id"), st.just("huge"), st.integers(129, 20_000)),
-    st.tuples(st.sampled_from(["rollout_id", "session_id", "user_id"]), st.just("blank"), st.text(alphabet=WHITESPACE, max_size=4)),
-    st.tuples(st.sampled_from(["rollout_id", "session_id", "user_id"]), st.just("huge"), st.integers(129, 5_000)),
-    st.tuples(st.just("schema_version"), st.just("value"), st.integers(0, 2**32 - 1).filter(lambda v: v != 1)),
+    st.tuples(
+        st.sampled_from(["rollout_id", "session_id", "user_id"]),
+        st.just("blank"),
+        st.text(alphabet=WHITESPACE, max_size=4),
+    ),
+    st.tuples(
+        st.sampled_from(["rollout_id", "session_id", "user_id"]),
+        st.just("huge"),
+        st.integers(129, 5_000),
+    ),
+    st.tuples(
+        st.just("schema_version"),
+        st.just("value"),
+        st.integers(0, 2**32 - 1).filter(lambda v: v != 1),
+    ),
     st.tuples(st.just("client_ts_ms"), st.sampled_from(["past", "future"]), st.integers(0, 2**63)),
 )
-negative_or_not_finite = st.one_of(st.floats(max_value=-5e-324), st.sampled_from([math.nan, math.inf, -math.nan]))
+negative_or_not_finite = st.one_of(
+    st.floats(max_value=-5e-324), st.sampled_from([math.nan, math.inf, -math.nan])
+)
 payload_faults = st.one_of(
     st.tuples(st.just("payload"), st.just("none"), st.none()),
-    st.tuples(st.just("edit_outcome.outcome"), st.just("value"), st.integers(-(2**31), 2**31 - 1).filter(lambda v: v not in (1, 2))),
-    st.tuples(st.sampled_from(["persistence.seconds_after_edit", "followup.seconds_after_edit"]), st.just("value"), negative_or_not_finite),
     st.tuples(
-        st.sampled_from(["edit_shown.edit_text", "edit_shown.file_path", "persistence.region_text", "followup.message"]),
-        st.just("oversized"), st.tuples(st.sampled_from(["x", "é", "€", "😀"]), st.integers(0, 50)),
+        st.just("edit_outcome.outcome"),
+        st.just("value"),
+        st.integers(-(2**31), 2**31 - 1).filter(lambda v: v not in (1, 2)),
+    ),
+    st.tuples(
+        st.sampled_from(["persistence.seconds_after_edit", "followup.seconds_after_edit"]),
+        st.just("value"),
+        negative_or_not_finite,
+    ),
+    st.tuples(
+        st.sampled_from(
+            [
+                "edit_shown.edit_text",
+                "edit_shown.file_path",
+                "persistence.region_text",
+                "followup.message",
+            ]
+        ),
+        st.just("oversized"),
+        st.tuples(st.sampled_from(["x", "é", "€", "😀"]), st.integers(0, 50)),
     ),
 )
 # Up to three envelope faults and one in the payload, on an otherwise good event.
-bad_spec = st.tuples(st.lists(envelope_faults, max_size=3, unique_by=lambda f: f[0]), st.none() | payload_faults, good_spec).filter(
-    lambda spec: spec[0] or spec[1] is not None
-)
+bad_spec = st.tuples(
+    st.lists(envelope_faults, max_size=3, unique_by=lambda f: f[0]),
+    st.none() | payload_faults,
+    good_spec,
+).filter(lambda spec: spec[0] or spec[1] is not None)
 event_spec = st.one_of(
     good_spec.map(lambda g: ("good", g)),
     bad_spec.map(lambda b: ("bad", b)),
@@ -690,7 +886,9 @@ event_spec = st.one_of(
     bad_spec.map(lambda b: ("bad", b)),
     st.tuples(st.just("resend"), st.integers(0, 10**9)),
     st.tuples(st.just("repeat"), st.integers(0, 10**9)),
-    st.tuples(st.just("bad copy"), st.integers(0, 10**9), st.one_of(envelope_faults, payload_faults)),
+    st.tuples(
+        st.just("bad copy"), st.integers(0, 10**9), st.one_of(envelope_faults, payload_faults)
+    ),
 )
 batches = st.tuples(st.lists(event_spec, min_size=20, max_size=40), st.booleans())
 
@@ -702,11 +900,17 @@ def spoil(event: telemetry_pb2.TelemetryEvent, fault: tuple) -> None:
         while canonical.upper() == canonical:  # all digits: no upper-case spelling
             canonical = str(uuid.uuid4())
         spellings = {
-            "upper": canonical.upper(), "braces": "{" + canonical + "}", "urn": "urn:uuid:" + canonical,
-            "hex": canonical.replace("-", ""), "padded": f" {canonical} ", "fullwidth": canonical.replace("4", "\uff14", 1),
+            "upper": canonical.upper(),
+            "braces": "{" + canonical + "}",
+            "urn": "urn:uuid:" + canonical,
+            "hex": canonical.replace("-", ""),
+            "padded": f" {canonical} ",
+            "fullwidth": canonical.replace("4", "\uff14", 1),
             "nul": canonical + "\x00",
         }
-        event.event_id = arg if recipe == "text" else "a" * arg if recipe == "huge" else spellings[recipe]
+        event.event_id = (
+            arg if recipe == "text" else "a" * arg if recipe == "huge" else spellings[recipe]
+        )
     elif name in ("rollout_id", "session_id", "user_id"):
         setattr(event, name, arg if recipe == "blank" else "é" * arg)
     elif name == "schema_version":
@@ -739,7 +943,9 @@ def first_fault(faults: list[tuple]) -> str:
     return min(envelope, key=ENVELOPE.index) if envelope else faults[-1][0]
 
 
-def resolve(ledger: Ledger, specs: list[tuple]) -> tuple[list[telemetry_pb2.TelemetryEvent], list[str | None]]:
+def resolve(
+    ledger: Ledger, specs: list[tuple]
+) -> tuple[list[telemetry_pb2.TelemetryEvent], list[str | None]]:
     """The batch the specs describe and the field at fault in each event (None: good)."""
     events, faults = [], []
     for spec in specs:
@@ -804,14 +1010,62 @@ def test_bad_events_are_rejected_by_field_and_good_ones_land_exactly_once(front,
 gzipped = gzip.compress(b'{"events": []}' * 50)
 UNDECODABLE = [
     # (case, header lines, body, status, what the answer must mention)
-    ("gzip declared, the body is not gzip", b"Content-Encoding: gzip\r\n", b"\x00junk", 400, "gzip"),
-    ("gzip stream corrupt midway", b"Content-Encoding: gzip\r\n", gzipped[:20] + b"\xff" * 10 + gzipped[30:], 400, "gzip"),
-    ("deflate declared, the body is not deflate", b"Content-Encoding: deflate\r\n", b"\x00junk", 400, "deflate"),
-    ("a chunk size that is not hex", b"Transfer-Encoding: chunked\r\n", b"zz\r\nabc\r\n0\r\n\r\n", 400, "chunk"),
-    ("Content-Length and chunked both", b"Transfer-Encoding: chunked\r\nContent-Length: 2\r\n", b"{}", 400, "Content-Length"),
-    ("an API key that is not UTF-8", b"Authorization: Bearer \xff\xfe\r\n", b'{"events": []}', 401, "API key"),
-    ("an encoding the gateway does not take", b"Content-Encoding: x-rot13\r\n", b'{"events": []}', 415, "x-rot13"),
-    ("a gzip body without a Content-Length", b"Content-Encoding: gzip\r\nTransfer-Encoding: chunked\r\n", b"5\r\nabcde\r\n0\r\n\r\n", 411, "Content-Length"),
+    (
+        "gzip declared, the body is not gzip",
+        b"Content-Encoding: gzip\r\n",
+        b"\x00junk",
+        400,
+        "gzip",
+    ),
+    (
+        "gzip stream corrupt midway",
+        b"Content-Encoding: gzip\r\n",
+        gzipped[:20] + b"\xff" * 10 + gzipped[30:],
+        400,
+        "gzip",
+    ),
+    (
+        "deflate declared, the body is not deflate",
+        b"Content-Encoding: deflate\r\n",
+        b"\x00junk",
+        400,
+        "deflate",
+    ),
+    (
+        "a chunk size that is not hex",
+        b"Transfer-Encoding: chunked\r\n",
+        b"zz\r\nabc\r\n0\r\n\r\n",
+        400,
+        "chunk",
+    ),
+    (
+        "Content-Length and chunked both",
+        b"Transfer-Encoding: chunked\r\nContent-Length: 2\r\n",
+        b"{}",
+        400,
+        "Content-Length",
+    ),
+    (
+        "an API key that is not UTF-8",
+        b"Authorization: Bearer \xff\xfe\r\n",
+        b'{"events": []}',
+        401,
+        "API key",
+    ),
+    (
+        "an encoding the gateway does not take",
+        b"Content-Encoding: x-rot13\r\n",
+        b'{"events": []}',
+        415,
+        "x-rot13",
+    ),
+    (
+        "a gzip body without a Content-Length",
+        b"Content-Encoding: gzip\r\nTransfer-Encoding: chunked\r\n",
+        b"5\r\nabcde\r\n0\r\n\r\n",
+        411,
+        "Content-Length",
+    ),
 ]
 
 
@@ -825,7 +1079,9 @@ def test_undecodable_http_requests_get_a_4xx_not_a_500(front):
             head += b"Content-Length: %d\r\n" % len(body)
         answer = front.raw_http(head + header_lines + b"\r\n" + body)
         if answer.status != status or mention.lower() not in answer.text.lower():
-            failures.append(f"{case}: want {status} mentioning {mention!r}, got {answer.status} {answer.text[:100]!r}")
+            failures.append(
+                f"{case}: want {status} mentioning {mention!r}, got {answer.status} {answer.text[:100]!r}"
+            )
     assert not failures, "\n".join(failures)
     assert front.health()[0] == 200
 
@@ -835,7 +1091,10 @@ def test_a_compression_bomb_is_refused_before_the_key_and_stopped_at_the_bound_a
     key, and with one refused at max_inflation x its size, the rest left unread; the gateway
     keeps answering."""
     bomb = gzip.compress(b" " * (61 << 20), compresslevel=9)
-    head = b"POST /v1/events HTTP/1.1\r\nHost: ingest\r\nConnection: close\r\nContent-Encoding: gzip\r\nContent-Length: %d\r\n" % len(bomb)
+    head = (
+        b"POST /v1/events HTTP/1.1\r\nHost: ingest\r\nConnection: close\r\nContent-Encoding: gzip\r\nContent-Length: %d\r\n"
+        % len(bomb)
+    )
     for authorization, status, mention in (
         (b"", 401, "API key"),
         (b"Authorization: Bearer not-a-key\r\n", 401, "unknown API key"),
@@ -846,13 +1105,20 @@ def test_a_compression_bomb_is_refused_before_the_key_and_stopped_at_the_bound_a
     assert front.health()[0] == 200
     # gRPC likewise: a stranger's request is refused on its metadata, before it is parsed.
     answer = front.grpc(b"\xff not a protobuf", "Bearer not-a-key")
-    assert answer.code == grpc.StatusCode.UNAUTHENTICATED and "unknown API key" in answer.details, answer
+    assert answer.code == grpc.StatusCode.UNAUTHENTICATED and "unknown API key" in answer.details, (
+        answer
+    )
     answer = front.grpc(b"\xff not a protobuf")
     assert answer.code == grpc.StatusCode.INVALID_ARGUMENT, answer
     # An honest compressed batch still goes through.
     body = gzip.compress(as_json([good_event("followup")]))
-    head = b"POST /v1/events HTTP/1.1\r\nHost: ingest\r\nConnection: close\r\nContent-Encoding: gzip\r\nContent-Length: %d\r\n" % len(body)
-    answer = front.raw_http(head + f"Authorization: Bearer {front.api_key}\r\n".encode() + b"\r\n" + body)
+    head = (
+        b"POST /v1/events HTTP/1.1\r\nHost: ingest\r\nConnection: close\r\nContent-Encoding: gzip\r\nContent-Length: %d\r\n"
+        % len(body)
+    )
+    answer = front.raw_http(
+        head + f"Authorization: Bearer {front.api_key}\r\n".encode() + b"\r\n" + body
+    )
     assert answer.status == 200, answer
 
 
@@ -862,7 +1128,9 @@ def test_oversized_messages_are_refused_by_size(front):
     # gRPC refuses a message over max_receive_message_length itself, before the servicer
     # runs, with its own code; without a retry-after it does not read as backpressure.
     answer = front.grpc(b"\x00" * (MAX_BODY_BYTES + 1))
-    assert answer.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "larger than max" in answer.details, answer
+    assert (
+        answer.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "larger than max" in answer.details
+    ), answer
     assert "retry-after" not in dict(answer.trailing)
 
 
@@ -884,9 +1152,18 @@ NOT_THE_JSON_MAPPING = [
     ("an event given as an array", lambda: b'{"events": [[]]}'),
     ("a payload given as an array", lambda: one_good_event_with("edit_shown", "editShown", [])),
     ("a payload given as a string", lambda: one_good_event_with("followup", "followup", "")),
-    ("a bool for a double", lambda: one_good_event_with("persistence", "persistence.secondsAfterEdit", True)),
-    ("a fraction for an enum", lambda: one_good_event_with("edit_outcome", "editOutcome.outcome", 1.5)),
-    ("a bool for an enum", lambda: one_good_event_with("edit_outcome", "editOutcome.outcome", True)),
+    (
+        "a bool for a double",
+        lambda: one_good_event_with("persistence", "persistence.secondsAfterEdit", True),
+    ),
+    (
+        "a fraction for an enum",
+        lambda: one_good_event_with("edit_outcome", "editOutcome.outcome", 1.5),
+    ),
+    (
+        "a bool for an enum",
+        lambda: one_good_event_with("edit_outcome", "editOutcome.outcome", True),
+    ),
 ]
 
 
@@ -894,6 +1171,12 @@ def test_json_of_the_wrong_type_is_refused_whole(front):
     failures = []
     for case, body in NOT_THE_JSON_MAPPING:
         answer = front.http(body())
-        if answer.status != 400 or answer.content_type != "application/json" or "error" not in json.loads(answer.text):
-            failures.append(f"{case}: want 400 with an error, got {answer.status} {answer.text[:100]!r}")
+        if (
+            answer.status != 400
+            or answer.content_type != "application/json"
+            or "error" not in json.loads(answer.text)
+        ):
+            failures.append(
+                f"{case}: want 400 with an error, got {answer.status} {answer.text[:100]!r}"
+            )
     assert not failures, "\n".join(failures)

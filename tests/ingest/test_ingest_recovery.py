@@ -39,7 +39,9 @@ class DiesBeforeTheBroker:
 
 
 @pytest.mark.guarantee(1)
-def test_events_abandoned_mid_produce_are_settled_from_the_topic(stack_settings, collect_kafka_clients):
+def test_events_abandoned_mid_produce_are_settled_from_the_topic(
+    stack_settings, collect_kafka_clients
+):
     landed = [shown(f"landed-{i}") for i in range(30)]
     lost = [shown(f"lost-{i}") for i in range(20)]
     kwargs = dict(dedup_ttl_s=3600, claim_ttl_s=30, max_inflight=1000)
@@ -48,7 +50,10 @@ def test_events_abandoned_mid_produce_are_settled_from_the_topic(stack_settings,
         client = aioredis.Redis.from_url(stack_settings.redis_url)
         producer = kafka.AsyncProducer(stack_settings)
         try:
-            for dying, events in ((DiesAfterTheBroker(producer), landed), (DiesBeforeTheBroker(), lost)):
+            for dying, events in (
+                (DiesAfterTheBroker(producer), landed),
+                (DiesBeforeTheBroker(), lost),
+            ):
                 with pytest.raises(Killed):
                     await Gateway(dying, client, **kwargs).publish(events)
             assert await client.hlen(INFLIGHT) == 50
@@ -60,8 +65,16 @@ def test_events_abandoned_mid_produce_are_settled_from_the_topic(stack_settings,
             assert {r.status for r in results} == {RETRY}
 
             # A sweep only takes records older than the claim TTL: these are not, yet.
-            assert await asyncio.to_thread(sweep, stack_settings, stack_settings.redis_url, older_than_ms=30_000, dedup_ttl_s=3600) == Sweep(0, 0)
-            settled = await asyncio.to_thread(sweep, stack_settings, stack_settings.redis_url, older_than_ms=0, dedup_ttl_s=3600)
+            assert await asyncio.to_thread(
+                sweep,
+                stack_settings,
+                stack_settings.redis_url,
+                older_than_ms=30_000,
+                dedup_ttl_s=3600,
+            ) == Sweep(0, 0)
+            settled = await asyncio.to_thread(
+                sweep, stack_settings, stack_settings.redis_url, older_than_ms=0, dedup_ttl_s=3600
+            )
             assert (settled.landed, settled.released) == (30, 20)
             assert await client.hlen(INFLIGHT) == 0
 
@@ -73,5 +86,7 @@ def test_events_abandoned_mid_produce_are_settled_from_the_topic(stack_settings,
             await client.aclose()
 
     asyncio.run(scenario())
-    on_topics = [event.event_id for records in read_topics(stack_settings).values() for _, event in records]
+    on_topics = [
+        event.event_id for records in read_topics(stack_settings).values() for _, event in records
+    ]
     assert sorted(on_topics) == sorted(e.event_id for e in landed + lost), "each event exactly once"

@@ -55,7 +55,12 @@ def test_spool_keeps_order_and_after_a_restart_resends_only_the_unanswered(tmp_p
     assert payloads(spool) == [b"event-%02d" % i for i in range(12)]
 
     spool.ack([seqs[i] for i in (0, 1, 2, 3, 5, 11)])  # the first segment is answered whole
-    assert segment_files(tmp_path) == ["0000000000000002.acks", "0000000000000002.seg", "0000000000000003.acks", "0000000000000003.seg"]
+    assert segment_files(tmp_path) == [
+        "0000000000000002.acks",
+        "0000000000000002.seg",
+        "0000000000000003.acks",
+        "0000000000000003.seg",
+    ]
     assert payloads(spool) == [b"event-%02d" % i for i in (4, 6, 7, 8, 9, 10)]
     spool.close()
 
@@ -168,13 +173,25 @@ def test_helpers_fill_the_envelope_and_exactly_one_payload():
     events = [
         sdk.edit_shown(**who, file_path="a.py", edit_text="x = 1\n"),
         sdk.edit_outcome(**who, outcome="rejected", privacy_mode=True),
-        sdk.persistence_snapshot(**who, seconds_after_edit=30.0, region_text="x = 1\n", client_ts_ms=123),
+        sdk.persistence_snapshot(
+            **who, seconds_after_edit=30.0, region_text="x = 1\n", client_ts_ms=123
+        ),
         sdk.followup(**who, seconds_after_edit=5.0, message="no, that broke it"),
     ]
-    assert [e.WhichOneof("payload") for e in events] == ["edit_shown", "edit_outcome", "persistence", "followup"]
+    assert [e.WhichOneof("payload") for e in events] == [
+        "edit_shown",
+        "edit_outcome",
+        "persistence",
+        "followup",
+    ]
     assert len({e.event_id for e in events}) == 4
-    assert all(e.schema_version == 1 and e.rollout_id == "r1" and e.client_ts_ms > 0 for e in events)
-    assert events[1].edit_outcome.outcome == telemetry_pb2.EditOutcome.OUTCOME_REJECTED and events[1].privacy_mode
+    assert all(
+        e.schema_version == 1 and e.rollout_id == "r1" and e.client_ts_ms > 0 for e in events
+    )
+    assert (
+        events[1].edit_outcome.outcome == telemetry_pb2.EditOutcome.OUTCOME_REJECTED
+        and events[1].privacy_mode
+    )
     assert events[2].client_ts_ms == 123 and events[3].followup.message == "no, that broke it"
 
 
@@ -184,20 +201,30 @@ def test_helpers_fill_the_envelope_and_exactly_one_payload():
 class GatewayProcess:
     """``python -m ingest`` on fixed ports, as in production: killable and restartable."""
 
-    def __init__(self, stack_env: dict[str, str], repo_root: Path, log_path: Path, **settings) -> None:
+    def __init__(
+        self, stack_env: dict[str, str], repo_root: Path, log_path: Path, **settings
+    ) -> None:
         self.http_port, self.grpc_port = free_port(), free_port()
         self.url = f"http://127.0.0.1:{self.http_port}"
         self.log_path = log_path
         self.env = {
-            **stack_env, "PYTHONPATH": str(repo_root),
-            "RTRL_INGEST_HTTP_PORT": str(self.http_port), "RTRL_INGEST_GRPC_PORT": str(self.grpc_port),
+            **stack_env,
+            "PYTHONPATH": str(repo_root),
+            "RTRL_INGEST_HTTP_PORT": str(self.http_port),
+            "RTRL_INGEST_GRPC_PORT": str(self.grpc_port),
             **{f"RTRL_INGEST_{name.upper()}": str(value) for name, value in settings.items()},
         }
         self.proc: procs.Proc | None = None
         self.starts = 0
 
     def start(self, *, wait: bool = True) -> None:
-        self.proc = procs.spawn("ingest", [sys.executable, "-m", "ingest"], self.log_path, env=self.env, port=self.http_port)
+        self.proc = procs.spawn(
+            "ingest",
+            [sys.executable, "-m", "ingest"],
+            self.log_path,
+            env=self.env,
+            port=self.http_port,
+        )
         self.starts += 1
         if wait:
             procs.wait_for_port(self.http_port, timeout_s=30)
@@ -219,7 +246,9 @@ class GatewayProcess:
 @pytest.fixture
 def gateway(stack_env, repo_root, tmp_path):
     # A killed gateway's claims expire after claim_ttl_s; 3 s keeps the fault tests short.
-    process = GatewayProcess(stack_env, repo_root, tmp_path / "ingest.log", claim_ttl_s=3, produce_timeout_ms=2000)
+    process = GatewayProcess(
+        stack_env, repo_root, tmp_path / "ingest.log", claim_ttl_s=3, produce_timeout_ms=2000
+    )
     process.start()
     yield process
     process.stop()
@@ -241,7 +270,9 @@ def api_key(redis_url) -> str:
     return issue(redis_url, "sdk-test")
 
 
-def event_ids_on_topics(stack_settings, names=INGEST_TOPICS, timeout_s: float = 60.0) -> collections.Counter:
+def event_ids_on_topics(
+    stack_settings, names=INGEST_TOPICS, timeout_s: float = 60.0
+) -> collections.Counter:
     """How many times each event_id is on the ingest topics, read from the beginning to the end offsets."""
     probe = Consumer(kafka.consumer_config(stack_settings, "sdk-test-reader"))
     metadata = probe.list_topics(timeout=5).topics
@@ -255,7 +286,10 @@ def event_ids_on_topics(stack_settings, names=INGEST_TOPICS, timeout_s: float = 
             for msg in probe.consume(1000, timeout=0.2):
                 assert msg.error() is None, msg.error()
                 event = telemetry_pb2.TelemetryEvent.FromString(msg.value())
-                assert msg.key() == event.rollout_id.encode() and msg.topic() == topics.BY_PAYLOAD[event.WhichOneof("payload")]
+                assert (
+                    msg.key() == event.rollout_id.encode()
+                    and msg.topic() == topics.BY_PAYLOAD[event.WhichOneof("payload")]
+                )
                 counts[event.event_id] += 1
                 if msg.offset() + 1 >= remaining.get((msg.topic(), msg.partition()), 0):
                     remaining.pop((msg.topic(), msg.partition()), None)
@@ -280,12 +314,18 @@ def report(telemetry: Telemetry, i: int) -> telemetry_pb2.TelemetryEvent:
     rollout = f"r{i // 4}"
     kind = i % 4
     if kind == 0:
-        return telemetry.edit_shown(rollout_id=rollout, **WHO, file_path="a.py", edit_text=f"x = {i}\n")
+        return telemetry.edit_shown(
+            rollout_id=rollout, **WHO, file_path="a.py", edit_text=f"x = {i}\n"
+        )
     if kind == 1:
         return telemetry.edit_outcome(rollout_id=rollout, **WHO, outcome="accepted")
     if kind == 2:
-        return telemetry.persistence_snapshot(rollout_id=rollout, **WHO, seconds_after_edit=30.0, region_text=f"x = {i}\n")
-    return telemetry.followup(rollout_id=rollout, **WHO, seconds_after_edit=5.0, message="no, that broke it")
+        return telemetry.persistence_snapshot(
+            rollout_id=rollout, **WHO, seconds_after_edit=30.0, region_text=f"x = {i}\n"
+        )
+    return telemetry.followup(
+        rollout_id=rollout, **WHO, seconds_after_edit=5.0, message="no, that broke it"
+    )
 
 
 @pytest.mark.integration
@@ -303,18 +343,26 @@ def test_rejected_events_are_final_a_refused_key_keeps_events_spooled_and_a_rate
         while True:
             early.append(report(refused, len(early)))
     assert refused.pending == len(early) > 3
-    assert refused.close(timeout_s=1) is False  # said in the log, not raised: the events stay spooled
+    assert (
+        refused.close(timeout_s=1) is False
+    )  # said in the log, not raised: the events stay spooled
 
     seen = []
     bad = sdk.followup(rollout_id="r9", **WHO, seconds_after_edit=5.0, message="no")
     bad.schema_version = 2
     with caplog.at_level(logging.WARNING, logger="ingest.sdk"):
-        with Telemetry(gateway.url, api_key=api_key, spool_dir=spool_dir, on_rejected=seen.append) as telemetry:
+        with Telemetry(
+            gateway.url, api_key=api_key, spool_dir=spool_dir, on_rejected=seen.append
+        ) as telemetry:
             assert telemetry.pending == len(early)  # found on disk
             telemetry.send([bad])
             late = report(telemetry, 99)
             assert telemetry.flush(timeout_s=30)
-            assert (telemetry.stats.accepted, telemetry.stats.rejected, telemetry.pending) == (len(early) + 1, 1, 0)
+            assert (telemetry.stats.accepted, telemetry.stats.rejected, telemetry.pending) == (
+                len(early) + 1,
+                1,
+                0,
+            )
     assert [(r.event.event_id, r.field) for r in seen] == [(bad.event_id, "schema_version")]
     assert list(telemetry.rejected) == seen
     assert any(bad.event_id in m and "schema_version" in m for m in caplog.messages)
@@ -324,7 +372,9 @@ def test_rejected_events_are_final_a_refused_key_keeps_events_spooled_and_a_rate
     # bucket refills; delivery slows down, nothing is lost or refused for good.
     limited = issue(redis_url, "sdk-limited", rate_per_s=40, burst=20)
     settings = TelemetrySettings(max_batch=20, linger_s=0)
-    with Telemetry(gateway.url, api_key=limited, spool_dir=tmp_path / "limited", settings=settings) as telemetry:
+    with Telemetry(
+        gateway.url, api_key=limited, spool_dir=tmp_path / "limited", settings=settings
+    ) as telemetry:
         throttled = [report(telemetry, i) for i in range(100, 220)]
         assert telemetry.flush(timeout_s=60)
 
@@ -343,32 +393,51 @@ def claims_in_flight(redis_url: str) -> set[str]:
     finally:
         client.close()
     prefix = len(dedup_key(""))
-    return {key.decode()[prefix:] for key, value in zip(keys, values, strict=True) if value == b"pending"}
+    return {
+        key.decode()[prefix:]
+        for key, value in zip(keys, values, strict=True)
+        if value == b"pending"
+    }
 
 
 @pytest.mark.guarantee(1)
 @pytest.mark.integration
-def test_ten_thousand_events_arrive_once_through_gateway_kills_and_cut_connections(gateway, api_key, redis_url, stack_settings, tmp_path):
+def test_ten_thousand_events_arrive_once_through_gateway_kills_and_cut_connections(
+    gateway, api_key, redis_url, stack_settings, tmp_path
+):
     total = 10_000
     # At these counts of reported events: reset every connection ("cut"), reset the one
     # carrying an answer in the middle of it ("lose answer": the gateway wrote the batch,
     # the SDK never learns it), or kill -9 the gateway and start it again (the SDK keeps
     # reporting into its spool while it is down).
     faults = {
-        1_000: "cut", 2_000: "kill", 3_000: "lose answer", 3_500: "cut", 5_000: "cut",
-        6_000: "kill", 7_000: "lose answer", 7_500: "cut", 9_000: "cut",
+        1_000: "cut",
+        2_000: "kill",
+        3_000: "lose answer",
+        3_500: "cut",
+        5_000: "cut",
+        6_000: "kill",
+        7_000: "lose answer",
+        7_500: "cut",
+        9_000: "cut",
     }
     settings = TelemetrySettings(max_batch=200, linger_s=0.02, max_delay_s=1.0)
     started = time.monotonic()
     in_doubt: set[str] = set()
     cut_connections, lost_answers = [], []
     with FaultProxy(gateway.http_port) as proxy:
-        telemetry = Telemetry(f"http://{proxy.addr}", api_key=api_key, spool_dir=tmp_path / "spool", settings=settings)
+        telemetry = Telemetry(
+            f"http://{proxy.addr}", api_key=api_key, spool_dir=tmp_path / "spool", settings=settings
+        )
         reported = []
         for i in range(total):
             if i in faults:
                 # Each fault hits a live stream: the gateway has answered events since the last one.
-                wait_until(lambda target=i - 1_500: telemetry.stats.answered >= target, 60, f"{i - 1_500} events were answered")
+                wait_until(
+                    lambda target=i - 1_500: telemetry.stats.answered >= target,
+                    60,
+                    f"{i - 1_500} events were answered",
+                )
                 if faults[i] == "cut":
                     cut_connections.append(proxy.cut_all())
                 elif faults[i] == "lose answer":
@@ -378,7 +447,9 @@ def test_ten_thousand_events_arrive_once_through_gateway_kills_and_cut_connectio
                     in_doubt |= claims_in_flight(redis_url)
                     gateway.start(wait=False)
             reported.append(report(telemetry, i).event_id)
-        assert telemetry.flush(timeout_s=90), f"{telemetry.pending} events undelivered: {telemetry.last_error!r}"
+        assert telemetry.flush(timeout_s=90), (
+            f"{telemetry.pending} events undelivered: {telemetry.last_error!r}"
+        )
         assert all(cut.is_set() for cut in lost_answers)
         assert telemetry.close()
         connections = proxy.connections
@@ -395,8 +466,14 @@ def test_ten_thousand_events_arrive_once_through_gateway_kills_and_cut_connectio
     )
     assert set(counts) == set(reported) and len(reported) == total
     assert stats.accepted + stats.duplicate == total and stats.rejected == 0
-    assert not doubled, f"written twice: {len(doubled)} events, {len(doubled & in_doubt)} of them claimed at a kill"
-    assert all(cut_connections) and gateway.starts == 3 and not list((tmp_path / "spool").glob("*.seg"))
+    assert not doubled, (
+        f"written twice: {len(doubled)} events, {len(doubled & in_doubt)} of them claimed at a kill"
+    )
+    assert (
+        all(cut_connections)
+        and gateway.starts == 3
+        and not list((tmp_path / "spool").glob("*.seg"))
+    )
 
 
 # A product process: reports events one by one and prints each event_id once the call
@@ -427,16 +504,36 @@ def test_a_product_killed_mid_stream_resends_its_spool_on_restart_and_nothing_is
     # Answers trickle back slowly, so the product reports faster than the gateway's answers
     # arrive: the kill finds events in the spool and an answer half received. Once this
     # test stops reading, the product blocks on its full stdout pipe (reporting no more).
-    with FaultProxy(gateway.http_port, bytes_per_s=20_000) as proxy, open(tmp_path / "product.log", "ab") as log:
+    with (
+        FaultProxy(gateway.http_port, bytes_per_s=20_000) as proxy,
+        open(tmp_path / "product.log", "ab") as log,
+    ):
         product = subprocess.Popen(
-            [sys.executable, "-c", PRODUCT, f"http://{proxy.addr}", str(spool_dir), api_key, "0", "10000", "0.01"],
-            stdout=subprocess.PIPE, stderr=log, env=env, text=True,
+            [
+                sys.executable,
+                "-c",
+                PRODUCT,
+                f"http://{proxy.addr}",
+                str(spool_dir),
+                api_key,
+                "0",
+                "10000",
+                "0.01",
+            ],
+            stdout=subprocess.PIPE,
+            stderr=log,
+            env=env,
+            text=True,
         )
         for line in product.stdout:
             promised.append(line.strip())
             if len(promised) == 1_000:
                 break
-        wait_until(lambda: gateway.counters()["accepted"] >= 200, 30, "the gateway has taken 200 of the product's events")
+        wait_until(
+            lambda: gateway.counters()["accepted"] >= 200,
+            30,
+            "the gateway has taken 200 of the product's events",
+        )
         product.send_signal(signal.SIGKILL)
         product.wait(timeout=30)
         promised += [line.strip() for line in product.stdout if len(line.strip()) == 36]
@@ -450,8 +547,21 @@ def test_a_product_killed_mid_stream_resends_its_spool_on_restart_and_nothing_is
 
     # The same product starts again on the same spool, by host name, reports 500 more and exits.
     restarted = subprocess.run(
-        [sys.executable, "-c", PRODUCT, f"http://localhost:{gateway.http_port}", str(spool_dir), api_key, "20000", "500", "0.01"],
-        capture_output=True, env=env, text=True, timeout=120,
+        [
+            sys.executable,
+            "-c",
+            PRODUCT,
+            f"http://localhost:{gateway.http_port}",
+            str(spool_dir),
+            api_key,
+            "20000",
+            "500",
+            "0.01",
+        ],
+        capture_output=True,
+        env=env,
+        text=True,
+        timeout=120,
     )
     assert restarted.returncode == 0, restarted.stderr
     assert "will be resent" in restarted.stderr
@@ -471,14 +581,28 @@ def test_a_product_killed_mid_stream_resends_its_spool_on_restart_and_nothing_is
 
 
 @pytest.mark.integration
-def test_the_exit_hook_delivers_what_a_product_never_closed(gateway, api_key, stack_settings, repo_root, tmp_path):
+def test_the_exit_hook_delivers_what_a_product_never_closed(
+    gateway, api_key, stack_settings, repo_root, tmp_path
+):
     # linger_s=60: nothing is sent before the interpreter exits, so even the host name is
     # first resolved in the exit hook (where aiohttp's default threaded resolver fails).
     product = subprocess.run(
-        [sys.executable, "-c", PRODUCT, f"http://localhost:{gateway.http_port}", str(tmp_path / "spool"), api_key, "0", "50", "60"],
-        capture_output=True, env={**os.environ, "PYTHONPATH": str(repo_root)}, text=True, timeout=60,
+        [
+            sys.executable,
+            "-c",
+            PRODUCT,
+            f"http://localhost:{gateway.http_port}",
+            str(tmp_path / "spool"),
+            api_key,
+            "0",
+            "50",
+            "60",
+        ],
+        capture_output=True,
+        env={**os.environ, "PYTHONPATH": str(repo_root)},
+        text=True,
+        timeout=60,
     )
     assert product.returncode == 0, product.stderr
     assert event_ids_on_topics(stack_settings) == collections.Counter(product.stdout.split())
     assert len(product.stdout.split()) == 50 and not list((tmp_path / "spool").glob("*.seg"))
-

@@ -33,7 +33,15 @@ def statuses(response) -> list[int]:
 
 def test_http_and_grpc_batches_land_once_each_on_their_topic(stack_settings, collect_kafka_clients):
     settings = ingest_settings()
-    good = [shown("r1"), persisted("r1"), followup("r1"), shown("r2"), make_event("r2", "s1", "u1", edit_outcome=1), persisted("r3"), followup("r3")]
+    good = [
+        shown("r1"),
+        persisted("r1"),
+        followup("r1"),
+        shown("r2"),
+        make_event("r2", "s1", "u1", edit_outcome=1),
+        persisted("r3"),
+        followup("r3"),
+    ]
     bad_id = shown("r4")
     bad_id.event_id = "nope"
     bad_schema = followup("r4")
@@ -47,7 +55,9 @@ def test_http_and_grpc_batches_land_once_each_on_their_topic(stack_settings, col
             async with aiohttp.ClientSession() as http:
 
                 async def post(body: str):
-                    async with http.post(f"{base}/v1/events", data=body, headers={"Content-Type": "application/json"}) as r:
+                    async with http.post(
+                        f"{base}/v1/events", data=body, headers={"Content-Type": "application/json"}
+                    ) as r:
                         return r.status, await r.text()
 
                 # camelCase JSON (MessageToJson's default) with one bad and one private event
@@ -62,12 +72,21 @@ def test_http_and_grpc_batches_land_once_each_on_their_topic(stack_settings, col
                 # original field names; the first two were sent already; the second copy of
                 # good[4] inside the same batch is a duplicate of the first
                 batch = ingest_pb2.PublishEventsRequest(events=[good[0], good[1], good[4], good[4]])
-                code, text = await post(json_format.MessageToJson(batch, preserving_proto_field_name=True))
+                code, text = await post(
+                    json_format.MessageToJson(batch, preserving_proto_field_name=True)
+                )
                 assert code == 200
-                assert statuses(json_format.Parse(text, ingest_pb2.PublishEventsResponse())) == [DUPLICATE, DUPLICATE, ACCEPTED, DUPLICATE]
+                assert statuses(json_format.Parse(text, ingest_pb2.PublishEventsResponse())) == [
+                    DUPLICATE,
+                    DUPLICATE,
+                    ACCEPTED,
+                    DUPLICATE,
+                ]
 
                 # all rejected -> 400 with per-event results
-                code, text = await post(json_format.MessageToJson(ingest_pb2.PublishEventsRequest(events=[bad_schema])))
+                code, text = await post(
+                    json_format.MessageToJson(ingest_pb2.PublishEventsRequest(events=[bad_schema]))
+                )
                 assert code == 400
                 (only,) = json_format.Parse(text, ingest_pb2.PublishEventsResponse()).results
                 assert (only.status, only.field) == (REJECTED, "schema_version")
@@ -83,13 +102,32 @@ def test_http_and_grpc_batches_land_once_each_on_their_topic(stack_settings, col
 
             async with grpc.aio.insecure_channel(f"127.0.0.1:{settings.grpc_port}") as channel:
                 stub = ingest_pb2_grpc.IngestStub(channel)
-                answer = await stub.PublishEvents(ingest_pb2.PublishEventsRequest(events=[good[5], good[6], good[3], bad_schema, private[1], private[0]]))
-                assert statuses(answer) == [ACCEPTED, ACCEPTED, DUPLICATE, REJECTED, ACCEPTED, DUPLICATE]
+                answer = await stub.PublishEvents(
+                    ingest_pb2.PublishEventsRequest(
+                        events=[good[5], good[6], good[3], bad_schema, private[1], private[0]]
+                    )
+                )
+                assert statuses(answer) == [
+                    ACCEPTED,
+                    ACCEPTED,
+                    DUPLICATE,
+                    REJECTED,
+                    ACCEPTED,
+                    DUPLICATE,
+                ]
 
             await asyncio.sleep(1.2)  # at least one heartbeat after the traffic
-            status = json.loads(await server.redis.get(heartbeat.key("ingest", stack_settings.instance)))
-            assert {k: status[k] for k in ("accepted", "duplicate", "rejected", "retry", "privacy")} == {
-                "accepted": 7, "duplicate": 5, "rejected": 3, "retry": 0, "privacy": 2,
+            status = json.loads(
+                await server.redis.get(heartbeat.key("ingest", stack_settings.instance))
+            )
+            assert {
+                k: status[k] for k in ("accepted", "duplicate", "rejected", "retry", "privacy")
+            } == {
+                "accepted": 7,
+                "duplicate": 5,
+                "rejected": 3,
+                "retry": 0,
+                "privacy": 2,
             }
         finally:
             await server.stop()
@@ -105,10 +143,15 @@ def test_http_and_grpc_batches_land_once_each_on_their_topic(stack_settings, col
         assert key == event.rollout_id.encode()
         assert event == next(e for e in good if e.event_id == event.event_id)
     client = redis.Redis.from_url(stack_settings.redis_url)
-    assert (client.get("rtrl:privacy:followup"), client.get("rtrl:privacy:persistence")) == (b"1", b"1")
+    assert (client.get("rtrl:privacy:followup"), client.get("rtrl:privacy:persistence")) == (
+        b"1",
+        b"1",
+    )
 
 
-def test_backpressure_answers_429_and_the_client_retries_until_accepted(stack_settings, collect_kafka_clients):
+def test_backpressure_answers_429_and_the_client_retries_until_accepted(
+    stack_settings, collect_kafka_clients
+):
     settings = ingest_settings(max_inflight=2, retry_after_s=3)
     events = [shown(f"r{i}") for i in range(5)]
 
@@ -124,18 +167,28 @@ def test_backpressure_answers_429_and_the_client_retries_until_accepted(stack_se
             assert statuses(answer) == [ACCEPTED, ACCEPTED, RETRY, RETRY, RETRY]
             async with IngestClient(url, base_delay_s=0.01) as client:
                 results = await client.publish(events)
-            assert [r.status for r in results] == [DUPLICATE, DUPLICATE, ACCEPTED, ACCEPTED, ACCEPTED]
+            assert [r.status for r in results] == [
+                DUPLICATE,
+                DUPLICATE,
+                ACCEPTED,
+                ACCEPTED,
+                ACCEPTED,
+            ]
             assert [r.event_id for r in results] == [e.event_id for e in events]
         finally:
             await server.stop()
 
     asyncio.run(scenario())
-    assert sorted(e.event_id for _, e in read_topics(stack_settings)[topics.EDIT]) == sorted(e.event_id for e in events)
+    assert sorted(e.event_id for _, e in read_topics(stack_settings)[topics.EDIT]) == sorted(
+        e.event_id for e in events
+    )
 
 
 def test_client_gives_up_with_retry_when_nothing_listens():
     async def scenario():
-        async with IngestClient(f"http://127.0.0.1:{free_port()}", max_attempts=2, base_delay_s=0.01) as client:
+        async with IngestClient(
+            f"http://127.0.0.1:{free_port()}", max_attempts=2, base_delay_s=0.01
+        ) as client:
             return await client.publish([shown("r1")])
 
     (result,) = asyncio.run(scenario())
@@ -185,13 +238,20 @@ def test_failed_produce_releases_the_claim_so_the_resend_is_not_a_duplicate(redi
     asyncio.run(scenario())
 
 
-def test_ingest_process_accepts_events_and_stops_cleanly_on_sigterm(stack_settings, stack_env, tmp_path, repo_root):
+def test_ingest_process_accepts_events_and_stops_cleanly_on_sigterm(
+    stack_settings, stack_env, tmp_path, repo_root
+):
     http_port, grpc_port = free_port(), free_port()
     env = {
-        **stack_env, "RTRL_INGEST_HTTP_PORT": str(http_port), "RTRL_INGEST_GRPC_PORT": str(grpc_port),
-        "RTRL_INGEST_AUTH_REQUIRED": "false", "PYTHONPATH": str(repo_root),
+        **stack_env,
+        "RTRL_INGEST_HTTP_PORT": str(http_port),
+        "RTRL_INGEST_GRPC_PORT": str(grpc_port),
+        "RTRL_INGEST_AUTH_REQUIRED": "false",
+        "PYTHONPATH": str(repo_root),
     }
-    proc = procs.spawn("ingest", [sys.executable, "-m", "ingest"], tmp_path / "ingest.log", env=env, port=http_port)
+    proc = procs.spawn(
+        "ingest", [sys.executable, "-m", "ingest"], tmp_path / "ingest.log", env=env, port=http_port
+    )
     event = followup("r1")
     try:
         procs.wait_for_port(http_port, timeout_s=30)

@@ -12,7 +12,11 @@ DAY_MS = 24 * 3600 * 1000
 
 def good() -> telemetry_pb2.TelemetryEvent:
     return make_event(
-        "rollout-1", "session-1", "user-1", edit_shown=telemetry_pb2.EditShown(file_path="a.py", edit_text="x = 1\n"), client_ts_ms=NOW_MS
+        "rollout-1",
+        "session-1",
+        "user-1",
+        edit_shown=telemetry_pb2.EditShown(file_path="a.py", edit_text="x = 1\n"),
+        client_ts_ms=NOW_MS,
     )
 
 
@@ -67,12 +71,28 @@ def no_payload():
         (no_payload, "payload", "must be one of"),
         (payload("edit_outcome"), "edit_outcome.outcome", "OUTCOME_ACCEPTED"),
         (payload("edit_outcome", outcome=7), "edit_outcome.outcome", "got 7"),
-        (payload("edit_shown", edit_text="x" * (MAX_TEXT_BYTES + 1)), "edit_shown.edit_text", "at most 65536 bytes"),
-        (payload("edit_shown", edit_text="é" * (MAX_TEXT_BYTES // 2 + 1)), "edit_shown.edit_text", "bytes of UTF-8"),
+        (
+            payload("edit_shown", edit_text="x" * (MAX_TEXT_BYTES + 1)),
+            "edit_shown.edit_text",
+            "at most 65536 bytes",
+        ),
+        (
+            payload("edit_shown", edit_text="é" * (MAX_TEXT_BYTES // 2 + 1)),
+            "edit_shown.edit_text",
+            "bytes of UTF-8",
+        ),
         (payload("edit_shown", file_path="p" * 5000), "edit_shown.file_path", "at most"),
-        (payload("persistence", region_text="x" * (MAX_TEXT_BYTES + 1)), "persistence.region_text", "at most"),
+        (
+            payload("persistence", region_text="x" * (MAX_TEXT_BYTES + 1)),
+            "persistence.region_text",
+            "at most",
+        ),
         (payload("persistence", seconds_after_edit=-1.0), "persistence.seconds_after_edit", ">= 0"),
-        (payload("followup", seconds_after_edit=float("nan")), "followup.seconds_after_edit", "finite"),
+        (
+            payload("followup", seconds_after_edit=float("nan")),
+            "followup.seconds_after_edit",
+            "finite",
+        ),
         (payload("followup", message="m" * (MAX_TEXT_BYTES + 1)), "followup.message", "at most"),
     ],
 )

@@ -19,7 +19,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-pytest.importorskip("triton", reason="the Triton kernels need the gpu extra: pip install -c constraints.txt -e '.[gpu]'")
+pytest.importorskip(
+    "triton",
+    reason="the Triton kernels need the gpu extra: pip install -c constraints.txt -e '.[gpu]'",
+)
 
 from kernels import delta as torch_delta
 from kernels import triton_delta
@@ -27,13 +30,22 @@ from kernels.delta import SparseDelta, flat_bits
 
 DEVICE = "cpu" if os.environ["TRITON_INTERPRET"] == "1" else "cuda"
 # One of each width, and the float formats the weights actually come in.
-DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn, torch.int8, torch.float64]
+DTYPES = [
+    torch.bfloat16,
+    torch.float16,
+    torch.float32,
+    torch.float8_e4m3fn,
+    torch.int8,
+    torch.float64,
+]
 # Around the kernels' block of 1024, and a few blocks.
 SIZES = [0, 1, 1023, 1024, 1025, 3 * 1024 + 7]
 DENSITIES = [0.0, 0.003, 0.5, 1.0]
 
 
-def random_pair(numel: int, dtype: torch.dtype, density: float, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+def random_pair(
+    numel: int, dtype: torch.dtype, density: float, seed: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Random bit patterns for old; new changes a ``density`` share of them to other random patterns."""
     generator = torch.Generator().manual_seed(seed)
     bits = torch_delta.bits_dtype(dtype)
@@ -149,7 +161,9 @@ def test_encode_refuses_mismatched_tensors():
     with pytest.raises(ValueError, match="equal shape and dtype"):
         triton_delta.delta_encode(torch.zeros(4, device=DEVICE), torch.zeros(5, device=DEVICE))
     with pytest.raises(ValueError, match="equal shape and dtype"):
-        triton_delta.delta_encode(torch.zeros(4, device=DEVICE), torch.zeros(4, dtype=torch.float16, device=DEVICE))
+        triton_delta.delta_encode(
+            torch.zeros(4, device=DEVICE), torch.zeros(4, dtype=torch.float16, device=DEVICE)
+        )
 
 
 # Compiles every kernel variant to PTX for an sm_90 GPU; needs no GPU, only the
@@ -197,9 +211,19 @@ print(len(ptx))
 
 
 def test_kernels_compile_for_a_gpu(tmp_path):
-    env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_CACHE_DIR": str(tmp_path), "TRITON_DEFAULT_FP_FUSION": "0"}
+    env = {
+        **os.environ,
+        "TRITON_INTERPRET": "0",
+        "TRITON_CACHE_DIR": str(tmp_path),
+        "TRITON_DEFAULT_FP_FUSION": "0",
+    }
     result = subprocess.run(
-        [sys.executable, "-c", COMPILE_FOR_GPU], check=False, env=env, cwd=Path(__file__).parents[2], capture_output=True, text=True
+        [sys.executable, "-c", COMPILE_FOR_GPU],
+        check=False,
+        env=env,
+        cwd=Path(__file__).parents[2],
+        capture_output=True,
+        text=True,
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.split() == ["18"]

@@ -27,7 +27,8 @@ else:
     from kernels import triton_mxfp8
 
 needs_triton = pytest.mark.skipif(
-    triton_mxfp8 is None, reason="the Triton kernels need the gpu extra: pip install -c constraints.txt -e '.[gpu]'"
+    triton_mxfp8 is None,
+    reason="the Triton kernels need the gpu extra: pip install -c constraints.txt -e '.[gpu]'",
 )
 DEVICE = "cpu" if os.environ["TRITON_INTERPRET"] == "1" else "cuda"
 PATHS = [
@@ -37,7 +38,9 @@ PATHS = [
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 # The interpreter computes with numpy, which warns when a product or an fp16 cast
 # overflows to inf or meets a NaN scale: the cases these tests make on purpose.
-pytestmark = pytest.mark.filterwarnings("ignore:(overflow|invalid value) encountered:RuntimeWarning")
+pytestmark = pytest.mark.filterwarnings(
+    "ignore:(overflow|invalid value) encountered:RuntimeWarning"
+)
 
 E8M0_ONE = 127
 
@@ -64,7 +67,11 @@ def block(*values: float) -> torch.Tensor:
         # amax 1.9375 = 31/16: floor(log2) is 0, 1.9375 * 256 = 496 saturates to 448 (0x7E), and so does -1.9.
         (block(1.9375, -1.9), E8M0_ONE - 8, [0x7E, 0xFE]),
         # 2**-7 after scaling is subnormal 4 * 2**-9; 1.5 * 2**-9 ties to even 2 * 2**-9; 2**-10 ties to 0; signs stay.
-        (block(1.0, 2.0**-15, 3 * 2.0**-18, 2.0**-18, -(2.0**-18)), E8M0_ONE - 8, [0x78, 0x04, 0x02, 0x00, 0x80]),
+        (
+            block(1.0, 2.0**-15, 3 * 2.0**-18, 2.0**-18, -(2.0**-18)),
+            E8M0_ONE - 8,
+            [0x78, 0x04, 0x02, 0x00, 0x80],
+        ),
         # A carry out of the mantissa moves into the exponent: 15.9 rounds to 16.
         (block(256.0, 15.9), E8M0_ONE, [0x78, 0x58]),
         # All zeros: the smallest scale, 2**-127 (byte 0); -0.0 keeps its sign.
@@ -100,10 +107,19 @@ def test_blocks_are_independent(path):
 def test_rounding_of_every_bf16_and_fp16_value_matches_torch_cast():
     # Every value within ±448 (beyond, all saturate). Each block holds 448, so its scale
     # is 2**0 and the E4M3 rounding is seen directly.
-    bf16 = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(torch.bfloat16).float()
-    fp16 = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(torch.float16).float()
+    bf16 = (
+        torch.arange(-(2**15), 2**15, dtype=torch.int32)
+        .to(torch.int16)
+        .view(torch.bfloat16)
+        .float()
+    )
+    fp16 = (
+        torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(torch.float16).float()
+    )
     generator = torch.Generator().manual_seed(0)
-    fp32 = torch.randint(-(2**31), 2**31 - 1, (2**15,), generator=generator, dtype=torch.int32).view(torch.float32)
+    fp32 = torch.randint(
+        -(2**31), 2**31 - 1, (2**15,), generator=generator, dtype=torch.int32
+    ).view(torch.float32)
     values = torch.cat([bf16, fp16, fp32])
     values = values[values.abs() <= 448.0]
     values = values[: values.numel() // 31 * 31].reshape(-1, 31)
@@ -169,8 +185,16 @@ def test_triton_matches_torch_bit_for_bit(dtype, leading, blocks, seed):
 @pytest.mark.parametrize("out_dtype", DTYPES, ids=str)
 def test_dequantize_every_byte_and_scale(out_dtype):
     # All 256 element bytes under every scale byte, including 0 (2**-127) and 255 (NaN).
-    data = torch.arange(256, dtype=torch.int32).to(torch.uint8).repeat(256).view(torch.float8_e4m3fn).reshape(256 * 8, 32)
-    scales = torch.arange(256, dtype=torch.int32).to(torch.uint8).repeat_interleave(8).reshape(-1, 1)
+    data = (
+        torch.arange(256, dtype=torch.int32)
+        .to(torch.uint8)
+        .repeat(256)
+        .view(torch.float8_e4m3fn)
+        .reshape(256 * 8, 32)
+    )
+    scales = (
+        torch.arange(256, dtype=torch.int32).to(torch.uint8).repeat_interleave(8).reshape(-1, 1)
+    )
     data, scales = data.to(DEVICE), scales.to(DEVICE)
     want = mxfp8.mxfp8_dequantize(data, scales, out_dtype)
     got = triton_mxfp8.mxfp8_dequantize(data, scales, out_dtype)
@@ -193,7 +217,9 @@ def test_empty_tensors(path, shape):
 @pytest.mark.parametrize("path", PATHS)
 def test_non_contiguous_input(path):
     x = random_input((64, 96), torch.float32, seed=3).t().to(DEVICE)
-    assert torch.equal(bits_of(path.mxfp8_quantize(x).data), bits_of(mxfp8.mxfp8_quantize(x.contiguous()).data))
+    assert torch.equal(
+        bits_of(path.mxfp8_quantize(x).data), bits_of(mxfp8.mxfp8_quantize(x.contiguous()).data)
+    )
 
 
 @pytest.mark.parametrize("path", PATHS)
@@ -215,10 +241,30 @@ def test_quantize_refuses(path, make, error):
 @pytest.mark.parametrize(
     "data, scales, dtype, error",
     [
-        (torch.zeros(2, 64), torch.zeros(2, 2, dtype=torch.uint8), torch.bfloat16, "float8_e4m3fn data"),
-        (torch.zeros(2, 64, dtype=torch.float8_e4m3fn), torch.zeros(2, 1, dtype=torch.uint8), torch.bfloat16, "scales of shape"),
-        (torch.zeros(2, 64, dtype=torch.float8_e4m3fn), torch.zeros(2, 2, dtype=torch.int8), torch.bfloat16, "uint8 scales"),
-        (torch.zeros(2, 64, dtype=torch.float8_e4m3fn), torch.zeros(2, 2, dtype=torch.uint8), torch.float64, "dequantizes to"),
+        (
+            torch.zeros(2, 64),
+            torch.zeros(2, 2, dtype=torch.uint8),
+            torch.bfloat16,
+            "float8_e4m3fn data",
+        ),
+        (
+            torch.zeros(2, 64, dtype=torch.float8_e4m3fn),
+            torch.zeros(2, 1, dtype=torch.uint8),
+            torch.bfloat16,
+            "scales of shape",
+        ),
+        (
+            torch.zeros(2, 64, dtype=torch.float8_e4m3fn),
+            torch.zeros(2, 2, dtype=torch.int8),
+            torch.bfloat16,
+            "uint8 scales",
+        ),
+        (
+            torch.zeros(2, 64, dtype=torch.float8_e4m3fn),
+            torch.zeros(2, 2, dtype=torch.uint8),
+            torch.float64,
+            "dequantizes to",
+        ),
     ],
 )
 def test_dequantize_refuses(path, data, scales, dtype, error):

@@ -17,8 +17,14 @@ from rtrl.ops.stack import StackFile, stack_path
 def _pretend_stack(state_dir, redis_url) -> StackFile:
     """A stack file whose supervisor is this process: the CLI sees a running stack."""
     stack = StackFile(
-        supervisor_pid=os.getpid(), state_dir=str(state_dir), kafka_bootstrap="127.0.0.1:1", redis_url=redis_url,
-        clickhouse_url=f"chdb://{state_dir / 'chdb'}", weight_sync_addr="127.0.0.1:1", infra={}, services=[],
+        supervisor_pid=os.getpid(),
+        state_dir=str(state_dir),
+        kafka_bootstrap="127.0.0.1:1",
+        redis_url=redis_url,
+        clickhouse_url=f"chdb://{state_dir / 'chdb'}",
+        weight_sync_addr="127.0.0.1:1",
+        infra={},
+        services=[],
         started_ts=time.time(),
     )
     state_dir.mkdir(parents=True, exist_ok=True)
@@ -42,7 +48,9 @@ def _key_rows(client) -> list[dict]:
     return rows
 
 
-def test_keys_go_to_the_running_stacks_redis_even_when_rtrl_redis_url_points_elsewhere(tmp_path, redis_url, monkeypatch):
+def test_keys_go_to_the_running_stacks_redis_even_when_rtrl_redis_url_points_elsewhere(
+    tmp_path, redis_url, monkeypatch
+):
     state_dir = tmp_path / "state"
     _pretend_stack(state_dir, redis_url)
     monkeypatch.setenv("RTRL_STATE_DIR", str(state_dir))
@@ -71,7 +79,9 @@ def test_keys_without_a_stack_use_an_explicit_redis_url(tmp_path, redis_url, mon
 
 
 @pytest.mark.parametrize("command", [["up"], ["demo", "--minutes", "0.1"]])
-def test_up_and_demo_refuse_a_directory_that_is_not_a_state_directory(tmp_path, monkeypatch, command):
+def test_up_and_demo_refuse_a_directory_that_is_not_a_state_directory(
+    tmp_path, monkeypatch, command
+):
     (tmp_path / "thesis.tex").write_text("years of work")
     monkeypatch.setenv("RTRL_STATE_DIR", str(tmp_path))
     result = CliRunner().invoke(app, command)

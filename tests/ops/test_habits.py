@@ -24,7 +24,11 @@ def test_ci_runs_every_habit_before_the_tests():
 
 def test_pre_commit_runs_the_same_targets_and_its_config_is_valid():
     config = REPO / ".pre-commit-config.yaml"
-    checked = subprocess.run([Path(sys.executable).parent / "pre-commit", "validate-config", str(config)], capture_output=True, text=True)
+    checked = subprocess.run(
+        [Path(sys.executable).parent / "pre-commit", "validate-config", str(config)],
+        capture_output=True,
+        text=True,
+    )
     assert checked.returncode == 0, checked.stdout + checked.stderr
     hooks = [hook for repo in yaml.safe_load(config.read_text())["repos"] for hook in repo["hooks"]]
     assert sorted(hook["entry"] for hook in hooks) == sorted(f"make {habit}" for habit in HABITS)
@@ -38,7 +42,11 @@ def test_the_targets_run_the_pinned_tools_with_the_projects_config():
     pyproject = (REPO / "pyproject.toml").read_text()
     for pin in ("ruff==", "mypy==", "pre-commit=="):
         assert f'"{pin}' in pyproject, pin
-    assert "[tool.ruff]" in pyproject and "[tool.mypy]" in pyproject and "check_untyped_defs = true" in pyproject
+    assert (
+        "[tool.ruff]" in pyproject
+        and "[tool.mypy]" in pyproject
+        and "check_untyped_defs = true" in pyproject
+    )
 
 
 def test_the_readme_names_the_habits():

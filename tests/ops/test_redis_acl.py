@@ -57,13 +57,29 @@ def acl_redis(tmp_path_factory):
     env = {f"RTRL_REDIS_PASSWORD_{user.upper()}": password for user, password in passwords.items()}
     env["RTRL_REDIS_ACL_FILE"] = str(where / "users.acl")
     port = procs.free_port()
-    argv = ["sh", str(SCRIPT), "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--dir", str(where), "--daemonize", "no"]
+    argv = [
+        "sh",
+        str(SCRIPT),
+        "--port",
+        str(port),
+        "--bind",
+        "127.0.0.1",
+        "--save",
+        "",
+        "--dir",
+        str(where),
+        "--daemonize",
+        "no",
+    ]
     proc = procs.spawn("redis-acl", argv, where / "redis.log", env=env, port=port)
     procs.wait_for_port(port)
-    assert (where / "users.acl").stat().st_mode & 0o077 == 0, "the ACL file holds every password: owner-only"
-    yield {user: f"redis://{user}:{password}@127.0.0.1:{port}/0" for user, password in passwords.items()} | {
-        "anonymous": f"redis://127.0.0.1:{port}/0"
-    }
+    assert (where / "users.acl").stat().st_mode & 0o077 == 0, (
+        "the ACL file holds every password: owner-only"
+    )
+    yield {
+        user: f"redis://{user}:{password}@127.0.0.1:{port}/0"
+        for user, password in passwords.items()
+    } | {"anonymous": f"redis://127.0.0.1:{port}/0"}
     proc.stop()
 
 
@@ -80,10 +96,19 @@ def refused(url: str, *command) -> bool:
     return False
 
 
-def test_each_service_does_its_work_as_its_own_user(acl_redis, stack, stack_settings, policy_weights):
+def test_each_service_does_its_work_as_its_own_user(
+    acl_redis, stack, stack_settings, policy_weights
+):
     async def work() -> None:
         operator = aioredis.Redis.from_url(acl_redis["operator"])
-        key = await issue_key(operator, KEY_AUTHORITY, "editor", scopes={"*", COMPLETIONS}, rate_per_s=100.0, burst=100.0)
+        key = await issue_key(
+            operator,
+            KEY_AUTHORITY,
+            "editor",
+            scopes={"*", COMPLETIONS},
+            rate_per_s=100.0,
+            burst=100.0,
+        )
         await operator.sadd(PRIVATE_USERS, "someone-private")
         verifier = KeyVerifier(signing.parse_public_keys(os.environ["RTRL_API_KEY_PUBLIC_KEYS"]))
 
@@ -102,10 +127,23 @@ def test_each_service_does_its_work_as_its_own_user(acl_redis, stack, stack_sett
         producer = kafka.AsyncProducer(stack_settings)
         try:
             gateway = Gateway(producer, ingest, dedup_ttl_s=60, claim_ttl_s=30, max_inflight=100)
-            event = make_event("r-acl", "s", "u", edit_shown=telemetry_pb2.EditShown(file_path="a.py", edit_text="x = 1\n"))
-            private = make_event("r-acl", "s", "someone-private", edit_shown=telemetry_pb2.EditShown(file_path="a.py", edit_text="y\n"))
+            event = make_event(
+                "r-acl",
+                "s",
+                "u",
+                edit_shown=telemetry_pb2.EditShown(file_path="a.py", edit_text="x = 1\n"),
+            )
+            private = make_event(
+                "r-acl",
+                "s",
+                "someone-private",
+                edit_shown=telemetry_pb2.EditShown(file_path="a.py", edit_text="y\n"),
+            )
             results = await gateway.publish([event, private], key=api_key)
-            assert [r.status for r in results] == [ACCEPTED, ACCEPTED] and gateway.counters.privacy == 1
+            assert [r.status for r in results] == [
+                ACCEPTED,
+                ACCEPTED,
+            ] and gateway.counters.privacy == 1
         finally:
             await asyncio.to_thread(producer.close)
 
@@ -119,14 +157,29 @@ def test_each_service_does_its_work_as_its_own_user(acl_redis, stack, stack_sett
 
     asyncio.run(work())
     beats = heartbeat.read_all(redis.Redis.from_url(acl_redis["trainer"]))
-    assert {doc["service"] for doc in beats} >= {"ingest", "inference", "weight_sync", "trainer", "reward_stream", "analytics"}
+    assert {doc["service"] for doc in beats} >= {
+        "ingest",
+        "inference",
+        "weight_sync",
+        "trainer",
+        "reward_stream",
+        "analytics",
+    }
 
     # weight_sync: the registry (transactions, the marker, pub/sub) and a subscriber, as its user.
     settings = WeightSyncSettings(port=procs.free_port(), poll_interval_s=0.2)
-    server = InProcessServer(settings, stack.model_copy(update={"redis_url": acl_redis["weight_sync"]}))
+    server = InProcessServer(
+        settings, stack.model_copy(update={"redis_url": acl_redis["weight_sync"]})
+    )
     server.start()
-    publisher = Publisher(server.addr, stack.weight_sync_token.get_secret_value(), ARM, signing_key=MANIFEST_KEY)
-    following = Following(Subscriber(server.addr, ARM, "worker-acl", token=SUBSCRIBE_TOKEN, public_keys=MANIFEST_PUBLIC_KEYS))
+    publisher = Publisher(
+        server.addr, stack.weight_sync_token.get_secret_value(), ARM, signing_key=MANIFEST_KEY
+    )
+    following = Following(
+        Subscriber(
+            server.addr, ARM, "worker-acl", token=SUBSCRIBE_TOKEN, public_keys=MANIFEST_PUBLIC_KEYS
+        )
+    )
     try:
         assert publisher.publish(policy_weights) == 0
         assert following.next()[0].version == 0
@@ -163,7 +216,9 @@ ATTACKS = [
 
 
 @pytest.mark.guarantee(7)
-@pytest.mark.parametrize("user, command", ATTACKS, ids=[f"{u}: {' '.join(c[:2])}" for u, c in ATTACKS])
+@pytest.mark.parametrize(
+    "user, command", ATTACKS, ids=[f"{u}: {' '.join(c[:2])}" for u, c in ATTACKS]
+)
 def test_no_user_reaches_what_another_service_owns(acl_redis, user, command):
     assert refused(acl_redis[user], *command), f"{user} may {' '.join(command)}"
 

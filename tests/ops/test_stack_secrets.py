@@ -29,9 +29,13 @@ def test_secrets_are_generated_once_owner_only_and_kept(tmp_path):
     path = tmp_path / stack_secrets.SECRETS_FILE
     assert path.stat().st_mode & 0o777 == 0o600
     assert stack_secrets.ensure(tmp_path) == first == stack_secrets.load(tmp_path)
-    assert len(set(first.values())) == len(fields(StackSecrets)) and all(len(value) >= 40 for value in first.values())
+    assert len(set(first.values())) == len(fields(StackSecrets)) and all(
+        len(value) >= 40 for value in first.values()
+    )
     (tmp_path / "other").mkdir()
-    assert stack_secrets.ensure(tmp_path / "other") != first, "another state directory, other secrets"
+    assert stack_secrets.ensure(tmp_path / "other") != first, (
+        "another state directory, other secrets"
+    )
 
 
 def test_a_secrets_file_others_can_read_is_refused(tmp_path):
@@ -41,7 +45,9 @@ def test_a_secrets_file_others_can_read_is_refused(tmp_path):
         stack_secrets.load(tmp_path)
 
 
-@pytest.mark.parametrize("service", ["analytics", "weight_sync", "trainer", "inference", "ingest", "reward_stream"])
+@pytest.mark.parametrize(
+    "service", ["analytics", "weight_sync", "trainer", "inference", "ingest", "reward_stream"]
+)
 def test_each_service_gets_its_settings_and_its_own_secrets_only(service):
     secrets = StackSecrets.generate()
     env = service_env(service, OPERATOR, secrets)
@@ -54,14 +60,18 @@ def test_each_service_gets_its_settings_and_its_own_secrets_only(service):
     # The trainer verifies rewards with the joiner's public key; only the joiner holds the private one.
     assert ("RTRL_TRAINER_REWARD_PUBLIC_KEYS" in env) is (service == "trainer")
     if service == "trainer":
-        assert env["RTRL_TRAINER_REWARD_PUBLIC_KEYS"] == signing.public_key_of(secrets.reward_signing_key)
+        assert env["RTRL_TRAINER_REWARD_PUBLIC_KEYS"] == signing.public_key_of(
+            secrets.reward_signing_key
+        )
     # The gateway and the serving API verify key records with the operator's public key; no service signs them.
     assert ("RTRL_API_KEY_PUBLIC_KEYS" in env) is (service in ("ingest", "inference"))
     assert secrets.api_key_signing_key not in env.values()
     # Workers verify manifests with the trainer's public key; only the trainer holds the private one.
     assert ("RTRL_MANIFEST_PUBLIC_KEYS" in env) is (service in ("trainer", "inference"))
     if "RTRL_MANIFEST_PUBLIC_KEYS" in env:
-        assert env["RTRL_MANIFEST_PUBLIC_KEYS"] == signing.public_key_of(secrets.manifest_signing_key)
+        assert env["RTRL_MANIFEST_PUBLIC_KEYS"] == signing.public_key_of(
+            secrets.manifest_signing_key
+        )
 
 
 def test_the_operators_key_authority_is_the_stacks_own_else_the_environments(tmp_path, monkeypatch):

@@ -24,17 +24,28 @@ from rtrl.ops.status_view import (
     [
         # before the first step the trainer has no reward mean yet
         (TrainerBeat(step=0, version=0, reward_mean=None, dropped_stale=0), "reward mean –"),
-        (TrainerBeat(step=12, version=12, reward_mean=0.8125, dropped_stale=3), "reward mean 0.812"),
+        (
+            TrainerBeat(step=12, version=12, reward_mean=0.8125, dropped_stale=3),
+            "reward mean 0.812",
+        ),
         # a heartbeat without the optional fields (an older trainer's)
         (heartbeat.parse({"service": "trainer", "instance": "0", "ts": 0}).beat, "step 0"),
         # a trainer behind its traffic says how much it shed
-        (TrainerBeat(step=5, dropped={"shed": 410, "control_arm": 900}), "shed 410 (behind its traffic)"),
+        (
+            TrainerBeat(step=5, dropped={"shed": 410, "control_arm": 900}),
+            "shed 410 (behind its traffic)",
+        ),
     ],
 )
 def test_workers_table(trainer_status, shown):
     rows = [
         ComponentHealth("trainer:0", True, "", trainer_status),
-        ComponentHealth("inference:0", True, "", InferenceBeat(versions={"control": 0, "treatment": 7}, completions=5, swaps=7)),
+        ComponentHealth(
+            "inference:0",
+            True,
+            "",
+            InferenceBeat(versions={"control": 0, "treatment": 7}, completions=5, swaps=7),
+        ),
     ]
     console = Console(record=True, width=200)
     console.print(workers_table(rows))
@@ -107,10 +118,17 @@ def test_pool(totals, points):
 
 def reward_stream_row(instance: int, by_version: dict[int, tuple[int, float]]) -> ComponentHealth:
     entries = tuple(RewardByVersion(v, n, mean) for v, (n, mean) in sorted(by_version.items()))
-    return ComponentHealth(f"reward_stream:{instance}", True, "", RewardStreamBeat(settled=0, reward_by_version=entries))
+    return ComponentHealth(
+        f"reward_stream:{instance}",
+        True,
+        "",
+        RewardStreamBeat(settled=0, reward_by_version=entries),
+    )
 
 
-INFERENCE = ComponentHealth("inference:0", True, "", InferenceBeat(versions={"control": 0, "treatment": 5}))
+INFERENCE = ComponentHealth(
+    "inference:0", True, "", InferenceBeat(versions={"control": 0, "treatment": 5})
+)
 
 
 def two_workers(treatment_means: list[float]) -> list[ComponentHealth]:
@@ -124,8 +142,14 @@ def two_workers(treatment_means: list[float]) -> list[ComponentHealth]:
 @pytest.mark.parametrize(
     "treatment_means, shown",
     [
-        ([0.0, 0.25, 0.5, 0.75, 1.0], ["1.000", "rising +1.000", "▁▃▅▇█", "v1-v5", "100", "+0.500"]),
-        ([1.0, 0.75, 0.5, 0.25, 0.0], ["0.000", "falling -1.000", "█▇▅▃▁", "v1-v5", "100", "-0.500"]),
+        (
+            [0.0, 0.25, 0.5, 0.75, 1.0],
+            ["1.000", "rising +1.000", "▁▃▅▇█", "v1-v5", "100", "+0.500"],
+        ),
+        (
+            [1.0, 0.75, 0.5, 0.25, 0.0],
+            ["0.000", "falling -1.000", "█▇▅▃▁", "v1-v5", "100", "-0.500"],
+        ),
         ([0.5, 0.5, 0.5, 0.5, 0.5], ["0.500", "flat +0.000", "▄▄▄▄▄", "v1-v5", "100", "+0.000"]),
         # one version: a value but no change yet
         ([0.75], ["0.750", "–", "▄", "v1", "20", "+0.250"]),
@@ -142,14 +166,19 @@ def test_trend_table_per_arm(treatment_means, shown):
 
 
 def test_trend_pools_the_newest_versions_few_rewards_into_the_point_before():
-    rows = [INFERENCE, reward_stream_row(0, {0: (20, 0.5), 1: (20, 0.0), 2: (20, 1.0), 3: (3, 1.0)})]
+    rows = [
+        INFERENCE,
+        reward_stream_row(0, {0: (20, 0.5), 1: (20, 0.0), 2: (20, 1.0), 3: (3, 1.0)}),
+    ]
     text = rendered(trend_table(rows))
     assert "▁█" in text and "v1-v3" in text and "43" in text
 
 
 def test_trend_follows_the_version_inference_serves_to_control():
     rows = [
-        ComponentHealth("inference:0", True, "", InferenceBeat(versions={"control": 2, "treatment": 3})),
+        ComponentHealth(
+            "inference:0", True, "", InferenceBeat(versions={"control": 2, "treatment": 3})
+        ),
         reward_stream_row(0, {2: (20, 0.25), 3: (20, 0.75)}),
     ]
     text = rendered(trend_table(rows))
@@ -184,28 +213,44 @@ def test_the_joiner_heartbeat_carries_the_trend():
     from reward_stream.runtime import Joiner
     from rtrl.v1 import reward_pb2, rollout_pb2
 
-    joiner = Joiner(JoinConfig(window_ms=1000, grace_ms=0, deadline_slack_ms=0, max_wait_ms=2000, settled_ttl_ms=10_000))
+    joiner = Joiner(
+        JoinConfig(
+            window_ms=1000, grace_ms=0, deadline_slack_ms=0, max_wait_ms=2000, settled_ttl_ms=10_000
+        )
+    )
     for version, reward in [(0, 0.5), (1, 0.0), (2, 0.5), (3, 1.0)]:
         for i in range(20):
             rollout = rollout_pb2.RolloutRecord(
-                rollout_id=f"v{version}-{i}", version_spans=[rollout_pb2.VersionSpan(policy_version=version, start=0, end=1)]
+                rollout_id=f"v{version}-{i}",
+                version_spans=[rollout_pb2.VersionSpan(policy_version=version, start=0, end=1)],
             )
-            record = reward_pb2.RewardRecord(rollout_id=rollout.rollout_id, rollout=rollout, reward=reward)
+            record = reward_pb2.RewardRecord(
+                rollout_id=rollout.rollout_id, rollout=rollout, reward=reward
+            )
             joiner.monitor, _ = monitors.step(joiner.monitor, record)
     # Through Redis and back: the JSON document, parsed as the status reads it.
-    status = heartbeat.parse(json.dumps(heartbeat.document("reward_stream", "0", joiner.status()))).beat
+    status = heartbeat.parse(
+        json.dumps(heartbeat.document("reward_stream", "0", joiner.status()))
+    ).beat
     assert isinstance(status, RewardStreamBeat)
     assert [e.version for e in status.reward_by_version] == [0, 1, 2, 3]
     assert [e.rollouts for e in status.reward_by_version] == [20] * 4
     # the newest versions, and the oldest (the warm start control serves) however many came after it
     assert [e.version for e in monitors.reward_by_version(joiner.monitor, newest=2)] == [0, 2, 3]
-    treatment = arm_row(rendered(trend_table([INFERENCE, ComponentHealth("reward_stream:0", True, "", status)])), "treatment")
+    treatment = arm_row(
+        rendered(trend_table([INFERENCE, ComponentHealth("reward_stream:0", True, "", status)])),
+        "treatment",
+    )
     assert "▁▅█" in treatment and "rising +1.000" in treatment and "v1-v3" in treatment
 
 
 def test_trend_weights_each_worker_by_its_rollouts():
     # v1: 30 rollouts at 0.0 on one worker, 10 at 1.0 on the other: 0.25, not the mean of means
-    rows = [INFERENCE, reward_stream_row(0, {0: (20, 0.5), 1: (30, 0.0)}), reward_stream_row(1, {1: (10, 1.0)})]
+    rows = [
+        INFERENCE,
+        reward_stream_row(0, {0: (20, 0.5), 1: (30, 0.0)}),
+        reward_stream_row(1, {1: (10, 1.0)}),
+    ]
     assert "0.250" in arm_row(rendered(trend_table(rows)), "treatment")
 
 
@@ -223,7 +268,9 @@ def test_status_shows_the_trend(monkeypatch, tmp_path, rows, shown):
 
     monkeypatch.setattr(status_view.health, "check", lambda stack: rows)
     monkeypatch.setattr(status_view, "lag_table", lambda stack: "consumer lag")
-    text = rendered(status_view.render(SimpleNamespace(reward_fn_version="r1", state_dir=str(tmp_path))))
+    text = rendered(
+        status_view.render(SimpleNamespace(reward_fn_version="r1", state_dir=str(tmp_path)))
+    )
     assert shown in text and "policy versions" in text
 
 
@@ -232,7 +279,11 @@ def test_status_shows_the_trend(monkeypatch, tmp_path, rows, shown):
     [
         [],
         # a worker still loading reports control -1
-        [ComponentHealth("inference:0", True, "", InferenceBeat(versions={"control": -1, "treatment": -1}))],
+        [
+            ComponentHealth(
+                "inference:0", True, "", InferenceBeat(versions={"control": -1, "treatment": -1})
+            )
+        ],
     ],
 )
 def test_trend_takes_control_as_v0_until_inference_reports(inference):
@@ -245,11 +296,30 @@ def test_status_says_what_the_previous_broker_took_with_it():
     from rtrl.ops.broker_record import BrokerRecord
     from rtrl.ops.status_view import broker_loss
 
-    gone = BrokerRecord("tansu-1", "127.0.0.1:1", 0.0, unjoined_events=7, unjoined_rollouts=3, untrained_rewards=2, measured_ts=60.0, final=True)
+    gone = BrokerRecord(
+        "tansu-1",
+        "127.0.0.1:1",
+        0.0,
+        unjoined_events=7,
+        unjoined_rollouts=3,
+        untrained_rewards=2,
+        measured_ts=60.0,
+        final=True,
+    )
     said = broker_loss(gone)
     assert "7 accepted events and 3 rollouts were still unjoined and 2 rewards untrained" in said
     assert "after every service stopped" in said and "about" not in said
-    crashed = broker_loss(BrokerRecord("tansu-1", "127.0.0.1:1", 0.0, unjoined_events=7, unjoined_rollouts=3, untrained_rewards=2, measured_ts=60.0))
+    crashed = broker_loss(
+        BrokerRecord(
+            "tansu-1",
+            "127.0.0.1:1",
+            0.0,
+            unjoined_events=7,
+            unjoined_rollouts=3,
+            untrained_rewards=2,
+            measured_ts=60.0,
+        )
+    )
     assert "its last reading" in crashed and "about 7 accepted events" in crashed
     assert "never measured" in broker_loss(BrokerRecord("tansu-1", "127.0.0.1:1", 0.0))
     assert broker_loss(None) == ""

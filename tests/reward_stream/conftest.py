@@ -10,4 +10,8 @@ from reward_stream import reward, signals
 def rule_dissatisfaction(monkeypatch):
     """Follow-ups scored by the rules (1.0 / 0.0) instead of the trained classifier: the
     numbers are computable by hand, and the classifier's encoder is never loaded."""
-    monkeypatch.setattr(reward, "dissatisfaction", lambda messages: [float(signals.is_dissatisfied(m)) for m in messages])
+    monkeypatch.setattr(
+        reward,
+        "dissatisfaction",
+        lambda messages: [float(signals.is_dissatisfied(m)) for m in messages],
+    )

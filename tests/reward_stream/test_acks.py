@@ -28,8 +28,10 @@ CASES = {
 def test_acks_follow_read_order_per_partition(finish, expected):
     log: list[str] = []
     acks = OrderedAcks()
-    tickets = {name: acks.read(partition, Record(log, name)) for partition, name in
-               (("p0", "a"), ("p0", "b"), ("p1", "x"), ("p0", "c"), ("p1", "y"))}
+    tickets = {
+        name: acks.read(partition, Record(log, name))
+        for partition, name in (("p0", "a"), ("p0", "b"), ("p1", "x"), ("p0", "c"), ("p1", "y"))
+    }
     for name, after in zip(finish, expected):
         before = len(log)
         acks.done(tickets[name])

@@ -32,7 +32,9 @@ def model(encoder) -> classifier.DissatisfactionClassifier:
 
 def test_corpus_file_is_the_seeded_generation_and_the_head_was_trained_on_it():
     assert load() == generate()
-    assert json.loads(classifier.HEAD_META_PATH.read_text())["corpus_sha256"] == corpus_sha256(CORPUS_PATH)
+    assert json.loads(classifier.HEAD_META_PATH.read_text())["corpus_sha256"] == corpus_sha256(
+        CORPUS_PATH
+    )
 
 
 def test_heldout_templates_are_unseen_in_training():
@@ -82,9 +84,17 @@ def test_clear_cases(model, message, dissatisfied):
 
 def test_batched_equals_one_by_one(encoder):
     head = classifier.load_head()
-    messages = ["thanks", "no, revert it", "", "could you keep the docstring?", "thanks",
-                "TypeError: unsupported operand type(s) for +: 'int' and 'str'\n" * 3]
-    batched = classifier.DissatisfactionClassifier(encoder, head, cache_size=0, batch_size=4).probability(messages)
+    messages = [
+        "thanks",
+        "no, revert it",
+        "",
+        "could you keep the docstring?",
+        "thanks",
+        "TypeError: unsupported operand type(s) for +: 'int' and 'str'\n" * 3,
+    ]
+    batched = classifier.DissatisfactionClassifier(
+        encoder, head, cache_size=0, batch_size=4
+    ).probability(messages)
     single = classifier.DissatisfactionClassifier(encoder, head, cache_size=0)
     one_by_one = [p for m in messages for p in single.probability([m])]
     assert batched == pytest.approx(one_by_one, abs=1e-5)

@@ -17,7 +17,9 @@ from reward_stream.runtime import Joiner
 from rtrl import topics
 from rtrl.v1 import reward_pb2, rollout_pb2, telemetry_pb2
 
-CONFIG = join.JoinConfig(window_ms=1000, grace_ms=200, deadline_slack_ms=500, max_wait_ms=5000, settled_ttl_ms=10000)
+CONFIG = join.JoinConfig(
+    window_ms=1000, grace_ms=200, deadline_slack_ms=500, max_wait_ms=5000, settled_ttl_ms=10000
+)
 
 
 @dataclass(frozen=True)
@@ -44,22 +46,39 @@ class T:
 def message(e: E):
     if e.kind == "rollout":
         return rollout_pb2.RolloutRecord(
-            event_id=e.event_id, rollout_id=e.rollout_id, client_ts_ms=e.ts, completion_text=e.payload
+            event_id=e.event_id,
+            rollout_id=e.rollout_id,
+            client_ts_ms=e.ts,
+            completion_text=e.payload,
         )
     payloads = {
         "edit_shown": lambda: {"edit_shown": telemetry_pb2.EditShown(edit_text=e.payload)},
-        "edit_outcome": lambda: {"edit_outcome": telemetry_pb2.EditOutcome(outcome=telemetry_pb2.EditOutcome.OUTCOME_ACCEPTED)},
-        "persistence": lambda: {"persistence": telemetry_pb2.PersistenceSnapshot(region_text=e.payload)},
+        "edit_outcome": lambda: {
+            "edit_outcome": telemetry_pb2.EditOutcome(
+                outcome=telemetry_pb2.EditOutcome.OUTCOME_ACCEPTED
+            )
+        },
+        "persistence": lambda: {
+            "persistence": telemetry_pb2.PersistenceSnapshot(region_text=e.payload)
+        },
         "followup": lambda: {"followup": telemetry_pb2.FollowUp(message=e.payload)},
     }
-    return telemetry_pb2.TelemetryEvent(event_id=e.event_id, rollout_id=e.rollout_id, client_ts_ms=e.ts, **payloads[e.kind]())
+    return telemetry_pb2.TelemetryEvent(
+        event_id=e.event_id, rollout_id=e.rollout_id, client_ts_ms=e.ts, **payloads[e.kind]()
+    )
 
 
 def summarize(output: join.Output) -> tuple:
     if isinstance(output, join.Settled):
         defaulted = reward.is_defaulted([e.message for e in output.events])
         event_ids = tuple(sorted([output.rollout.event_id, *(e.event_id for e in output.events)]))
-        return ("settled", output.rollout_id, output.trigger, "defaulted" if defaulted else "observed", event_ids)
+        return (
+            "settled",
+            output.rollout_id,
+            output.trigger,
+            "defaulted" if defaulted else "observed",
+            event_ids,
+        )
     if isinstance(output, join.Dropped):
         return ("dropped", output.rollout_id)
     if isinstance(output, join.Late):
@@ -95,7 +114,11 @@ CASES = {
             E("rollout", "a1", "r1", 1000, now=30),
             T(1500),
         ],
-        [(2, ("duplicate", "a2")), (3, ("duplicate", "a1")), (4, ("settled", "r1", "deadline", "observed", ("a1", "a2")))],
+        [
+            (2, ("duplicate", "a2")),
+            (3, ("duplicate", "a1")),
+            (4, ("settled", "r1", "deadline", "observed", ("a1", "a2"))),
+        ],
     ),
     # A second RolloutRecord under a fresh event_id is a retry: the first one is kept.
     "second_rollout_record_is_duplicate": (
@@ -110,7 +133,11 @@ CASES = {
             E("followup", "a2", "r1", 1900, now=1600, payload="no, wrong"),
             E("rollout", "a1", "r1", 1000, now=1700),
         ],
-        [(1, ("settled", "r1", "deadline", "defaulted", ("a1",))), (2, ("late", "a2")), (3, ("duplicate", "a1"))],
+        [
+            (1, ("settled", "r1", "deadline", "defaulted", ("a1",))),
+            (2, ("late", "a2")),
+            (3, ("duplicate", "a1")),
+        ],
     ),
     # Within the grace period an out-of-order event still joins: r2 moves stream time
     # to 2100 (< 2200), then r1's older persistence snapshot arrives and is joined.
@@ -170,7 +197,11 @@ CASES = {
             E("followup", "a3", "r1", 1700, now=11500, payload="thanks"),
             T(16500),
         ],
-        [(1, ("settled", "r1", "deadline", "defaulted", ("a1",))), (2, ("late", "a2")), (4, ("dropped", "r1"))],
+        [
+            (1, ("settled", "r1", "deadline", "defaulted", ("a1",))),
+            (2, ("late", "a2")),
+            (4, ("dropped", "r1")),
+        ],
     ),
     # Several rollouts due at once settle in first-arrival order, each exactly once.
     "many_due_on_one_tick": (
@@ -198,7 +229,14 @@ def run_case(steps, behind=()) -> list[tuple]:
         if isinstance(item, T):
             state, outputs = join.tick(state, item.now)
         else:
-            event = join.Event(item.kind, item.event_id, item.rollout_id, item.ts, message(item), caught_up=item.caught_up)
+            event = join.Event(
+                item.kind,
+                item.event_id,
+                item.rollout_id,
+                item.ts,
+                message(item),
+                caught_up=item.caught_up,
+            )
             state, outputs = join.step(state, event, item.now)
         got.extend((index, summarize(o)) for o in outputs)
     return got
@@ -241,7 +279,10 @@ BACKLOG_CASES = {
     # 6000, r1 and r2 settle with defaults and their snapshots come too late. This is
     # what the hints are for.
     "without_hints_a_backlog_settles_early": (
-        [E(e.kind, e.event_id, e.rollout_id, e.ts, e.now, e.payload) if isinstance(e, E) else e for e in ROLLOUTS_FIRST],
+        [
+            E(e.kind, e.event_id, e.rollout_id, e.ts, e.now, e.payload) if isinstance(e, E) else e
+            for e in ROLLOUTS_FIRST
+        ],
         set(),
         [
             (2, ("settled", "r1", "stream_time", "defaulted", ("a1",))),
@@ -296,14 +337,18 @@ BACKLOG_CASES = {
 }
 
 
-@pytest.mark.parametrize("steps, behind, expected", BACKLOG_CASES.values(), ids=BACKLOG_CASES.keys())
+@pytest.mark.parametrize(
+    "steps, behind, expected", BACKLOG_CASES.values(), ids=BACKLOG_CASES.keys()
+)
 def test_backlog_cases(steps, behind, expected):
     assert run_case(steps, behind) == expected
 
 
 def test_grace_longer_than_window_is_rejected():
     with pytest.raises(ValueError, match="grace_ms"):
-        join.JoinConfig(window_ms=1000, grace_ms=1001, deadline_slack_ms=0, max_wait_ms=5000, settled_ttl_ms=0)
+        join.JoinConfig(
+            window_ms=1000, grace_ms=1001, deadline_slack_ms=0, max_wait_ms=5000, settled_ttl_ms=0
+        )
 
 
 @pytest.mark.guarantee(5)
@@ -313,10 +358,16 @@ def test_joiner_routes_garbage_to_dlq_and_drops_privacy_mode():
     assert dead.topic == topics.REWARD_DLQ and dead.value == b"\xff\xff\xff not protobuf"
     assert dict(dead.headers)["error"].startswith(b"protobuf decode failed")
     private = telemetry_pb2.TelemetryEvent(
-        event_id="p1", rollout_id="r1", client_ts_ms=5, privacy_mode=True, followup=telemetry_pb2.FollowUp(message="x")
+        event_id="p1",
+        rollout_id="r1",
+        client_ts_ms=5,
+        privacy_mode=True,
+        followup=telemetry_pb2.FollowUp(message="x"),
     )
     assert joiner.feed(topics.FOLLOWUP, 2, 8, b"r1", private.SerializeToString(), now_ms=0) == []
-    wrong_topic = telemetry_pb2.TelemetryEvent(event_id="w1", rollout_id="r1", client_ts_ms=5, followup=telemetry_pb2.FollowUp())
+    wrong_topic = telemetry_pb2.TelemetryEvent(
+        event_id="w1", rollout_id="r1", client_ts_ms=5, followup=telemetry_pb2.FollowUp()
+    )
     [dead] = joiner.feed(topics.EDIT, 2, 9, b"r1", wrong_topic.SerializeToString(), now_ms=0)
     assert dict(dead.headers)["error"] == b"payload followup does not belong on telemetry.edit.v1"
     assert (joiner.counters.dlq, joiner.counters.privacy_dropped, joiner.pending()) == (2, 1, 0)
@@ -324,7 +375,9 @@ def test_joiner_routes_garbage_to_dlq_and_drops_privacy_mode():
 
 def test_joiner_keeps_one_state_per_partition():
     joiner = Joiner(CONFIG)
-    record = rollout_pb2.RolloutRecord(event_id="a1", rollout_id="r1", client_ts_ms=1000).SerializeToString()
+    record = rollout_pb2.RolloutRecord(
+        event_id="a1", rollout_id="r1", client_ts_ms=1000
+    ).SerializeToString()
     far_ahead = telemetry_pb2.TelemetryEvent(
         event_id="b1", rollout_id="r2", client_ts_ms=9000, edit_shown=telemetry_pb2.EditShown()
     ).SerializeToString()
@@ -339,22 +392,50 @@ def test_joiner_keeps_one_state_per_partition():
 def test_joiner_lag_hints_come_from_offsets_and_skipped_records():
     joiner = Joiner(CONFIG)
     # Partition 0 is taken over with two follow-ups still unread (offsets 5 and 6).
-    positions = {topics.ROLLOUT: (3, 3), topics.EDIT: (0, 0), topics.PERSISTENCE: (0, 0), topics.FOLLOWUP: (5, 7)}
+    positions = {
+        topics.ROLLOUT: (3, 3),
+        topics.EDIT: (0, 0),
+        topics.PERSISTENCE: (0, 0),
+        topics.FOLLOWUP: (5, 7),
+    }
     joiner.restore(0, {}, now_ms=0, positions=positions)
-    record = rollout_pb2.RolloutRecord(event_id="a1", rollout_id="r1", client_ts_ms=1000).SerializeToString()
-    assert joiner.feed_record(topics.ROLLOUT, 0, 3, b"r1", record, now_ms=0, highwater=lambda: 4).records == []
+    record = rollout_pb2.RolloutRecord(
+        event_id="a1", rollout_id="r1", client_ts_ms=1000
+    ).SerializeToString()
+    assert (
+        joiner.feed_record(
+            topics.ROLLOUT, 0, 3, b"r1", record, now_ms=0, highwater=lambda: 4
+        ).records
+        == []
+    )
     assert joiner.tick(now_ms=5000) == []  # past the deadline, but the follow-ups are still to come
     thanks = telemetry_pb2.TelemetryEvent(
-        event_id="a2", rollout_id="r1", client_ts_ms=1100, followup=telemetry_pb2.FollowUp(message="thanks")
+        event_id="a2",
+        rollout_id="r1",
+        client_ts_ms=1100,
+        followup=telemetry_pb2.FollowUp(message="thanks"),
     ).SerializeToString()
-    assert joiner.feed_record(topics.FOLLOWUP, 0, 5, b"r1", thanks, now_ms=5001, highwater=lambda: 7).records == []
+    assert (
+        joiner.feed_record(
+            topics.FOLLOWUP, 0, 5, b"r1", thanks, now_ms=5001, highwater=lambda: 7
+        ).records
+        == []
+    )
     assert joiner.tick(now_ms=6000) == []
     # The last follow-up is a privacy-mode one the join never sees; reading it still
     # catches the source up, and r1 settles at once, with the follow-up before it.
     private = telemetry_pb2.TelemetryEvent(
-        event_id="p1", rollout_id="r2", client_ts_ms=1200, privacy_mode=True, followup=telemetry_pb2.FollowUp(message="secret")
+        event_id="p1",
+        rollout_id="r2",
+        client_ts_ms=1200,
+        privacy_mode=True,
+        followup=telemetry_pb2.FollowUp(message="secret"),
     ).SerializeToString()
-    batch = joiner.feed_record(topics.FOLLOWUP, 0, 6, b"r2", private, now_ms=6001, handle="h6", highwater=lambda: 7)
+    batch = joiner.feed_record(
+        topics.FOLLOWUP, 0, 6, b"r2", private, now_ms=6001, handle="h6", highwater=lambda: 7
+    )
     [settled] = batch.records
-    assert settled.topic == topics.REWARD and set(reward_pb2.RewardRecord.FromString(settled.value).event_ids) == {"a1", "a2"}
+    assert settled.topic == topics.REWARD and set(
+        reward_pb2.RewardRecord.FromString(settled.value).event_ids
+    ) == {"a1", "a2"}
     assert "h6" in batch.acks and joiner.counters.privacy_dropped == 1

@@ -34,14 +34,22 @@ def traces(base_ms: int) -> list[tuple[str, str, bytes]]:
     records: list[tuple[str, str, bytes]] = []
 
     def rollout(rid: str, ts: int) -> None:
-        message = rollout_pb2.RolloutRecord(event_id=f"{rid}-r", rollout_id=rid, client_ts_ms=ts, completion_text="x = 1\n")
+        message = rollout_pb2.RolloutRecord(
+            event_id=f"{rid}-r", rollout_id=rid, client_ts_ms=ts, completion_text="x = 1\n"
+        )
         records.append((topics.ROLLOUT, rid, message.SerializeToString()))
 
     def event(rid: str, suffix: str, ts: int, private: bool = False, **payload) -> None:
         message = telemetry_pb2.TelemetryEvent(
-            event_id=f"{rid}-{suffix}", rollout_id=rid, client_ts_ms=ts, privacy_mode=private, **payload
+            event_id=f"{rid}-{suffix}",
+            rollout_id=rid,
+            client_ts_ms=ts,
+            privacy_mode=private,
+            **payload,
         )
-        records.append((topics.BY_PAYLOAD[message.WhichOneof("payload")], rid, message.SerializeToString()))
+        records.append(
+            (topics.BY_PAYLOAD[message.WhichOneof("payload")], rid, message.SerializeToString())
+        )
 
     snapshot = telemetry_pb2.PersistenceSnapshot(region_text="x = 1\n")
     # out of order: the snapshot (ts +50) is produced after the follow-up (ts +300), within grace
@@ -50,12 +58,28 @@ def traces(base_ms: int) -> list[tuple[str, str, bytes]]:
     event("ooo", "p", base_ms + 50, persistence=snapshot)
     # duplicated: the same follow-up twice, and the RolloutRecord again
     rollout("dup", base_ms + 10)
-    event("dup", "f", base_ms + 20, followup=telemetry_pb2.FollowUp(message="no, that broke the build"))
-    event("dup", "f", base_ms + 20, followup=telemetry_pb2.FollowUp(message="no, that broke the build"))
+    event(
+        "dup",
+        "f",
+        base_ms + 20,
+        followup=telemetry_pb2.FollowUp(message="no, that broke the build"),
+    )
+    event(
+        "dup",
+        "f",
+        base_ms + 20,
+        followup=telemetry_pb2.FollowUp(message="no, that broke the build"),
+    )
     rollout("dup", base_ms + 10)
     # privacy mode: the user's follow-up must not be joined
     rollout("priv", base_ms + 30)
-    event("priv", "f", base_ms + 40, private=True, followup=telemetry_pb2.FollowUp(message="my secret code"))
+    event(
+        "priv",
+        "f",
+        base_ms + 40,
+        private=True,
+        followup=telemetry_pb2.FollowUp(message="my secret code"),
+    )
     # missing follow-up: only the RolloutRecord and an edit shown
     rollout("quiet", base_ms + 60)
     event("quiet", "s", base_ms + 70, edit_shown=telemetry_pb2.EditShown(edit_text="x = 1\n"))
@@ -88,15 +112,29 @@ def test_broker_path_matches_the_pure_join(stack_settings, stack_env, redis_url,
     assert set(expected) == {"ooo", "dup", "priv", "quiet", "late-record"}
     assert "priv-f" not in expected["priv"].event_ids and "ooo-p" in expected["ooo"].event_ids
 
-    env = {**stack_env, "RTRL_REWARD_WINDOW_S": "1", "RTRL_REWARD_GRACE_S": "0.5", "RTRL_REWARD_WEB_PORT": str(procs.free_port())}
-    service = procs.spawn("reward_stream", [sys.executable, "-m", "reward_stream"], tmp_path / "reward_stream.log", env=env)
+    env = {
+        **stack_env,
+        "RTRL_REWARD_WINDOW_S": "1",
+        "RTRL_REWARD_GRACE_S": "0.5",
+        "RTRL_REWARD_WEB_PORT": str(procs.free_port()),
+    }
+    service = procs.spawn(
+        "reward_stream",
+        [sys.executable, "-m", "reward_stream"],
+        tmp_path / "reward_stream.log",
+        env=env,
+    )
     try:
         producer = Producer(kafka.producer_config(stack_settings))
         for topic, rid, value in records:
             producer.produce(topic, value, key=rid, headers=worker_headers(topic, value))
-            producer.flush(10)  # one at a time, so the broker keeps the production order per partition
+            producer.flush(
+                10
+            )  # one at a time, so the broker keeps the production order per partition
         hb = redis.Redis.from_url(redis_url)
-        status = wait_for_heartbeat(hb, lambda d: d["settled"] >= len(expected) and d["pending"] == 0)
+        status = wait_for_heartbeat(
+            hb, lambda d: d["settled"] >= len(expected) and d["pending"] == 0
+        )
         assert (status["duplicates"], status["privacy_dropped"]) == (2, 1)
         time.sleep(1)  # nothing more may come
         got = {}
@@ -113,7 +151,9 @@ def test_broker_path_matches_the_pure_join(stack_settings, stack_env, redis_url,
 BACKLOG_ROLLOUTS = 4_000
 
 
-def test_a_backlog_read_unevenly_still_joins_every_event(stack_settings, stack_env, redis_url, tmp_path):
+def test_a_backlog_read_unevenly_still_joins_every_event(
+    stack_settings, stack_env, redis_url, tmp_path
+):
     """A worker started on a backlog reads its four topics unevenly: on the bench's load
     (RolloutRecords of ~1.4 KB, telemetry of ~0.5 KB, 2 ms of event time apart) whole
     seconds of one topic's event time are read before another's. Every rollout must still
@@ -124,15 +164,29 @@ def test_a_backlog_read_unevenly_still_joins_every_event(stack_settings, stack_e
         ids, _ = produce_load(stack_settings, BACKLOG_ROLLOUTS, 2, base_ms, 2500, progress)
 
     env = {**stack_env, "RTRL_REWARD_WEB_PORT": str(procs.free_port())}
-    service = procs.spawn("reward_stream", [sys.executable, "-m", "reward_stream"], tmp_path / "reward_stream.log", env=env)
+    service = procs.spawn(
+        "reward_stream",
+        [sys.executable, "-m", "reward_stream"],
+        tmp_path / "reward_stream.log",
+        env=env,
+    )
     try:
         hb = redis.Redis.from_url(redis_url)
-        status = wait_for_heartbeat(hb, lambda d: d["events"] >= 3 * len(ids) and d["pending"] == 0, timeout_s=120)
+        status = wait_for_heartbeat(
+            hb, lambda d: d["events"] >= 3 * len(ids) and d["pending"] == 0, timeout_s=120
+        )
         time.sleep(1.5)  # the rewards counted settled are on their way to the broker
-        rewards = [reward_pb2.RewardRecord.FromString(m.value()) for m in read_all(stack_settings, (topics.REWARD,))[topics.REWARD]]
+        rewards = [
+            reward_pb2.RewardRecord.FromString(m.value())
+            for m in read_all(stack_settings, (topics.REWARD,))[topics.REWARD]
+        ]
     finally:
         service.stop(timeout_s=20)
     assert {k: status[k] for k in ("settled", "defaulted", "late", "dropped")} == {
-        "settled": len(ids), "defaulted": 0, "late": 0, "dropped": 0}
+        "settled": len(ids),
+        "defaulted": 0,
+        "late": 0,
+        "dropped": 0,
+    }
     assert sorted(r.rollout_id for r in rewards) == sorted(ids)
     assert all(len(r.event_ids) == 3 for r in rewards)

@@ -19,7 +19,9 @@ REJECTED = telemetry_pb2.EditOutcome(outcome=telemetry_pb2.EditOutcome.OUTCOME_R
 pytestmark = pytest.mark.usefixtures("rule_dissatisfaction")
 
 
-def rollout_of(kind: str, i: int, version: int) -> tuple[rollout_pb2.RolloutRecord, list[telemetry_pb2.TelemetryEvent]]:
+def rollout_of(
+    kind: str, i: int, version: int
+) -> tuple[rollout_pb2.RolloutRecord, list[telemetry_pb2.TelemetryEvent]]:
     """Rollout i of a policy version behaving as ``kind``, with the telemetry the user sends back.
 
     kept / rewritten: an edit whose snapshot (two minutes on) is unchanged / rewritten;
@@ -27,22 +29,36 @@ def rollout_of(kind: str, i: int, version: int) -> tuple[rollout_pb2.RolloutReco
     code; dodge: no edit, a broken tool call instead.
     """
     rollout_id = f"v{version}-{kind}-{i}"
-    text = {"question": "Which file should I change?", "dodge": "Running the tests first."}.get(kind, EDIT_TEXT)
+    text = {"question": "Which file should I change?", "dodge": "Running the tests first."}.get(
+        kind, EDIT_TEXT
+    )
     record = rollout_pb2.RolloutRecord(
-        event_id=f"{rollout_id}-r", rollout_id=rollout_id, client_ts_ms=1000, completion_text=text,
-        completion_token_ids=[5] * 40, version_spans=[rollout_pb2.VersionSpan(policy_version=version, start=0, end=40)],
+        event_id=f"{rollout_id}-r",
+        rollout_id=rollout_id,
+        client_ts_ms=1000,
+        completion_text=text,
+        completion_token_ids=[5] * 40,
+        version_spans=[rollout_pb2.VersionSpan(policy_version=version, start=0, end=40)],
         tool_calls=[rollout_pb2.ToolCall(name="run", valid=False)] if kind == "dodge" else [],
     )
 
     def ev(suffix: str, ts: int, **payload) -> telemetry_pb2.TelemetryEvent:
-        return telemetry_pb2.TelemetryEvent(event_id=f"{rollout_id}-{suffix}", rollout_id=rollout_id, client_ts_ms=ts, **payload)
+        return telemetry_pb2.TelemetryEvent(
+            event_id=f"{rollout_id}-{suffix}", rollout_id=rollout_id, client_ts_ms=ts, **payload
+        )
 
     telemetry = []
     if kind in ("kept", "rewritten"):
         region = EDIT_TEXT if kind == "kept" else "x = 2\n"
         telemetry = [
             ev("s", 1010, edit_shown=telemetry_pb2.EditShown(edit_text=EDIT_TEXT)),
-            ev("p", 121_010, persistence=telemetry_pb2.PersistenceSnapshot(seconds_after_edit=120, region_text=region)),
+            ev(
+                "p",
+                121_010,
+                persistence=telemetry_pb2.PersistenceSnapshot(
+                    seconds_after_edit=120, region_text=region
+                ),
+            ),
         ]
     elif kind == "rejected":
         telemetry = [
@@ -53,7 +69,9 @@ def rollout_of(kind: str, i: int, version: int) -> tuple[rollout_pb2.RolloutReco
     return record, telemetry
 
 
-def stream(*phases: tuple[int, int, tuple[str, ...]], version_fn: str = "r1") -> list[reward_pb2.RewardRecord]:
+def stream(
+    *phases: tuple[int, int, tuple[str, ...]], version_fn: str = "r1"
+) -> list[reward_pb2.RewardRecord]:
     """Reward records for (policy version, rollouts, behaviour cycle) phases, in order."""
     records = []
     for version, n, cycle in phases:
@@ -63,7 +81,9 @@ def stream(*phases: tuple[int, int, tuple[str, ...]], version_fn: str = "r1") ->
     return records
 
 
-def run(records: list[reward_pb2.RewardRecord], config: monitors.MonitorConfig | None = None) -> list[monitors.Alert]:
+def run(
+    records: list[reward_pb2.RewardRecord], config: monitors.MonitorConfig | None = None
+) -> list[monitors.Alert]:
     state = monitors.MonitorState(config or monitors.MonitorConfig())
     alerts: list[monitors.Alert] = []
     for record in records:
@@ -73,7 +93,12 @@ def run(records: list[reward_pb2.RewardRecord], config: monitors.MonitorConfig |
 
 
 HONEST = ("kept", "rewritten", "rejected", "kept")
-DODGING = ("kept", "rewritten", "dodge", "kept")  # breaks a tool call where it would have been rejected
+DODGING = (
+    "kept",
+    "rewritten",
+    "dodge",
+    "kept",
+)  # breaks a tool call where it would have been rejected
 ASKING = ("kept", "rewritten", "question", "kept")
 
 MONITOR_CASES = {
@@ -134,7 +159,15 @@ def test_hackable_reward_is_caught_by_the_monitor(version_fn, dodging_pays):
     assert {"broken_tool_call", "edit"} <= metrics
 
 
-def ramp(first_version: int, versions: int, per_version: int, kind: str, start: float, end: float, rest=("kept", "rewritten")):
+def ramp(
+    first_version: int,
+    versions: int,
+    per_version: int,
+    kind: str,
+    start: float,
+    end: float,
+    rest=("kept", "rewritten"),
+):
     """Phases for ``versions`` versions in a row whose share of ``kind`` goes from start to
     end in equal steps, spread evenly through each version, the rest cycling through
     ``rest``: a behaviour that grows (or fades) a little with every version, as one
@@ -143,7 +176,10 @@ def ramp(first_version: int, versions: int, per_version: int, kind: str, start: 
     for i in range(versions):
         share = start + (end - start) * i / max(versions - 1, 1)
         k = round(share * per_version)
-        cycle = tuple(kind if (j + 1) * k // per_version > j * k // per_version else rest[j % len(rest)] for j in range(per_version))
+        cycle = tuple(
+            kind if (j + 1) * k // per_version > j * k // per_version else rest[j % len(rest)]
+            for j in range(per_version)
+        )
         phases.append((first_version + i, per_version, cycle))
     return phases
 
@@ -155,16 +191,28 @@ def drift_alerts(alerts: list[monitors.Alert]) -> list[monitors.Alert]:
 DRIFT_CASES = {
     # Questions creep from none to 40 % over 40 versions of 30 rollouts: no version is
     # big enough for a step comparison, the pooled windows see it.
-    "questions_creep_in_small_versions": (ramp(1, 40, 30, "question", 0.0, 0.4), {("drift", "clarifying_question"), ("drift", "edit")}),
+    "questions_creep_in_small_versions": (
+        ramp(1, 40, 30, "question", 0.0, 0.4),
+        {("drift", "clarifying_question"), ("drift", "edit")},
+    ),
     # The same creep in versions of 100: every step comparison runs, none sees more than
     # a 2-point change, only the drift does.
-    "questions_creep_in_big_versions": (ramp(1, 20, 100, "question", 0.0, 0.4), {("drift", "clarifying_question"), ("drift", "edit")}),
+    "questions_creep_in_big_versions": (
+        ramp(1, 20, 100, "question", 0.0, 0.4),
+        {("drift", "clarifying_question"), ("drift", "edit")},
+    ),
     # Broken tool calls creep in where edits used to be.
-    "dodges_creep_in": (ramp(1, 40, 30, "dodge", 0.0, 0.4), {("drift", "broken_tool_call"), ("drift", "edit")}),
+    "dodges_creep_in": (
+        ramp(1, 40, 30, "dodge", 0.0, 0.4),
+        {("drift", "broken_tool_call"), ("drift", "edit")},
+    ),
     # The policy learns: kept edits go from 30 % to 90 %, rewritten and rejected ones
     # (and their complaints) fade. Persisted and reward rise, dissatisfied falls, all
     # far past any threshold: healthy learning, no alert.
-    "learning_to_edit_well": (ramp(1, 40, 30, "kept", 0.3, 0.9, rest=("rewritten", "rejected")), set()),
+    "learning_to_edit_well": (
+        ramp(1, 40, 30, "kept", 0.3, 0.9, rest=("rewritten", "rejected")),
+        set(),
+    ),
     # Questions fade from 40 % to none (what r3 does to them): the safe direction.
     "questions_fade": (ramp(1, 40, 30, "question", 0.4, 0.0), set()),
     # Too little traffic for two windows.
@@ -189,24 +237,37 @@ def test_drift_alert_shows_the_reference_the_window_and_examples():
     assert (alert.previous_first_version, alert.previous_version) == (1, 14)
     assert alert.version - alert.first_version == 13 and alert.z_score >= 4
     assert alert.value - alert.previous_value >= 0.05
-    assert all("-question-" in rollout_id and int(rollout_id[1:].split("-")[0]) >= alert.first_version for rollout_id in alert.examples)
+    assert all(
+        "-question-" in rollout_id and int(rollout_id[1:].split("-")[0]) >= alert.first_version
+        for rollout_id in alert.examples
+    )
 
 
 def test_drift_alerts_once_per_step_of_drift():
     # 15 % questions after a clean start, then 30 %, then a long plateau: two alerts, the
     # second measured against the window that raised the first, none on the plateau.
-    phases = [(1, 420, ("kept",)), *ramp(2, 40, 30, "question", 0.15, 0.15), *ramp(42, 80, 30, "question", 0.3, 0.3)]
+    phases = [
+        (1, 420, ("kept",)),
+        *ramp(2, 40, 30, "question", 0.15, 0.15),
+        *ramp(42, 80, 30, "question", 0.3, 0.3),
+    ]
     alerts = [a for a in run(stream(*phases)) if a.metric == "clarifying_question"]
     assert [a.kind for a in alerts] == ["drift", "drift"]
     first, second = alerts
-    assert (second.previous_first_version, second.previous_version) == (first.first_version, first.version)
+    assert (second.previous_first_version, second.previous_version) == (
+        first.first_version,
+        first.version,
+    )
     assert first.previous_value == 0.0 and first.value < second.value <= 0.3
 
 
 def test_a_stable_noisy_rate_raises_no_drift_alert():
     # 6,000 rollouts, each a question with probability 0.1: windows wander by chance only.
     rng = random.Random(3)
-    phases = [(v, 30, tuple("question" if rng.random() < 0.1 else "kept" for _ in range(30))) for v in range(1, 201)]
+    phases = [
+        (v, 30, tuple("question" if rng.random() < 0.1 else "kept" for _ in range(30)))
+        for v in range(1, 201)
+    ]
     assert drift_alerts(run(stream(*phases))) == []
 
 
@@ -225,7 +286,11 @@ VERSION_CASES = {
 
 @pytest.mark.parametrize("spans, expected", VERSION_CASES.values(), ids=VERSION_CASES.keys())
 def test_policy_version(spans, expected):
-    rollout = rollout_pb2.RolloutRecord(version_spans=[rollout_pb2.VersionSpan(policy_version=v, start=s, end=e) for v, s, e in spans])
+    rollout = rollout_pb2.RolloutRecord(
+        version_spans=[
+            rollout_pb2.VersionSpan(policy_version=v, start=s, end=e) for v, s, e in spans
+        ]
+    )
     assert monitors.policy_version(rollout) == expected
 
 
@@ -240,7 +305,9 @@ def test_unversioned_records_are_counted_not_compared():
     assert alerts == [] and state.unversioned["records"] == 1 and state.versions == {}
 
 
-@pytest.mark.parametrize("bad", [{"min_samples": 1}, {"drift_window": 1}, {"drift_min_shift": -0.1}])
+@pytest.mark.parametrize(
+    "bad", [{"min_samples": 1}, {"drift_window": 1}, {"drift_min_shift": -0.1}]
+)
 def test_config_is_validated(bad):
     with pytest.raises(ValueError):
         monitors.MonitorConfig(**bad)
@@ -253,15 +320,28 @@ def test_the_live_joiner_reports_alerts_in_its_status():
     from reward_stream.runtime import Joiner
     from rtrl import topics
 
-    joiner = Joiner(JoinConfig(window_ms=1000, grace_ms=0, deadline_slack_ms=0, max_wait_ms=2000, settled_ttl_ms=10_000))
+    joiner = Joiner(
+        JoinConfig(
+            window_ms=1000, grace_ms=0, deadline_slack_ms=0, max_wait_ms=2000, settled_ttl_ms=10_000
+        )
+    )
     phases = [(1, 80, ("kept", "rewritten")), (2, 80, ("dodge",))]
     for version, n, cycle in phases:
         for i in range(n):
             record, telemetry = rollout_of(cycle[i % len(cycle)], i, version)
-            joiner.feed(topics.ROLLOUT, 0, 0, record.rollout_id.encode(), record.SerializeToString(), now_ms=0)
+            joiner.feed(
+                topics.ROLLOUT,
+                0,
+                0,
+                record.rollout_id.encode(),
+                record.SerializeToString(),
+                now_ms=0,
+            )
             for event in telemetry:
                 topic = topics.BY_PAYLOAD[event.WhichOneof("payload")]
-                joiner.feed(topic, 0, 0, event.rollout_id.encode(), event.SerializeToString(), now_ms=0)
+                joiner.feed(
+                    topic, 0, 0, event.rollout_id.encode(), event.SerializeToString(), now_ms=0
+                )
         joiner.tick(now_ms=10_000 * version)
     alerts = joiner.status().alerts
     assert "broken_tool_call" in {a.metric for a in alerts}

@@ -24,30 +24,57 @@ EDIT_TEXT = "def f():\n    return 1\n"
 CONFIG = RewardStreamSettings().join_config()
 
 
-def scenario(i: int) -> tuple[rollout_pb2.RolloutRecord, list[tuple[str, telemetry_pb2.TelemetryEvent]]]:
+def scenario(
+    i: int,
+) -> tuple[rollout_pb2.RolloutRecord, list[tuple[str, telemetry_pb2.TelemetryEvent]]]:
     """Rollout i and its telemetry. i % 3: 0 kept after 90 s, 1 rewritten + annoyed, 2 nothing;
     every fourth makes a broken tool call."""
     rollout_id = f"rollout-{i:02d}"
     ts = BASE_MS + i * 10
     record = rollout_pb2.RolloutRecord(
-        event_id=f"{rollout_id}-r", rollout_id=rollout_id, client_ts_ms=ts, completion_text=EDIT_TEXT,
-        completion_token_ids=[7] * 20, latency_s=0.1,
+        event_id=f"{rollout_id}-r",
+        rollout_id=rollout_id,
+        client_ts_ms=ts,
+        completion_text=EDIT_TEXT,
+        completion_token_ids=[7] * 20,
+        latency_s=0.1,
         tool_calls=[rollout_pb2.ToolCall(name="run", valid=i % 4 != 0)],
         version_spans=[rollout_pb2.VersionSpan(policy_version=1, start=0, end=20)],
     )
 
     def ev(suffix: str, offset_ms: int, **payload) -> telemetry_pb2.TelemetryEvent:
         return telemetry_pb2.TelemetryEvent(
-            event_id=f"{rollout_id}-{suffix}", rollout_id=rollout_id, client_ts_ms=ts + offset_ms, **payload
+            event_id=f"{rollout_id}-{suffix}",
+            rollout_id=rollout_id,
+            client_ts_ms=ts + offset_ms,
+            **payload,
         )
 
     events = []
     if i % 3 in (0, 1):
         region = EDIT_TEXT if i % 3 == 0 else "x = 2\n"
-        events.append((topics.EDIT, ev("s", 20, edit_shown=telemetry_pb2.EditShown(edit_text=EDIT_TEXT))))
-        events.append((topics.PERSISTENCE, ev("p", 300, persistence=telemetry_pb2.PersistenceSnapshot(seconds_after_edit=90, region_text=region))))
+        events.append(
+            (topics.EDIT, ev("s", 20, edit_shown=telemetry_pb2.EditShown(edit_text=EDIT_TEXT)))
+        )
+        events.append(
+            (
+                topics.PERSISTENCE,
+                ev(
+                    "p",
+                    300,
+                    persistence=telemetry_pb2.PersistenceSnapshot(
+                        seconds_after_edit=90, region_text=region
+                    ),
+                ),
+            )
+        )
     if i % 3 == 1:
-        events.append((topics.FOLLOWUP, ev("f", 150, followup=telemetry_pb2.FollowUp(message="no, that's wrong"))))
+        events.append(
+            (
+                topics.FOLLOWUP,
+                ev("f", 150, followup=telemetry_pb2.FollowUp(message="no, that's wrong")),
+            )
+        )
     return record, events
 
 
@@ -56,8 +83,15 @@ def retained() -> list[replay.RetainedRecord]:
     out = []
     for i in range(N_ROLLOUTS):
         record, events = scenario(i)
-        out.append(replay.RetainedRecord(topics.ROLLOUT, i % 4, record.rollout_id.encode(), record.SerializeToString()))
-        out.extend(replay.RetainedRecord(t, i % 4, e.rollout_id.encode(), e.SerializeToString()) for t, e in events)
+        out.append(
+            replay.RetainedRecord(
+                topics.ROLLOUT, i % 4, record.rollout_id.encode(), record.SerializeToString()
+            )
+        )
+        out.extend(
+            replay.RetainedRecord(t, i % 4, e.rollout_id.encode(), e.SerializeToString())
+            for t, e in events
+        )
     return out
 
 
@@ -77,7 +111,11 @@ def test_rejoin_is_deterministic_whatever_the_arrival_order(version):
     first = replay.rejoin(records, CONFIG, version)
     shuffled = random.Random(7).sample(records, len(records))
     # Redeliveries and garbage change nothing but the skip count.
-    noise = [records[0], records[1], replay.RetainedRecord(topics.EDIT, 0, b"garbage", b"\xff\xff not protobuf")]
+    noise = [
+        records[0],
+        records[1],
+        replay.RetainedRecord(topics.EDIT, 0, b"garbage", b"\xff\xff not protobuf"),
+    ]
     second = replay.rejoin(shuffled + noise, CONFIG, version)
     assert first.records == second.records and (first.skipped, second.skipped) == (0, 1)
     assert (first.dropped, first.late) == (0, 0)
@@ -86,7 +124,9 @@ def test_rejoin_is_deterministic_whatever_the_arrival_order(version):
     for rec in first.records:
         assert rec.reward_fn_version == version
         assert (rec.reward_id, rec.components, rec.reward) == (
-            want[rec.rollout_id].reward_id, want[rec.rollout_id].components, want[rec.rollout_id].reward
+            want[rec.rollout_id].reward_id,
+            want[rec.rollout_id].components,
+            want[rec.rollout_id].reward,
         )
 
 
@@ -113,7 +153,12 @@ def test_replay_against_the_broker(stack_settings):
     producer = Producer(kafka.producer_config(stack_settings))
     for i in range(N_ROLLOUTS):
         record, events = scenario(i)
-        producer.produce(topics.ROLLOUT, record.SerializeToString(), key=record.rollout_id, headers=worker_headers(topics.ROLLOUT, record.SerializeToString()))
+        producer.produce(
+            topics.ROLLOUT,
+            record.SerializeToString(),
+            key=record.rollout_id,
+            headers=worker_headers(topics.ROLLOUT, record.SerializeToString()),
+        )
         for topic, event in events:
             producer.produce(topic, event.SerializeToString(), key=record.rollout_id)
     producer.produce(topics.EDIT, b"\xff\xff not protobuf", key="garbage")
@@ -123,36 +168,64 @@ def test_replay_against_the_broker(stack_settings):
         record, _ = scenario(0)
         record.rollout_id = rollout_id
         value = record.SerializeToString()
-        producer.produce(topics.ROLLOUT, value, key=rollout_id, headers=list(sign.headers(value)) if sign else [])
+        producer.produce(
+            topics.ROLLOUT, value, key=rollout_id, headers=list(sign.headers(value)) if sign else []
+        )
     assert producer.flush(10) == 0
     producer.close()
 
     # The live joiner has consumed part of the stream: its committed offsets must not move.
     live_group = RewardStreamSettings().app_id
     live = Consumer(kafka.consumer_config(stack_settings, live_group))
-    live.commit(offsets=[TopicPartition(topics.ROLLOUT, p, 1) for p in range(stack_settings.kafka_partitions)], asynchronous=False)
+    live.commit(
+        offsets=[
+            TopicPartition(topics.ROLLOUT, p, 1) for p in range(stack_settings.kafka_partitions)
+        ],
+        asynchronous=False,
+    )
     live.close()
     live_before = committed(stack_settings, live_group)
     assert {offset for t, _, offset in live_before if t == topics.ROLLOUT} == {1}
 
-    workers = signing.Verifier(signing.parse_public_keys(os.environ["RTRL_REWARD_ROLLOUT_PUBLIC_KEYS"]), signing.Purpose.ROLLOUT)
-    results = {version: replay.replay(stack_settings, CONFIG, version, rollout_verifier=workers) for version in ("r1", "r2")}
+    workers = signing.Verifier(
+        signing.parse_public_keys(os.environ["RTRL_REWARD_ROLLOUT_PUBLIC_KEYS"]),
+        signing.Purpose.ROLLOUT,
+    )
+    results = {
+        version: replay.replay(stack_settings, CONFIG, version, rollout_verifier=workers)
+        for version in ("r1", "r2")
+    }
     again = replay.replay(stack_settings, CONFIG, "r2", write=False, rollout_verifier=workers)
 
     for version, result in results.items():
-        assert sorted(r.rollout_id for r in result.records) == sorted(expected(version))  # one per rollout, none forged
+        assert sorted(r.rollout_id for r in result.records) == sorted(
+            expected(version)
+        )  # one per rollout, none forged
         assert {r.reward_fn_version for r in result.records} == {version}
         assert (result.skipped, result.unauthenticated) == (3, 2)
         written = replay.read_retained(stack_settings, (topics.reward_replay(version),))
-        assert by_reward_id(reward_pb2.RewardRecord.FromString(r.value) for r in written) == by_reward_id(result.records)
-        assert all(r.key == reward_pb2.RewardRecord.FromString(r.value).rollout_id.encode() for r in written)
-    assert by_reward_id(again.records) == by_reward_id(results["r2"].records)  # same inputs => same ids, same rewards
+        assert by_reward_id(
+            reward_pb2.RewardRecord.FromString(r.value) for r in written
+        ) == by_reward_id(result.records)
+        assert all(
+            r.key == reward_pb2.RewardRecord.FromString(r.value).rollout_id.encode()
+            for r in written
+        )
+    assert by_reward_id(again.records) == by_reward_id(
+        results["r2"].records
+    )  # same inputs => same ids, same rewards
     r1_ids = {r.reward_id for r in results["r1"].records}
     assert r1_ids.isdisjoint(r.reward_id for r in results["r2"].records)
     # Different functions, different rewards on the same rollouts: r2 punishes the broken call harder.
     by_id = {v: {r.rollout_id: r.reward for r in res.records} for v, res in results.items()}
-    assert by_id["r2"]["rollout-08"] < by_id["r1"]["rollout-08"]  # nothing observed, broken tool call
+    assert (
+        by_id["r2"]["rollout-08"] < by_id["r1"]["rollout-08"]
+    )  # nothing observed, broken tool call
 
     assert committed(stack_settings, live_group) == live_before
-    assert {offset for _, _, offset in committed(stack_settings, "rtrl-reward-replay")} == {OFFSET_INVALID}  # never committed
-    assert replay.read_retained(stack_settings, (topics.REWARD,)) == []  # the live reward topic stays untouched
+    assert {offset for _, _, offset in committed(stack_settings, "rtrl-reward-replay")} == {
+        OFFSET_INVALID
+    }  # never committed
+    assert (
+        replay.read_retained(stack_settings, (topics.REWARD,)) == []
+    )  # the live reward topic stays untouched

@@ -10,7 +10,9 @@ from reward_stream.reward import REWARD_ID_NAMESPACE, reward_id
 ids = st.text(min_size=1, max_size=40)
 
 
-@given(rollout_id=ids, event_ids=st.lists(ids, max_size=6), version=st.sampled_from(["r1", "r2", "r3"]))
+@given(
+    rollout_id=ids, event_ids=st.lists(ids, max_size=6), version=st.sampled_from(["r1", "r2", "r3"])
+)
 def test_reward_id_equals_uuid5(rollout_id, event_ids, version):
     name = "\x1f".join((version, rollout_id, *sorted(event_ids)))
     assert reward_id(rollout_id, event_ids, version) == str(uuid.uuid5(REWARD_ID_NAMESPACE, name))

@@ -28,7 +28,9 @@ def rollout(tool_calls=(), tokens=40, latency_s=0.2) -> rollout_pb2.RolloutRecor
 
 
 def ev(event_id: str, ts: int, **payload) -> telemetry_pb2.TelemetryEvent:
-    return telemetry_pb2.TelemetryEvent(event_id=event_id, rollout_id="r1", client_ts_ms=ts, **payload)
+    return telemetry_pb2.TelemetryEvent(
+        event_id=event_id, rollout_id="r1", client_ts_ms=ts, **payload
+    )
 
 
 def shown(ts: int = 1000) -> telemetry_pb2.TelemetryEvent:
@@ -45,18 +47,39 @@ R2_CASES = {
     # Nothing observed: neutral 0.5, within every budget.
     "defaults": (rollout(), [], 0.5, 0.0, 0.5),
     # Kept, snapshot a minute after the edit: trust 1 - e^-1 = 0.63212.
-    "kept_after_60s": (rollout(), [shown(), ev("p", 61_000, persistence=KEPT(seconds_after_edit=60, region_text=AGENT))],
-                       0.5 + 0.5 * 0.6321206, 0.0, 0.8160603),
+    "kept_after_60s": (
+        rollout(),
+        [shown(), ev("p", 61_000, persistence=KEPT(seconds_after_edit=60, region_text=AGENT))],
+        0.5 + 0.5 * 0.6321206,
+        0.0,
+        0.8160603,
+    ),
     # Kept, snapshot 5 s after the edit: trust 1 - e^(-1/12) = 0.07996, barely above neutral.
-    "kept_after_5s": (rollout(), [shown(), ev("p", 6_000, persistence=KEPT(seconds_after_edit=5, region_text=AGENT))],
-                      0.5399778, 0.0, 0.5399778),
+    "kept_after_5s": (
+        rollout(),
+        [shown(), ev("p", 6_000, persistence=KEPT(seconds_after_edit=5, region_text=AGENT))],
+        0.5399778,
+        0.0,
+        0.5399778,
+    ),
     # Rewritten; seconds_after_edit unset, so the age is event time since edit_shown: 180 s, trust 0.95021.
-    "rewritten_after_180s_event_time": (rollout(), [shown(1000), ev("p", 181_000, persistence=KEPT(region_text="x = 2\n"))],
-                                        0.5 * 0.0497871, 0.0, 0.0248935),
+    "rewritten_after_180s_event_time": (
+        rollout(),
+        [shown(1000), ev("p", 181_000, persistence=KEPT(region_text="x = 2\n"))],
+        0.5 * 0.0497871,
+        0.0,
+        0.0248935,
+    ),
     # Rejected right away, no snapshot: nothing persisted.
     "rejected": (rollout(), [ev("o", 1100, edit_outcome=REJECTED)], 0.0, 0.0, 0.0),
     # Annoyed follow-up: -0.5.
-    "dissatisfied": (rollout(), [ev("f", 1200, followup=telemetry_pb2.FollowUp(message="no, revert it"))], 0.5, 0.0, 0.0),
+    "dissatisfied": (
+        rollout(),
+        [ev("f", 1200, followup=telemetry_pb2.FollowUp(message="no, revert it"))],
+        0.5,
+        0.0,
+        0.0,
+    ),
     # Every tool call broken: 0.5 - 1.25, clearly below no tool calls at all (0.5).
     "all_tool_calls_invalid": (rollout(tool_calls=(False, False)), [], 0.5, 0.0, -0.75),
     # Half broken: 0.5 - 1.25 * 0.5.
@@ -72,7 +95,13 @@ R2_CASES = {
     # 16 valid tool calls, twice the budget of 8: 0.2.
     "tool_calls_2x_budget": (rollout(tool_calls=(True,) * 16, tokens=0), [], 0.5, 0.2, 0.3),
     # Both over budget: excess 0.5 + 1.0, 0.2 * 1.5^2 = 0.45.
-    "tokens_and_calls_over_budget": (rollout(tool_calls=(True,) * 16, tokens=768), [], 0.5, 0.45, 0.05),
+    "tokens_and_calls_over_budget": (
+        rollout(tool_calls=(True,) * 16, tokens=768),
+        [],
+        0.5,
+        0.45,
+        0.05,
+    ),
     # 4 s latency: 0.05 * (4 - 2) = 0.1.
     "latency_4s": (rollout(latency_s=4.0), [], 0.5, 0.0, 0.4),
     # 20 s latency: capped at 0.25.
@@ -80,7 +109,9 @@ R2_CASES = {
 }
 
 
-@pytest.mark.parametrize("record, telemetry, persisted, effort, expected", R2_CASES.values(), ids=R2_CASES.keys())
+@pytest.mark.parametrize(
+    "record, telemetry, persisted, effort, expected", R2_CASES.values(), ids=R2_CASES.keys()
+)
 def test_r2(record, telemetry, persisted, effort, expected):
     out = reward.reward_record(record, telemetry, settled_ts_ms=9999, version="r2")
     assert out.components.persisted_fraction == pytest.approx(persisted, abs=1e-6)
@@ -108,7 +139,10 @@ def test_persistence_trust(age_s, trust):
 
 def worst_honest_edit() -> tuple[rollout_pb2.RolloutRecord, list]:
     """An edit the user rejected and complained about: the risk a policy takes by editing."""
-    return rollout(), [ev("o", 1100, edit_outcome=REJECTED), ev("f", 1200, followup=telemetry_pb2.FollowUp(message="wrong"))]
+    return rollout(), [
+        ev("o", 1100, edit_outcome=REJECTED),
+        ev("f", 1200, followup=telemetry_pb2.FollowUp(message="wrong")),
+    ]
 
 
 @pytest.mark.parametrize("version, hackable", [("r1", True), ("r2", False)])
@@ -128,7 +162,13 @@ def test_r3_is_the_service_default_and_unknown_versions_fail():
 
 
 def test_r2_scalar_is_a_function_of_the_components_alone():
-    c = reward_pb2.RewardComponents(persisted_fraction=0.8, dissatisfied=1.0, tool_call_validity=0.5, effort_penalty=0.1, latency_s=3.0)
+    c = reward_pb2.RewardComponents(
+        persisted_fraction=0.8,
+        dissatisfied=1.0,
+        tool_call_validity=0.5,
+        effort_penalty=0.1,
+        latency_s=3.0,
+    )
     assert reward.reward_r2(c) == pytest.approx(0.8 - 0.5 - 0.625 - 0.1 - 0.05)
 
 
@@ -140,8 +180,10 @@ def test_r2_dissatisfied_is_the_classifiers_highest_probability(monkeypatch):
         return [0.3, 0.8]
 
     monkeypatch.setattr(reward, "dissatisfaction", scores)
-    telemetry = [ev("f1", 1200, followup=telemetry_pb2.FollowUp(message="hm")),
-                 ev("f2", 1300, followup=telemetry_pb2.FollowUp(message="not quite"))]
+    telemetry = [
+        ev("f1", 1200, followup=telemetry_pb2.FollowUp(message="hm")),
+        ev("f2", 1300, followup=telemetry_pb2.FollowUp(message="not quite")),
+    ]
     out = reward.reward_record(rollout(), telemetry, 9999, "r2")
     assert seen == [["hm", "not quite"]]  # one batch per rollout
     assert out.components.dissatisfied == 0.8 and out.reward == pytest.approx(0.5 - 0.4)

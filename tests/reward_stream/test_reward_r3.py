@@ -18,11 +18,19 @@ REJECTED = telemetry_pb2.EditOutcome(outcome=telemetry_pb2.EditOutcome.OUTCOME_R
 
 
 def rollout(text: str) -> rollout_pb2.RolloutRecord:
-    return rollout_pb2.RolloutRecord(event_id="ro", rollout_id="r", client_ts_ms=1000, completion_text=text, completion_token_ids=[5] * len(text))
+    return rollout_pb2.RolloutRecord(
+        event_id="ro",
+        rollout_id="r",
+        client_ts_ms=1000,
+        completion_text=text,
+        completion_token_ids=[5] * len(text),
+    )
 
 
 def ev(event_id: str, **payload) -> telemetry_pb2.TelemetryEvent:
-    return telemetry_pb2.TelemetryEvent(event_id=event_id, rollout_id="r", client_ts_ms=1100, **payload)
+    return telemetry_pb2.TelemetryEvent(
+        event_id=event_id, rollout_id="r", client_ts_ms=1100, **payload
+    )
 
 
 def shown(text: str) -> telemetry_pb2.TelemetryEvent:
@@ -30,7 +38,10 @@ def shown(text: str) -> telemetry_pb2.TelemetryEvent:
 
 
 def snapshot(region: str) -> telemetry_pb2.TelemetryEvent:
-    return ev("p", persistence=telemetry_pb2.PersistenceSnapshot(seconds_after_edit=0.3, region_text=region))
+    return ev(
+        "p",
+        persistence=telemetry_pb2.PersistenceSnapshot(seconds_after_edit=0.3, region_text=region),
+    )
 
 
 def followup(message: str) -> telemetry_pb2.TelemetryEvent:
@@ -48,18 +59,32 @@ CASES = {
     "edit_with_lost_telemetry": (HELPER, [], 0.5, 0.5),
     # Edits with telemetry score the same under both.
     "edit_kept": (HELPER, [shown(HELPER), snapshot(HELPER)], 1.0, 1.0),
-    "edit_half_rewritten": (HELPER, [shown(HELPER), snapshot(TASK.render(PROJECT_STYLES[0])), followup("no, we use double quotes here")], 0.5, 0.5),
+    "edit_half_rewritten": (
+        HELPER,
+        [
+            shown(HELPER),
+            snapshot(TASK.render(PROJECT_STYLES[0])),
+            followup("no, we use double quotes here"),
+        ],
+        0.5,
+        0.5,
+    ),
     "edit_rejected": (HELPER, [shown(HELPER), ev("o", edit_outcome=REJECTED)], 0.0, 0.0),
     # The product showed the text as an edit: its word is taken, whatever the text looks like.
     "question_shown_as_an_edit": (QUESTION, [shown(QUESTION)], 0.5, 0.5),
 }
 
 
-@pytest.mark.parametrize("text, telemetry, persisted_r1, persisted_r3", CASES.values(), ids=CASES.keys())
+@pytest.mark.parametrize(
+    "text, telemetry, persisted_r1, persisted_r3", CASES.values(), ids=CASES.keys()
+)
 def test_r3_persistence(text, telemetry, persisted_r1, persisted_r3):
     r1 = reward.reward_record(rollout(text), telemetry, 9999, "r1")
     r3 = reward.reward_record(rollout(text), telemetry, 9999, "r3")
-    assert (r1.components.persisted_fraction, r3.components.persisted_fraction) == (persisted_r1, persisted_r3)
+    assert (r1.components.persisted_fraction, r3.components.persisted_fraction) == (
+        persisted_r1,
+        persisted_r3,
+    )
     # Everything else is r1's, and the scalar is r1's formula over r3's components.
     r1.components.persisted_fraction = r3.components.persisted_fraction
     assert r3.components == r1.components
@@ -67,14 +92,18 @@ def test_r3_persistence(text, telemetry, persisted_r1, persisted_r3):
     assert r3.reward_fn_version == "r3" and r3.reward_id != r1.reward_id
 
 
-def expected_reward(version: str, completions: list[str], user: User, task: Task, seeds: int = 200) -> float:
+def expected_reward(
+    version: str, completions: list[str], user: User, task: Task, seeds: int = 200
+) -> float:
     """Mean reward of the completions (equally likely) over the user's reactions, with the
     telemetry the simulated product sends for each."""
     total = 0.0
     for seed in range(seeds):
         text = completions[seed % len(completions)]
         reaction = react(user, task, text, random.Random(seed))
-        telemetry = [] if reaction.region_text is None else [shown(text), snapshot(reaction.region_text)]
+        telemetry = (
+            [] if reaction.region_text is None else [shown(text), snapshot(reaction.region_text)]
+        )
         telemetry += [followup(reaction.followup)] if reaction.followup else []
         total += reward.reward_record(rollout(text), telemetry, 9999, version).reward
     return total / seeds

@@ -55,16 +55,30 @@ def produce_rollouts(settings, base_ms: int) -> set[str]:
         rollout_id = f"r{i:05d}"
         ts = base_ms + 2 * i
         record = rollout_pb2.RolloutRecord(
-            event_id=str(uuid.uuid4()), rollout_id=rollout_id, client_ts_ms=ts, completion_text="x = 1\n", completion_token_ids=[7] * 4
+            event_id=str(uuid.uuid4()),
+            rollout_id=rollout_id,
+            client_ts_ms=ts,
+            completion_text="x = 1\n",
+            completion_token_ids=[7] * 4,
         )
         shown = telemetry_pb2.TelemetryEvent(
-            event_id=str(uuid.uuid4()), rollout_id=rollout_id, client_ts_ms=ts + 1, edit_shown=telemetry_pb2.EditShown(edit_text="x = 1\n")
+            event_id=str(uuid.uuid4()),
+            rollout_id=rollout_id,
+            client_ts_ms=ts + 1,
+            edit_shown=telemetry_pb2.EditShown(edit_text="x = 1\n"),
         )
         kept = telemetry_pb2.TelemetryEvent(
-            event_id=str(uuid.uuid4()), rollout_id=rollout_id, client_ts_ms=ts + 2,
+            event_id=str(uuid.uuid4()),
+            rollout_id=rollout_id,
+            client_ts_ms=ts + 2,
             persistence=telemetry_pb2.PersistenceSnapshot(region_text="x = 1\n"),
         )
-        producer.produce(topics.ROLLOUT, record.SerializeToString(), key=rollout_id, headers=worker_headers(topics.ROLLOUT, record.SerializeToString()))
+        producer.produce(
+            topics.ROLLOUT,
+            record.SerializeToString(),
+            key=rollout_id,
+            headers=worker_headers(topics.ROLLOUT, record.SerializeToString()),
+        )
         producer.produce(topics.EDIT, shown.SerializeToString(), key=rollout_id)
         producer.produce(topics.PERSISTENCE, kept.SerializeToString(), key=rollout_id)
         producer.poll(0)
@@ -74,7 +88,9 @@ def produce_rollouts(settings, base_ms: int) -> set[str]:
 
 
 def rewards_written(settings) -> int:
-    ends = kafka.end_offsets(settings, [TopicPartition(topics.REWARD, p) for p in range(settings.kafka_partitions)])
+    ends = kafka.end_offsets(
+        settings, [TopicPartition(topics.REWARD, p) for p in range(settings.kafka_partitions)]
+    )
     return sum(ends.values())
 
 
@@ -83,7 +99,14 @@ def sink_lag(settings) -> list[kafka.PartitionLag]:
 
 
 def raw_reward_ids_on_disk(env: dict[str, str]) -> list[str]:
-    done = subprocess.run([sys.executable, "-c", RAW_REWARD_IDS], env={**os.environ, **env}, check=False, capture_output=True, text=True, timeout=60)
+    done = subprocess.run(
+        [sys.executable, "-c", RAW_REWARD_IDS],
+        env={**os.environ, **env},
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout)
 
@@ -94,20 +117,31 @@ def kill_9(service: procs.Proc) -> None:
 
 
 @pytest.mark.guarantee(1)
-def test_kill_9_mid_stream_loses_and_doubles_nothing(stack_settings, stack_env, tmp_path, repo_root):
+def test_kill_9_mid_stream_loses_and_doubles_nothing(
+    stack_settings, stack_env, tmp_path, repo_root
+):
     joiner_env = {**stack_env, "RTRL_REWARD_WINDOW_S": "1", "RTRL_REWARD_GRACE_S": "0.2"}
-    sink_env = {**stack_env, "PYTHONPATH": str(repo_root), "RTRL_ANALYTICS_BATCH_SIZE": "2000", "RTRL_ANALYTICS_FLUSH_INTERVAL_S": "0.5"}
+    sink_env = {
+        **stack_env,
+        "PYTHONPATH": str(repo_root),
+        "RTRL_ANALYTICS_BATCH_SIZE": "2000",
+        "RTRL_ANALYTICS_FLUSH_INTERVAL_S": "0.5",
+    }
     token = sink_env["RTRL_ANALYTICS_QUERY_TOKEN"] = secrets.token_urlsafe(16)
     joiner_log, sink_log = tmp_path / "reward_stream.log", tmp_path / "analytics.log"
 
     def start_joiner() -> procs.Proc:
         joiner_env["RTRL_REWARD_WEB_PORT"] = str(procs.free_port())
-        return procs.spawn("reward_stream", [sys.executable, "-m", "reward_stream"], joiner_log, env=joiner_env)
+        return procs.spawn(
+            "reward_stream", [sys.executable, "-m", "reward_stream"], joiner_log, env=joiner_env
+        )
 
     def start_sink() -> procs.Proc:
         port = procs.free_port()
         sink_env["RTRL_ANALYTICS_QUERY_PORT"] = str(port)
-        return procs.spawn("analytics", [sys.executable, "-m", "analytics"], sink_log, env=sink_env, port=port)
+        return procs.spawn(
+            "analytics", [sys.executable, "-m", "analytics"], sink_log, env=sink_env, port=port
+        )
 
     def wait_until(condition, timeout_s: float, what: str, *running: procs.Proc) -> None:
         deadline = time.monotonic() + timeout_s
@@ -120,14 +154,27 @@ def test_kill_9_mid_stream_loses_and_doubles_nothing(stack_settings, stack_env, 
     ids = produce_rollouts(stack_settings, int(time.time() * 1000))
     joiner, sink = start_joiner(), start_sink()
     try:
-        wait_until(lambda: rewards_written(stack_settings) >= N_ROLLOUTS // 4, 120, "the joiner settled too little before the kill", joiner, sink)
+        wait_until(
+            lambda: rewards_written(stack_settings) >= N_ROLLOUTS // 4,
+            120,
+            "the joiner settled too little before the kill",
+            joiner,
+            sink,
+        )
         kill_9(joiner)
         killed_at = rewards_written(stack_settings)
-        assert killed_at < N_ROLLOUTS, "the kill came after everything had settled; it proves nothing"
+        assert killed_at < N_ROLLOUTS, (
+            "the kill came after everything had settled; it proves nothing"
+        )
 
         # The sink, with the joiner down: mid-stream (the topic stops short of N), and
         # killed at a point of its consume/insert/commit cycle that differs from run to run.
-        wait_until(lambda: sum(max(p.committed, 0) for p in sink_lag(stack_settings)) >= N_ROLLOUTS // 8, 60, "the sink committed too little before its kill", sink)
+        wait_until(
+            lambda: sum(max(p.committed, 0) for p in sink_lag(stack_settings)) >= N_ROLLOUTS // 8,
+            60,
+            "the sink committed too little before its kill",
+            sink,
+        )
         time.sleep(random.uniform(0, 0.5))
         kill_9(sink)
         # Read the disk first: by then a commit the sink had sent just before dying has landed.
@@ -135,19 +182,38 @@ def test_kill_9_mid_stream_loses_and_doubles_nothing(stack_settings, stack_env, 
         committed_at_kill = sum(max(p.committed, 0) for p in sink_lag(stack_settings))
 
         joiner, sink = start_joiner(), start_sink()
-        wait_until(lambda: rewards_written(stack_settings) >= N_ROLLOUTS, 180, "the joiner did not settle every rollout after the restart", joiner, sink)
+        wait_until(
+            lambda: rewards_written(stack_settings) >= N_ROLLOUTS,
+            180,
+            "the joiner did not settle every rollout after the restart",
+            joiner,
+            sink,
+        )
         time.sleep(3)  # anything doubled would still be on its way
         lag = kafka.consumer_lag(stack_settings, "rtrl-reward-stream", topics.TELEMETRY)
-        wait_until(lambda: all(p.lag <= 0 for p in sink_lag(stack_settings)), 60, "the sink did not catch up with the reward topic", joiner, sink)
+        wait_until(
+            lambda: all(p.lag <= 0 for p in sink_lag(stack_settings)),
+            60,
+            "the sink did not catch up with the reward topic",
+            joiner,
+            sink,
+        )
         query = http_query_fn(f"http://127.0.0.1:{sink.port}", token)
-        final = query(f"SELECT rollout_id, reward_id FROM rewards FINAL WHERE topic = '{topics.REWARD}'")
-        raw = query(f"SELECT reward_id, count() AS n FROM rewards WHERE topic = '{topics.REWARD}' GROUP BY reward_id")
+        final = query(
+            f"SELECT rollout_id, reward_id FROM rewards FINAL WHERE topic = '{topics.REWARD}'"
+        )
+        raw = query(
+            f"SELECT reward_id, count() AS n FROM rewards WHERE topic = '{topics.REWARD}' GROUP BY reward_id"
+        )
     finally:
         joiner.stop(timeout_s=20)
         sink.stop(timeout_s=30)
     assert sink.popen.returncode == 0, sink_log.read_text()[-3000:]
 
-    rewards = [reward_pb2.RewardRecord.FromString(m.value()) for m in read_all(stack_settings, (topics.REWARD,))[topics.REWARD]]
+    rewards = [
+        reward_pb2.RewardRecord.FromString(m.value())
+        for m in read_all(stack_settings, (topics.REWARD,))[topics.REWARD]
+    ]
     per_rollout = Counter(r.rollout_id for r in rewards)
     assert set(per_rollout) == ids
     assert max(per_rollout.values()) == 1, [rid for rid, n in per_rollout.items() if n > 1][:5]
@@ -160,7 +226,9 @@ def test_kill_9_mid_stream_loses_and_doubles_nothing(stack_settings, stack_env, 
 
     # ClickHouse, deduplicated: one row per rollout, with the topic's reward_id.
     assert Counter(row["rollout_id"] for row in final) == Counter(ids)
-    assert {(row["rollout_id"], row["reward_id"]) for row in final} == {(r.rollout_id, r.reward_id) for r in rewards}
+    assert {(row["rollout_id"], row["reward_id"]) for row in final} == {
+        (r.rollout_id, r.reward_id) for r in rewards
+    }
 
     # ClickHouse, raw. The sink commits offsets only after inserting the rows they
     # cover, so a kill between an insert and its commit makes the restarted sink insert
@@ -175,5 +243,7 @@ def test_kill_9_mid_stream_loses_and_doubles_nothing(stack_settings, stack_env, 
     raw_counts = {row["reward_id"]: row["n"] for row in raw}
     doubled = {reward_id for reward_id, n in raw_counts.items() if n > 1}
     assert set(raw_counts) == {r.reward_id for r in rewards}
-    assert doubled <= set(on_disk_at_kill) and all(raw_counts[reward_id] == 2 for reward_id in doubled), doubled
+    assert doubled <= set(on_disk_at_kill) and all(
+        raw_counts[reward_id] == 2 for reward_id in doubled
+    ), doubled
     assert sum(raw_counts.values()) <= N_ROLLOUTS + on_disk - committed_at_kill

@@ -22,15 +22,30 @@ GARBAGE = b"\xff\xff\xff not protobuf"
 
 
 @pytest.mark.guarantee(2)
-def test_one_reward_per_rollout_dlq_late_and_clean_stop(stack_settings, stack_env, redis_url, tmp_path):
+def test_one_reward_per_rollout_dlq_late_and_clean_stop(
+    stack_settings, stack_env, redis_url, tmp_path
+):
     env = {**stack_env, "RTRL_REWARD_WINDOW_S": "1", "RTRL_REWARD_WEB_PORT": str(procs.free_port())}
-    service = procs.spawn("reward_stream", [sys.executable, "-m", "reward_stream"], tmp_path / "reward_stream.log", env=env)
+    service = procs.spawn(
+        "reward_stream",
+        [sys.executable, "-m", "reward_stream"],
+        tmp_path / "reward_stream.log",
+        env=env,
+    )
     try:
         base_ms = int(time.time() * 1000)
-        scenarios = {rid: (record, events, expected) for rid, record, events, expected in (scenario(i, base_ms) for i in range(N_ROLLOUTS))}
+        scenarios = {
+            rid: (record, events, expected)
+            for rid, record, events, expected in (scenario(i, base_ms) for i in range(N_ROLLOUTS))
+        }
         producer = Producer(kafka.producer_config(stack_settings))
         for rollout_id, (record, events, _) in scenarios.items():
-            producer.produce(topics.ROLLOUT, record.SerializeToString(), key=rollout_id, headers=worker_headers(topics.ROLLOUT, record.SerializeToString()))
+            producer.produce(
+                topics.ROLLOUT,
+                record.SerializeToString(),
+                key=rollout_id,
+                headers=worker_headers(topics.ROLLOUT, record.SerializeToString()),
+            )
             for topic, event in events:
                 producer.produce(topic, event.SerializeToString(), key=rollout_id)
         # Redeliveries: a RolloutRecord, a persistence snapshot, a follow-up.
@@ -40,7 +55,12 @@ def test_one_reward_per_rollout_dlq_late_and_clean_stop(stack_settings, stack_en
             (topics.FOLLOWUP, scenarios["rollout-02"][1][0][1]),
         ]
         for topic, message in duplicates:
-            producer.produce(topic, message.SerializeToString(), key=message.rollout_id, headers=worker_headers(topic, message.SerializeToString()))
+            producer.produce(
+                topic,
+                message.SerializeToString(),
+                key=message.rollout_id,
+                headers=worker_headers(topic, message.SerializeToString()),
+            )
         producer.produce(topics.EDIT, GARBAGE, key="garbage")
         assert producer.flush(10) == 0
 
@@ -48,14 +68,25 @@ def test_one_reward_per_rollout_dlq_late_and_clean_stop(stack_settings, stack_en
         wait_for_heartbeat(hb, lambda d: d["settled"] >= N_ROLLOUTS and d["dlq"] >= 1)
         # An event for an already-settled rollout goes to .late.
         late = telemetry_pb2.TelemetryEvent(
-            event_id="late-1", rollout_id="rollout-03", client_ts_ms=base_ms + 5000, followup=telemetry_pb2.FollowUp(message="ugh")
+            event_id="late-1",
+            rollout_id="rollout-03",
+            client_ts_ms=base_ms + 5000,
+            followup=telemetry_pb2.FollowUp(message="ugh"),
         )
         producer.produce(topics.FOLLOWUP, late.SerializeToString(), key="rollout-03")
         assert producer.flush(10) == 0
         status = wait_for_heartbeat(hb, lambda d: d["late"] >= 1)
-        assert {k: status[k] for k in ("settled", "defaulted", "duplicates", "dlq", "late", "pending", "dropped")} == {
-            "settled": N_ROLLOUTS, "defaulted": N_ROLLOUTS // 4, "duplicates": len(duplicates),
-            "dlq": 1, "late": 1, "pending": 0, "dropped": 0,
+        assert {
+            k: status[k]
+            for k in ("settled", "defaulted", "duplicates", "dlq", "late", "pending", "dropped")
+        } == {
+            "settled": N_ROLLOUTS,
+            "defaulted": N_ROLLOUTS // 4,
+            "duplicates": len(duplicates),
+            "dlq": 1,
+            "late": 1,
+            "pending": 0,
+            "dropped": 0,
         }
 
         out = read_all(stack_settings, (topics.REWARD, topics.REWARD_DLQ, topics.REWARD_LATE))
@@ -70,7 +101,10 @@ def test_one_reward_per_rollout_dlq_late_and_clean_stop(stack_settings, stack_en
             got.update(defaulted=rec.defaulted, event_ids=list(rec.event_ids))
             assert got == expected, rec.rollout_id
             assert rec.reward == pytest.approx(
-                c.persisted_fraction - 0.5 * c.dissatisfied - 0.5 * (1 - c.tool_call_validity) - 0.01
+                c.persisted_fraction
+                - 0.5 * c.dissatisfied
+                - 0.5 * (1 - c.tool_call_validity)
+                - 0.01
             )
 
         [dead] = out[topics.REWARD_DLQ]

@@ -21,7 +21,11 @@ PERSISTENCE_CASES = {
     # Quote style changed: exact matching sees the body line as rewritten.
     "quote_rewritten": (AGENT, TASK.render(Style(2, '"')), 0.5),
     # Code the user added around the edit does not dilute it.
-    "surrounded_by_user_code": (AGENT, "import log\n\n" + AGENT + "\n\ndef other():\n  pass\n", 1.0),
+    "surrounded_by_user_code": (
+        AGENT,
+        "import log\n\n" + AGENT + "\n\ndef other():\n  pass\n",
+        1.0,
+    ),
     # Blank lines are ignored on both sides.
     "blank_lines_ignored": ("\n" + AGENT + "\n\n", AGENT.replace("\n", "\n\n"), 1.0),
     # The region was deleted.
@@ -33,7 +37,9 @@ PERSISTENCE_CASES = {
 }
 
 
-@pytest.mark.parametrize("agent, region, expected", PERSISTENCE_CASES.values(), ids=PERSISTENCE_CASES.keys())
+@pytest.mark.parametrize(
+    "agent, region, expected", PERSISTENCE_CASES.values(), ids=PERSISTENCE_CASES.keys()
+)
 def test_persisted_fraction(agent, region, expected):
     assert persisted_fraction(agent, region) == pytest.approx(expected)
 
@@ -74,8 +80,19 @@ def test_neutral_followups(message):
 
 
 def test_classifier_agrees_with_the_simulated_users():
-    annoyed = [t.format(indent=n, quote_name=q) for ts in ANNOYED.values() for t in ts for n in (2, 4) for q in ("single", "double")]
-    answers = [t.format(indent=n, quote_name=q) for t in ANSWERS for n in (2, 4) for q in ("single", "double")]
+    annoyed = [
+        t.format(indent=n, quote_name=q)
+        for ts in ANNOYED.values()
+        for t in ts
+        for n in (2, 4)
+        for q in ("single", "double")
+    ]
+    answers = [
+        t.format(indent=n, quote_name=q)
+        for t in ANSWERS
+        for n in (2, 4)
+        for q in ("single", "double")
+    ]
     assert all(is_dissatisfied(m) for m in annoyed)
     assert not any(is_dissatisfied(m) for m in CONTENT)
     assert not any(is_dissatisfied(m) for m in answers)
@@ -119,7 +136,9 @@ def rollout(tool_calls=(), tokens=40) -> rollout_pb2.RolloutRecord:
 
 
 def ev(event_id: str, ts: int, **payload) -> telemetry_pb2.TelemetryEvent:
-    return telemetry_pb2.TelemetryEvent(event_id=event_id, rollout_id="r1", client_ts_ms=ts, **payload)
+    return telemetry_pb2.TelemetryEvent(
+        event_id=event_id, rollout_id="r1", client_ts_ms=ts, **payload
+    )
 
 
 REJECTED = telemetry_pb2.EditOutcome(outcome=telemetry_pb2.EditOutcome.OUTCOME_REJECTED)
@@ -127,7 +146,12 @@ REWARD_CASES = {
     # Nothing observed: neutral persistence, no dissatisfaction, defaulted.
     "defaults": (rollout(), [], (0.5, False, 0.0, False, 1.0), True),
     # Rejected with no snapshot: nothing can have persisted.
-    "rejected_without_snapshot": (rollout(), [ev("o", 1100, edit_outcome=REJECTED)], (0.0, False, 0.0, False, 1.0), False),
+    "rejected_without_snapshot": (
+        rollout(),
+        [ev("o", 1100, edit_outcome=REJECTED)],
+        (0.0, False, 0.0, False, 1.0),
+        False,
+    ),
     # The newest snapshot wins, measured against the shown edit text.
     "newest_snapshot": (
         rollout(),
@@ -142,21 +166,28 @@ REWARD_CASES = {
     # Any annoyed follow-up counts; half the tool calls were invalid.
     "dissatisfied_and_bad_tools": (
         rollout(tool_calls=(True, False)),
-        [ev("f1", 1200, followup=telemetry_pb2.FollowUp(message="thanks")),
-         ev("f2", 1300, followup=telemetry_pb2.FollowUp(message="no, revert it"))],
+        [
+            ev("f1", 1200, followup=telemetry_pb2.FollowUp(message="thanks")),
+            ev("f2", 1300, followup=telemetry_pb2.FollowUp(message="no, revert it")),
+        ],
         (0.5, False, 1.0, True, 0.5),
         False,
     ),
 }
 
 
-@pytest.mark.parametrize("record, telemetry, expected, defaulted", REWARD_CASES.values(), ids=REWARD_CASES.keys())
+@pytest.mark.parametrize(
+    "record, telemetry, expected, defaulted", REWARD_CASES.values(), ids=REWARD_CASES.keys()
+)
 def test_reward_record(record, telemetry, expected, defaulted):
     out = reward.reward_record(record, telemetry, settled_ts_ms=9999, version="r1")
     c = out.components
     persisted, observed, dissatisfied, followup, validity = expected
     assert (c.persisted_fraction, c.persistence_observed, c.dissatisfied, c.followup_observed) == (
-        persisted, observed, dissatisfied, followup,
+        persisted,
+        observed,
+        dissatisfied,
+        followup,
     )
     assert c.tool_call_validity == validity
     assert c.effort_penalty == pytest.approx(0.02)  # 40 tokens x 0.0005

@@ -52,48 +52,91 @@ def _forgeries(ts_ms: int) -> dict[str, tuple[bytes, list[tuple[str, bytes]], st
         return _rollout(rollout_id, ts_ms).SerializeToString()
 
     forged["unsigned"] = (value("unsigned"), [], signing.UNSIGNED)
-    forged["stranger"] = (value("stranger"), list(stranger.headers(value("stranger"))), "signed by an unknown key")
+    forged["stranger"] = (
+        value("stranger"),
+        list(stranger.headers(value("stranger"))),
+        "signed by an unknown key",
+    )
     # An honest signature, on other bytes: the tokens rewritten after signing.
     tampered = _rollout("tampered", ts_ms)
     honest_headers = list(ROLLOUT_SIGNER.headers(tampered.SerializeToString()))
     tampered.completion_token_ids[:] = [66, 66, 66]
     forged["tampered"] = (tampered.SerializeToString(), honest_headers, "bad signature")
     # Another honest rollout's signature replayed onto this one.
-    forged["replayed"] = (value("replayed"), list(ROLLOUT_SIGNER.headers(value("someone-else"))), "bad signature")
+    forged["replayed"] = (
+        value("replayed"),
+        list(ROLLOUT_SIGNER.headers(value("someone-else"))),
+        "bad signature",
+    )
     # A worker's key id, but a signature made for another purpose (a reward) by another key.
     signature, _ = reward_purpose.headers(value("purpose"))
-    forged["purpose"] = (value("purpose"), [signature, (signing.SIGNER_HEADER, ROLLOUT_SIGNER.key_id.encode())], "bad signature")
+    forged["purpose"] = (
+        value("purpose"),
+        [signature, (signing.SIGNER_HEADER, ROLLOUT_SIGNER.key_id.encode())],
+        "bad signature",
+    )
     return forged
 
 
 def test_the_join_refuses_every_forged_rollout_and_settles_the_honest_one():
-    workers = signing.Verifier(signing.parse_public_keys(os.environ["RTRL_REWARD_ROLLOUT_PUBLIC_KEYS"]), signing.Purpose.ROLLOUT)
-    joiner = Joiner(RewardStreamSettings(window_s=1, grace_s=0).join_config(), rollout_verifier=workers)
+    workers = signing.Verifier(
+        signing.parse_public_keys(os.environ["RTRL_REWARD_ROLLOUT_PUBLIC_KEYS"]),
+        signing.Purpose.ROLLOUT,
+    )
+    joiner = Joiner(
+        RewardStreamSettings(window_s=1, grace_s=0).join_config(), rollout_verifier=workers
+    )
     ts = 1_800_000_000_000
     offset = 0
     dead: dict[str, str] = {}
     for rollout_id, (value, headers, _) in _forgeries(ts).items():
-        for record in joiner.feed_record(topics.ROLLOUT, 0, offset, rollout_id.encode(), value, ts, headers=headers).records:
+        for record in joiner.feed_record(
+            topics.ROLLOUT, 0, offset, rollout_id.encode(), value, ts, headers=headers
+        ).records:
             assert record.topic == topics.REWARD_DLQ
             dead[record.key.decode()] = dict(record.headers)["error"].decode()
         offset += 1
     honest = _rollout("honest", ts).SerializeToString()
-    assert joiner.feed_record(topics.ROLLOUT, 0, offset, b"honest", honest, ts, headers=worker_headers(topics.ROLLOUT, honest)).records == []
+    assert (
+        joiner.feed_record(
+            topics.ROLLOUT,
+            0,
+            offset,
+            b"honest",
+            honest,
+            ts,
+            headers=worker_headers(topics.ROLLOUT, honest),
+        ).records
+        == []
+    )
     expected = {rollout_id: reason for rollout_id, (_, _, reason) in _forgeries(ts).items()}
     assert set(dead) == set(expected)
     for rollout_id, reason in expected.items():
-        assert dead[rollout_id].startswith(f"rollout not signed by an inference worker: {reason}"), (rollout_id, dead[rollout_id])
+        assert dead[rollout_id].startswith(
+            f"rollout not signed by an inference worker: {reason}"
+        ), (rollout_id, dead[rollout_id])
     assert joiner.counters.unauthenticated == len(expected) and joiner.counters.dlq == len(expected)
-    settled = [reward_pb2.RewardRecord.FromString(r.value) for r in joiner.tick(ts + 60_000) if r.topic == topics.REWARD]
+    settled = [
+        reward_pb2.RewardRecord.FromString(r.value)
+        for r in joiner.tick(ts + 60_000)
+        if r.topic == topics.REWARD
+    ]
     assert [r.rollout_id for r in settled] == ["honest"]
 
 
 @pytest.mark.guarantee(7)
 @pytest.mark.integration
 @pytest.mark.timeout(180)
-def test_the_joiner_service_builds_no_reward_on_a_rollout_produced_straight_to_the_broker(stack_settings, stack_env, redis_url, tmp_path):
+def test_the_joiner_service_builds_no_reward_on_a_rollout_produced_straight_to_the_broker(
+    stack_settings, stack_env, redis_url, tmp_path
+):
     env = {**stack_env, "RTRL_REWARD_WINDOW_S": "1", "RTRL_REWARD_WEB_PORT": str(procs.free_port())}
-    service = procs.spawn("reward_stream", [sys.executable, "-m", "reward_stream"], tmp_path / "reward_stream.log", env=env)
+    service = procs.spawn(
+        "reward_stream",
+        [sys.executable, "-m", "reward_stream"],
+        tmp_path / "reward_stream.log",
+        env=env,
+    )
     try:
         ts = int(time.time() * 1000)
         forged = _forgeries(ts)
@@ -101,30 +144,51 @@ def test_the_joiner_service_builds_no_reward_on_a_rollout_produced_straight_to_t
         producer = Producer(kafka.producer_config(stack_settings))
         for rollout_id in honest:
             value = _rollout(rollout_id, ts).SerializeToString()
-            producer.produce(topics.ROLLOUT, value, key=rollout_id, headers=worker_headers(topics.ROLLOUT, value))
-            producer.produce(topics.PERSISTENCE, _kept(rollout_id, ts).SerializeToString(), key=rollout_id)
+            producer.produce(
+                topics.ROLLOUT, value, key=rollout_id, headers=worker_headers(topics.ROLLOUT, value)
+            )
+            producer.produce(
+                topics.PERSISTENCE, _kept(rollout_id, ts).SerializeToString(), key=rollout_id
+            )
         for rollout_id, (value, headers, _) in forged.items():
             producer.produce(topics.ROLLOUT, value, key=rollout_id, headers=headers)
             # The forger reports the edit kept, too: telemetry without a rollout joins nothing.
-            producer.produce(topics.PERSISTENCE, _kept(rollout_id, ts).SerializeToString(), key=rollout_id)
+            producer.produce(
+                topics.PERSISTENCE, _kept(rollout_id, ts).SerializeToString(), key=rollout_id
+            )
         assert producer.flush(10) == 0
 
         client = redis.Redis.from_url(redis_url)
         deadline = time.monotonic() + 90
         while True:
             docs = [d for d in heartbeat.read_all(client) if d["service"] == "reward_stream"]
-            if docs and docs[0]["settled"] >= len(honest) and docs[0]["unauthenticated"] >= len(forged) and docs[0]["pending"] == 0:
+            if (
+                docs
+                and docs[0]["settled"] >= len(honest)
+                and docs[0]["unauthenticated"] >= len(forged)
+                and docs[0]["pending"] == 0
+            ):
                 break
             assert time.monotonic() < deadline, f"joiner heartbeat: {docs}"
             time.sleep(0.2)
         assert docs[0]["unauthenticated"] == len(forged)
 
         out = replay.read_retained(stack_settings, (topics.REWARD, topics.REWARD_DLQ))
-        rewarded = sorted(reward_pb2.RewardRecord.FromString(r.value).rollout_id for r in out if r.topic == topics.REWARD)
+        rewarded = sorted(
+            reward_pb2.RewardRecord.FromString(r.value).rollout_id
+            for r in out
+            if r.topic == topics.REWARD
+        )
         assert rewarded == sorted(honest)
-        reasons = {r.key.decode(): dict(r.headers)["error"].decode() for r in out if r.topic == topics.REWARD_DLQ}
+        reasons = {
+            r.key.decode(): dict(r.headers)["error"].decode()
+            for r in out
+            if r.topic == topics.REWARD_DLQ
+        }
         for rollout_id, (_, _, reason) in forged.items():
-            assert reasons[rollout_id].startswith(f"rollout not signed by an inference worker: {reason}"), reasons
+            assert reasons[rollout_id].startswith(
+                f"rollout not signed by an inference worker: {reason}"
+            ), reasons
     finally:
         service.stop(timeout_s=20)
     assert service.popen.returncode == 0, (tmp_path / "reward_stream.log").read_text()[-3000:]
@@ -142,13 +206,28 @@ def test_only_the_served_clients_telemetry_counts_toward_a_reward():
         rollouts[rollout_id] = record
     offset = 0
     for rollout_id, record in rollouts.items():
-        joiner.feed_record(topics.ROLLOUT, 0, offset, rollout_id.encode(), record.SerializeToString(), ts)
+        joiner.feed_record(
+            topics.ROLLOUT, 0, offset, rollout_id.encode(), record.SerializeToString(), ts
+        )
         kept = _kept(rollout_id, ts)
         kept.client_id = "intruder"
-        joiner.feed_record(topics.PERSISTENCE, 0, offset + 1, rollout_id.encode(), kept.SerializeToString(), ts)
+        joiner.feed_record(
+            topics.PERSISTENCE, 0, offset + 1, rollout_id.encode(), kept.SerializeToString(), ts
+        )
         offset += 2
-    settled = {r.rollout_id: r for r in (reward_pb2.RewardRecord.FromString(o.value) for o in joiner.tick(ts + 60_000) if o.topic == topics.REWARD)}
+    settled = {
+        r.rollout_id: r
+        for r in (
+            reward_pb2.RewardRecord.FromString(o.value)
+            for o in joiner.tick(ts + 60_000)
+            if o.topic == topics.REWARD
+        )
+    }
     # The intruder's "kept" moved nothing: the editor's rollout settles as if no one had reported.
-    assert settled["served-to-editor"].defaulted and settled["served-to-editor"].event_ids == ["served-to-editor-r"]
-    assert not settled["served-without-keys"].defaulted  # served without keys: anyone's telemetry counts
+    assert settled["served-to-editor"].defaulted and settled["served-to-editor"].event_ids == [
+        "served-to-editor-r"
+    ]
+    assert not settled[
+        "served-without-keys"
+    ].defaulted  # served without keys: anyone's telemetry counts
     assert joiner.counters.foreign == 1

@@ -21,11 +21,17 @@ SERVICES = {
 }
 
 
-def run(module: str, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+def run(
+    module: str, *args: str, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
     import os
 
     return subprocess.run(
-        [sys.executable, "-m", module, *args], capture_output=True, text=True, timeout=120, env={**os.environ, **(env or {})}
+        [sys.executable, "-m", module, *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, **(env or {})},
     )
 
 

@@ -11,8 +11,8 @@ from rtrl.heartbeat import (
     AnalyticsBeat,
     GateRefusal,
     GateVerdict,
-    IngestBeat,
     InferenceBeat,
+    IngestBeat,
     RegistryRebuild,
     RewardAlert,
     RewardByVersion,
@@ -21,19 +21,59 @@ from rtrl.heartbeat import (
     WeightSyncBeat,
 )
 
-ALERT = RewardAlert("clarifying_question", 3, 4, 0.05, 0.31, 6.2, ("r1", "r2"), kind="drift", first_version=2, samples=80)
+ALERT = RewardAlert(
+    "clarifying_question",
+    3,
+    4,
+    0.05,
+    0.31,
+    6.2,
+    ("r1", "r2"),
+    kind="drift",
+    first_version=2,
+    samples=80,
+)
 BEATS = {
     "ingest": IngestBeat(accepted=10, duplicate=2, rejected=1, inflight=3),
     "reward_stream": RewardStreamBeat(
-        events=40, settled=9, partitions=(0, 3), alerts=(ALERT,), reward_by_version=(RewardByVersion(0, 20, 0.5),), assigned=2
+        events=40,
+        settled=9,
+        partitions=(0, 3),
+        alerts=(ALERT,),
+        reward_by_version=(RewardByVersion(0, 20, 0.5),),
+        assigned=2,
     ),
     "trainer": TrainerBeat(
-        step=7, version=5, reward_mean=0.25, dropped={"stale": 1},
+        step=7,
+        version=5,
+        reward_mean=0.25,
+        dropped={"stale": 1},
         gate=GateVerdict(True, {"ok": 1.0}, {"ok": 0.9}, {"ok": 0.8}),
-        refused=1, refusals=(GateRefusal(3, 1_700_000_000_000, 32, False, {"ok": 0.1}, {"ok": 0.9}, {"ok": 0.8}, ("ok vs published: 0.100 < 0.900 - 0.1",)),),
+        refused=1,
+        refusals=(
+            GateRefusal(
+                3,
+                1_700_000_000_000,
+                32,
+                False,
+                {"ok": 0.1},
+                {"ok": 0.9},
+                {"ok": 0.8},
+                ("ok vs published: 0.100 < 0.900 - 0.1",),
+            ),
+        ),
     ),
-    "inference": InferenceBeat(ready=True, versions={"control": 0, "treatment": 5}, weights_digests={"control": "ab"}, worker_id="w1"),
-    "weight_sync": WeightSyncBeat(port=50061, latest={"treatment": 5}, last_registry_rebuild=RegistryRebuild(1, {"treatment": 4})),
+    "inference": InferenceBeat(
+        ready=True,
+        versions={"control": 0, "treatment": 5},
+        weights_digests={"control": "ab"},
+        worker_id="w1",
+    ),
+    "weight_sync": WeightSyncBeat(
+        port=50061,
+        latest={"treatment": 5},
+        last_registry_rebuild=RegistryRebuild(1, {"treatment": 4}),
+    ),
     "analytics": AnalyticsBeat(consumed=5, pending=1, inserted={"rollouts": 4}),
 }
 

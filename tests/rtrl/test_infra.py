@@ -14,7 +14,12 @@ def test_tansu_round_trip_keyed_by_rollout(stack_settings):
     async def produce():
         producer = kafka.AsyncProducer(stack_settings)
         try:
-            await asyncio.gather(*(producer.send(topics.EDIT, f"v{i}".encode(), key=f"rollout-{i % 5}") for i in range(20)))
+            await asyncio.gather(
+                *(
+                    producer.send(topics.EDIT, f"v{i}".encode(), key=f"rollout-{i % 5}")
+                    for i in range(20)
+                )
+            )
         finally:
             assert producer.close() == 0
 
@@ -60,5 +65,7 @@ def test_a_stack_plan_never_gives_two_services_one_port():
     from rtrl.ops.supervisor import plan
 
     for _ in range(50):
-        ports = [port for spec in plan(StackConfig(inference_workers=4)) for port in spec.ports.values()]
+        ports = [
+            port for spec in plan(StackConfig(inference_workers=4)) for port in spec.ports.values()
+        ]
         assert len(ports) == len(set(ports)) == 18

@@ -36,8 +36,16 @@ def test_every_client_config_carries_the_credentials_and_librdkafka_takes_them()
         "client": kafka.client_config(settings, **{"group.id": "probe"}),
     }
     for name, config in configs.items():
-        assert (config["security.protocol"], config["sasl.mechanism"], config["sasl.username"], config["sasl.password"]) == (
-            "sasl_ssl", "SCRAM-SHA-512", "trainer", "s3cret",
+        assert (
+            config["security.protocol"],
+            config["sasl.mechanism"],
+            config["sasl.username"],
+            config["sasl.password"],
+        ) == (
+            "sasl_ssl",
+            "SCRAM-SHA-512",
+            "trainer",
+            "s3cret",
         ), name
     # librdkafka refuses unknown properties or values when a client is created.
     Producer(configs["producer"]).flush(0)
@@ -46,12 +54,18 @@ def test_every_client_config_carries_the_credentials_and_librdkafka_takes_them()
     with pytest.raises(Exception, match="Unsupported SASL mechanism"):
         Producer({**configs["producer"], "sasl.mechanism": "NOT-A-MECHANISM"})
     plain = kafka.producer_config(StackSettings(kafka_bootstrap="127.0.0.1:1"))
-    assert plain["security.protocol"] == "plaintext" and not any(k.startswith("sasl.") for k in plain)
+    assert plain["security.protocol"] == "plaintext" and not any(
+        k.startswith("sasl.") for k in plain
+    )
 
 
 def test_faust_gets_the_same_credentials():
     credentials = kafka.faust_credentials(StackSettings(**SECURE))
-    assert (credentials.username, credentials.password, credentials.mechanism.value) == ("trainer", "s3cret", "SCRAM-SHA-512")
+    assert (credentials.username, credentials.password, credentials.mechanism.value) == (
+        "trainer",
+        "s3cret",
+        "SCRAM-SHA-512",
+    )
     assert credentials.ssl_context is not None
     assert kafka.faust_credentials(StackSettings()) is None
 
@@ -65,7 +79,11 @@ def test_no_client_is_configured_outside_rtrl_kafka():
     """A config dict naming bootstrap.servers anywhere else would connect without credentials."""
     offenders = []
     for path in sorted(REPO.glob("*/**/*.py")):
-        if ".venv" in path.parts or path.relative_to(REPO).parts[0] == "tests" or path == REPO / "rtrl" / "kafka.py":
+        if (
+            ".venv" in path.parts
+            or path.relative_to(REPO).parts[0] == "tests"
+            or path == REPO / "rtrl" / "kafka.py"
+        ):
             continue
         for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
             if isinstance(node, ast.Constant) and node.value == "bootstrap.servers":

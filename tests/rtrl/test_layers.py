@@ -22,9 +22,17 @@ REPO = Path(__file__).resolve().parents[2]
 FOUNDATION, SERVICE, SHELL = 1, 2, 3
 PACKAGES = {
     "rtrl": FOUNDATION,
-    "ingest": SERVICE, "reward_stream": SERVICE, "trainer": SERVICE, "inference": SERVICE,
-    "weight_sync": SERVICE, "analytics": SERVICE, "kernels": SERVICE,
-    "rtrl.ops": SHELL, "rtrl.__main__": SHELL, "simulator": SHELL, "bench": SHELL,
+    "ingest": SERVICE,
+    "reward_stream": SERVICE,
+    "trainer": SERVICE,
+    "inference": SERVICE,
+    "weight_sync": SERVICE,
+    "analytics": SERVICE,
+    "kernels": SERVICE,
+    "rtrl.ops": SHELL,
+    "rtrl.__main__": SHELL,
+    "simulator": SHELL,
+    "bench": SHELL,
 }
 LIBRARIES = {"kernels"}
 """Service-layer packages any service may use whole."""
@@ -108,16 +116,42 @@ def test_every_package_is_in_a_layer():
 
 PLANTED = {
     # (module planted, its source): the edge expected, or None when it is allowed.
-    "foundation importing the shell": ("rtrl/planted.py", "from rtrl.ops import cli\n", "rtrl.ops.cli"),
+    "foundation importing the shell": (
+        "rtrl/planted.py",
+        "from rtrl.ops import cli\n",
+        "rtrl.ops.cli",
+    ),
     "foundation importing a service lazily": (
-        "rtrl/planted.py", "def f():\n    from trainer.loop import Trainer\n", "trainer.loop.Trainer"),
-    "service importing the shell": ("trainer/planted.py", "import simulator.tasks\n", "simulator.tasks"),
-    "foundation importing the shell relatively": ("rtrl/planted.py", "from .ops import demo\n", "rtrl.ops.demo"),
+        "rtrl/planted.py",
+        "def f():\n    from trainer.loop import Trainer\n",
+        "trainer.loop.Trainer",
+    ),
+    "service importing the shell": (
+        "trainer/planted.py",
+        "import simulator.tasks\n",
+        "simulator.tasks",
+    ),
+    "foundation importing the shell relatively": (
+        "rtrl/planted.py",
+        "from .ops import demo\n",
+        "rtrl.ops.demo",
+    ),
     "service importing another's internals": (
-        "inference/planted.py", "from weight_sync.registry import Registry\n", "weight_sync.registry.Registry"),
-    "service using another's client": ("inference/planted.py", "from weight_sync.client import Subscriber\n", None),
+        "inference/planted.py",
+        "from weight_sync.registry import Registry\n",
+        "weight_sync.registry.Registry",
+    ),
+    "service using another's client": (
+        "inference/planted.py",
+        "from weight_sync.client import Subscriber\n",
+        None,
+    ),
     "service using kernels": ("weight_sync/planted.py", "from kernels import delta\n", None),
-    "shell importing everything": ("bench/planted.py", "import trainer.loop\nfrom rtrl.ops import cli\n", None),
+    "shell importing everything": (
+        "bench/planted.py",
+        "import trainer.loop\nfrom rtrl.ops import cli\n",
+        None,
+    ),
 }
 
 

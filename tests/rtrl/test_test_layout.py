@@ -40,7 +40,10 @@ def imports_of_test_modules(root: Path) -> list[str]:
             elif isinstance(node, ast.ImportFrom):
                 # "from a import b" may import the module a.b: judge each name as a module too.
                 module = "." * node.level + (node.module or "")
-                names = [module] + [f"{module}.{alias.name}" if node.module else module + alias.name for alias in node.names]
+                names = [module] + [
+                    f"{module}.{alias.name}" if node.module else module + alias.name
+                    for alias in node.names
+                ]
             else:
                 continue
             offending = next((name for name in names if is_test_module(name)), None)
@@ -73,9 +76,15 @@ def test_a_planted_import_of_a_test_module_is_caught(tmp_path):
 
 
 def test_every_test_module_sits_in_the_directory_of_a_package():
-    assert sorted(p.name for p in TESTS.glob("test_*.py")) == [], "tests/ holds directories, not test modules"
+    assert sorted(p.name for p in TESTS.glob("test_*.py")) == [], (
+        "tests/ holds directories, not test modules"
+    )
     packages = {p.parent.name for p in REPO.glob("*/__init__.py")}
-    directories = {p.name for p in TESTS.iterdir() if p.is_dir() and p.name != "__pycache__" and not p.name.startswith(".")}
+    directories = {
+        p.name
+        for p in TESTS.iterdir()
+        if p.is_dir() and p.name != "__pycache__" and not p.name.startswith(".")
+    }
     assert sorted(directories - packages - set(NOT_PACKAGES)) == []
     assert all(where is None or (where / "__init__.py").exists() for where in NOT_PACKAGES.values())
 
@@ -87,7 +96,9 @@ def test_basenames_are_unique_and_only_support_is_a_package():
         if path.parent.name != "support":
             seen.setdefault(path.stem, []).append(str(path.relative_to(TESTS)))
     assert {name: paths for name, paths in seen.items() if len(paths) > 1} == {}
-    assert [str(p.relative_to(TESTS)) for p in TESTS.rglob("__init__.py")] == ["support/__init__.py"]
+    assert [str(p.relative_to(TESTS)) for p in TESTS.rglob("__init__.py")] == [
+        "support/__init__.py"
+    ]
 
 
 def test_support_is_importable_and_no_test_directory_shadows_its_package():

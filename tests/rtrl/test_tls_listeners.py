@@ -61,11 +61,28 @@ def _get(url: str, cafile: Path | None, **headers) -> tuple[int, bytes]:
 
 def test_weight_sync_over_tls(stack, policy_weights, certificate):
     cert, key = certificate
-    settings = WeightSyncSettings(port=procs.free_port(), poll_interval_s=0.2, tls_cert_file=cert, tls_key_file=key)
+    settings = WeightSyncSettings(
+        port=procs.free_port(), poll_interval_s=0.2, tls_cert_file=cert, tls_key_file=key
+    )
     server = InProcessServer(settings, stack)
     server.start()
-    publisher = Publisher(server.addr, stack.weight_sync_token.get_secret_value(), ARM, signing_key=MANIFEST_KEY, tls_ca_file=cert)
-    following = Following(Subscriber(server.addr, ARM, "worker-tls", token=SUBSCRIBE_TOKEN, public_keys=MANIFEST_PUBLIC_KEYS, tls_ca_file=cert))
+    publisher = Publisher(
+        server.addr,
+        stack.weight_sync_token.get_secret_value(),
+        ARM,
+        signing_key=MANIFEST_KEY,
+        tls_ca_file=cert,
+    )
+    following = Following(
+        Subscriber(
+            server.addr,
+            ARM,
+            "worker-tls",
+            token=SUBSCRIBE_TOKEN,
+            public_keys=MANIFEST_PUBLIC_KEYS,
+            tls_ca_file=cert,
+        )
+    )
     try:
         assert publisher.publish(policy_weights) == 0
         manifest, weights = following.next()
@@ -74,7 +91,10 @@ def test_weight_sync_over_tls(stack, policy_weights, certificate):
         assert latest_version(server.addr, SUBSCRIBE_TOKEN, ARM, tls_ca_file=cert) == 0
         with pytest.raises(grpc.RpcError) as plaintext:
             latest_version(server.addr, SUBSCRIBE_TOKEN, ARM, timeout_s=3)
-        assert plaintext.value.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+        assert plaintext.value.code() in (
+            grpc.StatusCode.UNAVAILABLE,
+            grpc.StatusCode.DEADLINE_EXCEEDED,
+        )
     finally:
         following.stop()
         publisher.close()
@@ -83,7 +103,13 @@ def test_weight_sync_over_tls(stack, policy_weights, certificate):
 
 def test_the_serving_api_over_tls(stack_settings, certificate):
     cert, key = certificate
-    settings = InferenceSettings(http_port=procs.free_port(), follow_weights=False, auth_required=False, tls_cert_file=cert, tls_key_file=key)
+    settings = InferenceSettings(
+        http_port=procs.free_port(),
+        follow_weights=False,
+        auth_required=False,
+        tls_cert_file=cert,
+        tls_key_file=key,
+    )
 
     async def scenario() -> None:
         server = InferenceServer(stack_settings, settings, engine=Engine(EngineConfig()))
@@ -94,8 +120,12 @@ def test_the_serving_api_over_tls(stack_settings, certificate):
             assert status == 200 and json.loads(body)["worker_id"] == "inference-0"
             with pytest.raises(urllib.error.URLError):  # a certificate nobody vouched for
                 await asyncio.to_thread(_get, url, None)
-            with pytest.raises((urllib.error.URLError, ConnectionError)):  # plaintext to a TLS listener
-                await asyncio.to_thread(_get, f"http://127.0.0.1:{settings.http_port}/healthz", None)
+            with pytest.raises(
+                (urllib.error.URLError, ConnectionError)
+            ):  # plaintext to a TLS listener
+                await asyncio.to_thread(
+                    _get, f"http://127.0.0.1:{settings.http_port}/healthz", None
+                )
         finally:
             await server.stop()
 
@@ -109,14 +139,28 @@ def test_the_query_endpoint_over_tls(stack_env, tmp_path, repo_root, certificate
         **stack_env, "RTRL_ANALYTICS_QUERY_PORT": str(port), "RTRL_ANALYTICS_QUERY_TOKEN": "operator-token",
         "RTRL_ANALYTICS_TLS_CERT_FILE": str(cert), "RTRL_ANALYTICS_TLS_KEY_FILE": str(key), "PYTHONPATH": str(repo_root),
     }  # fmt: skip
-    sink = procs.spawn("analytics", [sys.executable, "-m", "analytics"], tmp_path / "analytics.log", env=env, port=port)
+    sink = procs.spawn(
+        "analytics",
+        [sys.executable, "-m", "analytics"],
+        tmp_path / "analytics.log",
+        env=env,
+        port=port,
+    )
     try:
         procs.wait_for_port(port, timeout_s=60)
-        assert http_query_fn(f"https://127.0.0.1:{port}", "operator-token", ca_file=cert)("SELECT count() AS n FROM rollouts") == [{"n": 0}]
-        with pytest.raises((RuntimeError, urllib.error.URLError, ConnectionError)):  # plaintext to a TLS listener
-            http_query_fn(f"http://127.0.0.1:{port}", "operator-token", timeout_s=10)("SELECT count() AS n FROM rollouts")
+        assert http_query_fn(f"https://127.0.0.1:{port}", "operator-token", ca_file=cert)(
+            "SELECT count() AS n FROM rollouts"
+        ) == [{"n": 0}]
+        with pytest.raises(
+            (RuntimeError, urllib.error.URLError, ConnectionError)
+        ):  # plaintext to a TLS listener
+            http_query_fn(f"http://127.0.0.1:{port}", "operator-token", timeout_s=10)(
+                "SELECT count() AS n FROM rollouts"
+            )
         with pytest.raises(urllib.error.URLError):  # a certificate nobody vouched for
-            http_query_fn(f"https://127.0.0.1:{port}", "operator-token", timeout_s=10)("SELECT count() AS n FROM rollouts")
+            http_query_fn(f"https://127.0.0.1:{port}", "operator-token", timeout_s=10)(
+                "SELECT count() AS n FROM rollouts"
+            )
     finally:
         sink.stop(timeout_s=20)
 
@@ -129,7 +173,13 @@ def test_the_prometheus_endpoint_over_tls(stack, tmp_path, repo_root, certificat
         "RTRL_METRICS_PORT": str(metrics_port), "RTRL_METRICS_TLS_CERT_FILE": str(cert), "RTRL_METRICS_TLS_KEY_FILE": str(key),
         "PYTHONPATH": str(repo_root),
     }  # fmt: skip
-    server = procs.spawn("weight_sync", [sys.executable, "-m", "weight_sync"], tmp_path / "weight_sync.log", env=env, port=port)
+    server = procs.spawn(
+        "weight_sync",
+        [sys.executable, "-m", "weight_sync"],
+        tmp_path / "weight_sync.log",
+        env=env,
+        port=port,
+    )
     try:
         procs.wait_for_port(metrics_port, timeout_s=60)
         status, page = _get(f"https://127.0.0.1:{metrics_port}/metrics", cert)

@@ -45,7 +45,9 @@ def test_reaction_to_styles(peeves, style, persisted, can_complain):
 
 def test_broken_completion_is_rewritten_and_usually_annoys():
     user = User("u", 1, frozenset({"quote"}))
-    outcomes = [react(user, TASK, "def say_hi(:\n  prin('hi'\n", random.Random(s)) for s in range(200)]
+    outcomes = [
+        react(user, TASK, "def say_hi(:\n  prin('hi'\n", random.Random(s)) for s in range(200)
+    ]
     assert all(o.persisted_fraction == 0.0 for o in outcomes)
     assert 0.6 < sum(o.dissatisfied for o in outcomes) / len(outcomes) < 0.95
 
@@ -91,7 +93,10 @@ def test_a_question_is_no_edit_and_answered_plainly_some_of_the_time():
     user = User("u", 1, frozenset({"indent", "quote"}))
     outcomes = [react(user, TASK, TASK.question("quotes"), random.Random(s)) for s in range(400)]
     # Nothing was applied, so nothing can be snapshotted or persist; a question never annoys.
-    assert all(o.region_text is None and o.persisted_fraction == 0.0 and not o.dissatisfied for o in outcomes)
+    assert all(
+        o.region_text is None and o.persisted_fraction == 0.0 and not o.dissatisfied
+        for o in outcomes
+    )
     answers = [o.followup for o in outcomes if o.followup]
     assert abs(len(answers) / len(outcomes) - ANSWER_RATE) < 0.08
     # The answer names the house style and reads as neutral to the reward's rules.
@@ -107,4 +112,3 @@ def test_mixed_project_users_keep_only_their_own_style_and_always_complain():
             assert all(o.persisted_fraction == 1.0 and not o.dissatisfied for o in outcomes)
         else:
             assert all(o.persisted_fraction == 0.5 and o.dissatisfied for o in outcomes)
-

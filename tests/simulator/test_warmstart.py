@@ -24,14 +24,23 @@ from simulator.warmstart import (
     ensure_warm_start,
 )
 
-TINY = PolicyConfig(hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64, max_positions=64)
+TINY = PolicyConfig(
+    hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64, max_positions=64
+)
 RECIPE = WarmStartRecipe(batch_size=8, warmup_steps=5, min_steps=30, max_steps=30)
 
 
 def test_warm_start_trains_once_then_hits_the_cache(tmp_path):
     calls = []
-    path = ensure_warm_start(tmp_path, lambda step, total, loss: calls.append((step, total, loss)), policy_config=TINY, recipe=RECIPE)
-    assert path.exists() and path.parent == tmp_path / "cache" and path.name.startswith("warmstart-")
+    path = ensure_warm_start(
+        tmp_path,
+        lambda step, total, loss: calls.append((step, total, loss)),
+        policy_config=TINY,
+        recipe=RECIPE,
+    )
+    assert (
+        path.exists() and path.parent == tmp_path / "cache" and path.name.startswith("warmstart-")
+    )
     assert [c[0] for c in calls] == list(range(1, 31)) and calls[-1][1] == 30
     assert calls[-1][2] < calls[0][2]  # the loss went down
 
@@ -42,7 +51,10 @@ def test_warm_start_trains_once_then_hits_the_cache(tmp_path):
 
     mtime = path.stat().st_mtime_ns
     calls.clear()
-    assert ensure_warm_start(tmp_path, lambda *a: calls.append(a), policy_config=TINY, recipe=RECIPE) == path
+    assert (
+        ensure_warm_start(tmp_path, lambda *a: calls.append(a), policy_config=TINY, recipe=RECIPE)
+        == path
+    )
     assert calls == [] and path.stat().st_mtime_ns == mtime
     assert [p.name for p in path.parent.iterdir() if ".tmp" in p.name] == []
 
@@ -50,7 +62,14 @@ def test_warm_start_trains_once_then_hits_the_cache(tmp_path):
 def test_cache_key_follows_seed_and_model_shape(tmp_path):
     base = cache_path(tmp_path, TINY, RECIPE)
     assert cache_path(tmp_path, TINY, RECIPE) == base
-    assert cache_path(tmp_path, TINY, WarmStartRecipe(batch_size=8, warmup_steps=5, min_steps=30, max_steps=30, seed=1)) != base
+    assert (
+        cache_path(
+            tmp_path,
+            TINY,
+            WarmStartRecipe(batch_size=8, warmup_steps=5, min_steps=30, max_steps=30, seed=1),
+        )
+        != base
+    )
     assert cache_path(tmp_path, PolicyConfig(), RECIPE) != base
 
 
@@ -61,7 +80,9 @@ def test_batch_keeps_styles_balanced_and_asks_mostly_in_the_mixed_project():
     assert all(len(rows) == recipe.batch_size for rows in batches)
     questions = [(task, text) for rows in batches for task, text in rows if is_question(text)]
     assert len(questions) == 200 * recipe.question_rows
-    assert all(text in {task.question(topic) for topic in QUESTION_TOPICS} for task, text in questions)
+    assert all(
+        text in {task.question(topic) for topic in QUESTION_TOPICS} for task, text in questions
+    )
     # Every helper task comes in all four styles, so style marginals are exact per batch.
     for rows in batches:
         styles = Counter(parse_style(task, text) for task, text in rows if not is_question(text))

@@ -20,35 +20,81 @@ HAND_MADE = [
     ("t2", "treatment", [1], 0.1, 200, True, 1.0, 0.0, 1.0),
     ("t3", "treatment", [2], 0.2, 500, True, 1.0, 0.0, 1.0),
     ("t4", "treatment", [2, 3], 0.3, 700, True, 1.0, 0.0, 1.0),  # swapped mid-rollout: version 3
-    ("t5", "treatment", [3], 0.5, 1000, False, 1.0, 1.0, 0.0),  # unobserved never counts as persisted
+    (
+        "t5",
+        "treatment",
+        [3],
+        0.5,
+        1000,
+        False,
+        1.0,
+        1.0,
+        0.0,
+    ),  # unobserved never counts as persisted
 ]
 
 
 def rollout(rollout_id, arm, versions, latency_s, offset_s) -> rollout_pb2.RolloutRecord:
-    spans = [rollout_pb2.VersionSpan(policy_version=v, start=4 * i, end=4 * i + 4) for i, v in enumerate(versions)]
+    spans = [
+        rollout_pb2.VersionSpan(policy_version=v, start=4 * i, end=4 * i + 4)
+        for i, v in enumerate(versions)
+    ]
     return rollout_pb2.RolloutRecord(
-        event_id=f"ev-{rollout_id}", rollout_id=rollout_id, session_id="s1", user_id="u1", worker_id="w0",
-        client_ts_ms=T0 + offset_s * 1000, schema_version=1, arm=ARMS[arm], version_spans=spans,
-        completion_token_ids=[7] * (4 * len(versions)), latency_s=latency_s, prompt_text="@p1 add x\n",
-        completion_text="def add_x():\n    call('x')\n", finish_reason="eos",
+        event_id=f"ev-{rollout_id}",
+        rollout_id=rollout_id,
+        session_id="s1",
+        user_id="u1",
+        worker_id="w0",
+        client_ts_ms=T0 + offset_s * 1000,
+        schema_version=1,
+        arm=ARMS[arm],
+        version_spans=spans,
+        completion_token_ids=[7] * (4 * len(versions)),
+        latency_s=latency_s,
+        prompt_text="@p1 add x\n",
+        completion_text="def add_x():\n    call('x')\n",
+        finish_reason="eos",
     )
 
 
-def reward(r: rollout_pb2.RolloutRecord, observed, fraction, dissatisfied, value) -> reward_pb2.RewardRecord:
+def reward(
+    r: rollout_pb2.RolloutRecord, observed, fraction, dissatisfied, value
+) -> reward_pb2.RewardRecord:
     components = reward_pb2.RewardComponents(
-        persisted_fraction=fraction, persistence_observed=observed, dissatisfied=dissatisfied,
-        followup_observed=dissatisfied > 0, tool_call_validity=1.0, latency_s=r.latency_s,
+        persisted_fraction=fraction,
+        persistence_observed=observed,
+        dissatisfied=dissatisfied,
+        followup_observed=dissatisfied > 0,
+        tool_call_validity=1.0,
+        latency_s=r.latency_s,
     )
     return reward_pb2.RewardRecord(
-        reward_id=f"rw-{r.rollout_id}", rollout_id=r.rollout_id, rollout=r, components=components, reward=value,
-        reward_fn_version="test-1", defaulted=not observed, last_event_ts_ms=r.client_ts_ms + 1000,
-        settled_ts_ms=r.client_ts_ms + 2000, event_ids=[f"e-{r.rollout_id}"],
+        reward_id=f"rw-{r.rollout_id}",
+        rollout_id=r.rollout_id,
+        rollout=r,
+        components=components,
+        reward=value,
+        reward_fn_version="test-1",
+        defaulted=not observed,
+        last_event_ts_ms=r.client_ts_ms + 1000,
+        settled_ts_ms=r.client_ts_ms + 2000,
+        event_ids=[f"e-{r.rollout_id}"],
     )
 
 
 def hand_made_records():
     rollouts, rewards = [], []
-    for rollout_id, arm, versions, latency_s, offset_s, observed, fraction, dissatisfied, value in HAND_MADE:
+    for (
+        rollout_id,
+        arm,
+        versions,
+        latency_s,
+        offset_s,
+        observed,
+        fraction,
+        dissatisfied,
+        value,
+    ) in HAND_MADE:
         rollouts.append(rollout(rollout_id, arm, versions, latency_s, offset_s))
         rewards.append(reward(rollouts[-1], observed, fraction, dissatisfied, value))
     return rollouts, rewards

@@ -16,7 +16,12 @@ def read_rollouts(settings, timeout_s: float = 10.0) -> list[rollout_pb2.Rollout
     tps = [TopicPartition(topics.ROLLOUT, p) for p in range(settings.kafka_partitions)]
     expected = sum(kafka.end_offsets(settings, tps).values())
     consumer = Consumer(kafka.consumer_config(settings, "test-inference"))
-    consumer.assign([TopicPartition(topics.ROLLOUT, p, OFFSET_BEGINNING) for p in range(settings.kafka_partitions)])
+    consumer.assign(
+        [
+            TopicPartition(topics.ROLLOUT, p, OFFSET_BEGINNING)
+            for p in range(settings.kafka_partitions)
+        ]
+    )
     records = []
     deadline = time.monotonic() + timeout_s
     try:

@@ -17,22 +17,44 @@ INGEST_TOPICS = (topics.EDIT, topics.PERSISTENCE, topics.FOLLOWUP)
 
 def ingest_settings(**overrides) -> IngestSettings:
     # Delivery semantics without keys; tests/ingest/test_ingest_auth.py covers authentication.
-    return IngestSettings(http_port=free_port(), grpc_port=free_port(), **{"auth_required": False, **overrides})
+    return IngestSettings(
+        http_port=free_port(), grpc_port=free_port(), **{"auth_required": False, **overrides}
+    )
 
 
 def shown(rollout: str, **kw):
-    return make_event(rollout, "s1", "u1", edit_shown=telemetry_pb2.EditShown(file_path="a.py", edit_text="x = 1\n"), **kw)
+    return make_event(
+        rollout,
+        "s1",
+        "u1",
+        edit_shown=telemetry_pb2.EditShown(file_path="a.py", edit_text="x = 1\n"),
+        **kw,
+    )
 
 
 def persisted(rollout: str, **kw):
-    return make_event(rollout, "s1", "u1", persistence=telemetry_pb2.PersistenceSnapshot(seconds_after_edit=30, region_text="x = 1\n"), **kw)
+    return make_event(
+        rollout,
+        "s1",
+        "u1",
+        persistence=telemetry_pb2.PersistenceSnapshot(seconds_after_edit=30, region_text="x = 1\n"),
+        **kw,
+    )
 
 
 def followup(rollout: str, **kw):
-    return make_event(rollout, "s1", "u1", followup=telemetry_pb2.FollowUp(seconds_after_edit=5, message="no, that broke it"), **kw)
+    return make_event(
+        rollout,
+        "s1",
+        "u1",
+        followup=telemetry_pb2.FollowUp(seconds_after_edit=5, message="no, that broke it"),
+        **kw,
+    )
 
 
-def read_topics(stack_settings, names=INGEST_TOPICS) -> dict[str, list[tuple[bytes, telemetry_pb2.TelemetryEvent]]]:
+def read_topics(
+    stack_settings, names=INGEST_TOPICS
+) -> dict[str, list[tuple[bytes, telemetry_pb2.TelemetryEvent]]]:
     """Everything on the topics, from the beginning, without joining a group."""
     probe = Consumer(kafka.consumer_config(stack_settings, "test-reader"))
     metadata = probe.list_topics(timeout=5).topics
@@ -47,7 +69,9 @@ def read_topics(stack_settings, names=INGEST_TOPICS) -> dict[str, list[tuple[byt
                 break
             for msg in probe.consume(100, timeout=0.2):
                 assert msg.error() is None, msg.error()
-                records[msg.topic()].append((msg.key(), telemetry_pb2.TelemetryEvent.FromString(msg.value())))
+                records[msg.topic()].append(
+                    (msg.key(), telemetry_pb2.TelemetryEvent.FromString(msg.value()))
+                )
                 where = (msg.topic(), msg.partition())
                 if msg.offset() + 1 >= remaining.get(where, 0):
                     remaining.pop(where, None)

@@ -53,7 +53,9 @@ class _Cut:
 
 
 class FaultProxy:
-    def __init__(self, target_port: int, *, target_host: str = "127.0.0.1", bytes_per_s: float | None = None) -> None:
+    def __init__(
+        self, target_port: int, *, target_host: str = "127.0.0.1", bytes_per_s: float | None = None
+    ) -> None:
         self.target = (target_host, target_port)
         self.connections = 0
         """Client connections accepted so far."""
@@ -145,7 +147,9 @@ class FaultProxy:
         event.set()
         return event
 
-    async def _accept(self, client_reader: asyncio.StreamReader, client_writer: asyncio.StreamWriter) -> None:
+    async def _accept(
+        self, client_reader: asyncio.StreamReader, client_writer: asyncio.StreamWriter
+    ) -> None:
         self.connections += 1
         link = _Link(client_reader, client_writer)
         self._links.add(link)
@@ -160,7 +164,9 @@ class FaultProxy:
             try:
                 server_reader, link.server_writer = await asyncio.open_connection(*self.target)
             except OSError:
-                self._cut(link)  # the client sees what it would without a proxy: a refused/reset connection
+                self._cut(
+                    link
+                )  # the client sees what it would without a proxy: a refused/reset connection
                 return
             await asyncio.gather(
                 self._pump(link, client_reader, link.server_writer, to_client=False),
@@ -170,7 +176,14 @@ class FaultProxy:
             self._close(link)
             self._handlers.discard(asyncio.current_task())
 
-    async def _pump(self, link: _Link, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, *, to_client: bool) -> None:
+    async def _pump(
+        self,
+        link: _Link,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        *,
+        to_client: bool,
+    ) -> None:
         try:
             while link in self._links:
                 data = await reader.read(self._read_size() if to_client else _READ_BYTES)

@@ -42,24 +42,47 @@ def scenario(i: int, base_ms: int):
 
     def event(offset_ms: int, **payload) -> telemetry_pb2.TelemetryEvent:
         return telemetry_pb2.TelemetryEvent(
-            event_id=str(uuid.uuid4()), rollout_id=rollout_id, session_id="s", client_ts_ms=ts + offset_ms, **payload
+            event_id=str(uuid.uuid4()),
+            rollout_id=rollout_id,
+            session_id="s",
+            client_ts_ms=ts + offset_ms,
+            **payload,
         )
 
-    calls = [rollout_pb2.ToolCall(name="edit", valid=True)] + ([rollout_pb2.ToolCall(name="run", valid=False)] if i % 5 == 0 else [])
+    calls = [rollout_pb2.ToolCall(name="edit", valid=True)] + (
+        [rollout_pb2.ToolCall(name="run", valid=False)] if i % 5 == 0 else []
+    )
     record = rollout_pb2.RolloutRecord(
-        event_id=str(uuid.uuid4()), rollout_id=rollout_id, client_ts_ms=ts, completion_text=agent,
-        completion_token_ids=[7] * 20, tool_calls=calls, latency_s=0.1,
+        event_id=str(uuid.uuid4()),
+        rollout_id=rollout_id,
+        client_ts_ms=ts,
+        completion_text=agent,
+        completion_token_ids=[7] * 20,
+        tool_calls=calls,
+        latency_s=0.1,
     )
     events = []
     if i % 4 in (0, 1):
         events.append((topics.EDIT, event(20, edit_shown=telemetry_pb2.EditShown(edit_text=agent))))
         events.append((topics.EDIT, event(30, edit_outcome=ACCEPTED)))
         region = agent if i % 4 == 0 else task.render(Style(4, "'"))
-        events.append((topics.PERSISTENCE, event(200, persistence=telemetry_pb2.PersistenceSnapshot(region_text=region))))
+        events.append(
+            (
+                topics.PERSISTENCE,
+                event(200, persistence=telemetry_pb2.PersistenceSnapshot(region_text=region)),
+            )
+        )
     if i % 4 == 1:
-        events.append((topics.FOLLOWUP, event(150, followup=telemetry_pb2.FollowUp(message="no, use 4 spaces instead"))))
+        events.append(
+            (
+                topics.FOLLOWUP,
+                event(150, followup=telemetry_pb2.FollowUp(message="no, use 4 spaces instead")),
+            )
+        )
     if i % 4 == 2:
-        events.append((topics.FOLLOWUP, event(150, followup=telemetry_pb2.FollowUp(message="thanks"))))
+        events.append(
+            (topics.FOLLOWUP, event(150, followup=telemetry_pb2.FollowUp(message="thanks")))
+        )
     expected = {
         "persisted_fraction": {0: 1.0, 1: 0.5}.get(i % 4, 0.5),
         "persistence_observed": i % 4 in (0, 1),
@@ -89,7 +112,13 @@ def read_all(settings, topic_names: tuple[str, ...]) -> dict[str, list]:
     pairs = [(t, p) for t in topic_names for p in range(settings.kafka_partitions)]
     ends = kafka.end_offsets(settings, [TopicPartition(t, p) for t, p in pairs])
     tps = [TopicPartition(t, p, OFFSET_BEGINNING) for t, p in pairs]
-    consumer = Consumer({"bootstrap.servers": settings.kafka_bootstrap, "group.id": "test-read", "enable.auto.commit": False})
+    consumer = Consumer(
+        {
+            "bootstrap.servers": settings.kafka_bootstrap,
+            "group.id": "test-read",
+            "enable.auto.commit": False,
+        }
+    )
     consumer.assign(tps)
     records: dict[str, list] = {t: [] for t in topic_names}
     remaining = {k for k, end in ends.items() if end > 0}

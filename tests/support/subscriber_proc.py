@@ -28,7 +28,9 @@ import xxhash
 TESTS = Path(__file__).resolve().parents[1]
 
 
-def command(addr: str, arm: str, worker_id: str, out_path: Path) -> tuple[list[str], dict[str, str]]:
+def command(
+    addr: str, arm: str, worker_id: str, out_path: Path
+) -> tuple[list[str], dict[str, str]]:
     """The argv that starts this module as a process, and the environment to add to ours."""
     argv = [sys.executable, "-m", "support.subscriber_proc", addr, arm, worker_id, str(out_path)]
     return argv, {"PYTHONPATH": os.pathsep.join([str(TESTS), str(TESTS.parent)])}
@@ -39,7 +41,9 @@ def weights_checksum(weights: Mapping[str, torch.Tensor]) -> str:
     digest = xxhash.xxh3_128()
     for name in sorted(weights):
         digest.update(name.encode())
-        digest.update(weights[name].detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+        digest.update(
+            weights[name].detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+        )
     return digest.hexdigest()
 
 
@@ -50,7 +54,14 @@ def main() -> None:
 
     addr, arm, worker_id, out_path = sys.argv[1:]
     token = StackSettings().weight_sync_subscribe_token.get_secret_value()
-    subscriber = Subscriber(addr, arm, worker_id, token=token, max_backoff_s=0.5, public_keys=signing.parse_public_keys(os.environ["RTRL_MANIFEST_PUBLIC_KEYS"]))
+    subscriber = Subscriber(
+        addr,
+        arm,
+        worker_id,
+        token=token,
+        max_backoff_s=0.5,
+        public_keys=signing.parse_public_keys(os.environ["RTRL_MANIFEST_PUBLIC_KEYS"]),
+    )
     signal.signal(signal.SIGTERM, lambda *_: subscriber.stop())
     out = os.open(out_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     try:

@@ -38,7 +38,9 @@ def warm_model() -> torch.nn.Module:
     return model
 
 
-def sampled_rollouts(model: torch.nn.Module, tasks: int, seed: int) -> list[tuple[str, list[int], list[int], list[float], bool]]:
+def sampled_rollouts(
+    model: torch.nn.Module, tasks: int, seed: int
+) -> list[tuple[str, list[int], list[int], list[float], bool]]:
     """(prompt text, prompt ids, completion ids, log-probs, well formed) sampled at temperature 1."""
     rng = random.Random(seed)
     chosen = [random_task(rng) for _ in range(tasks)]
@@ -47,12 +49,30 @@ def sampled_rollouts(model: torch.nn.Module, tasks: int, seed: int) -> list[tupl
     rows = []
     for task, ids, completion in zip(chosen, prompts, out):
         ended = completion.completion_ids[-1] == EOS
-        well_formed = ended and parse_style(task, decode(list(completion.completion_ids))) is not None
-        rows.append((task.prompt, ids, list(completion.completion_ids), list(completion.logprobs), well_formed))
+        well_formed = (
+            ended and parse_style(task, decode(list(completion.completion_ids))) is not None
+        )
+        rows.append(
+            (
+                task.prompt,
+                ids,
+                list(completion.completion_ids),
+                list(completion.logprobs),
+                well_formed,
+            )
+        )
     return rows
 
 
-def reward_record(prompt_text: str, prompt: list[int], completion: list[int], logprobs: list[float], reward: float, *, version: int = 0) -> reward_pb2.RewardRecord:
+def reward_record(
+    prompt_text: str,
+    prompt: list[int],
+    completion: list[int],
+    logprobs: list[float],
+    reward: float,
+    *,
+    version: int = 0,
+) -> reward_pb2.RewardRecord:
     rollout_id = str(uuid.uuid4())
     rollout = rollout_pb2.RolloutRecord(
         event_id=rollout_id,
@@ -61,26 +81,47 @@ def reward_record(prompt_text: str, prompt: list[int], completion: list[int], lo
         prompt_token_ids=prompt,
         completion_token_ids=completion,
         completion_logprobs=logprobs,
-        version_spans=[rollout_pb2.VersionSpan(start=0, end=len(completion), policy_version=version)],
+        version_spans=[
+            rollout_pb2.VersionSpan(start=0, end=len(completion), policy_version=version)
+        ],
         sampling=rollout_pb2.SamplingParams(temperature=1.0),
         prompt_text=prompt_text,
     )
-    return reward_pb2.RewardRecord(reward_id=f"r-{rollout_id}", rollout_id=rollout_id, rollout=rollout, reward=reward, last_event_ts_ms=1)
+    return reward_pb2.RewardRecord(
+        reward_id=f"r-{rollout_id}",
+        rollout_id=rollout_id,
+        rollout=rollout,
+        reward=reward,
+        last_event_ts_ms=1,
+    )
 
 
-def produce(bootstrap: str, records: list[reward_pb2.RewardRecord], topic: str = topics.REWARD, *, signed: bool = True) -> None:
+def produce(
+    bootstrap: str,
+    records: list[reward_pb2.RewardRecord],
+    topic: str = topics.REWARD,
+    *,
+    signed: bool = True,
+) -> None:
     """Write reward records as the joiner would: signed with the run's joiner key (conftest.py)."""
     producer = Producer({"bootstrap.servers": bootstrap, "enable.idempotence": True})
     signer = signing.Signer(os.environ["RTRL_REWARD_SIGNING_KEY"], signing.Purpose.REWARD)
     for record in records:
         value = record.SerializeToString()
-        producer.produce(topic, value, key=record.rollout_id.encode(), headers=list(signer.headers(value)) if signed else None)
+        producer.produce(
+            topic,
+            value,
+            key=record.rollout_id.encode(),
+            headers=list(signer.headers(value)) if signed else None,
+        )
         producer.poll(0)
     if producer.flush(30) != 0:
         raise RuntimeError("reward records not acknowledged within 30 s")
 
 
-def trainer_env(stack_env: dict[str, str], weight_sync_addr: str, repo_root: Path) -> dict[str, str]:
+def trainer_env(
+    stack_env: dict[str, str], weight_sync_addr: str, repo_root: Path
+) -> dict[str, str]:
     """The environment of a trainer process (`python -m trainer`) for the fault tests:
     small batches, every candidate judged and none refused (those tests are about
     delivery and recovery; test_eval_gate is about refusals)."""

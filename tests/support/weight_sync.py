@@ -71,7 +71,7 @@ class Following:
         try:
             for item in self.subscriber.follow(have_version, weights):
                 self._items.put(item)
-        except BaseException as exc:  # noqa: BLE001 - handed to the test thread, which re-raises it
+        except BaseException as exc:
             self._items.put(exc)
 
     def next(self, timeout_s: float = 30.0) -> tuple[weights_pb2.Manifest, dict[str, torch.Tensor]]:
@@ -115,10 +115,17 @@ def train_step(weights: dict[str, torch.Tensor], seed: int) -> dict[str, torch.T
     return out
 
 
-def publish_versions(publisher: Publisher, first: dict[str, torch.Tensor], count: int) -> list[dict[str, torch.Tensor]]:
+def publish_versions(
+    publisher: Publisher, first: dict[str, torch.Tensor], count: int
+) -> list[dict[str, torch.Tensor]]:
     versions = [first]
     for seed in range(1, count):
         versions.append(train_step(versions[-1], seed))
     for expected, weights in enumerate(versions):
-        assert publisher.publish(weights, trained_through_event_ts_ms=1000 + expected, train_step=expected) == len(versions) - count + expected
+        assert (
+            publisher.publish(
+                weights, trained_through_event_ts_ms=1000 + expected, train_step=expected
+            )
+            == len(versions) - count + expected
+        )
     return versions

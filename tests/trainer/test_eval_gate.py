@@ -60,7 +60,9 @@ def test_gate_refuses_a_regression_beyond_tolerance_against_either_reference():
     assert any(r.startswith("well_formed vs published") for r in verdict.regressions)
     assert any(r.startswith("well_formed vs control") for r in verdict.regressions)
     # Within tolerance of the published version but too far below control: still refused.
-    low = EvalScores(scores={**scores.scores, "well_formed": scores["well_formed"] + 0.5}, samples=32)
+    low = EvalScores(
+        scores={**scores.scores, "well_formed": scores["well_formed"] + 0.5}, samples=32
+    )
     drifted = EvalGate(suite, 0.1, control=low, published=scores).judge(warm)
     assert not drifted.accepted and drifted.regressions == (
         f"well_formed vs control: {scores['well_formed']:.3f} < {low['well_formed']:.3f} - 0.1",
@@ -88,7 +90,15 @@ def _trainer_steps_in_clickhouse(stack_settings, tmp_path) -> list[dict]:
     while len(records) < 3 and time.monotonic() < deadline:
         for message in consumer.consume(10, timeout=0.5):
             assert message.error() is None, message.error()
-            records.append(KafkaRecord(message.topic(), message.partition(), message.offset(), message.key(), message.value()))
+            records.append(
+                KafkaRecord(
+                    message.topic(),
+                    message.partition(),
+                    message.offset(),
+                    message.key(),
+                    message.value(),
+                )
+            )
     consumer.close()
     client = connect(StackSettings(state_dir=tmp_path / "analytics"))
     schema.create_tables(client)
@@ -123,7 +133,9 @@ def _wait(predicate, timeout_s: float, what: str) -> None:
 @pytest.mark.guarantee(6)
 @pytest.mark.integration
 @pytest.mark.timeout(300)
-def test_a_harmful_update_is_refused_and_never_reaches_a_worker(stack_settings, server, otel_memory, tmp_path):
+def test_a_harmful_update_is_refused_and_never_reaches_a_worker(
+    stack_settings, server, otel_memory, tmp_path
+):
     from confluent_kafka import Consumer, Producer
 
     from rtrl.kafka import consumer_config, producer_config
@@ -145,8 +157,13 @@ def test_a_harmful_update_is_refused_and_never_reaches_a_worker(stack_settings, 
     torch.set_num_threads(1)
     install_warm_start(stack_settings.state_dir)
     token = stack_settings.weight_sync_token.get_secret_value()
-    publishers = {arm: Publisher(server.addr, token, arm, signing_key=MANIFEST_KEY) for arm in (CONTROL, TREATMENT)}
-    settings = TrainerSettings(lr=1e-3, batch_size=32, min_batch=32, max_staleness=100, eval_tolerance=0.1)
+    publishers = {
+        arm: Publisher(server.addr, token, arm, signing_key=MANIFEST_KEY)
+        for arm in (CONTROL, TREATMENT)
+    }
+    settings = TrainerSettings(
+        lr=1e-3, batch_size=32, min_batch=32, max_staleness=100, eval_tolerance=0.1
+    )
     exporter = StepExporter(Producer(producer_config(stack_settings)))
     spans, reader = otel_memory
     spans.clear()
@@ -155,7 +172,9 @@ def test_a_harmful_update_is_refused_and_never_reaches_a_worker(stack_settings, 
         stack_settings.state_dir,
         Consumer(consumer_config(stack_settings, settings.consumer_group)),
         publishers,
-        fetch_weights=lambda arm, version: fetch_published(server.addr, token, arm, version, MANIFEST_PUBLIC_KEYS),
+        fetch_weights=lambda arm, version: fetch_published(
+            server.addr, token, arm, version, MANIFEST_PUBLIC_KEYS
+        ),
         on_step=exporter,
     )
     trainer.start()
@@ -163,7 +182,15 @@ def test_a_harmful_update_is_refused_and_never_reaches_a_worker(stack_settings, 
     stop = threading.Event()
     loop = threading.Thread(target=trainer.run, args=(stop,), daemon=True)
     loop.start()
-    worker = Following(Subscriber(server.addr, TREATMENT, "inference-0", token=SUBSCRIBE_TOKEN, public_keys=MANIFEST_PUBLIC_KEYS))
+    worker = Following(
+        Subscriber(
+            server.addr,
+            TREATMENT,
+            "inference-0",
+            token=SUBSCRIBE_TOKEN,
+            public_keys=MANIFEST_PUBLIC_KEYS,
+        )
+    )
     try:
         v0, v0_weights = worker.next()
         assert v0.version == 0
@@ -174,7 +201,9 @@ def test_a_harmful_update_is_refused_and_never_reaches_a_worker(stack_settings, 
         # (so the partitions' interleaving cannot put them all in one).
         pool = sampled_rollouts(warm_model(), 256, seed=11)
         good, bad = [row for row in pool if row[4]], [row for row in pool if not row[4]]
-        assert len(bad) >= 12 and len(good) >= 84, f"{len(bad)} malformed of {len(pool)}: the warm start changed"
+        assert len(bad) >= 12 and len(good) >= 84, (
+            f"{len(bad)} malformed of {len(pool)}: the warm start changed"
+        )
         batches = [bad[4 * i : 4 * i + 4] + good[28 * i : 28 * i + 28] for i in range(3)]
         poisoned = []
         for i, batch in enumerate(batches[:2]):
@@ -204,7 +233,10 @@ def test_a_harmful_update_is_refused_and_never_reaches_a_worker(stack_settings, 
         screen.print(refusals_table(status.refusals))
         text = screen.export_text()
         assert "eval gate refused 2" in text
-        assert "well_formed vs published" in text and f"{status.refusals[0].candidate['well_formed']:.3f}" in text
+        assert (
+            "well_formed vs published" in text
+            and f"{status.refusals[0].candidate['well_formed']:.3f}" in text
+        )
 
         # Honest rewards (the same rollouts, paid for parsing) at the default learning rate ship,
         # built on v0, not on a refused candidate. (Any first Adam step at 1e-3 is too big for this model.)
@@ -216,21 +248,39 @@ def test_a_harmful_update_is_refused_and_never_reaches_a_worker(stack_settings, 
         assert (v1.version, v1.train_step, v1.rollouts_trained) == (1, 3, 32)
         model = build_model(PolicyConfig())
         load_weights(model, v1_weights)
-        assert DemoSuite(settings.eval_tasks).score(model)["well_formed"] >= status.refusals[0].published["well_formed"] - 0.1
+        assert (
+            DemoSuite(settings.eval_tasks).score(model)["well_formed"]
+            >= status.refusals[0].published["well_formed"] - 0.1
+        )
 
         # Every judged candidate has a step record in ClickHouse and a span and metrics in OpenTelemetry.
         exporter.flush()
         assert exporter.failed == 0
         steps = _trainer_steps_in_clickhouse(stack_settings, tmp_path)
-        assert [(s["step"], s["published"], s["version"], s["rollouts"]) for s in steps] == [(1, False, -1, 32), (2, False, -1, 32), (3, True, 1, 32)]
+        assert [(s["step"], s["published"], s["version"], s["rollouts"]) for s in steps] == [
+            (1, False, -1, 32),
+            (2, False, -1, 32),
+            (3, True, 1, 32),
+        ]
         for row in steps:
-            assert row["staleness"] == {0: 32} and row["eval_candidate"].keys() == {"well_formed", "house_style"}
+            assert row["staleness"] == {0: 32} and row["eval_candidate"].keys() == {
+                "well_formed",
+                "house_style",
+            }
             assert row["grad_norm"] > 0 and row["entropy"] > 0 and row["tokens"] > 32
             assert bool(row["eval_regressions"]) is not row["published"]
-        assert steps[0]["eval_candidate"]["well_formed"] == pytest.approx(status.refusals[0].candidate["well_formed"])
+        assert steps[0]["eval_candidate"]["well_formed"] == pytest.approx(
+            status.refusals[0].candidate["well_formed"]
+        )
         step_spans = [span for span in spans.get_finished_spans() if span.name == "trainer.step"]
-        assert [span.attributes["rtrl.trainer.published"] for span in step_spans] == [False, False, True]
-        assert {row["traceparent"].split("-")[2] for row in steps} == {f"{span.context.span_id:016x}" for span in step_spans}
+        assert [span.attributes["rtrl.trainer.published"] for span in step_spans] == [
+            False,
+            False,
+            True,
+        ]
+        assert {row["traceparent"].split("-")[2] for row in steps} == {
+            f"{span.context.span_id:016x}" for span in step_spans
+        }
         outcomes = _metric_points(reader, "rtrl.trainer.steps")
         assert outcomes[("refused",)] >= 2 and outcomes[("published",)] >= 1
     finally:

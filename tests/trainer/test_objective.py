@@ -37,7 +37,9 @@ from trainer.objective import leave_one_out_advantages, policy_gradient_loss
     ],
 )
 def test_leave_one_out_advantages(rewards, groups, std_normalize, expected):
-    assert leave_one_out_advantages(rewards, groups, std_normalize=std_normalize) == pytest.approx(expected)
+    assert leave_one_out_advantages(rewards, groups, std_normalize=std_normalize) == pytest.approx(
+        expected
+    )
 
 
 def _leaf(values):
@@ -50,7 +52,11 @@ def test_on_policy_loss_value_and_gradient_sign():
     terms = policy_gradient_loss(logp, logp.detach(), torch.tensor([2.0]), mask)
     # −(2·ln 0.5 + 2·ln 0.25) / 2 tokens = −ln 0.125
     assert terms.loss.item() == pytest.approx(-math.log(0.125))
-    assert terms.tokens == 2 and terms.ratio_mean == pytest.approx(1.0) and terms.clipped_fraction == 0.0
+    assert (
+        terms.tokens == 2
+        and terms.ratio_mean == pytest.approx(1.0)
+        and terms.clipped_fraction == 0.0
+    )
     terms.loss.backward()
     # d loss / d logp_t = −w·A / N: descent raises the log-prob of well-rewarded tokens.
     assert logp.grad[0].tolist() == pytest.approx([-1.0, -1.0, 0.0])
@@ -75,7 +81,9 @@ def test_importance_ratio_is_truncated_at_the_cap():
     logp = _leaf([math.log(0.6), math.log(0.2)])
     # Token 0 is 3x likelier now than when sampled (ratio 3 → capped at 2); token 1 half as likely (0.5, kept).
     behaviour = torch.tensor([[math.log(0.2), math.log(0.4)]], dtype=torch.float64)
-    terms = policy_gradient_loss(logp, behaviour, torch.tensor([1.0]), torch.ones(1, 2, dtype=torch.float64), is_cap=2.0)
+    terms = policy_gradient_loss(
+        logp, behaviour, torch.tensor([1.0]), torch.ones(1, 2, dtype=torch.float64), is_cap=2.0
+    )
     assert terms.loss.item() == pytest.approx(-(2.0 * math.log(0.6) + 0.5 * math.log(0.2)) / 2)
     assert terms.clipped_fraction == pytest.approx(0.5)
     assert terms.ratio_mean == pytest.approx((3.0 + 0.5) / 2)
@@ -87,7 +95,12 @@ def test_kl_penalty_enters_as_a_per_token_advantage():
     logp = _leaf([math.log(0.5), math.log(0.5)])
     ref = torch.tensor([[math.log(0.25), math.log(0.5)]], dtype=torch.float64)
     terms = policy_gradient_loss(
-        logp, logp.detach(), torch.tensor([1.0]), torch.ones(1, 2, dtype=torch.float64), ref_logp=ref, kl_coef=0.1
+        logp,
+        logp.detach(),
+        torch.tensor([1.0]),
+        torch.ones(1, 2, dtype=torch.float64),
+        ref_logp=ref,
+        kl_coef=0.1,
     )
     assert terms.kl == pytest.approx(math.log(2) / 2)
     terms.loss.backward()
@@ -114,11 +127,19 @@ def _record(**rollout_fields) -> reward_pb2.RewardRecord:
         prompt_token_ids=[1, 40, 41],
         completion_token_ids=[50, 51, 2],
         completion_logprobs=[-0.5, -0.25, -0.125],
-        version_spans=[rollout_pb2.VersionSpan(policy_version=4, start=0, end=2), rollout_pb2.VersionSpan(policy_version=5, start=2, end=3)],
+        version_spans=[
+            rollout_pb2.VersionSpan(policy_version=4, start=0, end=2),
+            rollout_pb2.VersionSpan(policy_version=5, start=2, end=3),
+        ],
         sampling=rollout_pb2.SamplingParams(temperature=1.0),
     )
     fields.update(rollout_fields)
-    return reward_pb2.RewardRecord(rollout_id="r1", rollout=rollout_pb2.RolloutRecord(**fields), reward=0.75, last_event_ts_ms=123)
+    return reward_pb2.RewardRecord(
+        rollout_id="r1",
+        rollout=rollout_pb2.RolloutRecord(**fields),
+        reward=0.75,
+        last_event_ts_ms=123,
+    )
 
 
 @pytest.mark.parametrize(

@@ -45,19 +45,37 @@ def test_only_the_joiners_rewards_are_trained_on(stack_settings):
     add(_record(), [("rtrl-sig", b"")], Drop.UNSIGNED)
     value = _record().SerializeToString()
     add(value, list(stranger.headers(value)), Drop.FORGED)  # a key the trainer does not know
-    add(value, [(signing.SIGNATURE_HEADER, stranger.sign(value)), (signing.SIGNER_HEADER, joiner.key_id.encode())], Drop.FORGED)
+    add(
+        value,
+        [
+            (signing.SIGNATURE_HEADER, stranger.sign(value)),
+            (signing.SIGNER_HEADER, joiner.key_id.encode()),
+        ],
+        Drop.FORGED,
+    )
     tampered = _record(reward=0.0)
     signed = list(joiner.headers(tampered.SerializeToString()))
     tampered.reward = 100.0  # the reward raised after the joiner signed it
     add(tampered, signed, Drop.FORGED)
     other = _record().SerializeToString()
-    add(other, list(joiner.headers(honest[0].SerializeToString())), Drop.FORGED)  # another record's signature
-    add(other, [(signing.SIGNATURE_HEADER, b"\0" * 64), (signing.SIGNER_HEADER, joiner.key_id.encode())], Drop.FORGED)
+    add(
+        other, list(joiner.headers(honest[0].SerializeToString())), Drop.FORGED
+    )  # another record's signature
+    add(
+        other,
+        [(signing.SIGNATURE_HEADER, b"\0" * 64), (signing.SIGNER_HEADER, joiner.key_id.encode())],
+        Drop.FORGED,
+    )
 
     producer = Producer({"bootstrap.servers": stack_settings.kafka_bootstrap})
     for record in honest:
         value = record.SerializeToString()
-        producer.produce(topics.REWARD, value, key=record.rollout_id.encode(), headers=list(joiner.headers(value)))
+        producer.produce(
+            topics.REWARD,
+            value,
+            key=record.rollout_id.encode(),
+            headers=list(joiner.headers(value)),
+        )
     for key, value, headers, _ in forged:
         producer.produce(topics.REWARD, value, key=key, headers=headers)
     assert producer.flush(30) == 0
@@ -66,7 +84,11 @@ def test_only_the_joiners_rewards_are_trained_on(stack_settings):
     settings = TrainerSettings(batch_size=64, min_batch=1)
     consumer = Consumer(consumer_config(stack_settings, "trainer-signatures"))
     trainer = Trainer(
-        settings, stack_settings.state_dir, consumer, publishers={}, fetch_weights=None,
+        settings,
+        stack_settings.state_dir,
+        consumer,
+        publishers={},
+        fetch_weights=None,
         dead_letter=lambda message, reason: dead.append((message.value(), reason)),
     )
     consumer.subscribe([topics.REWARD], on_assign=trainer._on_assign)
@@ -84,7 +106,9 @@ def test_only_the_joiners_rewards_are_trained_on(stack_settings):
         expected[drop] += 1
     assert dict(trainer.drops) == expected
     assert sorted(value for value, _ in dead) == sorted(value for _, value, _, _ in forged)
-    assert {reason for _, reason in dead} >= {"unsigned", "bad signature"} and any("unknown key" in r for _, r in dead)
+    assert {reason for _, reason in dead} >= {"unsigned", "bad signature"} and any(
+        "unknown key" in r for _, r in dead
+    )
 
 
 def test_a_trainer_without_the_joiners_key_will_not_start(tmp_path, monkeypatch):
@@ -96,10 +120,17 @@ def test_a_trainer_without_the_joiners_key_will_not_start(tmp_path, monkeypatch)
 def test_verifiers_take_both_keys_while_the_signers_key_rotates():
     old, new = signing.generate_private_key(), signing.generate_private_key()
     payload = b"a reward record"
-    verifier = signing.Verifier([signing.public_key_of(old), signing.public_key_of(new)], signing.Purpose.REWARD)
+    verifier = signing.Verifier(
+        [signing.public_key_of(old), signing.public_key_of(new)], signing.Purpose.REWARD
+    )
     for key in (old, new):
-        assert verifier.problem(payload, signing.Signer(key, signing.Purpose.REWARD).headers(payload)) is None
+        assert (
+            verifier.problem(payload, signing.Signer(key, signing.Purpose.REWARD).headers(payload))
+            is None
+        )
     only_new = signing.Verifier([signing.public_key_of(new)], signing.Purpose.REWARD)
-    assert "unknown key" in only_new.problem(payload, signing.Signer(old, signing.Purpose.REWARD).headers(payload))
+    assert "unknown key" in only_new.problem(
+        payload, signing.Signer(old, signing.Purpose.REWARD).headers(payload)
+    )
     with pytest.raises(ValueError, match="public key"):
         signing.parse_public_keys("not-a-key")

@@ -40,7 +40,9 @@ def _kill_9(service: procs.Proc) -> None:
 
 @pytest.mark.guarantee(1)
 @pytest.mark.timeout(600)
-def test_kill_9_mid_training_trains_every_rollout_exactly_once(stack_settings, stack_env, server, tmp_path, repo_root):
+def test_kill_9_mid_training_trains_every_rollout_exactly_once(
+    stack_settings, stack_env, server, tmp_path, repo_root
+):
     from support.trainer import (
         install_warm_start,
         produce,
@@ -59,7 +61,9 @@ def test_kill_9_mid_training_trains_every_rollout_exactly_once(stack_settings, s
     install_warm_start(stack_settings.state_dir)
     rng = random.Random()
     rows = sampled_rollouts(warm_model(), DISTINCT_TASKS, seed=2)
-    records = [reward_record(*rows[i % len(rows)][:4], reward=rng.random()) for i in range(ROLLOUTS)]
+    records = [
+        reward_record(*rows[i % len(rows)][:4], reward=rng.random()) for i in range(ROLLOUTS)
+    ]
     replayed = rng.sample(records, DUPLICATES)
     delivered = {record.rollout_id for record in records}
 
@@ -80,7 +84,13 @@ def test_kill_9_mid_training_trains_every_rollout_exactly_once(stack_settings, s
 
     def trained() -> int:
         latest = registry.latest()
-        return fetch_published(server.addr, token, TREATMENT, latest, MANIFEST_PUBLIC_KEYS)[0].rollouts_trained if latest > 0 else 0
+        return (
+            fetch_published(server.addr, token, TREATMENT, latest, MANIFEST_PUBLIC_KEYS)[
+                0
+            ].rollouts_trained
+            if latest > 0
+            else 0
+        )
 
     produce(stack_settings.kafka_bootstrap, records[: ROLLOUTS // 2] + replayed[: DUPLICATES // 2])
     trainer = start()
@@ -92,11 +102,21 @@ def test_kill_9_mid_training_trains_every_rollout_exactly_once(stack_settings, s
             _kill_9(trainer)
             kills.append((registry.latest(), trained()))
             if len(kills) == 1:
-                produce(stack_settings.kafka_bootstrap, records[ROLLOUTS // 2 :] + replayed[DUPLICATES // 2 :])
+                produce(
+                    stack_settings.kafka_bootstrap,
+                    records[ROLLOUTS // 2 :] + replayed[DUPLICATES // 2 :],
+                )
             trainer = start()
-        assert all(count < len(delivered) for _, count in kills), f"a kill came after everything was trained: {kills}"
+        assert all(count < len(delivered) for _, count in kills), (
+            f"a kill came after everything was trained: {kills}"
+        )
 
-        wait_until(lambda: trained() >= len(delivered), 240, "the trainer did not train every delivered rollout", trainer)
+        wait_until(
+            lambda: trained() >= len(delivered),
+            240,
+            "the trainer did not train every delivered rollout",
+            trainer,
+        )
         time.sleep(2)  # a batch trained twice would be on its way by now
         trainer.stop()
         assert trainer.popen.returncode == 0, log_path.read_text()[-3000:]
@@ -106,7 +126,9 @@ def test_kill_9_mid_training_trains_every_rollout_exactly_once(stack_settings, s
         assert manifest.rollouts_trained == len(delivered)
         journal = Journal(stack_settings.state_dir / "trainer").replay(latest)
         assert journal.refused == ()
-        assert len(journal.recent_ids) == len(set(journal.recent_ids)), "a rollout was trained twice"
+        assert len(journal.recent_ids) == len(set(journal.recent_ids)), (
+            "a rollout was trained twice"
+        )
         assert set(journal.recent_ids) == delivered
         log = log_path.read_text()
         assert log.count("resum") >= 2 and "Traceback" not in log
@@ -116,7 +138,9 @@ def test_kill_9_mid_training_trains_every_rollout_exactly_once(stack_settings, s
 
 
 @pytest.mark.timeout(600)
-def test_the_trainer_service_runs_sharded_under_torchrun(stack_settings, stack_env, server, tmp_path, repo_root):
+def test_the_trainer_service_runs_sharded_under_torchrun(
+    stack_settings, stack_env, server, tmp_path, repo_root
+):
     """`torchrun --nproc_per_node 2 -m trainer`: two gloo ranks hold the FSDP shards,
     rank 0 consumes, judges and publishes; stopped with SIGTERM and started again, it
     resumes from its checkpoint and journal and still trains every rollout once."""
@@ -148,11 +172,26 @@ def test_the_trainer_service_runs_sharded_under_torchrun(stack_settings, stack_e
     registry = Publisher(server.addr, token, TREATMENT, signing_key=MANIFEST_KEY)
     env = {**trainer_env(stack_env, server.addr, repo_root), "RTRL_TRAINER_CHECKPOINT_EVERY": "3"}
     log_path = tmp_path / "torchrun.log"
-    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "trainer"]
+    argv = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        "-m",
+        "trainer",
+    ]
 
     def trained() -> int:
         latest = registry.latest()
-        return fetch_published(server.addr, token, TREATMENT, latest, MANIFEST_PUBLIC_KEYS)[0].rollouts_trained if latest > 0 else 0
+        return (
+            fetch_published(server.addr, token, TREATMENT, latest, MANIFEST_PUBLIC_KEYS)[
+                0
+            ].rollouts_trained
+            if latest > 0
+            else 0
+        )
 
     def wait_until(condition, timeout_s: float, what: str, service: procs.Proc) -> None:
         deadline = time.monotonic() + timeout_s
@@ -164,22 +203,40 @@ def test_the_trainer_service_runs_sharded_under_torchrun(stack_settings, stack_e
     produce(stack_settings.kafka_bootstrap, records[:96])
     group = procs.spawn("torchrun", argv, log_path, env=env)
     try:
-        wait_until(lambda: trained() >= 96, 240, "the sharded trainer did not train the first records", group)
+        wait_until(
+            lambda: trained() >= 96,
+            240,
+            "the sharded trainer did not train the first records",
+            group,
+        )
         # torchrun itself exits non-zero on SIGTERM (it re-raises the signal); what matters
         # is that rank 0 stopped cleanly and wrote a checkpoint of what it published.
         group.stop(timeout_s=60)
-        assert log_path.read_text().count("trainer stopped at step") == 1, log_path.read_text()[-4000:]
+        assert log_path.read_text().count("trainer stopped at step") == 1, log_path.read_text()[
+            -4000:
+        ]
         saved = load(stack_settings.state_dir / "trainer")
-        assert saved.version == registry.latest() and isinstance(next(iter(saved.optimizer["state"])), str)
+        assert saved.version == registry.latest() and isinstance(
+            next(iter(saved.optimizer["state"])), str
+        )
 
         produce(stack_settings.kafka_bootstrap, records[96:])
         group = procs.spawn("torchrun", argv, log_path, env=env)
-        wait_until(lambda: trained() >= len(records), 240, "the sharded trainer did not train the rest after a restart", group)
+        wait_until(
+            lambda: trained() >= len(records),
+            240,
+            "the sharded trainer did not train the rest after a restart",
+            group,
+        )
         group.stop(timeout_s=60)
-        assert log_path.read_text().count("trainer stopped at step") == 2, log_path.read_text()[-4000:]
+        assert log_path.read_text().count("trainer stopped at step") == 2, log_path.read_text()[
+            -4000:
+        ]
 
         latest = registry.latest()
-        manifest, weights = fetch_published(server.addr, token, TREATMENT, latest, MANIFEST_PUBLIC_KEYS)
+        manifest, weights = fetch_published(
+            server.addr, token, TREATMENT, latest, MANIFEST_PUBLIC_KEYS
+        )
         assert manifest.rollouts_trained == len(records)
         journal = Journal(stack_settings.state_dir / "trainer").replay(latest)
         assert sorted(journal.recent_ids) == sorted(r.rollout_id for r in records)

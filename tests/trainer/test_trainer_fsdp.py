@@ -62,7 +62,13 @@ def _one_process_gradient(policy, ref, batch):
     """rl_step's gradient and metrics, with the optimizer and clipping made inert."""
     model = copy.deepcopy(policy)
     metrics = rl_step(
-        model, torch.optim.SGD(model.parameters(), lr=0.0), batch, ref_model=ref, is_cap=IS_CAP, kl_coef=KL_COEF, grad_clip=math.inf
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.0),
+        batch,
+        ref_model=ref,
+        is_cap=IS_CAP,
+        kl_coef=KL_COEF,
+        grad_clip=math.inf,
     )
     return {name: p.grad for name, p in model.named_parameters()}, metrics
 
@@ -70,14 +76,19 @@ def _one_process_gradient(policy, ref, batch):
 @pytest.mark.parametrize("index", [0, 1, 2], ids=["8-rows", "5-rows", "1-row"])
 def test_rank_shares_add_up_to_the_one_process_gradient(batches, index):
     batch = batches[index]
-    policy, ref = build_model(seed=0), build_model(seed=1)  # a different reference, so the KL term acts
+    policy, ref = (
+        build_model(seed=0),
+        build_model(seed=1),
+    )  # a different reference, so the KL term acts
     expected, metrics = _one_process_gradient(policy, ref, batch)
 
     model = copy.deepcopy(policy).train()
     advantages = torch.tensor(leave_one_out_advantages(batch.rewards, batch.groups))
     sums = torch.zeros(5, dtype=torch.float64)
     for rank in range(2):
-        local = local_objective(model, batch, advantages, World(rank, 2), ref_model=ref, is_cap=IS_CAP, kl_coef=KL_COEF)
+        local = local_objective(
+            model, batch, advantages, World(rank, 2), ref_model=ref, is_cap=IS_CAP, kl_coef=KL_COEF
+        )
         local.loss.backward()  # gradients accumulate: the sum FSDP's reduction takes
         sums += local.sums
     # FSDP averages over the two ranks.
@@ -85,11 +96,14 @@ def test_rank_shares_add_up_to_the_one_process_gradient(batches, index):
     for name, grad in grads.items():
         # Entries are at most ~4e-2 and differ by at most ~6e-9 here.
         torch.testing.assert_close(grad, expected[name], atol=1e-7, rtol=TOLERANCE, msg=name)
-    norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads.values()])).item()
+    norm = torch.linalg.vector_norm(
+        torch.stack([torch.linalg.vector_norm(g) for g in grads.values()])
+    ).item()
     assert norm == pytest.approx(metrics.grad_norm, rel=TOLERANCE)
     loss, kl, clipped, ratio, entropy = (sums / metrics.tokens).tolist()
     assert [loss, kl, clipped, ratio, entropy] == pytest.approx(
-        [metrics.loss, metrics.kl, metrics.clipped_fraction, metrics.ratio_mean, metrics.entropy], abs=TOLERANCE
+        [metrics.loss, metrics.kl, metrics.clipped_fraction, metrics.ratio_mean, metrics.entropy],
+        abs=TOLERANCE,
     )
     assert abs(metrics.kl) > 0.01 and metrics.clipped_fraction > 0
 
@@ -109,7 +123,13 @@ def test_per_rank_normalization_would_be_caught(batches):
         with torch.no_grad():
             ref_logp, _ = token_logprobs(ref, rows)
         terms = policy_gradient_loss(
-            logp, rows.behaviour_logprobs, advantages[start:stop], rows.target_mask, ref_logp=ref_logp, is_cap=IS_CAP, kl_coef=KL_COEF
+            logp,
+            rows.behaviour_logprobs,
+            advantages[start:stop],
+            rows.target_mask,
+            ref_logp=ref_logp,
+            is_cap=IS_CAP,
+            kl_coef=KL_COEF,
         )
         (terms.loss / 2).backward()
     naive = torch.cat([p.grad.flatten() for p in model.parameters()])
@@ -119,10 +139,31 @@ def test_per_rank_normalization_would_be_caught(batches):
 
 def _run(command: list[str], tmp: Path) -> tuple[dict, dict[str, torch.Tensor]]:
     out, weights = tmp / "metrics.json", tmp / "weights.safetensors"
-    env = {k: v for k, v in os.environ.items() if k not in {"WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"}}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in {"WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"}
+    }
     env["OMP_NUM_THREADS"] = "1"
-    args = ["-m", "simulator.sharded_run", "--steps", str(STEPS), "--out", str(out), "--weights", str(weights)]
-    done = subprocess.run([sys.executable, *command, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=120, check=False)
+    args = [
+        "-m",
+        "simulator.sharded_run",
+        "--steps",
+        str(STEPS),
+        "--out",
+        str(out),
+        "--weights",
+        str(weights),
+    ]
+    done = subprocess.run(
+        [sys.executable, *command, *args],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(out.read_text()), load_file(weights)
 
@@ -131,7 +172,10 @@ def _run(command: list[str], tmp: Path) -> tuple[dict, dict[str, torch.Tensor]]:
 def runs(tmp_path_factory):
     """The same ten steps on one process (rl_step) and on two gloo ranks (sharded_rl_step)."""
     one = _run([], tmp_path_factory.mktemp("one"))
-    two = _run(["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"], tmp_path_factory.mktemp("two"))
+    two = _run(
+        ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"],
+        tmp_path_factory.mktemp("two"),
+    )
     return one, two
 
 

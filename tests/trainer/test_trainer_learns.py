@@ -23,7 +23,9 @@ from trainer.step import build_optimizer, rl_step
 
 pytestmark = pytest.mark.slow
 
-SMALL = PolicyConfig(hidden_size=64, num_layers=2, num_heads=4, intermediate_size=192, max_positions=64)
+SMALL = PolicyConfig(
+    hidden_size=64, num_layers=2, num_heads=4, intermediate_size=192, max_positions=64
+)
 PROJECT = 0
 PROMPTS_PER_STEP, GROUP_SIZE, RL_STEPS = 8, 8, 25
 
@@ -33,13 +35,17 @@ def user_keeps(task, completion_text: str) -> float:
     return float(style is not None and style.quote == PROJECT_STYLES[PROJECT].quote)
 
 
-def success_rate(model, rng: random.Random, generator: torch.Generator, samples: int = 256) -> float:
+def success_rate(
+    model, rng: random.Random, generator: torch.Generator, samples: int = 256
+) -> float:
     tasks = [random_task(rng, PROJECT) for _ in range(samples)]
     out = sample(model, [prompt_ids(t.prompt) for t in tasks], generator=generator)
     return sum(user_keeps(t, decode(list(o.completion_ids))) for t, o in zip(tasks, out)) / samples
 
 
-def reward_records(model, rng: random.Random, generator: torch.Generator, version: int) -> list[reward_pb2.RewardRecord]:
+def reward_records(
+    model, rng: random.Random, generator: torch.Generator, version: int
+) -> list[reward_pb2.RewardRecord]:
     tasks = [random_task(rng, PROJECT) for _ in range(PROMPTS_PER_STEP) for _ in range(GROUP_SIZE)]
     out = sample(model, [prompt_ids(t.prompt) for t in tasks], generator=generator)
     records = []
@@ -52,11 +58,17 @@ def reward_records(model, rng: random.Random, generator: torch.Generator, versio
             prompt_token_ids=prompt_ids(task.prompt),
             completion_token_ids=completion.completion_ids,
             completion_logprobs=completion.logprobs,
-            version_spans=[rollout_pb2.VersionSpan(policy_version=version, start=0, end=len(completion.completion_ids))],
+            version_spans=[
+                rollout_pb2.VersionSpan(
+                    policy_version=version, start=0, end=len(completion.completion_ids)
+                )
+            ],
             sampling=rollout_pb2.SamplingParams(temperature=1.0, top_p=1.0, max_tokens=48),
         )
         reward = user_keeps(task, decode(list(completion.completion_ids)))
-        records.append(reward_pb2.RewardRecord(rollout_id=rollout.rollout_id, rollout=rollout, reward=reward))
+        records.append(
+            reward_pb2.RewardRecord(rollout_id=rollout.rollout_id, rollout=rollout, reward=reward)
+        )
     return records
 
 
@@ -70,7 +82,10 @@ def test_rl_step_raises_the_kept_rate():
     rng, generator = random.Random(7), torch.Generator().manual_seed(7)
     curve = []
     for version in range(RL_STEPS):
-        samples = [to_sample(r, SMALL.max_positions) for r in reward_records(model, rng, generator, version)]
+        samples = [
+            to_sample(r, SMALL.max_positions)
+            for r in reward_records(model, rng, generator, version)
+        ]
         fresh, stale = drop_stale(samples, current_version=version, max_staleness=8)
         assert stale == 0 and len(fresh) == PROMPTS_PER_STEP * GROUP_SIZE
         metrics = rl_step(model, optimizer, collate(fresh), is_cap=2.0, grad_clip=1.0)

@@ -26,7 +26,9 @@ BATCH = 32
 
 
 def _sample(rollout_id: str, reward_ts_ms: int) -> TrainSample:
-    return TrainSample(rollout_id, "g", (1, 5), (6, 2), (-0.5, -0.1), 1.0, 1.0, 0, 0, reward_ts_ms=reward_ts_ms)
+    return TrainSample(
+        rollout_id, "g", (1, 5), (6, 2), (-0.5, -0.1), 1.0, 1.0, 0, 0, reward_ts_ms=reward_ts_ms
+    )
 
 
 @pytest.mark.parametrize(
@@ -42,13 +44,19 @@ def test_shed_oldest_keeps_the_newest_in_read_order(stamps, keep, kept, shed):
     samples = [_sample(f"r{i}", ts) for i, ts in enumerate(stamps)]
     out, n = shed_oldest(samples, keep)
     assert [s.reward_ts_ms for s in out] == kept and n == shed
-    assert [s.rollout_id for s in out] == sorted((s.rollout_id for s in out), key=lambda r: int(r[1:]))
+    assert [s.rollout_id for s in out] == sorted(
+        (s.rollout_id for s in out), key=lambda r: int(r[1:])
+    )
 
 
 def _trainer(stack_settings, when_behind: str) -> Trainer:
-    settings = TrainerSettings(batch_size=BATCH, min_batch=BATCH, when_behind=when_behind, poll_timeout_s=0.5)
+    settings = TrainerSettings(
+        batch_size=BATCH, min_batch=BATCH, when_behind=when_behind, poll_timeout_s=0.5
+    )
     consumer = Consumer(consumer_config(stack_settings, f"trainer-{when_behind}"))
-    trainer = Trainer(settings, stack_settings.state_dir, consumer, publishers={}, fetch_weights=None)
+    trainer = Trainer(
+        settings, stack_settings.state_dir, consumer, publishers={}, fetch_weights=None
+    )
     consumer.subscribe([topics.REWARD], on_assign=trainer._on_assign)
     return trainer
 
@@ -57,7 +65,9 @@ def _poll_until(trainer: Trainer, read: int, timeout_s: float = 60) -> None:
     """Poll until `read` records were taken (pending or dropped)."""
     deadline = time.monotonic() + timeout_s
     while len(trainer.pending) + sum(trainer.drops.values()) < read:
-        assert time.monotonic() < deadline, f"read {len(trainer.pending)} + {dict(trainer.drops)} of {read}"
+        assert time.monotonic() < deadline, (
+            f"read {len(trainer.pending)} + {dict(trainer.drops)} of {read}"
+        )
         trainer.poll()
 
 
@@ -81,7 +91,9 @@ def test_catch_up_takes_a_candidate_at_a_time_and_loses_nothing(stack_settings, 
             _poll_until(trainer, 1)
             trainer.poll()  # a full candidate reads nothing more; a partial one takes what has arrived
             assert len(trainer.pending) <= BATCH
-            assert sum(trainer.positions.values()) == len(taken) + len(trainer.pending), "read past the candidate"
+            assert sum(trainer.positions.values()) == len(taken) + len(trainer.pending), (
+                "read past the candidate"
+            )
             taken += [s.rollout_id for s in trainer.pending]
             trainer.pending = []  # trained, as train_pending would
     finally:
@@ -98,10 +110,14 @@ def test_shed_reads_everything_and_keeps_the_newest_candidate(stack_settings, tw
     finally:
         trainer.consumer.close()
     assert len(trainer.pending) == BATCH
-    assert {s.rollout_id for s in trainer.pending} <= new, "only the second wave's rewards are the newest"
+    assert {s.rollout_id for s in trainer.pending} <= new, (
+        "only the second wave's rewards are the newest"
+    )
     assert trainer.drops == {Drop.SHED: OLD + NEW - BATCH}
     # Everything read is consumed: the positions after the candidate are past every record.
     assert sum(trainer.positions.values()) == OLD + NEW
-    assert all(key == position_key(topics.REWARD, int(key.rsplit(":", 1)[1])) for key in trainer.positions)
+    assert all(
+        key == position_key(topics.REWARD, int(key.rsplit(":", 1)[1])) for key in trainer.positions
+    )
     trainer._refresh_counters()  # the heartbeat's copy, as run() refreshes it
     assert trainer.status.dropped == {"shed": OLD + NEW - BATCH}

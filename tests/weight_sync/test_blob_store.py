@@ -33,7 +33,11 @@ from weight_sync.store import ArmFiles, LocalBlobStore, open_store
 from weight_sync.store_s3 import S3BlobStore
 
 # Fake credentials and region for moto; also keeps boto3 from reading ~/.aws.
-S3_LOGIN = {"s3_region": "us-east-1", "s3_access_key_id": "testing", "s3_secret_access_key": "testing"}
+S3_LOGIN = {
+    "s3_region": "us-east-1",
+    "s3_access_key_id": "testing",
+    "s3_secret_access_key": "testing",
+}
 
 
 @pytest.fixture(scope="session")
@@ -48,13 +52,25 @@ def s3_endpoint():
 @pytest.fixture
 def s3_bucket(s3_endpoint) -> str:
     bucket = f"rtrl-{uuid.uuid4().hex[:12]}"
-    client = boto3.client("s3", endpoint_url=s3_endpoint, region_name="us-east-1", aws_access_key_id="testing", aws_secret_access_key="testing")
+    client = boto3.client(
+        "s3",
+        endpoint_url=s3_endpoint,
+        region_name="us-east-1",
+        aws_access_key_id="testing",
+        aws_secret_access_key="testing",
+    )
     client.create_bucket(Bucket=bucket)
     return bucket
 
 
 def s3_keys(endpoint: str, bucket: str) -> list[str]:
-    client = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1", aws_access_key_id="testing", aws_secret_access_key="testing")
+    client = boto3.client(
+        "s3",
+        endpoint_url=endpoint,
+        region_name="us-east-1",
+        aws_access_key_id="testing",
+        aws_secret_access_key="testing",
+    )
     return sorted(item["Key"] for item in client.list_objects_v2(Bucket=bucket).get("Contents", []))
 
 
@@ -63,7 +79,10 @@ def store(request, tmp_path):
     if request.param == "local":
         return open_store(WeightSyncSettings(), StackSettings(state_dir=tmp_path / "state"))
     endpoint, bucket = request.getfixturevalue("s3_endpoint"), request.getfixturevalue("s3_bucket")
-    return open_store(WeightSyncSettings(blob_url=f"s3://{bucket}/weights", s3_endpoint_url=endpoint, **S3_LOGIN), StackSettings())
+    return open_store(
+        WeightSyncSettings(blob_url=f"s3://{bucket}/weights", s3_endpoint_url=endpoint, **S3_LOGIN),
+        StackSettings(),
+    )
 
 
 @pytest.mark.parametrize("size", [0, 1000, 9 << 20], ids=["empty", "small", "multipart"])
@@ -92,7 +111,9 @@ def test_deleted_blob_is_missing(store):
 
 
 def test_manifests_lie_beside_their_blobs_and_are_listed_and_deleted_with_them(store):
-    uris = {version: store.write("treatment", version, b"blob %d" % version) for version in (0, 1, 2)}
+    uris = {
+        version: store.write("treatment", version, b"blob %d" % version) for version in (0, 1, 2)
+    }
     store.write_manifest("treatment", 0, b"manifest 0")
     store.write_manifest("treatment", 1, b"manifest 1")
     store.write_manifest("control", 5, b"a manifest whose blob never came")
@@ -106,7 +127,9 @@ def test_manifests_lie_beside_their_blobs_and_are_listed_and_deleted_with_them(s
     store.delete(uris[0])
     with pytest.raises(FileNotFoundError):
         store.read_manifest("treatment", 0)
-    assert store.listing()["treatment"] == ArmFiles(manifests=frozenset({1}), blobs=frozenset({1, 2}))
+    assert store.listing()["treatment"] == ArmFiles(
+        manifests=frozenset({1}), blobs=frozenset({1, 2})
+    )
 
 
 def test_never_written_blob_is_missing(store):
@@ -153,13 +176,26 @@ def test_uris_outside_the_store_are_refused(store):
 def test_open_store_follows_blob_url(tmp_path):
     stack = StackSettings(state_dir=tmp_path / "state")
     default = open_store(WeightSyncSettings(), stack)
-    assert isinstance(default, LocalBlobStore) and default.root == (tmp_path / "state" / "blobs").resolve()
+    assert (
+        isinstance(default, LocalBlobStore)
+        and default.root == (tmp_path / "state" / "blobs").resolve()
+    )
     elsewhere = open_store(WeightSyncSettings(blob_url=(tmp_path / "blobs dir").as_uri()), stack)
-    assert isinstance(elsewhere, LocalBlobStore) and elsewhere.root == (tmp_path / "blobs dir").resolve()
+    assert (
+        isinstance(elsewhere, LocalBlobStore)
+        and elsewhere.root == (tmp_path / "blobs dir").resolve()
+    )
     s3 = open_store(WeightSyncSettings(blob_url="s3://bucket-1/a/b/", **S3_LOGIN), stack)
-    assert isinstance(s3, S3BlobStore) and (s3.bucket, s3.prefix, s3.url) == ("bucket-1", "a/b", "s3://bucket-1/a/b")
+    assert isinstance(s3, S3BlobStore) and (s3.bucket, s3.prefix, s3.url) == (
+        "bucket-1",
+        "a/b",
+        "s3://bucket-1/a/b",
+    )
     assert s3.key("treatment", 4) == "a/b/treatment/4.blob"
-    assert open_store(WeightSyncSettings(blob_url="s3://bucket-1"), stack).key("control", 0) == "control/0.blob"
+    assert (
+        open_store(WeightSyncSettings(blob_url="s3://bucket-1"), stack).key("control", 0)
+        == "control/0.blob"
+    )
 
 
 @pytest.mark.parametrize(
@@ -197,7 +233,10 @@ def test_blob_store_settings_from_the_environment(monkeypatch):
     monkeypatch.setenv("RTRL_WEIGHT_SYNC_S3_ACCESS_KEY_ID", "id")
     monkeypatch.setenv("RTRL_WEIGHT_SYNC_S3_SECRET_ACCESS_KEY", "very-secret")
     settings = WeightSyncSettings()
-    assert settings.blob_url == "s3://weights/prod" and settings.s3_secret_access_key.get_secret_value() == "very-secret"
+    assert (
+        settings.blob_url == "s3://weights/prod"
+        and settings.s3_secret_access_key.get_secret_value() == "very-secret"
+    )
     assert "very-secret" not in repr(settings)
 
 
@@ -210,12 +249,28 @@ def test_weight_sync_with_blobs_in_s3(redis_url, tmp_path, s3_endpoint, s3_bucke
     )  # fmt: skip
     server = InProcessServer(settings, stack)
     server.start()
-    publisher = Publisher(server.addr, stack.weight_sync_token.get_secret_value(), "treatment", keyframe_every=3, signing_key=MANIFEST_KEY)
+    publisher = Publisher(
+        server.addr,
+        stack.weight_sync_token.get_secret_value(),
+        "treatment",
+        keyframe_every=3,
+        signing_key=MANIFEST_KEY,
+    )
     try:
         versions = publish_versions(publisher, policy_weights, 5)  # keyframes v0, v3
         # Each version's manifest lies beside its blob, for rebuilding a lost registry.
-        assert s3_keys(s3_endpoint, s3_bucket) == sorted(f"rtrl/treatment/{v}.{kind}" for v in range(5) for kind in ("blob", "manifest"))
-        following = Following(Subscriber(server.addr, "treatment", "worker-s3", token=SUBSCRIBE_TOKEN, public_keys=MANIFEST_PUBLIC_KEYS))
+        assert s3_keys(s3_endpoint, s3_bucket) == sorted(
+            f"rtrl/treatment/{v}.{kind}" for v in range(5) for kind in ("blob", "manifest")
+        )
+        following = Following(
+            Subscriber(
+                server.addr,
+                "treatment",
+                "worker-s3",
+                token=SUBSCRIBE_TOKEN,
+                public_keys=MANIFEST_PUBLIC_KEYS,
+            )
+        )
         try:
             received = following.until(4)
         finally:
@@ -225,8 +280,18 @@ def test_weight_sync_with_blobs_in_s3(redis_url, tmp_path, s3_endpoint, s3_bucke
 
         plans = server._run(server.server.collect_garbage())
         assert [(p.arm, p.versions) for p in plans] == [("treatment", (0, 1, 2))]
-        assert s3_keys(s3_endpoint, s3_bucket) == [f"rtrl/treatment/{v}.{kind}" for v in (3, 4) for kind in ("blob", "manifest")]
-        following = Following(Subscriber(server.addr, "treatment", "worker-s3b", token=SUBSCRIBE_TOKEN, public_keys=MANIFEST_PUBLIC_KEYS))
+        assert s3_keys(s3_endpoint, s3_bucket) == [
+            f"rtrl/treatment/{v}.{kind}" for v in (3, 4) for kind in ("blob", "manifest")
+        ]
+        following = Following(
+            Subscriber(
+                server.addr,
+                "treatment",
+                "worker-s3b",
+                token=SUBSCRIBE_TOKEN,
+                public_keys=MANIFEST_PUBLIC_KEYS,
+            )
+        )
         try:
             received = following.until(4)
         finally:

@@ -29,8 +29,15 @@ def assert_bit_identical(got: dict[str, torch.Tensor], want: dict[str, torch.Ten
         assert torch.equal(bits(got[name]), bits(want[name])), name
 
 
-def manifest_for(encoded: codec.EncodedVersion, *, keyframe: bool, version: int = 1) -> weights_pb2.Manifest:
-    return encoded.manifest(arm="treatment", version=version, parent_version=-1 if keyframe else version - 1, keyframe=keyframe)
+def manifest_for(
+    encoded: codec.EncodedVersion, *, keyframe: bool, version: int = 1
+) -> weights_pb2.Manifest:
+    return encoded.manifest(
+        arm="treatment",
+        version=version,
+        parent_version=-1 if keyframe else version - 1,
+        keyframe=keyframe,
+    )
 
 
 def _random(shape, dtype, seed=0):
@@ -65,10 +72,18 @@ def _special_bits(dtype):
 CASES = {
     "no change": lambda dt: (_random((16, 8), dt), _random((16, 8), dt), 0),
     "all changed": lambda dt: (_random((16, 8), dt), _flip_low_bits(_random((16, 8), dt)), 128),
-    "sparse change": lambda dt: (_random((64, 32), dt), _perturb(_random((64, 32), dt), [0, 7, 500, 2047]), 4),
+    "sparse change": lambda dt: (
+        _random((64, 32), dt),
+        _perturb(_random((64, 32), dt), [0, 7, 500, 2047]),
+        4,
+    ),
     "0-d tensor changed": lambda dt: (torch.tensor(1.0, dtype=dt), torch.tensor(-3.0, dtype=dt), 1),
     "0-d tensor same": lambda dt: (torch.tensor(1.0, dtype=dt), torch.tensor(1.0, dtype=dt), 0),
-    "1-element tensor": lambda dt: (torch.tensor([1.0], dtype=dt), torch.tensor([2.0], dtype=dt), 1),
+    "1-element tensor": lambda dt: (
+        torch.tensor([1.0], dtype=dt),
+        torch.tensor([2.0], dtype=dt),
+        1,
+    ),
     "empty tensor": lambda dt: (torch.empty((0, 4), dtype=dt), torch.empty((0, 4), dtype=dt), 0),
     "signed zero and NaN payload": lambda dt: (*_special_bits(dt), 2),
     "last element only": lambda dt: (_random((3, 5), dt), _perturb(_random((3, 5), dt), [14]), 1),
@@ -98,14 +113,21 @@ def test_delta_kernel_round_trips_bit_exact(case, dtype, path):
 @pytest.mark.parametrize("case", CASES)
 def test_codec_round_trips_bit_exact(case, dtype):
     old, new, _ = CASES[case](dtype)
-    parent, weights = {"w": old, "bias": torch.zeros(3, dtype=dtype)}, {"w": new, "bias": torch.zeros(3, dtype=dtype)}
+    parent, weights = (
+        {"w": old, "bias": torch.zeros(3, dtype=dtype)},
+        {"w": new, "bias": torch.zeros(3, dtype=dtype)},
+    )
     encoded = codec.encode(parent, weights)
     assert [t.encoding for t in encoded.tensors] == [codec.SPARSE_DIFF, codec.SPARSE_DIFF]
-    assert_bit_identical(codec.decode(encoded.blob, manifest_for(encoded, keyframe=False), parent), weights)
+    assert_bit_identical(
+        codec.decode(encoded.blob, manifest_for(encoded, keyframe=False), parent), weights
+    )
 
     encoded = codec.encode(None, weights)
     assert [t.encoding for t in encoded.tensors] == [codec.FULL, codec.FULL]
-    assert_bit_identical(codec.decode(encoded.blob, manifest_for(encoded, keyframe=True), None), weights)
+    assert_bit_identical(
+        codec.decode(encoded.blob, manifest_for(encoded, keyframe=True), None), weights
+    )
 
 
 def test_positions_and_wrapping_differences():
@@ -122,7 +144,9 @@ def test_positions_and_wrapping_differences():
     new16 += torch.tensor([1, -1, -32768, -32768], dtype=torch.int16)
     new16 = new16.view(torch.bfloat16)
     assert delta_cpu.delta_encode(old16, new16).diffs.tolist() == [1, -1, -32768, -32768]
-    assert torch.equal(bits(new16), bits(delta_cpu.delta_apply(old16, delta_cpu.delta_encode(old16, new16))))
+    assert torch.equal(
+        bits(new16), bits(delta_cpu.delta_apply(old16, delta_cpu.delta_encode(old16, new16)))
+    )
     assert new_bits.numel() == 20
 
 
@@ -132,9 +156,13 @@ def test_apply_refuses_positions_out_of_order_or_range(path):
     diffs = torch.ones(2, dtype=torch.int32)
     for positions in ([1, 1], [2, 1], [-1, 2], [2, 4]):
         with pytest.raises(ValueError):
-            PATHS[path].delta_apply(old, SparseDelta(positions=torch.tensor(positions), diffs=diffs))
+            PATHS[path].delta_apply(
+                old, SparseDelta(positions=torch.tensor(positions), diffs=diffs)
+            )
     with pytest.raises(ValueError, match="malformed"):
-        PATHS[path].delta_apply(old, SparseDelta(positions=torch.tensor([1]), diffs=torch.ones(1, dtype=torch.int16)))
+        PATHS[path].delta_apply(
+            old, SparseDelta(positions=torch.tensor([1]), diffs=torch.ones(1, dtype=torch.int16))
+        )
 
 
 WIDTHS = [torch.int8, torch.float8_e4m3fn, torch.float16, torch.float32, torch.float64, torch.int64]
@@ -159,7 +187,9 @@ def test_cpu_path_equals_torch_path(numel, offset, positions, dtype, seed):
     new = new_bits.view(dtype)
     want, got = torch_path.delta_encode(old, new), delta_cpu.delta_encode(old, new)
     assert torch.equal(want.positions, got.positions) and torch.equal(want.diffs, got.diffs)
-    assert torch.equal(bits(delta_cpu.delta_apply(old, got)), bits(torch_path.delta_apply(old, want)))
+    assert torch.equal(
+        bits(delta_cpu.delta_apply(old, got)), bits(torch_path.delta_apply(old, want))
+    )
     assert torch.equal(bits(delta_cpu.delta_apply(old, got)), new_bits)
 
 
@@ -179,8 +209,14 @@ def test_tensors_added_or_reshaped_are_stored_full():
     parent = {"kept": torch.ones(4), "reshaped": torch.ones(4), "dropped": torch.ones(2)}
     weights = {"kept": torch.ones(4), "reshaped": torch.ones(2, 2), "added": torch.arange(3.0)}
     encoded = codec.encode(parent, weights)
-    assert {t.name: t.encoding for t in encoded.tensors} == {"kept": codec.SPARSE_DIFF, "reshaped": codec.FULL, "added": codec.FULL}
-    assert_bit_identical(codec.decode(encoded.blob, manifest_for(encoded, keyframe=False), parent), weights)
+    assert {t.name: t.encoding for t in encoded.tensors} == {
+        "kept": codec.SPARSE_DIFF,
+        "reshaped": codec.FULL,
+        "added": codec.FULL,
+    }
+    assert_bit_identical(
+        codec.decode(encoded.blob, manifest_for(encoded, keyframe=False), parent), weights
+    )
 
 
 def test_sparse_delta_of_real_policy_weights_is_small():
@@ -193,7 +229,9 @@ def test_sparse_delta_of_real_policy_weights_is_small():
     keyframe = codec.encode(None, weights)
     encoded = codec.encode(parent, weights)
     assert len(encoded.blob) < len(keyframe.blob) / 50
-    assert_bit_identical(codec.decode(encoded.blob, manifest_for(encoded, keyframe=False), parent), weights)
+    assert_bit_identical(
+        codec.decode(encoded.blob, manifest_for(encoded, keyframe=False), parent), weights
+    )
 
 
 def _sparse_version():
@@ -240,7 +278,9 @@ def test_any_tampered_blob_is_refused_never_misapplied(data):
         tampered[data.draw(st.integers(0, len(blob) - 1))] ^= data.draw(st.integers(1, 255))
     recount = data.draw(st.booleans())
     if recount:
-        manifest.tensors[data.draw(st.integers(0, 1))].changed += data.draw(st.sampled_from([-1, 1]))
+        manifest.tensors[data.draw(st.integers(0, 1))].changed += data.draw(
+            st.sampled_from([-1, 1])
+        )
     if bytes(tampered) == blob and not recount:
         return  # two flips cancelled out
     manifest.blob_checksum = xxh3_hex(bytes(tampered))
@@ -248,7 +288,9 @@ def test_any_tampered_blob_is_refused_never_misapplied(data):
         decoded = codec.decode(bytes(tampered), manifest, parent)
     except codec.DecodeError:
         return
-    assert_bit_identical(decoded, weights)  # a byte zstd ignores (e.g. a frame's padding) changed nothing
+    assert_bit_identical(
+        decoded, weights
+    )  # a byte zstd ignores (e.g. a frame's padding) changed nothing
 
 
 def test_a_frame_claiming_a_huge_size_is_refused_before_allocating():
@@ -296,7 +338,11 @@ def _manifests(spec: str) -> dict[int, weights_pb2.Manifest]:
     out = {}
     for version, kind in enumerate(spec.split()):
         if kind != "x":
-            out[version] = weights_pb2.Manifest(version=version, keyframe=kind == "K", parent_version=-1 if kind == "K" else version - 1)
+            out[version] = weights_pb2.Manifest(
+                version=version,
+                keyframe=kind == "K",
+                parent_version=-1 if kind == "K" else version - 1,
+            )
     return out
 
 
@@ -319,7 +365,9 @@ def test_sync_path(spec, have, expected):
     available = _manifests(spec)
     latest = len(spec.split()) - 1
     keyframes = [v for v, kind in enumerate(spec.split()) if kind == "K"]
-    assert lineage.sync_path(have, latest, keyframes[-1] if keyframes else None, available) == expected
+    assert (
+        lineage.sync_path(have, latest, keyframes[-1] if keyframes else None, available) == expected
+    )
 
 
 @pytest.mark.parametrize(
@@ -338,7 +386,9 @@ def test_sync_path(spec, have, expected):
 )
 def test_publish_problem(keyframe, parent, latest, newest_keyframe, accepted):
     manifest = weights_pb2.Manifest(arm="treatment", keyframe=keyframe, parent_version=parent)
-    assert (lineage.publish_problem(manifest, latest, newest_keyframe, keyframe_every=6) is None) == accepted
+    assert (
+        lineage.publish_problem(manifest, latest, newest_keyframe, keyframe_every=6) is None
+    ) == accepted
 
 
 def test_publisher_cadence_is_accepted_by_the_server_rule():

@@ -87,7 +87,14 @@ def _blob_then_crash(store: LocalBlobStore) -> None:
 
 def _manifest_without_blob(store: LocalBlobStore) -> None:
     blob = b"never stored"
-    manifest = weights_pb2.Manifest(arm=ARM, version=8, parent_version=7, blob_uri=store.path(ARM, 8).as_uri(), blob_size=len(blob), blob_checksum=xxh3_hex(blob))
+    manifest = weights_pb2.Manifest(
+        arm=ARM,
+        version=8,
+        parent_version=7,
+        blob_uri=store.path(ARM, 8).as_uri(),
+        blob_size=len(blob),
+        blob_checksum=xxh3_hex(blob),
+    )
     store.write_manifest(ARM, 8, stored_manifest(manifest))
 
 
@@ -111,7 +118,13 @@ RECOVERY_CASES = [
     # The newest keyframe rotted: its deltas are useless too; the previous chain's end is latest.
     (lambda s: flip_blob(s, 6), 5, range(6), 8, [6, 7]),
     # A torn manifest (half written by a copy tool) does not parse.
-    (lambda s: manifest_path(s, 7).write_bytes(manifest_path(s, 7).read_bytes()[:40]), 6, range(7), 8, [7]),
+    (
+        lambda s: manifest_path(s, 7).write_bytes(manifest_path(s, 7).read_bytes()[:40]),
+        6,
+        range(7),
+        8,
+        [7],
+    ),
     # A manifest cut at a field boundary parses; its checksum refuses it.
     (lambda s: cut_manifest_at_a_field(s, 7), 6, range(7), 8, [7]),
     # A manifest stored under another version's name is not that version.
@@ -129,8 +142,12 @@ RECOVERY_CASES = [
 
 
 @pytest.mark.guarantee(8)
-@pytest.mark.parametrize(("damage", "latest", "restored", "lowest_next", "left_out"), RECOVERY_CASES)
-def test_the_newest_complete_version_is_restored(tmp_path, damage, latest, restored, lowest_next, left_out):
+@pytest.mark.parametrize(
+    ("damage", "latest", "restored", "lowest_next", "left_out"), RECOVERY_CASES
+)
+def test_the_newest_complete_version_is_restored(
+    tmp_path, damage, latest, restored, lowest_next, left_out
+):
     store = LocalBlobStore(tmp_path / "blobs")
     stock(store, 8)
     stock(store, 1, arm="control")
@@ -188,7 +205,10 @@ def test_a_rebuild_never_overwrites_a_registry_someone_else_wrote(stack, tmp_pat
             assert (await client.get(registry.MARKER_KEY), await plain.latest(ARM)) == (b"first", 9)
             await client.delete(registry.MARKER_KEY)
             assert await plain.restore(restored, "adopting") == "adopted"
-            assert (await client.get(registry.MARKER_KEY), await plain.latest(ARM)) == (b"adopting", 9)
+            assert (await client.get(registry.MARKER_KEY), await plain.latest(ARM)) == (
+                b"adopting",
+                9,
+            )
         finally:
             await client.aclose()
 
@@ -205,15 +225,20 @@ def test_an_idle_server_notices_a_flushall_by_itself(server, publisher, policy_w
     client = redis.Redis.from_url(server.stack.redis_url)
     try:
         client.flushall()
-        wait_for(lambda: client.get(registry.latest_key(ARM)) == b"1", "the registry to come back at v1")
+        wait_for(
+            lambda: client.get(registry.latest_key(ARM)) == b"1", "the registry to come back at v1"
+        )
         assert server.server.recovery.rebuilds == 1
     finally:
         client.close()
 
 
-
 def start_weight_sync(
-    stack: StackSettings, instance: str, log_path: Path, repo_root: Path, poll_interval_s: float = 0.2
+    stack: StackSettings,
+    instance: str,
+    log_path: Path,
+    repo_root: Path,
+    poll_interval_s: float = 0.2,
 ) -> tuple[procs.Proc, str]:
     port = procs.free_port()
     env = {
@@ -225,7 +250,9 @@ def start_weight_sync(
         "RTRL_INSTANCE": instance,
         "PYTHONPATH": str(repo_root),
     }
-    proc = procs.spawn("weight_sync", [sys.executable, "-m", "weight_sync"], log_path, env=env, port=port)
+    proc = procs.spawn(
+        "weight_sync", [sys.executable, "-m", "weight_sync"], log_path, env=env, port=port
+    )
     procs.wait_for_port(port)
     return proc, f"127.0.0.1:{port}"
 
@@ -241,22 +268,39 @@ def served(out_path: Path) -> list[tuple[int, str]]:
     """(version, weights checksum) per version a subscriber process yielded."""
     if not out_path.exists():
         return []
-    return [(int(v), checksum) for v, checksum in (line.split() for line in out_path.read_text().splitlines())]
+    return [
+        (int(v), checksum)
+        for v, checksum in (line.split() for line in out_path.read_text().splitlines())
+    ]
 
 
 def registry_rebuilds(client: redis.Redis) -> int:
-    return sum(doc.get("registry_rebuilds", 0) for doc in heartbeat.read_all(client) if doc["service"] == "weight_sync")
+    return sum(
+        doc.get("registry_rebuilds", 0)
+        for doc in heartbeat.read_all(client)
+        if doc["service"] == "weight_sync"
+    )
 
 
 @pytest.mark.integration
 @pytest.mark.timeout(120)
-def test_latest_answers_from_the_registry_not_from_a_head_cached_before_a_flush(stack, policy_weights, tmp_path, repo_root):
+def test_latest_answers_from_the_registry_not_from_a_head_cached_before_a_flush(
+    stack, policy_weights, tmp_path, repo_root
+):
     """A publisher's parent_version comes from Latest. The server caches each arm's head
     for its subscribers (here for 5 s); Latest must not answer from that cache, or after
     a rebuild that came back lower the publisher's keyframe is refused as well."""
     client = redis.Redis.from_url(stack.redis_url)
-    server, addr = start_weight_sync(stack, "ws-cached", tmp_path / "weight_sync.log", repo_root, poll_interval_s=10.0)
-    publisher = Publisher(addr, stack.weight_sync_token.get_secret_value(), ARM, keyframe_every=KEYFRAME_EVERY, signing_key=MANIFEST_KEY)
+    server, addr = start_weight_sync(
+        stack, "ws-cached", tmp_path / "weight_sync.log", repo_root, poll_interval_s=10.0
+    )
+    publisher = Publisher(
+        addr,
+        stack.weight_sync_token.get_secret_value(),
+        ARM,
+        keyframe_every=KEYFRAME_EVERY,
+        signing_key=MANIFEST_KEY,
+    )
     try:
         versions = publish_versions(publisher, policy_weights, 7)  # the server's cached head: v6
         flip_blob(LocalBlobStore(stack.state_dir / "blobs"), 6)
@@ -273,23 +317,52 @@ def test_latest_answers_from_the_registry_not_from_a_head_cached_before_a_flush(
 @pytest.mark.guarantee(8)
 @pytest.mark.integration
 @pytest.mark.timeout(300)
-def test_flushall_under_live_servers_and_subscribers_keeps_versions_rising(stack, policy_weights, tmp_path, repo_root):
+def test_flushall_under_live_servers_and_subscribers_keeps_versions_rising(
+    stack, policy_weights, tmp_path, repo_root
+):
     client = redis.Redis.from_url(stack.redis_url)
-    servers = [start_weight_sync(stack, f"ws-{name}", tmp_path / f"weight_sync-{name}.log", repo_root) for name in "ab"]
+    servers = [
+        start_weight_sync(stack, f"ws-{name}", tmp_path / f"weight_sync-{name}.log", repo_root)
+        for name in "ab"
+    ]
     addrs = [addr for _, addr in servers]
-    publisher = Publisher(addrs[0], stack.weight_sync_token.get_secret_value(), ARM, keyframe_every=KEYFRAME_EVERY, signing_key=MANIFEST_KEY)
+    publisher = Publisher(
+        addrs[0],
+        stack.weight_sync_token.get_secret_value(),
+        ARM,
+        keyframe_every=KEYFRAME_EVERY,
+        signing_key=MANIFEST_KEY,
+    )
     outs = [tmp_path / f"worker-{i}.txt" for i in range(2)]
     commands = [subscriber_proc.command(addrs[i], ARM, f"worker-{i}", outs[i]) for i in range(2)]
-    workers = [procs.spawn(f"worker-{i}", argv, tmp_path / f"worker-{i}.log", env=env) for i, (argv, env) in enumerate(commands)]
-    following = Following(Subscriber(addrs[1], ARM, "worker-in-test", token=SUBSCRIBE_TOKEN, max_backoff_s=0.5, public_keys=MANIFEST_PUBLIC_KEYS))
+    workers = [
+        procs.spawn(f"worker-{i}", argv, tmp_path / f"worker-{i}.log", env=env)
+        for i, (argv, env) in enumerate(commands)
+    ]
+    following = Following(
+        Subscriber(
+            addrs[1],
+            ARM,
+            "worker-in-test",
+            token=SUBSCRIBE_TOKEN,
+            max_backoff_s=0.5,
+            public_keys=MANIFEST_PUBLIC_KEYS,
+        )
+    )
     try:
         versions = publish_versions(publisher, policy_weights, 5)
-        wait_for(lambda: all(served(out)[-1:] == [(4, weights_checksum(versions[4]))] for out in outs), "both workers at v4")
+        wait_for(
+            lambda: all(served(out)[-1:] == [(4, weights_checksum(versions[4]))] for out in outs),
+            "both workers at v4",
+        )
         assert following.until(4)[-1][0].version == 4
 
         client.flushall()
         # Nobody publishes: the servers notice on their own, and one of them rebuilds.
-        wait_for(lambda: client.get(registry.latest_key(ARM)) == b"4", "the registry to come back at v4 without a publish")
+        wait_for(
+            lambda: client.get(registry.latest_key(ARM)) == b"4",
+            "the registry to come back at v4 without a publish",
+        )
         versions.append(train_step(versions[-1], 5))
         assert publisher.publish(versions[-1]) == 5  # a delta on v4, as before the flush
         versions.append(train_step(versions[-1], 6))
@@ -301,13 +374,18 @@ def test_flushall_under_live_servers_and_subscribers_keeps_versions_rising(stack
         # v6's number is not given out again, and the next version is a keyframe v7.
         flip_blob(LocalBlobStore(stack.state_dir / "blobs"), 6)
         client.flushall()
-        wait_for(lambda: client.get(registry.latest_key(ARM)) == b"5", "the registry to come back at v5")
+        wait_for(
+            lambda: client.get(registry.latest_key(ARM)) == b"5", "the registry to come back at v5"
+        )
         versions.append(train_step(versions[-1], 7))
         assert publisher.publish(versions[-1]) == 7
         manifest, weights = following.next()
         assert (manifest.version, manifest.keyframe) == (7, True)
         assert_bit_identical(weights, versions[7])
-        wait_for(lambda: all(served(out)[-1:] == [(7, weights_checksum(versions[7]))] for out in outs), "both workers at v7")
+        wait_for(
+            lambda: all(served(out)[-1:] == [(7, weights_checksum(versions[7]))] for out in outs),
+            "both workers at v7",
+        )
         for out, worker in zip(outs, workers):
             # Each version once, in order, bit for bit: none dropped back to, none reused.
             seen = [v for v, _ in served(out)]
@@ -315,7 +393,9 @@ def test_flushall_under_live_servers_and_subscribers_keeps_versions_rising(stack
             assert served(out) == [(v, weights_checksum(versions[v])) for v in seen]
             assert worker.alive()
         assert all(proc.alive() for proc, _ in servers)
-        wait_for(lambda: registry_rebuilds(client) == 2, "the heartbeats to count two rebuilds in all")
+        wait_for(
+            lambda: registry_rebuilds(client) == 2, "the heartbeats to count two rebuilds in all"
+        )
         logs = "".join((tmp_path / f"weight_sync-{name}.log").read_text() for name in "ab")
         assert logs.count("registry rebuilt from") == 2 and "Traceback" not in logs
     finally:
@@ -335,7 +415,9 @@ def test_flushall_under_live_servers_and_subscribers_keeps_versions_rising(stack
 @pytest.mark.integration
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_the_trainer_continues_from_the_blob_store_after_flushall(stack_settings, stack_env, server, tmp_path, repo_root):
+def test_the_trainer_continues_from_the_blob_store_after_flushall(
+    stack_settings, stack_env, server, tmp_path, repo_root
+):
     """FLUSHALL mid-run: the trainer's next publish is a delta on its last version.
     Then FLUSHALL with the trainer killed and its newest version's blob rotten: the
     restarted trainer resumes from the version before it and publishes above both."""
@@ -372,7 +454,9 @@ def test_the_trainer_continues_from_the_blob_store_after_flushall(stack_settings
             time.sleep(0.05)
 
     def manifest(version: int) -> weights_pb2.Manifest:
-        return weights_pb2.Manifest.FromString(client.get(registry.manifest_key(TREATMENT, version)))
+        return weights_pb2.Manifest.FromString(
+            client.get(registry.manifest_key(TREATMENT, version))
+        )
 
     produce(stack_settings.kafka_bootstrap, records[:96])
     trainer = start()
@@ -385,7 +469,9 @@ def test_the_trainer_continues_from_the_blob_store_after_flushall(stack_settings
         produce(stack_settings.kafka_bootstrap, records[96:192])
         wait_until(lambda: reader.latest() > before + 1, "no version after the flush", trainer)
         first_after = manifest(before + 1)
-        assert (first_after.keyframe, first_after.parent_version) == (False, before), "the lineage did not continue through the flush"
+        assert (first_after.keyframe, first_after.parent_version) == (False, before), (
+            "the lineage did not continue through the flush"
+        )
 
         trainer.popen.send_signal(signal.SIGKILL)
         trainer.popen.wait()
@@ -398,8 +484,14 @@ def test_the_trainer_continues_from_the_blob_store_after_flushall(stack_settings
         resumed = manifest(newest + 1)
         assert resumed.keyframe, "the version after a lost number must be a keyframe"
         # What the fleet serves now descends from v(newest - 1), the newest complete version.
-        resumed_from = re.compile(rf"resumed from (checkpoint at step \d+, treatment|published treatment) v{newest - 1}\b")
-        wait_until(lambda: resumed_from.search(log_path.read_text()), "no resume from the newest complete version", trainer)
+        resumed_from = re.compile(
+            rf"resumed from (checkpoint at step \d+, treatment|published treatment) v{newest - 1}\b"
+        )
+        wait_until(
+            lambda: resumed_from.search(log_path.read_text()),
+            "no resume from the newest complete version",
+            trainer,
+        )
         assert resumed.train_step > manifest(newest - 1).train_step
         trainer.stop()
         log = log_path.read_text()

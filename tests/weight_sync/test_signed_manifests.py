@@ -62,7 +62,9 @@ BOUND = {
     "tensor checksum": lambda m: setattr(m.tensors[0], "checksum", "0" * 16),
     "tensor shape": lambda m: m.tensors[0].shape.__setitem__(0, 8),
     "tensor dtype": lambda m: setattr(m.tensors[0], "dtype", "bfloat16"),
-    "tensor added": lambda m: m.tensors.add(name="backdoor", shape=[1], dtype="float32", checksum="0" * 16, encoding="full"),
+    "tensor added": lambda m: m.tensors.add(
+        name="backdoor", shape=[1], dtype="float32", checksum="0" * 16, encoding="full"
+    ),
     "train_step": lambda m: setattr(m, "train_step", 8),
     "trained_through": lambda m: setattr(m, "trained_through_event_ts_ms", 1),
     "delta section": lambda m: m.delta_positions.MergeFrom(weights_pb2.Section(offset=1, length=2)),
@@ -112,21 +114,35 @@ def _commit_behind_the_servers_back(client: redis.Redis, manifest: weights_pb2.M
 def _until_refused(subscriber: Subscriber, refusals: int, timeout_s: float = 30.0) -> None:
     deadline = time.monotonic() + timeout_s
     while subscriber.forged < refusals:
-        assert time.monotonic() < deadline, f"the worker refused {subscriber.forged} versions, not {refusals}"
+        assert time.monotonic() < deadline, (
+            f"the worker refused {subscriber.forged} versions, not {refusals}"
+        )
         time.sleep(0.05)
 
 
 @pytest.mark.guarantee(7)
 @pytest.mark.integration
 @pytest.mark.timeout(120)
-def test_a_worker_applies_neither_a_rewritten_registry_nor_a_stolen_tokens_version(server, stack, policy_weights):
+def test_a_worker_applies_neither_a_rewritten_registry_nor_a_stolen_tokens_version(
+    server, stack, policy_weights
+):
     client = redis.Redis.from_url(stack.redis_url)
     token = stack.weight_sync_token.get_secret_value()
-    trainer = {arm: Publisher(server.addr, token, arm, keyframe_every=20, signing_key=MANIFEST_KEY) for arm in (TREATMENT, CONTROL)}
+    trainer = {
+        arm: Publisher(server.addr, token, arm, keyframe_every=20, signing_key=MANIFEST_KEY)
+        for arm in (TREATMENT, CONTROL)
+    }
     noise = {name: tensor.clone().normal_() for name, tensor in policy_weights.items()}
     trainer[CONTROL].publish(noise)  # control's weights: what the attacker wants treatment to serve
     versions = publish_versions(trainer[TREATMENT], policy_weights, 3)
-    subscriber = Subscriber(server.addr, TREATMENT, "worker", token=SUBSCRIBE_TOKEN, public_keys=MANIFEST_PUBLIC_KEYS, max_backoff_s=0.3)
+    subscriber = Subscriber(
+        server.addr,
+        TREATMENT,
+        "worker",
+        token=SUBSCRIBE_TOKEN,
+        public_keys=MANIFEST_PUBLIC_KEYS,
+        max_backoff_s=0.3,
+    )
     worker = Following(subscriber)
     try:
         assert [m.version for m, _ in worker.until(2)][-1] == 2

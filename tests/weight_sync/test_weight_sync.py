@@ -41,14 +41,26 @@ def test_new_subscriber_gets_latest_bit_identical(server, stack, publisher, poli
     assert publisher.latest() == 4
 
     client = redis.Redis.from_url(stack.redis_url)
-    manifests = [weights_pb2.Manifest.FromString(client.get(registry.manifest_key(ARM, v))) for v in range(5)]
-    assert [(m.version, m.keyframe, m.parent_version) for m in manifests] == [(0, True, -1), (1, False, 0), (2, False, 1), (3, False, 2), (4, False, 3)]
+    manifests = [
+        weights_pb2.Manifest.FromString(client.get(registry.manifest_key(ARM, v))) for v in range(5)
+    ]
+    assert [(m.version, m.keyframe, m.parent_version) for m in manifests] == [
+        (0, True, -1),
+        (1, False, 0),
+        (2, False, 1),
+        (3, False, 2),
+        (4, False, 3),
+    ]
     assert manifests[4].trained_through_event_ts_ms == 1004 and manifests[4].train_step == 4
     blob_sizes = [(stack.state_dir / "blobs" / ARM / f"{v}.blob").stat().st_size for v in range(5)]
     assert blob_sizes == [m.blob_size for m in manifests]
     assert max(blob_sizes[1:]) * 100 < blob_sizes[0]  # 15 changed floats vs 0.65 M
 
-    following = Following(Subscriber(server.addr, ARM, "worker-a", token=SUBSCRIBE_TOKEN, public_keys=MANIFEST_PUBLIC_KEYS))
+    following = Following(
+        Subscriber(
+            server.addr, ARM, "worker-a", token=SUBSCRIBE_TOKEN, public_keys=MANIFEST_PUBLIC_KEYS
+        )
+    )
     try:
         received = following.until(4)
     finally:
@@ -72,18 +84,44 @@ def test_new_subscriber_gets_latest_bit_identical(server, stack, publisher, poli
 def test_subscriber_holding_v1_receives_only_deltas(server, publisher, policy_weights):
     versions = publish_versions(publisher, policy_weights, 5)
     stub = weights_pb2_grpc.WeightSyncStub(grpc.insecure_channel(server.addr))
-    chunks = list(stub.Subscribe(weights_pb2.SubscribeRequest(arm=ARM, have_version=1, worker_id="raw"), metadata=bearer(SUBSCRIBE_TOKEN), timeout=10))
+    chunks = list(
+        stub.Subscribe(
+            weights_pb2.SubscribeRequest(arm=ARM, have_version=1, worker_id="raw"),
+            metadata=bearer(SUBSCRIBE_TOKEN),
+            timeout=10,
+        )
+    )
     assert [c.version for c in chunks if c.last] == [2, 3, 4]
     firsts = [c for c in chunks if c.HasField("manifest")]
-    assert [(c.manifest.version, c.manifest.keyframe, c.manifest.parent_version) for c in firsts] == [(2, False, 1), (3, False, 2), (4, False, 3)]
+    assert [
+        (c.manifest.version, c.manifest.keyframe, c.manifest.parent_version) for c in firsts
+    ] == [(2, False, 1), (3, False, 2), (4, False, 3)]
 
     # From scratch, the keyframe arrives in many chunks with contiguous offsets.
-    chunks = list(stub.Subscribe(weights_pb2.SubscribeRequest(arm=ARM, have_version=-1, worker_id="raw"), metadata=bearer(SUBSCRIBE_TOKEN), timeout=10))
+    chunks = list(
+        stub.Subscribe(
+            weights_pb2.SubscribeRequest(arm=ARM, have_version=-1, worker_id="raw"),
+            metadata=bearer(SUBSCRIBE_TOKEN),
+            timeout=10,
+        )
+    )
     keyframe_chunks = [c for c in chunks if c.version == 0]
-    assert len(keyframe_chunks) > 10 and keyframe_chunks[0].manifest.keyframe and keyframe_chunks[-1].last
-    assert [c.offset for c in keyframe_chunks] == [64 * 1024 * i for i in range(len(keyframe_chunks))]
+    assert (
+        len(keyframe_chunks) > 10
+        and keyframe_chunks[0].manifest.keyframe
+        and keyframe_chunks[-1].last
+    )
+    assert [c.offset for c in keyframe_chunks] == [
+        64 * 1024 * i for i in range(len(keyframe_chunks))
+    ]
 
-    following = Following(Subscriber(server.addr, ARM, "worker-b", token=SUBSCRIBE_TOKEN, public_keys=MANIFEST_PUBLIC_KEYS), have_version=1, weights=versions[1])
+    following = Following(
+        Subscriber(
+            server.addr, ARM, "worker-b", token=SUBSCRIBE_TOKEN, public_keys=MANIFEST_PUBLIC_KEYS
+        ),
+        have_version=1,
+        weights=versions[1],
+    )
     try:
         received = following.until(4)
     finally:
@@ -93,7 +131,12 @@ def test_subscriber_holding_v1_receives_only_deltas(server, publisher, policy_we
 
     # Knowing its version but not holding the weights, a worker rebuilds from the keyframe
     # and is handed only what is newer.
-    following = Following(Subscriber(server.addr, ARM, "worker-b2", token=SUBSCRIBE_TOKEN, public_keys=MANIFEST_PUBLIC_KEYS), have_version=2)
+    following = Following(
+        Subscriber(
+            server.addr, ARM, "worker-b2", token=SUBSCRIBE_TOKEN, public_keys=MANIFEST_PUBLIC_KEYS
+        ),
+        have_version=2,
+    )
     try:
         received = following.until(4)
     finally:
@@ -104,7 +147,11 @@ def test_subscriber_holding_v1_receives_only_deltas(server, publisher, policy_we
 
 def test_follow_receives_versions_published_later(server, publisher, policy_weights):
     versions = publish_versions(publisher, policy_weights, 2)
-    following = Following(Subscriber(server.addr, ARM, "worker-c", token=SUBSCRIBE_TOKEN, public_keys=MANIFEST_PUBLIC_KEYS))
+    following = Following(
+        Subscriber(
+            server.addr, ARM, "worker-c", token=SUBSCRIBE_TOKEN, public_keys=MANIFEST_PUBLIC_KEYS
+        )
+    )
     try:
         assert following.until(1)[-1][0].version == 1
         assert following.nothing_pending()
@@ -120,13 +167,21 @@ def test_follow_receives_versions_published_later(server, publisher, policy_weig
 
 def test_stale_publisher_resends_a_keyframe(server, stack, publisher, policy_weights):
     versions = publish_versions(publisher, policy_weights, 2)
-    rival = Publisher(server.addr, stack.weight_sync_token.get_secret_value(), ARM, signing_key=MANIFEST_KEY)
-    assert rival.publish(train_step(versions[-1], 7)) == 2  # a fresh publisher starts with a keyframe
+    rival = Publisher(
+        server.addr, stack.weight_sync_token.get_secret_value(), ARM, signing_key=MANIFEST_KEY
+    )
+    assert (
+        rival.publish(train_step(versions[-1], 7)) == 2
+    )  # a fresh publisher starts with a keyframe
     rival.close()
     # `publisher` still believes v1 is latest: its delta is refused and it resends a keyframe.
     versions.append(train_step(versions[-1], 8))
     assert publisher.publish(versions[-1]) == 3
-    following = Following(Subscriber(server.addr, ARM, "worker-d", token=SUBSCRIBE_TOKEN, public_keys=MANIFEST_PUBLIC_KEYS))
+    following = Following(
+        Subscriber(
+            server.addr, ARM, "worker-d", token=SUBSCRIBE_TOKEN, public_keys=MANIFEST_PUBLIC_KEYS
+        )
+    )
     try:
         manifest, weights = following.next()
     finally:
@@ -153,17 +208,35 @@ def _forge_tensor_checksum(stack: StackSettings, version: int) -> None:
 @pytest.mark.parametrize(
     "corrupt",
     [_flip_blob_byte, _forge_tensor_checksum],
-    ids=["blob bytes flipped on disk (server detects)", "tensor checksum disagrees (subscriber detects)"],
+    ids=[
+        "blob bytes flipped on disk (server detects)",
+        "tensor checksum disagrees (subscriber detects)",
+    ],
 )
-def test_corrupt_version_is_never_yielded_and_the_next_keyframe_repairs(server, stack, policy_weights, corrupt, caplog):
-    publisher = Publisher(server.addr, stack.weight_sync_token.get_secret_value(), ARM, keyframe_every=4, signing_key=MANIFEST_KEY)
+def test_corrupt_version_is_never_yielded_and_the_next_keyframe_repairs(
+    server, stack, policy_weights, corrupt, caplog
+):
+    publisher = Publisher(
+        server.addr,
+        stack.weight_sync_token.get_secret_value(),
+        ARM,
+        keyframe_every=4,
+        signing_key=MANIFEST_KEY,
+    )
     versions = publish_versions(publisher, policy_weights, 3)
     corrupt(stack, 2)
     # The publishing server keeps what it verified in memory; storage goes bad under a
     # server that has to read it back: a restarted one, or another replica.
     server.stop()
     server.start()
-    subscriber = Subscriber(server.addr, ARM, "worker-e", max_backoff_s=0.5, token=SUBSCRIBE_TOKEN, public_keys=MANIFEST_PUBLIC_KEYS)
+    subscriber = Subscriber(
+        server.addr,
+        ARM,
+        "worker-e",
+        max_backoff_s=0.5,
+        token=SUBSCRIBE_TOKEN,
+        public_keys=MANIFEST_PUBLIC_KEYS,
+    )
     following = Following(subscriber)
     try:
         assert [m.version for m, _ in following.until(1)] == [0, 1]
@@ -186,7 +259,10 @@ def test_corrupt_version_is_never_yielded_and_the_next_keyframe_repairs(server, 
 def test_latest_and_bad_arms(server):
     stub = weights_pb2_grpc.WeightSyncStub(grpc.insecure_channel(server.addr))
     metadata = bearer(SUBSCRIBE_TOKEN)
-    assert stub.Latest(weights_pb2.LatestRequest(arm="control"), metadata=metadata, timeout=10).version == -1
+    assert (
+        stub.Latest(weights_pb2.LatestRequest(arm="control"), metadata=metadata, timeout=10).version
+        == -1
+    )
     with pytest.raises(grpc.RpcError) as raised:
         stub.Latest(weights_pb2.LatestRequest(arm="../etc"), metadata=metadata, timeout=10)
     assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
@@ -214,11 +290,23 @@ def test_tokens_scope_publish_and_subscribe(server, policy_weights, token, may_r
             return exc.code()
         return grpc.StatusCode.OK
 
-    read = outcome(lambda: stub.Latest(weights_pb2.LatestRequest(arm=ARM), metadata=metadata, timeout=10))
-    subscribe = outcome(lambda: list(stub.Subscribe(weights_pb2.SubscribeRequest(arm=ARM), metadata=metadata, timeout=10)))
+    read = outcome(
+        lambda: stub.Latest(weights_pb2.LatestRequest(arm=ARM), metadata=metadata, timeout=10)
+    )
+    subscribe = outcome(
+        lambda: list(
+            stub.Subscribe(weights_pb2.SubscribeRequest(arm=ARM), metadata=metadata, timeout=10)
+        )
+    )
     encoded = codec.encode(None, policy_weights)
     manifest = encoded.manifest(arm=ARM, parent_version=-1, keyframe=True)
-    publish = outcome(lambda: stub.Publish(iter([weights_pb2.PublishChunk(manifest=manifest, data=encoded.blob)]), metadata=metadata, timeout=30))
+    publish = outcome(
+        lambda: stub.Publish(
+            iter([weights_pb2.PublishChunk(manifest=manifest, data=encoded.blob)]),
+            metadata=metadata,
+            timeout=30,
+        )
+    )
     denied = grpc.StatusCode.UNAUTHENTICATED
     assert (read, subscribe) == ((grpc.StatusCode.OK,) * 2 if may_read else (denied,) * 2)
     assert publish == (grpc.StatusCode.OK if may_publish else denied)
@@ -241,35 +329,54 @@ def test_a_publish_stream_is_held_to_its_declared_size_as_it_arrives(server, pol
 
     with pytest.raises(grpc.RpcError) as refused:
         stub.Publish(endless(), metadata=metadata, timeout=60)
-    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "more than the" in refused.value.details()
+    assert (
+        refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        and "more than the" in refused.value.details()
+    )
     assert len(sent) < 200, f"{len(sent)} MB were sent before the refusal"
 
     huge = weights_pb2.Manifest()
     huge.CopyFrom(manifest)
     huge.blob_size = 1 << 40
     with pytest.raises(grpc.RpcError) as refused:
-        stub.Publish(iter([weights_pb2.PublishChunk(manifest=huge, data=b"")]), metadata=metadata, timeout=30)
-    assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "max_blob_bytes" in refused.value.details()
+        stub.Publish(
+            iter([weights_pb2.PublishChunk(manifest=huge, data=b"")]), metadata=metadata, timeout=30
+        )
+    assert (
+        refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        and "max_blob_bytes" in refused.value.details()
+    )
     assert registry_latest(server) == -1, "nothing was published"
 
 
 def test_weight_sync_will_not_start_without_its_tokens(stack, tmp_path, repo_root):
     """No default token exists: a server given none exits at once and says which are missing."""
     env = {
-        "RTRL_REDIS_URL": stack.redis_url, "RTRL_STATE_DIR": str(stack.state_dir), "RTRL_WEIGHT_SYNC_PORT": str(procs.free_port()),
-        "RTRL_WEIGHT_SYNC_TOKEN": "", "RTRL_WEIGHT_SYNC_SUBSCRIBE_TOKEN": "", "PYTHONPATH": str(repo_root),
+        "RTRL_REDIS_URL": stack.redis_url,
+        "RTRL_STATE_DIR": str(stack.state_dir),
+        "RTRL_WEIGHT_SYNC_PORT": str(procs.free_port()),
+        "RTRL_WEIGHT_SYNC_TOKEN": "",
+        "RTRL_WEIGHT_SYNC_SUBSCRIBE_TOKEN": "",
+        "PYTHONPATH": str(repo_root),
     }
-    proc = procs.spawn("weight_sync", [sys.executable, "-m", "weight_sync"], tmp_path / "ws.log", env=env)
+    proc = procs.spawn(
+        "weight_sync", [sys.executable, "-m", "weight_sync"], tmp_path / "ws.log", env=env
+    )
     try:
         assert proc.popen.wait(timeout=60) != 0
     finally:
         proc.stop(timeout_s=5)
-    assert "RTRL_WEIGHT_SYNC_TOKEN" in (tmp_path / "ws.log").read_text() and "no defaults" in (tmp_path / "ws.log").read_text()
+    assert (
+        "RTRL_WEIGHT_SYNC_TOKEN" in (tmp_path / "ws.log").read_text()
+        and "no defaults" in (tmp_path / "ws.log").read_text()
+    )
 
 
 def registry_latest(server) -> int:
     stub = weights_pb2_grpc.WeightSyncStub(grpc.insecure_channel(server.addr))
-    return stub.Latest(weights_pb2.LatestRequest(arm=ARM), metadata=bearer(SUBSCRIBE_TOKEN), timeout=10).version
+    return stub.Latest(
+        weights_pb2.LatestRequest(arm=ARM), metadata=bearer(SUBSCRIBE_TOKEN), timeout=10
+    ).version
 
 
 def test_subscriber_survives_a_killed_server(stack, repo_root, tmp_path, policy_weights):
@@ -283,14 +390,24 @@ def test_subscriber_survives_a_killed_server(stack, repo_root, tmp_path, policy_
     }
 
     def start() -> procs.Proc:
-        proc = procs.spawn("weight_sync", [sys.executable, "-m", "weight_sync"], tmp_path / "weight_sync.log", env=env, port=port)
+        proc = procs.spawn(
+            "weight_sync",
+            [sys.executable, "-m", "weight_sync"],
+            tmp_path / "weight_sync.log",
+            env=env,
+            port=port,
+        )
         procs.wait_for_port(port)
         return proc
 
     proc = start()
     addr = f"127.0.0.1:{port}"
-    publisher = Publisher(addr, stack.weight_sync_token.get_secret_value(), ARM, signing_key=MANIFEST_KEY)
-    subscriber = Subscriber(addr, ARM, "worker-f", token=SUBSCRIBE_TOKEN, public_keys=MANIFEST_PUBLIC_KEYS)
+    publisher = Publisher(
+        addr, stack.weight_sync_token.get_secret_value(), ARM, signing_key=MANIFEST_KEY
+    )
+    subscriber = Subscriber(
+        addr, ARM, "worker-f", token=SUBSCRIBE_TOKEN, public_keys=MANIFEST_PUBLIC_KEYS
+    )
     following = Following(subscriber)
     try:
         versions = publish_versions(publisher, policy_weights, 2)

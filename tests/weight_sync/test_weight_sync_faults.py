@@ -56,7 +56,10 @@ CHUNK_BYTES = 64 * 1024
 @pytest.fixture
 def server(stack):
     # Small chunks, so the ~2.4 MB keyframe spans ~40 WeightChunks and a cut lands inside one.
-    handle = InProcessServer(WeightSyncSettings(port=procs.free_port(), chunk_bytes=CHUNK_BYTES, poll_interval_s=0.2), stack)
+    handle = InProcessServer(
+        WeightSyncSettings(port=procs.free_port(), chunk_bytes=CHUNK_BYTES, poll_interval_s=0.2),
+        stack,
+    )
     handle.start()
     yield handle
     handle.close()
@@ -68,8 +71,16 @@ def proxy(server):
         yield proxy
 
 
-def new_publisher(server: InProcessServer, stack: StackSettings, keyframe_every: int = 20) -> Publisher:
-    return Publisher(server.addr, stack.weight_sync_token.get_secret_value(), ARM, keyframe_every=keyframe_every, signing_key=MANIFEST_KEY)
+def new_publisher(
+    server: InProcessServer, stack: StackSettings, keyframe_every: int = 20
+) -> Publisher:
+    return Publisher(
+        server.addr,
+        stack.weight_sync_token.get_secret_value(),
+        ARM,
+        keyframe_every=keyframe_every,
+        signing_key=MANIFEST_KEY,
+    )
 
 
 def stored_manifest(stack: StackSettings, version: int) -> weights_pb2.Manifest:
@@ -97,7 +108,11 @@ def subscribe_once(addr: str, have_version: int) -> grpc.StatusCode:
     channel = grpc.insecure_channel(addr)
     request = weights_pb2.SubscribeRequest(arm=ARM, have_version=have_version, worker_id="probe")
     try:
-        list(weights_pb2_grpc.WeightSyncStub(channel).Subscribe(request, metadata=bearer(SUBSCRIBE_TOKEN), timeout=10))
+        list(
+            weights_pb2_grpc.WeightSyncStub(channel).Subscribe(
+                request, metadata=bearer(SUBSCRIBE_TOKEN), timeout=10
+            )
+        )
     except grpc.RpcError as exc:
         return exc.code()
     finally:
@@ -109,20 +124,27 @@ def subscribe_once(addr: str, have_version: int) -> grpc.StatusCode:
 
 
 @pytest.mark.parametrize("cuts", [1, 2])
-def test_a_cut_inside_a_version_resumes_where_it_stopped(server, stack, proxy, policy_weights, cuts):
+def test_a_cut_inside_a_version_resumes_where_it_stopped(
+    server, stack, proxy, policy_weights, cuts
+):
     publisher = new_publisher(server, stack)
     versions = publish_versions(publisher, policy_weights, 1)
     blob_size = stored_manifest(stack, 0).blob_size
     assert blob_size > 10 * CHUNK_BYTES
     # ~2 s for the keyframe, so the test can cut it where it chooses.
     proxy.throttle(blob_size / 2)
-    subscriber = Subscriber(proxy.addr, ARM, "worker-cut", token=SUBSCRIBE_TOKEN, public_keys=MANIFEST_PUBLIC_KEYS)
+    subscriber = Subscriber(
+        proxy.addr, ARM, "worker-cut", token=SUBSCRIBE_TOKEN, public_keys=MANIFEST_PUBLIC_KEYS
+    )
     following = Following(subscriber)
     try:
         for cut in range(1, cuts + 1):
             # Cut once the subscriber has taken in cut/(cuts + 1) of v0 (bytes in the
             # proxy's or gRPC's buffers do not count), so every reconnect has a resume.
-            wait_for(lambda cut=cut: subscriber.stream.bytes_received >= cut * blob_size // (cuts + 1), f"cut point {cut} of v0")
+            wait_for(
+                lambda cut=cut: subscriber.stream.bytes_received >= cut * blob_size // (cuts + 1),
+                f"cut point {cut} of v0",
+            )
             proxy.cut_all()
             assert subscriber.stream.bytes_received < blob_size, "the cut came after v0 was whole"
         manifest, weights = following.next()
@@ -139,7 +161,9 @@ def test_a_cut_inside_a_version_resumes_where_it_stopped(server, stack, proxy, p
     assert subscriber.stream.bytes_received == blob_size
 
 
-def _collect_the_version(server: InProcessServer, stack: StackSettings, publisher: Publisher, old: dict) -> tuple[int, dict]:
+def _collect_the_version(
+    server: InProcessServer, stack: StackSettings, publisher: Publisher, old: dict
+) -> tuple[int, dict]:
     """Two newer keyframes, then garbage collection (keep_keyframes=2) deletes v0."""
     newer = [train_step(old, 1), train_step(old, 2)]
     assert [publisher.publish(weights) for weights in newer] == [1, 2]
@@ -148,7 +172,9 @@ def _collect_the_version(server: InProcessServer, stack: StackSettings, publishe
     return 2, newer[-1]
 
 
-def _replace_the_version(server: InProcessServer, stack: StackSettings, publisher: Publisher, old: dict) -> tuple[int, dict]:
+def _replace_the_version(
+    server: InProcessServer, stack: StackSettings, publisher: Publisher, old: dict
+) -> tuple[int, dict]:
     """The registry and the blob store are both lost (so nothing can be rebuilt) and a
     trainer publishes other weights as v0 again: same version, different blob."""
     shutil.rmtree(stack.state_dir / "blobs")
@@ -156,7 +182,11 @@ def _replace_the_version(server: InProcessServer, stack: StackSettings, publishe
     client.flushdb()
     client.close()
     rival = new_publisher(server, stack)
-    wait_for(lambda: rival.latest() == -1, "the server's Latest to report the emptied registry (-1)", timeout_s=5)
+    wait_for(
+        lambda: rival.latest() == -1,
+        "the server's Latest to report the emptied registry (-1)",
+        timeout_s=5,
+    )
     replacement = train_step(old, 3)
     assert rival.publish(replacement) == 0
     rival.close()
@@ -168,12 +198,23 @@ def _replace_the_version(server: InProcessServer, stack: StackSettings, publishe
     [_collect_the_version, _replace_the_version],
     ids=["the version was garbage-collected", "the version was replaced by another blob"],
 )
-def test_a_resume_the_server_cannot_honour_starts_over_and_never_mixes_blobs(server, stack, proxy, policy_weights, change):
+def test_a_resume_the_server_cannot_honour_starts_over_and_never_mixes_blobs(
+    server, stack, proxy, policy_weights, change
+):
     publisher = new_publisher(server, stack, keyframe_every=1)
     old = publish_versions(publisher, policy_weights, 1)[0]
-    old_checksum, blob_size = stored_manifest(stack, 0).blob_checksum, stored_manifest(stack, 0).blob_size
+    old_checksum, blob_size = (
+        stored_manifest(stack, 0).blob_checksum,
+        stored_manifest(stack, 0).blob_size,
+    )
     proxy.throttle(blob_size / 2)
-    subscriber = Subscriber(proxy.addr, ARM, "worker-stale-resume", token=SUBSCRIBE_TOKEN, public_keys=MANIFEST_PUBLIC_KEYS)
+    subscriber = Subscriber(
+        proxy.addr,
+        ARM,
+        "worker-stale-resume",
+        token=SUBSCRIBE_TOKEN,
+        public_keys=MANIFEST_PUBLIC_KEYS,
+    )
     following = Following(subscriber)
     try:
         wait_for(lambda: subscriber.stream.bytes_received >= blob_size // 2, "half of v0 to arrive")
@@ -202,12 +243,18 @@ def test_a_resume_the_server_cannot_honour_starts_over_and_never_mixes_blobs(ser
 # --- streams that end early or skip bytes ---------------------------------------------
 
 _BLOB = bytes(range(256)) * 40
-_MANIFEST = weights_pb2.Manifest(arm=ARM, version=7, blob_size=len(_BLOB), blob_checksum=xxh3_hex(_BLOB))
+_MANIFEST = weights_pb2.Manifest(
+    arm=ARM, version=7, blob_size=len(_BLOB), blob_checksum=xxh3_hex(_BLOB)
+)
 _OTHER_BLOB = bytes(reversed(_BLOB))
-_OTHER_MANIFEST = weights_pb2.Manifest(arm=ARM, version=7, blob_size=len(_OTHER_BLOB), blob_checksum=xxh3_hex(_OTHER_BLOB))
+_OTHER_MANIFEST = weights_pb2.Manifest(
+    arm=ARM, version=7, blob_size=len(_OTHER_BLOB), blob_checksum=xxh3_hex(_OTHER_BLOB)
+)
 
 
-def _chunks(start: int = 0, chunk_bytes: int = 1024, manifest=_MANIFEST, blob=_BLOB) -> list[weights_pb2.WeightChunk]:
+def _chunks(
+    start: int = 0, chunk_bytes: int = 1024, manifest=_MANIFEST, blob=_BLOB
+) -> list[weights_pb2.WeightChunk]:
     return list(version_chunks(manifest, blob, chunk_bytes, start))
 
 
@@ -237,7 +284,14 @@ _STRAY = weights_pb2.WeightChunk(version=8, offset=4096, data=b"x" * 1024)
         (_WHOLE[:3] + _WHOLE[4:], True),
         (_WHOLE[:4] + _WHOLE[3:], True),
         (_WHOLE[:3] + [_changed(_WHOLE[3], last=True)], True),
-        (_WHOLE[:-1] + [_changed(_WHOLE[-1], last=False), weights_pb2.WeightChunk(version=7, offset=len(_BLOB), data=b"x", last=True)], True),
+        (
+            _WHOLE[:-1]
+            + [
+                _changed(_WHOLE[-1], last=False),
+                weights_pb2.WeightChunk(version=7, offset=len(_BLOB), data=b"x", last=True),
+            ],
+            True,
+        ),
         (_WHOLE[:5] + [_changed(_WHOLE[5], data=bytes(1024))] + _WHOLE[6:], True),
         (_WHOLE[:4] + _chunks(start=5120), True),
         (_WHOLE[:4] + _chunks(start=4096, manifest=_OTHER_MANIFEST, blob=_OTHER_BLOB), True),
@@ -290,11 +344,18 @@ class ScriptedWeightSync(weights_pb2_grpc.WeightSyncServicer):
     def Subscribe(self, request, context):
         self.requests.append(request)
         if len(self.requests) == 1:
-            yield from self.first_stream(list(version_chunks(self.manifest, self.blob, CHUNK_BYTES)))
+            yield from self.first_stream(
+                list(version_chunks(self.manifest, self.blob, CHUNK_BYTES))
+            )
             return
         if request.have_version != self.manifest.version:
             resume = request.resume
-            start = resume.offset if request.HasField("resume") and resume.blob_checksum == self.manifest.blob_checksum else 0
+            start = (
+                resume.offset
+                if request.HasField("resume")
+                and resume.blob_checksum == self.manifest.blob_checksum
+                else 0
+            )
             yield from version_chunks(self.manifest, self.blob, CHUNK_BYTES, start)
         while context.is_active():
             time.sleep(0.05)
@@ -315,9 +376,15 @@ def _ends_early_without_a_word(chunks):
 @pytest.mark.parametrize(
     "first_stream, torn",
     [(_skips_a_chunk, True), (_ends_early_marked_last, True), (_ends_early_without_a_word, False)],
-    ids=["a chunk skipped", "the version ends early, marked last", "the stream ends inside the version"],
+    ids=[
+        "a chunk skipped",
+        "the version ends early, marked last",
+        "the stream ends inside the version",
+    ],
 )
-def test_a_broken_stream_over_grpc_is_dropped_or_resumed_then_repaired(policy_weights, first_stream, torn):
+def test_a_broken_stream_over_grpc_is_dropped_or_resumed_then_repaired(
+    policy_weights, first_stream, torn
+):
     encoded = codec.encode(None, policy_weights)
     manifest = encoded.manifest(arm=ARM, parent_version=-1, keyframe=True)
     ManifestSigner(MANIFEST_KEY).sign(manifest)
@@ -327,7 +394,13 @@ def test_a_broken_stream_over_grpc_is_dropped_or_resumed_then_repaired(policy_we
     weights_pb2_grpc.add_WeightSyncServicer_to_server(servicer, grpc_server)
     port = grpc_server.add_insecure_port("127.0.0.1:0")
     grpc_server.start()
-    subscriber = Subscriber(f"127.0.0.1:{port}", ARM, "worker-torn", token=SUBSCRIBE_TOKEN, public_keys=MANIFEST_PUBLIC_KEYS)
+    subscriber = Subscriber(
+        f"127.0.0.1:{port}",
+        ARM,
+        "worker-torn",
+        token=SUBSCRIBE_TOKEN,
+        public_keys=MANIFEST_PUBLIC_KEYS,
+    )
     following = Following(subscriber)
     try:
         manifest_got, weights = following.next()
@@ -352,10 +425,19 @@ def test_a_broken_stream_over_grpc_is_dropped_or_resumed_then_repaired(policy_we
 
 
 @pytest.mark.guarantee(4)
-def test_a_lost_delta_is_never_skipped_and_the_next_keyframe_repairs(server, stack, proxy, policy_weights, caplog):
+def test_a_lost_delta_is_never_skipped_and_the_next_keyframe_repairs(
+    server, stack, proxy, policy_weights, caplog
+):
     publisher = new_publisher(server, stack, keyframe_every=4)
     versions = publish_versions(publisher, policy_weights, 2)
-    subscriber = Subscriber(proxy.addr, ARM, "worker-gap", token=SUBSCRIBE_TOKEN, max_backoff_s=0.3, public_keys=MANIFEST_PUBLIC_KEYS)
+    subscriber = Subscriber(
+        proxy.addr,
+        ARM,
+        "worker-gap",
+        token=SUBSCRIBE_TOKEN,
+        max_backoff_s=0.3,
+        public_keys=MANIFEST_PUBLIC_KEYS,
+    )
     following = Following(subscriber)
     try:
         assert [m.version for m, _ in following.until(1)] == [0, 1]
@@ -376,7 +458,11 @@ def test_a_lost_delta_is_never_skipped_and_the_next_keyframe_repairs(server, sta
         proxy.release()
 
         def refusals() -> int:
-            return sum("DATA_LOSS" in r.getMessage() for r in caplog.records if r.name == "weight_sync.stream")
+            return sum(
+                "DATA_LOSS" in r.getMessage()
+                for r in caplog.records
+                if r.name == "weight_sync.stream"
+            )
 
         wait_for(lambda: refusals() >= 2, "the subscriber to be refused twice")
         assert following.nothing_pending(), "something was yielded while no intact path existed"
@@ -398,7 +484,9 @@ def test_a_lost_delta_is_never_skipped_and_the_next_keyframe_repairs(server, sta
 # --- a subscriber process killed inside a version ---------------------------------------
 
 
-def test_a_subscriber_killed_mid_version_harms_no_one_and_restarts_clean(server, stack, proxy, policy_weights, tmp_path):
+def test_a_subscriber_killed_mid_version_harms_no_one_and_restarts_clean(
+    server, stack, proxy, policy_weights, tmp_path
+):
     publisher = new_publisher(server, stack)
     versions = publish_versions(publisher, policy_weights, 3)
     blob_size = stored_manifest(stack, 0).blob_size
@@ -410,21 +498,35 @@ def test_a_subscriber_killed_mid_version_harms_no_one_and_restarts_clean(server,
         return procs.spawn("subscriber", argv, tmp_path / "subscriber.log", env=env)
 
     def applied_versions() -> list[int]:
-        return [int(line.split()[0]) for line in applied.read_text().splitlines()] if applied.exists() else []
+        return (
+            [int(line.split()[0]) for line in applied.read_text().splitlines()]
+            if applied.exists()
+            else []
+        )
 
-    bystander = Following(Subscriber(server.addr, ARM, "bystander", token=SUBSCRIBE_TOKEN, public_keys=MANIFEST_PUBLIC_KEYS))
+    bystander = Following(
+        Subscriber(
+            server.addr, ARM, "bystander", token=SUBSCRIBE_TOKEN, public_keys=MANIFEST_PUBLIC_KEYS
+        )
+    )
     proc = None
     try:
         assert bystander.until(2)[-1][0].version == 2
         # The keyframe takes ~2 s through the proxy, so the kill lands inside it.
         proxy.throttle(blob_size / 2)
         proc = start()
-        wait_for(lambda: proxy.bytes_to_client > blob_size // 5, "the subscriber process to be receiving v0", timeout_s=60)
+        wait_for(
+            lambda: proxy.bytes_to_client > blob_size // 5,
+            "the subscriber process to be receiving v0",
+            timeout_s=60,
+        )
         assert service.subscribers == 2
         os.killpg(proc.pid, signal.SIGKILL)
         proc.popen.wait()
         assert applied_versions() == [], "the kill came too late: v0 was already whole"
-        wait_for(lambda: service.subscribers == 1, "the server to drop the killed subscriber's stream")
+        wait_for(
+            lambda: service.subscribers == 1, "the server to drop the killed subscriber's stream"
+        )
 
         versions.append(train_step(versions[-1], 3))
         assert publisher.publish(versions[-1]) == 3
@@ -434,7 +536,11 @@ def test_a_subscriber_killed_mid_version_harms_no_one_and_restarts_clean(server,
 
         proxy.throttle(None)
         proc = start()
-        wait_for(lambda: applied_versions()[-1:] == [3], "the restarted subscriber to reach v3", timeout_s=60)
+        wait_for(
+            lambda: applied_versions()[-1:] == [3],
+            "the restarted subscriber to reach v3",
+            timeout_s=60,
+        )
         versions.append(train_step(versions[-1], 4))
         assert publisher.publish(versions[-1]) == 4
         wait_for(lambda: applied_versions()[-1:] == [4], "the restarted subscriber to reach v4")
@@ -445,7 +551,9 @@ def test_a_subscriber_killed_mid_version_harms_no_one_and_restarts_clean(server,
         publisher.close()
     checksums = [weights_checksum(weights) for weights in versions]
     lines = [line.split() for line in applied.read_text().splitlines()]
-    assert [(int(version), checksum) for version, checksum in lines] == [(v, checksums[v]) for v in range(5)]
+    assert [(int(version), checksum) for version, checksum in lines] == [
+        (v, checksums[v]) for v in range(5)
+    ]
     log = (tmp_path / "subscriber.log").read_text()
     assert proc.popen.returncode == 0 and "Traceback" not in log, log[-3000:]
 
@@ -454,10 +562,20 @@ def test_a_subscriber_killed_mid_version_harms_no_one_and_restarts_clean(server,
 
 
 @pytest.mark.guarantee(4)
-def test_a_blob_corrupted_after_verification_is_served_from_the_verified_copy(server, stack, policy_weights, caplog):
+def test_a_blob_corrupted_after_verification_is_served_from_the_verified_copy(
+    server, stack, policy_weights, caplog
+):
     publisher = new_publisher(server, stack)
     versions = publish_versions(publisher, policy_weights, 3)
-    first = Following(Subscriber(server.addr, ARM, "worker-first", token=SUBSCRIBE_TOKEN, public_keys=MANIFEST_PUBLIC_KEYS))
+    first = Following(
+        Subscriber(
+            server.addr,
+            ARM,
+            "worker-first",
+            token=SUBSCRIBE_TOKEN,
+            public_keys=MANIFEST_PUBLIC_KEYS,
+        )
+    )
     try:
         assert first.until(2)[-1][0].version == 2
     finally:
@@ -468,7 +586,15 @@ def test_a_blob_corrupted_after_verification_is_served_from_the_verified_copy(se
     # Committed blobs are immutable (written aside, fsynced, renamed; never written again),
     # so the bytes the server verified and kept in memory are v2. Serving that copy is as
     # safe as re-reading the disk, and every subscriber checks the checksum again anyway.
-    second = Following(Subscriber(server.addr, ARM, "worker-second", token=SUBSCRIBE_TOKEN, public_keys=MANIFEST_PUBLIC_KEYS))
+    second = Following(
+        Subscriber(
+            server.addr,
+            ARM,
+            "worker-second",
+            token=SUBSCRIBE_TOKEN,
+            public_keys=MANIFEST_PUBLIC_KEYS,
+        )
+    )
     try:
         received = second.until(2)
     finally:
@@ -484,7 +610,10 @@ def test_a_blob_corrupted_after_verification_is_served_from_the_verified_copy(se
 
 
 def test_the_fault_proxy_cuts_after_exactly_n_bytes_and_holds_the_reconnect():
-    with socket.create_server(("127.0.0.1", 0)) as target, FaultProxy(target.getsockname()[1]) as proxy:
+    with (
+        socket.create_server(("127.0.0.1", 0)) as target,
+        FaultProxy(target.getsockname()[1]) as proxy,
+    ):
         cut = proxy.cut_after(50_000, hold=True)
         client = socket.create_connection(("127.0.0.1", proxy.port), timeout=10)
         upstream, _ = target.accept()

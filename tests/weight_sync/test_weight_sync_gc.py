@@ -39,13 +39,19 @@ def uri(version: int) -> str:
     return f"file:///blobs/treatment/{version}.blob"
 
 
-def view(latest: int, keyframes: tuple[int, ...], manifests: range | list[int] | None = None) -> gc.ArmView:
+def view(
+    latest: int, keyframes: tuple[int, ...], manifests: range | list[int] | None = None
+) -> gc.ArmView:
     stored = range(latest + 1) if manifests is None else manifests
     return gc.ArmView("treatment", latest, keyframes, {v: uri(v) for v in stored})
 
 
-def collected(keep_from: int | None, versions: range | list[int] = (), missing: tuple[int, ...] = ()) -> gc.ArmPlan:
-    return gc.ArmPlan("treatment", keep_from, tuple(versions), tuple(uri(v) for v in versions if v not in missing))
+def collected(
+    keep_from: int | None, versions: range | list[int] = (), missing: tuple[int, ...] = ()
+) -> gc.ArmPlan:
+    return gc.ArmPlan(
+        "treatment", keep_from, tuple(versions), tuple(uri(v) for v in versions if v not in missing)
+    )
 
 
 @pytest.mark.parametrize(
@@ -101,7 +107,12 @@ def test_plan_keeps_latest_and_its_path(latest, gaps, keep_keyframes):
 
 
 def start_server(stack: StackSettings, **settings) -> InProcessServer:
-    server = InProcessServer(WeightSyncSettings(port=procs.free_port(), chunk_bytes=64 * 1024, poll_interval_s=0.2, **settings), stack)
+    server = InProcessServer(
+        WeightSyncSettings(
+            port=procs.free_port(), chunk_bytes=64 * 1024, poll_interval_s=0.2, **settings
+        ),
+        stack,
+    )
     server.start()
     return server
 
@@ -109,7 +120,9 @@ def start_server(stack: StackSettings, **settings) -> InProcessServer:
 def stored_versions(stack: StackSettings, arm: str) -> tuple[list[int], list[int], list[int]]:
     """(manifests, keyframe entries, blobs) of the arm, as Redis and the disk hold them."""
     client = redis.Redis.from_url(stack.redis_url)
-    manifests = sorted(int(k.decode().rsplit(":", 1)[1]) for k in client.scan_iter(f"rtrl:ws:{arm}:manifest:*"))
+    manifests = sorted(
+        int(k.decode().rsplit(":", 1)[1]) for k in client.scan_iter(f"rtrl:ws:{arm}:manifest:*")
+    )
     keyframes = sorted(int(k) for k in client.zrange(registry.keyframes_key(arm), 0, -1))
     client.close()
     blobs = sorted(int(p.stem) for p in (stack.state_dir / "blobs" / arm).glob("*.blob"))
@@ -120,42 +133,99 @@ def stored_versions(stack: StackSettings, arm: str) -> tuple[list[int], list[int
 def test_collection_deletes_exactly_the_plan_and_subscribers_still_sync(stack, policy_weights):
     server = start_server(stack, keyframe_every=5, keep_keyframes=2, gc_interval_s=0)
     token = stack.weight_sync_token.get_secret_value()
-    publisher = Publisher(server.addr, token, "treatment", keyframe_every=5, signing_key=MANIFEST_KEY)
+    publisher = Publisher(
+        server.addr, token, "treatment", keyframe_every=5, signing_key=MANIFEST_KEY
+    )
     control = Publisher(server.addr, token, "control", keyframe_every=5, signing_key=MANIFEST_KEY)
     try:
         assert control.publish(policy_weights) == 0
         versions = publish_versions(publisher, policy_weights, 30)
-        assert stored_versions(stack, "treatment") == (list(range(30)), [0, 5, 10, 15, 20, 25], list(range(30)))
+        assert stored_versions(stack, "treatment") == (
+            list(range(30)),
+            [0, 5, 10, 15, 20, 25],
+            list(range(30)),
+        )
 
         plans = server._run(server.server.collect_garbage())
-        assert [(p.arm, p.keep_from, p.versions) for p in plans] == [("control", 0, ()), ("treatment", 20, tuple(range(20)))]
-        assert plans[1].blob_uris == tuple((stack.state_dir / "blobs" / "treatment" / f"{v}.blob").resolve().as_uri() for v in range(20))
-        assert stored_versions(stack, "treatment") == (list(range(20, 30)), [20, 25], list(range(20, 30)))
+        assert [(p.arm, p.keep_from, p.versions) for p in plans] == [
+            ("control", 0, ()),
+            ("treatment", 20, tuple(range(20))),
+        ]
+        assert plans[1].blob_uris == tuple(
+            (stack.state_dir / "blobs" / "treatment" / f"{v}.blob").resolve().as_uri()
+            for v in range(20)
+        )
+        assert stored_versions(stack, "treatment") == (
+            list(range(20, 30)),
+            [20, 25],
+            list(range(20, 30)),
+        )
         assert stored_versions(stack, "control") == ([0], [0], [0])
-        assert redis.Redis.from_url(stack.redis_url).exists(registry.unreferenced_blobs_key("treatment")) == 0
+        assert (
+            redis.Redis.from_url(stack.redis_url).exists(
+                registry.unreferenced_blobs_key("treatment")
+            )
+            == 0
+        )
         again = server._run(server.server.collect_garbage())
         assert [p.versions for p in again] == [(), ()]
 
         # From scratch: the newest keyframe and the deltas after it.
-        following = Following(Subscriber(server.addr, "treatment", "fresh", token=SUBSCRIBE_TOKEN, public_keys=MANIFEST_PUBLIC_KEYS))
+        following = Following(
+            Subscriber(
+                server.addr,
+                "treatment",
+                "fresh",
+                token=SUBSCRIBE_TOKEN,
+                public_keys=MANIFEST_PUBLIC_KEYS,
+            )
+        )
         try:
             received = following.until(29)
         finally:
             following.stop()
-        assert [(m.version, m.keyframe) for m, _ in received] == [(25, True), (26, False), (27, False), (28, False), (29, False)]
+        assert [(m.version, m.keyframe) for m, _ in received] == [
+            (25, True),
+            (26, False),
+            (27, False),
+            (28, False),
+            (29, False),
+        ]
         assert_bit_identical(received[-1][1], versions[29])
 
         # Holding a recent version: deltas only.
-        following = Following(Subscriber(server.addr, "treatment", "recent", token=SUBSCRIBE_TOKEN, public_keys=MANIFEST_PUBLIC_KEYS), have_version=26, weights=versions[26])
+        following = Following(
+            Subscriber(
+                server.addr,
+                "treatment",
+                "recent",
+                token=SUBSCRIBE_TOKEN,
+                public_keys=MANIFEST_PUBLIC_KEYS,
+            ),
+            have_version=26,
+            weights=versions[26],
+        )
         try:
             received = following.until(29)
         finally:
             following.stop()
-        assert [(m.version, m.keyframe) for m, _ in received] == [(27, False), (28, False), (29, False)]
+        assert [(m.version, m.keyframe) for m, _ in received] == [
+            (27, False),
+            (28, False),
+            (29, False),
+        ]
         assert_bit_identical(received[-1][1], versions[29])
 
         # The pinned control arm still serves its v0.
-        following = Following(Subscriber(server.addr, "control", "control-worker", token=SUBSCRIBE_TOKEN, public_keys=MANIFEST_PUBLIC_KEYS))
+        following = Following(
+            Subscriber(
+                server.addr,
+                "control",
+                "control-worker",
+                token=SUBSCRIBE_TOKEN,
+                public_keys=MANIFEST_PUBLIC_KEYS,
+            )
+        )
         try:
             manifest, weights = following.next()
         finally:
@@ -171,8 +241,23 @@ def test_collection_deletes_exactly_the_plan_and_subscribers_still_sync(stack, p
 @pytest.mark.integration
 def test_periodic_collection_runs_beside_publishing(stack, policy_weights):
     server = start_server(stack, keyframe_every=2, keep_keyframes=1, gc_interval_s=0.05)
-    publisher = Publisher(server.addr, stack.weight_sync_token.get_secret_value(), "treatment", keyframe_every=2, signing_key=MANIFEST_KEY)
-    following = Following(Subscriber(server.addr, "treatment", "follower", max_backoff_s=0.2, token=SUBSCRIBE_TOKEN, public_keys=MANIFEST_PUBLIC_KEYS))
+    publisher = Publisher(
+        server.addr,
+        stack.weight_sync_token.get_secret_value(),
+        "treatment",
+        keyframe_every=2,
+        signing_key=MANIFEST_KEY,
+    )
+    following = Following(
+        Subscriber(
+            server.addr,
+            "treatment",
+            "follower",
+            max_backoff_s=0.2,
+            token=SUBSCRIBE_TOKEN,
+            public_keys=MANIFEST_PUBLIC_KEYS,
+        )
+    )
     try:
         versions = publish_versions(publisher, policy_weights, 9)  # keyframes v0, v2, v4, v6, v8
         assert following.until(8)[-1][0].version == 8
@@ -181,7 +266,15 @@ def test_periodic_collection_runs_beside_publishing(stack, policy_weights):
             assert time.monotonic() < deadline, stored_versions(stack, "treatment")
             time.sleep(0.05)
         assert server.server.versions_collected == 8
-        fresh = Following(Subscriber(server.addr, "treatment", "fresh", token=SUBSCRIBE_TOKEN, public_keys=MANIFEST_PUBLIC_KEYS))
+        fresh = Following(
+            Subscriber(
+                server.addr,
+                "treatment",
+                "fresh",
+                token=SUBSCRIBE_TOKEN,
+                public_keys=MANIFEST_PUBLIC_KEYS,
+            )
+        )
         try:
             manifest, weights = fresh.next()
         finally:
@@ -194,7 +287,9 @@ def test_periodic_collection_runs_beside_publishing(stack, policy_weights):
         server.close()
 
 
-async def commit_versions(versions: Registry, store: LocalBlobStore, count: int, keyframe_every: int) -> None:
+async def commit_versions(
+    versions: Registry, store: LocalBlobStore, count: int, keyframe_every: int
+) -> None:
     """Versions 0..count-1 of arm "treatment" straight into the registry, with tiny blobs."""
     for version in range(count):
         keyframe = version % keyframe_every == 0
@@ -235,7 +330,11 @@ def test_collection_cut_short_is_finished_by_the_next(stack, caplog):
         arm_plan = gc.plan(await gc.view_of(versions, "treatment"), keep_keyframes=1)
         assert arm_plan.versions == (0, 1, 2)
         # The first collection dies after its Redis transaction.
-        await versions.forget("treatment", list(arm_plan.versions), [*arm_plan.blob_uris, "s3://old-bucket/treatment/0.blob"])
+        await versions.forget(
+            "treatment",
+            list(arm_plan.versions),
+            [*arm_plan.blob_uris, "s3://old-bucket/treatment/0.blob"],
+        )
         assert stored_versions(stack, "treatment") == ([3, 4, 5], [3], list(range(6)))
 
         with caplog.at_level(logging.WARNING, logger="weight_sync"):

@@ -40,7 +40,14 @@ class InProcessRelay:
     """A Relay on its own event loop thread, so the test thread can use the sync clients."""
 
     def __init__(self, upstream_addr: str, stack: StackSettings, keep_keyframes: int = 2) -> None:
-        settings = RelaySettings(upstream_addr=upstream_addr, port=procs.free_port(), arms=(ARM,), chunk_bytes=64 * 1024, poll_interval_s=0.2, keep_keyframes=keep_keyframes)
+        settings = RelaySettings(
+            upstream_addr=upstream_addr,
+            port=procs.free_port(),
+            arms=(ARM,),
+            chunk_bytes=64 * 1024,
+            poll_interval_s=0.2,
+            keep_keyframes=keep_keyframes,
+        )
         self.addr = f"127.0.0.1:{settings.port}"
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
@@ -70,8 +77,21 @@ def relay(server, stack):
     handle.close()
 
 
-def test_fan_out_through_a_relay_costs_the_server_one_stream(server, stack, publisher, relay, policy_weights):
-    followers = [Following(Subscriber(relay.addr, ARM, f"worker-{i}", token=SUBSCRIBE_TOKEN, public_keys=MANIFEST_PUBLIC_KEYS)) for i in range(3)]
+def test_fan_out_through_a_relay_costs_the_server_one_stream(
+    server, stack, publisher, relay, policy_weights
+):
+    followers = [
+        Following(
+            Subscriber(
+                relay.addr,
+                ARM,
+                f"worker-{i}",
+                token=SUBSCRIBE_TOKEN,
+                public_keys=MANIFEST_PUBLIC_KEYS,
+            )
+        )
+        for i in range(3)
+    ]
     try:
         versions = publish_versions(publisher, policy_weights, 4)
         for following in followers:
@@ -88,17 +108,35 @@ def test_fan_out_through_a_relay_costs_the_server_one_stream(server, stack, publ
     assert relay_sent == 3 * upstream_sent
 
 
-def test_a_late_subscriber_of_a_relay_gets_a_keyframe_path_and_one_holding_a_version_gets_deltas(server, stack, publisher, relay, policy_weights):
+def test_a_late_subscriber_of_a_relay_gets_a_keyframe_path_and_one_holding_a_version_gets_deltas(
+    server, stack, publisher, relay, policy_weights
+):
     versions = publish_versions(publisher, policy_weights, 3)
-    early = Following(Subscriber(relay.addr, ARM, "early", token=SUBSCRIBE_TOKEN, public_keys=MANIFEST_PUBLIC_KEYS))
+    early = Following(
+        Subscriber(
+            relay.addr, ARM, "early", token=SUBSCRIBE_TOKEN, public_keys=MANIFEST_PUBLIC_KEYS
+        )
+    )
     try:
         assert early.until(2)[-1][0].version == 2
     finally:
         early.stop()
-    late = Following(Subscriber(relay.addr, ARM, "late", token=SUBSCRIBE_TOKEN, public_keys=MANIFEST_PUBLIC_KEYS))
-    holding = Following(Subscriber(relay.addr, ARM, "holding", token=SUBSCRIBE_TOKEN, public_keys=MANIFEST_PUBLIC_KEYS), have_version=1, weights=versions[1])
+    late = Following(
+        Subscriber(relay.addr, ARM, "late", token=SUBSCRIBE_TOKEN, public_keys=MANIFEST_PUBLIC_KEYS)
+    )
+    holding = Following(
+        Subscriber(
+            relay.addr, ARM, "holding", token=SUBSCRIBE_TOKEN, public_keys=MANIFEST_PUBLIC_KEYS
+        ),
+        have_version=1,
+        weights=versions[1],
+    )
     try:
-        assert [(m.version, m.keyframe) for m, _ in late.until(2)] == [(0, True), (1, False), (2, False)]
+        assert [(m.version, m.keyframe) for m, _ in late.until(2)] == [
+            (0, True),
+            (1, False),
+            (2, False),
+        ]
         received = holding.until(2)
         assert [(m.version, m.keyframe) for m, _ in received] == [(2, False)]
         assert_bit_identical(received[-1][1], versions[2])
@@ -108,16 +146,30 @@ def test_a_late_subscriber_of_a_relay_gets_a_keyframe_path_and_one_holding_a_ver
 
 
 def test_relays_stack_and_prune_to_their_newest_keyframes(server, stack, policy_weights):
-    publisher = Publisher(server.addr, stack.weight_sync_token.get_secret_value(), ARM, keyframe_every=3, signing_key=MANIFEST_KEY)
+    publisher = Publisher(
+        server.addr,
+        stack.weight_sync_token.get_secret_value(),
+        ARM,
+        keyframe_every=3,
+        signing_key=MANIFEST_KEY,
+    )
     near = InProcessRelay(server.addr, stack, keep_keyframes=1)
     far = InProcessRelay(near.addr, stack, keep_keyframes=1)
-    following = Following(Subscriber(far.addr, ARM, "far-worker", token=SUBSCRIBE_TOKEN, public_keys=MANIFEST_PUBLIC_KEYS))
+    following = Following(
+        Subscriber(
+            far.addr, ARM, "far-worker", token=SUBSCRIBE_TOKEN, public_keys=MANIFEST_PUBLIC_KEYS
+        )
+    )
     try:
         versions = publish_versions(publisher, policy_weights, 8)  # keyframes at 0, 3, 6
         received = following.until(7)
         assert_bit_identical(received[-1][1], versions[7])
         assert sorted(near.relay.cache._versions[ARM]) == [6, 7]
-        late = Following(Subscriber(far.addr, ARM, "late", token=SUBSCRIBE_TOKEN, public_keys=MANIFEST_PUBLIC_KEYS))
+        late = Following(
+            Subscriber(
+                far.addr, ARM, "late", token=SUBSCRIBE_TOKEN, public_keys=MANIFEST_PUBLIC_KEYS
+            )
+        )
         try:
             assert [(m.version, m.keyframe) for m, _ in late.until(7)] == [(6, True), (7, False)]
         finally:
@@ -131,16 +183,26 @@ def test_relays_stack_and_prune_to_their_newest_keyframes(server, stack, policy_
 
 def test_relay_refuses_publishes_and_unknown_tokens(relay, stack, policy_weights):
     stub = weights_pb2_grpc.WeightSyncStub(grpc.insecure_channel(relay.addr))
-    chunk = weights_pb2.PublishChunk(manifest=weights_pb2.Manifest(arm=ARM, keyframe=True, parent_version=-1))
+    chunk = weights_pb2.PublishChunk(
+        manifest=weights_pb2.Manifest(arm=ARM, keyframe=True, parent_version=-1)
+    )
     with pytest.raises(grpc.RpcError) as raised:
-        stub.Publish(iter([chunk]), metadata=bearer(stack.weight_sync_token.get_secret_value()), timeout=10)
+        stub.Publish(
+            iter([chunk]), metadata=bearer(stack.weight_sync_token.get_secret_value()), timeout=10
+        )
     assert raised.value.code() == grpc.StatusCode.PERMISSION_DENIED
     with pytest.raises(grpc.RpcError) as raised:
-        list(stub.Subscribe(weights_pb2.SubscribeRequest(arm=ARM), metadata=bearer("not-a-token"), timeout=10))
+        list(
+            stub.Subscribe(
+                weights_pb2.SubscribeRequest(arm=ARM), metadata=bearer("not-a-token"), timeout=10
+            )
+        )
     assert raised.value.code() == grpc.StatusCode.UNAUTHENTICATED
 
 
-def test_subscribers_carry_on_after_their_relay_is_killed(server, stack, publisher, repo_root, tmp_path, policy_weights):
+def test_subscribers_carry_on_after_their_relay_is_killed(
+    server, stack, publisher, repo_root, tmp_path, policy_weights
+):
     port = procs.free_port()
     env = {
         "RTRL_REDIS_URL": stack.redis_url,
@@ -151,12 +213,25 @@ def test_subscribers_carry_on_after_their_relay_is_killed(server, stack, publish
     }
 
     def start() -> procs.Proc:
-        proc = procs.spawn("relay", [sys.executable, "-m", "weight_sync.relay"], tmp_path / "relay.log", env=env, port=port)
+        proc = procs.spawn(
+            "relay",
+            [sys.executable, "-m", "weight_sync.relay"],
+            tmp_path / "relay.log",
+            env=env,
+            port=port,
+        )
         procs.wait_for_port(port)
         return proc
 
     proc = start()
-    subscriber = Subscriber(f"127.0.0.1:{port}", ARM, "worker-r", token=SUBSCRIBE_TOKEN, max_backoff_s=0.5, public_keys=MANIFEST_PUBLIC_KEYS)
+    subscriber = Subscriber(
+        f"127.0.0.1:{port}",
+        ARM,
+        "worker-r",
+        token=SUBSCRIBE_TOKEN,
+        max_backoff_s=0.5,
+        public_keys=MANIFEST_PUBLIC_KEYS,
+    )
     following = Following(subscriber)
     try:
         versions = publish_versions(publisher, policy_weights, 2)

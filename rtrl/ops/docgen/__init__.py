@@ -74,20 +74,44 @@ def render() -> dict[Path, str]:
 
 
 def stale(generated: dict[Path, str]) -> list[Path]:
-    return [path for path, text in generated.items() if not (REPO / path).exists() or (REPO / path).read_text(encoding="utf-8") != text]
+    return [
+        path
+        for path, text in generated.items()
+        if not (REPO / path).exists() or (REPO / path).read_text(encoding="utf-8") != text
+    ]
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(prog="python -m rtrl.ops.docgen", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--check", action="store_true", help="write nothing; exit 1 if a generated file differs from the code")
+    parser = argparse.ArgumentParser(
+        prog="python -m rtrl.ops.docgen", description=__doc__.split("\n\n")[0]
+    )
+    parser.add_argument(
+        "--check",
+        action="store_true",
+        help="write nothing; exit 1 if a generated file differs from the code",
+    )
     args = parser.parse_args()
     generated = render()
     if args.check:
         outdated = stale(generated)
         for path in outdated:
-            current = (REPO / path).read_text(encoding="utf-8").splitlines() if (REPO / path).exists() else []
-            diff = list(difflib.unified_diff(current, generated[path].splitlines(), str(path), f"{path} (from the code)", lineterm=""))
-            print(f"{path} is stale: run `python -m rtrl.ops.docgen` and commit it", file=sys.stderr)
+            current = (
+                (REPO / path).read_text(encoding="utf-8").splitlines()
+                if (REPO / path).exists()
+                else []
+            )
+            diff = list(
+                difflib.unified_diff(
+                    current,
+                    generated[path].splitlines(),
+                    str(path),
+                    f"{path} (from the code)",
+                    lineterm="",
+                )
+            )
+            print(
+                f"{path} is stale: run `python -m rtrl.ops.docgen` and commit it", file=sys.stderr
+            )
             print("\n".join(diff[:60]) + ("\n…" if len(diff) > 60 else ""), file=sys.stderr)
         raise SystemExit(1 if outdated else 0)
     for path, text in generated.items():

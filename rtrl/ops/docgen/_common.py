@@ -23,7 +23,11 @@ def service_sources() -> Iterator[Path]:
         here = Path(directory)
         # Pruned in place so os.walk never descends into .venv, .git or the state dir.
         subdirectories[:] = sorted(
-            d for d in subdirectories if not d.startswith((".", "__")) and not d.endswith(".egg-info") and not _skipped(here / d)
+            d
+            for d in subdirectories
+            if not d.startswith((".", "__"))
+            and not d.endswith(".egg-info")
+            and not _skipped(here / d)
         )
         for name in sorted(files):
             if name.endswith(".py") and not _skipped(here / name):
@@ -32,7 +36,10 @@ def service_sources() -> Iterator[Path]:
 
 def _skipped(path: Path) -> bool:
     relative = path.relative_to(REPO).as_posix()
-    return any(fnmatch.fnmatch(relative, pattern) or fnmatch.fnmatch(relative + "/", pattern) for pattern in SKIPPED)
+    return any(
+        fnmatch.fnmatch(relative, pattern) or fnmatch.fnmatch(relative + "/", pattern)
+        for pattern in SKIPPED
+    )
 
 
 def module_name(path: Path) -> str:

@@ -22,15 +22,30 @@ if typing.TYPE_CHECKING:
 # Section order and who reads each class. A class not named here still gets a
 # section (titled by its name) after these, so a new one is never left out.
 SECTIONS = {
-    "rtrl.config.StackSettings": ("Shared connections", "every service, the `rtrl` CLI and the supervisor"),
-    "rtrl.ops.stack.StackConfig": ("Embedded stack", "`rtrl up`, `rtrl demo` and the supervisor they start (not the services)"),
+    "rtrl.config.StackSettings": (
+        "Shared connections",
+        "every service, the `rtrl` CLI and the supervisor",
+    ),
+    "rtrl.ops.stack.StackConfig": (
+        "Embedded stack",
+        "`rtrl up`, `rtrl demo` and the supervisor they start (not the services)",
+    ),
     "ingest.config.IngestSettings": ("Ingest gateway", "`python -m ingest`"),
-    "reward_stream.config.RewardStreamSettings": ("Reward stream", "`python -m reward_stream`, and `python -m reward_stream.replay` for its join window"),
-    "trainer.config.TrainerSettings": ("Trainer", "`python -m trainer`, and every rank of `torchrun … -m trainer`"),
+    "reward_stream.config.RewardStreamSettings": (
+        "Reward stream",
+        "`python -m reward_stream`, and `python -m reward_stream.replay` for its join window",
+    ),
+    "trainer.config.TrainerSettings": (
+        "Trainer",
+        "`python -m trainer`, and every rank of `torchrun … -m trainer`",
+    ),
     "weight_sync.config.WeightSyncSettings": ("Weight sync server", "`python -m weight_sync`"),
     "weight_sync.relay.RelaySettings": ("Weight sync relay", "`python -m weight_sync.relay`"),
     "inference.config.InferenceSettings": ("Inference worker", "`python -m inference`"),
-    "inference.sglang_sidecar.SidecarSettings": ("SGLang sidecar", "`python -m inference.sglang_sidecar`"),
+    "inference.sglang_sidecar.SidecarSettings": (
+        "SGLang sidecar",
+        "`python -m inference.sglang_sidecar`",
+    ),
     "analytics.config.AnalyticsSettings": ("Analytics sink", "`python -m analytics`"),
 }
 
@@ -69,7 +84,11 @@ def settings_classes() -> list[type[BaseSettings]]:
     an env prefix: not rtrl.config.Settings, their common base), in section order."""
     from pydantic_settings import BaseSettings
 
-    modules = {module_name(path) for path in service_sources() if "SettingsConfigDict" in path.read_text(encoding="utf-8")}
+    modules = {
+        module_name(path)
+        for path in service_sources()
+        if "SettingsConfigDict" in path.read_text(encoding="utf-8")
+    }
     for name in sorted(modules):
         importlib.import_module(name)
     found: dict[str, type[BaseSettings]] = {}
@@ -80,7 +99,10 @@ def settings_classes() -> list[type[BaseSettings]]:
         if cls.__module__ in modules and cls.model_config.get("env_prefix"):
             found[f"{cls.__module__}.{cls.__qualname__}"] = cls
     order = list(SECTIONS)
-    return [found[q] for q in sorted(found, key=lambda q: (order.index(q) if q in order else len(order), q))]
+    return [
+        found[q]
+        for q in sorted(found, key=lambda q: (order.index(q) if q in order else len(order), q))
+    ]
 
 
 # ---- one field ---------------------------------------------------------------------------
@@ -172,7 +194,9 @@ def default_text(name: str, field) -> str:
     if isinstance(value, PurePath):
         return f"`{value.as_posix()}`"
     if isinstance(value, (tuple, list, set, frozenset)):
-        return f"`{json.dumps(sorted(value) if isinstance(value, (set, frozenset)) else list(value))}`"
+        return (
+            f"`{json.dumps(sorted(value) if isinstance(value, (set, frozenset)) else list(value))}`"
+        )
     if isinstance(value, (int, float)):
         return _number(value, name)
     return f"`{value}`"
@@ -183,7 +207,12 @@ def constraints_text(name: str, field) -> str:
 
     parts = []
     for item in field.metadata:
-        for kind, attribute, symbol in ((at.Gt, "gt", ">"), (at.Ge, "ge", "≥"), (at.Lt, "lt", "<"), (at.Le, "le", "≤")):
+        for kind, attribute, symbol in (
+            (at.Gt, "gt", ">"),
+            (at.Ge, "ge", "≥"),
+            (at.Lt, "lt", "<"),
+            (at.Le, "le", "≤"),
+        ):
             if isinstance(item, kind):
                 parts.append(f"{symbol} {_number(getattr(item, attribute), name)}")
         if isinstance(item, at.MultipleOf):
@@ -336,7 +365,7 @@ def render_configuration(docs: list[SettingsDoc]) -> str:
         "docstring under each field. The operator's guide is [operations.md](operations.md).",
         "",
         "- A variable's name is the class's prefix plus the field name, upper-cased.",
-        "- Lists are written as JSON: `'[\"control\",\"treatment\"]'`. Booleans as `true` / `false`.",
+        '- Lists are written as JSON: `\'["control","treatment"]\'`. Booleans as `true` / `false`.',
         "- Secrets show as (secret). The two weight-sync tokens default to development values;",
         "  compose/compose.yaml refuses to start until both are set.",
         "- A value outside its constraints, or one that fails a check listed under a class,",
@@ -346,17 +375,27 @@ def render_configuration(docs: list[SettingsDoc]) -> str:
         "|---|---|---|---|",
     ]
     for doc in docs:
-        lines.append(f"| [{doc.title}](#{anchor(doc.title)}) | `{doc.env_prefix}` | `{doc.qualname}` | {doc.read_by} |")
+        lines.append(
+            f"| [{doc.title}](#{anchor(doc.title)}) | `{doc.env_prefix}` | `{doc.qualname}` | {doc.read_by} |"
+        )
     for doc in docs:
         lines += ["", f"## {doc.title}", ""]
-        lines.append(f"`{doc.qualname.rsplit('.', 1)[1]}` in [`{doc.path}`](../{doc.path}), prefix `{doc.env_prefix}`; read by {doc.read_by}.")
+        lines.append(
+            f"`{doc.qualname.rsplit('.', 1)[1]}` in [`{doc.path}`](../{doc.path}), prefix `{doc.env_prefix}`; read by {doc.read_by}."
+        )
         if doc.summary:
             lines += ["", cell(doc.summary)]
-        lines += ["", "| variable | type | default | constraints | description |", "|---|---|---|---|---|"]
+        lines += [
+            "",
+            "| variable | type | default | constraints | description |",
+            "|---|---|---|---|---|",
+        ]
         for field in doc.fields:
             names = "<br>".join(f"`{n}`" for n in field.env_names)
             description = cell(field.description) if field.description else "**undocumented**"
-            lines.append(f"| {names} | {field.type} | {field.default} | {field.constraints} | {description} |")
+            lines.append(
+                f"| {names} | {field.type} | {field.default} | {field.constraints} | {description} |"
+            )
         if doc.checks:
             lines += ["", "Checked at start-up (`{name}` stands for a value):", ""]
             lines += [f"- {_code(check)}" for check in doc.checks]

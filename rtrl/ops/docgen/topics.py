@@ -12,7 +12,13 @@ from dataclasses import dataclass
 from ._common import GENERATED, REPO, cell, service_sources
 from .configuration import SettingsDoc, default_text, env_names
 
-_NEW_TOPIC_PARAMETERS = ("topic", "num_partitions", "replication_factor", "replica_assignment", "config")
+_NEW_TOPIC_PARAMETERS = (
+    "topic",
+    "num_partitions",
+    "replication_factor",
+    "replica_assignment",
+    "config",
+)
 
 
 @dataclass(frozen=True)
@@ -45,9 +51,15 @@ def call_sites(function: str, parameters: tuple[str, ...] = ()) -> list[CallSite
                     passed = node.args[1:]
                 else:
                     continue
-                arguments = {parameters[i]: ast.unparse(a) for i, a in enumerate(passed) if i < len(parameters)}
+                arguments = {
+                    parameters[i]: ast.unparse(a)
+                    for i, a in enumerate(passed)
+                    if i < len(parameters)
+                }
                 arguments.update({k.arg: ast.unparse(k.value) for k in node.keywords if k.arg})
-                sites.append(CallSite(path.relative_to(REPO).as_posix(), node.lineno, outer.name, arguments))
+                sites.append(
+                    CallSite(path.relative_to(REPO).as_posix(), node.lineno, outer.name, arguments)
+                )
     # A call inside a nested function is found from both functions: keep the innermost.
     unique: dict[tuple[str, int], CallSite] = {}
     for site in sites:
@@ -56,7 +68,9 @@ def call_sites(function: str, parameters: tuple[str, ...] = ()) -> list[CallSite
 
 
 def _named(node: ast.expr, name: str) -> bool:
-    return (isinstance(node, ast.Name) and node.id == name) or (isinstance(node, ast.Attribute) and node.attr == name)
+    return (isinstance(node, ast.Name) and node.id == name) or (
+        isinstance(node, ast.Attribute) and node.attr == name
+    )
 
 
 def _setting_expression(expression: str) -> str:
@@ -78,7 +92,13 @@ def topic_groups() -> dict[str, set[str]]:
     for name, value in vars(topics).items():
         if not name.isupper():
             continue
-        members = [value] if isinstance(value, str) else list(value.values()) if isinstance(value, dict) else list(value)
+        members = (
+            [value]
+            if isinstance(value, str)
+            else list(value.values())
+            if isinstance(value, dict)
+            else list(value)
+        )
         for member in members:
             if isinstance(member, str):
                 groups.setdefault(member, set()).add(name)
@@ -93,7 +113,12 @@ def topic_references() -> dict[str, list[str]]:
             continue
         tree = ast.parse(path.read_text(encoding="utf-8"))
         for node in ast.walk(tree):
-            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "topics" and node.attr.isupper():
+            if (
+                isinstance(node, ast.Attribute)
+                and isinstance(node.value, ast.Name)
+                and node.value.id == "topics"
+                and node.attr.isupper()
+            ):
                 used.setdefault(node.attr, set()).add(path.relative_to(REPO).as_posix())
     return {name: sorted(paths) for name, paths in used.items()}
 
@@ -111,7 +136,9 @@ def render_topics(docs: list[SettingsDoc]) -> str:
     for doc in docs:
         for field in doc.fields:
             if field.default.strip("`") in topics.ALL:
-                by_setting.setdefault(field.default.strip("`"), []).append(f"`{doc.qualname.split('.')[0]}` (default of `{field.env_names[0]}`)")
+                by_setting.setdefault(field.default.strip("`"), []).append(
+                    f"`{doc.qualname.split('.')[0]}` (default of `{field.env_names[0]}`)"
+                )
     lines = [
         GENERATED,
         "",
@@ -126,7 +153,11 @@ def render_topics(docs: list[SettingsDoc]) -> str:
     ]
     for site in creations:
         partitions = _setting_expression(site.arguments.get("num_partitions", "-1"))
-        replication = _setting_expression(site.arguments["replication_factor"]) if "replication_factor" in site.arguments else "the broker's default"
+        replication = (
+            _setting_expression(site.arguments["replication_factor"])
+            if "replication_factor" in site.arguments
+            else "the broker's default"
+        )
         config = site.arguments.get("config")
         lines += [
             f"`NewTopic` in `{site.function}()` ([`{site.path}`](../{site.path})):",
@@ -171,7 +202,9 @@ def render_topics(docs: list[SettingsDoc]) -> str:
 
 
 _TABLE = re.compile(r"CREATE TABLE IF NOT EXISTS (\w+) \((.*)\)\s*ENGINE = (.+?)\s*$", re.DOTALL)
-_VIEW = re.compile(r"CREATE MATERIALIZED VIEW IF NOT EXISTS (\w+) TO (\w+) AS .*?\bFROM (\w+)", re.DOTALL)
+_VIEW = re.compile(
+    r"CREATE MATERIALIZED VIEW IF NOT EXISTS (\w+) TO (\w+) AS .*?\bFROM (\w+)", re.DOTALL
+)
 
 
 class _RecordingClient:
@@ -182,7 +215,9 @@ class _RecordingClient:
         self.statements: list[str] = []
 
     def command(self, statement: str) -> str:
-        self.statements.append(" ".join(statement.split()) if "VIEW" in statement else statement.strip())
+        self.statements.append(
+            " ".join(statement.split()) if "VIEW" in statement else statement.strip()
+        )
         return "1"
 
 
@@ -192,7 +227,9 @@ def render_tables() -> list[str]:
 
     client = _RecordingClient()
     schema.create_tables(client)
-    views = {found.group(2): found.groups() for found in map(_VIEW.search, client.statements) if found}
+    views = {
+        found.group(2): found.groups() for found in map(_VIEW.search, client.statements) if found
+    }
     lines = [
         "## ClickHouse tables",
         "",
@@ -208,6 +245,12 @@ def render_tables() -> list[str]:
             continue
         name, body, engine = found.groups()
         columns = [line.strip().split()[0] for line in body.splitlines() if line.strip()]
-        filled_by = f"materialized view `{views[name][0]}` over `{views[name][2]}`" if name in views else "the sink"
-        lines.append(f"| `{name}` | `{' '.join(engine.split())}` | {filled_by} | {', '.join(f'`{c}`' for c in columns)} |")
+        filled_by = (
+            f"materialized view `{views[name][0]}` over `{views[name][2]}`"
+            if name in views
+            else "the sink"
+        )
+        lines.append(
+            f"| `{name}` | `{' '.join(engine.split())}` | {filled_by} | {', '.join(f'`{c}`' for c in columns)} |"
+        )
     return lines
