@@ -187,8 +187,8 @@ async def issue_key(
         # redis types the mapping's keys invariantly (Mapping[FieldT, ...]): a dict[str, ...] is refused.
         pipe.hset(
             KEY_PREFIX + digest,
-            mapping={**authority.signed(digest, fields), "created_ms": now_ms()},
-        )  # type: ignore[dict-item]
+            mapping={**authority.signed(digest, fields), "created_ms": now_ms()},  # type: ignore[dict-item]
+        )
         pipe.sadd(CLIENT_PREFIX + client_id, digest)
         await pipe.execute()
     return api_key

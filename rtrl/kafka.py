@@ -184,8 +184,12 @@ class AsyncProducer:
         # confluent_kafka types headers as list[tuple[str, str | bytes | None]]; lists
         # being invariant, it refuses a list[tuple[str, bytes]], which it takes at run time.
         self._producer.produce(
-            topic, value, key=key.encode(), headers=headers or [], on_delivery=on_delivery
-        )  # type: ignore[arg-type]
+            topic,
+            value,
+            key=key.encode(),
+            headers=headers or [],
+            on_delivery=on_delivery,  # type: ignore[arg-type]
+        )
         return future
 
     def send_batch(
@@ -217,8 +221,12 @@ class AsyncProducer:
 
             try:
                 self._producer.produce(
-                    topic, value, key=key.encode(), headers=headers, on_delivery=on_delivery
-                )  # type: ignore[arg-type]  # as in send()
+                    topic,
+                    value,
+                    key=key.encode(),
+                    headers=headers,
+                    on_delivery=on_delivery,  # type: ignore[arg-type]
+                )  # as in send()
             except (
                 BufferError
             ) as exc:  # librdkafka's local queue is full: this one and the rest fail

@@ -266,8 +266,8 @@ class ShardedLearner:
         # state dict as an (invariant) dict of its ValueType union, which a dict of tensors is not.
         set_model_state_dict(
             self.model,
-            received,
-            options=StateDictOptions(full_state_dict=True, strict=False),  # type: ignore[arg-type]
+            received,  # type: ignore[arg-type]
+            options=StateDictOptions(full_state_dict=True, strict=False),
         )
         if optimizer_state is None:
             return
