@@ -12,6 +12,7 @@ import asyncio
 import logging
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import cast
 
@@ -181,14 +182,8 @@ class AsyncProducer:
             else:
                 loop.call_soon_threadsafe(_set_result, future, (msg.partition(), msg.offset()))
 
-        # confluent_kafka types headers as list[tuple[str, str | bytes | None]]; lists
-        # being invariant, it refuses a list[tuple[str, bytes]], which it takes at run time.
         self._producer.produce(
-            topic,
-            value,
-            key=key.encode(),
-            headers=headers or [],
-            on_delivery=on_delivery,  # type: ignore[arg-type]
+            topic, value, key=key.encode(), headers=kafka_headers(headers), on_delivery=on_delivery
         )
         return future
 
@@ -224,9 +219,9 @@ class AsyncProducer:
                     topic,
                     value,
                     key=key.encode(),
-                    headers=headers,
-                    on_delivery=on_delivery,  # type: ignore[arg-type]
-                )  # as in send()
+                    headers=kafka_headers(headers),
+                    on_delivery=on_delivery,
+                )
             except (
                 BufferError
             ) as exc:  # librdkafka's local queue is full: this one and the rest fail
@@ -389,6 +384,14 @@ def record_headers(msg: Message) -> tuple[tuple[str, bytes | None], ...]:
     """A consumed record's headers. consume() gives a list of (name, bytes or None);
     confluent_kafka's type for them is what produce() takes (a dict too, str values too)."""
     return tuple(cast("list[tuple[str, bytes | None]]", msg.headers() or []))
+
+
+def kafka_headers(
+    headers: Sequence[tuple[str, bytes]] | None,
+) -> list[tuple[str, str | bytes | None]]:
+    """Headers as confluent_kafka's produce() is typed to take them (its list is invariant,
+    so a list[tuple[str, bytes]] is refused although it is what it takes at run time)."""
+    return list(headers or ())
 
 
 def traceparent_headers(traceparent: str) -> list[tuple[str, bytes]]:
