@@ -85,7 +85,7 @@ def project_tables(client) -> dict[str, frozenset[str]]:
 def client_query_fn(client) -> QueryFn:
     def query(sql: str) -> list[dict[str, Any]]:
         result = client.query(sql)
-        return [dict(zip(result.column_names, row)) for row in result.result_rows]
+        return [dict(zip(result.column_names, row, strict=True)) for row in result.result_rows]
 
     return query
 
@@ -201,7 +201,9 @@ async def _query(request: web.Request) -> web.Response:
             status=400,
         )
     columns = list(result.column_names)
-    rows = [{c: jsonable(v) for c, v in zip(columns, row)} for row in result.result_rows]
+    rows = [
+        {c: jsonable(v) for c, v in zip(columns, row, strict=True)} for row in result.result_rows
+    ]
     return web.json_response({"columns": columns, "rows": rows})
 
 

@@ -126,7 +126,9 @@ def arm_metrics(query_fn: QueryFn, since_ms: int | None = None) -> dict[str, Arm
     rollouts = {
         r["arm"]: r
         for r in query_fn(
-            f"SELECT arm, count() AS rollouts, quantileExactInclusive(0.5)(latency_s) AS latency_p50_s FROM rollouts FINAL{rollout_filter} GROUP BY arm"
+            "SELECT arm, count() AS rollouts, "
+            "quantileExactInclusive(0.5)(latency_s) AS latency_p50_s "
+            f"FROM rollouts FINAL{rollout_filter} GROUP BY arm"
         )
     }
     metrics = {}
@@ -250,6 +252,17 @@ def _from_view(
     return {tuple(row[alias] for alias in keys): row for row in rows}
 
 
+_STYLE = (
+    "body{font-family:sans-serif;margin:2em}table{border-collapse:collapse;margin-bottom:2em}\n"
+    "td,th{border:1px solid #ccc;padding:4px 10px;text-align:right}"
+    "td:first-child,td:nth-child(2){text-align:left}"
+)
+_VERSION_HEADER = (
+    "<tr><th>arm</th><th>policy version</th><th>rewards</th><th>persisted</th>"
+    "<th>dissatisfied</th><th>reward mean</th><th>latency p50</th></tr>"
+)
+
+
 def write_html(
     path: Path | str,
     ab_rows: list[ABRow],
@@ -278,21 +291,21 @@ def write_html(
     )
     definitions = html.escape(__doc__.split("\n", 2)[2].strip())
     extra = "".join(
-        f'<h2>{html.escape(heading)}</h2>\n<img alt="{html.escape(description)}" src="data:image/png;base64,{base64.b64encode(png).decode()}">\n'
+        f'<h2>{html.escape(heading)}</h2>\n<img alt="{html.escape(description)}" '
+        f'src="data:image/png;base64,{base64.b64encode(png).decode()}">\n'
         for heading, description, png in extra_figures
     )
     path.write_text(
         f"""<!doctype html>
 <html><head><meta charset="utf-8"><title>{html.escape(title)}</title>
-<style>body{{font-family:sans-serif;margin:2em}}table{{border-collapse:collapse;margin-bottom:2em}}
-td,th{{border:1px solid #ccc;padding:4px 10px;text-align:right}}td:first-child,td:nth-child(2){{text-align:left}}</style>
+<style>{_STYLE}</style>
 </head><body>
 <h1>{html.escape(title)}</h1>
 <h2>Treatment vs control</h2>
 <table><tr><th>window</th><th>metric</th><th>control</th><th>treatment</th><th>change</th></tr>{ab_body}</table>
 <h2>By policy version</h2>
 <img alt="persisted and dissatisfied rate by policy version" src="data:image/png;base64,{png}">
-<table><tr><th>arm</th><th>policy version</th><th>rewards</th><th>persisted</th><th>dissatisfied</th><th>reward mean</th><th>latency p50</th></tr>{version_body}</table>
+<table>{_VERSION_HEADER}{version_body}</table>
 {extra}
 <h2>Definitions</h2><pre>{definitions}</pre>
 </body></html>
@@ -321,6 +334,7 @@ def _plot_png(ab_rows: list[ABRow], version_rows: list[VersionRow]) -> bytes:
         figure.subplots(1, 2),
         ("persisted_rate", "dissatisfied_rate"),
         ("edits persisted", "dissatisfied follow-ups"),
+        strict=True,
     ):
         points = [
             (v.policy_version, getattr(v, metric))
@@ -328,7 +342,7 @@ def _plot_png(ab_rows: list[ABRow], version_rows: list[VersionRow]) -> bytes:
             if getattr(v, metric) is not None
         ]
         if points:
-            axes.plot(*zip(*points), marker="o", color="tab:orange", label="treatment")
+            axes.plot(*zip(*points, strict=True), marker="o", color="tab:orange", label="treatment")
         control = overall[metric].control if metric in overall else None
         if control is not None:
             # Control serves one pinned version, so it is a level, not a curve.

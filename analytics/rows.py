@@ -158,7 +158,8 @@ def ts(ms: int, field: str = "ts_ms") -> datetime:
     """Epoch milliseconds as a UTC datetime, or Unstorable naming ``field`` when out of range."""
     if not TS_MIN_MS <= ms <= TS_MAX_MS:
         raise Unstorable(
-            f"{field} {ms} cannot be stored: timestamps must lie in [{TS_MIN_MS}, {TS_MAX_MS}] ms (1970-01-01 to 2106-02-07 UTC)"
+            f"{field} {ms} cannot be stored: timestamps must lie in [{TS_MIN_MS}, {TS_MAX_MS}] ms "
+            "(1970-01-01 to 2106-02-07 UTC)"
         )
     return _EPOCH + timedelta(milliseconds=ms)
 

@@ -236,7 +236,8 @@ def _ab_view(
     id -> one Float64 per entry of ``values``."""
     arrays = ", ".join(f"[toFloat64({expression})]" for expression in values.values())
     select = (
-        f"SELECT arm, {version} AS policy_version, toStartOfHour({ts}) AS hour, maxMapState([{id_column}], {arrays}) AS by_id "
+        f"SELECT arm, {version} AS policy_version, toStartOfHour({ts}) AS hour, "
+        f"maxMapState([{id_column}], {arrays}) AS by_id "
         f"FROM {source}{where} GROUP BY arm, policy_version, hour"
     )
     target_ddl = f"""

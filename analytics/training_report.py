@@ -39,7 +39,8 @@ class Figures:
 def reward_components(query_fn: QueryFn, max_buckets: int = 20) -> list[dict]:
     """Mean of each reward component per arm and policy-version bucket."""
     (span,) = query_fn(
-        f"SELECT min(policy_version) AS lo, max(policy_version) AS hi FROM rewards FINAL WHERE topic = '{topics.REWARD}'"
+        "SELECT min(policy_version) AS lo, max(policy_version) AS hi "
+        f"FROM rewards FINAL WHERE topic = '{topics.REWARD}'"
     )
     size = max(1, math.ceil((int(span["hi"] or 0) - int(span["lo"] or 0) + 1) / max_buckets))
     means = ", ".join(f"avg({c}) AS {c}" for c in COMPONENTS)
@@ -88,7 +89,7 @@ def figures(query_fn: QueryFn) -> Figures:
 
 def _components_png(rows: list[dict]) -> bytes:
     figure = Figure(figsize=(12, 3.2), layout="constrained")
-    for axes, component in zip(figure.subplots(1, len(COMPONENTS)), COMPONENTS):
+    for axes, component in zip(figure.subplots(1, len(COMPONENTS)), COMPONENTS, strict=True):
         for arm, color in (("control", "tab:blue"), ("treatment", "tab:orange")):
             points = [
                 (int(r["version"]), float(r[component]))
@@ -96,7 +97,9 @@ def _components_png(rows: list[dict]) -> bytes:
                 if r["arm"] == arm and r[component] is not None
             ]
             if points:
-                axes.plot(*zip(*points), marker="o", markersize=3, color=color, label=arm)
+                axes.plot(
+                    *zip(*points, strict=True), marker="o", markersize=3, color=color, label=arm
+                )
         axes.set_title(component.replace("_", " "))
         axes.set_xlabel("policy version")
         axes.xaxis.set_major_locator(MaxNLocator(integer=True))
@@ -151,7 +154,7 @@ def _latency_png(steps: list[dict]) -> bytes:
     for phase in PHASES:
         values = [float(s[phase]) for s in steps]
         phase_axes.bar(x, values, bottom=bottom, label=phase.removesuffix("_s").replace("_", " "))
-        bottom = [b + v for b, v in zip(bottom, values)]
+        bottom = [b + v for b, v in zip(bottom, values, strict=True)]
     phase_axes.set_title("seconds per step, by phase")
     phase_axes.set_xlabel("training step")
     phase_axes.legend(loc="best")

@@ -39,6 +39,7 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
+from bench import report
 from rtrl import heartbeat, procs, signing
 from rtrl.config import StackSettings
 
@@ -61,6 +62,59 @@ class Topology:
     @property
     def arm(self) -> str:
         return f"{'relayed' if self.relays else 'direct'}-{self.mode}-{self.subscribers}"
+
+
+# Produced by run, one per topology; part of BroadcastResult.
+@dataclass(frozen=True)
+class TopologyResult:
+    mode: str
+    """Topology.mode: how the subscribers were held (``connections`` or ``processes``)."""
+    subscribers: int
+    relays: int
+    """Relays between the server and the subscribers; 0 for direct subscriptions."""
+    delivery_s: float
+    """Median over rounds: the Publish call's start until the last subscriber holds the version."""
+    first_delivery_s: float
+    """The same until the first subscriber holds it."""
+    rounds: int
+    server_copies_per_version: float
+    """The server's egress during the topology's run, in copies of the arm's versions."""
+
+
+# Produced by run; written to bench/results/broadcast.json; read by its test and the README.
+# The fanout_* fields are for FANOUTS = (1, 2, 4, 8); a figure FANOUTS leaves out is None.
+@dataclass(frozen=True)
+class BroadcastResult:
+    delta_bytes: int
+    """Median size of the deltas broadcast."""
+    keyframe_bytes: int
+    rounds: int
+    """Deltas timed per topology."""
+    topologies: tuple[TopologyResult, ...]
+    fanout_2_vs_1: float | None
+    """delivery_s to 2 direct subscribers over delivery_s to 1 (``connections``)."""
+    fanout_2_vs_1_relayed: float | None
+    """delivery_s to 2 subscribers behind the relays over delivery_s to 1 direct."""
+    fanout_4_vs_1: float | None
+    fanout_4_vs_1_relayed: float | None
+    fanout_8_vs_1: float | None
+    fanout_8_vs_1_relayed: float | None
+    fanout_2_vs_1_processes: float | None
+    """The same ratios with a process per subscriber (``processes``)."""
+    fanout_2_vs_1_relayed_processes: float | None
+    fanout_4_vs_1_processes: float | None
+    fanout_4_vs_1_relayed_processes: float | None
+    fanout_8_vs_1_processes: float | None
+    fanout_8_vs_1_relayed_processes: float | None
+
+
+@dataclass(frozen=True)
+class Delivery:
+    """What run_topology measured; run adds the server's egress to make a TopologyResult."""
+
+    delivery_s: float
+    first_delivery_s: float
+    rounds: int
 
 
 class Probes:
@@ -95,8 +149,9 @@ class Probes:
             if len(arrived) == len(times):
                 return arrived
             if time.monotonic() > deadline:
+                reached = sum(t is not None for t in times)
                 raise TimeoutError(
-                    f"v{version} reached {sum(t is not None for t in times)} of {len(times)} subscribers in {timeout_s} s"
+                    f"v{version} reached {reached} of {len(times)} subscribers in {timeout_s} s"
                 )
             time.sleep(0.02)
 
@@ -126,7 +181,7 @@ def run_topology(
     versions,
     stack: StackSettings,
     workdir: Path,
-) -> dict:
+) -> Delivery:
     from weight_sync.client import Publisher
 
     addrs = (
@@ -153,14 +208,7 @@ def run_topology(
             delivered = probes.delivered(version)
             times.append(max(delivered) - published)
             firsts.append(min(delivered) - published)
-        return {
-            "mode": topology.mode,
-            "subscribers": topology.subscribers,
-            "relays": topology.relays,
-            "delivery_s": statistics.median(times),
-            "first_delivery_s": statistics.median(firsts),
-            "rounds": len(times),
-        }
+        return Delivery(statistics.median(times), statistics.median(firsts), len(times))
     finally:
         publisher.close()
         probes.stop()
@@ -176,7 +224,7 @@ def server_bytes_sent(client: redis.Redis, instance: str) -> int:
     )
 
 
-def run(out: Path, console: Console, rounds: int = 15) -> dict:
+def run(out: Path, console: Console, rounds: int = 15) -> BroadcastResult:
     from bench.codec import minilm_versions
 
     # The bench's own servers, relays and probes (which inherit this environment) share a pair
@@ -200,12 +248,7 @@ def run(out: Path, console: Console, rounds: int = 15) -> dict:
         for n in FANOUTS
         if n >= max(relays, 1)
     ]
-    results: dict = {
-        "delta_bytes": delta_bytes,
-        "keyframe_bytes": keyframe_bytes,
-        "rounds": rounds,
-        "topologies": [],
-    }
+    measured: list[TopologyResult] = []
     with tempfile.TemporaryDirectory(prefix="rtrl-bench-broadcast-") as tmp:
         workdir = Path(tmp)
         redis_proc = procs.start_redis(workdir / "redis", workdir / "redis.log")
@@ -262,47 +305,64 @@ def run(out: Path, console: Console, rounds: int = 15) -> dict:
                 for topology in topologies:
                     progress.update(task, description=topology.arm)
                     before = server_bytes_sent(client, "bench")
-                    result = run_topology(
+                    delivery = run_topology(
                         topology, server_addr, relay_addrs, versions, stack, workdir
                     )
                     # Egress in copies of the arm's versions: what the server's own streams carried.
                     sent = server_bytes_sent(client, "bench") - before
-                    result["server_copies_per_version"] = round(
-                        sent / (keyframe_bytes + sum(delta_sizes)), 3
+                    measured.append(
+                        TopologyResult(
+                            mode=topology.mode,
+                            subscribers=topology.subscribers,
+                            relays=topology.relays,
+                            delivery_s=delivery.delivery_s,
+                            first_delivery_s=delivery.first_delivery_s,
+                            rounds=delivery.rounds,
+                            server_copies_per_version=round(
+                                sent / (keyframe_bytes + sum(delta_sizes)), 3
+                            ),
+                        )
                     )
-                    results["topologies"].append(result)
                     progress.advance(task)
         finally:
             client.close()
             for proc in reversed(started):
                 proc.stop()
-    by = {
-        (t["mode"], t["relays"], t["subscribers"]): t["delivery_s"] for t in results["topologies"]
-    }
-    for mode in MODES:
-        suffix = "" if mode == "connections" else "_processes"
-        for n in FANOUTS[1:]:
-            results[f"fanout_{n}_vs_1{suffix}"] = round(by[(mode, 0, n)] / by[(mode, 0, 1)], 2)
-            if (mode, RELAYS, n) in by:
-                results[f"fanout_{n}_vs_1_relayed{suffix}"] = round(
-                    by[(mode, RELAYS, n)] / by[(mode, 0, 1)], 2
-                )
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=2))
-    _print(results, out, console)
-    return results
+    by = {(t.mode, t.relays, t.subscribers): t.delivery_s for t in measured}
 
+    def fanout(n: int, mode: str = "connections", relays: int = 0) -> float | None:
+        """Delivery to n subscribers over delivery to 1 direct one; None if not measured."""
+        if (mode, relays, n) not in by:
+            return None
+        return round(by[(mode, relays, n)] / by[(mode, 0, 1)], 2)
 
-def _print(results: dict, out: Path, console: Console) -> None:
-    base = {
-        t["mode"]: t["delivery_s"]
-        for t in results["topologies"]
-        if t["relays"] == 0 and t["subscribers"] == 1
-    }
-    table = Table(
-        title=f"bench broadcast -> {out} (deltas ~{results['delta_bytes']:,} B, keyframe {results['keyframe_bytes']:,} B)",
-        title_justify="left",
+    result = BroadcastResult(
+        delta_bytes=delta_bytes,
+        keyframe_bytes=keyframe_bytes,
+        rounds=rounds,
+        topologies=tuple(measured),
+        fanout_2_vs_1=fanout(2),
+        fanout_2_vs_1_relayed=fanout(2, relays=RELAYS),
+        fanout_4_vs_1=fanout(4),
+        fanout_4_vs_1_relayed=fanout(4, relays=RELAYS),
+        fanout_8_vs_1=fanout(8),
+        fanout_8_vs_1_relayed=fanout(8, relays=RELAYS),
+        fanout_2_vs_1_processes=fanout(2, "processes"),
+        fanout_2_vs_1_relayed_processes=fanout(2, "processes", RELAYS),
+        fanout_4_vs_1_processes=fanout(4, "processes"),
+        fanout_4_vs_1_relayed_processes=fanout(4, "processes", RELAYS),
+        fanout_8_vs_1_processes=fanout(8, "processes"),
+        fanout_8_vs_1_relayed_processes=fanout(8, "processes", RELAYS),
     )
+    report.write(out, result)
+    _print(result, out, console)
+    return result
+
+
+def _print(result: BroadcastResult, out: Path, console: Console) -> None:
+    base = {t.mode: t.delivery_s for t in result.topologies if t.relays == 0 and t.subscribers == 1}
+    sizes = f"deltas ~{result.delta_bytes:,} B, keyframe {result.keyframe_bytes:,} B"
+    table = Table(title=f"bench broadcast -> {out} ({sizes})", title_justify="left")
     for column in (
         "probes",
         "topology",
@@ -312,15 +372,15 @@ def _print(results: dict, out: Path, console: Console) -> None:
         "server egress (copies)",
     ):
         table.add_column(column, justify="right")
-    for t in results["topologies"]:
-        name = f"{t['relays']} relays" if t["relays"] else "direct"
-        held_by = "1 process" if t["mode"] == "connections" else "1 per subscriber"
+    for t in result.topologies:
+        name = f"{t.relays} relays" if t.relays else "direct"
+        held_by = "1 process" if t.mode == "connections" else "1 per subscriber"
         table.add_row(
             held_by,
             name,
-            str(t["subscribers"]),
-            f"{t['delivery_s'] * 1000:.1f} ms",
-            f"{t['delivery_s'] / base[t['mode']]:.2f}",
-            f"{t['server_copies_per_version']:g}",
+            str(t.subscribers),
+            f"{t.delivery_s * 1000:.1f} ms",
+            f"{t.delivery_s / base[t.mode]:.2f}",
+            f"{t.server_copies_per_version:g}",
         )
     console.print(table)

@@ -13,12 +13,13 @@ plain copy of the same weights (memcpy) for encode/apply time.
 
 from __future__ import annotations
 
-import json
+import dataclasses
 import math
 import random
 import statistics
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -26,6 +27,8 @@ import torch
 import zstandard
 from rich.console import Console
 from rich.table import Table
+
+from bench import report
 
 Weights = dict[str, torch.Tensor]
 
@@ -107,7 +110,7 @@ def policy_workload(seed: int = 0) -> tuple[Weights, Weights]:
             0,
             0,
         )
-        for i, (t, r) in enumerate(zip(tasks, rollouts))
+        for i, (t, r) in enumerate(zip(tasks, rollouts, strict=True))
     ]
     before = state_dict_fp32(model)
     model.train()
@@ -139,7 +142,7 @@ def order0_bound_bytes(parent: Weights, new: Weights, values: str = "xor") -> tu
         changed += int(diff.sum())
         changed_values = (new_bits ^ old_bits) if values == "xor" else (new_bits - old_bits)
         distinct, counts = np.unique(changed_values[diff].numpy(), return_counts=True)
-        for v, c in zip(distinct.tolist(), counts.tolist()):
+        for v, c in zip(distinct.tolist(), counts.tolist(), strict=True):
             value_counts[(width, v)] = value_counts.get((width, v), 0) + c
     p = changed / total
     position_bits = (
@@ -189,7 +192,45 @@ def paired_ratio(
     return statistics.median(work_s) / statistics.median(baseline_s), statistics.median(baseline_s)
 
 
-def measure(parent: Weights, new: Weights, repeats: int = 15) -> dict:
+# Produced by measure, one per workload; part of CodecResult, read by the codec test.
+@dataclass(frozen=True)
+class DeltaResult:
+    tensors: int
+    elements: int
+    full_bytes: int
+    """The new weights' size as they are (no compression)."""
+    delta_bytes: int
+    """The codec's blob for the delta from the parent."""
+    compression_ratio: float
+    """full_bytes / delta_bytes."""
+    changed_fraction: float
+    """Share of elements whose bits differ from the parent's."""
+    entropy_bound_bytes: int
+    """What an ideal order-0 coder of the delta (positions, XOR of old and new bits) needs."""
+    entropy_bound_ratio: float | None
+    """full_bytes over that bound; None when the bound is 0 (nothing changed)."""
+    diff_entropy_bound_ratio: float | None
+    """The same with the wrapping integer difference for values (what the codec stores)."""
+    plain_xor_gap_zstd_ratio: float
+    """full_bytes over the baseline coder's (int64 gaps and XOR, zstd level 3 per tensor)."""
+    encode_vs_memcpy: float
+    """Median encode time over the median time to copy the same weights."""
+    apply_vs_memcpy: float
+    """Median decode-and-apply time over the same copy time."""
+    memcpy_s: float
+    """That median copy time."""
+
+
+# Produced by run; written to bench/results/codec.json; read by the README.
+@dataclass(frozen=True)
+class CodecResult:
+    minilm: DeltaResult
+    """bf16 MiniLM weights between steps 5 and 6 of a seeded fp32 fine-tune."""
+    policy: DeltaResult
+    """fp32 demo-policy weights before and after one RL step."""
+
+
+def measure(parent: Weights, new: Weights, repeats: int = 15) -> DeltaResult:
     from weight_sync import codec
 
     full_bytes = sum(t.numel() * t.element_size() for t in new.values())
@@ -217,39 +258,41 @@ def measure(parent: Weights, new: Weights, repeats: int = 15) -> dict:
         lambda: codec.encode(parent, new, buffers), memcpy, repeats
     )
     apply_vs_memcpy, _ = paired_ratio(lambda: codec.decode(blob, manifest, parent), memcpy, repeats)
-    return {
-        "tensors": len(new),
-        "elements": sum(t.numel() for t in new.values()),
-        "full_bytes": full_bytes,
-        "delta_bytes": len(blob),
-        "compression_ratio": round(full_bytes / len(blob), 2),
-        "changed_fraction": round(changed_fraction, 6),
-        "entropy_bound_bytes": round(bound_bytes),
-        "entropy_bound_ratio": round(full_bytes / bound_bytes, 2) if bound_bytes else None,
-        "diff_entropy_bound_ratio": round(full_bytes / diff_bound_bytes, 2)
+    return DeltaResult(
+        tensors=len(new),
+        elements=sum(t.numel() for t in new.values()),
+        full_bytes=full_bytes,
+        delta_bytes=len(blob),
+        compression_ratio=round(full_bytes / len(blob), 2),
+        changed_fraction=round(changed_fraction, 6),
+        entropy_bound_bytes=round(bound_bytes),
+        entropy_bound_ratio=round(full_bytes / bound_bytes, 2) if bound_bytes else None,
+        diff_entropy_bound_ratio=round(full_bytes / diff_bound_bytes, 2)
         if diff_bound_bytes
         else None,
-        "plain_xor_gap_zstd_ratio": round(full_bytes / plain_bytes, 2),
-        "encode_vs_memcpy": round(encode_vs_memcpy, 2),
-        "apply_vs_memcpy": round(apply_vs_memcpy, 2),
-        "memcpy_s": round(memcpy_s, 6),
-    }
+        plain_xor_gap_zstd_ratio=round(full_bytes / plain_bytes, 2),
+        encode_vs_memcpy=round(encode_vs_memcpy, 2),
+        apply_vs_memcpy=round(apply_vs_memcpy, 2),
+        memcpy_s=round(memcpy_s, 6),
+    )
 
 
-def run(out: Path, console: Console) -> dict:
+def run(out: Path, console: Console) -> CodecResult:
     torch.set_num_threads(1)
-    results = {}
     with console.status("minilm: fine-tuning 6 steps in fp32") as status:
-        results["minilm"] = measure(*minilm_workload())
+        minilm = measure(*minilm_workload())
         status.update("policy: one RL step")
-        results["policy"] = measure(*policy_workload())
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=2))
+        policy = measure(*policy_workload())
+    result = CodecResult(minilm=minilm, policy=policy)
+    report.write(out, result)
+    workloads = {"minilm": result.minilm, "policy": result.policy}
     table = Table(title=f"bench codec -> {out}", title_justify="left")
     table.add_column("metric")
-    for name in results:
+    for name in workloads:
         table.add_column(name, justify="right")
-    for metric in results["minilm"]:
-        table.add_row(metric, *(str(results[w][metric]) for w in results))
+    for metric in dataclasses.fields(DeltaResult):
+        table.add_row(
+            metric.name, *(str(getattr(delta, metric.name)) for delta in workloads.values())
+        )
     console.print(table)
-    return results
+    return result

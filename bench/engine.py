@@ -23,7 +23,6 @@ last completion.
 
 from __future__ import annotations
 
-import json
 import random
 import threading
 import time
@@ -35,6 +34,7 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
+from bench import report
 from bench.join import code_version
 from inference.engine import Engine, EngineConfig, prompt_token_ids
 from rtrl.policy import EOS, PAD, build_model, state_dict_fp32
@@ -51,6 +51,40 @@ class Phase:
     @property
     def tokens_per_s(self) -> float:
         return self.tokens / self.seconds
+
+
+# Produced by run, per measured phase; part of EngineResult.
+@dataclass(frozen=True)
+class PhaseResult:
+    name: str
+    tokens: int
+    seconds: float
+    tokens_per_s: float
+    swaps: int
+
+
+# Produced by run; written to bench/results/engine.json; read by its test and the README.
+@dataclass(frozen=True)
+class EngineResult:
+    code: str
+    """The commit of inference/ the engine ran at."""
+    concurrency: int
+    max_tokens: int
+    torch_threads: int
+    phase_s: float
+    swap_every_s: float
+    tokens_per_s: float
+    """The engine's steady rate, no versions arriving."""
+    hf_generate_tokens_per_s: float
+    """The baseline: HF generate() on the same model and prompts, same process."""
+    ratio: float
+    """tokens_per_s over the baseline's."""
+    swap_slowdown: float
+    """The engine's rate while a version arrives every swap_every_s, over its steady rate."""
+    swap_slowdown_recompute: float
+    """The same with the recompute swap policy."""
+    swaps: int
+    phases: tuple[PhaseResult, ...]
 
 
 def task_prompts(n: int, seed: int = 0) -> list[list[int]]:
@@ -179,7 +213,7 @@ def run(
     phase_s: float = 10.0,
     rounds: int = 2,
     swap_every_s: float = 2.0,
-) -> dict:
+) -> EngineResult:
     torch.set_num_threads(1)
     model = build_model(seed=1)
     sets = [state_dict_fp32(build_model(seed=s)) for s in (1, 2)]
@@ -222,55 +256,45 @@ def run(
         return sum(p.tokens for p in phases[name]) / sum(p.seconds for p in phases[name])
 
     steady, hf = rate("engine_keep_steady"), rate("hf_generate")
-    results = {
-        "code": code_version("inference"),
-        "concurrency": concurrency,
-        "max_tokens": max_tokens,
-        "torch_threads": torch.get_num_threads(),
-        "phase_s": phase_s,
-        "swap_every_s": swap_every_s,
-        "tokens_per_s": round(steady, 1),
-        "hf_generate_tokens_per_s": round(hf, 1),
-        "ratio": round(steady / hf, 3),
-        "swap_slowdown": round(rate("engine_keep_swaps") / steady, 3),
-        "swap_slowdown_recompute": round(
+    swapped = ("engine_keep_swaps", "engine_recompute_swaps")
+    result = EngineResult(
+        code=code_version("inference"),
+        concurrency=concurrency,
+        max_tokens=max_tokens,
+        torch_threads=torch.get_num_threads(),
+        phase_s=phase_s,
+        swap_every_s=swap_every_s,
+        tokens_per_s=round(steady, 1),
+        hf_generate_tokens_per_s=round(hf, 1),
+        ratio=round(steady / hf, 3),
+        swap_slowdown=round(rate("engine_keep_swaps") / steady, 3),
+        swap_slowdown_recompute=round(
             rate("engine_recompute_swaps") / rate("engine_recompute_steady"), 3
         ),
-        "swaps": sum(
-            p.swaps
-            for name in ("engine_keep_swaps", "engine_recompute_swaps")
-            for p in phases[name]
-        ),
-        "phases": [
-            {
-                "name": p.name,
-                "tokens": p.tokens,
-                "seconds": round(p.seconds, 3),
-                "tokens_per_s": round(p.tokens_per_s, 1),
-                "swaps": p.swaps,
-            }
+        swaps=sum(p.swaps for name in swapped for p in phases[name]),
+        phases=tuple(
+            PhaseResult(p.name, p.tokens, round(p.seconds, 3), round(p.tokens_per_s, 1), p.swaps)
             for ps in phases.values()
             for p in ps
-        ],
-    }
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=2))
-    _print(results, out, console)
-    return results
+        ),
+    )
+    report.write(out, result)
+    _print(result, out, console)
+    return result
 
 
-def _print(r: dict, out: Path, console: Console) -> None:
+def _print(r: EngineResult, out: Path, console: Console) -> None:
+    threads = f"{r.torch_threads} torch thread"
     table = Table(
-        title=f"bench engine -> {out} ({r['concurrency']} in flight, {r['max_tokens']} tokens each, {r['torch_threads']} torch thread)"
+        title=f"bench engine -> {out} ({r.concurrency} in flight, {r.max_tokens} tokens each, {threads})"
     )
     for column in ("generator", "tokens/s", "vs HF generate()"):
         table.add_column(column, justify="right")
-    hf = r["hf_generate_tokens_per_s"]
-    rows = [("HF generate()", hf), ("engine", r["tokens_per_s"])]
-    for name, value in rows:
+    hf = r.hf_generate_tokens_per_s
+    for name, value in (("HF generate()", hf), ("engine", r.tokens_per_s)):
         table.add_row(name, f"{value:,.0f}", f"{value / hf:.2f}")
     console.print(table)
     console.print(
-        f"ratio {r['ratio']:.2f} (target >= 2), swap_slowdown {r['swap_slowdown']:.3f} (target >= 0.9; a version every "
-        f"{r['swap_every_s']:g} s, {r['swaps']} swaps), recompute policy {r['swap_slowdown_recompute']:.3f}"
+        f"ratio {r.ratio:.2f} (target >= 2), swap_slowdown {r.swap_slowdown:.3f} (target >= 0.9; a version every "
+        f"{r.swap_every_s:g} s, {r.swaps} swaps), recompute policy {r.swap_slowdown_recompute:.3f}"
     )

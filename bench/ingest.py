@@ -15,18 +15,18 @@ offsets grew by exactly the number sent (nothing lost, nothing doubled).
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TypedDict
 
 from rich.console import Console
 from rich.table import Table
 
+from bench import report
 from bench.join import code_version
 from rtrl import procs, topics
 from rtrl.config import StackSettings
@@ -34,18 +34,26 @@ from rtrl.config import StackSettings
 EVENT_BYTES = 1024
 
 
+# Produced by run; written to bench/results/ingest.json; read by its test and the README.
 @dataclass(frozen=True)
 class IngestBench:
     events_per_s: float
+    """Through the gateway, best round."""
     raw_producer_events_per_s: float
+    """The baseline: a bare confluent-kafka producer, best round."""
     ratio: float
+    """events_per_s over the baseline's."""
     event_bytes: int
     batch: int
+    """Events per gateway request."""
     concurrency: int
+    """Gateway requests in flight."""
     events_per_round: int
     rounds: int
-    gateway_rounds: list[float]
-    raw_rounds: list[float]
+    gateway_rounds: tuple[float, ...]
+    """The gateway's events/s in each round."""
+    raw_rounds: tuple[float, ...]
+    """The bare producer's events/s in each round."""
     exact: bool
     """Every gateway event ACCEPTED and the topics grew by exactly the events sent."""
     sent: int
@@ -99,7 +107,9 @@ def signature_costs(repeats: int = 2_000) -> SignatureCosts:
     signed = time.perf_counter() - start
     check = signing.Verifier([signing.public_key_of(worker)], signing.Purpose.ROLLOUT)
     start = time.perf_counter()
-    assert not any(check.problem(value, header) for value, header in zip(rollouts, headers))
+    assert not any(
+        check.problem(value, header) for value, header in zip(rollouts, headers, strict=True)
+    )
     verified = time.perf_counter() - start
     return {
         "key_verify_us": round(key_verify / repeats * 1e6, 1),
@@ -193,7 +203,12 @@ async def gateway_round(
                         resent += len(chunk)
                         await asyncio.sleep(0.05)
                         continue
-                    again = [event for event, r in zip(chunk, answer.results) if r.status == retry]
+                    # One result per event, in order (the gateway's contract; the SDK checks it).
+                    again = [
+                        event
+                        for event, r in zip(chunk, answer.results, strict=True)
+                        if r.status == retry
+                    ]
                     refused += sum(
                         r.status not in (ingest_pb2.EventResult.STATUS_ACCEPTED, retry)
                         for r in answer.results
@@ -301,7 +316,8 @@ def run(
                 resent += again
                 sent += 2 * events_per_round
                 console.print(
-                    f"round {round_index + 1}/{rounds}: raw producer {raw_rates[-1]:,.0f} events/s, gateway {rate:,.0f} events/s"
+                    f"round {round_index + 1}/{rounds}: raw producer {raw_rates[-1]:,.0f} events/s, "
+                    f"gateway {rate:,.0f} events/s"
                 )
             landed = _end_total(stack) - before
             exact = refused == 0 and landed == sent
@@ -321,8 +337,8 @@ def run(
         concurrency=concurrency,
         events_per_round=events_per_round,
         rounds=rounds,
-        gateway_rounds=[round(r) for r in gateway_rates],
-        raw_rounds=[round(r) for r in raw_rates],
+        gateway_rounds=tuple(round(r) for r in gateway_rates),
+        raw_rounds=tuple(round(r) for r in raw_rates),
         exact=exact,
         sent=sent,
         landed=landed,
@@ -331,8 +347,7 @@ def run(
         code_version=code_version("ingest"),
         **signature_costs(),
     )
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(asdict(result), indent=2) + "\n")
+    report.write(out, result)
     table = Table(
         title=f"rtrl bench ingest ({result.event_bytes} B events, batches of {batch}, {concurrency} in flight)",
         title_justify="left",
@@ -353,7 +368,8 @@ def run(
     )
     console.print(table)
     console.print(
-        f"exact: {exact}: {sent:,} sent, the topics grew by {landed:,}, {refused} gateway events refused, {resent} resent after RETRY"
+        f"exact: {exact}: {sent:,} sent, the topics grew by {landed:,}, "
+        f"{refused} gateway events refused, {resent} resent after RETRY"
     )
     console.print(
         f"signatures: {result.key_verify_us} us to verify an API key record (per key per cache TTL); "

@@ -62,6 +62,7 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
+from bench import report
 from reward_stream.config import RewardStreamSettings
 from reward_stream.runtime import Joiner
 from rtrl import heartbeat, kafka, procs, signing, topics
@@ -298,10 +299,21 @@ def read_all_rewards(stack: StackSettings, idle_s: float = 3.0) -> str:
     return f"{len(keys)} records, {len(set(keys))} rollouts, last offsets {dict(sorted(offsets.items()))}"
 
 
-def exactness(rewards: list[tuple[str, int]], ids: list[str]) -> dict:
+# Produced by exactness, per joiner run; part of JoinResult.
+@dataclass(frozen=True)
+class Exactness:
+    """How far the rewards on the broker are from one per rollout."""
+
+    missing: int
+    """Rollouts without a reward."""
+    doubled: int
+    """Rewards beyond the first for their rollout."""
+
+
+def exactness(rewards: list[tuple[str, int]], ids: list[str]) -> Exactness:
     """How far the rewards are from one per rollout: rollouts without one, extra rewards."""
     got = [rollout_id for rollout_id, _ in rewards]
-    return {"missing": len(set(ids) - set(got)), "doubled": len(got) - len(set(got))}
+    return Exactness(missing=len(set(ids) - set(got)), doubled=len(got) - len(set(got)))
 
 
 def rewards_span(rewards: list[tuple[str, int]], main_ids: set[str]) -> Span:
@@ -312,6 +324,29 @@ def rewards_span(rewards: list[tuple[str, int]], main_ids: set[str]) -> Span:
 
 
 QUALITY = ("settled", "defaulted", "late", "dropped", "duplicates")
+
+
+# Produced by run from the workers' heartbeats, per joiner run; part of JoinResult.
+@dataclass(frozen=True)
+class JoinCounts:
+    """The QUALITY counters of a run's workers, summed: on the bench's load all but settled are 0."""
+
+    settled: int
+    defaulted: int
+    late: int
+    dropped: int
+    duplicates: int
+
+    @classmethod
+    def of(cls, totals: dict[str, int]) -> JoinCounts:
+        """From Joiners.totals."""
+        return cls(
+            settled=totals["settled"],
+            defaulted=totals["defaulted"],
+            late=totals["late"],
+            dropped=totals["dropped"],
+            duplicates=totals["duplicates"],
+        )
 
 
 class Joiners:
@@ -387,7 +422,8 @@ class Joiners:
                 else None
             )
             assert time.monotonic() < deadline and all(alive), (
-                f"{description}: {totals['settled']} rewards settled, {sum(written.values())} on the broker by end offsets, "
+                f"{description}: {totals['settled']} rewards settled, "
+                f"{sum(written.values())} on the broker by end offsets, "
                 f"{read_back} read back "
                 f"({ {tp[1]: end for tp, end in written.items()} }); workers alive {alive}; "
                 f"heartbeats {self.heartbeats(client)}; logs in {self.workdir}"
@@ -482,12 +518,23 @@ def joiner_inprocess(
     return Span(len(records), 0.0, elapsed)
 
 
-def signature_costs(key: str, rewards: int = 2_000) -> dict[str, float]:
+@dataclass(frozen=True)
+class SignatureCost:
+    """signature_costs' figures for one kind of record; run puts them in JoinResult's
+    sign_us_per_<kind>, verify_us_per_<kind> and <kind>_bytes."""
+
+    sign_us: float
+    verify_us: float
+    bytes: int
+    """The records' mean size."""
+
+
+def signature_costs(key: str, rewards: int = 2_000) -> dict[str, SignatureCost]:
     """Microseconds to sign and to verify one record of the demo's size, on this machine, in
-    this process: a reward (the joiner signs, the trainer verifies) and a rollout (a worker
-    signs, the joiner verifies)."""
+    this process, by kind: a reward (the joiner signs, the trainer verifies) and a rollout
+    (a worker signs, the joiner verifies)."""
     rollouts = [rollout_records(f"s{i:06d}", 0)[0][1] for i in range(rewards)]
-    costs: dict[str, float] = {}
+    costs: dict[str, SignatureCost] = {}
     for kind, purpose, values in (
         (
             "reward",
@@ -504,14 +551,16 @@ def signature_costs(key: str, rewards: int = 2_000) -> dict[str, float]:
         headers = [signer.headers(value) for value in values]
         signed = time.perf_counter() - start
         start = time.perf_counter()
-        problems = [verifier.problem(value, header) for value, header in zip(values, headers)]
+        problems = [
+            verifier.problem(value, header) for value, header in zip(values, headers, strict=True)
+        ]
         verified = time.perf_counter() - start
         assert not any(problems)
-        costs |= {
-            f"sign_us_per_{kind}": round(signed / len(values) * 1e6, 1),
-            f"verify_us_per_{kind}": round(verified / len(values) * 1e6, 1),
-            f"{kind}_bytes": round(statistics.fmean(len(v) for v in values)),
-        }
+        costs[kind] = SignatureCost(
+            sign_us=round(signed / len(values) * 1e6, 1),
+            verify_us=round(verified / len(values) * 1e6, 1),
+            bytes=round(statistics.fmean(len(v) for v in values)),
+        )
     return costs
 
 
@@ -533,6 +582,66 @@ def percentile(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, round(q * (len(values) - 1)))]
 
 
+# Produced by run; written to bench/results/join.json; read by its test and the README.
+# Rates are events per second as the module docstring defines them.
+@dataclass(frozen=True)
+class JoinResult:
+    code: str
+    """The commit of reward_stream/ the join ran at."""
+    rollouts: int
+    """Rollouts in the main load (sentinels and live rollouts not counted)."""
+    events: int
+    """Records in the main load with its sentinels: three per rollout."""
+    mean_event_bytes: int
+    partitions: int
+    spacing_ms: int
+    """Event time between consecutive rollouts of the main load."""
+    window_s: float
+    grace_s: float
+    raw_consumer_events_per_s: int
+    faust_floor_events_per_s: int
+    joiner_inprocess_events_per_s: int
+    joiner_inprocess_signed_events_per_s: int
+    """The same with every rollout verified and every reward signed, as the service runs it."""
+    signed_vs_unsigned_inprocess: float
+    sign_us_per_reward: float
+    """Microseconds for the joiner to sign a reward of reward_bytes."""
+    verify_us_per_reward: float
+    """Microseconds for the trainer to verify it."""
+    reward_bytes: int
+    sign_us_per_rollout: float
+    """Microseconds for a worker to sign a rollout of rollout_bytes."""
+    verify_us_per_rollout: float
+    """Microseconds for the joiner to verify it."""
+    rollout_bytes: int
+    events_per_s: int
+    """One reward_stream worker, clocked by itself."""
+    events_per_s_2_workers: int
+    ratio_vs_floor: float
+    floor_vs_raw: float
+    scaleout_2_vs_1: float
+    rate_source: str
+    """Whose clocks time events_per_s: the workers'."""
+    settle_events_per_s: int
+    """The main load's settle rate by the rewards' broker timestamps, 1 worker."""
+    settle_events_per_s_2_workers: int
+    rewards_1_worker: int
+    """Reward records on the broker after the 1-worker run."""
+    rewards_2_workers: int
+    exact_1_worker: Exactness
+    exact_2_workers: Exactness
+    join_1_worker: JoinCounts
+    join_2_workers: JoinCounts
+    partitions_2_workers: tuple[tuple[int, ...], ...]
+    """The partitions each of the two workers held."""
+    live_rollouts: int
+    live_rate_per_s: float
+    latency_samples: int
+    """Live rollouts closed by later traffic: those p50/p99_settle_latency_s are over."""
+    p50_settle_latency_s: float
+    p99_settle_latency_s: float
+
+
 def run(
     out: Path,
     console: Console,
@@ -540,7 +649,7 @@ def run(
     spacing_ms: int = 2,
     live_rollouts: int = 2_000,
     live_rate_per_s: float = 250.0,
-) -> dict:
+) -> JoinResult:
     # The bench's joiners (which inherit this environment) sign with a key made for the run
     # unless one is set: the service has no default key.
     key = os.environ.setdefault("RTRL_REWARD_SIGNING_KEY", signing.generate_private_key())
@@ -553,7 +662,8 @@ def run(
     close_after_ms = round((join_settings.window_s + join_settings.grace_s) * 1000)
     if live_rollouts / live_rate_per_s <= 1.2 * close_after_ms / 1000:
         raise ValueError(
-            f"live rollouts must keep coming well past one window + grace ({close_after_ms} ms) to close any by stream time"
+            "live rollouts must keep coming well past one window + grace "
+            f"({close_after_ms} ms) to close any by stream time"
         )
     with tempfile.TemporaryDirectory(prefix="rtrl-bench-join-") as tmp:
         workdir = Path(tmp)
@@ -606,7 +716,9 @@ def run(
                     )
                     time.sleep(1.1)  # one more heartbeat, so the counters are final
                     quality_two = two.totals(client)
-                    partitions_two = [list(beat.partitions) for beat in two.heartbeats(client)]
+                    partitions_two = tuple(
+                        tuple(beat.partitions) for beat in two.heartbeats(client)
+                    )
                 finally:
                     two.stop()
                 rewards_two = read_rewards(stack)
@@ -619,86 +731,94 @@ def run(
         rewards_span(rewards_two, main_ids),
     )
     one_rate, two_rate = read_one.events_per_s, read_two.events_per_s
-    results = {
-        "code": code,
-        "rollouts": rollouts,
-        "events": events,
-        "mean_event_bytes": round(load_bytes / (3 * rollouts)),
-        "partitions": PARTITIONS,
-        "spacing_ms": spacing_ms,
-        "window_s": join_settings.window_s,
-        "grace_s": join_settings.grace_s,
-        "raw_consumer_events_per_s": round(raw.events_per_s),
-        "faust_floor_events_per_s": round(floor.events_per_s),
-        "joiner_inprocess_events_per_s": round(inprocess.events_per_s),
-        "joiner_inprocess_signed_events_per_s": round(inprocess_signed.events_per_s),
-        "signed_vs_unsigned_inprocess": round(
+    reward, rollout = signatures["reward"], signatures["rollout"]
+    result = JoinResult(
+        code=code,
+        rollouts=rollouts,
+        events=events,
+        mean_event_bytes=round(load_bytes / (3 * rollouts)),
+        partitions=PARTITIONS,
+        spacing_ms=spacing_ms,
+        window_s=join_settings.window_s,
+        grace_s=join_settings.grace_s,
+        raw_consumer_events_per_s=round(raw.events_per_s),
+        faust_floor_events_per_s=round(floor.events_per_s),
+        joiner_inprocess_events_per_s=round(inprocess.events_per_s),
+        joiner_inprocess_signed_events_per_s=round(inprocess_signed.events_per_s),
+        signed_vs_unsigned_inprocess=round(
             inprocess_signed.events_per_s / inprocess.events_per_s, 3
         ),
-        **signatures,
-        "events_per_s": round(one_rate),
-        "events_per_s_2_workers": round(two_rate),
-        "ratio_vs_floor": round(one_rate / floor.events_per_s, 3),
-        "floor_vs_raw": round(floor.events_per_s / raw.events_per_s, 3),
-        "scaleout_2_vs_1": round(two_rate / one_rate, 3),
-        "rate_source": "worker clocks",
-        "settle_events_per_s": round(settle_one.events_per_s),
-        "settle_events_per_s_2_workers": round(settle_two.events_per_s),
-        "rewards_1_worker": len(rewards_one),
-        "rewards_2_workers": len(rewards_two),
-        "exact_1_worker": exactness(rewards_one, ids),
-        "exact_2_workers": exactness(rewards_two, ids),
-        "join_1_worker": {k: quality_one[k] for k in QUALITY},
-        "join_2_workers": {k: quality_two[k] for k in QUALITY},
-        "partitions_2_workers": partitions_two,
-        "live_rollouts": live_rollouts,
-        "live_rate_per_s": live_rate_per_s,
-        "latency_samples": len(latencies),
-        "p50_settle_latency_s": round(statistics.median(latencies), 4),
-        "p99_settle_latency_s": round(percentile(latencies, 0.99), 4),
-    }
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=2))
-    _print(results, out, console)
-    return results
-
-
-def _print(r: dict, out: Path, console: Console) -> None:
-    table = Table(
-        title=f"bench join -> {out} ({r['events']:,} events of ~{r['mean_event_bytes']} B, {r['partitions']} partitions)",
-        title_justify="left",
+        sign_us_per_reward=reward.sign_us,
+        verify_us_per_reward=reward.verify_us,
+        reward_bytes=reward.bytes,
+        sign_us_per_rollout=rollout.sign_us,
+        verify_us_per_rollout=rollout.verify_us,
+        rollout_bytes=rollout.bytes,
+        events_per_s=round(one_rate),
+        events_per_s_2_workers=round(two_rate),
+        ratio_vs_floor=round(one_rate / floor.events_per_s, 3),
+        floor_vs_raw=round(floor.events_per_s / raw.events_per_s, 3),
+        scaleout_2_vs_1=round(two_rate / one_rate, 3),
+        rate_source="worker clocks",
+        settle_events_per_s=round(settle_one.events_per_s),
+        settle_events_per_s_2_workers=round(settle_two.events_per_s),
+        rewards_1_worker=len(rewards_one),
+        rewards_2_workers=len(rewards_two),
+        exact_1_worker=exactness(rewards_one, ids),
+        exact_2_workers=exactness(rewards_two, ids),
+        join_1_worker=JoinCounts.of(quality_one),
+        join_2_workers=JoinCounts.of(quality_two),
+        partitions_2_workers=partitions_two,
+        live_rollouts=live_rollouts,
+        live_rate_per_s=live_rate_per_s,
+        latency_samples=len(latencies),
+        p50_settle_latency_s=round(statistics.median(latencies), 4),
+        p99_settle_latency_s=round(percentile(latencies, 0.99), 4),
     )
+    report.write(out, result)
+    _print(result, out, console)
+    return result
+
+
+def _print(r: JoinResult, out: Path, console: Console) -> None:
+    load = f"{r.events:,} events of ~{r.mean_event_bytes} B, {r.partitions} partitions"
+    table = Table(title=f"bench join -> {out} ({load})", title_justify="left")
     for column in ("reader", "events/s", "vs faust floor", "vs raw consumer"):
         table.add_column(column, justify="right")
-    floor, raw = r["faust_floor_events_per_s"], r["raw_consumer_events_per_s"]
+    floor, raw = r.faust_floor_events_per_s, r.raw_consumer_events_per_s
     for name, rate in (
         ("raw confluent-kafka consumer", raw),
         ("bare faust agent (floor)", floor),
-        ("Joiner.feed_record in-process, aligned", r["joiner_inprocess_events_per_s"]),
+        ("Joiner.feed_record in-process, aligned", r.joiner_inprocess_events_per_s),
         (
             "... verifying every rollout, signing every reward (Ed25519)",
-            r["joiner_inprocess_signed_events_per_s"],
+            r.joiner_inprocess_signed_events_per_s,
         ),
-        ("reward_stream, 1 worker", r["events_per_s"]),
-        ("reward_stream, 2 workers", r["events_per_s_2_workers"]),
+        ("reward_stream, 1 worker", r.events_per_s),
+        ("reward_stream, 2 workers", r.events_per_s_2_workers),
     ):
         table.add_row(name, f"{rate:,}", f"{rate / floor:.2f}", f"{rate / raw:.3f}")
     console.print(table)
-    for run in ("1_worker", "2_workers"):
-        j, e = r[f"join_{run}"], r[f"exact_{run}"]
+    all_rollouts = r.rollouts + r.partitions + r.live_rollouts
+    for workers, rewards, e, j in (
+        ("1 worker", r.rewards_1_worker, r.exact_1_worker, r.join_1_worker),
+        ("2 workers", r.rewards_2_workers, r.exact_2_workers, r.join_2_workers),
+    ):
         console.print(
-            f"{run.replace('_', ' ')}: {r[f'rewards_{run}']:,} rewards for {r['rollouts'] + r['partitions'] + r['live_rollouts']:,} rollouts "
-            f"({e['missing']:,} missing, {e['doubled']:,} doubled); join: {j['settled']:,} settled, {j['defaulted']:,} defaulted, "
-            f"{j['late']:,} late, {j['dropped']:,} dropped"
+            f"{workers}: {rewards:,} rewards for {all_rollouts:,} rollouts "
+            f"({e.missing:,} missing, {e.doubled:,} doubled); join: {j.settled:,} settled, "
+            f"{j.defaulted:,} defaulted, {j.late:,} late, {j.dropped:,} dropped"
         )
     console.print(
-        f"signatures: {r['sign_us_per_reward']} us to sign a {r['reward_bytes']:,}-byte reward (the joiner), "
-        f"{r['verify_us_per_reward']} us to verify it (the trainer); {r['sign_us_per_rollout']} us to sign a "
-        f"{r['rollout_bytes']:,}-byte rollout (a worker), {r['verify_us_per_rollout']} us to verify it (the joiner); "
-        f"signed/unsigned in-process {r['signed_vs_unsigned_inprocess']}"
+        f"signatures: {r.sign_us_per_reward} us to sign a {r.reward_bytes:,}-byte reward (the joiner), "
+        f"{r.verify_us_per_reward} us to verify it (the trainer); {r.sign_us_per_rollout} us to sign a "
+        f"{r.rollout_bytes:,}-byte rollout (a worker), {r.verify_us_per_rollout} us to verify it (the joiner); "
+        f"signed/unsigned in-process {r.signed_vs_unsigned_inprocess}"
     )
     console.print(
-        f"ratio_vs_floor {r['ratio_vs_floor']:.2f} (target >= 0.8), scaleout_2_vs_1 {r['scaleout_2_vs_1']:.2f} (target >= 1.6), "
-        f"settle latency p50 {r['p50_settle_latency_s'] * 1000:.0f} ms, p99 {r['p99_settle_latency_s'] * 1000:.0f} ms "
-        f"over {r['latency_samples']} live rollouts at {r['live_rate_per_s']:g}/s"
+        f"ratio_vs_floor {r.ratio_vs_floor:.2f} (target >= 0.8), "
+        f"scaleout_2_vs_1 {r.scaleout_2_vs_1:.2f} (target >= 1.6), "
+        f"settle latency p50 {r.p50_settle_latency_s * 1000:.0f} ms, "
+        f"p99 {r.p99_settle_latency_s * 1000:.0f} ms "
+        f"over {r.latency_samples} live rollouts at {r.live_rate_per_s:g}/s"
     )

@@ -17,7 +17,7 @@ behind its traffic shows as a rising line, whatever its median.
 
 from __future__ import annotations
 
-import json
+import dataclasses
 import math
 import os
 import statistics
@@ -25,7 +25,7 @@ import subprocess
 import time
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +33,7 @@ import redis
 from rich.console import Console
 from rich.table import Table
 
+from bench import report
 from rtrl.v1 import trainer_pb2, weights_pb2
 
 ARM = "treatment"
@@ -110,9 +111,19 @@ def phases(row: VersionLatency, step: StepTimes) -> dict[str, float]:
     return seconds
 
 
+# Produced by phase_breakdown, per phase; part of LoopSummary.phases_s.
+@dataclass(frozen=True)
+class PhaseStats:
+    """Seconds one phase took over the versions."""
+
+    p50: float
+    p95: float
+    mean: float
+
+
 def phase_breakdown(
     rows: Sequence[VersionLatency], steps: Sequence[StepTimes]
-) -> dict[str, dict[str, float]]:
+) -> dict[str, PhaseStats]:
     """p50, p95 and mean seconds per phase over the versions that have a step record
     with the newest rollout's instants (records from an older trainer have none)."""
     by_version = {step.version: step for step in steps if step.newest_reward_ts_ms > 0}
@@ -120,30 +131,48 @@ def phase_breakdown(
     if not split:
         return {}
     return {
-        name: {
-            "p50": round(statistics.median(p[name] for p in split), 3),
-            "p95": round(_quantile([p[name] for p in split], 0.95), 3),
-            "mean": round(statistics.fmean(p[name] for p in split), 3),
-        }
+        name: PhaseStats(
+            p50=round(statistics.median(p[name] for p in split), 3),
+            p95=round(_quantile([p[name] for p in split], 0.95), 3),
+            mean=round(statistics.fmean(p[name] for p in split), 3),
+        )
         for name in (*PHASES, "unaccounted")
     }
 
 
-def trend(rows: Sequence[VersionLatency], bucket_s: float = 60.0) -> dict:
+# Produced by trend; part of LoopSummary, read by plot_png and _print.
+@dataclass(frozen=True)
+class Trend:
+    """event -> live against publish time, in minutes from the first publish."""
+
+    slope_s_per_min: float
+    """The least-squares slope."""
+    slope_stderr_s_per_min: float
+    rise_over_run_s: float
+    """The slope times the run's span of publish times."""
+    bucket_s: float
+    p50_per_bucket_s: tuple[float | None, ...]
+    """The median event -> live per bucket_s of the run; None for a bucket without versions."""
+    rising: bool
+    """The rise exceeds RISE_TOLERANCE_S and twice its standard error."""
+
+
+def trend(rows: Sequence[VersionLatency], bucket_s: float = 60.0) -> Trend | None:
     """event -> live against publish time: the least-squares slope (s per minute) with its
     standard error, the rise it fits over the run, the median per bucket_s of the run
-    (from the first publish), and whether that is an upward trend."""
+    (from the first publish), and whether that is an upward trend; None for fewer than
+    three versions or all published at once."""
     if len(rows) < 3:
-        return {}
+        return None
     t0 = min(r.published_ts_ms for r in rows)
     xs = [(r.published_ts_ms - t0) / 60_000 for r in rows]
     ys = [r.event_to_live_s for r in rows]
     x_mean, y_mean = statistics.fmean(xs), statistics.fmean(ys)
     sxx = sum((x - x_mean) ** 2 for x in xs)
     if sxx == 0:
-        return {}
-    slope = sum((x - x_mean) * (y - y_mean) for x, y in zip(xs, ys)) / sxx
-    residual = sum((y - y_mean - slope * (x - x_mean)) ** 2 for x, y in zip(xs, ys))
+        return None
+    slope = sum((x - x_mean) * (y - y_mean) for x, y in zip(xs, ys, strict=True)) / sxx
+    residual = sum((y - y_mean - slope * (x - x_mean)) ** 2 for x, y in zip(xs, ys, strict=True))
     stderr = math.sqrt(residual / (len(rows) - 2) / sxx)
     rise = slope * (max(xs) - min(xs))
     buckets: dict[int, list[float]] = {}
@@ -151,17 +180,17 @@ def trend(rows: Sequence[VersionLatency], bucket_s: float = 60.0) -> dict:
         buckets.setdefault(int((r.published_ts_ms - t0) / 1000 // bucket_s), []).append(
             r.event_to_live_s
         )
-    return {
-        "slope_s_per_min": round(slope, 3),
-        "slope_stderr_s_per_min": round(stderr, 3),
-        "rise_over_run_s": round(rise, 3),
-        "bucket_s": bucket_s,
-        "p50_per_bucket_s": [
+    return Trend(
+        slope_s_per_min=round(slope, 3),
+        slope_stderr_s_per_min=round(stderr, 3),
+        rise_over_run_s=round(rise, 3),
+        bucket_s=bucket_s,
+        p50_per_bucket_s=tuple(
             round(statistics.median(buckets[b]), 3) if b in buckets else None
             for b in range(max(buckets) + 1)
-        ],
-        "rising": rise > RISE_TOLERANCE_S and slope > 2 * stderr,
-    }
+        ),
+        rising=rise > RISE_TOLERANCE_S and slope > 2 * stderr,
+    )
 
 
 def live_times(applied: dict[int, dict[str, int]]) -> dict[int, int]:
@@ -233,41 +262,89 @@ def _quantile(values: list[float], q: float) -> float:
     return ordered[min(int(q * len(ordered)), len(ordered) - 1)] if ordered else float("nan")
 
 
+# Produced by summarize, one per version live on every worker; part of LoopSummary.versions,
+# read by plot_png.
+@dataclass(frozen=True)
+class VersionResult:
+    version: int
+    trained_through_event_ts_ms: int
+    """Event time of the last event of the newest rollout the version trained on."""
+    published_ts_ms: int
+    """When its manifest was written."""
+    live_ts_ms: int
+    """When every worker served it or a newer version."""
+    event_to_live_s: float
+    rollouts: int | None
+    """Rollouts it trained on; None without its step record."""
+    optimizer_steps: int | None
+    """None without its step record."""
+    phases_s: dict[str, float] | None
+    """Seconds per phase of PHASES, plus "unaccounted"; None without a step record that
+    has the newest rollout's instants."""
+
+
+# Produced by summarize; the first fields of LoopResult, read by the loop test.
+@dataclass(frozen=True)
+class LoopSummary:
+    p50_event_to_live_s: float
+    """Over the versions live on every worker; NaN when there is none."""
+    p95_event_to_live_s: float
+    versions_published: int
+    """Manifests written during the run."""
+    versions_live_on_every_worker: int
+    p50_publish_to_live_s: float | None
+    """From the manifest until every worker serves the version; None when none did."""
+    reward_window_s: float
+    """The joiner's window: the floor of event -> live."""
+    p50_event_to_live_vs_reward_window: float | None
+    phases_s: dict[str, PhaseStats]
+    """Per phase of PHASES, plus "unaccounted"; empty when no version has a step record
+    with its newest rollout's instants."""
+    trend: Trend | None
+    """None for fewer than three versions."""
+    versions: tuple[VersionResult, ...]
+
+
 def summarize(
     rows: list[VersionLatency],
     versions_published: int,
     reward_window_s: float,
     steps: Sequence[StepTimes] = (),
-) -> dict:
+) -> LoopSummary:
     e2l = [r.event_to_live_s for r in rows]
     published = {s.version: s for s in steps}
     p2l = [r.publish_to_live_s for r in rows]
     p50 = statistics.median(e2l) if e2l else float("nan")
-    return {
-        "p50_event_to_live_s": round(p50, 3),
-        "p95_event_to_live_s": round(_quantile(e2l, 0.95), 3),
-        "versions_published": versions_published,
-        "versions_live_on_every_worker": len(rows),
-        "p50_publish_to_live_s": round(statistics.median(p2l), 3) if p2l else None,
-        "reward_window_s": reward_window_s,
-        "p50_event_to_live_vs_reward_window": round(p50 / reward_window_s, 2)
+    return LoopSummary(
+        p50_event_to_live_s=round(p50, 3),
+        p95_event_to_live_s=round(_quantile(e2l, 0.95), 3),
+        versions_published=versions_published,
+        versions_live_on_every_worker=len(rows),
+        p50_publish_to_live_s=round(statistics.median(p2l), 3) if p2l else None,
+        reward_window_s=reward_window_s,
+        p50_event_to_live_vs_reward_window=round(p50 / reward_window_s, 2)
         if reward_window_s
         else None,
-        "phases_s": phase_breakdown(rows, steps),
-        "trend": trend(rows),
-        "versions": [_version_row(r, published.get(r.version)) for r in rows],
-    }
+        phases_s=phase_breakdown(rows, steps),
+        trend=trend(rows),
+        versions=tuple(_version_row(r, published.get(r.version)) for r in rows),
+    )
 
 
-def _version_row(row: VersionLatency, step: StepTimes | None) -> dict:
-    out = asdict(row) | {"event_to_live_s": row.event_to_live_s}
-    if step is not None:
-        out |= {"rollouts": step.rollouts, "optimizer_steps": step.optimizer_steps}
-        if step.newest_reward_ts_ms:
-            out["phases_s"] = {
-                name: round(seconds, 3) for name, seconds in phases(row, step).items()
-            }
-    return out
+def _version_row(row: VersionLatency, step: StepTimes | None) -> VersionResult:
+    split = None
+    if step is not None and step.newest_reward_ts_ms:
+        split = {name: round(seconds, 3) for name, seconds in phases(row, step).items()}
+    return VersionResult(
+        version=row.version,
+        trained_through_event_ts_ms=row.trained_through_event_ts_ms,
+        published_ts_ms=row.published_ts_ms,
+        live_ts_ms=row.live_ts_ms,
+        event_to_live_s=row.event_to_live_s,
+        rollouts=step.rollouts if step is not None else None,
+        optimizer_steps=step.optimizer_steps if step is not None else None,
+        phases_s=split,
+    )
 
 
 def read_step_records(
@@ -308,7 +385,20 @@ def read_step_records(
         consumer.close()
 
 
-def intake(records: Sequence[trainer_pb2.TrainerStep]) -> dict:
+# Produced by intake; part of LoopResult, read by the loop test.
+@dataclass(frozen=True)
+class Intake:
+    """What the trainer did with the rewards it read during the run."""
+
+    rollouts_trained: int
+    """In published and refused candidates alike."""
+    dropped: dict[str, int]
+    """Rollouts read but not trained, by reason (control_arm, shed, duplicate...)."""
+    trained_share_of_treatment: float | None
+    """rollouts_trained over the treatment arm's rollouts read; None when there were none."""
+
+
+def intake(records: Sequence[trainer_pb2.TrainerStep]) -> Intake:
     """What the trainer did with the rewards it read during the run: rollouts trained (in
     published and refused candidates alike), rollouts dropped by reason, and the share of
     the treatment arm's rollouts it trained on (a shedding trainer's price for freshness)."""
@@ -317,11 +407,11 @@ def intake(records: Sequence[trainer_pb2.TrainerStep]) -> dict:
         dropped.update(dict(record.dropped))
     trained = sum(record.rollouts for record in records)
     treatment = trained + sum(n for reason, n in dropped.items() if reason != "control_arm")
-    return {
-        "rollouts_trained": trained,
-        "dropped": dict(sorted(dropped.items())),
-        "trained_share_of_treatment": round(trained / treatment, 3) if treatment else None,
-    }
+    return Intake(
+        rollouts_trained=trained,
+        dropped=dict(sorted(dropped.items())),
+        trained_share_of_treatment=round(trained / treatment, 3) if treatment else None,
+    )
 
 
 def _git(*args: str) -> str:
@@ -331,15 +421,47 @@ def _git(*args: str) -> str:
     ).stdout.strip()
 
 
-def _provenance() -> dict:
+def _provenance() -> tuple[str, bool]:
     """The commit measured, and whether tracked files differed from it."""
-    return {
-        "commit": _git("rev-parse", "--short", "HEAD"),
-        "tree_dirty": bool(_git("status", "--porcelain", "--untracked-files=no")),
-    }
+    return (
+        _git("rev-parse", "--short", "HEAD"),
+        bool(_git("status", "--porcelain", "--untracked-files=no")),
+    )
 
 
-def run(state_dir: Path, duration_s: float, out: Path, console: Console) -> dict:
+# Produced by run from TrainerSettings; part of LoopResult.
+@dataclass(frozen=True)
+class TrainerRun:
+    """What the stack's trainer ran with: the embedded defaults under the environment."""
+
+    eval_gate: str
+    eval_tasks: int
+    batch_size: int
+    steps_per_candidate: int
+    overlap_eval: bool
+    when_behind: str
+
+
+# Produced by run; written to bench/results/loop.json; read by plot_png, _print and the README.
+@dataclass(frozen=True)
+class LoopResult(LoopSummary):
+    intake: Intake
+    latest_version: int
+    """The arm's latest version at the end of the run; -1 for none."""
+    minutes: float
+    command: str
+    """The command that reproduces the run."""
+    commit: str
+    """The commit measured; empty outside a git checkout."""
+    tree_dirty: bool
+    """Tracked files differed from the commit."""
+    load_avg_1_5_15_before: tuple[float, ...]
+    load_avg_1_5_15_after: tuple[float, ...]
+    cpus: int | None
+    trainer: TrainerRun
+
+
+def run(state_dir: Path, duration_s: float, out: Path, console: Console) -> LoopResult:
     from reward_stream.config import RewardStreamSettings
     from rtrl.ops.demo import run_product
     from rtrl.ops.health import running_stack
@@ -369,7 +491,7 @@ def run(state_dir: Path, duration_s: float, out: Path, console: Console) -> dict
         if started_here:
             down(state_dir, console)
     steps = [StepTimes.of(record) for record in records if record.published]
-    result = summarize(rows, published, RewardStreamSettings().window_s, steps)
+    summary = summarize(rows, published, RewardStreamSettings().window_s, steps)
     # What the stack's trainer ran with: the embedded defaults under whatever the environment set.
     # Field values go in as the environment's strings, for pydantic to parse (hence Any).
     fields: dict[str, Any] = {
@@ -377,50 +499,53 @@ def run(state_dir: Path, duration_s: float, out: Path, console: Console) -> dict
         for name, value in embedded_trainer_env(os.environ).items()
     }
     trainer = TrainerSettings(**fields)
-    result |= {
-        "intake": intake(records),
-        "latest_version": latest,
-        "minutes": round(duration_s / 60, 2),
-        "command": f"rtrl bench loop --minutes {duration_s / 60:g}",
-        **_provenance(),
-        "load_avg_1_5_15_before": [round(x, 2) for x in load_before],
-        "load_avg_1_5_15_after": [round(x, 2) for x in load_after],
-        "cpus": os.cpu_count(),
-        "trainer": {
-            "eval_gate": "on, every candidate",
-            "eval_tasks": trainer.eval_tasks,
-            "batch_size": trainer.batch_size,
-            "steps_per_candidate": trainer.steps_per_candidate,
-            "overlap_eval": trainer.overlap_eval,
-            "when_behind": trainer.when_behind,
-        },
-    }
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2))
+    commit, tree_dirty = _provenance()
+    result = LoopResult(
+        # The summary's own fields, as they are (asdict would make dicts of its records).
+        **vars(summary),
+        intake=intake(records),
+        latest_version=latest,
+        minutes=round(duration_s / 60, 2),
+        command=f"rtrl bench loop --minutes {duration_s / 60:g}",
+        commit=commit,
+        tree_dirty=tree_dirty,
+        load_avg_1_5_15_before=tuple(round(x, 2) for x in load_before),
+        load_avg_1_5_15_after=tuple(round(x, 2) for x in load_after),
+        cpus=os.cpu_count(),
+        trainer=TrainerRun(
+            eval_gate="on, every candidate",
+            eval_tasks=trainer.eval_tasks,
+            batch_size=trainer.batch_size,
+            steps_per_candidate=trainer.steps_per_candidate,
+            overlap_eval=trainer.overlap_eval,
+            when_behind=trainer.when_behind,
+        ),
+    )
+    report.write(out, result)
     plot = plot_png(result, out.with_suffix(".png"))
     _print(result, duration_s, out, plot, console)
     return result
 
 
-def plot_png(result: dict, path: Path) -> Path | None:
+def plot_png(result: LoopResult, path: Path) -> Path | None:
     """event -> live per version over the run (with the per-minute medians and the fitted
     line) above each version's phases stacked; None when there is nothing to draw."""
     from matplotlib.figure import Figure
 
-    versions = result["versions"]
+    versions = result.versions
     if not versions:
         return None
-    t0 = min(v["published_ts_ms"] for v in versions)
-    minutes = [(v["published_ts_ms"] - t0) / 60_000 for v in versions]
+    t0 = min(v.published_ts_ms for v in versions)
+    minutes = [(v.published_ts_ms - t0) / 60_000 for v in versions]
     figure = Figure(figsize=(9, 6.5))
     top, bottom = figure.subplots(2, 1, sharex=True)
     top.scatter(
-        minutes, [v["event_to_live_s"] for v in versions], s=8, label="event -> live per version"
+        minutes, [v.event_to_live_s for v in versions], s=8, label="event -> live per version"
     )
-    trend_fit = result.get("trend") or {}
-    if trend_fit:
-        medians = trend_fit["p50_per_bucket_s"]
-        width = trend_fit["bucket_s"] / 60
+    trend_fit = result.trend
+    if trend_fit is not None:
+        medians = trend_fit.p50_per_bucket_s
+        width = trend_fit.bucket_s / 60
         top.step(
             [i * width for i in range(len(medians))],
             medians,
@@ -430,9 +555,9 @@ def plot_png(result: dict, path: Path) -> Path | None:
         )
         mean_x, mean_y = (
             statistics.fmean(minutes),
-            statistics.fmean(v["event_to_live_s"] for v in versions),
+            statistics.fmean(v.event_to_live_s for v in versions),
         )
-        slope = trend_fit["slope_s_per_min"]
+        slope = trend_fit.slope_s_per_min
         top.plot(
             [0, max(minutes)],
             [mean_y - slope * mean_x, mean_y + slope * (max(minutes) - mean_x)],
@@ -441,13 +566,15 @@ def plot_png(result: dict, path: Path) -> Path | None:
         )
     top.set_ylabel("seconds")
     top.legend(loc="upper left", fontsize=8)
-    top.set_title(f"rtrl bench loop at {result.get('commit', '?')}: event -> live", fontsize=10)
-    split = [(m, v["phases_s"]) for m, v in zip(minutes, versions) if "phases_s" in v]
+    top.set_title(f"rtrl bench loop at {result.commit}: event -> live", fontsize=10)
+    split = [
+        (m, v.phases_s) for m, v in zip(minutes, versions, strict=True) if v.phases_s is not None
+    ]
     base = [0.0] * len(split)
     for name in PHASES:
         heights = [max(p[name], 0.0) for _, p in split]
         bottom.bar([m for m, _ in split], heights, bottom=base, width=0.02, label=name)
-        base = [b + h for b, h in zip(base, heights)]
+        base = [b + h for b, h in zip(base, heights, strict=True)]
     bottom.set_xlabel("minutes into the run (publish time)")
     bottom.set_ylabel("seconds per phase")
     bottom.legend(loc="upper left", fontsize=7, ncols=4)
@@ -456,36 +583,40 @@ def plot_png(result: dict, path: Path) -> Path | None:
     return path
 
 
-def _print(result: dict, duration_s: float, out: Path, plot: Path | None, console: Console) -> None:
+def _print(
+    result: LoopResult, duration_s: float, out: Path, plot: Path | None, console: Console
+) -> None:
     table = Table(title=f"bench loop ({duration_s / 60:.1f} min) -> {out}", title_justify="left")
     table.add_column("metric")
     table.add_column("value", justify="right")
-    for k, v in result.items():
-        if k not in ("versions", "phases_s", "trend", "trainer", "intake"):
-            table.add_row(k, str(v))
+    for field in dataclasses.fields(result):
+        if field.name not in ("versions", "phases_s", "trend", "trainer", "intake"):
+            value = getattr(result, field.name)
+            # Shown as they are in the JSON: a tuple as a list.
+            table.add_row(field.name, str(list(value) if isinstance(value, tuple) else value))
     console.print(table)
-    if result["phases_s"]:
+    if result.phases_s:
         phase_table = Table(
             title="where event -> live goes (newest rollout of each version)", title_justify="left"
         )
         for column in ("phase", "p50 s", "p95 s", "mean s"):
             phase_table.add_column(column, justify="left" if column == "phase" else "right")
-        for name, stats in result["phases_s"].items():
-            phase_table.add_row(
-                name, f"{stats['p50']:.3f}", f"{stats['p95']:.3f}", f"{stats['mean']:.3f}"
-            )
+        for name, stats in result.phases_s.items():
+            phase_table.add_row(name, f"{stats.p50:.3f}", f"{stats.p95:.3f}", f"{stats.mean:.3f}")
         console.print(phase_table)
-    if result.get("intake"):
-        taken = result["intake"]
+    taken = result.intake
+    share = taken.trained_share_of_treatment
+    console.print(
+        f"trainer: {taken.rollouts_trained} rollouts trained ({share} of the treatment arm's), "
+        f"dropped {taken.dropped}; settings {dataclasses.asdict(result.trainer)}"
+    )
+    if result.trend is not None:
+        t = result.trend
+        rising = "RISING" if t.rising else "no upward trend"
         console.print(
-            f"trainer: {taken['rollouts_trained']} rollouts trained ({taken['trained_share_of_treatment']} of the treatment arm's), "
-            f"dropped {taken['dropped']}; settings {result['trainer']}"
-        )
-    if result["trend"]:
-        t = result["trend"]
-        console.print(
-            f"trend: {t['slope_s_per_min']:+.3f} ± {t['slope_stderr_s_per_min']:.3f} s/min, fitted rise {t['rise_over_run_s']:+.2f} s "
-            f"over the run ({'RISING' if t['rising'] else 'no upward trend'}); median per minute {t['p50_per_bucket_s']}"
+            f"trend: {t.slope_s_per_min:+.3f} ± {t.slope_stderr_s_per_min:.3f} s/min, "
+            f"fitted rise {t.rise_over_run_s:+.2f} s over the run ({rising}); "
+            f"median per minute {list(t.p50_per_bucket_s)}"
         )
     if plot is not None:
         console.print(f"plot: {plot}")

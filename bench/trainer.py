@@ -19,15 +19,16 @@ copy of the same initial model, so neither runs on the other's updated weights.
 from __future__ import annotations
 
 import copy
-import json
 import random
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from rich.console import Console
 from rich.progress import Progress
 
+from bench import report
 from bench.join import code_version
 from inference.engine import Engine, EngineConfig, prompt_token_ids
 from rtrl.policy import build_model, state_dict_fp32
@@ -58,7 +59,7 @@ def production_batch(size: int, max_tokens: int, seed: int = 0) -> TrainBatch:
             for p, _ in requests
         ]
         samples: list[TrainSample] = []
-        for (prompt, group), future in zip(requests, futures):
+        for (_prompt, group), future in zip(requests, futures, strict=True):
             done = future.result()
             samples.append(
                 TrainSample(
@@ -115,6 +116,23 @@ def plain_step(
     model.eval()
 
 
+# Produced by run; written to bench/results/trainer.json; read by its test and the README.
+@dataclass(frozen=True)
+class TrainerResult:
+    code: str
+    """The commit of trainer/ the step ran at."""
+    batch: int
+    completion_tokens_per_step: int
+    steps: int
+    torch_threads: int
+    tokens_per_s: float
+    """Completion tokens per second through the trainer's rl_step."""
+    plain_loop_tokens_per_s: float
+    """The baseline: a bare torch loop with the same forward/backward on the same batch."""
+    overhead_ratio: float
+    """plain loop time over rl_step time: 1.0 means the trainer adds nothing."""
+
+
 def run(
     out: Path,
     console: Console,
@@ -122,7 +140,7 @@ def run(
     max_tokens: int = 48,
     steps: int = 10,
     rounds: int = 3,
-) -> dict:
+) -> TrainerResult:
     settings = TrainerSettings()
     with console.status("sampling a batch with the engine"):
         batch = production_batch(batch_size, max_tokens)
@@ -169,20 +187,20 @@ def run(
                     progress.advance(task)
                 seconds[side] += time.perf_counter() - started
     trained = tokens_per_step * steps * rounds
-    results = {
-        "code": code_version("trainer"),
-        "batch": batch_size,
-        "completion_tokens_per_step": tokens_per_step,
-        "steps": steps * rounds,
-        "torch_threads": torch.get_num_threads(),
-        "tokens_per_s": round(trained / seconds["trainer"], 1),
-        "plain_loop_tokens_per_s": round(trained / seconds["plain"], 1),
-        "overhead_ratio": round(seconds["plain"] / seconds["trainer"], 3),
-    }
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=2))
-    console.print(
-        f"bench trainer -> {out}: rl_step {results['tokens_per_s']:,.0f} tokens/s, bare loop {results['plain_loop_tokens_per_s']:,.0f}, "
-        f"overhead_ratio {results['overhead_ratio']:.3f} (target >= 0.9; batch {batch_size}, {tokens_per_step} completion tokens per step)"
+    result = TrainerResult(
+        code=code_version("trainer"),
+        batch=batch_size,
+        completion_tokens_per_step=tokens_per_step,
+        steps=steps * rounds,
+        torch_threads=torch.get_num_threads(),
+        tokens_per_s=round(trained / seconds["trainer"], 1),
+        plain_loop_tokens_per_s=round(trained / seconds["plain"], 1),
+        overhead_ratio=round(seconds["plain"] / seconds["trainer"], 3),
     )
-    return results
+    report.write(out, result)
+    console.print(
+        f"bench trainer -> {out}: rl_step {result.tokens_per_s:,.0f} tokens/s, "
+        f"bare loop {result.plain_loop_tokens_per_s:,.0f}, overhead_ratio {result.overhead_ratio:.3f} "
+        f"(target >= 0.9; batch {batch_size}, {tokens_per_step} completion tokens per step)"
+    )
+    return result

@@ -56,21 +56,24 @@ class ServingDoor:
         if not key.allows(COMPLETIONS):
             return key, Denied(
                 403,
-                f"the API key of client {key.client_id!r} may not ask for completions (scopes: {', '.join(sorted(key.scopes))})",
+                f"the API key of client {key.client_id!r} may not ask for completions "
+                f"(scopes: {', '.join(sorted(key.scopes))})",
             )
         if content_length is not None and content_length > self.body_limit(key):
             return key, self.too_large(key, content_length)
         if key.max_concurrency and self.in_flight[key.key_hash] >= key.max_concurrency:
             return key, Denied(
                 429,
-                f"client {key.client_id!r} has {key.max_concurrency} completions in flight, its budget: retry when one ends",
+                f"client {key.client_id!r} has {key.max_concurrency} completions in flight, "
+                "its budget: retry when one ends",
                 1.0,
             )
         wait_s = await self._limiter.take(key, 1)
         if wait_s > 0:
             return key, Denied(
                 429,
-                f"rate limit of client {key.client_id!r} ({key.rate_per_s:g} completions/s) spent: retry in {wait_s:.2f} s",
+                f"rate limit of client {key.client_id!r} ({key.rate_per_s:g} completions/s) spent: "
+                f"retry in {wait_s:.2f} s",
                 wait_s,
             )
         return key, None
@@ -97,7 +100,8 @@ class ServingDoor:
             self.refused[429] += 1
             return Denied(
                 429,
-                f"max_tokens {max_tokens} is over client {key.client_id!r}'s budget of {key.max_tokens} tokens per completion",
+                f"max_tokens {max_tokens} is over client {key.client_id!r}'s budget "
+                f"of {key.max_tokens} tokens per completion",
             )
         return None
 

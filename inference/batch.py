@@ -145,7 +145,9 @@ class RunningBatch(Generic[Owner]):
             torch.tensor([len(r.tokens) for r in rows], dtype=torch.int64),
         )
         finished: list[tuple[int, SequenceResult]] = []
-        for i, row, token, logprob in zip(indices, rows, tokens.tolist(), logprobs.tolist()):
+        for i, row, token, logprob in zip(
+            indices, rows, tokens.tolist(), logprobs.tolist(), strict=True
+        ):
             row.tokens.append(token)
             row.logprobs.append(logprob)
             row.versions.append(version)

@@ -144,6 +144,7 @@ class InferenceSettings(Settings, TLSListener):
                 or not all(url.startswith(("http://", "https://")) for url in urls.values())
             ):
                 raise ValueError(
-                    f"backend=sglang needs RTRL_INFERENCE_SGLANG_URLS as arm=http://host:port pairs for control and/or treatment, got {self.sglang_urls!r}"
+                    "backend=sglang needs RTRL_INFERENCE_SGLANG_URLS as arm=http://host:port pairs "
+                    f"for control and/or treatment, got {self.sglang_urls!r}"
                 )
         return self

@@ -297,7 +297,8 @@ class Engine:
         ]
         if missing or unknown or wrong:
             raise ValueError(
-                f"weights do not fit the policy: missing={sorted(missing)[:3]} unknown={sorted(unknown)[:3]} wrong_shape={wrong[:3]}"
+                f"weights do not fit the policy: missing={sorted(missing)[:3]} "
+                f"unknown={sorted(unknown)[:3]} wrong_shape={wrong[:3]}"
             )
 
     # ---- engine thread ----------------------------------------------------------

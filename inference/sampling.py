@@ -40,7 +40,7 @@ def counter_uniform(seeds: torch.Tensor, counter: int | torch.Tensor) -> torch.T
         else [int(counter)] * len(seed_list)
     )
     out = []
-    for seed, count in zip(seed_list, counters):
+    for seed, count in zip(seed_list, counters, strict=True):
         x = _fmix32((seed & _M32) ^ _fmix32((count & _M32) ^ 0x9E3779B9))
         x = _fmix32(x ^ ((seed >> 32) & _M32) ^ 0x7F4A7C15)
         y = _fmix32(x ^ 0x632BE5AB)

@@ -230,7 +230,8 @@ class InferenceServer:
                 (counters.unrecorded, {"outcome": "unrecorded"}),
             ],
             unit="{request}",
-            description="Completion requests by outcome (rejected: 400, unavailable: 503, unrecorded: served, kept from training)",
+            description="Completion requests by outcome "
+            "(rejected: 400, unavailable: 503, unrecorded: served, kept from training)",
         )
         otel.observe(
             meter,
@@ -341,7 +342,10 @@ class InferenceServer:
         if body.arm is not None:
             return "the caller chose the arm"
         if not s.trained_temperature_min <= temperature <= s.trained_temperature_max:
-            return f"temperature {temperature:g} is outside the trained band [{s.trained_temperature_min:g}, {s.trained_temperature_max:g}]"
+            return (
+                f"temperature {temperature:g} is outside the trained band "
+                f"[{s.trained_temperature_min:g}, {s.trained_temperature_max:g}]"
+            )
         if top_p < s.trained_top_p_min:
             return f"top_p {top_p:g} is below the trained band's {s.trained_top_p_min:g}"
         return ""

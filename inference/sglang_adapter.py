@@ -115,7 +115,8 @@ def versions_per_token(spans: Sequence[dict[str, Any]], n_tokens: int) -> tuple[
             version = int(span["version"])
         except ValueError:
             raise SGLangGenerationError(
-                f"SGLang labels weights {span['version']!r}, not an rtrl policy version: launch it with --weight-version <n>"
+                f"SGLang labels weights {span['version']!r}, not an rtrl policy version: "
+                "launch it with --weight-version <n>"
             ) from None
         versions.extend([version] * (span["end"] - span["start"]))
     if len(versions) != n_tokens:

@@ -227,7 +227,8 @@ def check_fits(
     )
     if unknown or missing or wrong:
         raise WeightsRejected(
-            f"v{version} does not fit the served model: unknown {unknown[:5]}, missing {missing[:5]}, wrong shape {wrong[:5]}"
+            f"v{version} does not fit the served model: unknown {unknown[:5]}, "
+            f"missing {missing[:5]}, wrong shape {wrong[:5]}"
         )
 
 

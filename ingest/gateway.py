@@ -233,7 +233,7 @@ class Gateway:
             outcomes = await self._write([events[i] for i in admitted], headers)
         finally:
             self.inflight -= len(admitted)
-        for i, outcome in zip(admitted, outcomes):
+        for i, outcome in zip(admitted, outcomes, strict=True):
             results[i] = outcome
         for i, j in repeats:
             first = results[j]
@@ -273,7 +273,7 @@ class Gateway:
 
         results: list[ingest_pb2.EventResult | None] = [None] * len(events)
         to_produce: list[int] = []
-        for i, (event, claim) in enumerate(zip(events, claims)):
+        for i, (event, claim) in enumerate(zip(events, claims, strict=True)):
             if claim == CLAIMED:
                 to_produce.append(i)
             elif claim in (SEEN, PRIVATE_SEEN):
@@ -307,7 +307,7 @@ class Gateway:
             ]
         )
         async with self._redis.pipeline(transaction=False) as pipe:
-            for i, error in zip(to_produce, errors):
+            for i, error in zip(to_produce, errors, strict=True):
                 if error is not None:
                     pipe.delete(keys[i])
                     results[i] = _result(

@@ -392,7 +392,8 @@ async def start(stack: StackSettings, settings: IngestSettings) -> IngestServer:
     if settings.auth_required:
         if not stack.api_key_public_keys.strip():
             raise SystemExit(
-                "RTRL_API_KEY_PUBLIC_KEYS is not set: the gateway accepts only API keys the operator signed (rtrl up derives it)"
+                "RTRL_API_KEY_PUBLIC_KEYS is not set: "
+                "the gateway accepts only API keys the operator signed (rtrl up derives it)"
             )
         verifier = KeyVerifier(signing.parse_public_keys(stack.api_key_public_keys))
         door = Door(KeyCache(redis, settings.key_cache_ttl_s, verifier), RateLimiter(redis))

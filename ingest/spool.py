@@ -122,7 +122,8 @@ class Spool:
                 raise RuntimeError(f"spool {self.directory} is closed")
             if self._bytes + size > self._max_bytes:
                 raise SpoolFull(
-                    f"spool {self.directory} holds {self._bytes} bytes of undelivered events ({len(self._unanswered)} events); "
+                    f"spool {self.directory} holds {self._bytes} bytes of undelivered events "
+                    f"({len(self._unanswered)} events); "
                     f"{size} more would pass max_spool_bytes={self._max_bytes}"
                 )
             segment, fd = self._segment_for(size)

@@ -71,7 +71,8 @@ def check_delta(delta: SparseDelta, dtype: torch.dtype, numel: int) -> None:
         or positions.shape != diffs.shape
     ):
         raise ValueError(
-            f"malformed delta for {dtype}: positions {positions.dtype}{tuple(positions.shape)}, diffs {diffs.dtype}{tuple(diffs.shape)}"
+            f"malformed delta for {dtype}: positions {positions.dtype}{tuple(positions.shape)}, "
+            f"diffs {diffs.dtype}{tuple(diffs.shape)}"
         )
     if positions.numel() and (
         bool(positions[0] < 0)

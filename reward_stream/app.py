@@ -83,7 +83,8 @@ def create_app(settings: RewardStreamSettings, stack: StackSettings) -> faust.Ap
     key = settings.signing_key.get_secret_value()
     if not key:
         raise SystemExit(
-            "RTRL_REWARD_SIGNING_KEY is not set: the joiner signs every reward and has no default key (python -m rtrl.signing)"
+            "RTRL_REWARD_SIGNING_KEY is not set: "
+            "the joiner signs every reward and has no default key (python -m rtrl.signing)"
         )
     if not settings.rollout_public_keys.strip():
         raise SystemExit(
@@ -235,7 +236,8 @@ def _observe(joiner: Joiner, publisher: OutputPublisher, group: str, lag) -> Non
         lambda: [
             (v, {"arm": arm, "defaulted": d}) for (arm, d), v in list(joiner.reward_sums.items())
         ],
-        description="Sum of the rewards settled (a reward can be negative), by arm and defaulted: over rtrl.reward.settled, the mean",
+        description="Sum of the rewards settled (a reward can be negative), by arm and defaulted: "
+        "over rtrl.reward.settled, the mean",
     )
     otel.observe(
         meter,

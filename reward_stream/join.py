@@ -60,7 +60,7 @@ import heapq
 import itertools
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
-from typing import Literal, Union, get_args
+from typing import Literal, get_args
 
 from rtrl.event_time import EventTimeWindow
 
@@ -242,7 +242,7 @@ class Refused:
     reason: str
 
 
-Output = Union[Settled, Dropped, Late, Duplicate, Refused]
+Output = Settled | Dropped | Late | Duplicate | Refused
 
 
 def step(state: JoinState, event: Event, now_ms: int) -> tuple[JoinState, list[Output]]:
@@ -394,7 +394,7 @@ def _settle_ready(state: JoinState, now_ms: int) -> list[Output]:
     # Incomplete rollouts whose RolloutRecord never came, on either clock (the wall
     # clock only while no source is behind).
     wall_clock = -1 if state.behind else now_ms
-    for heap, clock in zip(state.expiry_heaps, (wall_clock, state.stream_time_ms)):
+    for heap, clock in zip(state.expiry_heaps, (wall_clock, state.stream_time_ms), strict=True):
         while heap and heap[0][0] <= clock:
             _, seq, rollout_id = heapq.heappop(heap)
             incomplete = state.incomplete.get(rollout_id)

@@ -258,7 +258,8 @@ def main() -> None:
     result = replay(StackSettings(), settings.join_config(), sys.argv[1], rollout_verifier=verifier)
     print(
         f"{topics.reward_replay(result.version)}: {len(result.records)} rewards, "
-        f"{result.skipped} skipped ({result.unauthenticated} rollouts no worker signed), {result.dropped} dropped, {result.late} late"
+        f"{result.skipped} skipped ({result.unauthenticated} rollouts no worker signed), "
+        f"{result.dropped} dropped, {result.late} late"
     )
 
 

@@ -53,7 +53,8 @@ COMPLETIONS = "completions"
 SCOPES = EVENT_TYPES | {ALL_EVENTS, COMPLETIONS}
 
 SIGNED_FIELDS = (
-    "client_id", "scopes", "rate_per_s", "burst", "revoked", "expires_ms", "max_request_bytes", "max_tokens", "max_concurrency",
+    "client_id", "scopes", "rate_per_s", "burst", "revoked", "expires_ms",
+    "max_request_bytes", "max_tokens", "max_concurrency",
 )  # fmt: skip
 """The record's fields the operator's signature covers, in the order they are signed."""
 
@@ -246,9 +247,15 @@ async def rotate_keys(
     newest = max((f for f in current if f), key=lambda f: int(f.get("created_ms", 0)), default=None)
     if newest is not None:
         issue = {
-            "scopes": set(newest["scopes"].split(",")), "rate_per_s": float(newest["rate_per_s"]), "burst": float(newest["burst"]),
-            **{name: int(newest.get(name, 0)) for name in ("max_request_bytes", "max_tokens", "max_concurrency")}, **issue,
-        }  # fmt: skip
+            "scopes": set(newest["scopes"].split(",")),
+            "rate_per_s": float(newest["rate_per_s"]),
+            "burst": float(newest["burst"]),
+            **{
+                name: int(newest.get(name, 0))
+                for name in ("max_request_bytes", "max_tokens", "max_concurrency")
+            },
+            **issue,
+        }
     new_key = await issue_key(redis, authority, client_id, **issue)
     expires = now_ms() + int(grace_s * 1000)
     for digest in old:

@@ -137,7 +137,8 @@ class StackSettings(Settings):
             self.kafka_sasl_username and self.kafka_sasl_password.get_secret_value()
         ):
             raise ValueError(
-                f"kafka_security_protocol {self.kafka_security_protocol} needs kafka_sasl_username and kafka_sasl_password"
+                f"kafka_security_protocol {self.kafka_security_protocol} "
+                "needs kafka_sasl_username and kafka_sasl_password"
             )
         return self
 

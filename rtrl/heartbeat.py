@@ -232,9 +232,7 @@ class AnalyticsBeat:
     """Rows inserted per table."""
 
 
-Beat = Union[
-    IngestBeat, RewardStreamBeat, TrainerBeat, InferenceBeat, WeightSyncBeat, AnalyticsBeat
-]
+Beat = IngestBeat | RewardStreamBeat | TrainerBeat | InferenceBeat | WeightSyncBeat | AnalyticsBeat
 
 BEATS: dict[str, type[Beat]] = {
     "ingest": IngestBeat,

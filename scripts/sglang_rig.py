@@ -47,7 +47,9 @@ def __getattr__(name):
         raise AttributeError(name)
 
     def op(*args, **kwargs):
-        raise NotImplementedError(f"vllm._custom_ops.{name} was called, but this is rtrl's CPU stand-in without kernels")
+        raise NotImplementedError(
+            f"vllm._custom_ops.{name} was called, but this is rtrl's CPU stand-in without kernels"
+        )
 
     op.__name__ = name
     return op
@@ -281,7 +283,8 @@ def _check(server: SGLangServer) -> None:
     with urllib.request.urlopen(request, timeout=60) as response:
         out = json.loads(response.read())
     print(
-        f"generate: {len(out['output_ids'])} tokens in {time.monotonic() - started:.2f} s; weight_versions={out['meta_info'].get('weight_versions')}"
+        f"generate: {len(out['output_ids'])} tokens in {time.monotonic() - started:.2f} s; "
+        f"weight_versions={out['meta_info'].get('weight_versions')}"
     )
 
 
@@ -311,7 +314,8 @@ def main() -> None:
     model_dir = write_tiny_model(workdir / "model")
     server = start_server(model_dir, workdir / "sglang.log", args.port)
     print(
-        f"SGLang serving {model_dir} at {server.url} (ready in {server.startup_s:.1f} s, RSS {server.rss_bytes() / 2**20:.0f} MiB, log {server.log_path})"
+        f"SGLang serving {model_dir} at {server.url} (ready in {server.startup_s:.1f} s, "
+        f"RSS {server.rss_bytes() / 2**20:.0f} MiB, log {server.log_path})"
     )
     try:
         if args.command == "check":

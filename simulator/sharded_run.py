@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from rtrl import entrypoint
 from rtrl.policy import EOS, encode
 from simulator.tasks import PROJECT_STYLES, random_style, random_task
 from trainer.batch import TrainBatch, TrainSample, collate
@@ -102,7 +103,7 @@ def main() -> None:
         "--weights", type=Path, help="also save the final weights here (safetensors)"
     )
     args = parser.parse_args()
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    entrypoint.configure_logging()
 
     from safetensors.torch import save_file
 

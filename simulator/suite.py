@@ -60,7 +60,7 @@ class DemoSuite:
         finally:
             model.train(was_training)
         well_formed = house_style = styled_tasks = 0
-        for task, completion in zip(self.tasks, completions):
+        for task, completion in zip(self.tasks, completions, strict=True):
             ids = completion.completion_ids
             if not ids or ids[-1] != EOS:
                 continue

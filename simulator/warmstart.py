@@ -95,7 +95,8 @@ class WarmStartRecipe:
         helpers = self.batch_size - self.question_rows
         if self.question_rows < 0 or helpers <= 0 or helpers % len(PROJECT_STYLES):
             raise ValueError(
-                f"batch_size {self.batch_size} minus question_rows {self.question_rows} is not a positive multiple of {len(PROJECT_STYLES)} styles"
+                f"batch_size {self.batch_size} minus question_rows {self.question_rows} "
+                f"is not a positive multiple of {len(PROJECT_STYLES)} styles"
             )
 
 
@@ -167,7 +168,7 @@ def measure(
     single = [0] * projects
     indent2 = [0] * projects
     questions = 0
-    for task, completion in zip(tasks, out):
+    for task, completion in zip(tasks, out, strict=True):
         text = decode(list(completion.completion_ids))
         ended = completion.completion_ids[-1] == EOS
         questions += ended and text in {task.question(topic) for topic in QUESTION_TOPICS}
@@ -181,8 +182,8 @@ def measure(
         samples=samples,
         parse_rate=sum(parsed) / samples,
         question_rate=questions / samples,
-        single_quote_by_project=tuple(s / max(p, 1) for s, p in zip(single, parsed)),
-        indent2_by_project=tuple(s / max(p, 1) for s, p in zip(indent2, parsed)),
+        single_quote_by_project=tuple(s / max(p, 1) for s, p in zip(single, parsed, strict=True)),
+        indent2_by_project=tuple(s / max(p, 1) for s, p in zip(indent2, parsed, strict=True)),
     )
 
 
@@ -342,7 +343,8 @@ def main() -> None:
     q = stats.quality
     print(f"steps {stats.steps}  time {stats.seconds:.1f} s  final loss {stats.final_loss:.4f}")
     print(
-        f"parse rate {q.parse_rate:.3f}, question rate {q.question_rate:.3f} over {q.samples} samples at temperature 1.0"
+        f"parse rate {q.parse_rate:.3f}, question rate {q.question_rate:.3f} "
+        f"over {q.samples} samples at temperature 1.0"
     )
     for project in range(PROJECTS):
         house = (

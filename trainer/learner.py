@@ -226,7 +226,7 @@ class ShardedLearner:
         assert self._published is not None  # the trainer remembers its starting state first
         local, optimizer_state = self._published
         with torch.no_grad():
-            for parameter, saved in zip(self.model.parameters(), local):
+            for parameter, saved in zip(self.model.parameters(), local, strict=True):
                 parameter.copy_(saved)
         self.optimizer.load_state_dict(copy.deepcopy(optimizer_state))
 

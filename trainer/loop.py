@@ -235,8 +235,9 @@ class Trainer:
             )
         elif replayed.last_published_version != latest:
             log.warning(
-                "journal ends at v%d but the registry holds v%d: resuming from the journal's last positions (the committed offsets "
-                "where it has none); rollouts since may be retrained",
+                "journal ends at v%d but the registry holds v%d: resuming from the journal's "
+                "last positions (the committed offsets where it has none); "
+                "rollouts since may be retrained",
                 replayed.last_published_version,
                 latest,
             )
@@ -245,8 +246,9 @@ class Trainer:
         self.positions = dict(replayed.positions)
         if self.positions and replayed.cluster_id != self.cluster_id:
             log.warning(
-                "the broker is new (cluster %r; the journal's positions are in %r): its topics start empty, so the journal's "
-                "positions are not applied; whatever the old broker held and was not yet trained on is gone with it",
+                "the broker is new (cluster %r; the journal's positions are in %r): "
+                "its topics start empty, so the journal's positions are not applied; "
+                "whatever the old broker held and was not yet trained on is gone with it",
                 self.cluster_id,
                 replayed.cluster_id,
             )
@@ -511,7 +513,8 @@ class Trainer:
             self.on_step(record, self.version)
         metrics = candidate.metrics
         log.info(
-            "step %d -> %s rollouts %d in %d steps reward %.3f kl %.4f entropy %.3f grad_norm %.3f clipped %.3f stale %d eval %s %s",
+            "step %d -> %s rollouts %d in %d steps reward %.3f kl %.4f entropy %.3f "
+            "grad_norm %.3f clipped %.3f stale %d eval %s %s",
             candidate.step,
             f"v{self.version}" if verdict.accepted else "refused",
             metrics.rollouts,

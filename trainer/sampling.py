@@ -51,7 +51,9 @@ def sample(
     for indices in by_length.values():
         batch = torch.tensor([prompts[i] for i in indices], dtype=torch.long)
         for i, sampled in zip(
-            indices, _decode(model, batch, None, temperature, max_new_tokens, generator)
+            indices,
+            _decode(model, batch, None, temperature, max_new_tokens, generator),
+            strict=True,
         ):
             out[i] = sampled
     return out  # type: ignore[return-value]

@@ -107,7 +107,8 @@ async def serve(
     signing_key = settings.manifest_signing_key.get_secret_value()
     if not signing_key:
         raise SystemExit(
-            "trainer: RTRL_TRAINER_MANIFEST_SIGNING_KEY is not set: workers apply only versions it signs (rtrl up generates one)"
+            "trainer: RTRL_TRAINER_MANIFEST_SIGNING_KEY is not set: "
+            "workers apply only versions it signs (rtrl up generates one)"
         )
     # Its own versions, and those of a key being rotated out.
     own_keys = [

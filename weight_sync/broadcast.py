@@ -195,7 +195,8 @@ class Broadcaster(weights_pb2_grpc.WeightSyncServicer):
         self._source = source
         if not all(subscribe_tokens):
             raise ValueError(
-                "a weight_sync listener needs its tokens (RTRL_WEIGHT_SYNC_TOKEN, RTRL_WEIGHT_SYNC_SUBSCRIBE_TOKEN): there are no defaults"
+                "a weight_sync listener needs its tokens "
+                "(RTRL_WEIGHT_SYNC_TOKEN, RTRL_WEIGHT_SYNC_SUBSCRIBE_TOKEN): there are no defaults"
             )
         self._bearers = tuple(f"Bearer {token}".encode() for token in subscribe_tokens)
         self._chunk_bytes = chunk_bytes

@@ -257,7 +257,8 @@ class Subscriber:
             try:
                 if not manifest.keyframe and manifest.parent_version != held_version:
                     raise codec.ParentMismatch(
-                        f"{self.arm} v{manifest.version} is a delta on v{manifest.parent_version}, we hold v{held_version}"
+                        f"{self.arm} v{manifest.version} is a delta on v{manifest.parent_version}, "
+                        f"we hold v{held_version}"
                     )
                 held = codec.decode(blob, manifest, held)
             except codec.DecodeError as exc:

@@ -310,7 +310,8 @@ def _check_sparse_against_parent(manifest: weights_pb2.Manifest, parent: Weights
             or dtype_name(base.dtype) != meta.dtype
         ):
             raise ParentMismatch(
-                f"tensor {meta.name} is a delta but the parent weights hold no {meta.dtype}{list(meta.shape)} tensor by that name"
+                f"tensor {meta.name} is a delta but the parent weights hold no "
+                f"{meta.dtype}{list(meta.shape)} tensor by that name"
             )
         if meta.changed > base.numel():
             raise DecodeError(
@@ -357,7 +358,8 @@ def _apply_sparse(
     base = None if parent is None else parent.get(meta.name)
     if base is None or tuple(base.shape) != shape or base.dtype != dtype:
         raise ParentMismatch(
-            f"tensor {meta.name} is a delta but the parent weights hold no {meta.dtype}{list(shape)} tensor by that name"
+            f"tensor {meta.name} is a delta but the parent weights hold no "
+            f"{meta.dtype}{list(shape)} tensor by that name"
         )
     # Differences were sign-extended from the tensor's integer width; truncating restores them exactly.
     delta = SparseDelta(

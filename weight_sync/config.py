@@ -133,7 +133,8 @@ class WeightSyncSettings(Settings, TLSListener):
             )
         if bool(self.s3_access_key_id) != bool(self.s3_secret_access_key.get_secret_value()):
             raise ValueError(
-                "s3_access_key_id and s3_secret_access_key go together: set both, or neither for boto3's credential chain"
+                "s3_access_key_id and s3_secret_access_key go together: "
+                "set both, or neither for boto3's credential chain"
             )
         endpoint = urlparse(self.s3_endpoint_url)
         if self.s3_endpoint_url and (

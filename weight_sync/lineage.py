@@ -68,8 +68,9 @@ def publish_problem(
         return None
     if next_version is not None and next_version != latest + 1:
         return (
-            f"version {next_version} of arm {manifest.arm!r} must be a keyframe: versions {latest + 1}..{next_version - 1} "
-            "were lost with the registry, and a delta chain has no gaps"
+            f"version {next_version} of arm {manifest.arm!r} must be a keyframe: "
+            f"versions {latest + 1}..{next_version - 1} were lost with the registry, "
+            "and a delta chain has no gaps"
         )
     if latest < 0:
         return f"the first version of arm {manifest.arm!r} must be a keyframe"

@@ -209,7 +209,9 @@ class RegistryRecovery:
                     "registry rebuilt from %s: %s",
                     self._store.url,
                     ", ".join(
-                        f"{a.restored.arm} latest v{a.restored.latest} ({len(a.restored.manifests)} manifests, next version {max(a.restored.lowest_next, a.restored.latest + 1)})"
+                        f"{a.restored.arm} latest v{a.restored.latest} "
+                        f"({len(a.restored.manifests)} manifests, "
+                        f"next version {max(a.restored.lowest_next, a.restored.latest + 1)})"
                         for a in recovered
                     ),
                 )

@@ -108,7 +108,7 @@ class Registry:
             a.decode() if isinstance(a, bytes) else a for a in await self._redis.smembers(ARMS_KEY)
         )
         values = await self._redis.mget([latest_key(a) for a in arms]) if arms else []
-        return {arm: int(v) for arm, v in zip(arms, values) if v is not None}
+        return {arm: int(v) for arm, v in zip(arms, values, strict=True) if v is not None}
 
     async def arms(self) -> list[str]:
         return sorted(
@@ -143,7 +143,7 @@ class Registry:
         (raws,) = await self._read(lambda pipe: pipe.mget([manifest_key(arm, v) for v in versions]))
         return {
             v: weights_pb2.Manifest.FromString(raw)
-            for v, raw in zip(versions, raws)
+            for v, raw in zip(versions, raws, strict=True)
             if raw is not None
         }
 

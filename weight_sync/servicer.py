@@ -221,7 +221,8 @@ class WeightSyncService(Broadcaster):
                     await abort(
                         context,
                         grpc.StatusCode.RESOURCE_EXHAUSTED,
-                        f"the manifest declares {manifest.blob_size} bytes, more than max_blob_bytes {self._settings.max_blob_bytes}",
+                        f"the manifest declares {manifest.blob_size} bytes, "
+                        f"more than max_blob_bytes {self._settings.max_blob_bytes}",
                     )
             # The declared size is enforced as the stream arrives, not after buffering it.
             received += len(chunk.data)
@@ -259,7 +260,8 @@ class WeightSyncService(Broadcaster):
             await abort(
                 context,
                 grpc.StatusCode.DATA_LOSS,
-                f"received {len(blob)} bytes hashing to {xxh3_hex(blob)}; manifest says {manifest.blob_size} bytes, {manifest.blob_checksum}",
+                f"received {len(blob)} bytes hashing to {xxh3_hex(blob)}; "
+                f"manifest says {manifest.blob_size} bytes, {manifest.blob_checksum}",
             )
         async with self._publish_locks.setdefault(arm, asyncio.Lock()):
             latest = await self._registry.latest(arm)

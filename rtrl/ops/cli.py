@@ -22,7 +22,8 @@ bench_app = typer.Typer(
 )
 app.add_typer(bench_app, name="bench")
 keys_app = typer.Typer(
-    help="API keys of product clients, stored hashed in the Redis of the stack running in RTRL_STATE_DIR (or RTRL_REDIS_URL's).",
+    help="API keys of product clients, stored hashed in the Redis of the stack running in "
+    "RTRL_STATE_DIR (or RTRL_REDIS_URL's).",
     no_args_is_help=True,
 )
 app.add_typer(keys_app, name="keys")
@@ -65,7 +66,7 @@ def up(fresh: bool = FRESH) -> None:
         stack = start(_state_dir(), console, fresh=fresh)
     except StackError as exc:
         console.print(f"[red]{exc}[/]")
-        raise typer.Exit(1)
+        raise typer.Exit(1) from None
     _print_endpoints(stack)
 
 
@@ -132,7 +133,8 @@ def demo(
     keep_running: bool = typer.Option(False, help="Leave the stack up afterwards."),
     reward_fn: str | None = typer.Option(
         None,
-        help="Reward function to settle with (sets RTRL_STACK_REWARD_FN_VERSION; default r3). r1 pays for asking instead of editing.",
+        help="Reward function to settle with (sets RTRL_STACK_REWARD_FN_VERSION; default r3). "
+        "r1 pays for asking instead of editing.",
     ),
     fresh: bool = FRESH,
 ) -> None:
@@ -153,7 +155,7 @@ def demo(
         stack = start(_state_dir(), console, fresh=fresh)
     except StackError as exc:
         console.print(f"[red]{exc}[/]")
-        raise typer.Exit(1)
+        raise typer.Exit(1) from None
     try:
         stats = run_product(stack, minutes * 60, console)
         _finish_report(stack, stats)
@@ -291,7 +293,8 @@ def _redis_url() -> str:
     if stack is not None:
         if os.environ.get("RTRL_REDIS_URL", stack.redis_url) != stack.redis_url:
             err_console.print(
-                f"[yellow]RTRL_REDIS_URL is set, but the stack in {_state_dir()} runs its own Redis: using the stack's[/]"
+                f"[yellow]RTRL_REDIS_URL is set, but the stack in {_state_dir()} "
+                "runs its own Redis: using the stack's[/]"
             )
         err_console.print(f"using the stack in {_state_dir()} (redis {stack.redis_url})")
         return stack.redis_url
@@ -328,7 +331,8 @@ def keys_create(
     client: str = typer.Argument(..., help="Client id the key belongs to."),
     events: str = typer.Option(
         "*",
-        help="Comma-separated scopes: event types it may send (edit_shown, edit_outcome, persistence, followup, or * for all), "
+        help="Comma-separated scopes: event types it may send "
+        "(edit_shown, edit_outcome, persistence, followup, or * for all), "
         "and `completions` for the serving API (never implied by *).",
     ),
     rate: float = typer.Option(

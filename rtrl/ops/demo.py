@@ -64,7 +64,10 @@ def _statuses(client: redis.Redis) -> dict[str, heartbeat.Beat]:
 
 
 def _footer(stats: ProductStats, beats: dict[str, heartbeat.Beat]) -> str:
-    footer = f"events accepted {stats.events_accepted}, duplicate replies {stats.events_duplicate_replies}, errors {stats.errors}"
+    footer = (
+        f"events accepted {stats.events_accepted}, "
+        f"duplicate replies {stats.events_duplicate_replies}, errors {stats.errors}"
+    )
     joiner = beats.get("reward_stream")
     alerts = (
         [a for a in joiner.alerts if a.metric in DRIFT]
@@ -73,7 +76,10 @@ def _footer(stats: ProductStats, beats: dict[str, heartbeat.Beat]) -> str:
     )
     if alerts:
         newest = alerts[-1]
-        footer += f"\n[bold red]reward-hacking alerts: {len(alerts)}[/], newest: {newest.metric} {newest.previous_value:.3f} -> {newest.value:.3f}"
+        footer += (
+            f"\n[bold red]reward-hacking alerts: {len(alerts)}[/], "
+            f"newest: {newest.metric} {newest.previous_value:.3f} -> {newest.value:.3f}"
+        )
     if stats.last_error:
         footer += f"  (last: {stats.last_error[:80]})"
     return footer

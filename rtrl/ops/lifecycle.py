@@ -78,7 +78,8 @@ def up(
         raise StackError(str(exc)) from None
     began = time.strftime("%Y-%m-%d %H:%M", time.localtime(marker.created_ts))
     console.print(
-        f"{'resuming' if resumed else 'starting'} the run in {state_dir} (lineage began {began}; `rtrl up --fresh` starts over)"
+        f"{'resuming' if resumed else 'starting'} the run in {state_dir} "
+        f"(lineage began {began}; `rtrl up --fresh` starts over)"
     )
     warm_start(state_dir, console)
     (state_dir / "logs").mkdir(parents=True, exist_ok=True)

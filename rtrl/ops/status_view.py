@@ -402,9 +402,11 @@ def broker_loss(previous: broker_record.BrokerRecord | None) -> str:
     if previous.measured_ts is None:
         return f"previous broker {previous.cluster_id}: gone with its topics; what it held was never measured"
     when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(previous.measured_ts))
+    reading = " after every service stopped" if previous.final else ", its last reading"
     bound = "" if previous.final else "about "
     return (
-        f"previous broker {previous.cluster_id} (read {when}{' after every service stopped' if previous.final else ', its last reading'}): "
-        f"{bound}{previous.unjoined_events} accepted events and {previous.unjoined_rollouts} rollouts were still unjoined "
+        f"previous broker {previous.cluster_id} (read {when}{reading}): "
+        f"{bound}{previous.unjoined_events} accepted events and "
+        f"{previous.unjoined_rollouts} rollouts were still unjoined "
         f"and {previous.untrained_rewards} rewards untrained when it went away; they are lost with it"
     )

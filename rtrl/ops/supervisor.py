@@ -13,7 +13,7 @@ import signal
 import sys
 import time
 
-from rtrl import kafka, procs
+from rtrl import entrypoint, kafka, procs
 from rtrl.config import StackSettings
 from rtrl.ops import broker_record, stack_secrets
 from rtrl.ops.stack import (
@@ -217,7 +217,7 @@ def main() -> None:
     logging.basicConfig(
         filename=settings.state_dir / "logs" / "supervisor.log",
         level=logging.INFO,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        format=entrypoint.LOG_FORMAT,
     )
     supervisor = Supervisor(settings, config)
 

@@ -235,7 +235,11 @@ def test_sink_deduplicates_replays_and_commits_after_insert(
         asyncio.run(produce())
         procs.wait_for_port(port, timeout_s=30)
         query = http_query_fn(f"http://127.0.0.1:{port}", token)
-        counts = "SELECT (SELECT count() FROM rollouts FINAL) AS rollouts, (SELECT count(DISTINCT reward_id) FROM rewards) AS rewards, (SELECT count() FROM telemetry_events FINAL) AS events"
+        counts = (
+            "SELECT (SELECT count() FROM rollouts FINAL) AS rollouts, "
+            "(SELECT count(DISTINCT reward_id) FROM rewards) AS rewards, "
+            "(SELECT count() FROM telemetry_events FINAL) AS events"
+        )
         deadline = time.monotonic() + 60
         while query(counts) != [{"rollouts": 9, "rewards": 9, "events": 3}]:
             assert time.monotonic() < deadline, f"sink did not catch up: {query(counts)}"

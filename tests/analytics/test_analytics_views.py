@@ -85,14 +85,20 @@ HAND_METRICS = (
 )
 
 # Hours are counted from T0, which falls on the hour.
-BASE_REWARDS = f"""SELECT arm, policy_version AS version, intDiv(toUnixTimestamp(rollout_ts) - {T0 // 1000}, 3600) AS hour,
-    count() AS rewards,
-    avg(persistence_observed AND persisted_fraction >= {schema.PERSISTED_THRESHOLD}) AS persisted_rate,
-    avg(dissatisfied > 0) AS dissatisfied_rate, avg(followup_observed) AS followup_rate, avg(defaulted) AS defaulted_rate,
-    avg(reward) AS reward_mean, avg(persisted_fraction) AS persisted_fraction, avg(dissatisfied) AS dissatisfied,
-    avg(tool_call_validity) AS tool_call_validity, avg(effort_penalty) AS effort_penalty
-FROM rewards FINAL WHERE topic = '{topics.REWARD}' GROUP BY arm, version, hour
-SETTINGS prefer_column_name_to_alias = 1"""
+BASE_REWARDS = (
+    "SELECT arm, policy_version AS version, "
+    f"intDiv(toUnixTimestamp(rollout_ts) - {T0 // 1000}, 3600) AS hour,\n"
+    "    count() AS rewards,\n"
+    f"    avg(persistence_observed AND persisted_fraction >= {schema.PERSISTED_THRESHOLD})"
+    " AS persisted_rate,\n"
+    "    avg(dissatisfied > 0) AS dissatisfied_rate, avg(followup_observed) AS followup_rate,"
+    " avg(defaulted) AS defaulted_rate,\n"
+    "    avg(reward) AS reward_mean, avg(persisted_fraction) AS persisted_fraction,"
+    " avg(dissatisfied) AS dissatisfied,\n"
+    "    avg(tool_call_validity) AS tool_call_validity, avg(effort_penalty) AS effort_penalty\n"
+    f"FROM rewards FINAL WHERE topic = '{topics.REWARD}' GROUP BY arm, version, hour\n"
+    "SETTINGS prefer_column_name_to_alias = 1"
+)
 BASE_ROLLOUTS = f"""SELECT arm, policy_version_max AS version, intDiv(toUnixTimestamp(ts) - {T0 // 1000}, 3600) AS hour,
     count() AS rollouts, avg({schema.CLARIFYING_QUESTION}) AS clarifying_question_rate,
     quantileExactInclusive(0.5)(latency_s) AS latency_p50_s, quantileExactInclusive(0.9)(latency_s) AS latency_p90_s,
@@ -301,7 +307,8 @@ def test_the_clarifying_question_rule_is_the_monitors(client):
         "crlf_after_the_mark": ("Tabs?\r\n", True),
     }
     result = client.query(
-        f"SELECT completion_text, {schema.CLARIFYING_QUESTION} AS question FROM (SELECT arrayJoin({{texts:Array(String)}}) AS completion_text)",
+        f"SELECT completion_text, {schema.CLARIFYING_QUESTION} AS question"
+        " FROM (SELECT arrayJoin({texts:Array(String)}) AS completion_text)",
         parameters={"texts": [text for text, _ in cases.values()]},
     )
     question = {text: bool(flag) for text, flag in result.result_rows}

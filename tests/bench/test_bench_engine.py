@@ -7,6 +7,7 @@ import json
 
 from rich.console import Console
 
+from bench import report
 from bench.engine import run
 
 
@@ -21,8 +22,8 @@ def test_bench_engine_writes_consistent_results(tmp_path):
         rounds=1,
         swap_every_s=0.1,
     )
-    assert json.loads(out.read_text()) == results
-    phases = {p["name"]: p for p in results["phases"]}
+    assert json.loads(out.read_text()) == json.loads(json.dumps(report.as_json(results)))
+    phases = {p.name: p for p in results.phases}
     assert set(phases) == {
         "hf_generate",
         "engine_keep_steady",
@@ -31,11 +32,10 @@ def test_bench_engine_writes_consistent_results(tmp_path):
         "engine_recompute_swaps",
     }
     for p in phases.values():
-        assert p["tokens"] > 0 and p["tokens"] % 8 == 0  # every completion exactly max_tokens long
-    assert phases["engine_keep_swaps"]["swaps"] >= 1 and phases["engine_keep_steady"]["swaps"] == 0
-    rate = {name: p["tokens"] / p["seconds"] for name, p in phases.items()}
-    assert abs(results["ratio"] - rate["engine_keep_steady"] / rate["hf_generate"]) < 0.01
+        assert p.tokens > 0 and p.tokens % 8 == 0  # every completion exactly max_tokens long
+    assert phases["engine_keep_swaps"].swaps >= 1 and phases["engine_keep_steady"].swaps == 0
+    rate = {name: p.tokens / p.seconds for name, p in phases.items()}
+    assert abs(results.ratio - rate["engine_keep_steady"] / rate["hf_generate"]) < 0.01
     assert (
-        abs(results["swap_slowdown"] - rate["engine_keep_swaps"] / rate["engine_keep_steady"])
-        < 0.01
+        abs(results.swap_slowdown - rate["engine_keep_swaps"] / rate["engine_keep_steady"]) < 0.01
     )

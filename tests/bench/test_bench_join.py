@@ -8,7 +8,8 @@ import json
 import pytest
 from rich.console import Console
 
-from bench.join import run
+from bench import report
+from bench.join import Exactness, run
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -67,20 +68,17 @@ def test_tiny_load_every_key_exact_counts(tmp_path):
         live_rate_per_s=50.0,
     )
 
-    assert json.loads(out.read_text()) == results
-    assert set(results) == KEYS
-    rollouts = 300 + results["partitions"] + 200  # main load, one sentinel per partition, live
-    assert results["events"] == 3 * (300 + results["partitions"])
-    assert results["rewards_1_worker"] == results["rewards_2_workers"] == rollouts
-    for run_ in ("1_worker", "2_workers"):
-        assert results[f"exact_{run_}"] == {"missing": 0, "doubled": 0}, run_
-        join = results[f"join_{run_}"]
-        assert (join["settled"], join["defaulted"], join["late"], join["dropped"]) == (
-            rollouts,
-            0,
-            0,
-            0,
-        ), run_
+    assert json.loads(out.read_text()) == json.loads(json.dumps(report.as_json(results)))
+    assert set(report.as_json(results)) == KEYS
+    rollouts = 300 + results.partitions + 200  # main load, one sentinel per partition, live
+    assert results.events == 3 * (300 + results.partitions)
+    assert results.rewards_1_worker == results.rewards_2_workers == rollouts
+    for run_, exact, join in (
+        ("1_worker", results.exact_1_worker, results.join_1_worker),
+        ("2_workers", results.exact_2_workers, results.join_2_workers),
+    ):
+        assert exact == Exactness(missing=0, doubled=0), run_
+        assert (join.settled, join.defaulted, join.late, join.dropped) == (rollouts, 0, 0, 0), run_
     for key in (
         "raw_consumer_events_per_s",
         "faust_floor_events_per_s",
@@ -99,5 +97,5 @@ def test_tiny_load_every_key_exact_counts(tmp_path):
         "sign_us_per_rollout",
         "verify_us_per_rollout",
     ):
-        assert results[key] > 0, key
-    assert results["latency_samples"] > 0
+        assert getattr(results, key) > 0, key
+    assert results.latency_samples > 0

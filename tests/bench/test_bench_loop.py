@@ -3,6 +3,7 @@
 import pytest
 
 from bench.loop import (
+    Intake,
     StepTimes,
     VersionLatency,
     live_times,
@@ -31,11 +32,11 @@ def test_live_times(applied, expected):
 def test_summary_quantiles_and_ratio():
     rows = [VersionLatency(v, 1000, 2000, 1000 + 1000 * v) for v in range(1, 11)]
     result = summarize(rows, versions_published=12, reward_window_s=2.0)
-    assert result["p50_event_to_live_s"] == 5.5
-    assert result["p95_event_to_live_s"] == 10.0
-    assert result["versions_published"] == 12
-    assert result["versions_live_on_every_worker"] == 10
-    assert result["p50_event_to_live_vs_reward_window"] == 2.75
+    assert result.p50_event_to_live_s == 5.5
+    assert result.p95_event_to_live_s == 10.0
+    assert result.versions_published == 12
+    assert result.versions_live_on_every_worker == 10
+    assert result.p50_event_to_live_vs_reward_window == 2.75
 
 
 def _row(version: int, event_ms: int, published_ms: int, live_ms: int) -> VersionLatency:
@@ -115,11 +116,11 @@ def _step(
 def test_phase_breakdown(rows, steps, expected_p50):
     breakdown = phase_breakdown(rows, steps)
     assert {
-        name: stats["p50"] for name, stats in breakdown.items() if name in expected_p50
+        name: stats.p50 for name, stats in breakdown.items() if name in expected_p50
     } == pytest.approx(expected_p50, abs=1e-3)
     if breakdown:
         # the phases add up to event -> live, whatever the spread
-        for row, step in zip(rows, steps):
+        for row, step in zip(rows, steps, strict=True):
             assert sum(phases(row, step).values()) == pytest.approx(row.event_to_live_s)
 
 
@@ -150,14 +151,15 @@ def _series(latencies_s: list[float], every_s: float = 10.0) -> list[VersionLate
 )
 def test_trend(latencies_s, rising, slope):
     result = trend(_series(latencies_s))
-    assert result["rising"] is rising
+    assert result is not None
+    assert result.rising is rising
     if slope is not None:
-        assert result["slope_s_per_min"] == pytest.approx(slope, abs=1e-3)
-    assert len(result["p50_per_bucket_s"]) == 3  # 170 s of publishes in 60 s buckets
+        assert result.slope_s_per_min == pytest.approx(slope, abs=1e-3)
+    assert len(result.p50_per_bucket_s) == 3  # 170 s of publishes in 60 s buckets
 
 
 def test_trend_needs_three_versions():
-    assert trend(_series([4.0, 5.0])) == {}
+    assert trend(_series([4.0, 5.0])) is None
 
 
 def test_intake_counts_every_candidate_and_the_share_of_treatment_trained():
@@ -171,11 +173,11 @@ def test_intake_counts_every_candidate_and_the_share_of_treatment_trained():
         trainer_pb2.TrainerStep(published=False, rollouts=32, dropped={"shed": 22, "duplicate": 1}),
         trainer_pb2.TrainerStep(published=True, rollouts=16),
     ]
-    assert intake(records) == {
-        "rollouts_trained": 80,
-        "dropped": {"control_arm": 40, "duplicate": 1, "shed": 32},
-        "trained_share_of_treatment": round(
+    assert intake(records) == Intake(
+        rollouts_trained=80,
+        dropped={"control_arm": 40, "duplicate": 1, "shed": 32},
+        trained_share_of_treatment=round(
             80 / 113, 3
         ),  # control's rollouts are not the trainer's to take
-    }
-    assert intake([])["trained_share_of_treatment"] is None
+    )
+    assert intake([]).trained_share_of_treatment is None

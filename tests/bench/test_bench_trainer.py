@@ -7,6 +7,7 @@ import json
 import torch
 from rich.console import Console
 
+from bench import report
 from bench.trainer import plain_step, production_batch, run
 from rtrl.policy import build_model
 from trainer.objective import leave_one_out_advantages
@@ -23,13 +24,10 @@ def test_bench_trainer_writes_its_ratio(tmp_path):
         steps=1,
         rounds=1,
     )
-    assert json.loads(out.read_text()) == results
-    assert results["completion_tokens_per_step"] == 8 * 6 and results["steps"] == 1
+    assert json.loads(out.read_text()) == json.loads(json.dumps(report.as_json(results)))
+    assert results.completion_tokens_per_step == 8 * 6 and results.steps == 1
     assert (
-        abs(
-            results["overhead_ratio"] - results["tokens_per_s"] / results["plain_loop_tokens_per_s"]
-        )
-        < 0.01
+        abs(results.overhead_ratio - results.tokens_per_s / results.plain_loop_tokens_per_s) < 0.01
     )
 
 
@@ -46,6 +44,8 @@ def test_the_bare_loop_takes_the_same_step_as_rl_step():
         dtype=torch.float32,
     )
     plain_step(b, ref, build_optimizer(b, 1e-3), batch, advantages, 0.01, 1.0)
-    for (name, pa), (_, pb) in zip(a.named_parameters(), b.named_parameters()):
+    for (name, pa), (_, pb) in zip(a.named_parameters(), b.named_parameters(), strict=True):
         torch.testing.assert_close(pa, pb, atol=1e-6, rtol=1e-5, msg=name)
-    assert any(not torch.equal(pa, pc) for pa, pc in zip(a.parameters(), base.parameters()))
+    assert any(
+        not torch.equal(pa, pc) for pa, pc in zip(a.parameters(), base.parameters(), strict=True)
+    )

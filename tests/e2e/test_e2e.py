@@ -416,7 +416,8 @@ def test_one_rollout_traced_from_serving_to_every_workers_apply(run):
     ).startswith(_traceparent(serving))
     assert (
         one(
-            f"SELECT count() FROM trainer_steps FINAL WHERE startsWith(traceparent, '{_traceparent(step)}') AND published"
+            "SELECT count() FROM trainer_steps FINAL"
+            f" WHERE startsWith(traceparent, '{_traceparent(step)}') AND published"
         )
         == 1
     )

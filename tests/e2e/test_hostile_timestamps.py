@@ -268,7 +268,7 @@ def test_gateway_refuses_hostile_times_and_writes_the_good_events_beside_them(st
 
     answer, unmappable = asyncio.run(scenario_())
     assert answer.results[0].status == ACCEPTED
-    for (name, case), result in zip(ON_THE_WIRE.items(), answer.results[1:]):
+    for (name, case), result in zip(ON_THE_WIRE.items(), answer.results[1:], strict=True):
         assert (result.status, result.field) == (REJECTED, "client_ts_ms"), name
         assert case.ingest in result.error, (name, result.error)
     for name, (status, error) in unmappable.items():
@@ -493,7 +493,7 @@ def test_joiner_service_dead_letters_future_records_then_settles_honest_rollouts
     ) == sorted(honest)
     reasons = {m.value(): error_header(m.headers()) for m in out[topics.REWARD_DLQ]}
     assert set(reasons) == {message.SerializeToString() for _, message in hostile}
-    for topic, message in hostile:
+    for _topic, message in hostile:
         case = (
             CASES["year_2200"]
             if message.rollout_id.startswith("y2200")
@@ -622,7 +622,11 @@ def test_sink_process_dead_letters_an_unstorable_record_and_commits_past_it(
     try:
         procs.wait_for_port(port, timeout_s=30)
         query = http_query_fn(f"http://127.0.0.1:{port}", token)
-        counts = "SELECT (SELECT count() FROM rollouts FINAL) AS rollouts, (SELECT count(DISTINCT reward_id) FROM rewards) AS rewards, (SELECT count() FROM dead_letters FINAL) AS letters"
+        counts = (
+            "SELECT (SELECT count() FROM rollouts FINAL) AS rollouts, "
+            "(SELECT count(DISTINCT reward_id) FROM rewards) AS rewards, "
+            "(SELECT count() FROM dead_letters FINAL) AS letters"
+        )
         deadline = time.monotonic() + 60
         while query(counts) != [
             {"rollouts": len(rollouts), "rewards": len(rewards), "letters": len(hostile)}

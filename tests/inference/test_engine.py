@@ -159,7 +159,8 @@ def test_swap_between_decode_steps(policy):
                 logits[t : t + 1], torch.tensor([0.9]), torch.tensor([1.0]), torch.tensor([4]), t
             )
             for t in range(n)
-        )
+        ),
+        strict=True,
     )
     assert tokens == [int(t) for t in expected_tokens]
     torch.testing.assert_close(
@@ -259,7 +260,9 @@ def test_tokens_stream_in_order():
         )
     finally:
         eng.stop()
-    assert streamed == list(zip(done.result.token_ids, done.result.logprobs, done.result.versions))
+    assert streamed == list(
+        zip(done.result.token_ids, done.result.logprobs, done.result.versions, strict=True)
+    )
 
 
 def echo_weights(token: int) -> dict[str, torch.Tensor]:
@@ -346,7 +349,7 @@ def test_every_token_is_sampled_by_the_whole_version_it_names():
                 )
                 for k, m in models.items()
             }
-        for t, (token, version) in enumerate(zip(tokens, versions)):
+        for t, (token, version) in enumerate(zip(tokens, versions, strict=True)):
             assert c.result.logprobs[t] == pytest.approx(
                 float(full[version % 2][t, token]), abs=1e-4
             ), (t, version)
@@ -452,7 +455,7 @@ def test_counter_uniform_is_the_documented_hash():
     seeds = [0, 1, 2**32 - 1, 2**32, 2**62 + 12345, 2**63 - 1]
     for counter in (0, 1, 77, 2**32 + 5):
         got = counter_uniform(torch.tensor(seeds), counter).tolist()
-        for seed, value in zip(seeds, got):
+        for seed, value in zip(seeds, got, strict=True):
             lo, hi = seed & 0xFFFFFFFF, seed >> 32
             x = _fmix32(lo ^ _fmix32((counter & 0xFFFFFFFF) ^ 0x9E3779B9))
             x = _fmix32(x ^ hi ^ 0x7F4A7C15)
@@ -460,5 +463,6 @@ def test_counter_uniform_is_the_documented_hash():
             assert value == ((x << 21) | (y >> 11)) / float(1 << 53)
     per_row = counter_uniform(torch.tensor(seeds[:3]), torch.tensor([4, 5, 6])).tolist()
     assert per_row == [
-        counter_uniform(torch.tensor([s]), c).item() for s, c in zip(seeds[:3], (4, 5, 6))
+        counter_uniform(torch.tensor([s]), c).item()
+        for s, c in zip(seeds[:3], (4, 5, 6), strict=True)
     ]

@@ -166,7 +166,7 @@ def test_completions_produce_one_rollout_record_each(stack_settings):
         )
         spans = [(s.policy_version, s.start, s.end) for s in record.version_spans]
         assert spans[0][1] == 0 and spans[-1][2] == n
-        assert all(a[2] == b[1] for a, b in zip(spans, spans[1:]))
+        assert all(a[2] == b[1] for a, b in zip(spans, spans[1:], strict=False))
         assert answer["policy_versions"] == [
             {"version": v, "start": s, "end": e} for v, s, e in spans
         ]
@@ -448,8 +448,8 @@ def test_the_serving_api_takes_only_completion_keys_and_holds_each_to_its_budget
                 ] == 200  # the slot is free again
 
                 for key, status, reason in (
-                    (None, 401, "missing API key"), ("rtrl_made-up", 401, "unknown API key"), (keys["revoked"], 401, "revoked"),
-                    (keys["events-only"], 403, "may not ask for completions"),
+                    (None, 401, "missing API key"), ("rtrl_made-up", 401, "unknown API key"),
+                    (keys["revoked"], 401, "revoked"), (keys["events-only"], 403, "may not ask for completions"),
                 ):  # fmt: skip
                     got = await post(http, server.port, key, **ask)
                     assert got[0] == status and reason in got[1]["error"], (key, got)

@@ -1092,8 +1092,8 @@ def test_a_compression_bomb_is_refused_before_the_key_and_stopped_at_the_bound_a
     keeps answering."""
     bomb = gzip.compress(b" " * (61 << 20), compresslevel=9)
     head = (
-        b"POST /v1/events HTTP/1.1\r\nHost: ingest\r\nConnection: close\r\nContent-Encoding: gzip\r\nContent-Length: %d\r\n"
-        % len(bomb)
+        b"POST /v1/events HTTP/1.1\r\nHost: ingest\r\nConnection: close\r\n"
+        b"Content-Encoding: gzip\r\nContent-Length: %d\r\n" % len(bomb)
     )
     for authorization, status, mention in (
         (b"", 401, "API key"),
@@ -1113,8 +1113,8 @@ def test_a_compression_bomb_is_refused_before_the_key_and_stopped_at_the_bound_a
     # An honest compressed batch still goes through.
     body = gzip.compress(as_json([good_event("followup")]))
     head = (
-        b"POST /v1/events HTTP/1.1\r\nHost: ingest\r\nConnection: close\r\nContent-Encoding: gzip\r\nContent-Length: %d\r\n"
-        % len(body)
+        b"POST /v1/events HTTP/1.1\r\nHost: ingest\r\nConnection: close\r\n"
+        b"Content-Encoding: gzip\r\nContent-Length: %d\r\n" % len(body)
     )
     answer = front.raw_http(
         head + f"Authorization: Bearer {front.api_key}\r\n".encode() + b"\r\n" + body

@@ -459,8 +459,10 @@ def test_ten_thousand_events_arrive_once_through_gateway_kills_and_cut_connectio
     stats = telemetry.stats
     doubled = {event_id for event_id, n in counts.items() if n > 1}
     print(
-        f"\n{total} events, {gateway.starts - 1} gateway kills, {len(cut_connections)} cuts ({sum(cut_connections)} connections reset), "
-        f"{len(lost_answers)} answers cut mid-body, {connections} connections; answers: {stats.accepted} accepted, {stats.duplicate} duplicate, {stats.retry} retry, "
+        f"\n{total} events, {gateway.starts - 1} gateway kills, {len(cut_connections)} cuts "
+        f"({sum(cut_connections)} connections reset), "
+        f"{len(lost_answers)} answers cut mid-body, {connections} connections; "
+        f"answers: {stats.accepted} accepted, {stats.duplicate} duplicate, {stats.retry} retry, "
         f"{len(in_doubt)} claims in flight at the kills, "
         f"{len(doubled)} of them written twice; {elapsed:.1f} s"
     )
@@ -478,7 +480,8 @@ def test_ten_thousand_events_arrive_once_through_gateway_kills_and_cut_connectio
 
 # A product process: reports events one by one and prints each event_id once the call
 # returned (once the SDK promised delivery). It never calls close(): the exit hook delivers.
-PRODUCT = """
+PRODUCT = (
+    """
 import logging
 import sys
 from ingest.sdk import Telemetry, TelemetrySettings
@@ -488,9 +491,11 @@ url, spool_dir, api_key, first, count, linger_s = sys.argv[1:]
 settings = TelemetrySettings(max_batch=100, linger_s=float(linger_s))
 telemetry = Telemetry(url, api_key=api_key, spool_dir=spool_dir, settings=settings)
 for i in range(int(first), int(first) + int(count)):
-    event = telemetry.edit_shown(rollout_id=f"r{i}", session_id="s1", user_id="u1", file_path="a.py", edit_text=f"x = {i}\\n")
+    event = telemetry.edit_shown(rollout_id=f"r{i}", session_id="s1", user_id="u1", """
+    """file_path="a.py", edit_text=f"x = {i}\\n")
     print(event.event_id, flush=True)
 """
+)
 
 
 @pytest.mark.guarantee(1)
@@ -570,7 +575,8 @@ def test_a_product_killed_mid_stream_resends_its_spool_on_restart_and_nothing_is
     counts = event_ids_on_topics(stack_settings)
     answers = gateway.counters()
     print(
-        f"\nproduct killed after {len(promised) - 500} promised events ({answered_before_kill} accepted, {left_in_spool} left in its spool); "
+        f"\nproduct killed after {len(promised) - 500} promised events "
+        f"({answered_before_kill} accepted, {left_in_spool} left in its spool); "
         f"after the restart: {answers['accepted']} accepted, {answers['duplicate']} duplicate answers in all"
     )
     assert len(set(promised)) == len(promised)

@@ -168,7 +168,8 @@ def test_encode_refuses_mismatched_tensors():
 
 # Compiles every kernel variant to PTX for an sm_90 GPU; needs no GPU, only the
 # compiler and ptxas that ship in the triton wheel.
-COMPILE_FOR_GPU = """
+COMPILE_FOR_GPU = (
+    """
 import re
 import triton
 from triton.backends.compiler import GPUTarget
@@ -183,14 +184,16 @@ def compile_ptx(kernel, signature, constexprs):
 ptx = []
 for bits in ["*i8", "*i16", "*i32", "*i64"]:
     pair = {"old_ptr": bits, "new_ptr": bits}
-    ptx.append(compile_ptx(triton_delta._count_changes, {**pair, "counts_ptr": "*i64", "numel": "i64"}, {"BLOCK": 1024}))
+    ptx.append(compile_ptx(triton_delta._count_changes, {**pair, "counts_ptr": "*i64", "numel": "i64"}, """
+    """{"BLOCK": 1024}))
     ptx.append(compile_ptx(
         triton_delta._compact_changes,
         {**pair, "starts_ptr": "*i64", "positions_ptr": "*i64", "diffs_ptr": bits, "numel": "i64"},
         {"BLOCK": 1024},
     ))
     ptx.append(compile_ptx(
-        triton_delta._scatter_add, {"bits_ptr": bits, "positions_ptr": "*i64", "diffs_ptr": bits, "changed": "i64"}, {"BLOCK": 1024}
+        triton_delta._scatter_add, """
+    """{"bits_ptr": bits, "positions_ptr": "*i64", "diffs_ptr": bits, "changed": "i64"}, {"BLOCK": 1024}
     ))
 for pointer, bf16 in [("*i16", True), ("*fp16", False), ("*fp32", False)]:
     ptx.append(compile_ptx(
@@ -208,6 +211,7 @@ flushing = [line for text in ptx for line in text.splitlines() if re.search(r"\\
 assert not flushing, flushing
 print(len(ptx))
 """
+)
 
 
 def test_kernels_compile_for_a_gpu(tmp_path):

@@ -356,7 +356,7 @@ def test_the_serving_api_fronts_an_sglang_server_per_arm_each_fed_by_its_sidecar
     )
     assert inference.backend == "sglang"
     fed = {}
-    for name, (module, env) in services.items():
+    for _name, (module, env) in services.items():
         if module == "inference.sglang_sidecar":
             sidecar = SidecarSettings(
                 **{

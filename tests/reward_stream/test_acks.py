@@ -32,7 +32,7 @@ def test_acks_follow_read_order_per_partition(finish, expected):
         name: acks.read(partition, Record(log, name))
         for partition, name in (("p0", "a"), ("p0", "b"), ("p1", "x"), ("p0", "c"), ("p1", "y"))
     }
-    for name, after in zip(finish, expected):
+    for name, after in zip(finish, expected, strict=True):
         before = len(log)
         acks.done(tickets[name])
         assert log[before:] == after, name

@@ -37,13 +37,16 @@ SINK_GROUP = "analytics"
 
 # The raw reward rows on disk, read by a separate process while the sink is down
 # (chdb lets one process at a time open the directory).
-RAW_REWARD_IDS = f"""
+RAW_REWARD_IDS = (
+    """
 import json
 from analytics import query
 from rtrl.config import StackSettings
-rows = query.client_query_fn(query.connect(StackSettings()))("SELECT reward_id FROM rewards WHERE topic = '{topics.REWARD}'")
+rows = query.client_query_fn(query.connect(StackSettings()))"""
+    f"""("SELECT reward_id FROM rewards WHERE topic = '{topics.REWARD}'")
 print(json.dumps([row["reward_id"] for row in rows]))
 """
+)
 
 
 def produce_rollouts(settings, base_ms: int) -> set[str]:

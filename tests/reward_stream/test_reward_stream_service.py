@@ -92,7 +92,7 @@ def test_one_reward_per_rollout_dlq_late_and_clean_stop(
         out = read_all(stack_settings, (topics.REWARD, topics.REWARD_DLQ, topics.REWARD_LATE))
         rewards = [reward_pb2.RewardRecord.FromString(m.value()) for m in out[topics.REWARD]]
         assert sorted(r.rollout_id for r in rewards) == sorted(scenarios)  # exactly one each
-        for msg, rec in zip(out[topics.REWARD], rewards):
+        for msg, rec in zip(out[topics.REWARD], rewards, strict=True):
             record, _, expected = scenarios[rec.rollout_id]
             assert msg.key() == rec.rollout_id.encode()
             assert rec.rollout == record

@@ -30,8 +30,8 @@ from support.signing import ROLLOUT_SIGNER, worker_headers
 
 def _rollout(rollout_id: str, ts_ms: int) -> rollout_pb2.RolloutRecord:
     return rollout_pb2.RolloutRecord(
-        event_id=f"{rollout_id}-r", rollout_id=rollout_id, client_ts_ms=ts_ms, completion_text="x = 1\n", arm=common_pb2.ARM_TREATMENT,
-        completion_token_ids=[5, 6, 7], completion_logprobs=[-0.1, -0.2, -0.3],
+        event_id=f"{rollout_id}-r", rollout_id=rollout_id, client_ts_ms=ts_ms, completion_text="x = 1\n",
+        arm=common_pb2.ARM_TREATMENT, completion_token_ids=[5, 6, 7], completion_logprobs=[-0.1, -0.2, -0.3],
     )  # fmt: skip
 
 

@@ -137,7 +137,8 @@ def test_the_query_endpoint_over_tls(stack_env, tmp_path, repo_root, certificate
     port = procs.free_port()
     env = {
         **stack_env, "RTRL_ANALYTICS_QUERY_PORT": str(port), "RTRL_ANALYTICS_QUERY_TOKEN": "operator-token",
-        "RTRL_ANALYTICS_TLS_CERT_FILE": str(cert), "RTRL_ANALYTICS_TLS_KEY_FILE": str(key), "PYTHONPATH": str(repo_root),
+        "RTRL_ANALYTICS_TLS_CERT_FILE": str(cert), "RTRL_ANALYTICS_TLS_KEY_FILE": str(key),
+        "PYTHONPATH": str(repo_root),
     }  # fmt: skip
     sink = procs.spawn(
         "analytics",
@@ -170,8 +171,8 @@ def test_the_prometheus_endpoint_over_tls(stack, tmp_path, repo_root, certificat
     port, metrics_port = procs.free_port(), procs.free_port()
     env = {
         "RTRL_REDIS_URL": stack.redis_url, "RTRL_STATE_DIR": str(stack.state_dir), "RTRL_WEIGHT_SYNC_PORT": str(port),
-        "RTRL_METRICS_PORT": str(metrics_port), "RTRL_METRICS_TLS_CERT_FILE": str(cert), "RTRL_METRICS_TLS_KEY_FILE": str(key),
-        "PYTHONPATH": str(repo_root),
+        "RTRL_METRICS_PORT": str(metrics_port), "RTRL_METRICS_TLS_CERT_FILE": str(cert),
+        "RTRL_METRICS_TLS_KEY_FILE": str(key), "PYTHONPATH": str(repo_root),
     }  # fmt: skip
     server = procs.spawn(
         "weight_sync",

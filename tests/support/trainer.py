@@ -47,7 +47,7 @@ def sampled_rollouts(
     prompts = [prompt_ids(task.prompt) for task in chosen]
     out = sample(model, prompts, temperature=1.0, generator=torch.Generator().manual_seed(seed))
     rows = []
-    for task, ids, completion in zip(chosen, prompts, out):
+    for task, ids, completion in zip(chosen, prompts, out, strict=True):
         ended = completion.completion_ids[-1] == EOS
         well_formed = (
             ended and parse_style(task, decode(list(completion.completion_ids))) is not None

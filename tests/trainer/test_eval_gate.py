@@ -209,7 +209,7 @@ def test_a_harmful_update_is_refused_and_never_reaches_a_worker(
         for i, batch in enumerate(batches[:2]):
             poisoned += [reward_record(*row[:4], reward=0.0 if row[4] else 1.0) for row in batch]
             produce(stack_settings.kafka_bootstrap, poisoned[-32:])
-            _wait(lambda: trainer.status.refused == i + 1, 120, f"refusal {i + 1}")
+            _wait(lambda i=i: trainer.status.refused == i + 1, 120, f"refusal {i + 1}")
 
         status = trainer.heartbeat()
         assert trainer.publishers[TREATMENT].latest() == 0

@@ -97,7 +97,9 @@ def test_kill_9_mid_training_trains_every_rollout_exactly_once(
     try:
         kills = []
         for target in (6, 16):
-            wait_until(lambda: registry.latest() >= target, 180, f"no v{target}", trainer)
+            wait_until(
+                lambda target=target: registry.latest() >= target, 180, f"no v{target}", trainer
+            )
             time.sleep(rng.uniform(0, 0.4))
             _kill_9(trainer)
             kills.append((registry.latest(), trained()))

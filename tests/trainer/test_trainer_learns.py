@@ -40,7 +40,10 @@ def success_rate(
 ) -> float:
     tasks = [random_task(rng, PROJECT) for _ in range(samples)]
     out = sample(model, [prompt_ids(t.prompt) for t in tasks], generator=generator)
-    return sum(user_keeps(t, decode(list(o.completion_ids))) for t, o in zip(tasks, out)) / samples
+    return (
+        sum(user_keeps(t, decode(list(o.completion_ids))) for t, o in zip(tasks, out, strict=True))
+        / samples
+    )
 
 
 def reward_records(
@@ -49,7 +52,7 @@ def reward_records(
     tasks = [random_task(rng, PROJECT) for _ in range(PROMPTS_PER_STEP) for _ in range(GROUP_SIZE)]
     out = sample(model, [prompt_ids(t.prompt) for t in tasks], generator=generator)
     records = []
-    for index, (task, completion) in enumerate(zip(tasks, out)):
+    for index, (task, completion) in enumerate(zip(tasks, out, strict=True)):
         rollout = rollout_pb2.RolloutRecord(
             rollout_id=f"v{version}-{index}",
             arm=common_pb2.ARM_TREATMENT,

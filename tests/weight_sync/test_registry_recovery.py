@@ -57,7 +57,8 @@ def stock(store: LocalBlobStore, count: int, arm: str = ARM) -> None:
         blob = b"blob of v%d " % version * 50
         manifest = weights_pb2.Manifest(
             arm=arm, version=version, parent_version=-1 if keyframe else version - 1, keyframe=keyframe,
-            blob_uri=store.write(arm, version, blob), blob_size=len(blob), blob_checksum=xxh3_hex(blob), created_ts_ms=1000 + version,
+            blob_uri=store.write(arm, version, blob), blob_size=len(blob), blob_checksum=xxh3_hex(blob),
+            created_ts_ms=1000 + version,
         )  # fmt: skip
         store.write_manifest(arm, version, stored_manifest(manifest))
 
@@ -386,7 +387,7 @@ def test_flushall_under_live_servers_and_subscribers_keeps_versions_rising(
             lambda: all(served(out)[-1:] == [(7, weights_checksum(versions[7]))] for out in outs),
             "both workers at v7",
         )
-        for out, worker in zip(outs, workers):
+        for out, worker in zip(outs, workers, strict=True):
             # Each version once, in order, bit for bit: none dropped back to, none reused.
             seen = [v for v, _ in served(out)]
             assert seen == sorted(set(seen)) and seen[-4:] == [4, 5, 6, 7], seen

@@ -37,9 +37,13 @@ TREATMENT, CONTROL = "treatment", "control"
 
 def _signed() -> weights_pb2.Manifest:
     manifest = weights_pb2.Manifest(
-        arm=TREATMENT, keyframe=True, blob_size=1024, blob_checksum="0123456789abcdef", train_step=7, rollouts_trained=64,
-        trained_through_event_ts_ms=1_700_000_000_000,
-        tensors=[weights_pb2.TensorMeta(name="w", shape=[4, 8], dtype="float32", checksum="fedcba9876543210", encoding="full", length=128)],
+        arm=TREATMENT, keyframe=True, blob_size=1024, blob_checksum="0123456789abcdef", train_step=7,
+        rollouts_trained=64, trained_through_event_ts_ms=1_700_000_000_000,
+        tensors=[
+            weights_pb2.TensorMeta(
+                name="w", shape=[4, 8], dtype="float32", checksum="fedcba9876543210", encoding="full", length=128
+            )
+        ],
     )  # fmt: skip
     ManifestSigner(MANIFEST_KEY).sign(manifest)
     return manifest

@@ -67,7 +67,7 @@ def test_new_subscriber_gets_latest_bit_identical(server, stack, publisher, poli
         following.stop()
     assert [m.version for m, _ in received] == [0, 1, 2, 3, 4]
     assert [m.keyframe for m, _ in received] == [True, False, False, False, False]
-    for (_, weights), published in zip(received, versions):
+    for (_, weights), published in zip(received, versions, strict=True):
         assert_bit_identical(weights, published)
 
     # Heartbeats come once a second: wait for one written after the subscription.

@@ -12,6 +12,7 @@ import json
 import types
 import typing
 from dataclasses import dataclass
+from itertools import pairwise
 from pathlib import Path, PurePath
 
 from ._common import GENERATED, REPO, anchor, cell, module_name, service_sources
@@ -263,7 +264,7 @@ def attribute_docstrings(cls: type) -> dict[str, str]:
         node = _class_node(klass) if isinstance(klass, type) else None
         if node is None:
             continue
-        for statement, following in zip(node.body, node.body[1:]):
+        for statement, following in pairwise(node.body):
             if (
                 isinstance(statement, ast.AnnAssign)
                 and isinstance(statement.target, ast.Name)
@@ -381,7 +382,8 @@ def render_configuration(docs: list[SettingsDoc]) -> str:
     for doc in docs:
         lines += ["", f"## {doc.title}", ""]
         lines.append(
-            f"`{doc.qualname.rsplit('.', 1)[1]}` in [`{doc.path}`](../{doc.path}), prefix `{doc.env_prefix}`; read by {doc.read_by}."
+            f"`{doc.qualname.rsplit('.', 1)[1]}` in [`{doc.path}`](../{doc.path}), "
+            f"prefix `{doc.env_prefix}`; read by {doc.read_by}."
         )
         if doc.summary:
             lines += ["", cell(doc.summary)]

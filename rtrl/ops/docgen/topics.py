@@ -159,12 +159,17 @@ def render_topics(docs: list[SettingsDoc]) -> str:
             else "the broker's default"
         )
         config = site.arguments.get("config")
+        topic_config = (
+            f"`{config}`"
+            if config
+            else "none set: retention, cleanup policy and segment sizes are the broker defaults"
+        )
         lines += [
             f"`NewTopic` in `{site.function}()` ([`{site.path}`](../{site.path})):",
             "",
             f"- partitions: {partitions}, the same for every topic;",
             f"- replication factor: {replication};",
-            f"- topic configuration: {f'`{config}`' if config else 'none set: retention, cleanup policy and segment sizes are the broker defaults'}.",
+            f"- topic configuration: {topic_config}.",
             "",
         ]
     lines += [
@@ -180,16 +185,22 @@ def render_topics(docs: list[SettingsDoc]) -> str:
         "",
         "## The topics",
         "",
-        "| topic | in `rtrl.topics` | read by the joiner (`TELEMETRY`) | consumer groups `rtrl status` shows lag for | packages naming it |",
+        (
+            "| topic | in `rtrl.topics` | read by the joiner (`TELEMETRY`) "
+            "| consumer groups `rtrl status` shows lag for | packages naming it |"
+        ),
         "|---|---|---|---|---|",
     ]
     for topic in topics.ALL:
         constants = sorted(groups.get(topic, ()))
         readers = [group for group, names_read in CONSUMER_GROUPS.items() if topic in names_read]
         packages = sorted({path.split("/")[0] for n in constants for path in references.get(n, ())})
+        constant_cell = ", ".join(f"`{n}`" for n in constants)
+        joiner_cell = "yes" if topic in topics.TELEMETRY else "no"
+        groups_cell = ", ".join(f"`{g}`" for g in readers) or "—"
+        packages_cell = ", ".join([*(f"`{p}`" for p in packages), *by_setting.get(topic, [])])
         lines.append(
-            f"| `{topic}` | {', '.join(f'`{n}`' for n in constants)} | {'yes' if topic in topics.TELEMETRY else 'no'} "
-            f"| {', '.join(f'`{g}`' for g in readers) or '—'} | {', '.join([*(f'`{p}`' for p in packages), *by_setting.get(topic, [])])} |"
+            f"| `{topic}` | {constant_cell} | {joiner_cell} | {groups_cell} | {packages_cell} |"
         )
     replay = topics.reward_replay("<version>")
     lines += [
