@@ -91,9 +91,8 @@ class Span:
 
 
 Headers = list[tuple[str, bytes]]
-"""A record's Kafka headers, as the joiner reads them. confluent_kafka's produce() types
-its headers as list[tuple[str, str | bytes | None]]; lists being invariant, it refuses
-these (which it takes at run time): hence the ignores where they are produced."""
+"""A record's Kafka headers, as the joiner reads them (produced through
+rtrl.kafka.kafka_headers, which types them as confluent_kafka's produce() wants)."""
 
 
 def rollout_signer() -> signing.Signer:
@@ -164,7 +163,7 @@ def produce_load(
     for i in range(rollouts):
         rollout_id = f"r{i:06d}"
         for topic, value, headers in signed_records(rollout_id, base_ms + spacing_ms * i, signer):
-            producer.produce(topic, value, key=rollout_id, headers=headers)  # type: ignore[arg-type]  # see Headers
+            producer.produce(topic, value, key=rollout_id, headers=kafka.kafka_headers(headers))
             size += len(value)
         ids.append(rollout_id)
         if i % 500 == 0:
@@ -175,7 +174,13 @@ def produce_load(
     for partition in range(PARTITIONS):
         rollout_id = f"{SENTINEL}{partition}"
         for topic, value, headers in signed_records(rollout_id, end_ms, signer):
-            producer.produce(topic, value, key=rollout_id, partition=partition, headers=headers)  # type: ignore[arg-type]  # see Headers
+            producer.produce(
+                topic,
+                value,
+                key=rollout_id,
+                partition=partition,
+                headers=kafka.kafka_headers(headers),
+            )
         ids.append(rollout_id)
     assert producer.flush(60) == 0, "the broker did not take the load"
     progress.update(task, completed=rollouts)
@@ -454,7 +459,7 @@ def produce_live(
         rollout_id = f"{LIVE}{i:06d}"
         opened[rollout_id] = int(time.time() * 1000)
         for topic, value, headers in signed_records(rollout_id, opened[rollout_id], signer):
-            producer.produce(topic, value, key=rollout_id, headers=headers)  # type: ignore[arg-type]  # see Headers
+            producer.produce(topic, value, key=rollout_id, headers=kafka.kafka_headers(headers))
         producer.poll(0)
         progress.update(task, completed=i + 1)
     assert producer.flush(30) == 0

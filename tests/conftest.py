@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import secrets
 from pathlib import Path
+from typing import cast
 
 import pytest
 import redis
@@ -193,10 +194,12 @@ def _otel_providers():
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import (
         InMemorySpanExporter,
     )
+    from opentelemetry.sdk.trace.sampling import Sampler
 
     spans = InMemorySpanExporter()
     recording = _Recording()
-    tracer_provider = TracerProvider(sampler=recording)
+    # Duck-typed: a Sampler subclass would import the SDK when pytest loads this conftest.
+    tracer_provider = TracerProvider(sampler=cast(Sampler, recording))
     tracer_provider.add_span_processor(SimpleSpanProcessor(spans))
     trace.set_tracer_provider(tracer_provider)
     reader = InMemoryMetricReader()

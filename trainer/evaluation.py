@@ -69,7 +69,10 @@ class Suite(Protocol):
     """A held-out eval suite. Produced by the RTRL_TRAINER_EVAL_SUITE plug-in; consumed
     by EvalGate. ``score`` must be deterministic for the same weights."""
 
-    checkers: tuple[str, ...]
+    @property
+    def checkers(self) -> tuple[str, ...]:
+        """The names of the shares score() returns, in the order refusals list them."""
+        ...
 
     def score(self, model: torch.nn.Module) -> EvalScores: ...
 

@@ -7,9 +7,11 @@ import secrets
 import signal
 import sys
 import time
+from typing import cast
 
 import pytest
 import redis
+from confluent_kafka import Consumer
 
 from analytics import report, schema
 from analytics.query import client_query_fn, connect, http_query_fn
@@ -33,9 +35,10 @@ def test_ab_numbers_match_the_hand_computed_ones(tmp_path):
     try:
         schema.create_tables(client)
         consumer = RecordingConsumer()
-        sink = Sink(consumer, client, batch_size=100, flush_interval_s=1.0)
+        # The recording double stands in for the sink's confluent_kafka Consumer.
+        sink = Sink(cast(Consumer, consumer), client, batch_size=100, flush_interval_s=1.0)
         rollouts, rewards = hand_made_records()
-        offsets = {}
+        offsets: dict[str, int] = {}
 
         def feed(topic, message, headers=()):
             offset = offsets[topic] = offsets.get(topic, -1) + 1
@@ -270,7 +273,7 @@ def test_sink_deduplicates_replays_and_commits_after_insert(
         # flushes in batches, so wait for all three counters rather than read them once.
         expected = {"rollouts": 13, "rewards": 12, "telemetry_events": 4}
         deadline = time.monotonic() + 20
-        inserted = {}
+        inserted: dict[str, int] = {}
         while {k: inserted.get(k) for k in expected} != expected:
             assert time.monotonic() < deadline, inserted
             raw = redis.Redis.from_url(stack_settings.redis_url).get(

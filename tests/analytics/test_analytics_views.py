@@ -4,8 +4,10 @@ every row (the sink's at-least-once) leaves them unchanged."""
 
 from dataclasses import asdict
 from datetime import UTC, datetime, timedelta
+from typing import cast
 
 import pytest
+from confluent_kafka import Consumer
 
 from analytics import report, schema
 from analytics.query import client_query_fn, connect
@@ -14,13 +16,16 @@ from analytics.sink import Sink
 from reward_stream.monitors import is_clarifying_question
 from rtrl import topics
 from rtrl.config import StackSettings
-from rtrl.v1 import telemetry_pb2
+from rtrl.v1 import reward_pb2, rollout_pb2, telemetry_pb2
 from support.analytics import T0, RecordingConsumer, reward, rollout
 from support.reward_stream import QUESTION_CASES
 
 pytestmark = pytest.mark.integration
 
 QUESTION = "Which indent does p2 use?"
+
+# What the sink reads off its topics.
+Input = rollout_pb2.RolloutRecord | reward_pb2.RewardRecord | telemetry_pb2.TelemetryEvent
 
 # rollout_id, arm, policy versions of its spans, hour after T0, latency_s, a clarifying
 # question (else code), and its reward (persistence_observed, persisted_fraction,
@@ -106,9 +111,9 @@ BASE_ROLLOUTS = f"""SELECT arm, policy_version_max AS version, intDiv(toUnixTime
 FROM rollouts FINAL GROUP BY arm, version, hour"""
 
 
-def records() -> list[tuple[str, object]]:
+def records() -> list[tuple[str, Input]]:
     """(topic, message) of every case, and a late input (on .late) the views must leave out."""
-    out = []
+    out: list[tuple[str, Input]] = []
     for rollout_id, arm, versions, hour, latency_s, question, settled in CASES:
         r = rollout(rollout_id, arm, versions, latency_s, hour * 3600 + 60 * int(rollout_id[1:]))
         if question:
@@ -129,10 +134,13 @@ class Feeder:
     """Writes records through the real sink (rows conversion, batched inserts)."""
 
     def __init__(self, client):
-        self.sink = Sink(RecordingConsumer(), client, batch_size=10_000, flush_interval_s=1.0)
+        # The recording double stands in for the sink's confluent_kafka Consumer.
+        self.sink = Sink(
+            cast(Consumer, RecordingConsumer()), client, batch_size=10_000, flush_interval_s=1.0
+        )
         self.offset = 0
 
-    def insert(self, batch: list[tuple[str, object]]) -> None:
+    def insert(self, batch: list[tuple[str, Input]]) -> None:
         for topic, message in batch:
             # The joiner's headers on a late input: where it came from.
             headers = (

@@ -13,8 +13,10 @@ import sys
 import urllib.error
 import urllib.request
 from pathlib import Path
+from typing import cast
 
 import pytest
+from confluent_kafka import Consumer
 
 from analytics import report, schema, training_report
 from analytics.query import client_query_fn, connect, http_query_fn, project_tables
@@ -161,7 +163,8 @@ def tables(tmp_path_factory):
     client = connect(stack)
     schema.create_tables(client)
     rollouts, rewards = hand_made_records()
-    sink = Sink(RecordingConsumer(), client, batch_size=100, flush_interval_s=1.0)
+    # The recording double stands in for the sink's confluent_kafka Consumer.
+    sink = Sink(cast(Consumer, RecordingConsumer()), client, batch_size=100, flush_interval_s=1.0)
     for topic, messages in ((topics.ROLLOUT, rollouts), (topics.REWARD, rewards)):
         for offset, message in enumerate(messages):
             sink.add(

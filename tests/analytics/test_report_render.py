@@ -9,9 +9,11 @@ import json
 import re
 import shutil
 import subprocess
+from typing import cast
 
 import numpy as np
 import pytest
+from confluent_kafka import Consumer
 from matplotlib.image import imread
 
 from analytics import report, schema
@@ -62,7 +64,8 @@ def trainer_step(step: int, published: bool, well_formed: float) -> trainer_pb2.
 def test_the_report_renders_every_plot_in_headless_chromium(tmp_path):
     client = connect(StackSettings(state_dir=tmp_path))
     schema.create_tables(client)
-    sink = Sink(RecordingConsumer(), client, batch_size=100, flush_interval_s=1.0)
+    # The recording double stands in for the sink's confluent_kafka Consumer.
+    sink = Sink(cast(Consumer, RecordingConsumer()), client, batch_size=100, flush_interval_s=1.0)
     rollouts, rewards = hand_made_records()
     records = [(topics.ROLLOUT, r) for r in rollouts] + [(topics.REWARD, r) for r in rewards]
     records += [
@@ -101,7 +104,9 @@ def test_the_report_renders_every_plot_in_headless_chromium(tmp_path):
         timeout=120,
         check=True,
     ).stdout
-    images = json.loads(re.search(r"<title>(.*?)</title>", dom).group(1).replace("&quot;", '"'))
+    title = re.search(r"<title>(.*?)</title>", dom)
+    assert title is not None, dom
+    images = json.loads(title.group(1).replace("&quot;", '"'))
     assert len(images) == 4 and all(
         complete and width > 400 and height > 200 for complete, width, height in images
     ), images

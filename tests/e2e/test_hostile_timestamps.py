@@ -12,12 +12,13 @@ import sys
 import time
 import uuid
 from dataclasses import dataclass
+from typing import cast
 
 import aiohttp
 import pytest
 import redis
 import torch
-from confluent_kafka import Producer
+from confluent_kafka import Consumer, Producer
 from google.protobuf import json_format
 
 from analytics import schema
@@ -67,6 +68,18 @@ class Case:
     """Part of the ``error`` header the joiner dead-letters a record carrying ``record_ts`` with."""
     storable: bool | None
     """Whether the analytics sink stores a record carrying ``record_ts`` (False: a dead_letters row)."""
+
+    @property
+    def ts(self) -> int:
+        """``record_ts`` of a case a record carries (one of ON_THE_WIRE)."""
+        assert self.record_ts is not None, f"no record carries {self.json}"
+        return self.record_ts
+
+    @property
+    def stored(self) -> bool:
+        """``storable`` of a case a record carries (one of ON_THE_WIRE)."""
+        assert self.storable is not None, f"no record carries {self.json}"
+        return self.storable
 
 
 CASES = {
@@ -170,6 +183,8 @@ CASES = {
     ),
 }
 ON_THE_WIRE = {name: case for name, case in CASES.items() if case.record_ts is not None}
+# A hostile record as produced to a topic.
+Hostile = rollout_pb2.RolloutRecord | telemetry_pb2.TelemetryEvent
 
 
 def hostile_rollout(rollout_id: str, ts: int) -> rollout_pb2.RolloutRecord:
@@ -344,7 +359,7 @@ def test_joiner_dead_letters_a_hostile_time_and_settles_the_next_honest_rollout_
     case,
 ):
     joiner = Joiner(RewardStreamSettings(window_s=1, grace_s=0.5).join_config())
-    hostile = [
+    hostile: list[tuple[str, Hostile]] = [
         (topics.ROLLOUT, hostile_rollout("hostile-r", case.record_ts)),
         (topics.FOLLOWUP, hostile_followup("hostile-f", case.record_ts)),
     ]
@@ -429,16 +444,16 @@ def test_joiner_service_dead_letters_future_records_then_settles_honest_rollouts
     )
     try:
         producer = Producer(kafka.producer_config(stack_settings))
-        hostile = [
-            (topics.ROLLOUT, hostile_rollout(f"y2200-{i}", CASES["year_2200"].record_ts))
+        hostile: list[tuple[str, Hostile]] = [
+            (topics.ROLLOUT, hostile_rollout(f"y2200-{i}", CASES["year_2200"].ts))
             for i in range(12)
         ]
         hostile += [
-            (topics.ROLLOUT, hostile_rollout(f"hostile-{name}", case.record_ts))
+            (topics.ROLLOUT, hostile_rollout(f"hostile-{name}", case.ts))
             for name, case in ON_THE_WIRE.items()
         ]
         hostile += [
-            (topics.FOLLOWUP, hostile_followup(f"hostile-{name}", case.record_ts))
+            (topics.FOLLOWUP, hostile_followup(f"hostile-{name}", case.ts))
             for name, case in ON_THE_WIRE.items()
         ]
         for topic, message in hostile:
@@ -447,7 +462,7 @@ def test_joiner_service_dead_letters_future_records_then_settles_honest_rollouts
                 topic,
                 message.SerializeToString(),
                 key=message.rollout_id,
-                headers=worker_headers(topic, message.SerializeToString()),
+                headers=kafka.kafka_headers(worker_headers(topic, message.SerializeToString())),
             )
         assert producer.flush(10) == 0
         hb = redis.Redis.from_url(redis_url)
@@ -463,7 +478,9 @@ def test_joiner_service_dead_letters_future_records_then_settles_honest_rollouts
                 topics.ROLLOUT,
                 record.SerializeToString(),
                 key=rollout_id,
-                headers=worker_headers(topics.ROLLOUT, record.SerializeToString()),
+                headers=kafka.kafka_headers(
+                    worker_headers(topics.ROLLOUT, record.SerializeToString())
+                ),
             )
             for topic, event in events:
                 producer.produce(topic, event.SerializeToString(), key=rollout_id)
@@ -499,6 +516,7 @@ def test_joiner_service_dead_letters_future_records_then_settles_honest_rollouts
             if message.rollout_id.startswith("y2200")
             else ON_THE_WIRE[message.rollout_id.removeprefix("hostile-")]
         )
+        assert case.joiner is not None, message.rollout_id
         assert case.joiner in reasons[message.SerializeToString()], message.rollout_id
 
 
@@ -532,7 +550,7 @@ def sink_records(name: str, ts: int) -> list[tuple[str, bytes, tuple]]:
 
 
 BOUNDARY = {
-    **{name: (case.record_ts, case.storable) for name, case in ON_THE_WIRE.items()},
+    **{name: (case.ts, case.stored) for name, case in ON_THE_WIRE.items()},
     # The last millisecond DateTime holds (2106-02-07 06:28:15.999 UTC), and the first it does not.
     "datetime_max": (TS_MAX_MS, True),
     "datetime_max_plus_1": (TS_MAX_MS + 1, False),
@@ -544,7 +562,8 @@ def test_sink_stores_what_its_columns_hold_and_dead_letters_the_rest(tmp_path):
     try:
         schema.create_tables(client)
         consumer = RecordingConsumer()
-        sink = Sink(consumer, client, batch_size=1000, flush_interval_s=1.0)
+        # The recording double stands in for the sink's confluent_kafka Consumer.
+        sink = Sink(cast(Consumer, consumer), client, batch_size=1000, flush_interval_s=1.0)
         offset = 0
         expected_letters, next_offsets = set(), {}
         for name, (ts, storable) in BOUNDARY.items():
@@ -596,7 +615,7 @@ def test_sink_process_dead_letters_an_unstorable_record_and_commits_past_it(
     rollouts, rewards = hand_made_records()
     hostile = [
         (topics.ROLLOUT, hostile_rollout("r-2^62", 2**62)),
-        (topics.FOLLOWUP, hostile_followup("r-2200", CASES["year_2200"].record_ts)),
+        (topics.FOLLOWUP, hostile_followup("r-2200", CASES["year_2200"].ts)),
         (
             topics.REWARD,
             reward_pb2.RewardRecord(

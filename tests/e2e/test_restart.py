@@ -23,6 +23,7 @@ import redis
 from rich.console import Console
 
 from rtrl import signing
+from rtrl.heartbeat import InferenceBeat
 from rtrl.ops import broker_record, health, stack_secrets
 from rtrl.ops.lifecycle import down, up
 from rtrl.ops.reporting import drain, query_function
@@ -46,6 +47,13 @@ def _history(query) -> dict[str, int]:
         "last_step": _one(query, "SELECT max(step) FROM trainer_steps"),
         "last_version": _one(query, "SELECT max(version) FROM trainer_steps WHERE published"),
     }
+
+
+def _stored(client: redis.Redis, key: str | bytes) -> bytes:
+    """The value at ``key``, which must exist (redis types a reply bytes | str | None)."""
+    value = client.get(key)
+    assert isinstance(value, bytes), f"{key!r}: {value!r}"
+    return value
 
 
 def _beats(stack) -> dict[str, Any]:
@@ -102,11 +110,13 @@ def test_a_stopped_stack_resumes_its_lineage_weights_and_history(resumed):
     assert first["last_version"] >= 1, f"the first run published nothing: {first}"
     # Before any traffic: the lineage, the trainer and every worker are where the first run stopped.
     client = redis.Redis.from_url(stack.redis_url)
-    assert int(client.get(f"rtrl:ws:{TREATMENT}:latest")) == first["last_version"]
+    assert int(_stored(client, f"rtrl:ws:{TREATMENT}:latest")) == first["last_version"]
     client.close()
     assert beats["trainer:0"].version == first["last_version"]
     assert beats["trainer:0"].step == first["last_step"]
-    trainer_key = signing.public_key_of(stack_secrets.load(resumed.state_dir).manifest_signing_key)
+    secrets = stack_secrets.load(resumed.state_dir)
+    assert secrets is not None, "the stack has no secrets file"
+    trainer_key = signing.public_key_of(secrets.manifest_signing_key)
     _, published = fetch_published(
         stack.weight_sync_addr,
         _subscribe_token(resumed.state_dir),
@@ -125,6 +135,7 @@ def test_a_stopped_stack_resumes_its_lineage_weights_and_history(resumed):
     # The broker that went away: a new cluster, and what it held unjoined was measured after the services stopped.
     history = broker_record.read(resumed.state_dir)
     assert history.previous is not None and history.previous.final
+    assert history.current is not None
     assert history.previous.cluster_id != history.current.cluster_id
 
     console = Console(file=io.StringIO())
@@ -162,18 +173,14 @@ def test_flushall_mid_run_keeps_training_serving_and_versions_rising(resumed):
 
     stack = resumed.stack
     client = redis.Redis.from_url(stack.redis_url)
-    before = int(client.get(f"rtrl:ws:{TREATMENT}:latest"))
+    before = int(_stored(client, f"rtrl:ws:{TREATMENT}:latest"))
     seen: list[dict[str, int]] = []
     stop = threading.Event()
 
     def watch_workers() -> None:
         while not stop.wait(0.5):
             beats = _beats(stack)
-            seen.extend(
-                b["versions"]
-                for key, b in beats.items()
-                if key.startswith("inference:") and "versions" in b
-            )
+            seen.extend(dict(b.versions) for b in beats.values() if isinstance(b, InferenceBeat))
 
     watcher = threading.Thread(target=watch_workers, daemon=True)
     watcher.start()
@@ -204,7 +211,7 @@ def test_flushall_mid_run_keeps_training_serving_and_versions_rising(resumed):
     assert len(versions) == len(set(versions)) and max(versions) >= after
 
 
-def _trainer_caught_up(stack, client, timeout_s: float = 60.0) -> tuple[int, dict[str, dict]]:
+def _trainer_caught_up(stack, client, timeout_s: float = 60.0) -> tuple[int, dict[str, Any]]:
     """The registry's latest treatment version and the heartbeats, once the trainer's
     heartbeat shows that version (it publishes the last settled rewards after traffic stops)."""
     deadline = time.monotonic() + timeout_s
@@ -221,7 +228,7 @@ def _manifests(stack, arm: str):
     client = redis.Redis.from_url(stack.redis_url)
     try:
         return [
-            weights_pb2.Manifest.FromString(client.get(k))
+            weights_pb2.Manifest.FromString(_stored(client, k))
             for k in client.scan_iter(f"rtrl:ws:{arm}:manifest:*")
         ]
     finally:
@@ -230,4 +237,6 @@ def _manifests(stack, arm: str):
 
 def _subscribe_token(state_dir) -> str:
     """The token the stack generated for its workers (rtrl/ops/stack_secrets.py): there is no default."""
-    return stack_secrets.load(state_dir).weight_sync_subscribe_token
+    secrets = stack_secrets.load(state_dir)
+    assert secrets is not None, "the stack has no secrets file"
+    return secrets.weight_sync_subscribe_token

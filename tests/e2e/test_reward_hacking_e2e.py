@@ -18,13 +18,13 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
+from reward_stream.monitors import is_clarifying_question
 from rtrl.heartbeat import RewardAlert
 from rtrl.ops import health
 from rtrl.ops.lifecycle import down, up
 from rtrl.ops.reporting import query_function
 from rtrl.ops.status_view import hacking_alerts, render
 from simulator.product import Product
-from simulator.tasks import is_question
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -100,7 +100,10 @@ def test_monitor_catches_questions_that_r1_pays_for(state_dir: Path):
         ) < len(alert.examples):
             assert time.monotonic() < deadline, f"example rollouts never reached ClickHouse: {rows}"
             time.sleep(1)
-        assert all(is_question(row["completion_text"]) for row in rows), rows
+        # Questions as the monitor counts them (it ends with "?" and holds no code): a drifted
+        # policy also writes half-formed ones, like "def shotes p0 usp0 doe?", which the
+        # product would not show as a question but the alert rightly counts.
+        assert all(is_clarifying_question(row["completion_text"]) for row in rows), rows
 
         # `rtrl status` shows it.
         screen = Console(record=True, width=250, file=open(os.devnull, "w"))

@@ -26,6 +26,7 @@ from rtrl.api_keys import (
 from rtrl.policy import BOS, build_model, state_dict_fp32
 from rtrl.v1 import common_pb2
 from support.inference import read_rollouts
+from support.redis_reply import stored
 from support.signing import KEY_AUTHORITY
 
 pytestmark = pytest.mark.integration
@@ -212,7 +213,7 @@ def test_completions_produce_one_rollout_record_each(stack_settings):
     try:
         for arm, version in (("control", 0), ("treatment", 0), ("treatment", 1)):
             assert set(client.hgetall(f"rtrl:applied:{arm}:{version}")) == {b"inference-0"}
-        beat = json.loads(client.get(heartbeat.key("inference", "0")))
+        beat = json.loads(stored(client, heartbeat.key("inference", "0")))
         assert beat["ready"] is True and beat["versions"] == {"control": 0, "treatment": 1}
         assert (
             beat["rollout_records"] == len(public)
@@ -326,7 +327,7 @@ def test_worker_process_heartbeats_and_stops_on_sigterm(
             assert proc.alive(), (tmp_path / "inference.log").read_text()
             assert time.monotonic() < deadline, "no heartbeat"
             time.sleep(0.1)
-        beat = json.loads(client.get(heartbeat.key("inference", "7")))
+        beat = json.loads(stored(client, heartbeat.key("inference", "7")))
         assert (
             beat["ready"] is False
             and beat["http_port"] == port
@@ -369,6 +370,7 @@ def test_weights_follow_weight_sync(stack_settings):
             while server.engine.versions() != {"control": 0, "treatment": 1}:
                 assert time.monotonic() < deadline, server.engine.versions()
                 await asyncio.sleep(0.05)
+            assert isinstance(server.engine, Engine)  # the embedded backend, the default
             live = server.engine.live_weights("treatment")
             for name, tensor in state_dict_fp32(published[("treatment", 1)]).items():
                 assert torch.equal(live[name], tensor), name

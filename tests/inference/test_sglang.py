@@ -49,6 +49,7 @@ PROMPT = (BOS, *encode("def add(a, b):"))
 def _load_rig():
     path = Path(__file__).resolve().parents[2] / "scripts" / "sglang_rig.py"
     spec = importlib.util.spec_from_file_location("sglang_rig", path)
+    assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     sys.modules["sglang_rig"] = module
     spec.loader.exec_module(module)
@@ -532,6 +533,7 @@ def test_custom_ops_standin_refuses_every_op(tmp_path):
     spec = importlib.util.spec_from_file_location(
         "standin_custom_ops", root / "vllm" / "_custom_ops.py"
     )
+    assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     with pytest.raises(NotImplementedError, match="rotary_embedding"):

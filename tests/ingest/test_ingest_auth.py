@@ -36,6 +36,14 @@ from support.ingest import followup, ingest_settings, persisted, read_topics, sh
 from support.signing import KEY_AUTHORITY
 
 pytestmark = pytest.mark.integration
+OUTCOME_ACCEPTED = telemetry_pb2.EditOutcome.OUTCOME_ACCEPTED
+
+
+def _bytes(reply: bytes | str) -> bytes:
+    """A redis reply: bytes, as the tests' clients do not decode responses (redis types it
+    bytes | str)."""
+    assert isinstance(reply, bytes), reply
+    return reply
 
 
 def _body(*events) -> str:
@@ -165,7 +173,7 @@ def test_key_records_written_to_redis_by_anyone_but_the_operator_open_nothing(
             revoked = await issue_key(redis, KEY_AUTHORITY, "editor")
             assert await revoke_key(redis, KEY_AUTHORITY, revoked)
             record = {
-                k.decode(): v
+                _bytes(k).decode(): _bytes(v)
                 for k, v in (await redis.hgetall(KEY_PREFIX + key_hash(honest))).items()
             }
 
@@ -179,7 +187,8 @@ def test_key_records_written_to_redis_by_anyone_but_the_operator_open_nothing(
             attacks["minted"] = minted
             # 2. An honest record (signature and all) copied under the attacker's own key's hash.
             copied = "rtrl_copied-record"
-            await redis.hset(KEY_PREFIX + key_hash(copied), mapping=record)
+            # redis types the mapping's keys invariantly (Mapping[FieldT, ...]): a dict[str, ...] is refused.
+            await redis.hset(KEY_PREFIX + key_hash(copied), mapping=record)  # type: ignore[arg-type]
             attacks["copied"] = copied
             # 3. A narrow key's scopes widened in place.
             await redis.hset(KEY_PREFIX + key_hash(narrow), "scopes", "*")
@@ -194,7 +203,8 @@ def test_key_records_written_to_redis_by_anyone_but_the_operator_open_nothing(
                 k: v.decode() for k, v in record.items() if k not in ("sig", "signer", "created_ms")
             }
             await redis.hset(
-                KEY_PREFIX + key_hash(foreign), mapping=stranger.signed(key_hash(foreign), fields)
+                KEY_PREFIX + key_hash(foreign),
+                mapping=stranger.signed(key_hash(foreign), fields),  # type: ignore[arg-type]  # as above
             )
             attacks["stranger"] = foreign
             await asyncio.sleep(0.1)  # past the key cache
@@ -208,7 +218,11 @@ def test_key_records_written_to_redis_by_anyone_but_the_operator_open_nothing(
                         document,
                     )
                 assert (await _post(http, url, _body(shown("honest")), honest))[0] == 200
-            assert server.door is not None and server.door.keys.forged >= len(attacks)
+            assert (
+                server.door is not None
+                and server.door.keys is not None
+                and server.door.keys.forged >= len(attacks)
+            )
         finally:
             await server.stop()
             await redis.aclose()
@@ -317,9 +331,12 @@ def _every_record_on_the_broker(stack_settings) -> list[tuple[str, bytes]]:
             messages = probe.consume(500, timeout=1.0)
             assert messages or not ends, f"could not read to the end of {ends}"
             for message in messages:
-                out.append((message.topic(), message.value()))
-                if message.offset() + 1 >= ends.get((message.topic(), message.partition()), 0):
-                    ends.pop((message.topic(), message.partition()), None)
+                topic, partition, offset = kafka.record_position(message)
+                value = message.value()
+                assert value is not None, (topic, partition, offset)
+                out.append((topic, value))
+                if offset + 1 >= ends.get((topic, partition), 0):
+                    ends.pop((topic, partition), None)
         return out
     finally:
         probe.close()
@@ -363,11 +380,13 @@ def test_privacy_mode_events_reach_no_topic_only_counters(stack_settings, collec
                 code, document, _ = await _post(http, url, _body(flagged, registered), key)
                 assert [r["status"] for r in document["results"]] == ["STATUS_DUPLICATE"] * 2
             answer = await _grpc(
-                settings.grpc_port, key, make_event("p4", "s", "private-user", edit_outcome=1)
+                settings.grpc_port,
+                key,
+                make_event("p4", "s", "private-user", edit_outcome=OUTCOME_ACCEPTED),
             )
             assert [r.status for r in answer.results] == [ACCEPTED]
             assert {
-                k.decode(): int(v)
+                _bytes(k).decode(): int(v)
                 for k in await redis.keys("rtrl:privacy:*")
                 if (v := await redis.get(k)) is not None
             } == {
@@ -379,7 +398,9 @@ def test_privacy_mode_events_reach_no_topic_only_counters(stack_settings, collec
             # A user who leaves privacy mode is published again.
             await register_private_user(redis, "private-user", private=False)
             answer = await _grpc(
-                settings.grpc_port, key, make_event("p5", "s", "private-user", edit_outcome=1)
+                settings.grpc_port,
+                key,
+                make_event("p5", "s", "private-user", edit_outcome=OUTCOME_ACCEPTED),
             )
             assert [r.status for r in answer.results] == [ACCEPTED]
         finally:
@@ -438,17 +459,19 @@ def test_traceparent_continues_into_kafka_headers(
             for p in range(stack_settings.kafka_partitions)
         ]
         probe.assign(tps)
-        headers = []
+        headers: list[dict[str, bytes | None]] = []
         for _ in range(20):
             headers += [
-                dict(m.headers()) for m in probe.consume(10, timeout=0.3) if m.error() is None
+                dict(kafka.record_headers(m))
+                for m in probe.consume(10, timeout=0.3)
+                if m.error() is None
             ]
             if len(headers) == 2:
                 break
     finally:
         probe.close()
-    assert [h["traceparent"].decode() for h in headers] == [
-        f"00-{client_trace}-{span.context.span_id:016x}-01"
+    assert [h["traceparent"] for h in headers] == [
+        f"00-{client_trace}-{span.context.span_id:016x}-01".encode()
     ] * 2
 
 

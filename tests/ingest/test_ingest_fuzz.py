@@ -111,6 +111,7 @@ class Front:
 
     def http(self, body: bytes, authorization: str | None = None) -> HttpAnswer:
         async def post() -> HttpAnswer:
+            assert self._http is not None, "not started"
             headers = {
                 "Content-Type": "application/json",
                 "Authorization": self._authorization(authorization),
@@ -162,6 +163,7 @@ class Front:
 
     def health(self) -> tuple[int, dict]:
         async def get() -> tuple[int, dict]:
+            assert self._http is not None, "not started"
             async with self._http.get(f"http://127.0.0.1:{self.settings.http_port}/healthz") as r:
                 return r.status, await r.json()
 
@@ -237,7 +239,7 @@ class Ledger:
     def due(self, events, faults: list[str | None]) -> list[tuple[int, str]]:
         """The (status, field) each event must get; ``faults[i]`` is the field at fault in events[i]."""
         taken = set(self.published) | self.private
-        out = []
+        out: list[tuple[int, str]] = []
         for event, fault in zip(events, faults, strict=True):
             if fault is not None:
                 out.append((REJECTED, fault))
@@ -272,11 +274,11 @@ def faults_at_gateway_clock(events) -> list[str | None]:
     """The field validation will fault in each event, whenever in the next 2 s the gateway
     reads its clock; an example on a boundary of the time window is not sent."""
     now = wall_ms()
-    faults = []
+    faults: list[str | None] = []
     for event in events:
         early, late = validate(event, now), validate(event, now + 2_000)
         assume((early and early.field) == (late and late.field))
-        faults.append(early and early.field)
+        faults.append(early.field if early is not None else None)
     return faults
 
 
@@ -327,6 +329,7 @@ def check_grpc_events(
         ledger.record(events, [REJECTED] * len(events))
         return
     assert answer.code == grpc.StatusCode.OK, answer
+    assert answer.response is not None, answer
     results = answer.response.results
     assert len(results) == len(events), results
     ledger.record(events, [r.status for r in results])
@@ -377,7 +380,7 @@ def good_event(
     rollout_id: str | tuple = "r1",
     text: str | tuple = "x = 1\n",
     seconds: float = 5.0,
-    outcome: int = 1,
+    outcome: telemetry_pb2.EditOutcome.Outcome = telemetry_pb2.EditOutcome.OUTCOME_ACCEPTED,
     age_ms: int = 1_000,
     private: bool = False,
 ) -> telemetry_pb2.TelemetryEvent:
@@ -581,10 +584,8 @@ def deep_groups(draw) -> Probe:
     depth = draw(st.integers(1, 100_000))
     closed = draw(st.integers(0, depth))
     nested = tag(15, 3) * depth + tag(15, 4) * closed
-    event = (
-        nested if draw(st.booleans()) else tag(10, 2) + encoder._VarintBytes(len(nested)) + nested
-    )
-    return Probe("deep nesting", tag(1, 2) + encoder._VarintBytes(len(event)) + event)
+    event = nested if draw(st.booleans()) else tag(10, 2) + varint(len(nested)) + nested
+    return Probe("deep nesting", tag(1, 2) + varint(len(event)) + event)
 
 
 @st.composite
@@ -626,18 +627,23 @@ def garbage_spliced(draw) -> Probe:
     )
 
 
+def varint(value: int) -> bytes:
+    """``value`` as protobuf writes a varint, by protobuf's own encoder."""
+    return encoder._VarintBytes(value)  # type: ignore[attr-defined]  # private: not in its stubs
+
+
 def tag(number: int, wire_type: int) -> bytes:
-    return encoder._VarintBytes(number << 3 | wire_type)
+    return varint(number << 3 | wire_type)
 
 
 # Fields 1-14 of an event written with any wire type: a known field with the wrong wire
 # type is an unknown field to the parser, and the event then misses the real one.
 wire_field = st.one_of(
     st.tuples(st.integers(1, 14), st.integers(0, 2**64 - 1)).map(
-        lambda f: tag(f[0], 0) + encoder._VarintBytes(f[1])
+        lambda f: tag(f[0], 0) + varint(f[1])
     ),
     st.tuples(st.integers(1, 14), st.binary(max_size=40)).map(
-        lambda f: tag(f[0], 2) + encoder._VarintBytes(len(f[1])) + f[1]
+        lambda f: tag(f[0], 2) + varint(len(f[1])) + f[1]
     ),
     st.tuples(st.integers(1, 14), st.binary(min_size=8, max_size=8)).map(
         lambda f: tag(f[0], 1) + f[1]
@@ -655,7 +661,7 @@ def wire_soup(draw) -> Probe:
     ]
     return Probe(
         "fields of any wire type",
-        b"".join(tag(1, 2) + encoder._VarintBytes(len(e)) + e for e in events),
+        b"".join(tag(1, 2) + varint(len(e)) + e for e in events),
     )
 
 
@@ -947,7 +953,8 @@ def resolve(
     ledger: Ledger, specs: list[tuple]
 ) -> tuple[list[telemetry_pb2.TelemetryEvent], list[str | None]]:
     """The batch the specs describe and the field at fault in each event (None: good)."""
-    events, faults = [], []
+    events: list[telemetry_pb2.TelemetryEvent] = []
+    faults: list[str | None] = []
     for spec in specs:
         if spec[0] == "good":
             events.append(good_event(**spec[1]))

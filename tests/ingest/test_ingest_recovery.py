@@ -5,6 +5,7 @@ and the recovery sweep settles them by reading the topic (ingest/recovery.py).""
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import pytest
 import redis.asyncio as aioredis
@@ -44,7 +45,7 @@ def test_events_abandoned_mid_produce_are_settled_from_the_topic(
 ):
     landed = [shown(f"landed-{i}") for i in range(30)]
     lost = [shown(f"lost-{i}") for i in range(20)]
-    kwargs = dict(dedup_ttl_s=3600, claim_ttl_s=30, max_inflight=1000)
+    kwargs: dict[str, Any] = dict(dedup_ttl_s=3600, claim_ttl_s=30, max_inflight=1000)
 
     async def scenario():
         client = aioredis.Redis.from_url(stack_settings.redis_url)

@@ -12,6 +12,7 @@ import sys
 import time
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 import pytest
 import redis
@@ -21,7 +22,7 @@ from confluent_kafka import OFFSET_BEGINNING, Consumer, TopicPartition
 from ingest import sdk
 from ingest.client import IngestAuthError
 from ingest.gateway import dedup_key
-from ingest.sdk import Telemetry, TelemetrySettings
+from ingest.sdk import RejectedEvent, Telemetry, TelemetrySettings
 from ingest.spool import Spool, SpoolFull, SpoolLocked
 from rtrl import kafka, procs, topics
 from rtrl.api_keys import issue_key
@@ -169,7 +170,7 @@ def test_settings_refuse_inconsistent_values():
 
 
 def test_helpers_fill_the_envelope_and_exactly_one_payload():
-    who = {"rollout_id": "r1", "session_id": "s1", "user_id": "u1"}
+    who: dict[str, Any] = {"rollout_id": "r1", "session_id": "s1", "user_id": "u1"}
     events = [
         sdk.edit_shown(**who, file_path="a.py", edit_text="x = 1\n"),
         sdk.edit_outcome(**who, outcome="rejected", privacy_mode=True),
@@ -230,6 +231,7 @@ class GatewayProcess:
             procs.wait_for_port(self.http_port, timeout_s=30)
 
     def kill(self) -> None:
+        assert self.proc is not None, "not started"
         os.killpg(self.proc.pid, signal.SIGKILL)
         self.proc.popen.wait()
 
@@ -285,14 +287,17 @@ def event_ids_on_topics(
         while remaining and time.monotonic() < deadline:
             for msg in probe.consume(1000, timeout=0.2):
                 assert msg.error() is None, msg.error()
-                event = telemetry_pb2.TelemetryEvent.FromString(msg.value())
+                topic, partition, offset = kafka.record_position(msg)
+                value = msg.value()
+                assert value is not None, (topic, partition, offset)
+                event = telemetry_pb2.TelemetryEvent.FromString(value)
                 assert (
                     msg.key() == event.rollout_id.encode()
-                    and msg.topic() == topics.BY_PAYLOAD[event.WhichOneof("payload")]
+                    and topic == topics.BY_PAYLOAD[event.WhichOneof("payload")]
                 )
                 counts[event.event_id] += 1
-                if msg.offset() + 1 >= remaining.get((msg.topic(), msg.partition()), 0):
-                    remaining.pop((msg.topic(), msg.partition()), None)
+                if offset + 1 >= remaining.get((topic, partition), 0):
+                    remaining.pop((topic, partition), None)
     finally:
         probe.close()
     assert not remaining, f"could not read up to the end offsets: {remaining}"
@@ -306,7 +311,7 @@ def wait_until(condition, timeout_s: float, what: str) -> None:
         time.sleep(0.01)
 
 
-WHO = {"session_id": "s1", "user_id": "u1"}
+WHO: dict[str, Any] = {"session_id": "s1", "user_id": "u1"}
 
 
 def report(telemetry: Telemetry, i: int) -> telemetry_pb2.TelemetryEvent:
@@ -347,7 +352,7 @@ def test_rejected_events_are_final_a_refused_key_keeps_events_spooled_and_a_rate
         refused.close(timeout_s=1) is False
     )  # said in the log, not raised: the events stay spooled
 
-    seen = []
+    seen: list[RejectedEvent] = []
     bad = sdk.followup(rollout_id="r9", **WHO, seconds_after_edit=5.0, message="no")
     bad.schema_version = 2
     with caplog.at_level(logging.WARNING, logger="ingest.sdk"):
@@ -530,6 +535,7 @@ def test_a_product_killed_mid_stream_resends_its_spool_on_restart_and_nothing_is
             env=env,
             text=True,
         )
+        assert product.stdout is not None  # stdout=PIPE
         for line in product.stdout:
             promised.append(line.strip())
             if len(promised) == 1_000:

@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import time
+from typing import Any
 
 import aiohttp
 import grpc
@@ -21,7 +22,7 @@ from ingest.gateway import ACCEPTED, DUPLICATE, REJECTED, RETRY, Gateway, dedup_
 from ingest.server import start
 from rtrl import heartbeat, procs, runtime, topics
 from rtrl.procs import free_port
-from rtrl.v1 import ingest_pb2, ingest_pb2_grpc
+from rtrl.v1 import ingest_pb2, ingest_pb2_grpc, telemetry_pb2
 from support.ingest import followup, ingest_settings, persisted, read_topics, shown
 
 pytestmark = pytest.mark.integration
@@ -38,7 +39,7 @@ def test_http_and_grpc_batches_land_once_each_on_their_topic(stack_settings, col
         persisted("r1"),
         followup("r1"),
         shown("r2"),
-        make_event("r2", "s1", "u1", edit_outcome=1),
+        make_event("r2", "s1", "u1", edit_outcome=telemetry_pb2.EditOutcome.OUTCOME_ACCEPTED),
         persisted("r3"),
         followup("r3"),
     ]
@@ -117,9 +118,9 @@ def test_http_and_grpc_batches_land_once_each_on_their_topic(stack_settings, col
                 ]
 
             await asyncio.sleep(1.2)  # at least one heartbeat after the traffic
-            status = json.loads(
-                await server.redis.get(heartbeat.key("ingest", stack_settings.instance))
-            )
+            raw = await server.redis.get(heartbeat.key("ingest", stack_settings.instance))
+            assert raw is not None, "no ingest heartbeat"
+            status = json.loads(raw)
             assert {
                 k: status[k] for k in ("accepted", "duplicate", "rejected", "retry", "privacy")
             } == {
@@ -215,7 +216,7 @@ def test_failed_produce_releases_the_claim_so_the_resend_is_not_a_duplicate(redi
     async def scenario():
         client = aioredis.Redis.from_url(redis_url)
         try:
-            kwargs = dict(dedup_ttl_s=3600, claim_ttl_s=30, max_inflight=10)
+            kwargs: dict[str, Any] = dict(dedup_ttl_s=3600, claim_ttl_s=30, max_inflight=10)
             (failed,) = await Gateway(FailingProducer(), client, **kwargs).publish([event])
             assert (failed.status, await client.exists(dedup_key(event.event_id))) == (RETRY, 0)
             assert "broker down" in failed.error
@@ -268,6 +269,7 @@ def test_ingest_process_accepts_events_and_stops_cleanly_on_sigterm(
             time.sleep(0.1)
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
+        status: int | None
         try:
             # The service's watchdog ends a stop that overruns its budget, with every thread's
             # stack in the log; waiting longer than that only guards against the watchdog failing.

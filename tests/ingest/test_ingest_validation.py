@@ -123,5 +123,8 @@ def test_good_event_passes(build):
 def test_make_event_wants_exactly_one_payload():
     with pytest.raises(ValueError, match="exactly one payload"):
         make_event("r", "s", "u")
+    outcome = telemetry_pb2.EditOutcome.OUTCOME_ACCEPTED
     with pytest.raises(ValueError, match="exactly one payload"):
-        make_event("r", "s", "u", edit_outcome=1, followup=telemetry_pb2.FollowUp(message="x"))
+        make_event(
+            "r", "s", "u", edit_outcome=outcome, followup=telemetry_pb2.FollowUp(message="x")
+        )

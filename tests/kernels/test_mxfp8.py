@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+from types import ModuleType
 
 # Must be set before triton is imported: triton.jit reads it when it decorates a kernel.
 os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -21,6 +22,7 @@ from kernels import mxfp8
 from kernels.mxfp8 import MXFP8Tensor
 
 # Only a missing triton skips; any other import error in the kernels must fail loudly.
+triton_mxfp8: ModuleType | None
 if importlib.util.find_spec("triton") is None:
     triton_mxfp8 = None
 else:
@@ -168,6 +170,7 @@ def random_input(shape: tuple[int, ...], dtype: torch.dtype, seed: int) -> torch
     seed=st.integers(0, 2**31 - 1),
 )
 def test_triton_matches_torch_bit_for_bit(dtype, leading, blocks, seed):
+    assert triton_mxfp8 is not None  # needs_triton
     x = random_input((*leading, 32 * blocks), dtype, seed).to(DEVICE)
     want = mxfp8.mxfp8_quantize(x)
     got = triton_mxfp8.mxfp8_quantize(x)
@@ -185,6 +188,7 @@ def test_triton_matches_torch_bit_for_bit(dtype, leading, blocks, seed):
 @pytest.mark.parametrize("out_dtype", DTYPES, ids=str)
 def test_dequantize_every_byte_and_scale(out_dtype):
     # All 256 element bytes under every scale byte, including 0 (2**-127) and 255 (NaN).
+    assert triton_mxfp8 is not None  # needs_triton
     data = (
         torch.arange(256, dtype=torch.int32)
         .to(torch.uint8)

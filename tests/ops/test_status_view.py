@@ -263,14 +263,16 @@ def test_trend_weights_each_worker_by_its_rollouts():
 )
 def test_status_shows_the_trend(monkeypatch, tmp_path, rows, shown):
     from types import SimpleNamespace
+    from typing import cast
 
     from rtrl.ops import status_view
+    from rtrl.ops.stack import StackFile
 
     monkeypatch.setattr(status_view.health, "check", lambda stack: rows)
     monkeypatch.setattr(status_view, "lag_table", lambda stack: "consumer lag")
-    text = rendered(
-        status_view.render(SimpleNamespace(reward_fn_version="r1", state_dir=str(tmp_path)))
-    )
+    # Just the two fields render reads beside the (patched) health check and lag table.
+    stack = cast(StackFile, SimpleNamespace(reward_fn_version="r1", state_dir=str(tmp_path)))
+    text = rendered(status_view.render(stack))
     assert shown in text and "policy versions" in text
 
 

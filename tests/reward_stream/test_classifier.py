@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+from typing import cast
 
 import pytest
 
@@ -106,7 +107,8 @@ def test_cache_is_bounded_and_serves_repeats(encoder):
     model = classifier.DissatisfactionClassifier(encoder, head, cache_size=2)
     first = model.probability(["a", "b", "c"])
     assert list(model._cache) == ["b", "c"]  # "a" evicted, oldest first
-    model.encoder = None  # a second encoder call would now raise
+    # Deliberately no encoder: a second encoder call would now raise.
+    model.encoder = cast(classifier.Encoder, None)
     assert model.probability(["c", "b"]) == [first[2], first[1]]
     assert model.probability([]) == []
 

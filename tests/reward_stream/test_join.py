@@ -8,7 +8,9 @@ deadline at first arrival + 1500.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any, cast
 
 import pytest
 
@@ -51,7 +53,7 @@ def message(e: E):
             client_ts_ms=e.ts,
             completion_text=e.payload,
         )
-    payloads = {
+    payloads: dict[str, Callable[[], dict[str, Any]]] = {
         "edit_shown": lambda: {"edit_shown": telemetry_pb2.EditShown(edit_text=e.payload)},
         "edit_outcome": lambda: {
             "edit_outcome": telemetry_pb2.EditOutcome(
@@ -70,7 +72,10 @@ def message(e: E):
 
 def summarize(output: join.Output) -> tuple:
     if isinstance(output, join.Settled):
-        defaulted = reward.is_defaulted([e.message for e in output.events])
+        # Event.message is an object; a settled rollout's events carry TelemetryEvents.
+        defaulted = reward.is_defaulted(
+            [cast(telemetry_pb2.TelemetryEvent, e.message) for e in output.events]
+        )
         event_ids = tuple(sorted([output.rollout.event_id, *(e.event_id for e in output.events)]))
         return (
             "settled",
@@ -224,7 +229,7 @@ CASES = {
 
 def run_case(steps, behind=()) -> list[tuple]:
     state = join.JoinState(CONFIG, behind=set(behind))
-    got = []
+    got: list[tuple[int, tuple]] = []
     for index, item in enumerate(steps):
         if isinstance(item, T):
             state, outputs = join.tick(state, item.now)

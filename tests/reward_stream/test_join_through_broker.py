@@ -127,7 +127,9 @@ def test_broker_path_matches_the_pure_join(stack_settings, stack_env, redis_url,
     try:
         producer = Producer(kafka.producer_config(stack_settings))
         for topic, rid, value in records:
-            producer.produce(topic, value, key=rid, headers=worker_headers(topic, value))
+            producer.produce(
+                topic, value, key=rid, headers=kafka.kafka_headers(worker_headers(topic, value))
+            )
             producer.flush(
                 10
             )  # one at a time, so the broker keeps the production order per partition

@@ -135,6 +135,12 @@ def test_rejoin_refuses_an_unknown_version():
         replay.rejoin(retained(), CONFIG, "r9")
 
 
+def _present(value: bytes | None) -> bytes:
+    """A field of a read-back record that the test knows is set (typed Optional)."""
+    assert value is not None
+    return value
+
+
 def by_reward_id(records) -> dict[str, reward_pb2.RewardRecord]:
     return {r.reward_id: r for r in records}
 
@@ -157,7 +163,7 @@ def test_replay_against_the_broker(stack_settings):
             topics.ROLLOUT,
             record.SerializeToString(),
             key=record.rollout_id,
-            headers=worker_headers(topics.ROLLOUT, record.SerializeToString()),
+            headers=kafka.kafka_headers(worker_headers(topics.ROLLOUT, record.SerializeToString())),
         )
         for topic, event in events:
             producer.produce(topic, event.SerializeToString(), key=record.rollout_id)
@@ -205,10 +211,10 @@ def test_replay_against_the_broker(stack_settings):
         assert (result.skipped, result.unauthenticated) == (3, 2)
         written = replay.read_retained(stack_settings, (topics.reward_replay(version),))
         assert by_reward_id(
-            reward_pb2.RewardRecord.FromString(r.value) for r in written
+            reward_pb2.RewardRecord.FromString(_present(r.value)) for r in written
         ) == by_reward_id(result.records)
         assert all(
-            r.key == reward_pb2.RewardRecord.FromString(r.value).rollout_id.encode()
+            r.key == reward_pb2.RewardRecord.FromString(_present(r.value)).rollout_id.encode()
             for r in written
         )
     assert by_reward_id(again.records) == by_reward_id(

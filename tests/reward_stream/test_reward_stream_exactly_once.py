@@ -80,7 +80,7 @@ def produce_rollouts(settings, base_ms: int) -> set[str]:
             topics.ROLLOUT,
             record.SerializeToString(),
             key=rollout_id,
-            headers=worker_headers(topics.ROLLOUT, record.SerializeToString()),
+            headers=kafka.kafka_headers(worker_headers(topics.ROLLOUT, record.SerializeToString())),
         )
         producer.produce(topics.EDIT, shown.SerializeToString(), key=rollout_id)
         producer.produce(topics.PERSISTENCE, kept.SerializeToString(), key=rollout_id)

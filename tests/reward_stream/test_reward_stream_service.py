@@ -44,7 +44,9 @@ def test_one_reward_per_rollout_dlq_late_and_clean_stop(
                 topics.ROLLOUT,
                 record.SerializeToString(),
                 key=rollout_id,
-                headers=worker_headers(topics.ROLLOUT, record.SerializeToString()),
+                headers=kafka.kafka_headers(
+                    worker_headers(topics.ROLLOUT, record.SerializeToString())
+                ),
             )
             for topic, event in events:
                 producer.produce(topic, event.SerializeToString(), key=rollout_id)
@@ -59,7 +61,7 @@ def test_one_reward_per_rollout_dlq_late_and_clean_stop(
                 topic,
                 message.SerializeToString(),
                 key=message.rollout_id,
-                headers=worker_headers(topic, message.SerializeToString()),
+                headers=kafka.kafka_headers(worker_headers(topic, message.SerializeToString())),
             )
         producer.produce(topics.EDIT, GARBAGE, key="garbage")
         assert producer.flush(10) == 0

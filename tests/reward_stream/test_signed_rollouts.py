@@ -28,6 +28,12 @@ from rtrl.v1 import common_pb2, reward_pb2, rollout_pb2, telemetry_pb2
 from support.signing import ROLLOUT_SIGNER, worker_headers
 
 
+def _present(value: bytes | None) -> bytes:
+    """A field of a read-back record that the test knows is set (typed Optional)."""
+    assert value is not None
+    return value
+
+
 def _rollout(rollout_id: str, ts_ms: int) -> rollout_pb2.RolloutRecord:
     return rollout_pb2.RolloutRecord(
         event_id=f"{rollout_id}-r", rollout_id=rollout_id, client_ts_ms=ts_ms, completion_text="x = 1\n",
@@ -145,13 +151,18 @@ def test_the_joiner_service_builds_no_reward_on_a_rollout_produced_straight_to_t
         for rollout_id in honest:
             value = _rollout(rollout_id, ts).SerializeToString()
             producer.produce(
-                topics.ROLLOUT, value, key=rollout_id, headers=worker_headers(topics.ROLLOUT, value)
+                topics.ROLLOUT,
+                value,
+                key=rollout_id,
+                headers=kafka.kafka_headers(worker_headers(topics.ROLLOUT, value)),
             )
             producer.produce(
                 topics.PERSISTENCE, _kept(rollout_id, ts).SerializeToString(), key=rollout_id
             )
         for rollout_id, (value, headers, _) in forged.items():
-            producer.produce(topics.ROLLOUT, value, key=rollout_id, headers=headers)
+            producer.produce(
+                topics.ROLLOUT, value, key=rollout_id, headers=kafka.kafka_headers(headers)
+            )
             # The forger reports the edit kept, too: telemetry without a rollout joins nothing.
             producer.produce(
                 topics.PERSISTENCE, _kept(rollout_id, ts).SerializeToString(), key=rollout_id
@@ -175,13 +186,13 @@ def test_the_joiner_service_builds_no_reward_on_a_rollout_produced_straight_to_t
 
         out = replay.read_retained(stack_settings, (topics.REWARD, topics.REWARD_DLQ))
         rewarded = sorted(
-            reward_pb2.RewardRecord.FromString(r.value).rollout_id
+            reward_pb2.RewardRecord.FromString(_present(r.value)).rollout_id
             for r in out
             if r.topic == topics.REWARD
         )
         assert rewarded == sorted(honest)
         reasons = {
-            r.key.decode(): dict(r.headers)["error"].decode()
+            _present(r.key).decode(): _present(dict(r.headers)["error"]).decode()
             for r in out
             if r.topic == topics.REWARD_DLQ
         }

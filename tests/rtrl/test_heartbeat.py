@@ -33,7 +33,7 @@ ALERT = RewardAlert(
     first_version=2,
     samples=80,
 )
-BEATS = {
+BEATS: dict[str, heartbeat.Beat] = {
     "ingest": IngestBeat(accepted=10, duplicate=2, rejected=1, inflight=3),
     "reward_stream": RewardStreamBeat(
         events=40,
@@ -93,7 +93,9 @@ def test_a_field_a_newer_writer_added_is_ignored_and_one_an_older_writer_lacks_t
     del doc["refusals"], doc["reward_mean"]
     beat = heartbeat.parse(doc).beat
     assert isinstance(beat, TrainerBeat)
-    assert beat == dataclasses.replace(BEATS["trainer"], refusals=(), reward_mean=None)
+    written = BEATS["trainer"]
+    assert isinstance(written, TrainerBeat)
+    assert beat == dataclasses.replace(written, refusals=(), reward_mean=None)
 
 
 def test_the_wire_document_is_flat_json_with_the_envelope_beside_the_fields():

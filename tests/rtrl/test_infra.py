@@ -1,6 +1,7 @@
 """The fixtures start real services: keyed records round-trip through Tansu."""
 
 import asyncio
+from typing import Any
 
 import pytest
 import redis
@@ -25,7 +26,8 @@ def test_tansu_round_trip_keyed_by_rollout(stack_settings):
 
     asyncio.run(produce())
     consumer = kafka.consumer(stack_settings, topics.EDIT, group_id="t")
-    records = []
+    # confluent_kafka Messages; Any since key()/value() are typed Optional and these have both.
+    records: list[Any] = []
     try:
         for _ in range(50):
             records.extend(m for m in consumer.consume(50, timeout=0.5) if m.error() is None)

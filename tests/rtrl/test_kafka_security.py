@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ast
 from pathlib import Path
+from typing import Any
 
 import pytest
 from confluent_kafka import Consumer, Producer
@@ -22,7 +23,7 @@ from rtrl import kafka
 from rtrl.config import StackSettings
 
 REPO = Path(__file__).resolve().parents[2]
-SECURE = {
+SECURE: dict[str, Any] = {
     "kafka_bootstrap": "127.0.0.1:1", "kafka_security_protocol": "SASL_SSL", "kafka_sasl_mechanism": "SCRAM-SHA-512",
     "kafka_sasl_username": "trainer", "kafka_sasl_password": "s3cret",
 }  # fmt: skip

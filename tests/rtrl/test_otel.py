@@ -82,6 +82,7 @@ class _Collector(
         self.spans: list[tuple[dict, object]] = []
         self.metric_names: set[str] = set()
         self.changed = threading.Condition()
+        self.endpoint = ""  # set by the fixture once the server listens
 
     def Export(self, request, context):
         with self.changed:
@@ -205,8 +206,13 @@ def test_a_worker_apply_span_is_a_child_of_the_commit(
     spans, _ = otel_memory
     spans.clear()
     staged = threading.Event()
+
+    def stage(version, weights) -> bool:
+        staged.set()
+        return True
+
     follower = WeightFollower(
-        lambda version, weights: staged.set() or True,
+        stage,
         server.addr,
         SUBSCRIBE_TOKEN,
         ARM,
@@ -220,7 +226,9 @@ def test_a_worker_apply_span_is_a_child_of_the_commit(
         deadline = time.monotonic() + 10
         while follower.staged(0) is None and time.monotonic() < deadline:
             time.sleep(0.05)
-        traceparent, _ = follower.staged(0)
+        staged_version = follower.staged(0)
+        assert staged_version is not None
+        traceparent, _ = staged_version
     finally:
         follower.stop()
     finished = {span.name: span for span in spans.get_finished_spans()}

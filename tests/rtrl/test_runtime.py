@@ -7,6 +7,7 @@ import signal
 import sys
 import textwrap
 import time
+from pathlib import Path
 
 from rtrl import procs
 
@@ -29,7 +30,7 @@ HANGING_SERVICE = textwrap.dedent("""
 """)
 
 
-def _start(tmp_path, budget_s: float) -> tuple[procs.Proc, object]:
+def _start(tmp_path, budget_s: float) -> tuple[procs.Proc, Path]:
     log = tmp_path / "service.log"
     proc = procs.spawn("hanging", [sys.executable, "-c", HANGING_SERVICE, str(budget_s)], log)
     deadline = time.monotonic() + 30

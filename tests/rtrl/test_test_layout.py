@@ -103,8 +103,10 @@ def test_basenames_are_unique_and_only_support_is_a_package():
 
 def test_support_is_importable_and_no_test_directory_shadows_its_package():
     support = importlib.import_module("support")
+    assert support.__file__ is not None
     assert Path(support.__file__).parent == TESTS / "support"
     # tests/ingest/ and the like could pass for namespace packages named like the real ones.
     for directory in sorted(p for p in TESTS.iterdir() if (REPO / p.name / "__init__.py").exists()):
         package = importlib.import_module(directory.name)
+        assert package.__file__ is not None, package
         assert Path(package.__file__) == REPO / directory.name / "__init__.py", package

@@ -22,14 +22,16 @@ def read_rollouts(settings, timeout_s: float = 10.0) -> list[rollout_pb2.Rollout
             for p in range(settings.kafka_partitions)
         ]
     )
-    records = []
+    records: list[rollout_pb2.RolloutRecord] = []
     deadline = time.monotonic() + timeout_s
     try:
         while len(records) < expected and time.monotonic() < deadline:
             for msg in consumer.consume(100, timeout=0.2):
                 if msg.error() is None:
-                    record = rollout_pb2.RolloutRecord.FromString(msg.value())
-                    assert msg.key().decode() == record.rollout_id
+                    key, value = msg.key(), msg.value()
+                    assert key is not None and value is not None
+                    record = rollout_pb2.RolloutRecord.FromString(value)
+                    assert key.decode() == record.rollout_id
                     records.append(record)
     finally:
         consumer.close()

@@ -69,11 +69,12 @@ def read_topics(
                 break
             for msg in probe.consume(100, timeout=0.2):
                 assert msg.error() is None, msg.error()
-                records[msg.topic()].append(
-                    (msg.key(), telemetry_pb2.TelemetryEvent.FromString(msg.value()))
-                )
-                where = (msg.topic(), msg.partition())
-                if msg.offset() + 1 >= remaining.get(where, 0):
+                topic, partition, offset = kafka.record_position(msg)
+                value = msg.value()
+                assert value is not None
+                records[topic].append((msg.key(), telemetry_pb2.TelemetryEvent.FromString(value)))
+                where = (topic, partition)
+                if offset + 1 >= remaining.get(where, 0):
                     remaining.pop(where, None)
     finally:
         probe.close()

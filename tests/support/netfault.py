@@ -153,7 +153,9 @@ class FaultProxy:
         self.connections += 1
         link = _Link(client_reader, client_writer)
         self._links.add(link)
-        self._handlers.add(asyncio.current_task())
+        handler = asyncio.current_task()
+        assert handler is not None  # a connection callback runs as a task
+        self._handlers.add(handler)
         # drain() then waits until the kernel has every byte, so a cut drops nothing the
         # proxy counted as forwarded (abort() discards the transport's buffer).
         client_writer.transport.set_write_buffer_limits(high=0)
@@ -174,7 +176,7 @@ class FaultProxy:
             )
         finally:
             self._close(link)
-            self._handlers.discard(asyncio.current_task())
+            self._handlers.discard(handler)
 
     async def _pump(
         self,

@@ -127,9 +127,10 @@ def read_all(settings, topic_names: tuple[str, ...]) -> dict[str, list]:
         while remaining and time.monotonic() < deadline:
             for msg in consumer.consume(100, timeout=0.2):
                 if msg.error() is None:
-                    records[msg.topic()].append(msg)
-                    if msg.offset() + 1 >= ends[(msg.topic(), msg.partition())]:
-                        remaining.discard((msg.topic(), msg.partition()))
+                    topic, partition, offset = kafka.record_position(msg)
+                    records[topic].append(msg)
+                    if offset + 1 >= ends[(topic, partition)]:
+                        remaining.discard((topic, partition))
     finally:
         consumer.close()
     assert not remaining, f"could not read up to the end of {remaining}"

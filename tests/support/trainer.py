@@ -11,10 +11,11 @@ from pathlib import Path
 
 import torch
 from confluent_kafka import Producer
+from transformers import LlamaForCausalLM
 
 from rtrl import signing, topics
 from rtrl.policy import EOS, PolicyConfig, build_model, decode, load_weights
-from rtrl.v1 import common_pb2, reward_pb2, rollout_pb2
+from rtrl.v1 import common_pb2, reward_pb2, rollout_pb2, weights_pb2
 from simulator.tasks import parse_style, random_task
 from simulator.warmstart import cache_path, ensure_warm_start, load_warm_start
 from trainer.sampling import prompt_ids, sample
@@ -31,11 +32,16 @@ def install_warm_start(state_dir: Path) -> Path:
     return target
 
 
-def warm_model() -> torch.nn.Module:
+def warm_model() -> LlamaForCausalLM:
     model = build_model(PolicyConfig())
     load_weights(model, load_warm_start(ensure_warm_start(REPO / ".rtrl")))
     model.eval()
     return model
+
+
+def never_fetch(arm: str, version: int) -> tuple[weights_pb2.Manifest, dict[str, torch.Tensor]]:
+    """The fetch_weights of a trainer that must not resume from published weights."""
+    raise AssertionError(f"the trainer fetched {arm} v{version}")
 
 
 def sampled_rollouts(

@@ -39,6 +39,12 @@ class InProcessServer:
     def _run(self, coro):
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout=30)
 
+    @property
+    def running(self) -> WeightSyncServer:
+        """The server, which the test must have started."""
+        assert self.server is not None, "the server is not running"
+        return self.server
+
     def start(self) -> None:
         async def start():
             self.server = WeightSyncServer(self.settings, self.stack)

@@ -15,6 +15,7 @@ import copy
 import queue
 import threading
 import time
+from typing import cast
 
 import pytest
 import torch
@@ -81,28 +82,22 @@ def _trainer_steps_in_clickhouse(stack_settings, tmp_path) -> list[dict]:
     from analytics.sink import Sink
     from rtrl import topics
     from rtrl.config import StackSettings
-    from rtrl.kafka import consumer_config
+    from rtrl.kafka import consumer_config, record_position
 
     consumer = Consumer(consumer_config(stack_settings, "test-trainer-steps"))
     consumer.subscribe([topics.TRAINER_STEPS])
-    records = []
+    records: list[KafkaRecord] = []
     deadline = time.monotonic() + 30
     while len(records) < 3 and time.monotonic() < deadline:
         for message in consumer.consume(10, timeout=0.5):
             assert message.error() is None, message.error()
-            records.append(
-                KafkaRecord(
-                    message.topic(),
-                    message.partition(),
-                    message.offset(),
-                    message.key(),
-                    message.value(),
-                )
-            )
+            topic, partition, offset = record_position(message)
+            records.append(KafkaRecord(topic, partition, offset, message.key(), message.value()))
     consumer.close()
     client = connect(StackSettings(state_dir=tmp_path / "analytics"))
     schema.create_tables(client)
-    sink = Sink(RecordingConsumer(), client, batch_size=100, flush_interval_s=1.0)
+    # A stand-in for the consumer: the sink only commits through it here.
+    sink = Sink(cast(Consumer, RecordingConsumer()), client, batch_size=100, flush_interval_s=1.0)
     for record in records:
         sink.add(record)
     sink.flush()

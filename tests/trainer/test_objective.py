@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import pytest
 import torch
@@ -72,6 +73,7 @@ def test_gradient_step_moves_probability_toward_rewarded_tokens():
     logp = torch.log_softmax(logits, -1).gather(1, tokens[:, None]).T  # [1, 2]
     loss = policy_gradient_loss(logp, logp.detach(), torch.tensor([1.0]), torch.ones(1, 2)).loss
     loss.backward()
+    assert logits.grad is not None
     with torch.no_grad():
         after = torch.softmax(logits - 0.5 * logits.grad, -1)
     assert after[0, 0] > 1 / 3 and after[1, 2] > 1 / 3
@@ -120,7 +122,7 @@ def test_staleness_drop_counting():
 
 
 def _record(**rollout_fields) -> reward_pb2.RewardRecord:
-    fields = dict(
+    fields: dict[str, Any] = dict(
         rollout_id="r1",
         arm=common_pb2.ARM_TREATMENT,
         prompt_text="@p0 say hi\n",

@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import os
 import time
+from typing import cast
 
 import pytest
-from confluent_kafka import Consumer, Producer
+from confluent_kafka import Consumer, Message, Producer
 
 from rtrl import signing, topics
 from rtrl.kafka import consumer_config
-from support.trainer import reward_record
+from support.trainer import never_fetch, reward_record
 from trainer.batch import Drop
 from trainer.config import TrainerSettings
 from trainer.loop import Trainer
@@ -35,7 +36,8 @@ def test_only_the_joiners_rewards_are_trained_on(stack_settings):
     joiner = signing.Signer(os.environ["RTRL_REWARD_SIGNING_KEY"], signing.Purpose.REWARD)
     stranger = signing.Signer(signing.generate_private_key(), signing.Purpose.REWARD)
     honest = [_record() for _ in range(HONEST)]
-    forged: list[tuple[bytes, bytes, list, str]] = []  # (key, value, headers, expected drop)
+    # (key, value, headers, expected drop)
+    forged: list[tuple[bytes, bytes, list[tuple[str, str | bytes | None]] | None, Drop]] = []
 
     def add(record, headers, drop: Drop) -> None:
         value = record if isinstance(record, bytes) else record.SerializeToString()
@@ -81,6 +83,12 @@ def test_only_the_joiners_rewards_are_trained_on(stack_settings):
     assert producer.flush(30) == 0
 
     dead: list[tuple[bytes, str]] = []
+
+    def dead_letter(message: object, reason: str) -> None:
+        value = cast(Message, message).value()  # the consumed record (typed object in the loop)
+        assert value is not None
+        dead.append((value, reason))
+
     settings = TrainerSettings(batch_size=64, min_batch=1)
     consumer = Consumer(consumer_config(stack_settings, "trainer-signatures"))
     trainer = Trainer(
@@ -88,8 +96,8 @@ def test_only_the_joiners_rewards_are_trained_on(stack_settings):
         stack_settings.state_dir,
         consumer,
         publishers={},
-        fetch_weights=None,
-        dead_letter=lambda message, reason: dead.append((message.value(), reason)),
+        fetch_weights=never_fetch,
+        dead_letter=dead_letter,
     )
     consumer.subscribe([topics.REWARD], on_assign=trainer._on_assign)
     try:
@@ -114,7 +122,9 @@ def test_only_the_joiners_rewards_are_trained_on(stack_settings):
 def test_a_trainer_without_the_joiners_key_will_not_start(tmp_path, monkeypatch):
     monkeypatch.delenv("RTRL_TRAINER_REWARD_PUBLIC_KEYS")
     with pytest.raises(ValueError, match="at least one public key"):
-        Trainer(TrainerSettings(), tmp_path, consumer=None, publishers={}, fetch_weights=None)
+        Trainer(
+            TrainerSettings(), tmp_path, consumer=None, publishers={}, fetch_weights=never_fetch
+        )
 
 
 def test_verifiers_take_both_keys_while_the_signers_key_rotates():
@@ -129,8 +139,9 @@ def test_verifiers_take_both_keys_while_the_signers_key_rotates():
             is None
         )
     only_new = signing.Verifier([signing.public_key_of(new)], signing.Purpose.REWARD)
-    assert "unknown key" in only_new.problem(
+    problem = only_new.problem(
         payload, signing.Signer(old, signing.Purpose.REWARD).headers(payload)
     )
+    assert problem is not None and "unknown key" in problem
     with pytest.raises(ValueError, match="public key"):
         signing.parse_public_keys("not-a-key")

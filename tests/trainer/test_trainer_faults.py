@@ -218,6 +218,7 @@ def test_the_trainer_service_runs_sharded_under_torchrun(
             -4000:
         ]
         saved = load(stack_settings.state_dir / "trainer")
+        assert saved is not None
         assert saved.version == registry.latest() and isinstance(
             next(iter(saved.optimizer["state"])), str
         )

@@ -17,7 +17,7 @@ from rtrl.policy import PolicyConfig, decode
 from rtrl.v1 import common_pb2, reward_pb2, rollout_pb2
 from simulator.tasks import PROJECT_STYLES, parse_style, random_task
 from simulator.warmstart import WarmStartRecipe, train
-from trainer.batch import collate, drop_stale, to_sample
+from trainer.batch import TrainSample, collate, drop_stale, to_sample
 from trainer.sampling import prompt_ids, sample
 from trainer.step import build_optimizer, rl_step
 
@@ -85,10 +85,11 @@ def test_rl_step_raises_the_kept_rate():
     rng, generator = random.Random(7), torch.Generator().manual_seed(7)
     curve = []
     for version in range(RL_STEPS):
-        samples = [
-            to_sample(r, SMALL.max_positions)
-            for r in reward_records(model, rng, generator, version)
-        ]
+        samples: list[TrainSample] = []
+        for r in reward_records(model, rng, generator, version):
+            converted = to_sample(r, SMALL.max_positions)
+            assert isinstance(converted, TrainSample), converted  # none dropped on the way in
+            samples.append(converted)
         fresh, stale = drop_stale(samples, current_version=version, max_staleness=8)
         assert stale == 0 and len(fresh) == PROMPTS_PER_STEP * GROUP_SIZE
         metrics = rl_step(model, optimizer, collate(fresh), is_cap=2.0, grad_clip=1.0)

@@ -15,7 +15,7 @@ from confluent_kafka import Consumer
 
 from rtrl import topics
 from rtrl.kafka import consumer_config
-from support.trainer import produce, reward_record
+from support.trainer import never_fetch, produce, reward_record
 from trainer.batch import Drop, TrainSample, shed_oldest
 from trainer.config import TrainerSettings
 from trainer.journal import position_key
@@ -55,7 +55,7 @@ def _trainer(stack_settings, when_behind: str) -> Trainer:
     )
     consumer = Consumer(consumer_config(stack_settings, f"trainer-{when_behind}"))
     trainer = Trainer(
-        settings, stack_settings.state_dir, consumer, publishers={}, fetch_weights=None
+        settings, stack_settings.state_dir, consumer, publishers={}, fetch_weights=never_fetch
     )
     consumer.subscribe([topics.REWARD], on_assign=trainer._on_assign)
     return trainer

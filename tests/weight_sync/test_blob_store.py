@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import uuid
+from typing import TypedDict
 
 import boto3
 import pytest
@@ -32,8 +33,15 @@ from weight_sync.config import WeightSyncSettings
 from weight_sync.store import ArmFiles, LocalBlobStore, open_store
 from weight_sync.store_s3 import S3BlobStore
 
+
+class S3Login(TypedDict):
+    s3_region: str
+    s3_access_key_id: str
+    s3_secret_access_key: str
+
+
 # Fake credentials and region for moto; also keeps boto3 from reading ~/.aws.
-S3_LOGIN = {
+S3_LOGIN: S3Login = {
     "s3_region": "us-east-1",
     "s3_access_key_id": "testing",
     "s3_secret_access_key": "testing",
@@ -192,10 +200,8 @@ def test_open_store_follows_blob_url(tmp_path):
         "s3://bucket-1/a/b",
     )
     assert s3.key("treatment", 4) == "a/b/treatment/4.blob"
-    assert (
-        open_store(WeightSyncSettings(blob_url="s3://bucket-1"), stack).key("control", 0)
-        == "control/0.blob"
-    )
+    bare = open_store(WeightSyncSettings(blob_url="s3://bucket-1"), stack)
+    assert isinstance(bare, S3BlobStore) and bare.key("control", 0) == "control/0.blob"
 
 
 @pytest.mark.parametrize(
@@ -278,7 +284,7 @@ def test_weight_sync_with_blobs_in_s3(redis_url, tmp_path, s3_endpoint, s3_bucke
         assert [(m.version, m.keyframe) for m, _ in received] == [(3, True), (4, False)]
         assert_bit_identical(received[-1][1], versions[4])
 
-        plans = server._run(server.server.collect_garbage())
+        plans = server._run(server.running.collect_garbage())
         assert [(p.arm, p.versions) for p in plans] == [("treatment", (0, 1, 2))]
         assert s3_keys(s3_endpoint, s3_bucket) == [
             f"rtrl/treatment/{v}.{kind}" for v in (3, 4) for kind in ("blob", "manifest")

@@ -26,6 +26,7 @@ from rtrl import heartbeat, procs
 from rtrl.config import StackSettings
 from rtrl.v1 import weights_pb2
 from support import subscriber_proc
+from support.redis_reply import stored
 from support.subscriber_proc import weights_checksum
 from support.weight_sync import (
     ARM,
@@ -104,6 +105,21 @@ def _garbage_collected(store: LocalBlobStore) -> None:
         store.delete(store.path(ARM, version).as_uri())
 
 
+def _v7_manifest_lost_and_v4_rotten(store: LocalBlobStore) -> None:
+    manifest_path(store, 7).unlink()
+    flip_blob(store, 4)
+
+
+def _v4_and_v6_rotten(store: LocalBlobStore) -> None:
+    flip_blob(store, 4)
+    flip_blob(store, 6)
+
+
+def _every_keyframe_rotten(store: LocalBlobStore) -> None:
+    for version in (0, 3, 6):
+        flip_blob(store, version)
+
+
 RECOVERY_CASES = [
     # (damage, latest, restored versions, lowest next version, versions left out)
     # An intact store comes back whole.
@@ -131,12 +147,12 @@ RECOVERY_CASES = [
     # A manifest stored under another version's name is not that version.
     (lambda s: shutil.copyfile(manifest_path(s, 6), manifest_path(s, 7)), 6, range(7), 8, [7]),
     # A delta's manifest lost inside the newest chain: v7 cannot be reached, v6 can.
-    (lambda s: manifest_path(s, 7).unlink() or flip_blob(s, 4), 6, range(7), 8, [7]),
+    (_v7_manifest_lost_and_v4_rotten, 6, range(7), 8, [7]),
     # Both newer chains broken in the middle: only the chain ending at v3 is whole;
     # the older versions' blobs are listed, not read (serving verifies them).
-    (lambda s: flip_blob(s, 4) or flip_blob(s, 6), 3, range(4), 8, [4, 5, 6, 7]),
+    (_v4_and_v6_rotten, 3, range(4), 8, [4, 5, 6, 7]),
     # Every keyframe rotten: nothing to restore, yet no number below 8 is given out again.
-    (lambda s: [flip_blob(s, v) for v in (0, 3, 6)], -1, [], 8, [0, 1, 2, 3, 4, 5, 6, 7]),
+    (_every_keyframe_rotten, -1, [], 8, [0, 1, 2, 3, 4, 5, 6, 7]),
     # A blob gone below the newest chain: that version alone is left out.
     (lambda s: s.path(ARM, 1).unlink(), 7, [0, 2, 3, 4, 5, 6, 7], 8, [1]),
 ]
@@ -456,7 +472,7 @@ def test_the_trainer_continues_from_the_blob_store_after_flushall(
 
     def manifest(version: int) -> weights_pb2.Manifest:
         return weights_pb2.Manifest.FromString(
-            client.get(registry.manifest_key(TREATMENT, version))
+            stored(client, registry.manifest_key(TREATMENT, version))
         )
 
     produce(stack_settings.kafka_bootstrap, records[:96])

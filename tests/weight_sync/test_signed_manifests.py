@@ -19,6 +19,7 @@ import redis
 
 from rtrl import signing
 from rtrl.v1 import weights_pb2
+from support.redis_reply import stored
 from support.weight_sync import (
     MANIFEST_KEY,
     MANIFEST_PUBLIC_KEYS,
@@ -96,7 +97,8 @@ def test_unsigned_and_strangers_manifests_are_refused_by_name():
     assert verifier.problem(unsigned) == signing.UNSIGNED
     strangers = _signed()
     ManifestSigner(signing.generate_private_key()).sign(strangers)
-    assert verifier.problem(strangers).startswith("signed by an unknown key")
+    problem = verifier.problem(strangers)
+    assert problem is not None and problem.startswith("signed by an unknown key")
     # A reward's signature over the same bytes is no manifest's.
     reward_signed = _signed()
     reward_signed.signature = signing.Signer(MANIFEST_KEY, signing.Purpose.REWARD).sign(b"anything")
@@ -152,7 +154,9 @@ def test_a_worker_applies_neither_a_rewritten_registry_nor_a_stolen_tokens_versi
         assert [m.version for m, _ in worker.until(2)][-1] == 2
 
         # 1. Treatment's registry rewritten to name control's weights, signature and all.
-        control_v0 = weights_pb2.Manifest.FromString(client.get(registry.manifest_key(CONTROL, 0)))
+        control_v0 = weights_pb2.Manifest.FromString(
+            stored(client, registry.manifest_key(CONTROL, 0))
+        )
         forged = weights_pb2.Manifest()
         forged.CopyFrom(control_v0)
         forged.arm, forged.version = TREATMENT, 3

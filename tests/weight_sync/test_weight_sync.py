@@ -19,6 +19,7 @@ import redis
 from rtrl import heartbeat, procs
 from rtrl.config import StackSettings
 from rtrl.v1 import weights_pb2, weights_pb2_grpc
+from support.redis_reply import stored
 from support.weight_sync import (
     ARM,
     MANIFEST_KEY,
@@ -42,7 +43,8 @@ def test_new_subscriber_gets_latest_bit_identical(server, stack, publisher, poli
 
     client = redis.Redis.from_url(stack.redis_url)
     manifests = [
-        weights_pb2.Manifest.FromString(client.get(registry.manifest_key(ARM, v))) for v in range(5)
+        weights_pb2.Manifest.FromString(stored(client, registry.manifest_key(ARM, v)))
+        for v in range(5)
     ]
     assert [(m.version, m.keyframe, m.parent_version) for m in manifests] == [
         (0, True, -1),
@@ -199,7 +201,7 @@ def _flip_blob_byte(stack: StackSettings, version: int) -> None:
 
 def _forge_tensor_checksum(stack: StackSettings, version: int) -> None:
     client = redis.Redis.from_url(stack.redis_url)
-    manifest = weights_pb2.Manifest.FromString(client.get(registry.manifest_key(ARM, version)))
+    manifest = weights_pb2.Manifest.FromString(stored(client, registry.manifest_key(ARM, version)))
     manifest.tensors[0].checksum = "0" * 32
     client.set(registry.manifest_key(ARM, version), manifest.SerializeToString())
 

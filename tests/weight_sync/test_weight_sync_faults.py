@@ -29,6 +29,7 @@ from rtrl.config import StackSettings
 from rtrl.v1 import weights_pb2, weights_pb2_grpc
 from support import subscriber_proc
 from support.netfault import FaultProxy
+from support.redis_reply import stored
 from support.subscriber_proc import weights_checksum
 from support.weight_sync import (
     ARM,
@@ -86,7 +87,7 @@ def new_publisher(
 def stored_manifest(stack: StackSettings, version: int) -> weights_pb2.Manifest:
     client = redis.Redis.from_url(stack.redis_url)
     try:
-        return weights_pb2.Manifest.FromString(client.get(registry.manifest_key(ARM, version)))
+        return weights_pb2.Manifest.FromString(stored(client, registry.manifest_key(ARM, version)))
     finally:
         client.close()
 
@@ -167,7 +168,7 @@ def _collect_the_version(
     """Two newer keyframes, then garbage collection (keep_keyframes=2) deletes v0."""
     newer = [train_step(old, 1), train_step(old, 2)]
     assert [publisher.publish(weights) for weights in newer] == [1, 2]
-    plans = server._run(server.server.collect_garbage())
+    plans = server._run(server.running.collect_garbage())
     assert [plan.versions for plan in plans] == [(0,)] and not blob_path(stack, 0).exists()
     return 2, newer[-1]
 

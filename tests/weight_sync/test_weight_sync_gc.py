@@ -7,6 +7,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Sequence
+from typing import cast
 
 import pytest
 import redis
@@ -47,7 +49,7 @@ def view(
 
 
 def collected(
-    keep_from: int | None, versions: range | list[int] = (), missing: tuple[int, ...] = ()
+    keep_from: int | None, versions: Sequence[int] = (), missing: tuple[int, ...] = ()
 ) -> gc.ArmPlan:
     return gc.ArmPlan(
         "treatment", keep_from, tuple(versions), tuple(uri(v) for v in versions if v not in missing)
@@ -123,7 +125,9 @@ def stored_versions(stack: StackSettings, arm: str) -> tuple[list[int], list[int
     manifests = sorted(
         int(k.decode().rsplit(":", 1)[1]) for k in client.scan_iter(f"rtrl:ws:{arm}:manifest:*")
     )
-    keyframes = sorted(int(k) for k in client.zrange(registry.keyframes_key(arm), 0, -1))
+    # Without withscores, zrange gives the members only (bytes: this client does not decode).
+    members = cast("list[bytes]", client.zrange(registry.keyframes_key(arm), 0, -1))
+    keyframes = sorted(int(k) for k in members)
     client.close()
     blobs = sorted(int(p.stem) for p in (stack.state_dir / "blobs" / arm).glob("*.blob"))
     return manifests, keyframes, blobs
@@ -146,7 +150,7 @@ def test_collection_deletes_exactly_the_plan_and_subscribers_still_sync(stack, p
             list(range(30)),
         )
 
-        plans = server._run(server.server.collect_garbage())
+        plans = server._run(server.running.collect_garbage())
         assert [(p.arm, p.keep_from, p.versions) for p in plans] == [
             ("control", 0, ()),
             ("treatment", 20, tuple(range(20))),
@@ -167,7 +171,7 @@ def test_collection_deletes_exactly_the_plan_and_subscribers_still_sync(stack, p
             )
             == 0
         )
-        again = server._run(server.server.collect_garbage())
+        again = server._run(server.running.collect_garbage())
         assert [p.versions for p in again] == [(), ()]
 
         # From scratch: the newest keyframe and the deltas after it.
@@ -265,7 +269,7 @@ def test_periodic_collection_runs_beside_publishing(stack, policy_weights):
         while stored_versions(stack, "treatment") != ([8], [8], [8]):
             assert time.monotonic() < deadline, stored_versions(stack, "treatment")
             time.sleep(0.05)
-        assert server.server.versions_collected == 8
+        assert server.running.versions_collected == 8
         fresh = Following(
             Subscriber(
                 server.addr,
