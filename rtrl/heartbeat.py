@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import json
 import time
 import types
@@ -299,11 +300,18 @@ def parse(doc: Mapping[str, Any] | bytes | str) -> Heartbeat:
     )
 
 
-def _build(cls: type[Any], doc: Mapping[str, Any]) -> Any:
+@functools.cache
+def _field_types(cls: type) -> dict[str, Any]:
+    """A beat class's field names and their (resolved) types: read once per class, not per
+    beat, since `rtrl status -w` and the health checks parse every beat every second."""
     hints = get_type_hints(cls)
-    names = {f.name for f in dataclasses.fields(cls)}
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
+
+
+def _build(cls: type, doc: Mapping[str, Any]) -> Any:
+    types_ = _field_types(cls)
     return cls(
-        **{name: _decode(hints[name], value) for name, value in doc.items() if name in names}
+        **{name: _decode(types_[name], value) for name, value in doc.items() if name in types_}
     )
 
 

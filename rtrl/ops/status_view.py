@@ -12,7 +12,7 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from rich.console import Group
 from rich.table import Table
@@ -39,6 +39,9 @@ TREND_POINTS = 30
 TREND_MIN_ROLLOUTS = 20
 # A fitted change over the window smaller than this reads as flat (1% of r1's range).
 TREND_FLAT = 0.02
+
+
+BeatT = TypeVar("BeatT", InferenceBeat, RewardStreamBeat, TrainerBeat)
 
 
 # Produced by consumer_lag; consumed by the lag table and StackStatus.
@@ -114,7 +117,8 @@ def lag_table(stack: StackFile) -> Table:
     return table
 
 
-def _beats(rows: Sequence[health.ComponentHealth], kind: type[Any]) -> list[tuple[str, Any]]:
+def _beats(rows: Sequence[health.ComponentHealth], kind: type[BeatT]) -> list[tuple[str, BeatT]]:
+    """(component name, beat) of every row whose beat is a ``kind``."""
     return [(row.name, row.beat) for row in rows if isinstance(row.beat, kind)]
 
 
