@@ -48,7 +48,7 @@ from ingest.gateway import REJECTED, RETRY, Gateway
 from rtrl import entrypoint, heartbeat, kafka, otel, signing
 from rtrl.api_keys import ApiKey, KeyCache, KeyVerifier, RateLimiter, bearer_key
 from rtrl.config import StackSettings
-from rtrl.runtime import service_process, until_stopped
+from rtrl.runtime import bounded, service_process, until_stopped
 from rtrl.v1 import ingest_pb2, telemetry_pb2
 
 log = logging.getLogger("ingest")
@@ -358,20 +358,20 @@ class IngestServer:
         log.info("ingest stopping: draining requests (grace %.0f s)", grace_s)
         self.recovery_task.cancel()
         self.heartbeat_task.cancel()
-        await _bounded("gRPC drain", self.grpc_server.stop(grace_s), grace_s + 2)
-        await _bounded("HTTP drain", self.http_runner.cleanup(), grace_s)
-        await _bounded(
+        await bounded("gRPC drain", self.grpc_server.stop(grace_s), grace_s + 2)
+        await bounded("HTTP drain", self.http_runner.cleanup(), grace_s)
+        await bounded(
             "background tasks",
             asyncio.gather(self.recovery_task, self.heartbeat_task, return_exceptions=True),
             2,
         )
-        undelivered = await _bounded("producer flush", _in_daemon_thread(self.producer.close), 15)
+        undelivered = await bounded("producer flush", _in_daemon_thread(self.producer.close), 15)
         if undelivered:
             log.warning(
                 "%d events were still undelivered at shutdown (their clients got no ACCEPTED)",
                 undelivered,
             )
-        await _bounded("Redis close", self.redis.aclose(), 2)
+        await bounded("Redis close", self.redis.aclose(), 2)
         log.info("ingest stopped")
 
 
@@ -483,15 +483,6 @@ async def _recover_forever(stack: StackSettings, settings: IngestSettings) -> No
         except Exception:
             log.exception("recovery sweep failed")
         await asyncio.sleep(max(settings.claim_ttl_s / 2, 0.5))
-
-
-async def _bounded(step: str, awaitable, timeout_s: float):
-    """``awaitable``'s result, or None (logged) if it takes longer than ``timeout_s``."""
-    try:
-        return await asyncio.wait_for(awaitable, timeout_s)
-    except TimeoutError:
-        log.warning("stopping: %s did not finish within %.0f s; going on", step, timeout_s)
-        return None
 
 
 async def _in_daemon_thread(function, *args, **kwargs):

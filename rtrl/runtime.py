@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import faulthandler
+import logging
 import os
 import signal
 import sys
+from collections.abc import Awaitable
+from typing import TypeVar
 
 SHUTDOWN_BUDGET_S = 45.0
 """Longest a service may take from SIGTERM to exit. Every service bounds each step of its
@@ -14,6 +17,10 @@ drain well inside this; the watchdog is for what no step bounds (a library's exi
 a thread stuck in C): it writes every thread's stack to the log and ends the process
 (exit status 1), so a stop never hangs a supervisor or a test, and the log says where."""
 
+
+log = logging.getLogger("rtrl.runtime")
+
+T = TypeVar("T")
 
 _watchdog_s: float | None = None
 """Set by service_process(): only a service's own process arms the watchdog (a test that
@@ -73,3 +80,19 @@ async def until_stopped(*tasks: asyncio.Task, stop: asyncio.Event | None = None)
             and (error := task.exception()) is not None
         ):
             raise error
+
+
+async def bounded(step: str, awaitable: Awaitable[T], timeout_s: float) -> T | None:
+    """``awaitable``'s result, or None (logged, naming ``step``) if it has not finished
+    within ``timeout_s``: a drain step of a stopping service.
+
+    Unlike ``asyncio.wait_for``, this does not wait for the step to acknowledge its
+    cancellation: a step that swallows or ignores it (a gRPC server's shutdown, a C call)
+    is cancelled and abandoned, so the bound holds whatever the step does."""
+    task = asyncio.ensure_future(awaitable)
+    done, _ = await asyncio.wait({task}, timeout=timeout_s)
+    if not done:
+        task.cancel()
+        log.warning("stopping: %s did not finish within %.0f s; going on", step, timeout_s)
+        return None
+    return task.result()

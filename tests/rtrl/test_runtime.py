@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import os
 import signal
 import sys
@@ -9,7 +11,7 @@ import textwrap
 import time
 from pathlib import Path
 
-from rtrl import procs
+from rtrl import procs, runtime
 
 # A service whose drain never ends: until_stopped returns on SIGTERM, then the process
 # blocks in a function the dump must name.
@@ -65,3 +67,35 @@ def test_sigusr1_dumps_every_thread_and_the_service_keeps_running(tmp_path):
         assert proc.popen.poll() is None, "SIGUSR1 must not stop the service"
     finally:
         proc.stop(timeout_s=5)
+
+
+def test_a_bounded_drain_step_that_ignores_cancellation_is_abandoned_not_awaited(caplog):
+    # asyncio.wait_for waits for a cancelled step to finish cancelling; a step that swallows
+    # the cancellation (as a gRPC server's shutdown can) would then hold the stop forever.
+    async def scenario() -> tuple[bool, object]:
+        release = asyncio.Event()
+
+        async def stubborn() -> str:
+            try:
+                await asyncio.sleep(3600)
+            except asyncio.CancelledError:
+                await release.wait()
+            return "finished"
+
+        step = asyncio.ensure_future(runtime.bounded("stubborn step", stubborn(), 0.05))
+        done, _ = await asyncio.wait({step}, timeout=10)
+        release.set()
+        return bool(done), step.result() if done else step
+
+    with caplog.at_level(logging.WARNING, logger="rtrl.runtime"):
+        finished, result = asyncio.run(scenario())
+    assert finished, "bounded() waited for a step that ignores cancellation"
+    assert result is None
+    assert "stubborn step did not finish" in caplog.text
+
+
+def test_a_bounded_step_that_finishes_returns_its_result():
+    async def quick() -> int:
+        return 7
+
+    assert asyncio.run(runtime.bounded("quick", quick(), 5)) == 7
