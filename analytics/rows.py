@@ -119,6 +119,11 @@ COLUMNS: dict[str, tuple[str, ...]] = {
         "eval_s",
         "publish_s",
         "traceparent",
+        "mismatch_mean",
+        "mismatch_max",
+        "mismatch_over_threshold_share",
+        "mismatch_tokens",
+        "mismatch_threshold",
     ),
     schema.LATE: ("event_id", "rollout_id", "source_topic", "kind", "event_ts", "ingested_ts"),
     schema.DEAD_LETTERS: (
@@ -345,6 +350,11 @@ def trainer_step_row(step: trainer_pb2.TrainerStep) -> Row:
             step.eval_s,
             step.publish_s,
             step.traceparent,
+            step.mismatch_mean,
+            step.mismatch_max,
+            step.mismatch_over_threshold_share,
+            step.mismatch_tokens,
+            step.mismatch_threshold,
         ),
     )
 

@@ -81,6 +81,25 @@ ROLLOUT_VALUES = {
     "latency_s": "latency_s",
 }
 
+# Columns a table gained after it was first created. CREATE TABLE IF NOT EXISTS leaves a
+# table an older sink made as it was (analytics survive `rtrl down`/`up`), so create_tables
+# adds these to it, which is a no-op where the CREATE already made them. Only ever appended,
+# like the proto fields they hold.
+ADDED_COLUMNS: dict[str, tuple[tuple[str, str], ...]] = {
+    TRAINER_STEPS: (
+        ("mismatch_mean", "Float64"),
+        ("mismatch_max", "Float64"),
+        ("mismatch_over_threshold_share", "Float64"),
+        ("mismatch_tokens", "UInt32"),
+        ("mismatch_threshold", "Float64"),
+    ),
+}
+
+
+def _added(table: str) -> str:
+    return "".join(f",\n    {name} {kind}" for name, kind in ADDED_COLUMNS[table])
+
+
 DDL = (
     f"""
 CREATE TABLE IF NOT EXISTS {ROLLOUTS} (
@@ -200,7 +219,7 @@ CREATE TABLE IF NOT EXISTS {TRAINER_STEPS} (
     step_s Float64,
     eval_s Float64,
     publish_s Float64,
-    traceparent String
+    traceparent String{_added(TRAINER_STEPS)}
 ) ENGINE = ReplacingMergeTree ORDER BY step_id
 """,
 )
@@ -269,6 +288,9 @@ def create_tables(client) -> None:
     """Idempotent: safe on every start-up."""
     for statement in DDL:
         client.command(statement)
+    for table, columns in ADDED_COLUMNS.items():
+        for name, kind in columns:
+            client.command(f"ALTER TABLE {table} ADD COLUMN IF NOT EXISTS {name} {kind}")
     for view in VIEWS:
         client.command(view.target_ddl)
         created = not int(client.command(f"EXISTS TABLE {view.name}"))

@@ -57,6 +57,48 @@ def trainer_steps(query_fn: QueryFn) -> list[dict]:
     )
 
 
+# Produced by mismatch_summary; consumed by `rtrl report` (rtrl.ops.reporting).
+@dataclass(frozen=True)
+class MismatchSummary:
+    """The train–inference mismatch over the whole run (trainer/mismatch.py)."""
+
+    steps: int
+    """Trainer steps recorded."""
+    measured_steps: int
+    """Of them, the steps that had tokens sampled by the weights they started from."""
+    tokens: int
+    mean: float
+    """Token mean |Δ log p| over every measured token (nats)."""
+    max: float
+    over_threshold_share: float
+    thresholds: tuple[float, ...]
+    """The mismatch_threshold(s) the shares were counted against."""
+
+
+def mismatch_summary(query_fn: QueryFn) -> MismatchSummary | None:
+    """None when no step measured any token."""
+    (row,) = query_fn(
+        "SELECT count() AS steps, countIf(mismatch_tokens > 0) AS measured_steps, "
+        "sum(mismatch_tokens) AS tokens, sum(mismatch_mean * mismatch_tokens) AS gap_sum, "
+        "max(mismatch_max) AS gap_max, "
+        "sum(mismatch_over_threshold_share * mismatch_tokens) AS over, "
+        "groupUniqArray(if(mismatch_tokens > 0, mismatch_threshold, 0)) AS thresholds "
+        f"FROM {TRAINER_STEPS} FINAL"
+    )
+    tokens = int(row["tokens"] or 0)
+    if tokens == 0:
+        return None
+    return MismatchSummary(
+        steps=int(row["steps"]),
+        measured_steps=int(row["measured_steps"]),
+        tokens=tokens,
+        mean=float(row["gap_sum"]) / tokens,
+        max=float(row["gap_max"]),
+        over_threshold_share=float(row["over"]) / tokens,
+        thresholds=tuple(sorted(float(t) for t in row["thresholds"] if t)),
+    )
+
+
 def figures(query_fn: QueryFn) -> Figures:
     items = []
     components = reward_components(query_fn)

@@ -1,14 +1,17 @@
-"""The HTTP contract of ``POST /v1/completions``: the request body and the answer.
+"""The HTTP contract of ``POST /v1/completions`` and ``POST /v1/chat/completions``: the
+request bodies and the answers.
 
-OpenAI-shaped where that is natural (``choices[0].text``, ``usage``), plus what the
-product needs: the rollout id it reports telemetry against, the arm, and the policy
-versions that produced the text.
+OpenAI-shaped where that is natural (``choices[0].text`` / ``choices[0].message``,
+``usage``), plus what the product needs: the rollout id it reports telemetry against,
+the arm, and the policy versions that produced the text. A chat request's messages are
+rendered by the checkpoint's chat template into token ids once, at the server; the
+rollout record holds exactly those ids and the sampled ones.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -25,12 +28,12 @@ class FieldRefused(ValueError):
         self.field = field
 
 
-class CompletionBody(BaseModel):
-    """The request. Unknown fields (``model``, ``n``...) are ignored."""
+class RequestBody(BaseModel):
+    """What both endpoints take besides the prompt. Unknown fields (``model``, ``n``...)
+    are ignored."""
 
     model_config = ConfigDict(extra="ignore", frozen=True)
 
-    prompt: str
     user_id: str = Field(min_length=1)
     session_id: str = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1)
@@ -58,6 +61,43 @@ class CompletionBody(BaseModel):
         if self.stop is None:
             return ()
         return (self.stop,) if isinstance(self.stop, str) else tuple(s for s in self.stop if s)
+
+
+class CompletionBody(RequestBody):
+    """``POST /v1/completions``: a plain prompt, tokenized as the checkpoint's tokenizer
+    does, or the token ids themselves (token in, token out)."""
+
+    prompt: str | list[Annotated[int, Field(ge=0)]]
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    role: Literal["system", "user", "assistant", "tool"]
+    content: str
+
+
+class ChatBody(RequestBody):
+    """``POST /v1/chat/completions``: messages for the checkpoint's chat template."""
+
+    messages: list[ChatMessage] = Field(min_length=1, max_length=1024)
+
+
+def chat_response(
+    rollout_id: str, model_name: str, completion: Completion, latency_s: float
+) -> dict[str, Any]:
+    """The chat answer: the completion's fields, the text as the assistant's message."""
+    answer = completion_response(rollout_id, model_name, completion, latency_s)
+    answer["object"] = "chat.completion"
+    answer["choices"] = [
+        {
+            "index": 0,
+            "message": {"role": "assistant", "content": completion.result.text},
+            "finish_reason": completion.result.finish_reason,
+            "logprobs": None,
+        }
+    ]
+    return answer
 
 
 def completion_response(
@@ -91,6 +131,8 @@ def completion_response(
             for s in version_spans(result.versions)
         ],
         "usage": usage,
+        "prompt_token_ids": list(completion.prompt_ids),
+        "token_ids": list(result.token_ids),
         "seed": completion.params.seed,
         "ttft_s": completion.ttft_s,
         "latency_s": latency_s,

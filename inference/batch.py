@@ -2,8 +2,10 @@
 leaving the batch at any step boundary.
 
 A request is admitted with a prefill of its prompt into a free row of the arm's
-SlotCache, which samples its first token. From then on, every step feeds each row
-its last sampled token and samples the next, one forward over all rows (model.py).
+cache (model.py's SlotCache, or TransformersCache for models served through
+transformers),
+which samples its first token. From then on, every step feeds each row its last
+sampled token and samples the next, one forward over all rows.
 A row leaves as soon as it finishes, and the last row moves into its place. The
 batch never waits for its slowest member, and a new request never waits for a
 batch to drain.
@@ -14,19 +16,26 @@ the rows already running either keep the keys and values computed under the old
 weights ("keep": the next forward of each row runs under the new weights over the
 old cache) or recompute them ("recompute": every row's tokens so far are prefilled
 again under the new weights first, so the rest of the sequence is generated as if
-the new weights had produced its context).
+the new weights had produced its context). Both caches do both.
+
+Routes. A MoE model served through transformers records the experts chosen at every
+position a row ran (model.Routes), and its result carries them: the prompt's, then
+each sampled token's but the last, which is never fed back. Those are the rows the
+trainer replays. Under "recompute" a position's routes are those of its latest
+forward, the re-prefill's.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Generic, Literal, TypeVar
 
 import torch
 
-from inference.model import Params, SlotCache, decode_step, prefill
+from inference.model import Routes, Weights, new_cache
 from inference.sampling import sample
-from rtrl.policy import EOS, PolicyConfig, decode
+from rtrl.policy import ModelSpec
 
 SwapPolicy = Literal["keep", "recompute"]
 FinishReason = Literal["stop", "length"]
@@ -57,6 +66,9 @@ class SequenceResult:
     versions: tuple[int, ...]
     finish_reason: FinishReason
     text: str
+    router_choices: Routes | None = None
+    """A MoE model's experts at each position the sampler ran (prompt + completion − 1
+    of them), None for a dense model or a backend that does not record them."""
 
 
 @dataclass
@@ -74,9 +86,12 @@ class Row(Generic[Owner]):
 class RunningBatch(Generic[Owner]):
     """Not thread-safe: owned by the engine thread. Call under torch.inference_mode()."""
 
-    def __init__(self, config: PolicyConfig, slots: int) -> None:
-        self.cache = SlotCache(config, slots)
+    def __init__(self, spec: ModelSpec, slots: int, decode: Callable[[Sequence[int]], str]) -> None:
+        """``decode`` turns generated ids into text, for stop strings and results."""
+        self.cache = new_cache(spec, slots)
         self.slots = slots
+        self.eos = frozenset(spec.eos_token_ids)
+        self.decode = decode
         self.rows: list[Row[Owner]] = []
         self._sampling: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         """Every row's (temperature, top_p, seed), rebuilt only when rows join or leave."""
@@ -92,7 +107,7 @@ class RunningBatch(Generic[Owner]):
         return max((len(r.tokens) for r in self.rows), default=0)
 
     def admit(
-        self, params: Params, version: int, requests: list[tuple[SequenceParams, Owner]]
+        self, params: Weights, version: int, requests: list[tuple[SequenceParams, Owner]]
     ) -> list[tuple[Owner, SequenceResult]]:
         """Prefill ``requests`` (sequence, owner) into free rows and sample their first
         tokens under ``version``; returns those already finished (owner, result)."""
@@ -102,27 +117,25 @@ class RunningBatch(Generic[Owner]):
         new = [Row(seq, owner, position=len(seq.prompt_ids)) for seq, owner in requests]
         self.rows.extend(new)
         self._sampling = None
-        logits = prefill(params, self.cache, first, [list(seq.prompt_ids) for seq, _ in requests])
+        logits = self.cache.prefill(params, first, [list(seq.prompt_ids) for seq, _ in requests])
         return self._sample(logits, range(first, len(self.rows)), version)
 
-    def step(self, params: Params, version: int) -> list[tuple[Owner, SequenceResult]]:
+    def step(self, params: Weights, version: int) -> list[tuple[Owner, SequenceResult]]:
         """One token for every row under ``version``; returns the rows that finished."""
         if not self.rows:
             return []
-        tokens = torch.tensor([r.tokens[-1] for r in self.rows])
-        positions = [r.position for r in self.rows]
-        logits = decode_step(
-            params, self.cache, tokens, torch.tensor(positions), max(positions) + 1
+        logits = self.cache.decode(
+            params, [r.tokens[-1] for r in self.rows], [r.position for r in self.rows]
         )
         for r in self.rows:
             r.position += 1
         return self._sample(logits, range(len(self.rows)), version)
 
-    def recompute(self, params: Params) -> None:
+    def recompute(self, params: Weights) -> None:
         """Rebuild every row's cache under ``params`` (the "recompute" swap policy)."""
         if self.rows:
-            prefill(
-                params, self.cache, 0, [[*r.params.prompt_ids, *r.tokens[:-1]] for r in self.rows]
+            self.cache.prefill(
+                params, 0, [[*r.params.prompt_ids, *r.tokens[:-1]] for r in self.rows]
             )
 
     def _sample(
@@ -151,7 +164,7 @@ class RunningBatch(Generic[Owner]):
             row.tokens.append(token)
             row.logprobs.append(logprob)
             row.versions.append(version)
-            result = self._finished(row)
+            result = self._finished(i, row)
             if result is not None:
                 finished.append((i, result))
         done = [(self.rows[i].owner, result) for i, result in finished]
@@ -159,15 +172,16 @@ class RunningBatch(Generic[Owner]):
             self._remove(i)
         return done
 
-    def _finished(self, row: Row[Owner]) -> SequenceResult | None:
+    def _finished(self, i: int, row: Row[Owner]) -> SequenceResult | None:
+        """Row ``i``'s result if it is done, else None."""
         p = row.params
         text = None
         if p.stop:
-            generated = decode(row.tokens)
+            generated = self.decode(row.tokens)
             hits = [generated.find(s) for s in p.stop if s in generated]
             if hits:
                 text = generated[: min(hits)]
-        eos = row.tokens[-1] == EOS and not p.ignore_eos
+        eos = row.tokens[-1] in self.eos and not p.ignore_eos
         if text is None and not eos and len(row.tokens) < p.max_tokens:
             return None
         return SequenceResult(
@@ -175,8 +189,18 @@ class RunningBatch(Generic[Owner]):
             logprobs=tuple(row.logprobs),
             versions=tuple(row.versions),
             finish_reason="stop" if eos or text is not None else "length",
-            text=text if text is not None else decode(row.tokens),
+            text=text if text is not None else self.decode(row.tokens),
+            router_choices=self._routes(i, row),
         )
+
+    def _routes(self, i: int, row: Row[Owner]) -> Routes | None:
+        """Row ``i``'s routes, one per position in its cache (raises if any is missing)."""
+        routes = self.cache.routes(i)
+        if routes is not None and routes.expert_ids.shape[0] != row.position:
+            raise RuntimeError(
+                f"routes of {routes.expert_ids.shape[0]} positions for a row that ran {row.position}"
+            )
+        return routes
 
     def _remove(self, i: int) -> None:
         self._sampling = None

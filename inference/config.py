@@ -30,7 +30,7 @@ class InferenceSettings(Settings, TLSListener):
     batch_wait_ms: float = Field(2.0, ge=0, le=1000)
     """How long a batch waits for more requests after its first one before it starts."""
 
-    max_tokens: int = Field(48, ge=1, le=127)
+    max_tokens: int = Field(48, ge=1, le=1_000_000)
     """Completion length when a request does not say (capped by the policy's context)."""
 
     temperature: float = Field(1.0, ge=0, le=5)

@@ -3,13 +3,14 @@
 Requests queue per arm. The engine thread runs each arm's requests as a continuous
 batch (batch.py): a request joins at the next step boundary, with a prefill of its
 prompt, and leaves as soon as it finishes. Up to ``max_batch`` requests per arm run
-at once. The forward pass is model.py's lean Llama over a slot KV cache.
+at once. The forward pass is model.py's lean Llama over a slot KV cache for the Llama
+family, or the checkpoint's own transformers forward for any other architecture.
 
 Weights. A new version is staged from any thread: it is checked and turned into
-its own immutable Params there. The engine thread swaps it in between two decode
-steps by replacing one reference, so no token is ever sampled from a half-copied
-version. Every token records the version that sampled it. Rows running at the swap
-keep or recompute their cache (EngineConfig.swap_policy).
+its own immutable Params (or HFParams) there. The engine thread swaps it in between
+two decode steps by replacing one reference, so no token is ever sampled from a
+half-copied version. Every token records the version that sampled it. Rows running
+at the swap keep or recompute their cache (EngineConfig.swap_policy).
 """
 
 from __future__ import annotations
@@ -24,17 +25,11 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import torch
+from transformers import AutoModelForCausalLM, PretrainedConfig
 
 from inference.batch import RunningBatch, SequenceParams, SequenceResult, SwapPolicy
-from inference.model import Params
-from rtrl.policy import (
-    BOS,
-    PolicyConfig,
-    build_model,
-    encode,
-    state_dict_fp32,
-    weights_digest,
-)
+from inference.model import Weights, servable
+from rtrl.policy import BOS, ModelSpec, decode, demo_hf_config, encode, weights_digest
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +40,11 @@ def prompt_token_ids(prompt: str) -> list[int]:
     """The policy's prompt format: BOS, then the prompt's characters. Completions end
     with EOS. The trainer's warm start must use the same format."""
     return [BOS, *encode(prompt)]
+
+
+def demo_decode(token_ids: Sequence[int]) -> str:
+    """The demo policy's ids to text (its character vocabulary)."""
+    return decode(list(token_ids))
 
 
 class ArmNotReady(TimeoutError):
@@ -61,8 +61,11 @@ class EngineConfig:
     """On a swap, in-flight rows keep their KV cache ("keep") or re-prefill under the new weights ("recompute")."""
     ready_timeout_s: float = 30.0
     """How long a request waits for its arm's first weights before failing."""
-    policy: PolicyConfig = PolicyConfig()
-    """Shape of the policy model (must match the trainer's)."""
+    hf_config: PretrainedConfig | None = None
+    """The served model's transformers config (a checkpoint's config.json; must match
+    the trainer's). None: the built-in demo policy's (rtrl.policy.demo_hf_config)."""
+    decode: Callable[[Sequence[int]], str] = demo_decode
+    """Generated ids to text, for stop strings and results: the model's tokenizer's."""
 
     def __post_init__(self) -> None:
         if self.max_batch < 1:
@@ -73,6 +76,10 @@ class EngineConfig:
             )
         if self.swap_policy not in ("keep", "recompute"):
             raise ValueError(f"swap_policy must be 'keep' or 'recompute', got {self.swap_policy!r}")
+
+    def model_config(self) -> PretrainedConfig:
+        """The transformers config of the model served."""
+        return demo_hf_config() if self.hf_config is None else self.hf_config
 
 
 @dataclass(frozen=True)
@@ -158,15 +165,21 @@ class Engine:
         """on_applied(arm, version) runs on the engine thread once a version is live;
         on_step(arm, tokens_so_far) runs on the engine thread after every decode step."""
         self.config = config
-        reference = build_model(config.policy)
-        self._shapes = {name: tuple(t.shape) for name, t in reference.state_dict().items()}
-        self._required = frozenset(state_dict_fp32(reference))
-        self._params: dict[str, Params | None] = {arm: None for arm in ARMS}
+        self.hf_config = config.model_config()
+        self.spec = ModelSpec.from_hf_config(self.hf_config)
+        if not self.spec.fast_path:
+            log.warning(
+                "serving %s through its transformers forward (one row at a time: slower): %s",
+                self.spec.model_type,
+                self.spec.fast_path_refusal,
+            )
+        self._tensors, self._required = _model_tensors(self.hf_config)
+        self._params: dict[str, Weights | None] = {arm: None for arm in ARMS}
         self._batches: dict[str, RunningBatch[_Pending]] = {
-            arm: RunningBatch(config.policy, config.max_batch) for arm in ARMS
+            arm: RunningBatch(self.spec, config.max_batch, config.decode) for arm in ARMS
         }
         self._versions = {arm: -1 for arm in ARMS}
-        self._staged: dict[str, tuple[int, Params, str]] = {}
+        self._staged: dict[str, tuple[int, Weights, str]] = {}
         self._digests = {arm: "" for arm in ARMS}
         """rtrl.policy.weights_digest of the weights each arm serves."""
         self._waiting: dict[str, deque[_Pending]] = {arm: deque() for arm in ARMS}
@@ -233,7 +246,7 @@ class Engine:
         if version <= self.held_version(arm):
             log.info("ignoring %s v%d: already at v%d", arm, version, self.held_version(arm))
             return False
-        params = Params.from_state_dict(weights, self.config.policy)
+        params = servable(weights, self.hf_config, self.spec)
         digest = weights_digest(weights)
         with self._cond:
             newest = self.held_version(arm)
@@ -264,7 +277,7 @@ class Engine:
         self._check_arm(arm)
         params = sequence_params(
             prompt_ids,
-            self.config.policy.max_positions,
+            self.spec.max_positions,
             max_tokens=max_tokens,
             temperature=temperature,
             top_p=top_p,
@@ -289,16 +302,27 @@ class Engine:
             raise ValueError(f"unknown arm {arm!r}; expected one of {ARMS}")
 
     def _check_weights(self, weights: dict[str, torch.Tensor]) -> None:
-        """Reject a bad version in the caller's thread, so applying it cannot fail."""
-        missing = self._required - weights.keys()
-        unknown = weights.keys() - self._shapes.keys()
-        wrong = [
-            n for n, t in weights.items() if n in self._shapes and tuple(t.shape) != self._shapes[n]
+        """Reject a bad version in the caller's thread, so applying it cannot fail: every
+        tensor the model needs, none it does not know, each of the model's shape and of a
+        dtype it takes without changing kind (any floating-point dtype for a floating
+        tensor, served as float32; the very same dtype otherwise)."""
+        missing = sorted(self._required - weights.keys())
+        unknown = sorted(weights.keys() - self._tensors.keys())
+        known = sorted((n, t, self._tensors[n]) for n, t in weights.items() if n in self._tensors)
+        wrong_shape = [
+            f"{n} {tuple(t.shape)} (want {tuple(want.shape)})"
+            for n, t, want in known
+            if t.shape != want.shape
         ]
-        if missing or unknown or wrong:
+        wrong_dtype = [
+            f"{n} {t.dtype} (want {want.dtype})"
+            for n, t, want in known
+            if t.dtype != want.dtype and not (t.is_floating_point() and want.is_floating_point())
+        ]
+        if missing or unknown or wrong_shape or wrong_dtype:
             raise ValueError(
-                f"weights do not fit the policy: missing={sorted(missing)[:3]} "
-                f"unknown={sorted(unknown)[:3]} wrong_shape={wrong[:3]}"
+                f"weights do not fit the {self.spec.model_type} model: missing={missing[:5]} "
+                f"unknown={unknown[:5]} wrong_shape={wrong_shape[:5]} wrong_dtype={wrong_dtype[:5]}"
             )
 
     # ---- engine thread ----------------------------------------------------------
@@ -427,7 +451,7 @@ class Engine:
             if pending.on_token is not None:
                 _send(pending, result.token_ids, result.logprobs, result.versions)
 
-    def _serving(self, arm: str) -> Params:
+    def _serving(self, arm: str) -> Weights:
         """The weights ``arm`` serves; it admits requests only once it has a version."""
         params = self._params[arm]
         assert params is not None
@@ -451,6 +475,24 @@ class Engine:
                 latency_s=now - pending.submitted,
             )
         )
+
+
+def _model_tensors(
+    config: PretrainedConfig,
+) -> tuple[dict[str, torch.Tensor], frozenset[str]]:
+    """Every tensor a model of ``config`` holds (on the meta device: shape and dtype, no
+    memory, no initialization), and the names a version must carry: each tied tensor
+    once, under its first name, as rtrl.policy.state_dict_fp32 lists them."""
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    tensors = model.state_dict(keep_vars=True)  # tied names hold the very same Parameter
+    seen: set[int] = set()
+    required = []
+    for name, tensor in tensors.items():
+        if id(tensor) not in seen:
+            seen.add(id(tensor))
+            required.append(name)
+    return tensors, frozenset(required)
 
 
 def _send(

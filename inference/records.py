@@ -7,6 +7,8 @@ from dataclasses import dataclass
 
 from inference.arms import ARM_ENUM
 from inference.engine import Completion
+from inference.model import Routes
+from rtrl.moe import pack_routes
 from rtrl.v1 import rollout_pb2
 
 SCHEMA_VERSION = 1
@@ -51,7 +53,7 @@ class RolloutContext:
 
 def rollout_record(context: RolloutContext, completion: Completion) -> rollout_pb2.RolloutRecord:
     result, params = completion.result, completion.params
-    return rollout_pb2.RolloutRecord(
+    record = rollout_pb2.RolloutRecord(
         event_id=str(uuid.uuid4()),
         rollout_id=context.rollout_id,
         session_id=context.session_id,
@@ -83,3 +85,19 @@ def rollout_record(context: RolloutContext, completion: Completion) -> rollout_p
         traceparent=context.traceparent,
         client_id=context.client_id,
     )
+    routes = result.router_choices
+    if routes is not None:
+        record.router_choices.CopyFrom(_router_choices(completion, routes))
+    return record
+
+
+def _router_choices(completion: Completion, routes: Routes) -> rollout_pb2.RouterChoices:
+    """The routes on the wire. The trainer drops a rollout whose routes miss a position
+    its sampler ran, so a wrong count is a bug here, not a rollout to send."""
+    ran = len(completion.prompt_ids) + len(completion.result.token_ids) - 1
+    if routes.expert_ids.shape[0] != ran:
+        raise ValueError(
+            f"routes of {routes.expert_ids.shape[0]} positions; the sampler ran {ran} "
+            "(prompt + completion - 1)"
+        )
+    return pack_routes(routes.expert_ids, routes.num_experts)

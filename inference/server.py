@@ -1,13 +1,15 @@
 """The inference process: the HTTP API over one Engine, weight followers, heartbeat.
 
-``POST /v1/completions`` answers only after the completion's RolloutRecord was acked
+``POST /v1/completions`` (a prompt) and ``POST /v1/chat/completions`` (messages, rendered
+by the checkpoint's chat template) answer only after the completion's RolloutRecord was acked
 by the broker (so a product event can never refer to an unknown rollout); requests in
 privacy mode, or from a user registered as private, produce no record. It takes an API
 key of scope ``completions`` (inference/access.py) and remembers which client each
 rollout was served to. Answers:
   200  the completion
   400  the body is not a valid request, e.g. a ``client_ts_ms`` outside the window of
-       InferenceSettings around the worker's clock (``{"error": ..., "field": ...}``)
+       InferenceSettings around the worker's clock, text outside the model's vocabulary,
+       or messages the chat template refuses (``{"error": ..., "field": ...}``)
   401  no usable API key; 403 a key without the ``completions`` scope
   413  a body over the server's bound; 429 over the key's budgets (rate, in flight,
        request size, tokens), with Retry-After where waiting helps
@@ -33,12 +35,19 @@ from opentelemetry.util.types import AttributeValue
 from pydantic import ValidationError
 
 from inference.access import Denied, ServingDoor
-from inference.api import CompletionBody, FieldRefused, completion_response
+from inference.api import (
+    ChatBody,
+    CompletionBody,
+    FieldRefused,
+    RequestBody,
+    chat_response,
+    completion_response,
+)
 from inference.arms import assign_arm
 from inference.config import InferenceSettings
-from inference.engine import ARMS, ArmNotReady, Engine, EngineConfig, prompt_token_ids
+from inference.engine import ARMS, ArmNotReady, Engine, EngineConfig
 from inference.records import RolloutContext, rollout_record
-from inference.sglang_adapter import SGLangEngine
+from inference.sglang_adapter import ServedModel, SGLangEngine
 from inference.weights import WeightFollower
 from rtrl import heartbeat, kafka, otel, signing, topics
 from rtrl.api_keys import (
@@ -49,8 +58,8 @@ from rtrl.api_keys import (
     KeyVerifier,
     RateLimiter,
 )
+from rtrl.checkpoint import ChatTemplateError, Checkpoint
 from rtrl.config import StackSettings
-from rtrl.policy import PolicyConfig, decode
 from rtrl.runtime import until_stopped
 
 log = logging.getLogger("inference")
@@ -80,7 +89,15 @@ class InferenceServer:
         self.stack = stack
         self.settings = settings
         self.worker_id = f"inference-{stack.instance}"
-        self.model_name = settings.model_name or f"rtrl-policy-{PolicyConfig().fingerprint()}"
+        self.policy = (
+            Checkpoint.builtin_demo()
+            if stack.model_dir is None
+            else Checkpoint.open(stack.model_dir)
+        )
+        """What the worker serves: its tokenizer, chat template and architecture."""
+        self.model_name = settings.model_name or (
+            stack.model_dir.name if stack.model_dir is not None else "rtrl-demo-policy"
+        )
         key = settings.rollout_signing_key.get_secret_value()
         if not key:
             raise ValueError(
@@ -92,7 +109,7 @@ class InferenceServer:
                 "RTRL_API_KEY_PUBLIC_KEYS is not set: the serving API accepts only API keys the operator signed"
             )
         self.door: ServingDoor | None = None
-        self.engine = engine or _engine(settings)
+        self.engine = engine or _engine(settings, self.policy)
         self.engine.on_applied = self._applied_from_engine_thread
         self.counters = RequestCounters()
         self.port = settings.http_port
@@ -137,6 +154,7 @@ class InferenceServer:
             ]
         app = web.Application()
         app.router.add_post("/v1/completions", self._completions)
+        app.router.add_post("/v1/chat/completions", self._completions)
         app.router.add_get("/healthz", self._healthz)
         self.runner = web.AppRunner(
             app, access_log=None, shutdown_timeout=self.settings.shutdown_grace_s
@@ -324,7 +342,7 @@ class InferenceServer:
         }
         parent = otel.parent(request.headers.get("traceparent", ""))
         with _tracer.start_as_current_span(
-            "POST /v1/completions",
+            f"POST {request.path}",
             context=parent,
             kind=trace.SpanKind.SERVER,
             attributes=attributes,
@@ -333,7 +351,7 @@ class InferenceServer:
             span.set_attribute("http.response.status_code", response.status)
             return response
 
-    def _kept_from_training(self, body: CompletionBody, temperature: float, top_p: float) -> str:
+    def _kept_from_training(self, body: RequestBody, temperature: float, top_p: float) -> str:
         """Why this completion is served but not recorded as a rollout ("" if it is recorded).
         The server decides what the trainer learns from: the arm is the server's to assign
         (a caller that picks one would also pick what trains it), and sampling must be the
@@ -381,7 +399,27 @@ class InferenceServer:
                 )
         return bytes(raw)
 
-    async def _private(self, body: CompletionBody) -> bool:
+    def _prompt_ids(self, body: RequestBody) -> list[int]:
+        """The token ids the model sees: the chat template's rendering of the messages, the
+        prompt's tokens, or the prompt's ids as given (checked against the vocabulary).
+        Raises FieldRefused naming the field."""
+        if isinstance(body, ChatBody):
+            try:
+                return self.policy.render_chat([m.model_dump() for m in body.messages])
+            except ChatTemplateError as exc:
+                raise FieldRefused("messages", str(exc)) from None
+        assert isinstance(body, CompletionBody)
+        if isinstance(body.prompt, list):
+            vocab = self.policy.spec.vocab_size
+            if any(i >= vocab for i in body.prompt):
+                raise FieldRefused("prompt", f"token ids must be below the vocabulary's {vocab}")
+            return list(body.prompt)
+        try:
+            return self.policy.encode(body.prompt)
+        except ValueError as exc:
+            raise FieldRefused("prompt", str(exc)) from None
+
+    async def _private(self, body: RequestBody) -> bool:
         """One privacy policy at every door: the request's flag, or the user registered as
         private (the same set the ingest gateway reads)."""
         return body.privacy_mode or bool(
@@ -398,7 +436,9 @@ class InferenceServer:
         if isinstance(raw, Denied):
             return _denied(raw)
         try:
-            body = CompletionBody.model_validate_json(raw)
+            chat = request.path.endswith("/chat/completions")
+            body: RequestBody = (ChatBody if chat else CompletionBody).model_validate_json(raw)
+            prompt_ids = self._prompt_ids(body)
             body.check_client_ts(received_ms, self.client_ts_window)
             max_tokens = body.max_tokens or self.settings.max_tokens
             if (
@@ -418,7 +458,7 @@ class InferenceServer:
 
             future = self.engine.submit(
                 arm,
-                prompt_token_ids(body.prompt),
+                prompt_ids,
                 max_tokens=max_tokens,
                 temperature=temperature,
                 top_p=top_p,
@@ -463,7 +503,7 @@ class InferenceServer:
                 client_ts_ms=received_ms if body.client_ts_ms is None else body.client_ts_ms,
                 worker_id=self.worker_id,
                 model_name=self.model_name,
-                prompt_text=body.prompt,
+                prompt_text=self.policy.decode(prompt_ids),
                 prompt_group_id=body.prompt_group_id,
                 traceparent=traceparent,
                 client_id=key.client_id if key is not None else "",
@@ -486,7 +526,7 @@ class InferenceServer:
                 await self.producer.send(topics.ROLLOUT, value, key=rollout_id, headers=headers)
             self.counters.records += 1
         answer = {
-            **completion_response(
+            **(chat_response if chat else completion_response)(
                 rollout_id, self.model_name, completion, time.monotonic() - received
             ),
             "traceparent": traceparent,
@@ -507,7 +547,7 @@ class InferenceServer:
         self,
         request: web.Request,
         rollout_id: str,
-        body: CompletionBody,
+        body: RequestBody,
         tokens: asyncio.Queue,
         waiting: asyncio.Future,
     ) -> tuple[web.StreamResponse, int]:
@@ -520,6 +560,7 @@ class InferenceServer:
         )
         await stream.prepare(request)
         holdback = max((len(s) for s in body.stop_strings()), default=0)
+        ids: list[int] = []
         text, sent = "", 0
         while not (waiting.done() and tokens.empty()):
             getter = asyncio.ensure_future(tokens.get())
@@ -528,7 +569,9 @@ class InferenceServer:
                 getter.cancel()
                 continue
             token, logprob, version = getter.result()
-            text += decode([token])
+            ids.append(token)
+            # Decoded whole each time: a byte-level token may be half of a character.
+            text = self.policy.decode(ids)
             delta = text[sent : max(sent, len(text) - holdback)]
             sent += len(delta)
             await stream.write(
@@ -545,11 +588,11 @@ class InferenceServer:
         return stream, sent
 
 
-def _engine(settings: InferenceSettings) -> Engine | SGLangEngine:
+def _engine(settings: InferenceSettings, policy: Checkpoint) -> Engine | SGLangEngine:
     if settings.backend == "sglang":
         return SGLangEngine(
             settings.sglang_url_map(),
-            max_positions=PolicyConfig().max_positions,
+            model=ServedModel.of(policy),
             max_concurrency=settings.sglang_max_concurrency,
             timeout_s=settings.sglang_timeout_s,
             api_key=settings.sglang_api_key.get_secret_value(),
@@ -560,6 +603,8 @@ def _engine(settings: InferenceSettings) -> Engine | SGLangEngine:
             batch_wait_s=settings.batch_wait_ms / 1000,
             swap_policy=settings.swap_policy,
             ready_timeout_s=settings.ready_timeout_s,
+            hf_config=policy.config,
+            decode=policy.decode,
         )
     )
 

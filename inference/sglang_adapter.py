@@ -2,9 +2,10 @@
 as the embedded engine's Completion, so inference.records.rollout_record builds the
 same RolloutRecord for both backends.
 
-The request carries our token ids (the server runs with ``--skip-tokenizer-init``;
-the policy's vocabulary is characters) and streams, so the time to the first token is
-measured as the embedded engine measures it. The final chunk carries every token, its
+The request carries token ids (the server runs with ``--skip-tokenizer-init``): the
+checkpoint's tokenizer lives on this side (``ServedModel``: the demo policy's character
+vocabulary, or any Hugging Face checkpoint directory's tokenizer). It streams, so the
+time to the first token is measured as the embedded engine measures it. The final chunk carries every token, its
 log-prob, and ``meta_info.weight_versions``: the spans of tokens each weight version
 sampled, which the sidecar's mid-generation swaps split (inference/sglang_sidecar.py).
 
@@ -24,11 +25,13 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from inference.batch import SequenceParams, SequenceResult
 from inference.engine import Completion, EngineStats, sequence_params
-from rtrl.policy import VOCAB_SIZE, decode
+from rtrl.checkpoint import Checkpoint
 
 log = logging.getLogger(__name__)
 
@@ -37,23 +40,73 @@ class SGLangGenerationError(RuntimeError):
     """SGLang answered /generate with an error or ended the request without finishing it."""
 
 
-def request_body(params: SequenceParams) -> dict[str, Any]:
+@dataclass(frozen=True)
+class ServedModel:
+    """What this side needs of the checkpoint SGLang serves: SGLang skips its tokenizer,
+    so decoding (and ending on the tokenizer's EOS) happens here."""
+
+    vocab_size: int
+    """Rows of the output layer (config.json's ``vocab_size``): the top_k that truncates nothing."""
+    eos_token_ids: tuple[int, ...]
+    """Ids that end a completion: the config's and the tokenizer's. SGLang without its
+    tokenizer knows only the config's (and generation_config.json's), so they are sent
+    with every request that does not ignore EOS."""
+    max_positions: int
+    """Longest prompt + completion in tokens (config.json's ``max_position_embeddings``)."""
+    decode: Callable[[Sequence[int]], str]
+    """Token ids to text, special tokens left out."""
+    encode: Callable[[str], list[int]]
+    """Text to the ids of a prompt, with the tokens the tokenizer adds in front."""
+
+    @classmethod
+    def of(cls, checkpoint: Checkpoint) -> ServedModel:
+        """What SGLang's side needs of ``checkpoint`` (rtrl.checkpoint: the one loading path)."""
+        return cls(
+            vocab_size=checkpoint.spec.vocab_size,
+            eos_token_ids=checkpoint.eos_token_ids,
+            max_positions=checkpoint.max_positions,
+            decode=checkpoint.decode,
+            encode=checkpoint.encode,
+        )
+
+    @classmethod
+    def demo(cls) -> ServedModel:
+        """The built-in demo policy (rtrl.policy: a character vocabulary)."""
+        return cls.of(Checkpoint.builtin_demo())
+
+    @classmethod
+    def from_dir(cls, model_dir: Path) -> ServedModel:
+        """A Hugging Face checkpoint directory: config.json and its tokenizer files."""
+        return cls.of(Checkpoint.open(model_dir))
+
+
+DEMO = ServedModel.demo()
+
+
+def served_model(model_dir: Path | None) -> ServedModel:
+    """The checkpoint at ``model_dir``, or the demo policy when there is none."""
+    return DEMO if model_dir is None else ServedModel.from_dir(model_dir)
+
+
+def request_body(params: SequenceParams, model: ServedModel = DEMO) -> dict[str, Any]:
     """The /generate body for ``params`` (streaming, with log-probs)."""
     if params.stop:
         raise ValueError(
             f"stop strings {params.stop!r} need SGLang's tokenizer, which this backend skips; stop on EOS or max_tokens"
         )
     truncated = params.temperature == 0 or params.top_p < 1
-    sampling = {
+    sampling: dict[str, Any] = {
         "max_new_tokens": params.max_tokens,
         "temperature": params.temperature,
         "top_p": params.top_p,
         "sampling_seed": params.seed,
         "ignore_eos": params.ignore_eos,
     }
+    if not params.ignore_eos and model.eos_token_ids:
+        sampling["stop_token_ids"] = list(model.eos_token_ids)
     if params.top_p < 1 and params.temperature > 0:
         # SGLang's sampling mask needs a finite top_k; the whole vocabulary truncates nothing.
-        sampling["top_k"] = VOCAB_SIZE
+        sampling["top_k"] = model.vocab_size
     return {
         "input_ids": list(params.prompt_ids),
         "sampling_params": sampling,
@@ -64,7 +117,13 @@ def request_body(params: SequenceParams) -> dict[str, Any]:
 
 
 def completion_from_response(
-    response: dict[str, Any], params: SequenceParams, arm: str, *, ttft_s: float, latency_s: float
+    response: dict[str, Any],
+    params: SequenceParams,
+    arm: str,
+    *,
+    ttft_s: float,
+    latency_s: float,
+    model: ServedModel = DEMO,
 ) -> Completion:
     """The engine's Completion for SGLang's final /generate chunk."""
     meta = response["meta_info"]
@@ -88,7 +147,7 @@ def completion_from_response(
         logprobs=logprobs,
         versions=versions,
         finish_reason=finish["type"],
-        text=decode(list(token_ids)),
+        text=model.decode(token_ids),
     )
     # SGLang queues inside the server; its queue time is part of ttft_s here.
     return Completion(
@@ -134,12 +193,14 @@ def generate(
     timeout_s: float = 300.0,
     on_tokens: Callable[[int], None] | None = None,
     api_key: str = "",
+    model: ServedModel = DEMO,
 ) -> Completion:
-    """One completion from the SGLang server at ``url``. ``on_tokens`` is called with
-    the number of tokens generated so far each time the stream reports progress."""
+    """One completion from the SGLang server at ``url``, which serves ``model``.
+    ``on_tokens`` is called with the number of tokens generated so far each time the
+    stream reports progress."""
     request = urllib.request.Request(
         f"{url.rstrip('/')}/generate",
-        data=json.dumps(request_body(params)).encode(),
+        data=json.dumps(request_body(params, model)).encode(),
         headers={
             "Content-Type": "application/json",
             **({"Authorization": f"Bearer {api_key}"} if api_key else {}),
@@ -175,7 +236,12 @@ def generate(
         raise SGLangGenerationError("SGLang's /generate stream ended without a result")
     latency_s = time.monotonic() - started
     return completion_from_response(
-        last, params, arm, ttft_s=latency_s if ttft_s is None else ttft_s, latency_s=latency_s
+        last,
+        params,
+        arm,
+        ttft_s=latency_s if ttft_s is None else ttft_s,
+        latency_s=latency_s,
+        model=model,
     )
 
 
@@ -194,7 +260,8 @@ class SGLangEngine:
         self,
         urls: Mapping[str, str],
         *,
-        max_positions: int,
+        model: ServedModel = DEMO,
+        max_positions: int | None = None,
         max_concurrency: int = 64,
         timeout_s: float = 300.0,
         poll_s: float = 1.0,
@@ -204,7 +271,9 @@ class SGLangEngine:
         self.urls = dict(urls)
         self.api_key = api_key
         """SGLang's ``--api-key``: generating and reading the version, never swapping weights."""
-        self.max_positions = max_positions
+        self.model = model
+        """The checkpoint every arm's server serves (its tokenizer decodes their tokens)."""
+        self.max_positions = model.max_positions if max_positions is None else max_positions
         self.timeout_s = timeout_s
         self.poll_s = poll_s
         self.on_applied = on_applied
@@ -274,7 +343,7 @@ class SGLangEngine:
             stop=stop,
             ignore_eos=ignore_eos,
         )
-        request_body(params)  # refuses what SGLang cannot do (stop strings) before it is queued
+        request_body(params, self.model)  # refuses what SGLang cannot do before it is queued
         with self._lock:
             self._in_flight += 1
         return self._pool.submit(self._generate, arm, params)
@@ -282,7 +351,12 @@ class SGLangEngine:
     def _generate(self, arm: str, params: SequenceParams) -> Completion:
         try:
             completion = generate(
-                self.urls[arm], arm, params, timeout_s=self.timeout_s, api_key=self.api_key
+                self.urls[arm],
+                arm,
+                params,
+                timeout_s=self.timeout_s,
+                api_key=self.api_key,
+                model=self.model,
             )
         except OSError as exc:  # connection refused, reset, timed out
             raise SGLangGenerationError(

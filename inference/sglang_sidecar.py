@@ -15,12 +15,19 @@ requests' KV cache (computed by the old weights, like the embedded engine's "kee
 (like "recompute") and flushes the cache. Every token's version comes back in the
 response's ``meta_info.weight_versions`` (see inference/sglang_adapter.py).
 
-Two things SGLang 0.5.23 does not refuse, so the sidecar checks them itself before it
+Versions carry the checkpoint's Hugging Face names (``q_proj``, ``gate_proj``, a Qwen3's
+``q_norm``...): SGLang's weight loader maps them onto its own fused parameters
+(``qkv_proj``, ``gate_up_proj``) as it does when loading from disk.
+
+Three things SGLang 0.5.23 does not refuse, so the sidecar checks them itself before it
 pauses anything: a tensor whose shape differs from the served parameter kills the
 server's scheduler (an AssertionError in its weight loader takes the whole server
-down), and a tensor with an unknown name is skipped while the server still reports
-the new version. A version must therefore match the served checkpoint exactly
-(``served_inventory``); one that does not is rejected and never sent.
+down), a tensor with an unknown name is skipped while the server still reports the new
+version, and a tensor of another kind of dtype (integers into a float parameter) is
+silently converted. A version must therefore match what the server loaded from the
+checkpoint (``served_inventory``): the same names and shapes, floating-point tensors
+where it serves floating point (sent in the dtype it serves, ``--dtype``); one that does
+not is rejected and never sent.
 """
 
 from __future__ import annotations
@@ -36,6 +43,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
@@ -70,8 +78,9 @@ class SidecarSettings(Settings):
     (not the serving ``--api-key``), so only the sidecar can swap the server's weights."""
 
     model_dir: Path
-    """The checkpoint directory the server was launched from: its safetensors headers
-    are the names and shapes every version must match."""
+    """The checkpoint directory the server was launched from (any Hugging Face causal LM
+    SGLang serves): its config.json and safetensors headers are the names, shapes and
+    dtypes every version must match."""
 
     arm: Literal["control", "treatment"] = "treatment"
     """The arm whose versions this server serves."""
@@ -156,9 +165,21 @@ class SGLangWeights:
 
     def weight_version(self) -> str:
         """The label of the weights the server serves now."""
-        request = urllib.request.Request(f"{self.url}/model_info", headers=self._headers)
+        return str(self._get("/model_info")["weight_version"])
+
+    def architectures(self) -> list[str]:
+        """The model classes of the checkpoint the server loaded (its config's ``architectures``)."""
+        return list(self._get("/model_info").get("architectures") or [])
+
+    def dtype(self) -> str:
+        """The server's ``--dtype`` (``auto`` unless it was launched with one)."""
+        return str(self._get("/server_info")["dtype"])
+
+    def _get(self, path: str) -> dict[str, Any]:
+        request = urllib.request.Request(f"{self.url}{path}", headers=self._headers)
         with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
-            return json.loads(response.read())["weight_version"]
+            answer: dict[str, Any] = json.loads(response.read())
+        return answer
 
     def _post(self, step: str, path: str, body: dict[str, Any]) -> dict[str, Any]:
         request = urllib.request.Request(
@@ -196,40 +217,141 @@ def serialize_named_tensors(tensors: Mapping[str, Any]) -> str:
     return base64.b64encode(pickle.dumps(named, protocol=pickle.HIGHEST_PROTOCOL)).decode("ascii")
 
 
-def served_inventory(model_dir: Path) -> dict[str, tuple[int, ...]]:
-    """Name → shape of every tensor in the checkpoint's safetensors files, read from
-    their headers (no tensor data is loaded)."""
-    inventory: dict[str, tuple[int, ...]] = {}
+@dataclass(frozen=True)
+class ServedTensor:
+    """One tensor as the server holds it, which a version's tensor of that name must match."""
+
+    shape: tuple[int, ...]
+    dtype: str
+    """torch's name of the dtype the server holds it in (``float32``, ``bfloat16``...)."""
+
+
+# safetensors' dtype names → torch's.
+_SAFETENSORS_DTYPES = {
+    "F64": "float64",
+    "F32": "float32",
+    "F16": "float16",
+    "BF16": "bfloat16",
+    "F8_E4M3": "float8_e4m3fn",
+    "F8_E5M2": "float8_e5m2",
+    "I64": "int64",
+    "I32": "int32",
+    "I16": "int16",
+    "I8": "int8",
+    "U8": "uint8",
+    "BOOL": "bool",
+}
+# What the dense (unquantized) weights of a checkpoint are stored and served in; anything
+# else (fp8, packed integers) SGLang loads as stored.
+_DENSE_DTYPES = frozenset({"float64", "float32", "float16", "bfloat16"})
+# SGLang's --dtype spellings (sglang/srt/configs/model_config.py).
+_SGLANG_DTYPES = {
+    "half": "float16",
+    "float16": "float16",
+    "float": "float32",
+    "float32": "float32",
+    "bfloat16": "bfloat16",
+}
+# Tensors SGLang's loaders skip (rotary tables some checkpoints store): never served.
+_SKIPPED = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
+
+
+def served_dtype(server_dtype: str, config: Mapping[str, Any]) -> str:
+    """The dtype SGLang 0.5.23 holds a checkpoint's dense weights in, for its ``--dtype``
+    and the checkpoint's config.json (sglang/srt/configs/model_config.py,
+    ``_get_and_verify_dtype``): ``auto`` keeps the config's dtype, except that float32
+    checkpoints are served in float16 (bfloat16 for Gemma)."""
+    if server_dtype.lower() != "auto":
+        return _SGLANG_DTYPES[server_dtype.lower()]
+    text = config.get("text_config") or config
+    stored = text.get("dtype") or text.get("torch_dtype") or config.get("dtype") or "float32"
+    if _SGLANG_DTYPES.get(stored, "float32") != "float32":
+        return _SGLANG_DTYPES[stored]
+    return "bfloat16" if str(text.get("model_type", "")).startswith("gemma") else "float16"
+
+
+def served_inventory(model_dir: Path, server_dtype: str = "float32") -> dict[str, ServedTensor]:
+    """Name → shape and dtype of every tensor a server launched on ``model_dir`` with
+    ``--dtype server_dtype`` holds, read from config.json and the safetensors headers (no
+    tensor data is loaded). Left out: what SGLang's loaders skip (rotary tables) and,
+    with tied embeddings, ``lm_head.weight`` (the embedding is the head: a version
+    changes both through ``model.embed_tokens.weight``)."""
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    dense = served_dtype(server_dtype, config)
+    tied = bool(config.get("tie_word_embeddings", False))
     files = sorted(Path(model_dir).glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no *.safetensors in {model_dir}")
+    inventory: dict[str, ServedTensor] = {}
     for path in files:
         with open(path, "rb") as f:
             (length,) = struct.unpack("<Q", f.read(8))
             header = json.loads(f.read(length))
-        inventory.update(
-            {name: tuple(meta["shape"]) for name, meta in header.items() if name != "__metadata__"}
-        )
+        for name, meta in header.items():
+            if name == "__metadata__" or name.endswith(_SKIPPED):
+                continue
+            if tied and name == "lm_head.weight":
+                continue
+            stored = _SAFETENSORS_DTYPES.get(meta["dtype"], meta["dtype"])
+            inventory[name] = ServedTensor(
+                tuple(meta["shape"]), dense if stored in _DENSE_DTYPES else stored
+            )
     return inventory
 
 
+def inventory_of(weights: SGLangWeights, model_dir: Path) -> dict[str, ServedTensor]:
+    """The inventory of the server behind ``weights``, launched on ``model_dir``: refuses
+    (ValueError) a server that loaded a model of other architectures, and reads the
+    dtype it serves from the server itself."""
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    expected, served = list(config.get("architectures") or []), weights.architectures()
+    if expected and served and expected != served:
+        raise ValueError(
+            f"{weights.url} serves {served}, but the sidecar's model_dir {model_dir} holds {expected}"
+        )
+    return served_inventory(model_dir, weights.dtype())
+
+
 def check_fits(
-    version: int, tensors: Mapping[str, Any], inventory: Mapping[str, tuple[int, ...]]
+    version: int, tensors: Mapping[str, Any], inventory: Mapping[str, ServedTensor]
 ) -> None:
-    """Raise WeightsRejected unless ``tensors`` has exactly the served names and shapes:
-    a partial version would leave old tensors under the new version's label."""
+    """Raise WeightsRejected unless ``tensors`` has exactly the served names and shapes,
+    and each a dtype the served one can take without changing kind: any floating-point
+    dtype for a dense weight (sent converted to the served dtype), the very same dtype
+    otherwise. A partial version would leave old tensors under the new version's label."""
     unknown = sorted(set(tensors) - set(inventory))
     missing = sorted(set(inventory) - set(tensors))
-    wrong = sorted(
-        f"{name} {tuple(t.shape)} (served {inventory[name]})"
+    wrong_shape = sorted(
+        f"{name} {tuple(t.shape)} (served {inventory[name].shape})"
         for name, t in tensors.items()
-        if name in inventory and tuple(t.shape) != inventory[name]
+        if name in inventory and tuple(t.shape) != inventory[name].shape
     )
-    if unknown or missing or wrong:
+    wrong_dtype = sorted(
+        f"{name} {_dtype_name(t)} (served {inventory[name].dtype})"
+        for name, t in tensors.items()
+        if name in inventory and not _convertible(_dtype_name(t), inventory[name].dtype)
+    )
+    if unknown or missing or wrong_shape or wrong_dtype:
         raise WeightsRejected(
             f"v{version} does not fit the served model: unknown {unknown[:5]}, "
-            f"missing {missing[:5]}, wrong shape {wrong[:5]}"
+            f"missing {missing[:5]}, wrong shape {wrong_shape[:5]}, wrong dtype {wrong_dtype[:5]}"
         )
+
+
+def as_served(tensors: Mapping[str, Any], inventory: Mapping[str, ServedTensor]) -> dict[str, Any]:
+    """``tensors`` (checked by check_fits) in the dtypes the server holds them in: what it
+    would round them to on load, converted here so the upload is no larger than needed."""
+    import torch
+
+    return {name: t.to(getattr(torch, inventory[name].dtype)) for name, t in tensors.items()}
+
+
+def _dtype_name(tensor: Any) -> str:
+    return str(tensor.dtype).removeprefix("torch.")
+
+
+def _convertible(dtype: str, served: str) -> bool:
+    return dtype == served or (dtype in _DENSE_DTYPES and served in _DENSE_DTYPES)
 
 
 class SGLangSidecar:
@@ -243,7 +365,7 @@ class SGLangSidecar:
     def __init__(
         self,
         weights: SGLangWeights,
-        inventory: Mapping[str, tuple[int, ...]],
+        inventory: Mapping[str, ServedTensor],
         settings: SidecarSettings,
     ) -> None:
         self.weights = weights
@@ -302,7 +424,7 @@ class SGLangSidecar:
                 attributes=attributes,
                 start_time=staged_ns,
             ):
-                serialized = serialize_named_tensors(tensors)
+                serialized = serialize_named_tensors(as_served(tensors, self.inventory))
                 attempts = self.settings.max_attempts
                 for attempt in range(1, attempts + 1):
                     try:
@@ -465,7 +587,7 @@ def main() -> None:
         settings.api_key.get_secret_value(),
         settings.admin_api_key.get_secret_value(),
     )
-    sidecar = SGLangSidecar(weights, served_inventory(settings.model_dir), settings)
+    sidecar = SGLangSidecar(weights, inventory_of(weights, settings.model_dir), settings)
     _observe(sidecar)
     sidecar.start(
         stack.weight_sync_addr,

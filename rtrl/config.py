@@ -89,6 +89,11 @@ class StackSettings(Settings):
     against one. Not secret. No default: they refuse to start without one when they
     require keys (`rtrl up` derives it)."""
 
+    model_dir: Path | None = None
+    """The policy: a Hugging Face model directory (config.json, safetensors, tokenizer.json,
+    a chat template for /v1/chat/completions) that every worker serves and the trainer
+    trains (``rtrl up --model DIR``). Unset: the built-in demo policy, warm-started."""
+
     state_dir: Path = Path(".rtrl")
     """Where the embedded stack keeps blobs, checkpoints, chdb data and logs."""
 

@@ -144,6 +144,24 @@ class GateRefusal:
     regressions: tuple[str, ...] = ()
 
 
+# Produced by trainer.loop.Trainer from a step's trainer.mismatch.Mismatch; consumed by the
+# trainer's beat and `rtrl status` (its row, and --json).
+@dataclass(frozen=True)
+class TrainerMismatch:
+    """|log π_trainer − log π_sampler| (nats) on the tokens sampled by the weights a step
+    started from (trainer/mismatch.py)."""
+
+    step: int
+    """The step that measured it: steps since measured nothing (they started from weights
+    no worker had sampled with)."""
+    mean: float
+    max: float
+    over_threshold_share: float
+    """Share of the measured tokens over ``threshold``."""
+    threshold: float
+    tokens: int
+
+
 # Produced by trainer.loop.Trainer (Trainer.heartbeat); consumed by `rtrl status`,
 # health (published version) and `rtrl bench loop`.
 @dataclass(frozen=True)
@@ -174,6 +192,8 @@ class TrainerBeat:
     """Candidates the eval gate refused since this process started."""
     refusals: tuple[GateRefusal, ...] = ()
     """The most recent refusals."""
+    mismatch: TrainerMismatch | None = None
+    """The train–inference mismatch of the last step that measured any token; None: none has yet."""
 
 
 # Produced by inference.server.InferenceServer.status; consumed by health (ready, both

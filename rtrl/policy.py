@@ -18,10 +18,10 @@ from transformers import LlamaConfig, LlamaForCausalLM, PretrainedConfig
 
 # Printable ASCII plus newline; id 0 pads, id 1 begins, id 2 ends a completion.
 PAD, BOS, EOS = 0, 1, 2
-_CHARS = "\n" + "".join(chr(c) for c in range(32, 127))
+CHARS = "\n" + "".join(chr(c) for c in range(32, 127))
 _SPECIAL = 3
-VOCAB_SIZE = _SPECIAL + len(_CHARS)
-_TO_ID = {ch: i + _SPECIAL for i, ch in enumerate(_CHARS)}
+VOCAB_SIZE = _SPECIAL + len(CHARS)
+_TO_ID = {ch: i + _SPECIAL for i, ch in enumerate(CHARS)}
 
 
 def encode(text: str) -> list[int]:
@@ -32,7 +32,7 @@ def encode(text: str) -> list[int]:
 
 
 def decode(token_ids: list[int]) -> str:
-    return "".join(_CHARS[i - _SPECIAL] for i in token_ids if i >= _SPECIAL)
+    return "".join(CHARS[i - _SPECIAL] for i in token_ids if i >= _SPECIAL)
 
 
 @dataclass(frozen=True)

@@ -3,12 +3,15 @@
     python scripts/sglang_rig.py install   # SGLang 0.5.23 into its own venv (cached)
     python scripts/sglang_rig.py serve     # tiny policy model, serve until Ctrl-C
     python scripts/sglang_rig.py check     # serve, generate once, print timings, stop
+    python scripts/sglang_rig.py check --model-dir DIR   # any HF checkpoint directory
 
 SGLang pins a CUDA torch that conflicts with the project's CPU torch, so it lives in
 its own venv under ``$RTRL_SGLANG_HOME`` (default ``~/.cache/rtrl/sglang-0.5.23``),
 installed once per machine and marked finished by a stamp file. The served model is
-the project's own policy (a character-vocabulary Llama), so token ids are ours and
-the server runs with ``--skip-tokenizer-init``.
+the project's own policy (a character-vocabulary Llama) unless a checkpoint directory
+is given (e.g. one ``rtrl model tiny DIR --family qwen3`` writes). Either way the
+server runs with ``--skip-tokenizer-init``: token ids go in and out, and the tokenizer
+stays on rtrl's side (inference.sglang_adapter.ServedModel).
 """
 
 from __future__ import annotations
@@ -88,6 +91,17 @@ SERVER_FLAGS = (
     "--random-seed",
     "0",
 )
+
+
+def checkpoint_flags(model_dir: Path) -> tuple[str, ...]:
+    """The flags read from the checkpoint's config.json: its context length, so SGLang
+    accepts exactly the prompts + completions the model has positions for."""
+    from transformers import AutoConfig
+
+    from rtrl.policy import ModelSpec
+
+    spec = ModelSpec.from_hf_config(AutoConfig.from_pretrained(model_dir))
+    return ("--context-length", str(spec.max_positions))
 
 
 def sglang_home() -> Path:
@@ -212,7 +226,8 @@ def start_server(
     api_key: str = "",
     admin_api_key: str = "",
 ) -> SGLangServer:
-    """Start ``sglang serve`` on ``model_dir`` and wait until /health_generate answers.
+    """Start ``sglang serve`` on ``model_dir`` (any Hugging Face checkpoint directory
+    SGLang has the architecture of) and wait until /health_generate answers.
 
     ``weight_version`` labels the weights it starts with (SGLang's ``--weight-version``);
     responses report it in ``meta_info.weight_versions`` until the first update. The
@@ -233,6 +248,7 @@ def start_server(
         "--weight-version",
         weight_version,
         *SERVER_FLAGS,
+        *checkpoint_flags(model_dir),
         *(["--api-key", api_key] if api_key else []),
         *(["--admin-api-key", admin_api_key] if admin_api_key else []),
     ]
@@ -266,11 +282,11 @@ def _healthy(url: str) -> bool:
         return False
 
 
-def _check(server: SGLangServer) -> None:
-    from rtrl.policy import BOS, encode
+def _check(server: SGLangServer, model_dir: Path | None) -> None:
+    from inference.sglang_adapter import served_model
 
     body = {
-        "input_ids": [BOS, *encode("def add(a, b):")],
+        "input_ids": served_model(model_dir).encode("def add(a, b):"),
         "sampling_params": {"temperature": 0.0, "max_new_tokens": 16},
         "return_logprob": True,
     }
@@ -302,6 +318,12 @@ def main() -> None:
         default=None,
         help="serve/check: model and log directory (default: a temp dir)",
     )
+    parser.add_argument(
+        "--model-dir",
+        type=Path,
+        default=None,
+        help="serve/check: a Hugging Face checkpoint directory to serve (default: the demo policy)",
+    )
     args = parser.parse_args()
 
     # SIGTERM ends `serve` like Ctrl-C does, so the server never outlives the rig.
@@ -311,7 +333,7 @@ def main() -> None:
         print(f"SGLang {SGLANG_VERSION} installed in {bin_dir.parent}")
         return
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="rtrl-sglang-"))
-    model_dir = write_tiny_model(workdir / "model")
+    model_dir = args.model_dir or write_tiny_model(workdir / "model")
     server = start_server(model_dir, workdir / "sglang.log", args.port)
     print(
         f"SGLang serving {model_dir} at {server.url} (ready in {server.startup_s:.1f} s, "
@@ -319,7 +341,7 @@ def main() -> None:
     )
     try:
         if args.command == "check":
-            _check(server)
+            _check(server, args.model_dir)
         else:
             while server.proc.alive():
                 time.sleep(1.0)

@@ -8,6 +8,7 @@ edit: the client reports no edit_shown and no snapshot (there is nothing to
 persist), only the user's answer when there is one, and counts it as not persisted.
 A small share of batches is sent twice on purpose, as flaky-network retries do:
 the gateway must report them as duplicates and nothing downstream may count them.
+With ``unique_prompts`` no prompt is ever asked twice (simulator.tasks.UniqueTasks).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import aiohttp
 
 from ingest.client import IngestClient, make_event
 from rtrl.v1 import ingest_pb2, telemetry_pb2
-from simulator.tasks import random_task
+from simulator.tasks import UNIQUE_MAX_TOKENS, UniqueTasks, random_task
 from simulator.users import User, population, react
 
 ACCEPTED = ingest_pb2.EventResult.STATUS_ACCEPTED
@@ -111,6 +112,7 @@ class Product:
         duplicate_share: float = 0.03,
         privacy_share: float = 0.03,
         seed: int = 7,
+        unique_prompts: bool = False,
     ) -> None:
         self.inference_urls = inference_urls
         self.ingest = IngestClient(ingest_url, api_key=api_key)
@@ -122,6 +124,7 @@ class Product:
         self.duplicate_share = duplicate_share
         self.rng = random.Random(seed)
         self.stats = ProductStats()
+        self.unique_tasks = UniqueTasks() if unique_prompts else None
         self.deadline = 0.0
         self._reports: set[asyncio.Task] = set()
 
@@ -154,7 +157,10 @@ class Product:
     async def _one_edit(
         self, http: aiohttp.ClientSession, url: str, user: User, rng: random.Random
     ) -> None:
-        task = random_task(rng, project=user.project)
+        if self.unique_tasks is None:
+            task = random_task(rng, project=user.project)
+        else:
+            task = self.unique_tasks.draw(rng, project=user.project)
         session_id = f"s-{user.user_id}"
         body = {
             "prompt": task.prompt,
@@ -162,6 +168,8 @@ class Product:
             "session_id": session_id,
             "privacy_mode": user.privacy_mode,
         }
+        if task.serial:
+            body["max_tokens"] = UNIQUE_MAX_TOKENS
         async with http.post(
             f"{url}/v1/completions", json=body, headers=self._serving_headers
         ) as resp:

@@ -6,7 +6,8 @@ of its own, judged by two automatic checkers:
 * ``house_style``: a correct helper in its project's house style (projects p0-p3;
   p4 has none), what users keep.
 
-The trainer loads it through RTRL_TRAINER_EVAL_SUITE (``simulator.suite:demo_suite``).
+The trainer loads it through RTRL_TRAINER_EVAL_SUITE (``simulator.suite:demo_suite``;
+``simulator.suite:unique_prompt_suite`` for the unique-prompts demo, whose tasks carry serials).
 """
 
 from __future__ import annotations
@@ -20,9 +21,11 @@ from simulator.tasks import (
     MIXED_PROJECT,
     PROJECT_STYLES,
     QUESTION_TOPICS,
+    UNIQUE_MAX_TOKENS,
     Task,
     parse_style,
     random_task,
+    with_random_serial,
 )
 from trainer.evaluation import EvalScores
 from trainer.sampling import prompt_ids, sample
@@ -35,11 +38,20 @@ class DemoSuite:
 
     checkers = CHECKERS
 
-    def __init__(self, tasks: int = 128, seed: int = 20_261_124, max_new_tokens: int = 48) -> None:
+    def __init__(
+        self,
+        tasks: int = 128,
+        seed: int = 20_261_124,
+        max_new_tokens: int = 48,
+        unique_prompts: bool = False,
+    ) -> None:
         if tasks < 1:
             raise ValueError(f"an eval suite needs at least one task, got {tasks}")
         rng = random.Random(seed)
-        self.tasks: tuple[Task, ...] = tuple(random_task(rng) for _ in range(tasks))
+        drawn = [random_task(rng) for _ in range(tasks)]
+        if unique_prompts:
+            drawn = [with_random_serial(task, rng) for task in drawn]
+        self.tasks: tuple[Task, ...] = tuple(drawn)
         self.seed = seed
         self.max_new_tokens = max_new_tokens
         self._prompts = [prompt_ids(task.prompt) for task in self.tasks]
@@ -82,3 +94,11 @@ class DemoSuite:
 def demo_suite(tasks: int, max_new_tokens: int) -> DemoSuite:
     """The trainer's eval-suite plug-in (trainer.plugins.SuiteFactory)."""
     return DemoSuite(tasks, max_new_tokens=max_new_tokens)
+
+
+def unique_prompt_suite(tasks: int, max_new_tokens: int) -> DemoSuite:
+    """The eval suite of the unique-prompts demo: its tasks carry serials, and the longest
+    helper needs UNIQUE_MAX_TOKENS."""
+    return DemoSuite(
+        tasks, max_new_tokens=max(max_new_tokens, UNIQUE_MAX_TOKENS), unique_prompts=True
+    )

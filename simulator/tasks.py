@@ -14,6 +14,14 @@ minutes. Project p4 (MIXED_PROJECT) has no house style: each of its users insist
 on their own (simulator/users.py), so no style is safe there and every edit is a
 gamble, the "risky edit" a policy may learn to dodge.
 
+In the unique-prompts mode (``rtrl demo --unique-prompts``, UniqueTasks) every task
+also carries a serial, part of the helper's name, so no two prompts are equal, as in
+real traffic, where no two rollouts share a prompt to compare against:
+
+    @p2 say hi 04821
+    def say_hi_04821():
+        print("hi")
+
 Instead of an edit, the policy may ask a clarifying question about the house style
 (``which indent does p2 use?``). The product shows it as a chat message, not as an
 edit: nothing is applied, so nothing can persist.
@@ -21,8 +29,13 @@ edit: nothing is applied, so nothing can persist.
 
 from __future__ import annotations
 
+import itertools
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from rtrl.v1 import rollout_pb2
 
 VERBS = ("say", "log", "warn", "show")
 CALLS = {"say": "print", "log": "log.info", "warn": "log.warning", "show": "display"}
@@ -30,6 +43,10 @@ WORDS = ("hi", "ok", "done", "ready", "stop", "go", "yes", "no", "wait", "fail",
 INDENTS = (2, 4)
 QUOTES = ("'", '"')
 QUESTION_TOPICS = ("indent", "quotes")
+SERIAL_DIGITS = 5
+UNIQUE_MAX_TOKENS = 64
+"""Completion budget of a task with a serial: its longest helper and EOS take 51 tokens,
+more than the 48 that serving and the eval gate allow by default."""
 
 
 @dataclass(frozen=True)
@@ -49,16 +66,25 @@ class Task:
     project: int
     verb: str
     word: str
+    serial: str = ""
+    """Digits that end the prompt and the helper's name, making the prompt unique; "" in the
+    standard family."""
 
     @property
     def prompt(self) -> str:
-        return f"@p{self.project} {self.verb} {self.word}\n"
+        serial = f" {self.serial}" if self.serial else ""
+        return f"@p{self.project} {self.verb} {self.word}{serial}\n"
+
+    @property
+    def helper(self) -> str:
+        serial = f"_{self.serial}" if self.serial else ""
+        return f"{self.verb}_{self.word}{serial}"
 
     def render(self, style: Style) -> str:
         """The correct completion in a given style."""
         pad = " " * style.indent
         q = style.quote
-        return f"def {self.verb}_{self.word}():\n{pad}{CALLS[self.verb]}({q}{self.word}{q})\n"
+        return f"def {self.helper}():\n{pad}{CALLS[self.verb]}({q}{self.word}{q})\n"
 
     def lines_in(self, style: Style) -> list[str]:
         return self.render(style).splitlines()
@@ -74,6 +100,37 @@ def random_task(rng: random.Random, project: int | None = None) -> Task:
         verb=rng.choice(VERBS),
         word=rng.choice(WORDS),
     )
+
+
+def with_random_serial(task: Task, rng: random.Random) -> Task:
+    """The task with a serial drawn at random (the warm start's and eval suite's unique tasks)."""
+    return replace(task, serial=f"{rng.randrange(10**SERIAL_DIGITS):0{SERIAL_DIGITS}d}")
+
+
+def serial_of(index: int) -> str:
+    """The index-th serial: distinct for distinct indices, SERIAL_DIGITS digits for the first
+    10**SERIAL_DIGITS (scrambled by a multiplier prime to 10, so every digit varies), more after."""
+    if index < 10**SERIAL_DIGITS:
+        return f"{index * 48_271 % 10**SERIAL_DIGITS:0{SERIAL_DIGITS}d}"
+    return str(index)
+
+
+class UniqueTasks:
+    """Draws tasks like random_task, each with the next serial: no prompt is ever drawn twice
+    by one instance (shared by every client of a simulated product)."""
+
+    def __init__(self) -> None:
+        self._next = itertools.count()
+
+    def draw(self, rng: random.Random, project: int | None = None) -> Task:
+        return replace(random_task(rng, project), serial=serial_of(next(self._next)))
+
+
+def context_key(rollout: rollout_pb2.RolloutRecord) -> str:
+    """The trainer's context key of a demo rollout (RTRL_TRAINER_CONTEXT_KEY): the project
+    tag that opens its prompt, "" for a prompt without one."""
+    tag = rollout.prompt_text.split(" ", 1)[0]
+    return tag if tag.startswith("@p") else ""
 
 
 def random_style(rng: random.Random) -> Style:

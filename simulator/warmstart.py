@@ -42,6 +42,7 @@ import json
 import math
 import os
 import random
+import shutil
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -49,20 +50,23 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 import rtrl.policy
 import simulator.tasks
 import trainer.sampling
+from rtrl.checkpoint import write_demo_checkpoint
 from rtrl.policy import EOS, PAD, PolicyConfig, build_model, decode, encode, state_dict_fp32
 from simulator.tasks import (
     MIXED_PROJECT,
     PROJECT_STYLES,
     PROJECTS,
     QUESTION_TOPICS,
+    UNIQUE_MAX_TOKENS,
     Task,
     parse_style,
     random_task,
+    with_random_serial,
 )
 from trainer.sampling import prompt_ids, sample
 
@@ -89,6 +93,9 @@ class WarmStartRecipe:
     """Stop when this share of sampled completions (temperature 1) parses or is a question."""
     context_aux_weight: float = 0.1
     """Weight of the auxiliary project-prediction loss (0 disables it)."""
+    unique_prompts: bool = False
+    """Every task carries a random serial (simulator.tasks.Task.serial), as in the product's
+    unique-prompts mode: the policy learns to copy an identifier it has never seen."""
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -144,22 +151,31 @@ def cache_path(
     policy_config: PolicyConfig = PolicyConfig(),
     recipe: WarmStartRecipe = WarmStartRecipe(),
 ) -> Path:
-    return Path(state_dir) / "cache" / f"warmstart-{cache_key(policy_config, recipe)}.safetensors"
+    """The warm start's model directory (rtrl.checkpoint: config, weights, tokenizer)."""
+    return Path(state_dir) / "cache" / f"warmstart-{cache_key(policy_config, recipe)}"
 
 
 @torch.no_grad()
 def measure(
-    model: torch.nn.Module, samples: int = 200, seed: int = 1, temperature: float = 1.0
+    model: torch.nn.Module,
+    samples: int = 200,
+    seed: int = 1,
+    temperature: float = 1.0,
+    unique_prompts: bool = False,
 ) -> PolicyQuality:
-    """Sample completions for random tasks and judge them with parse_style()."""
+    """Sample completions for random tasks (with serials if ``unique_prompts``) and judge
+    them with parse_style()."""
     rng = random.Random(seed)
     tasks = [random_task(rng) for _ in range(samples)]
+    if unique_prompts:
+        tasks = [with_random_serial(task, rng) for task in tasks]
     was_training = model.training
     model.eval()
     out = sample(
         model,
         [prompt_ids(t.prompt) for t in tasks],
         temperature=temperature,
+        max_new_tokens=UNIQUE_MAX_TOKENS if unique_prompts else 48,
         generator=torch.Generator().manual_seed(seed),
     )
     model.train(was_training)
@@ -193,12 +209,16 @@ def batch_rows(rng: random.Random, recipe: WarmStartRecipe) -> list[tuple[Task, 
     rows: list[tuple[Task, str]] = []
     for _ in range((recipe.batch_size - recipe.question_rows) // len(PROJECT_STYLES)):
         task = random_task(rng)
+        if recipe.unique_prompts:
+            task = with_random_serial(task, rng)
         rows.extend((task, task.render(style)) for style in PROJECT_STYLES)
     for i in range(recipe.question_rows):
         mixed = rng.random() < recipe.mixed_question_share
         task = random_task(
             rng, project=MIXED_PROJECT if mixed else rng.randrange(len(PROJECT_STYLES))
         )
+        if recipe.unique_prompts:
+            task = with_random_serial(task, rng)
         rows.append((task, task.question(QUESTION_TOPICS[i % len(QUESTION_TOPICS)])))
     return rows
 
@@ -263,7 +283,12 @@ def train(
         if progress is not None:
             progress(step, recipe.max_steps, loss_value)
         if step >= recipe.min_steps and step % recipe.eval_every == 0:
-            quality = measure(model, recipe.eval_samples, seed=recipe.seed + 1)
+            quality = measure(
+                model,
+                recipe.eval_samples,
+                seed=recipe.seed + 1,
+                unique_prompts=recipe.unique_prompts,
+            )
             if quality.parse_rate + quality.question_rate >= recipe.target_parse_rate:
                 break
     if progress is not None and step < recipe.max_steps:
@@ -271,7 +296,10 @@ def train(
     model.eval()
     seconds = time.monotonic() - started
     return model, WarmStartStats(
-        steps=step, seconds=seconds, final_loss=loss_value, quality=measure(model)
+        steps=step,
+        seconds=seconds,
+        final_loss=loss_value,
+        quality=measure(model, unique_prompts=recipe.unique_prompts),
     )
 
 
@@ -283,16 +311,17 @@ def ensure_warm_start(
     recipe: WarmStartRecipe = WarmStartRecipe(),
     threads: int = 2,
 ) -> Path:
-    """The cached warm-start weights, trained first if missing.
+    """The cached warm-start policy as a model directory, trained first if missing.
 
     A file lock keeps two processes (the CLI and the trainer) from training the
-    same weights at once; the file appears atomically, so a reader never sees half.
+    same weights at once; the directory appears atomically (a rename), so a reader
+    never sees half.
     """
     path = cache_path(state_dir, policy_config, recipe)
     if path.exists():
         return path
     path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path.with_suffix(".lock"), "w") as lock:
+    with open(path.with_name(path.name + ".lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if path.exists():
             return path
@@ -302,24 +331,34 @@ def ensure_warm_start(
             model, stats = train(policy_config, recipe, progress)
         finally:
             torch.set_num_threads(previous_threads)
-        tmp = path.with_suffix(f".tmp{os.getpid()}")
-        metadata = {
-            "cache_key": cache_key(policy_config, recipe),
-            "stats": json.dumps(asdict(stats)),
-        }
-        save_file(state_dict_fp32(model), str(tmp), metadata=metadata)
+        tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
+        shutil.rmtree(tmp, ignore_errors=True)
+        write_demo_checkpoint(tmp, state_dict_fp32(model), policy_config)
+        metadata = {"cache_key": cache_key(policy_config, recipe), "stats": asdict(stats)}
+        (tmp / "warmstart.json").write_text(json.dumps(metadata, indent=1))
         os.replace(tmp, path)
     return path
 
 
 def load_warm_start(path: Path) -> dict[str, torch.Tensor]:
-    return load_file(str(path))
+    """The warm start's weights (tied ones once, as rtrl.policy.state_dict_fp32 lists them)."""
+    return load_file(str(path / "model.safetensors"))
 
 
 def demo_policy(state_dir: Path, policy_config: PolicyConfig, seed: int) -> Path:
     """The trainer's default initial policy (trainer.plugins.InitialPolicy)."""
     return ensure_warm_start(
         state_dir, policy_config=policy_config, recipe=WarmStartRecipe(seed=seed)
+    )
+
+
+def unique_prompt_policy(state_dir: Path, policy_config: PolicyConfig, seed: int) -> Path:
+    """The initial policy of the unique-prompts demo (``rtrl demo --unique-prompts``): the
+    demo policy warm-started on tasks with serials."""
+    return ensure_warm_start(
+        state_dir,
+        policy_config=policy_config,
+        recipe=WarmStartRecipe(seed=seed, unique_prompts=True),
     )
 
 
@@ -331,9 +370,12 @@ def main() -> None:
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument(
+        "--unique-prompts", action="store_true", help="tasks with serials (unique_prompt_policy)"
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    recipe = WarmStartRecipe(seed=args.seed)
+    recipe = WarmStartRecipe(seed=args.seed, unique_prompts=args.unique_prompts)
 
     def report(step: int, total: int, loss: float) -> None:
         if step % 50 == 0:

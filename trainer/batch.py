@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import enum
 from collections import OrderedDict
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 
 import torch
 
+from rtrl.moe import unpack_routes
 from rtrl.policy import PAD, VOCAB_SIZE
-from rtrl.v1 import common_pb2, reward_pb2
+from rtrl.v1 import common_pb2, reward_pb2, rollout_pb2
 
 
 class Drop(enum.StrEnum):
@@ -53,9 +54,20 @@ class TrainSample:
     """Wall clock when the joiner wrote the reward record to Kafka (the record's timestamp)."""
     read_ts_ms: int = 0
     """Wall clock when the trainer read the reward record."""
+    context: str = ""
+    """Context key of the running-mean baseline (trainer/baseline.py); "" for none."""
+    router_choices: rollout_pb2.RouterChoices | None = field(default=None, compare=False)
+    """A MoE policy's sampled routes, kept packed (a byte per expert id) until collate."""
 
 
-def to_sample(record: reward_pb2.RewardRecord, max_positions: int) -> TrainSample | Drop:
+def to_sample(
+    record: reward_pb2.RewardRecord,
+    max_positions: int,
+    context_of: Callable[[rollout_pb2.RolloutRecord], str] | None = None,
+    vocab_size: int = VOCAB_SIZE,
+) -> TrainSample | Drop:
+    """context_of: the product's context key of a rollout (RTRL_TRAINER_CONTEXT_KEY);
+    max_positions and vocab_size: the policy's (its checkpoint's)."""
     rollout = record.rollout
     if rollout.arm != common_pb2.ARM_TREATMENT:
         return Drop.CONTROL_ARM
@@ -69,8 +81,9 @@ def to_sample(record: reward_pb2.RewardRecord, max_positions: int) -> TrainSampl
         not prompt
         or len(logprobs) != len(completion)
         or not spans
-        or max(prompt + completion) >= VOCAB_SIZE
+        or max(prompt + completion) >= vocab_size
         or sum(s.end - s.start for s in spans) != len(completion)
+        or not _routes_fit(rollout, len(prompt) + len(completion) - 1)
     ):
         return Drop.MALFORMED
     if rollout.sampling.temperature <= 0:
@@ -88,7 +101,19 @@ def to_sample(record: reward_pb2.RewardRecord, max_positions: int) -> TrainSampl
         oldest_version=min(s.policy_version for s in spans),
         last_event_ts_ms=int(record.last_event_ts_ms),
         traceparent=record.traceparent or rollout.traceparent,
+        context=context_of(rollout) if context_of is not None else "",
+        router_choices=rollout.router_choices if rollout.HasField("router_choices") else None,
     )
+
+
+def _routes_fit(rollout: rollout_pb2.RolloutRecord, positions: int) -> bool:
+    """A rollout without routes, or whose routes hold one row per position its sampler ran."""
+    if not rollout.HasField("router_choices"):
+        return True
+    try:
+        return unpack_routes(rollout.router_choices).shape[0] == positions
+    except ValueError:
+        return False
 
 
 def split_even(samples: Sequence[TrainSample], batch_size: int) -> list[list[TrainSample]]:
@@ -159,6 +184,12 @@ class TrainBatch:
     """[B] sampling temperature the behaviour log-probs were computed at."""
     rewards: tuple[float, ...]
     groups: tuple[str, ...]
+    advantages: tuple[float, ...] | None = None
+    """Computed before the step by a baseline that outlives batches (trainer/baseline.py);
+    None: leave-one-out over ``groups``, in the step."""
+    router_choices: torch.Tensor | None = None
+    """[B, L, layers, top_k] experts the sampler chose at each position, replayed by the
+    trainer's forwards (trainer/router_replay.py); None: re-routed."""
 
 
 def collate(samples: Sequence[TrainSample]) -> TrainBatch:
@@ -181,4 +212,20 @@ def collate(samples: Sequence[TrainSample]) -> TrainBatch:
         temperature=torch.tensor([s.temperature for s in samples]),
         rewards=tuple(s.reward for s in samples),
         groups=tuple(s.group for s in samples),
+        router_choices=collate_routes(samples, width),
     )
+
+
+def collate_routes(samples: Sequence[TrainSample], width: int) -> torch.Tensor | None:
+    """The batch's routes [B, width, layers, top_k], when every rollout carries them (else
+    None: a batch is replayed whole or re-routed whole). A position the sampler never ran
+    (a row's last token, its padding) takes experts 0..k-1: under causal attention its
+    output reaches no scored log-prob."""
+    if any(s.router_choices is None for s in samples):
+        return None
+    routes = [unpack_routes(s.router_choices) for s in samples if s.router_choices is not None]
+    layers, top_k = routes[0].shape[1:]
+    out = torch.arange(top_k, dtype=routes[0].dtype).repeat(len(samples), width, layers, 1)
+    for row, rollout_routes in enumerate(routes):
+        out[row, : rollout_routes.shape[0]] = rollout_routes
+    return out

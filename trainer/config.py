@@ -3,6 +3,7 @@ errors surface before the heavy imports."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Literal
 
 from pydantic import Field, SecretStr, field_validator, model_validator
@@ -58,11 +59,42 @@ class TrainerSettings(Settings):
     is_cap: float = Field(2.0, ge=1.0)
     """Truncation of the importance ratio π_current/π_behaviour (per token)."""
 
+    router_replay: bool = True
+    """For a mixture-of-experts policy, route the trainer's forwards (the policy's and the
+    reference's) through the experts the sampler chose (RolloutRecord.router_choices,
+    rtrl/moe.py): re-routed, a nearly tied pair of experts flips on rounding alone and moves
+    log-probs by nats, not by the rounding. Off re-routes, to measure what replay removes. A
+    dense policy, and a batch with a rollout that carries no routes, is re-routed either way."""
+
+    mismatch_threshold: float = Field(0.05, gt=0, le=1)
+    """|Δ log p| in nats (trainer's minus sampler's, on the tokens sampled by the weights a step
+    starts from) above which a token counts toward the reported mismatch share: the ratio
+    π_trainer/π_sampler outside about [0.95, 1.05]. Same-dtype float32 agrees to ~1e-6 and bf16
+    rounding moves a log-prob by about 1e-3 to 1e-2, so a healthy stack puts few tokens over
+    it; a top-p nucleus below 0.95 (which the trainer does not apply) or wrong weights put many."""
+
     kl_coef: float = Field(0.01, ge=0)
     """Weight of the per-token k1 penalty toward the warm start (the control policy)."""
 
     std_normalize: bool = False
     """Divide advantages by their group's reward std (never for a group whose std is zero)."""
+
+    baseline: Literal["group", "context"] = "group"
+    """What a rollout's reward is compared with (trainer/baseline.py). ``group``: the other rollouts
+    of its prompt in the batch (leave-one-out), else the batch mean. ``context``: leave-one-out where
+    the batch holds its prompt more than once, else a running mean of the rewards of earlier rollouts
+    in its context (context_key), kept across steps and restarts: for traffic whose prompts are
+    unique (`rtrl demo --unique-prompts` uses it)."""
+
+    context_key: str = "simulator.tasks:context_key"
+    """With baseline=context, the product's context of a rollout (task type, repository...) as a
+    plug-in ``module:callable`` taking the RolloutRecord and returning a string ("" for none); the
+    default reads the demo's project tag from the prompt."""
+
+    baseline_window: float = Field(64.0, ge=1)
+    """Rewards a context's running mean averages over (an exponential moving average of about this
+    many, a plain mean until it has them): shorter follows a policy that improves quickly, longer is
+    less noisy."""
 
     grad_clip: float = Field(1.0, gt=0)
     """Global gradient-norm clip."""
@@ -101,9 +133,25 @@ class TrainerSettings(Settings):
     """The policy both arms start from, as a plug-in ``module:callable``
     (trainer.plugins.InitialPolicy); the default warm-starts the built-in demo policy."""
 
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    """The trainer's weights and compute (what it publishes is float32 either way: workers
+    check every version against the checkpoint's names and shapes)."""
+
+    device: str = "cpu"
+    """torch device the trainer runs on (``cpu``, ``cuda``, ``cuda:1``...)."""
+
     eval_suite: str = "simulator.suite:demo_suite"
     """The eval gate's held-out suite, as a plug-in ``module:callable``
     (trainer.plugins.SuiteFactory); the default is the simulated product's tasks."""
+
+    eval_prompts: Path | None = None
+    """Your eval gate's held-out cases: a JSON Lines file, one ``{"messages": [...]}`` or
+    ``{"prompt": "..."}`` per line (trainer/prompt_suite.py); with it, eval_checker
+    judges each completion and eval_suite is not used."""
+
+    eval_checker: str = ""
+    """With eval_prompts: the checker, a plug-in ``module:callable`` taking ``(case: dict,
+    completion: str) -> bool``."""
 
     eval_tasks: int = Field(128, ge=8, le=4096)
     """Held-out tasks the eval gate samples one completion for, per candidate."""
@@ -122,10 +170,18 @@ class TrainerSettings(Settings):
     reward_window_steps: int = Field(20, ge=1)
     """Steps over which the heartbeat's reward_mean is averaged."""
 
-    @field_validator("initial_policy", "eval_suite")
+    @field_validator("initial_policy", "eval_suite", "context_key")
     @classmethod
     def _plugin_spec(cls, spec: str) -> str:
         return check_spec(spec)
+
+    @model_validator(mode="after")
+    def _eval_checker_with_prompts(self) -> TrainerSettings:
+        if self.eval_prompts is not None:
+            if not self.eval_prompts.is_file():
+                raise ValueError(f"eval_prompts {self.eval_prompts} is not a file")
+            check_spec(self.eval_checker)
+        return self
 
     @model_validator(mode="after")
     def _min_batch_fits(self) -> TrainerSettings:

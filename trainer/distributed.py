@@ -28,11 +28,13 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
 from trainer.batch import TrainBatch
+from trainer.mismatch import Mismatch, Probe, merge
 from trainer.objective import leave_one_out_advantages, policy_gradient_loss
-from trainer.step import StepMetrics, token_logprobs
+from trainer.router_replay import replaying
+from trainer.step import StepMetrics, measure_probe, token_logprobs
 
 if TYPE_CHECKING:
-    from transformers import LlamaForCausalLM
+    from transformers import PreTrainedModel
 
 log = logging.getLogger("trainer.distributed")
 
@@ -65,16 +67,17 @@ def close_world() -> None:
     dist.destroy_process_group()
 
 
-def shard(model: LlamaForCausalLM, world: World) -> torch.nn.Module:
-    """Shard a LlamaForCausalLM in place: each decoder layer is its own FSDP unit (its
-    weights are gathered only while it runs), the root holds the embedding, which the
-    LM head shares, and the final norm."""
+def shard(model: PreTrainedModel, world: World) -> torch.nn.Module:
+    """Shard a causal LM in place: each decoder layer (the blocks transformers keeps whole,
+    ``_no_split_modules``) is its own FSDP unit (its weights are gathered only while it
+    runs); the root holds the embeddings, the LM head and the final norm."""
     device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
     if device_type == "cuda":
         # transformers wraps to() in functools.wraps, which typeshed types as an unbound function.
         model.to(torch.device("cuda", torch.cuda.current_device()))  # type: ignore[arg-type]
     mesh = init_device_mesh(device_type, (world.world_size,))
-    for layer in model.model.layers:
+    blocks = set(model._no_split_modules or ())
+    for layer in [m for m in model.modules() if type(m).__name__ in blocks]:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
     return model
@@ -95,6 +98,8 @@ def slice_rows(batch: TrainBatch, start: int, stop: int) -> TrainBatch:
         temperature=batch.temperature[start:stop],
         rewards=batch.rewards[start:stop],
         groups=batch.groups[start:stop],
+        advantages=None if batch.advantages is None else batch.advantages[start:stop],
+        router_choices=None if batch.router_choices is None else batch.router_choices[start:stop],
     )
 
 
@@ -114,6 +119,8 @@ class LocalObjective:
     sums: torch.Tensor
     """Float64 [loss, kl, clipped, ratio, entropy] summed over this rank's completion
     tokens; all-reduced and divided by the batch's tokens they are rl_step's metrics."""
+    mismatch: Mismatch
+    """Over this rank's rows; the ranks' are merged (trainer.mismatch.merge)."""
 
 
 def local_objective(
@@ -125,6 +132,8 @@ def local_objective(
     ref_model: torch.nn.Module | None = None,
     is_cap: float = 2.0,
     kl_coef: float = 0.0,
+    probe: Probe | None = None,
+    router_replay: bool = True,
 ) -> LocalObjective:
     """rl_step's objective on this rank's rows of the whole batch.
 
@@ -150,13 +159,15 @@ def local_objective(
         temperature=rows.temperature.to(device),
     )
     ref_logp = None
-    if ref_model is not None:
-        with torch.no_grad():
-            ref_logp, _ = token_logprobs(ref_model, rows)
-    logp, entropy = token_logprobs(model, rows)
+    # A MoE's forwards take the experts the sampler chose (trainer/router_replay.py).
+    with replaying(rows, (model, ref_model), enabled=router_replay):
+        if ref_model is not None:
+            with torch.no_grad():
+                ref_logp, _ = token_logprobs(ref_model, rows)
+        logp, entropy = token_logprobs(model, rows)
     sums = torch.zeros(5, dtype=torch.float64, device=device)
     if local_tokens == 0:
-        return LocalObjective(loss=logp.sum() * 0.0, sums=sums)
+        return LocalObjective(loss=logp.sum() * 0.0, sums=sums, mismatch=Mismatch())
     terms = policy_gradient_loss(
         logp,
         rows.behaviour_logprobs,
@@ -169,8 +180,12 @@ def local_objective(
     means = [terms.loss.item(), terms.kl, terms.clipped_fraction, terms.ratio_mean]
     sums[:4] = torch.tensor(means, dtype=torch.float64) * local_tokens
     sums[4] = (entropy * rows.target_mask).sum().double()
+    if probe is not None:
+        probe = dataclasses.replace(probe, token_versions=probe.token_versions[start:stop])
     return LocalObjective(
-        loss=terms.loss * (local_tokens * world.world_size / batch_tokens), sums=sums
+        loss=terms.loss * (local_tokens * world.world_size / batch_tokens),
+        sums=sums,
+        mismatch=measure_probe(logp, rows, probe),
     )
 
 
@@ -185,18 +200,30 @@ def sharded_rl_step(
     kl_coef: float = 0.0,
     grad_clip: float = 1.0,
     std_normalize: bool = False,
+    probe: Probe | None = None,
+    router_replay: bool = True,
 ) -> StepMetrics:
-    """rl_step on a sharded model; every rank passes the whole batch and trains on its
-    rows. Advantages come from the whole batch, so comparison groups may span ranks."""
+    """rl_step on a sharded model; every rank passes the whole batch (and probe) and trains
+    on its rows. Advantages come from the whole batch, so comparison groups may span ranks."""
     batch_tokens = batch.target_mask.sum().item()
     if batch_tokens == 0:
         raise ValueError("no completion tokens in the batch")
     advantages = torch.tensor(
         leave_one_out_advantages(batch.rewards, batch.groups, std_normalize=std_normalize)
+        if batch.advantages is None
+        else batch.advantages
     )
     model.train()
     local = local_objective(
-        model, batch, advantages, world, ref_model=ref_model, is_cap=is_cap, kl_coef=kl_coef
+        model,
+        batch,
+        advantages,
+        world,
+        ref_model=ref_model,
+        is_cap=is_cap,
+        kl_coef=kl_coef,
+        probe=probe,
+        router_replay=router_replay,
     )
     optimizer.zero_grad(set_to_none=True)
     local.loss.backward()
@@ -205,6 +232,8 @@ def sharded_rl_step(
     model.eval()
     dist.all_reduce(local.sums)
     loss, kl, clipped, ratio, entropy = (local.sums / batch_tokens).tolist()
+    ranks: list[Mismatch | None] = [None] * world.world_size
+    dist.all_gather_object(ranks, local.mismatch)
     return StepMetrics(
         loss=loss,
         kl=kl,
@@ -216,6 +245,7 @@ def sharded_rl_step(
         ratio_mean=ratio,
         rollouts=len(batch.rewards),
         tokens=int(batch_tokens),
+        mismatch=merge([rank for rank in ranks if rank is not None]),
     )
 
 

@@ -21,10 +21,12 @@ import torch.distributed as dist
 from rtrl.policy import load_weights, state_dict_fp32
 from trainer.batch import TrainBatch
 from trainer.config import TrainerSettings
+from trainer.mismatch import Probe
+from trainer.router_replay import replaying
 from trainer.step import StepMetrics, build_optimizer, rl_step
 
 if TYPE_CHECKING:
-    from transformers import LlamaForCausalLM
+    from transformers import PreTrainedModel
 
     from trainer.distributed import World
 
@@ -41,18 +43,21 @@ class LocalLearner:
         self.optimizer = build_optimizer(model, settings.lr, settings.weight_decay)
         self._published: tuple[dict[str, torch.Tensor], dict[str, Any]] | None = None
 
-    def step(self, batch: TrainBatch) -> StepMetrics:
+    def step(self, batch: TrainBatch, probe: Probe | None = None) -> StepMetrics:
+        """probe: what the train–inference mismatch is measured on (trainer.mismatch)."""
         s = self.settings
-        return rl_step(
-            self.model,
-            self.optimizer,
-            batch,
-            ref_model=self.ref_model,
-            is_cap=s.is_cap,
-            kl_coef=s.kl_coef,
-            grad_clip=s.grad_clip,
-            std_normalize=s.std_normalize,
-        )
+        with replaying(batch, (self.model, self.ref_model), enabled=s.router_replay):
+            return rl_step(
+                self.model,
+                self.optimizer,
+                batch,
+                ref_model=self.ref_model,
+                is_cap=s.is_cap,
+                kl_coef=s.kl_coef,
+                grad_clip=s.grad_clip,
+                std_normalize=s.std_normalize,
+                probe=probe,
+            )
 
     def weights(self) -> dict[str, torch.Tensor]:
         return state_dict_fp32(self.model)
@@ -108,8 +113,8 @@ class ShardedLearner:
 
     def __init__(
         self,
-        model: LlamaForCausalLM,
-        ref_model: LlamaForCausalLM,
+        model: PreTrainedModel,
+        ref_model: PreTrainedModel,
         settings: TrainerSettings,
         world: World,
     ) -> None:
@@ -125,9 +130,9 @@ class ShardedLearner:
 
     # Rank 0's side: broadcast the command, then take part in it.
 
-    def step(self, batch: TrainBatch) -> StepMetrics:
-        self._command("step", batch)
-        return self._step(batch)
+    def step(self, batch: TrainBatch, probe: Probe | None = None) -> StepMetrics:
+        self._command("step", (batch, probe))
+        return self._step(batch, probe)
 
     def weights(self) -> dict[str, torch.Tensor]:
         self._command("weights")
@@ -172,7 +177,7 @@ class ShardedLearner:
             if op == "close":
                 return
             if op == "step":
-                self._step(payload)
+                self._step(*payload)
             elif op == "weights":
                 self._weights()
             elif op == "remember":
@@ -196,7 +201,7 @@ class ShardedLearner:
         dist.broadcast_object_list(box, src=0)
         return box[0]
 
-    def _step(self, batch: TrainBatch) -> StepMetrics:
+    def _step(self, batch: TrainBatch, probe: Probe | None) -> StepMetrics:
         from trainer.distributed import sharded_rl_step
 
         s = self.settings
@@ -210,6 +215,8 @@ class ShardedLearner:
             kl_coef=s.kl_coef,
             grad_clip=s.grad_clip,
             std_normalize=s.std_normalize,
+            probe=probe,
+            router_replay=s.router_replay,
         )
 
     def _weights(self) -> dict[str, torch.Tensor] | None:

@@ -36,19 +36,20 @@ import torch
 from confluent_kafka import KafkaError, KafkaException, TopicPartition
 from google.protobuf.message import DecodeError
 from opentelemetry import trace
-from safetensors.torch import load_file
+from transformers import PreTrainedModel
 
 from rtrl import otel, signing
-from rtrl.heartbeat import GateRefusal, TrainerBeat
-from rtrl.policy import PolicyConfig, build_model, load_weights
+from rtrl.checkpoint import Checkpoint
+from rtrl.heartbeat import GateRefusal, TrainerBeat, TrainerMismatch
+from rtrl.policy import PolicyConfig, state_dict_fp32
 from rtrl.v1 import reward_pb2, trainer_pb2, weights_pb2
 from trainer import checkpoint, plugins
 from trainer import metrics as step_metrics
+from trainer.baseline import baseline_for
 from trainer.batch import (
     Drop,
     SeenRollouts,
     TrainSample,
-    collate,
     drop_stale,
     shed_oldest,
     split_even,
@@ -57,9 +58,12 @@ from trainer.batch import (
 from trainer.candidate import Candidate, Judge
 from trainer.config import TrainerSettings
 from trainer.distributed import World
-from trainer.evaluation import EvalGate, Verdict
+from trainer.evaluation import EvalGate, Suite, Verdict
 from trainer.journal import Journal, parse_position_key, position_key
+from trainer.label_free import LabelFreeSuite
 from trainer.learner import LocalLearner, ShardedLearner
+from trainer.mismatch import Probe, row_versions
+from trainer.prompt_suite import PromptFileSuite
 from trainer.step import StepMetrics, combine
 
 log = logging.getLogger("trainer")
@@ -108,6 +112,7 @@ class Trainer:
         publishers: Mapping[str, WeightPublisher],
         fetch_weights: FetchWeights,
         policy_config: PolicyConfig = PolicyConfig(),
+        model_dir: Path | None = None,
         on_step: Callable[[trainer_pb2.TrainerStep, int], None] | None = None,
         world: World | None = None,
         dead_letter: Callable[[object, str], None] | None = None,
@@ -125,12 +130,17 @@ class Trainer:
         self.publishers = publishers
         self.fetch_weights = fetch_weights
         self.policy_config = policy_config
+        self.model_dir = model_dir
+        """The policy to train (a Hugging Face model directory); None: the initial_policy plug-in's."""
+        self.policy = Checkpoint.builtin_demo() if model_dir is None else Checkpoint.open(model_dir)
+        """The policy's checkpoint (its tokenizer, its shape); start() opens the one it loads."""
         self.step = 0
         self.version = -1
         self.rollouts_trained = 0
         self.pending: list[TrainSample] = []
         self.first_pending_at = 0.0
         self.seen = SeenRollouts(settings.dedup_capacity)
+        self.baseline = baseline_for(settings)
         self.drops: Counter[Drop] = Counter()
         self.rewards: deque[float] = deque(maxlen=settings.reward_window_steps)
         self.uncommitted = False
@@ -148,6 +158,12 @@ class Trainer:
         self.status = TrainerBeat()
         self.in_flight: Candidate | None = None
         """The candidate at the eval gate: trained and journaled, not yet published or refused."""
+        self.learner_version: int | None = None
+        """The published version the learner's weights equal, None once an optimizer step moved
+        them past it: only a step from there measures the train–inference mismatch."""
+        self.learner_candidate: int | None = None
+        """The step of the candidate whose weights the learner holds untouched (they become
+        learner_version when it is published)."""
         self.lag = otel.PositionLag()
         """The consumer's lag, refreshed by the polling thread for the metrics scrape."""
 
@@ -155,17 +171,17 @@ class Trainer:
         """Load the warm start, make sure both arms have a version, resume if we can."""
         torch.manual_seed(self.settings.seed)
         self.cluster_id = self.consumer.list_topics(timeout=30).cluster_id or ""
-        path = plugins.initial_policy(self.settings)(
+        path = self.model_dir or plugins.initial_policy(self.settings)(
             self.state_dir, self.policy_config, self.settings.seed
         )
-        self.warm_start = path.name
-        warm = load_file(str(path))
-        model = build_model(self.policy_config)
-        load_weights(model, warm)
-        ref_model = build_model(self.policy_config)
-        load_weights(ref_model, warm)
+        self.policy = Checkpoint.open(path)
+        # A user's directory may be re-saved under the same name: its bytes name the lineage.
+        self.warm_start = path.name if self.model_dir is None else self.policy.lineage_name()
+        model = self._load_policy()
+        ref_model = self._load_policy()
         ref_model.requires_grad_(False)
-        suite = plugins.eval_suite(self.settings)
+        warm = state_dict_fp32(model)
+        suite = self._eval_suite(ref_model)
         # Scored before sharding: a sharded model only runs with every rank taking part.
         control = suite.score(ref_model)
         if self.world is None:
@@ -186,6 +202,7 @@ class Trainer:
         else:
             self._resume(latest)
         self.learner.remember()
+        self.learner_version = self.version
         published = control if self.version == 0 else suite.score(self.learner.eval_model())
         self.gate = EvalGate(
             suite, self.settings.eval_tolerance, control=control, published=published
@@ -199,6 +216,33 @@ class Trainer:
         self.consumer.subscribe([self.settings.topic], on_assign=self._on_assign)
         self.status = self._status(None)
 
+    def _eval_suite(self, initial: PreTrainedModel) -> Suite:
+        """Your prompt file and checker (trainer/prompt_suite.py) if named, else the suite
+        plug-in named in the settings; for a model of your own with neither, the
+        label-free one (trainer/label_free.py): the demo's suite knows only the demo's tasks."""
+        if self.settings.eval_prompts is not None:
+            return PromptFileSuite(
+                self.policy,
+                self.settings.eval_prompts,
+                self.settings.eval_checker,
+                max_new_tokens=self.settings.eval_max_new_tokens,
+                seed=self.settings.seed,
+            )
+        if self.model_dir is not None and "eval_suite" not in self.settings.model_fields_set:
+            log.info("eval gate: label-free (KL to the initial policy on held-out answers)")
+            return LabelFreeSuite(
+                self.policy,
+                initial,
+                samples=min(self.settings.eval_tasks, 16),
+                max_new_tokens=min(self.settings.eval_max_new_tokens, 32),
+                seed=self.settings.seed,
+            )
+        return plugins.eval_suite(self.settings)
+
+    def _load_policy(self) -> PreTrainedModel:
+        """A fresh copy of the initial policy, in the trainer's dtype and on its device."""
+        return self.policy.load_model(self.settings.dtype, self.settings.device)
+
     def _resume(self, latest: int) -> None:
         saved = checkpoint.load(self.checkpoint_dir)
         if saved is not None and (saved.warm_start != self.warm_start or saved.version > latest):
@@ -208,6 +252,8 @@ class Trainer:
                 saved.warm_start,
             )
             saved = None
+        if saved is not None:
+            self.baseline.load(self.checkpoint_dir)
         if saved is not None and saved.version == latest:
             self.learner.load(saved.model, saved.optimizer)
             self.step, self.rollouts_trained = saved.step, saved.rollouts_trained
@@ -269,7 +315,7 @@ class Trainer:
         consumer.assign(partitions)
 
     def run(self, stop: threading.Event) -> None:
-        self.judge = Judge(self.gate, build_model(self.policy_config), background=self.pipelined)
+        self.judge = Judge(self.gate, self._load_policy(), background=self.pipelined)
         try:
             while not stop.is_set():
                 self.poll()
@@ -348,7 +394,12 @@ class Trainer:
             except DecodeError:
                 self.drops[Drop.MALFORMED] += 1
                 continue
-            sample = to_sample(record, self.policy_config.max_positions)
+            sample = to_sample(
+                record,
+                self.policy.max_positions,
+                self.baseline.context_of,
+                vocab_size=self.policy.spec.vocab_size,
+            )
             if isinstance(sample, TrainSample) and not self.seen.admit(sample.rollout_id):
                 sample = Drop.DUPLICATE
             if isinstance(sample, Drop):
@@ -385,6 +436,7 @@ class Trainer:
         batches = split_even(fresh, self.settings.batch_size)
         metrics, gate_wait_s = self._train(batches)
         self.step += 1
+        self.learner_candidate = self.step
         self.journal.candidate(
             self.step, positions, (sample.rollout_id for sample in fresh), self.cluster_id
         )
@@ -424,7 +476,11 @@ class Trainer:
         while True:
             results = []
             for batch in batches:
-                results.append(self.learner.step(collate(batch)))
+                probe = Probe(
+                    row_versions(batch), self.learner_version, self.settings.mismatch_threshold
+                )
+                results.append(self.learner.step(self.baseline.collate(batch), probe))
+                self.learner_version = self.learner_candidate = None
                 if self._settle(block=False) is False:
                     break
             else:
@@ -497,6 +553,7 @@ class Trainer:
                 newest=newest,
                 started_ts_ms=candidate.started_ns // 1_000_000,
                 optimizer_steps=candidate.optimizer_steps,
+                mismatch_threshold=self.settings.mismatch_threshold,
             )
         self.status = self._status(
             candidate.metrics,
@@ -541,6 +598,8 @@ class Trainer:
         self.journal.published(candidate.step, self.version)
         self.rollouts_trained += len(fresh)
         self.gate.accept(verdict)
+        if self.learner_candidate == candidate.step:
+            self.learner_version = self.version
         published = None
         if candidate.optimizer_state is None:
             self.learner.remember()
@@ -568,6 +627,7 @@ class Trainer:
         """Back to the published version's weights and optimizer state; the batch stays consumed."""
         self.journal.refused(self.step, verdict.summary())
         self.learner.restore()
+        self.learner_version, self.learner_candidate = self.version, None
         self.refused += 1
         gate = verdict.as_gate()
         self.refusals.append(
@@ -627,6 +687,7 @@ class Trainer:
                 optimizer=optimizer_state,
             ),
         )
+        self.baseline.save(self.checkpoint_dir)
         self.journal.compact(self.version, keep_ids=self.settings.dedup_capacity)
 
     def _status(
@@ -647,7 +708,22 @@ class Trainer:
             gate=verdict.as_gate() if verdict else previous.gate,
             refused=self.refused,
             refusals=tuple(self.refusals),
+            mismatch=self._mismatch(metrics) or previous.mismatch,
             **latency,
+        )
+
+    def _mismatch(self, metrics: StepMetrics | None) -> TrainerMismatch | None:
+        """The step's train–inference mismatch for the beat; None if it measured no token."""
+        if metrics is None or not metrics.mismatch.tokens:
+            return None
+        gap = metrics.mismatch
+        return TrainerMismatch(
+            step=self.step,
+            mean=gap.mean,
+            max=gap.max,
+            over_threshold_share=gap.over_threshold_share,
+            threshold=self.settings.mismatch_threshold,
+            tokens=gap.tokens,
         )
 
     def _refresh_counters(self) -> None:

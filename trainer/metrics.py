@@ -57,6 +57,23 @@ _gauges = {
 _eval = _meter.create_gauge(
     "rtrl.trainer.eval.score", description="Eval-gate checker score of the candidate"
 )
+# Set only by a step that measured some tokens: a step that measured none leaves the last
+# reading (mismatch_tokens says how many tokens the newest step covered, 0 included).
+_mismatch = {
+    name: _meter.create_gauge(f"rtrl.trainer.{name}", description=description)
+    for name, description in (
+        ("mismatch_mean", "Token mean |log π_trainer − log π_sampler| on on-policy tokens (nats)"),
+        ("mismatch_max", "Largest |log π_trainer − log π_sampler| on on-policy tokens (nats)"),
+        (
+            "mismatch_over_threshold_share",
+            "Share of on-policy tokens whose |Δ log p| exceeds mismatch_threshold",
+        ),
+    )
+}
+_mismatch_tokens = _meter.create_gauge(
+    "rtrl.trainer.mismatch_tokens",
+    description="Tokens the newest step measured the train–inference mismatch on",
+)
 
 
 def staleness_buckets(staleness: Iterable[int]) -> list[trainer_pb2.StalenessBucket]:
@@ -80,9 +97,11 @@ def step_record(
     newest: TrainSample | None = None,
     started_ts_ms: int = 0,
     optimizer_steps: int = 1,
+    mismatch_threshold: float = 0.0,
 ) -> trainer_pb2.TrainerStep:
     """newest: the rollout with the newest event the candidate trained on; its instants
     split the candidate's event -> publish latency into phases (see TrainerStep)."""
+    gap = metrics.mismatch
     return trainer_pb2.TrainerStep(
         step_id=f"{lineage}:{step}",
         lineage=lineage,
@@ -112,6 +131,11 @@ def step_record(
         newest_read_ts_ms=newest.read_ts_ms if newest else 0,
         started_ts_ms=started_ts_ms,
         optimizer_steps=optimizer_steps,
+        mismatch_mean=gap.mean,
+        mismatch_max=gap.max,
+        mismatch_over_threshold_share=gap.over_threshold_share,
+        mismatch_tokens=gap.tokens,
+        mismatch_threshold=mismatch_threshold,
         **{f"{phase}_s": seconds for phase, seconds in timings.items()},
     )
 
@@ -136,6 +160,10 @@ def record_instruments(record: trainer_pb2.TrainerStep, version: int) -> None:
         )
     for checker, score in record.eval_candidate.items():
         _eval.set(score, {"checker": checker, **outcome})
+    _mismatch_tokens.set(record.mismatch_tokens)
+    if record.mismatch_tokens:
+        for name, gauge in _mismatch.items():
+            gauge.set(getattr(record, name))
 
 
 class StepExporter:

@@ -4,7 +4,10 @@ Advantages: REINFORCE with a leave-one-out baseline. A rollout's baseline is the
 mean reward of the *other* rollouts in its comparison group (same
 ``prompt_group_id``, else same prompt text). A rollout alone in its group falls
 back to the mean of the other rollouts in the batch, which keeps the estimator
-unbiased (the baseline never includes the rollout's own reward).
+unbiased (the baseline never includes the rollout's own reward). Real traffic has
+unique prompts, so almost every rollout falls back; with the ``context`` baseline
+(RTRL_TRAINER_BASELINE, trainer/baseline.py) such a rollout is compared with a
+running mean of earlier rewards in its context instead (context_baseline_advantages).
 
 Loss, per completion token t of rollout i, summed over the batch and divided by
 the batch's total completion tokens (no per-sequence length normalization, so a
@@ -23,6 +26,7 @@ penalty is for. The reported ``kl`` is the plain token mean of ``logp − ref``.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -62,6 +66,32 @@ def leave_one_out_advantages(
                 for i in indices:
                     advantages[i] /= std
     return advantages
+
+
+def context_baseline_advantages(
+    rewards: Sequence[float],
+    groups: Sequence[str],
+    baselines: Sequence[float | None],
+    *,
+    std_normalize: bool = False,
+) -> list[float]:
+    """Leave-one-out within comparison groups of two or more; a rollout alone in its group
+    gets its reward minus ``baselines[i]`` (trainer/baseline.py: a running mean over earlier
+    rewards, so never its own), or leave_one_out_advantages' batch fallback where that is None.
+
+    ``std_normalize`` scales the groups as leave_one_out_advantages does; a baselined
+    rollout is left unscaled.
+    """
+    if len(baselines) != len(rewards):
+        raise ValueError(f"{len(rewards)} rewards for {len(baselines)} baselines")
+    advantages = leave_one_out_advantages(rewards, groups, std_normalize=std_normalize)
+    sizes = Counter(groups)
+    return [
+        float(reward) - baseline if sizes[group] == 1 and baseline is not None else advantage
+        for reward, group, baseline, advantage in zip(
+            rewards, groups, baselines, advantages, strict=True
+        )
+    ]
 
 
 @dataclass(frozen=True)

@@ -21,13 +21,13 @@ import redis.asyncio as aioredis
 import torch
 from confluent_kafka import Consumer, Producer
 from opentelemetry import metrics
-from safetensors.torch import load_file
 
 from rtrl import otel, signing
+from rtrl.checkpoint import Checkpoint
 from rtrl.config import StackSettings
 from rtrl.heartbeat import beat_forever
 from rtrl.kafka import consumer_config, producer_config
-from rtrl.policy import PolicyConfig, build_model, load_weights
+from rtrl.policy import PolicyConfig
 from rtrl.v1 import weights_pb2
 from trainer import plugins
 from trainer.config import TrainerSettings
@@ -77,12 +77,12 @@ def follow_rank_zero(settings: TrainerSettings, stack: StackSettings, world: Wor
     """
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, signal.SIG_IGN)
-    warm = load_file(
-        str(plugins.initial_policy(settings)(stack.state_dir, PolicyConfig(), settings.seed))
+    path = stack.model_dir or plugins.initial_policy(settings)(
+        stack.state_dir, PolicyConfig(), settings.seed
     )
-    model, ref_model = build_model(PolicyConfig()), build_model(PolicyConfig())
-    load_weights(model, warm)
-    load_weights(ref_model, warm)
+    policy = Checkpoint.open(path)
+    model = policy.load_model(settings.dtype, settings.device)
+    ref_model = policy.load_model(settings.dtype, settings.device)
     ref_model.requires_grad_(False)
     learner = ShardedLearner(model, ref_model, settings, world)
     log.info("rank %d of %d following rank 0", world.rank, world.world_size)
@@ -138,6 +138,7 @@ async def serve(
         fetch_weights=lambda arm, version: fetch_published(
             stack.weight_sync_addr, token, arm, version, own_keys, stack.weight_sync_tls_ca_file
         ),
+        model_dir=stack.model_dir,
         on_step=exporter,
         world=world,
         dead_letter=exporter.dead_letter,

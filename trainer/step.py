@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from trainer.batch import TrainBatch
+from trainer.mismatch import Mismatch, Probe, measure, merge
 from trainer.objective import leave_one_out_advantages, policy_gradient_loss
 
 
@@ -43,6 +44,8 @@ class StepMetrics:
     ratio_mean: float
     rollouts: int
     tokens: int
+    mismatch: Mismatch
+    """Train–inference mismatch on the tokens sampled by the weights a step started from."""
 
 
 def combine(steps: Sequence[StepMetrics]) -> StepMetrics:
@@ -71,6 +74,7 @@ def combine(steps: Sequence[StepMetrics]) -> StepMetrics:
         ratio_mean=by_tokens("ratio_mean"),
         rollouts=rollouts,
         tokens=tokens,
+        mismatch=merge([s.mismatch for s in steps]),
     )
 
 
@@ -84,9 +88,14 @@ def rl_step(
     kl_coef: float = 0.0,
     grad_clip: float = 1.0,
     std_normalize: bool = False,
+    probe: Probe | None = None,
 ) -> StepMetrics:
+    """probe: the versions that sampled the batch and the one the model holds; without it
+    no mismatch is measured."""
     advantages = torch.tensor(
         leave_one_out_advantages(batch.rewards, batch.groups, std_normalize=std_normalize)
+        if batch.advantages is None
+        else batch.advantages
     )
     ref_logp = None
     if ref_model is not None:
@@ -103,6 +112,7 @@ def rl_step(
         is_cap=is_cap,
         kl_coef=kl_coef,
     )
+    gap = measure_probe(logp, batch, probe)
     optimizer.zero_grad(set_to_none=True)
     terms.loss.backward()
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
@@ -120,6 +130,21 @@ def rl_step(
         ratio_mean=terms.ratio_mean,
         rollouts=len(batch.rewards),
         tokens=terms.tokens,
+        mismatch=gap,
+    )
+
+
+def measure_probe(logp: torch.Tensor, batch: TrainBatch, probe: Probe | None) -> Mismatch:
+    """The mismatch of the step's first forward (before the optimizer moves the weights)."""
+    if probe is None:
+        return Mismatch()
+    return measure(
+        logp,
+        batch.behaviour_logprobs,
+        probe.token_versions.to(logp.device),
+        probe.weights_version,
+        batch.target_mask,
+        probe.threshold,
     )
 
 

@@ -27,6 +27,28 @@ keys_app = typer.Typer(
     no_args_is_help=True,
 )
 app.add_typer(keys_app, name="keys")
+model_app = typer.Typer(help="Model directories: a tiny random one to try `rtrl up --model` on.")
+app.add_typer(model_app, name="model")
+
+
+@model_app.command("tiny")
+def model_tiny(
+    out_dir: Path,
+    family: str = typer.Option(
+        "qwen3", help="llama, mistral, qwen2, qwen3, qwen3_moe, mixtral, gpt2"
+    ),
+    seed: int = typer.Option(0),
+) -> None:
+    """Write a tiny random Hugging Face checkpoint with a byte-level BPE tokenizer and a
+    ChatML chat template to OUT_DIR (it says nothing useful; every path is real)."""
+    from rtrl.ops.tiny_model import FAMILIES, write_tiny_checkpoint
+
+    if family not in FAMILIES:
+        console.print(f"[red]unknown family {family!r}[/]: one of {', '.join(FAMILIES)}")
+        raise typer.Exit(2)
+    console.print(f"wrote {write_tiny_checkpoint(out_dir, family, seed=seed)}")
+
+
 console = Console()
 err_console = Console(stderr=True, soft_wrap=True)
 
@@ -55,7 +77,15 @@ FRESH = typer.Option(
 
 
 @app.command()
-def up(fresh: bool = FRESH) -> None:
+def up(
+    fresh: bool = FRESH,
+    model: Path | None = typer.Option(
+        None,
+        "--model",
+        help="A Hugging Face model directory (config.json, safetensors, tokenizer.json, chat "
+        "template) to serve and train instead of the demo policy (RTRL_MODEL_DIR).",
+    ),
+) -> None:
     """Start the embedded stack (Tansu, Redis, chdb, every service) and wait until healthy.
     Resumes the run in RTRL_STATE_DIR (lineage, registry, blobs, checkpoint, API keys,
     analytics); only the memory-only broker's topics start empty."""
@@ -63,7 +93,7 @@ def up(fresh: bool = FRESH) -> None:
     from rtrl.ops.lifecycle import up as start
 
     try:
-        stack = start(_state_dir(), console, fresh=fresh)
+        stack = start(_state_dir(), console, fresh=fresh, model_dir=model)
     except StackError as exc:
         console.print(f"[red]{exc}[/]")
         raise typer.Exit(1) from None
@@ -136,13 +166,18 @@ def demo(
         help="Reward function to settle with (sets RTRL_STACK_REWARD_FN_VERSION; default r3). "
         "r1 pays for asking instead of editing.",
     ),
+    unique_prompts: bool = typer.Option(
+        False,
+        help="No prompt is ever asked twice (a serial in every task), as in real traffic; the "
+        "trainer uses the context baseline (RTRL_TRAINER_BASELINE=context). Implies --fresh.",
+    ),
     fresh: bool = FRESH,
 ) -> None:
     """Start the stack, run the simulated product with live progress, print the A/B table
     and the reward-hacking alerts."""
     import os
 
-    from rtrl.ops.demo import print_hacking_report, run_product
+    from rtrl.ops.demo import prepare_unique_prompts, print_hacking_report, run_product
     from rtrl.ops.lifecycle import StackError
     from rtrl.ops.lifecycle import down as stop
     from rtrl.ops.lifecycle import up as start
@@ -151,13 +186,15 @@ def demo(
     if reward_fn is not None:
         os.environ["RTRL_STACK_REWARD_FN_VERSION"] = reward_fn
     console.print(f"reward function: {StackConfig().reward_fn_version}")
+    if unique_prompts:
+        prepare_unique_prompts(_state_dir(), console)
     try:
-        stack = start(_state_dir(), console, fresh=fresh)
+        stack = start(_state_dir(), console, fresh=fresh or unique_prompts)
     except StackError as exc:
         console.print(f"[red]{exc}[/]")
         raise typer.Exit(1) from None
     try:
-        stats = run_product(stack, minutes * 60, console)
+        stats = run_product(stack, minutes * 60, console, unique_prompts=unique_prompts)
         _finish_report(stack, stats)
         print_hacking_report(stack, stats, console)
     finally:

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import statistics
 import time
+from collections.abc import Mapping
 from pathlib import Path
 
 import redis
@@ -15,7 +17,7 @@ from rich.table import Table
 
 from reward_stream.monitors import DRIFT
 from rtrl import heartbeat
-from rtrl.ops import health, stack_secrets
+from rtrl.ops import health, stack_secrets, statedir
 from rtrl.ops.reporting import landed, query_function
 from rtrl.ops.stack import StackFile
 from rtrl.ops.status_view import alerts_table, hacking_alerts
@@ -121,6 +123,36 @@ async def _drive(
         )
     client.close()
     return await run
+
+
+UNIQUE_PROMPTS_TRAINER: dict[str, str] = {
+    "RTRL_TRAINER_BASELINE": "context",
+    "RTRL_TRAINER_INITIAL_POLICY": "simulator.warmstart:unique_prompt_policy",
+    "RTRL_TRAINER_EVAL_SUITE": "simulator.suite:unique_prompt_suite",
+}
+"""The trainer's settings for ``rtrl demo --unique-prompts`` wherever the environment sets none:
+no two rollouts share a prompt, so leave-one-out has no group to compare within and the
+context baseline (trainer/baseline.py) takes over; the policy and its eval suite know serials."""
+
+
+def unique_prompts_env(environ: Mapping[str, str]) -> dict[str, str]:
+    """UNIQUE_PROMPTS_TRAINER with whatever ``environ`` sets instead."""
+    return {name: environ.get(name, value) for name, value in UNIQUE_PROMPTS_TRAINER.items()}
+
+
+def prepare_unique_prompts(state_dir: Path, console: Console) -> None:
+    """Set the trainer's unique-prompts settings for the stack about to start, and warm-start
+    its policy here (cached), so the trainer does not spend its health timeout on it."""
+    from simulator.warmstart import WarmStartRecipe, ensure_warm_start
+    from trainer.config import TrainerSettings
+
+    os.environ.update(unique_prompts_env(os.environ))
+    if not statedir.is_state_dir(state_dir) and statedir.foreign_entries(state_dir):
+        return  # not a directory rtrl may write to: `rtrl up` says why
+    recipe = WarmStartRecipe(seed=TrainerSettings().seed, unique_prompts=True)
+    with console.status("warm start of the unique-prompts policy (cached after the first run)"):
+        path = ensure_warm_start(state_dir.resolve(), recipe=recipe)
+    console.print(f"unique prompts: warm start {path.name}, trainer baseline context")
 
 
 def simulator_key(stack: StackFile) -> str:

@@ -45,6 +45,36 @@ def warm_start(state_dir: Path, console: Console) -> Path:
     return path
 
 
+MODEL_FILE = "model.json"
+"""In the state directory: the model directory the run trains (absent: the demo policy)."""
+
+
+def _pin_model(state_dir: Path, model_dir: Path | None) -> str | None:
+    """The model directory this run serves and trains, checked to open as a checkpoint,
+    and the same one the run began with (its versions fit no other model)."""
+    import json
+
+    from rtrl.checkpoint import Checkpoint, CheckpointError
+
+    chosen = str(model_dir.resolve()) if model_dir is not None else None
+    if chosen is not None:
+        try:
+            Checkpoint.open(chosen)
+        except CheckpointError as exc:
+            raise StackError(f"--model: {exc}") from None
+    pinned = state_dir / MODEL_FILE
+    if pinned.exists():
+        began_with = json.loads(pinned.read_text())["model_dir"]
+        if began_with != chosen:
+            raise StackError(
+                f"the run in {state_dir} trains {began_with or 'the demo policy'}, not "
+                f"{chosen or 'the demo policy'}: `rtrl up --fresh` starts a new run"
+            )
+    else:
+        pinned.write_text(json.dumps({"model_dir": chosen}))
+    return chosen
+
+
 def health_table(rows: list[health.ComponentHealth]) -> Table:
     table = Table(title="rtrl embedded stack", title_justify="left")
     table.add_column("component")
@@ -58,11 +88,18 @@ def health_table(rows: list[health.ComponentHealth]) -> Table:
 
 
 def up(
-    state_dir: Path, console: Console, config: StackConfig | None = None, *, fresh: bool = False
+    state_dir: Path,
+    console: Console,
+    config: StackConfig | None = None,
+    *,
+    fresh: bool = False,
+    model_dir: Path | None = None,
 ) -> StackFile:
     """Start the stack on state_dir: resume the run it holds (lineage, registry, blobs,
     checkpoint and journal, API keys, ClickHouse), or with ``fresh`` start over from the
-    warm start. Only the memory-only broker's topics are new either way."""
+    warm start. Only the memory-only broker's topics are new either way. ``model_dir``
+    (a Hugging Face model directory) is the policy every service serves and trains instead
+    of the warm-started demo policy; a run keeps the model it began with."""
     config = config or StackConfig()
     state_dir = state_dir.resolve()
     running = health.running_stack(state_dir)
@@ -81,12 +118,20 @@ def up(
         f"{'resuming' if resumed else 'starting'} the run in {state_dir} "
         f"(lineage began {began}; `rtrl up --fresh` starts over)"
     )
-    warm_start(state_dir, console)
+    env = {**os.environ, "RTRL_STATE_DIR": str(state_dir)}
+    model_dir = model_dir or (Path(env["RTRL_MODEL_DIR"]) if env.get("RTRL_MODEL_DIR") else None)
+    model = _pin_model(state_dir, model_dir)
+    if model is None:
+        env.pop("RTRL_MODEL_DIR", None)
+        warm_start(state_dir, console)
+    else:
+        env["RTRL_MODEL_DIR"] = model
+        console.print(f"policy: {model}")
     (state_dir / "logs").mkdir(parents=True, exist_ok=True)
     log = procs.open_log(state_dir / "logs" / "supervisor.out")
     supervisor = subprocess.Popen(
         [sys.executable, "-m", "rtrl.ops.supervisor"],
-        env={**os.environ, "RTRL_STATE_DIR": str(state_dir)},
+        env=env,
         stdout=log,
         stderr=subprocess.STDOUT,
         stdin=subprocess.DEVNULL,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from rich.console import Console
 from rich.table import Table
@@ -12,6 +13,9 @@ from rtrl import topics
 from rtrl.config import StackSettings
 from rtrl.ops import stack_secrets
 from rtrl.ops.stack import StackFile
+
+if TYPE_CHECKING:
+    from analytics.training_report import MismatchSummary
 
 LABELS = {
     "persisted_rate": "edits persisted",
@@ -114,6 +118,22 @@ def ab_rich_table(rows, window: str, title: str) -> Table:
     return table
 
 
+def mismatch_line(summary: MismatchSummary | None) -> str:
+    """The run's train–inference mismatch (analytics.training_report.MismatchSummary) in one line."""
+    if summary is None:
+        return (
+            "train–inference mismatch: not measured (no step had tokens sampled by the "
+            "weights it started from)"
+        )
+    over = "/".join(f"{t:g}" for t in summary.thresholds)
+    return (
+        f"train–inference mismatch |Δ log p| (trainer vs sampler, on-policy tokens): "
+        f"mean {summary.mean:.2e}, max {summary.max:.2e}, "
+        f"{100 * summary.over_threshold_share:.2f} % over {over} nats; "
+        f"{summary.tokens} tokens in {summary.measured_steps} of {summary.steps} steps"
+    )
+
+
 def print_report(
     stack: StackFile | None,
     console: Console,
@@ -121,7 +141,7 @@ def print_report(
     state_dir: Path | None = None,
 ) -> list:
     from analytics.report import ab_table, by_version, write_html
-    from analytics.training_report import figures
+    from analytics.training_report import figures, mismatch_summary
 
     query = query_function(stack, state_dir)
     rows = ab_table(query)
@@ -134,6 +154,7 @@ def print_report(
         )
     )
     console.print(ab_rich_table(rows, "last_half", "A/B, second half of the run"))
+    console.print(mismatch_line(mismatch_summary(query)))
     path = write_html(html, rows, by_version(query), extra_figures=figures(query).items)
     console.print(f"HTML report with plots against policy version: {path.resolve()}")
     return rows

@@ -37,6 +37,7 @@ STACK_ENTRIES = frozenset(
         "stack.tmp",
         "broker.json",
         "broker.tmp",
+        "model.json",
         MARKER,
     }
 )

@@ -147,10 +147,24 @@ def workers_table(rows: Sequence[health.ComponentHealth]) -> Table:
         detail = (
             f"step {beat.step}, reward mean {reward}, dropped stale {beat.dropped_stale}"
             + (f", shed {shed} (behind its traffic)" if shed else "")
-            + f", eval gate refused {beat.refused}"
+            + f", eval gate refused {beat.refused}\n{mismatch_summary(beat)}"
         )
         table.add_row(name, "0 (pinned)", f"{beat.version} (published)", detail)
     return table
+
+
+def mismatch_summary(beat: TrainerBeat) -> str:
+    """The train–inference mismatch the trainer last measured, in one phrase."""
+    gap = beat.mismatch
+    if gap is None:
+        return "train–inference mismatch not measured yet"
+    share = gap.over_threshold_share
+    style = "green" if share < 0.01 else "yellow" if share < 0.1 else "red"
+    return (
+        f"train–inference |Δ log p| mean {gap.mean:.2e} max {gap.max:.2e}, "
+        f"[{style}]{100 * share:.1f} % over {gap.threshold:g}[/] "
+        f"({gap.tokens} tokens at step {gap.step})"
+    )
 
 
 def gate_refusals(rows: Sequence[health.ComponentHealth]) -> list[GateRefusal]:

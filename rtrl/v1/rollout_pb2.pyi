@@ -41,18 +41,20 @@ class ToolCall(_message.Message):
     error: str
     def __init__(self, name: _Optional[str] = ..., arguments_json: _Optional[str] = ..., valid: _Optional[bool] = ..., error: _Optional[str] = ...) -> None: ...
 
-class RouterChoice(_message.Message):
-    __slots__ = ("layer", "token_index", "experts")
-    LAYER_FIELD_NUMBER: _ClassVar[int]
-    TOKEN_INDEX_FIELD_NUMBER: _ClassVar[int]
-    EXPERTS_FIELD_NUMBER: _ClassVar[int]
-    layer: int
-    token_index: int
-    experts: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, layer: _Optional[int] = ..., token_index: _Optional[int] = ..., experts: _Optional[_Iterable[int]] = ...) -> None: ...
+class RouterChoices(_message.Message):
+    __slots__ = ("layers", "top_k", "num_experts", "expert_ids")
+    LAYERS_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    NUM_EXPERTS_FIELD_NUMBER: _ClassVar[int]
+    EXPERT_IDS_FIELD_NUMBER: _ClassVar[int]
+    layers: int
+    top_k: int
+    num_experts: int
+    expert_ids: bytes
+    def __init__(self, layers: _Optional[int] = ..., top_k: _Optional[int] = ..., num_experts: _Optional[int] = ..., expert_ids: _Optional[bytes] = ...) -> None: ...
 
 class RolloutRecord(_message.Message):
-    __slots__ = ("event_id", "rollout_id", "session_id", "client_ts_ms", "schema_version", "user_id", "worker_id", "arm", "model_name", "prompt_group_id", "prompt_token_ids", "completion_token_ids", "completion_logprobs", "version_spans", "sampling", "latency_s", "time_to_first_token_s", "tool_calls", "router_choices", "prompt_text", "completion_text", "finish_reason", "traceparent", "client_id")
+    __slots__ = ("event_id", "rollout_id", "session_id", "client_ts_ms", "schema_version", "user_id", "worker_id", "arm", "model_name", "prompt_group_id", "prompt_token_ids", "completion_token_ids", "completion_logprobs", "version_spans", "sampling", "latency_s", "time_to_first_token_s", "tool_calls", "prompt_text", "completion_text", "finish_reason", "traceparent", "client_id", "router_choices")
     EVENT_ID_FIELD_NUMBER: _ClassVar[int]
     ROLLOUT_ID_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
@@ -71,12 +73,12 @@ class RolloutRecord(_message.Message):
     LATENCY_S_FIELD_NUMBER: _ClassVar[int]
     TIME_TO_FIRST_TOKEN_S_FIELD_NUMBER: _ClassVar[int]
     TOOL_CALLS_FIELD_NUMBER: _ClassVar[int]
-    ROUTER_CHOICES_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TEXT_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_TEXT_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
     CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
+    ROUTER_CHOICES_FIELD_NUMBER: _ClassVar[int]
     event_id: str
     rollout_id: str
     session_id: str
@@ -95,10 +97,10 @@ class RolloutRecord(_message.Message):
     latency_s: float
     time_to_first_token_s: float
     tool_calls: _containers.RepeatedCompositeFieldContainer[ToolCall]
-    router_choices: _containers.RepeatedCompositeFieldContainer[RouterChoice]
     prompt_text: str
     completion_text: str
     finish_reason: str
     traceparent: str
     client_id: str
-    def __init__(self, event_id: _Optional[str] = ..., rollout_id: _Optional[str] = ..., session_id: _Optional[str] = ..., client_ts_ms: _Optional[int] = ..., schema_version: _Optional[int] = ..., user_id: _Optional[str] = ..., worker_id: _Optional[str] = ..., arm: _Optional[_Union[_common_pb2.Arm, str]] = ..., model_name: _Optional[str] = ..., prompt_group_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., completion_token_ids: _Optional[_Iterable[int]] = ..., completion_logprobs: _Optional[_Iterable[float]] = ..., version_spans: _Optional[_Iterable[_Union[VersionSpan, _Mapping]]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., latency_s: _Optional[float] = ..., time_to_first_token_s: _Optional[float] = ..., tool_calls: _Optional[_Iterable[_Union[ToolCall, _Mapping]]] = ..., router_choices: _Optional[_Iterable[_Union[RouterChoice, _Mapping]]] = ..., prompt_text: _Optional[str] = ..., completion_text: _Optional[str] = ..., finish_reason: _Optional[str] = ..., traceparent: _Optional[str] = ..., client_id: _Optional[str] = ...) -> None: ...
+    router_choices: RouterChoices
+    def __init__(self, event_id: _Optional[str] = ..., rollout_id: _Optional[str] = ..., session_id: _Optional[str] = ..., client_ts_ms: _Optional[int] = ..., schema_version: _Optional[int] = ..., user_id: _Optional[str] = ..., worker_id: _Optional[str] = ..., arm: _Optional[_Union[_common_pb2.Arm, str]] = ..., model_name: _Optional[str] = ..., prompt_group_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., completion_token_ids: _Optional[_Iterable[int]] = ..., completion_logprobs: _Optional[_Iterable[float]] = ..., version_spans: _Optional[_Iterable[_Union[VersionSpan, _Mapping]]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., latency_s: _Optional[float] = ..., time_to_first_token_s: _Optional[float] = ..., tool_calls: _Optional[_Iterable[_Union[ToolCall, _Mapping]]] = ..., prompt_text: _Optional[str] = ..., completion_text: _Optional[str] = ..., finish_reason: _Optional[str] = ..., traceparent: _Optional[str] = ..., client_id: _Optional[str] = ..., router_choices: _Optional[_Union[RouterChoices, _Mapping]] = ...) -> None: ...

@@ -42,7 +42,7 @@ def state_dir(tmp_path, monkeypatch, repo_root):
     # missing), so the test spends its minutes on traffic rather than on the warm start.
     cached = ensure_warm_start(repo_root / ".rtrl")
     (tmp_path / "cache").mkdir()
-    shutil.copy(cached, cache_path(tmp_path))
+    shutil.copytree(cached, cache_path(tmp_path))
     return tmp_path
 
 

@@ -174,7 +174,7 @@ def test_model_matches_transformers_forward():
 
     hf = build_model(seed=3)
     params = Params.from_state_dict(state_dict_fp32(hf))
-    cache = SlotCache(params.config, 4)
+    cache = SlotCache(params.spec, 4)
     seqs = [prompt_token_ids(p) for p in PROMPTS[:3]]
     with torch.inference_mode():
         logits = prefill(params, cache, 0, seqs)

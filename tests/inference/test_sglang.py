@@ -5,7 +5,9 @@ Weights are swapped into generations that are running, in both pause modes; the
 version spans SGLang reports tile the tokens and land in the RolloutRecord; the
 served tokens change to what the new weights dictate; the log-probs are the ones the
 embedded engine would record; refused swaps are retried, resumed and reported
-without losing the version; versions that would crash SGLang never reach it."""
+without losing the version; versions that would crash SGLang never reach it. A
+Hugging Face checkpoint (a tiny Qwen3 with a byte-level BPE tokenizer) is served and
+swapped the same way, with the trainer's log-probs."""
 
 from __future__ import annotations
 
@@ -15,6 +17,8 @@ import sys
 import threading
 import time
 import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -23,7 +27,7 @@ import torch
 from inference import records
 from inference.batch import SequenceParams
 from inference.sampling import sampling_logprobs
-from inference.sglang_adapter import SGLangGenerationError, generate
+from inference.sglang_adapter import DEMO, ServedModel, SGLangGenerationError, generate
 from inference.sglang_sidecar import (
     SGLangRefused,
     SGLangSidecar,
@@ -31,9 +35,13 @@ from inference.sglang_sidecar import (
     SidecarSettings,
     WeightsRejected,
     WeightUpdateRefused,
+    as_served,
+    check_fits,
+    inventory_of,
     served_inventory,
 )
-from rtrl.policy import BOS, build_model, encode, state_dict_fp32
+from rtrl.ops.tiny_model import write_tiny_checkpoint
+from rtrl.policy import BOS, build_model, encode, load_weights, state_dict_fp32
 from rtrl.v1 import common_pb2, rollout_pb2
 
 # A fresh SGLang install downloads ~11 GB inside the first test's setup; every wait in
@@ -59,8 +67,7 @@ def _load_rig():
 rig = _load_rig()
 
 
-@pytest.fixture(scope="module")
-def sglang(tmp_path_factory):
+def _installed() -> None:
     try:
         rig.ensure_installed()
     except Exception as exc:
@@ -68,11 +75,35 @@ def sglang(tmp_path_factory):
             f"SGLang {rig.SGLANG_VERSION} is not installed in {rig.sglang_home()} and installing it failed: {exc}\n"
             f"run `python scripts/sglang_rig.py install` to see the whole error"
         )
+
+
+@pytest.fixture(scope="module")
+def sglang(tmp_path_factory):
+    _installed()
     workdir = tmp_path_factory.mktemp("sglang")
     model_dir = rig.write_tiny_model(workdir / "model", seed=0)
     server = rig.start_server(model_dir, workdir / "sglang.log")
     print(f"\nSGLang ready in {server.startup_s:.1f} s, RSS {server.rss_bytes() / 2**20:.0f} MiB")
     yield server, model_dir
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def qwen3_dir(tmp_path_factory) -> Path:
+    """A tiny random Hugging Face Qwen3 checkpoint: byte-level BPE, ChatML, untied head."""
+    return write_tiny_checkpoint(
+        tmp_path_factory.mktemp("qwen3") / "model", "qwen3", seed=0, max_positions=256
+    )
+
+
+@pytest.fixture(scope="module")
+def qwen3(qwen3_dir):
+    _installed()
+    server = rig.start_server(qwen3_dir, qwen3_dir.parent / "sglang.log")
+    print(
+        f"\nSGLang (Qwen3) ready in {server.startup_s:.1f} s, RSS {server.rss_bytes() / 2**20:.0f} MiB"
+    )
+    yield server, qwen3_dir
     server.stop()
 
 
@@ -151,7 +182,9 @@ def context() -> records.RolloutContext:
 class Generation:
     """A generation running in a thread; ``progressed`` is set once it has ``after`` tokens."""
 
-    def __init__(self, url: str, params: SequenceParams, after: int = 10) -> None:
+    def __init__(
+        self, url: str, params: SequenceParams, after: int = 10, model: ServedModel = DEMO
+    ) -> None:
         self.progressed = threading.Event()
         self.completion = None
         self.error: BaseException | None = None
@@ -162,7 +195,9 @@ class Generation:
 
         def run() -> None:
             try:
-                self.completion = generate(url, ARM, params, timeout_s=60, on_tokens=on_tokens)
+                self.completion = generate(
+                    url, ARM, params, timeout_s=60, on_tokens=on_tokens, model=model
+                )
             except BaseException as exc:
                 self.error = exc
 
@@ -179,13 +214,20 @@ class Generation:
         return self.completion
 
 
+@contextmanager
+def slowed(server) -> Iterator[None]:
+    """~25 ms per decode step, so a swap reliably lands mid-generation on a busy machine."""
+    post(server, "/slow_down", {"forward_sleep_time": 0.025})
+    try:
+        yield
+    finally:
+        post(server, "/slow_down", {"forward_sleep_time": None})
+
+
 @pytest.fixture
 def slow_decode(sglang):
-    """~25 ms per decode step, so a swap reliably lands mid-generation on a busy machine."""
-    server, _ = sglang
-    post(server, "/slow_down", {"forward_sleep_time": 0.025})
-    yield
-    post(server, "/slow_down", {"forward_sleep_time": None})
+    with slowed(sglang[0]):
+        yield
 
 
 @pytest.mark.guarantee(3)
@@ -538,3 +580,199 @@ def test_custom_ops_standin_refuses_every_op(tmp_path):
     spec.loader.exec_module(module)
     with pytest.raises(NotImplementedError, match="rotary_embedding"):
         module.rotary_embedding(None)
+
+
+# ---- a Hugging Face checkpoint: a tiny Qwen3 with a byte-level BPE tokenizer ----
+
+
+def checkpoint_weights(model_dir: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(str(model_dir / "model.safetensors"))
+
+
+def perturbed(weights: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tensor]:
+    """Every tensor plus noise: a version that differs from ``weights`` everywhere, so a
+    tensor SGLang did not take would show in the log-probs."""
+    generator = torch.Generator().manual_seed(seed)
+    return {
+        name: t + 0.05 * torch.randn(t.shape, generator=generator) for name, t in weights.items()
+    }
+
+
+def trainer_logprobs(
+    model_dir: Path,
+    prompt: tuple[int, ...],
+    tokens: list[int],
+    versions: list[dict[str, torch.Tensor]],
+    k: int,
+    *,
+    kept_cache: bool,
+) -> torch.Tensor:
+    """The trainer's log-prob of each completion token: a transformers float32 forward
+    over prompt + completion with the weights of the version that sampled it
+    (``versions[0]`` before token ``k``, ``versions[1]`` from it on). ``kept_cache``: the
+    swap kept the KV cache (pause mode in_place), so the new weights attend to keys and
+    values the old ones computed: the prompt's and those of every token but the last the
+    old weights sampled (the first decode step under the new weights feeds that one in).
+    Otherwise (retract) the new weights re-prefilled the whole sequence."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    ids = torch.tensor([[*prompt, *tokens]])
+    p = len(prompt)
+    with torch.no_grad():
+        load_weights(model, versions[0])
+        if kept_cache:
+            before = model(ids[:, : p + k - 1], use_cache=True)
+            load_weights(model, versions[1])
+            after = model(ids[:, p + k - 1 : -1], past_key_values=before.past_key_values)
+            logits = torch.cat([before.logits[0, p - 1 :], after.logits[0]])
+        else:
+            old = model(ids[:, :-1]).logits[0, p - 1 : p - 1 + k]
+            load_weights(model, versions[1])
+            logits = torch.cat([old, model(ids[:, :-1]).logits[0, p - 1 + k :]])
+    n = len(tokens)
+    return (
+        sampling_logprobs(logits, torch.ones(n), torch.ones(n))
+        .gather(-1, torch.tensor(tokens).unsqueeze(-1))
+        .squeeze(-1)
+    )
+
+
+@pytest.mark.parametrize("pause_mode", ["in_place", "retract"])
+def test_hugging_face_checkpoint_swaps_mid_generation_with_the_trainers_logprobs(qwen3, pause_mode):
+    from transformers import AutoTokenizer
+
+    server, model_dir = qwen3
+    model = ServedModel.from_dir(model_dir)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    prompt = tuple(
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": "def add(a, b):"}],
+            add_generation_prompt=True,
+            tokenize=True,
+            return_dict=False,
+        )
+    )
+    weights = SGLangWeights(server.url)
+    settings = SidecarSettings(url=server.url, model_dir=model_dir, pause_mode=pause_mode)
+    sidecar = SGLangSidecar(weights, inventory_of(weights, model_dir), settings)
+    # The checkpoint's own names, q/k norms included, in the dtype the rig serves.
+    assert sidecar.inventory["model.layers.1.self_attn.q_norm.weight"].shape == (16,)
+    assert {t.dtype for t in sidecar.inventory.values()} == {"float32"}
+
+    old = perturbed(checkpoint_weights(model_dir), seed=1)
+    new = perturbed(old, seed=2)
+    base = push(sidecar, old)
+    assert sidecar.stage(base + 1, new)
+    n = 100
+    params = SequenceParams(
+        prompt_ids=prompt, max_tokens=n, temperature=1.0, top_p=1.0, seed=11, ignore_eos=True
+    )
+    with slowed(server):
+        running = Generation(server.url, params, model=model)
+        assert running.progressed.wait(30)
+        assert sidecar.apply_pending() == base + 1
+        completion = running.result()
+
+    tokens, versions = list(completion.result.token_ids), completion.result.versions
+    assert len(tokens) == n
+    assert versions[-1] == base + 1, "the swap landed after the generation had finished"
+    k = versions.index(base + 1)
+    assert 10 <= k < n and versions == (base,) * k + (base + 1,) * (n - k)
+    assert completion.result.text == tokenizer.decode(tokens, skip_special_tokens=True)
+
+    kept_cache = pause_mode == "in_place"
+    expected = trainer_logprobs(model_dir, prompt, tokens, [old, new], k, kept_cache=kept_cache)
+    served = torch.tensor(completion.result.logprobs)
+    delta = (served - expected).abs()
+    print(f"\n{pause_mode}: swapped after {k}/{n} tokens, max |Δ logp| {delta.max().item():.2e}")
+    assert delta.max() <= 1e-4, delta.tolist()
+    # The comparison can tell the versions apart: the old weights alone score the tokens
+    # after the swap differently.
+    stale = trainer_logprobs(model_dir, prompt, tokens, [old, old], k, kept_cache=kept_cache)
+    assert (served - stale).abs()[k:].max() > 1e-2
+
+
+def _fused_qkv(weights):
+    layer = "model.layers.0.self_attn."
+    weights[layer + "qkv_proj.weight"] = torch.cat(
+        [weights.pop(f"{layer}{p}_proj.weight") for p in "qkv"]
+    )
+
+
+def _no_q_norm(weights):
+    del weights["model.layers.1.self_attn.q_norm.weight"]
+
+
+def _integer(weights):
+    weights["model.norm.weight"] = weights["model.norm.weight"].long()
+
+
+def _no_head(weights):
+    del weights["lm_head.weight"]
+
+
+@pytest.mark.parametrize(
+    "spoil",
+    [
+        _fused_qkv,  # SGLang's own fused name: its loader takes the checkpoint's names
+        _no_q_norm,  # Qwen3's per-head q norm is served like any other weight
+        _integer,  # an integer tensor would be silently converted into the float parameter
+        _no_head,  # this checkpoint's head is not tied to its embedding
+    ],
+)
+def test_qwen3_version_that_does_not_fit_is_rejected(qwen3_dir, spoil):
+    inventory = served_inventory(qwen3_dir)
+    weights = checkpoint_weights(qwen3_dir)
+    check_fits(0, weights, inventory)
+    spoil(weights)
+    with pytest.raises(WeightsRejected):
+        check_fits(1, weights, inventory)
+
+
+def test_versions_are_sent_in_the_dtype_the_server_holds(qwen3_dir):
+    inventory = served_inventory(qwen3_dir, "bfloat16")
+    weights = {name: t.to(torch.float16) for name, t in checkpoint_weights(qwen3_dir).items()}
+    check_fits(0, weights, inventory)
+    assert {t.dtype for t in as_served(weights, inventory).values()} == {torch.bfloat16}
+
+
+@pytest.mark.parametrize(
+    ("server_dtype", "config", "served"),
+    [
+        ("float32", {"dtype": "bfloat16"}, "float32"),  # the rig's --dtype wins
+        ("half", {}, "float16"),
+        ("auto", {"dtype": "bfloat16"}, "bfloat16"),  # auto keeps the checkpoint's dtype...
+        ("auto", {"torch_dtype": "float32"}, "float16"),  # ...but serves float32 ones in half
+        ("auto", {"dtype": "float32", "model_type": "gemma2"}, "bfloat16"),  # Gemma in bf16
+    ],
+)
+def test_served_dtype_follows_sglang(qwen3_dir, server_dtype, config, served):
+    from inference.sglang_sidecar import served_dtype
+
+    assert served_dtype(server_dtype, config) == served
+
+
+def test_tied_head_is_served_through_the_embedding(sglang):
+    _, model_dir = sglang
+    assert "lm_head.weight" not in served_inventory(model_dir)
+
+
+def test_sidecar_refuses_a_server_of_another_checkpoint(sglang, qwen3_dir):
+    server, _ = sglang
+    with pytest.raises(ValueError, match="Qwen3ForCausalLM"):
+        inventory_of(SGLangWeights(server.url), qwen3_dir)
+
+
+def test_served_model_reads_the_checkpoint(qwen3_dir):
+    from inference.sglang_adapter import request_body
+
+    model = ServedModel.from_dir(qwen3_dir)
+    assert (model.vocab_size, model.eos_token_ids, model.max_positions) == (384, (2,), 256)
+    ids = model.encode("def add(a, b):")
+    assert model.decode([*ids, 2]) == "def add(a, b):"
+    params = SequenceParams(prompt_ids=tuple(ids), max_tokens=4, temperature=0.7, top_p=0.8, seed=1)
+    sampling = request_body(params, model)["sampling_params"]
+    assert sampling["stop_token_ids"] == [2] and sampling["top_k"] == 384

@@ -7,10 +7,18 @@ import pytest
 from rich.console import Console
 
 from rtrl import heartbeat
-from rtrl.heartbeat import InferenceBeat, RewardByVersion, RewardStreamBeat, TrainerBeat
+from rtrl.heartbeat import (
+    InferenceBeat,
+    RewardByVersion,
+    RewardStreamBeat,
+    TrainerBeat,
+    TrainerMismatch,
+)
 from rtrl.ops.health import ComponentHealth
 from rtrl.ops.status_view import (
+    StackStatus,
     TrendPoint,
+    as_json,
     fitted_change,
     pool,
     sparkline,
@@ -35,6 +43,17 @@ from rtrl.ops.status_view import (
             TrainerBeat(step=5, dropped={"shed": 410, "control_arm": 900}),
             "shed 410 (behind its traffic)",
         ),
+        # the train–inference mismatch the trainer last measured, and on how many tokens
+        (
+            TrainerBeat(step=9, mismatch=TrainerMismatch(8, 2.1e-7, 9.5e-7, 0.0125, 0.05, 412)),
+            "|Δ log p| mean 2.10e-07 max 9.50e-07, 1.2 % over 0.05 (412 tokens at step 8)",
+        ),
+        # no step has measured it: said so, not shown as a zero
+        (TrainerBeat(step=3), "train–inference mismatch not measured yet"),
+        (
+            heartbeat.parse({"service": "trainer", "instance": "0", "ts": 0}).beat,
+            "mismatch not measured yet",
+        ),
     ],
 )
 def test_workers_table(trainer_status, shown):
@@ -52,6 +71,33 @@ def test_workers_table(trainer_status, shown):
     text = console.export_text()
     assert shown in text
     assert "inference:0" in text and "7" in text
+
+
+def test_status_json_carries_the_trainers_mismatch():
+    beat = TrainerBeat(step=9, mismatch=TrainerMismatch(9, 0.02, 0.4, 0.25, 0.05, 64))
+    status = StackStatus(
+        healthy=True,
+        components=(),
+        lag=(),
+        workers=(),
+        trainers={"trainer:0": beat},
+        trend={},
+        alerts=(),
+        refusals=(),
+        reward_fn_version="",
+        previous_broker="",
+    )
+    trainer = json.loads(json.dumps(as_json(status)))["trainers"]["trainer:0"]
+    assert trainer["mismatch"] == {
+        "step": 9,
+        "mean": 0.02,
+        "max": 0.4,
+        "over_threshold_share": 0.25,
+        "threshold": 0.05,
+        "tokens": 64,
+    }
+    stored = heartbeat.document("trainer", "0", beat)
+    assert heartbeat.parse(json.dumps(stored)).beat == beat
 
 
 def rendered(renderable) -> str:

@@ -7,9 +7,17 @@ import random
 from collections import Counter
 
 import pytest
-from safetensors.torch import load_file
 
-from rtrl.policy import PolicyConfig, build_model, load_weights, state_dict_fp32
+from rtrl.checkpoint import Checkpoint
+from rtrl.policy import (
+    BOS,
+    PolicyConfig,
+    build_model,
+    encode,
+    load_weights,
+    state_dict_fp32,
+    weights_digest,
+)
 from simulator.tasks import (
     MIXED_PROJECT,
     PROJECT_STYLES,
@@ -22,6 +30,7 @@ from simulator.warmstart import (
     batch_rows,
     cache_path,
     ensure_warm_start,
+    load_warm_start,
 )
 
 TINY = PolicyConfig(
@@ -44,10 +53,17 @@ def test_warm_start_trains_once_then_hits_the_cache(tmp_path):
     assert [c[0] for c in calls] == list(range(1, 31)) and calls[-1][1] == 30
     assert calls[-1][2] < calls[0][2]  # the loss went down
 
-    weights = load_file(str(path))
+    weights = load_warm_start(path)
     model = build_model(TINY)
     assert set(weights) == set(state_dict_fp32(model))
     load_weights(model, weights)
+
+    # One loading path: the warm start is a model directory like any user's checkpoint.
+    policy = Checkpoint.open(path)
+    assert policy.encode("def f(): pass") == [BOS, *encode("def f(): pass")]
+    assert weights_digest(state_dict_fp32(policy.load_model())) == weights_digest(
+        state_dict_fp32(model)
+    )
 
     mtime = path.stat().st_mtime_ns
     calls.clear()

@@ -28,7 +28,7 @@ def install_warm_start(state_dir: Path) -> Path:
     cached = ensure_warm_start(REPO / ".rtrl")
     target = cache_path(state_dir)
     target.parent.mkdir(parents=True, exist_ok=True)
-    shutil.copyfile(cached, target)
+    shutil.copytree(cached, target, dirs_exist_ok=True)
     return target
 
 

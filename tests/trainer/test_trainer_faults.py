@@ -146,10 +146,8 @@ def test_the_trainer_service_runs_sharded_under_torchrun(
     """`torchrun --nproc_per_node 2 -m trainer`: two gloo ranks hold the FSDP shards,
     rank 0 consumes, judges and publishes; stopped with SIGTERM and started again, it
     resumes from its checkpoint and journal and still trains every rollout once."""
-    from safetensors.torch import load_file
-
     from rtrl.policy import state_dict_fp32
-    from simulator.warmstart import cache_path
+    from simulator.warmstart import cache_path, load_warm_start
     from support.trainer import (
         install_warm_start,
         produce,
@@ -248,7 +246,7 @@ def test_the_trainer_service_runs_sharded_under_torchrun(
         # (torchrun's own SignalException traceback on SIGTERM is expected; a rank's is not.)
         assert "[rank0]: Traceback" not in log and "[rank1]: Traceback" not in log
         # The published weights are the whole model, moved away from the warm start.
-        warm = load_file(str(cache_path(stack_settings.state_dir)))
+        warm = load_warm_start(cache_path(stack_settings.state_dir))
         assert weights.keys() == state_dict_fp32(warm_model()).keys()
         assert any(not torch.equal(weights[name], warm[name]) for name in weights)
     finally:

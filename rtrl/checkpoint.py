@@ -1,0 +1,246 @@
+"""A policy is named by a Hugging Face model directory: config.json, safetensors, a
+tokenizer and (for chat) a chat template. The trainer, the inference workers and the
+sidecar all open it here, so there is one loading path; the built-in demo policy is
+written as such a directory too (``write_demo_checkpoint``).
+
+What a service needs of it:
+
+* ``spec`` (rtrl.policy.ModelSpec): the architecture, e.g. for the engine's fast path;
+* ``tensors``: every tensor's name, shape and dtype as stored, read from the safetensors
+  headers without loading the weights, to check a version against before serving it;
+* ``encode``, ``render_chat``, ``decode``: text to token ids and back. A prompt is
+  tokenized once, at the door; from there on only token ids travel (the rollout record
+  holds exactly the ids the model saw and sampled, and nothing re-tokenizes them);
+* ``load_model(dtype, device)``: the trainer's AutoModelForCausalLM.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+import torch
+import xxhash
+from safetensors import safe_open
+from tokenizers import Tokenizer, decoders, models, processors
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    PretrainedConfig,
+    PreTrainedModel,
+    PreTrainedTokenizerFast,
+)
+
+from rtrl import policy
+from rtrl.policy import ModelSpec
+
+DTYPES: Mapping[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+"""The trainer's compute dtypes (a setting)."""
+
+
+class CheckpointError(ValueError):
+    """The directory is not a usable checkpoint; the message says what is missing or wrong."""
+
+
+class ChatTemplateError(ValueError):
+    """The checkpoint has no chat template, or its template failed on these messages."""
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    shape: tuple[int, ...]
+    dtype: str
+    """As safetensors names it: F32, BF16, F16..."""
+
+
+class Checkpoint:
+    """One Hugging Face model directory, opened (config and tokenizer read; weights only
+    on ``load_model`` / ``load_weights``)."""
+
+    def __init__(
+        self, path: Path, config: PretrainedConfig, tokenizer: PreTrainedTokenizerFast
+    ) -> None:
+        """Use ``Checkpoint.open(path)`` (or ``builtin_demo()``)."""
+        self.path = path
+        self.config = config
+        self.spec = ModelSpec.from_hf_config(config)
+        self.tokenizer = tokenizer
+        if len(tokenizer) > self.spec.vocab_size:
+            raise CheckpointError(
+                f"{path}: the tokenizer has {len(tokenizer)} tokens, "
+                f"the model's vocabulary {self.spec.vocab_size}"
+            )
+
+    @classmethod
+    def open(cls, path: Path | str) -> Checkpoint:
+        path = Path(path)
+        if not (path / "config.json").is_file():
+            raise CheckpointError(f"{path} is not a model directory: it has no config.json")
+        if not sorted(path.glob("*.safetensors")):
+            raise CheckpointError(f"{path} holds no *.safetensors weights")
+        try:
+            config = AutoConfig.from_pretrained(path)
+        except (ValueError, KeyError, OSError) as exc:
+            raise CheckpointError(f"{path}/config.json: {exc}") from None
+        return cls(path, config, _load_tokenizer(path))
+
+    @classmethod
+    def builtin_demo(cls) -> Checkpoint:
+        """The demo policy's description without a directory: what a worker started on
+        its own (no RTRL_MODEL_DIR) serves. Its weights arrive from weight_sync, as
+        always; only ``load_model`` and ``tensors`` need the directory the warm start
+        writes (``rtrl up`` names it to every service)."""
+        return cls(Path("<built-in demo policy>"), policy.demo_hf_config(), demo_tokenizer())
+
+    @property
+    def max_positions(self) -> int:
+        """Longest prompt + completion, from the checkpoint's config."""
+        return self.spec.max_positions
+
+    @cached_property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        """Where a completion ends: the config's eos ids and the tokenizer's eos token."""
+        ids = list(self.spec.eos_token_ids)
+        if self.tokenizer.eos_token_id is not None and self.tokenizer.eos_token_id not in ids:
+            ids.append(int(self.tokenizer.eos_token_id))
+        if not ids:
+            raise CheckpointError(f"{self.path} names no end-of-sequence token")
+        return tuple(ids)
+
+    @cached_property
+    def tensors(self) -> dict[str, TensorInfo]:
+        """Every stored tensor's shape and dtype, from the safetensors headers."""
+        out: dict[str, TensorInfo] = {}
+        for file in self._weight_files():
+            with safe_open(str(file), framework="pt") as f:
+                for name in f.keys():
+                    piece = f.get_slice(name)
+                    out[name] = TensorInfo(tuple(piece.get_shape()), str(piece.get_dtype()))
+        return out
+
+    def fingerprint(self) -> str:
+        """Names a lineage: the config, the tokenizer and the stored tensors' bytes."""
+        digest = xxhash.xxh3_128()
+        for name in ("config.json", "tokenizer.json"):
+            if (self.path / name).is_file():
+                digest.update((self.path / name).read_bytes())
+        for file in self._weight_files():
+            with open(file, "rb") as f:
+                while chunk := f.read(1 << 20):
+                    digest.update(chunk)
+        return digest.hexdigest()[:16]
+
+    def lineage_name(self) -> str:
+        """The name a run trained from this checkpoint records as its origin."""
+        return f"{self.path.name}-{self.fingerprint()}"
+
+    def load_model(self, dtype: str = "float32", device: str = "cpu") -> PreTrainedModel:
+        """The checkpoint as an AutoModelForCausalLM in eval mode (sdpa attention)."""
+        if dtype not in DTYPES:
+            raise CheckpointError(f"dtype {dtype!r}: expected one of {sorted(DTYPES)}")
+        model = AutoModelForCausalLM.from_pretrained(
+            self.path, dtype=DTYPES[dtype], attn_implementation="sdpa"
+        )
+        model.to(device)  # type: ignore[arg-type]  # transformers types .to as a decorator's
+        model.eval()
+        return model
+
+    # ---- text and token ids ------------------------------------------------------
+
+    def encode(self, text: str) -> list[int]:
+        """A plain completion prompt's ids, with the special tokens the tokenizer adds
+        (the demo's: BOS first)."""
+        encoding = self.tokenizer.backend_tokenizer.encode(text, add_special_tokens=True)
+        _check_covered(text, encoding.offsets)
+        return [int(i) for i in encoding.ids]
+
+    def render_chat(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:
+        """The ids of ``messages`` rendered by the checkpoint's chat template, ending with
+        the assistant's turn opened (add_generation_prompt)."""
+        if not self.tokenizer.chat_template:
+            raise ChatTemplateError(
+                f"the model in {self.path} has no chat template: use /v1/completions with a prompt"
+            )
+        try:
+            ids = self.tokenizer.apply_chat_template(
+                [dict(m) for m in messages],
+                add_generation_prompt=True,
+                tokenize=True,
+                return_dict=False,
+            )
+        except Exception as exc:  # jinja raises its own errors, and templates raise_exception()
+            raise ChatTemplateError(f"the chat template failed on these messages: {exc}") from None
+        if not isinstance(ids, list) or not all(isinstance(i, int) for i in ids):
+            raise ChatTemplateError(f"the chat template rendered {type(ids).__name__}, not ids")
+        return [i for i in ids if isinstance(i, int)]
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        return str(self.tokenizer.decode(list(token_ids), skip_special_tokens=True))
+
+    def _weight_files(self) -> list[Path]:
+        return sorted(self.path.glob("*.safetensors"))
+
+
+def _check_covered(text: str, offsets: Sequence[tuple[int, int]]) -> None:
+    """A tokenizer without an unknown token drops what its vocabulary lacks: refuse that
+    text instead of serving a prompt the user did not write."""
+    covered = bytearray(len(text))
+    for start, end in offsets:
+        covered[start:end] = b"\x01" * (end - start)
+    for index, flag in enumerate(covered):
+        if not flag:
+            raise ValueError(f"character {text[index]!r} is outside the model's vocabulary")
+
+
+def _load_tokenizer(path: Path) -> PreTrainedTokenizerFast:
+    if not (path / "tokenizer.json").is_file():
+        raise CheckpointError(f"{path} has no tokenizer.json (a fast tokenizer is required)")
+    try:
+        tokenizer = PreTrainedTokenizerFast.from_pretrained(path)
+    except (ValueError, OSError, json.JSONDecodeError) as exc:
+        raise CheckpointError(f"{path}: the tokenizer does not load: {exc}") from None
+    template = path / "chat_template.jinja"
+    if not tokenizer.chat_template and template.is_file():
+        tokenizer.chat_template = template.read_text()
+    return tokenizer
+
+
+# ---- the built-in demo policy as a checkpoint directory -------------------------------
+
+DEMO_CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}{{ message['content'] }}{% endfor %}"
+)
+"""The demo policy knows no roles: a chat is its messages' text, after BOS."""
+
+
+def demo_tokenizer() -> PreTrainedTokenizerFast:
+    """The demo policy's character vocabulary (rtrl.policy.encode) as a tokenizer: a BPE
+    model without merges is one token per character; BOS is added in front."""
+    vocab = {"<pad>": policy.PAD, "<s>": policy.BOS, "</s>": policy.EOS}
+    vocab.update({ch: policy.encode(ch)[0] for ch in policy.CHARS})
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[], ignore_merges=True))
+    tokenizer.decoder = decoders.Fuse()
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single="<s> $A", special_tokens=[("<s>", policy.BOS)]
+    )
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>", pad_token="<pad>"
+    )
+    fast.chat_template = DEMO_CHAT_TEMPLATE
+    return fast
+
+
+def write_demo_checkpoint(
+    out_dir: Path, weights: Mapping[str, torch.Tensor], config: policy.PolicyConfig
+) -> Path:
+    """Save the demo policy with ``weights`` as a model directory at ``out_dir``."""
+    model = policy.build_model(config)
+    policy.load_weights(model, dict(weights))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    demo_tokenizer().save_pretrained(out_dir)
+    return out_dir

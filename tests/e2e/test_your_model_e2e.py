@@ -1,0 +1,181 @@
+"""`rtrl up --model DIR` with a Hugging Face checkpoint of the user's (a tiny random Qwen3
+with a byte-level BPE tokenizer and ChatML), then real HTTP traffic: chat requests to
+every worker and their telemetry through ingest. The trainer trains on it and publishes
+versions, every worker serves them, and `rtrl status` shows the train–inference mismatch.
+
+The simulated editor keeps an edit when its first sampled token is even (a preference
+hinging on one token, which the policy can learn), and rewrites it otherwise.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+
+import aiohttp
+import pytest
+from rich.console import Console
+
+from ingest.client import IngestClient, make_event
+from ingest.gateway import ACCEPTED
+from rtrl.heartbeat import InferenceBeat, TrainerBeat
+from rtrl.ops import health
+from rtrl.ops.demo import simulator_key
+from rtrl.ops.lifecycle import down, up
+from rtrl.ops.tiny_model import write_tiny_checkpoint
+from rtrl.v1 import telemetry_pb2
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+VERSIONS = 2
+"""Treatment versions past the initial one the trainer must publish and every worker serve."""
+BUDGET_S = 420.0
+
+
+@dataclass
+class Traffic:
+    answers: list[dict] = field(default_factory=list)
+    accepted_events: int = 0
+    errors: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Run:
+    traffic: Traffic
+    trainer: TrainerBeat
+    workers: list[InferenceBeat]
+    status_json: dict
+    status_text: str
+    model_name: str
+
+
+def _beats(stack) -> tuple[TrainerBeat | None, list[InferenceBeat]]:
+    rows = health.check(stack)
+    trainer = next((r.beat for r in rows if isinstance(r.beat, TrainerBeat)), None)
+    return trainer, [r.beat for r in rows if isinstance(r.beat, InferenceBeat)]
+
+
+def _done(stack) -> bool:
+    trainer, workers = _beats(stack)
+    return (
+        trainer is not None
+        and trainer.version >= VERSIONS
+        and len(workers) == 2
+        and all(w.versions.get("treatment", -1) >= VERSIONS for w in workers)
+    )
+
+
+async def _editor(http, urls, ingest, key, rng, traffic: Traffic) -> None:
+    url = rng.choice(urls)
+    user = f"user-{rng.randrange(50)}"
+    body = {
+        "messages": [{"role": "user", "content": f"Rename variable {rng.randrange(10**6)} please"}],
+        "user_id": user,
+        "session_id": f"s-{user}",
+        "max_tokens": 8,
+    }
+    headers = {"Authorization": f"Bearer {key}"}
+    async with http.post(f"{url}/v1/chat/completions", json=body, headers=headers) as resp:
+        if resp.status != 200:
+            traffic.errors.append(f"{resp.status}: {(await resp.text())[:200]}")
+            return
+        answer = await resp.json()
+    traffic.answers.append(answer)
+    text = answer["choices"][0]["message"]["content"]
+    kept = answer["token_ids"][0] % 2 == 0
+    shown_ms = int(time.time() * 1000)
+    await asyncio.sleep(0.3)
+    common = (str(answer["rollout_id"]), f"s-{user}", user)
+    events = [
+        make_event(
+            *common,
+            edit_shown=telemetry_pb2.EditShown(file_path="a.py", edit_text=text),
+            client_ts_ms=shown_ms,
+        ),
+        make_event(
+            *common,
+            persistence=telemetry_pb2.PersistenceSnapshot(
+                seconds_after_edit=0.3, region_text=text if kept else "rewritten by the user"
+            ),
+            client_ts_ms=int(time.time() * 1000),
+        ),
+    ]
+    results = await ingest.publish(events, traceparent=answer.get("traceparent", ""))
+    traffic.accepted_events += sum(r.status == ACCEPTED for r in results)
+
+
+async def _drive(stack, key: str) -> Traffic:
+    traffic = Traffic()
+    urls = stack.urls("inference", "RTRL_INFERENCE_HTTP_PORT")
+    ingest = IngestClient(stack.urls("ingest", "RTRL_INGEST_HTTP_PORT")[0], api_key=key)
+    rng = random.Random(0)
+    deadline = time.monotonic() + BUDGET_S
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as http:
+        while time.monotonic() < deadline and not await asyncio.to_thread(_done, stack):
+            await asyncio.gather(
+                *(_editor(http, urls, ingest, key, rng, traffic) for _ in range(16))
+            )
+    await ingest.close()
+    return traffic
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    model_dir = write_tiny_checkpoint(tmp_path_factory.mktemp("model") / "tiny-qwen3", "qwen3")
+    state_dir = tmp_path_factory.mktemp("stack")
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("RTRL_STATE_DIR", str(state_dir))
+        env.setenv("RTRL_STACK_INFERENCE_WORKERS", "2")
+        env.delenv("RTRL_MODEL_DIR", raising=False)
+        console = Console(file=open(os.devnull, "w"))
+        stack = up(state_dir, console, model_dir=model_dir)
+        try:
+            traffic = asyncio.run(_drive(stack, simulator_key(stack)))
+            trainer, workers = _beats(stack)
+            assert trainer is not None
+            status = [sys.executable, "-m", "rtrl", "status"]
+            status_json = subprocess.run(
+                [*status, "--json"], capture_output=True, text=True, check=True, timeout=120
+            ).stdout
+            status_text = subprocess.run(
+                status,
+                capture_output=True,
+                text=True,
+                check=True,
+                timeout=120,
+                env={**os.environ, "COLUMNS": "200"},
+            ).stdout
+            yield Run(
+                traffic, trainer, workers, json.loads(status_json), status_text, model_dir.name
+            )
+        finally:
+            down(state_dir, console)
+
+
+def test_the_trainer_publishes_versions_of_your_model_and_every_worker_serves_them(run):
+    assert not run.traffic.errors, run.traffic.errors[:3]
+    assert run.trainer.version >= VERSIONS, run.trainer
+    assert run.trainer.rollouts_trained > 0
+    assert [w.versions["treatment"] >= VERSIONS for w in run.workers] == [True, True]
+    # The serving answers came from the checkpoint: its name, its template, versions past v0.
+    assert {a["model"] for a in run.traffic.answers} == {run.model_name}
+    assert all(a["prompt_token_ids"][0] == 1 for a in run.traffic.answers)  # <|im_start|>
+    served = {s["version"] for a in run.traffic.answers for s in a["policy_versions"]}
+    assert max(served) >= 1
+    assert run.traffic.accepted_events >= 2 * len(run.traffic.answers) * 0.9
+
+
+def test_status_shows_the_train_inference_mismatch(run):
+    mismatch = run.trainer.mismatch
+    assert mismatch is not None and mismatch.tokens > 0, run.trainer
+    # Sampler and trainer run the same float32 arithmetic: they agree closely.
+    assert mismatch.max < 1e-3, mismatch
+    trainers = list(run.status_json["trainers"].values())
+    assert trainers and trainers[0]["mismatch"]["tokens"] > 0, trainers
+    assert "mismatch" in run.status_text

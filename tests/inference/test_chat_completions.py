@@ -1,0 +1,102 @@
+"""``POST /v1/chat/completions`` on a worker serving a Hugging Face checkpoint (a tiny
+random Qwen3 with a byte-level BPE tokenizer and ChatML), against a real broker and
+Redis: the rollout record holds exactly the chat template's ids and the sampled ids,
+token ids in are served as given, and what the template or vocabulary refuses is a 400
+naming the field, with nothing recorded."""
+
+from __future__ import annotations
+
+import asyncio
+
+import aiohttp
+import pytest
+import torch
+
+from inference.config import InferenceSettings
+from inference.engine import Engine
+from inference.server import InferenceServer
+from rtrl.checkpoint import Checkpoint
+from rtrl.ops.tiny_model import write_tiny_checkpoint
+from rtrl.policy import state_dict_fp32
+from support.inference import read_rollouts
+
+pytestmark = pytest.mark.integration
+
+torch.set_num_threads(1)
+
+MESSAGES = [
+    {"role": "system", "content": "You edit code."},
+    {"role": "user", "content": "Rename x to total: ü 🙂"},
+]
+
+
+@pytest.fixture(scope="module")
+def qwen3_dir(tmp_path_factory):
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("qwen3") / "tiny-qwen3", "qwen3")
+
+
+async def _post(http, port: int, path: str, **body) -> tuple[int, dict]:
+    async with http.post(f"http://127.0.0.1:{port}{path}", json=body) as resp:
+        return resp.status, await resp.json()
+
+
+def test_a_chat_record_holds_the_templates_ids_and_the_sampled_ids(stack_settings, qwen3_dir):
+    policy = Checkpoint.open(qwen3_dir)
+    weights = state_dict_fp32(policy.load_model())
+    stack = stack_settings.model_copy(update={"model_dir": qwen3_dir})
+    settings = InferenceSettings(
+        http_port=0, follow_weights=False, max_tokens=12, auth_required=False
+    )
+
+    async def scenario() -> list[tuple[int, dict]]:
+        server = InferenceServer(stack, settings)
+        await server.start()
+        try:
+            assert isinstance(server.engine, Engine)  # the embedded backend
+            for arm in ("control", "treatment"):
+                server.engine.stage(arm, 0, weights)
+            common = {"user_id": "u1", "session_id": "s1", "seed": 7}
+            async with aiohttp.ClientSession() as http:
+                return [
+                    await _post(
+                        http, server.port, "/v1/chat/completions", messages=MESSAGES, **common
+                    ),
+                    await _post(http, server.port, "/v1/completions", prompt=[5, 6, 7], **common),
+                    # Refused, each naming its field: a role the template does not know of
+                    # in the allow-list, an empty chat, ids outside the vocabulary.
+                    await _post(
+                        http,
+                        server.port,
+                        "/v1/chat/completions",
+                        messages=[{"role": "wizard", "content": "hi"}],
+                        **common,
+                    ),
+                    await _post(http, server.port, "/v1/chat/completions", messages=[], **common),
+                    await _post(http, server.port, "/v1/completions", prompt=[10**6], **common),
+                ]
+        finally:
+            await server.stop()
+
+    (chat_status, chat), (plain_status, plain), *refused = asyncio.run(scenario())
+    assert (chat_status, plain_status) == (200, 200), (chat, plain)
+    assert chat["object"] == "chat.completion"
+    assert chat["choices"][0]["message"]["role"] == "assistant"
+    template_ids = policy.render_chat(MESSAGES)
+    assert chat["prompt_token_ids"] == template_ids
+    assert chat["choices"][0]["message"]["content"] == policy.decode(chat["token_ids"])
+    assert plain["prompt_token_ids"] == [5, 6, 7]
+    assert [status for status, _ in refused] == [400, 400, 400]
+    assert [body["field"].split(".")[0] for _, body in refused] == [
+        "messages",
+        "messages",
+        "prompt",
+    ]
+
+    records = {r.rollout_id: r for r in read_rollouts(stack_settings)}
+    assert set(records) == {chat["rollout_id"], plain["rollout_id"]}
+    record = records[chat["rollout_id"]]
+    # Exactly what the model saw and sampled: the template's ids, then the sampled ids.
+    assert list(record.prompt_token_ids) == template_ids
+    assert list(record.completion_token_ids) == chat["token_ids"]
+    assert len(record.completion_logprobs) == len(chat["token_ids"])
+    assert record.model_name == "tiny-qwen3"
