@@ -58,6 +58,15 @@ class TrainSample:
     """Context key of the running-mean baseline (trainer/baseline.py); "" for none."""
     router_choices: rollout_pb2.RouterChoices | None = field(default=None, compare=False)
     """A MoE policy's sampled routes, kept packed (a byte per expert id) until collate."""
+    token_versions: tuple[int, ...] = ()
+    """The version that sampled each completion token (from the record's version spans)."""
+
+
+def _token_versions(spans, completion: int) -> tuple[int, ...]:
+    versions = [-1] * completion
+    for span in spans:
+        versions[span.start : span.end] = [span.policy_version] * (span.end - span.start)
+    return tuple(versions)
 
 
 def to_sample(
@@ -99,6 +108,7 @@ def to_sample(
         temperature=float(rollout.sampling.temperature),
         reward=float(record.reward),
         oldest_version=min(s.policy_version for s in spans),
+        token_versions=_token_versions(spans, len(completion)),
         last_event_ts_ms=int(record.last_event_ts_ms),
         traceparent=record.traceparent or rollout.traceparent,
         context=context_of(rollout) if context_of is not None else "",

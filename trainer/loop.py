@@ -62,7 +62,7 @@ from trainer.evaluation import EvalGate, Suite, Verdict
 from trainer.journal import Journal, parse_position_key, position_key
 from trainer.label_free import LabelFreeSuite
 from trainer.learner import LocalLearner, ShardedLearner
-from trainer.mismatch import Probe, row_versions
+from trainer.mismatch import Probe, token_versions
 from trainer.prompt_suite import PromptFileSuite
 from trainer.step import StepMetrics, combine
 
@@ -477,7 +477,7 @@ class Trainer:
             results = []
             for batch in batches:
                 probe = Probe(
-                    row_versions(batch), self.learner_version, self.settings.mismatch_threshold
+                    token_versions(batch), self.learner_version, self.settings.mismatch_threshold
                 )
                 results.append(self.learner.step(self.baseline.collate(batch), probe))
                 self.learner_version = self.learner_candidate = None

@@ -90,6 +90,23 @@ def merge(parts: Sequence[Mismatch]) -> Mismatch:
     )
 
 
+def token_versions(samples: Sequence[TrainSample]) -> torch.Tensor:
+    """[B, L-1] aligned with collate's targets: the version that sampled each completion
+    token (-1 where there is none), so a rollout that spans a swap is measured on the
+    tokens the learner's version sampled."""
+    width = max(len(s.prompt_ids) + len(s.completion_ids) for s in samples) - 1
+    versions = torch.full((len(samples), width), -1, dtype=torch.long)
+    for row, sample in enumerate(samples):
+        if len(sample.token_versions) != len(sample.completion_ids):
+            versions[row] = sample.oldest_version  # a sample built without them: its row's
+            continue
+        start = len(sample.prompt_ids) - 1
+        versions[row, start : start + len(sample.completion_ids)] = torch.tensor(
+            sample.token_versions
+        )
+    return versions
+
+
 def row_versions(samples: Sequence[TrainSample]) -> torch.Tensor:
     """[B, 1] the oldest version that sampled each row's completion. Training samples keep
     only that one, and no token is newer than the published version, so a row whose oldest

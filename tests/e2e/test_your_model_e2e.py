@@ -178,4 +178,4 @@ def test_status_shows_the_train_inference_mismatch(run):
     assert mismatch.max < 1e-3, mismatch
     trainers = list(run.status_json["trainers"].values())
     assert trainers and trainers[0]["mismatch"]["tokens"] > 0, trainers
-    assert "mismatch" in run.status_text
+    assert "train–inference |Δ log p| mean" in run.status_text, run.status_text

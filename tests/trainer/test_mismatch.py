@@ -26,7 +26,7 @@ from trainer.distributed import World, local_objective, shard, sharded_rl_step
 from trainer.evaluation import EvalScores, Verdict
 from trainer.learner import LocalLearner
 from trainer.loop import Trainer
-from trainer.mismatch import Mismatch, Probe, measure, merge, row_versions
+from trainer.mismatch import Mismatch, Probe, measure, merge, row_versions, token_versions
 from trainer.objective import leave_one_out_advantages
 from trainer.step import StepMetrics, build_optimizer
 
@@ -407,3 +407,25 @@ def test_the_sharded_step_gathers_every_ranks_measurement(served):
         dist.destroy_process_group()
     assert got.tokens == expected.tokens
     assert got.max < 1e-4 and got.mean == pytest.approx(expected.mean, abs=1e-6)
+
+
+def test_a_rollout_spanning_a_swap_is_measured_on_the_tokens_the_learners_version_sampled(
+    served,
+):
+    """Per-token versions (token_versions): the tokens sampled before a swap into the
+    learner's version are left out, the ones after it are measured; per row (row_versions)
+    the whole rollout would be left out."""
+    weights, samples = served
+    sample = samples[0]
+    half = len(sample.completion_ids) // 2
+    spanning = dataclasses.replace(
+        sample,
+        oldest_version=VERSION - 1,
+        token_versions=(VERSION - 1,) * half + (VERSION,) * (len(sample.completion_ids) - half),
+    )
+    batch = collate([spanning])
+    per_token = _learner(weights).step(batch, Probe(token_versions([spanning]), VERSION, THRESHOLD))
+    per_row = _learner(weights).step(batch, Probe(row_versions([spanning]), VERSION, THRESHOLD))
+    assert per_token.mismatch.tokens == len(sample.completion_ids) - half
+    assert per_token.mismatch.max < 1e-4
+    assert per_row.mismatch.tokens == 0
