@@ -22,10 +22,11 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 from inference.engine import ARMS, Completion, Engine, EngineConfig
 from inference.records import RolloutContext, VersionSpan, rollout_record, version_spans
 from rtrl.checkpoint import Checkpoint
-from rtrl.moe import record_routes, replay_routes, routers, unpack_routes
+from rtrl.moe import record_routes, replay_routes, unpack_routes
 from rtrl.ops.tiny_model import write_tiny_checkpoint
 from rtrl.policy import load_weights, state_dict_fp32
 from rtrl.v1 import rollout_pb2
+from support.moe import tie_experts
 
 torch.set_num_threads(1)
 
@@ -37,17 +38,6 @@ MESSAGES = (
     "Why did you change the indentation? Use two spaces here.",
     "hi",
 )
-
-
-def tie_experts(model: PreTrainedModel, tied: int, spread: float = 3e-9) -> None:
-    """Make each router's rows of experts 1..tied-1 equal to expert 0's up to ``spread``."""
-    noise = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for router in routers(model):
-            weight = router.module.get_parameter("weight")
-            for expert in range(1, tied):
-                jitter = torch.randn(weight.shape[1], generator=noise)
-                weight[expert] = weight[0] + spread * jitter
 
 
 @dataclass(frozen=True)

@@ -6,18 +6,17 @@ perturbed, and not measured at all on a step that starts from weights no worker 
 from __future__ import annotations
 
 import dataclasses
-import socket
 import uuid
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from inference.engine import Engine, EngineConfig, prompt_token_ids
 from inference.records import version_spans
 from rtrl.policy import build_model, state_dict_fp32
 from rtrl.v1 import common_pb2, reward_pb2, rollout_pb2
+from support.moe import one_rank_group
 from support.trainer import never_fetch
 from trainer import metrics as step_metrics
 from trainer.batch import TrainSample, collate, to_sample
@@ -394,17 +393,10 @@ def test_the_sharded_step_gathers_every_ranks_measurement(served):
     weights, samples = served
     batch, probe = collate(samples), Probe(row_versions(samples), VERSION, THRESHOLD)
     expected = _learner(weights).step(batch, probe).mismatch
-    with socket.socket() as probe_socket:
-        probe_socket.bind(("127.0.0.1", 0))
-        port = probe_socket.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    try:
-        world = World(0, 1)
+    with one_rank_group() as world:
         model, ref = shard(_model(weights), world), shard(_model(weights), world)
         optimizer = build_optimizer(model, 1e-4)
         got = sharded_rl_step(model, optimizer, batch, world, ref_model=ref, probe=probe).mismatch
-    finally:
-        dist.destroy_process_group()
     assert got.tokens == expected.tokens
     assert got.max < 1e-4 and got.mean == pytest.approx(expected.mean, abs=1e-6)
 

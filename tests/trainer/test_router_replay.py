@@ -18,20 +18,19 @@ too: nothing flips, and replay changes nothing.
 from __future__ import annotations
 
 import copy
-import socket
 from dataclasses import dataclass
 
 import pytest
 import torch
-import torch.distributed as dist
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from rtrl.moe import pack_routes, record_routes, routers
 from rtrl.ops.tiny_model import write_tiny_checkpoint
 from rtrl.v1 import common_pb2, reward_pb2, rollout_pb2
+from support.moe import one_rank_group, tie_experts
 from trainer.batch import TrainBatch, TrainSample, collate, to_sample
 from trainer.config import TrainerSettings
-from trainer.distributed import World, shard, sharded_rl_step
+from trainer.distributed import shard, sharded_rl_step
 from trainer.learner import LocalLearner
 from trainer.router_replay import replaying
 from trainer.step import build_optimizer, token_logprobs
@@ -48,17 +47,6 @@ CASES = {
     # the checkpoint as written: no near-tie, nothing for replay to remove
     "qwen3_moe-untouched": ("qwen3_moe", 0),
 }
-
-
-def tie_experts(model: PreTrainedModel, tied: int, spread: float = 3e-9) -> None:
-    """Make each router's rows of experts 1..tied-1 equal to expert 0's up to ``spread``."""
-    noise = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for router in routers(model):
-            weight = router.module.get_parameter("weight")
-            for expert in range(1, tied):
-                jitter = torch.randn(weight.shape[1], generator=noise)
-                weight[expert] = weight[0] + spread * jitter
 
 
 @dataclass(frozen=True)
@@ -253,12 +241,7 @@ def test_a_batch_is_replayed_whole_or_rerouted_whole():
 def test_the_sharded_step_replays_each_ranks_rows(policy, batch, router_replay):
     """sharded_rl_step on a one-rank gloo group: each rank replays the routes of its own
     rows (slice_rows carries them), so the ratio is 1 where the one-process step's is."""
-    with socket.socket() as free:
-        free.bind(("127.0.0.1", 0))
-        port = free.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    try:
-        world = World(0, 1)
+    with one_rank_group() as world:
         model = shard(copy.deepcopy(policy.model), world)
         ref = shard(copy.deepcopy(policy.model), world)
         metrics = sharded_rl_step(
@@ -269,8 +252,6 @@ def test_the_sharded_step_replays_each_ranks_rows(policy, batch, router_replay):
             ref_model=ref,
             router_replay=router_replay,
         )
-    finally:
-        dist.destroy_process_group()
     if router_replay or not policy.tied:
         assert abs(metrics.ratio_mean - 1.0) < 1e-5
     else:
