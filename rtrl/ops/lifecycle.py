@@ -71,7 +71,10 @@ def _pin_model(state_dir: Path, model_dir: Path | None) -> str | None:
                 f"{chosen or 'the demo policy'}: `rtrl up --fresh` starts a new run"
             )
     else:
-        pinned.write_text(json.dumps({"model_dir": chosen}))
+        # Owner-only, like everything else in the state directory (it names a path).
+        fd = os.open(pinned, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(json.dumps({"model_dir": chosen}))
     return chosen
 
 

@@ -179,3 +179,23 @@ def test_status_shows_the_train_inference_mismatch(run):
     trainers = list(run.status_json["trainers"].values())
     assert trainers and trainers[0]["mismatch"]["tokens"] > 0, trainers
     assert "train–inference |Δ log p| mean" in run.status_text, run.status_text
+
+
+def test_a_run_keeps_the_model_it_began_with(tmp_path, monkeypatch):
+    """The run's model is pinned (owner-only, like the rest of the state directory):
+    resuming it with another model, or with none, is refused before anything starts."""
+    from rtrl.ops import statedir
+    from rtrl.ops.lifecycle import MODEL_FILE, StackError, _pin_model
+
+    model = write_tiny_checkpoint(tmp_path / "model", "llama")
+    other = write_tiny_checkpoint(tmp_path / "other", "qwen2")
+    state_dir = tmp_path / "state"
+    statedir.prepare(state_dir, fresh=False)
+    assert _pin_model(state_dir, model) == str(model.resolve())
+    assert (state_dir / MODEL_FILE).stat().st_mode & 0o777 == 0o600
+    assert _pin_model(state_dir, model) == str(model.resolve())
+    for wrong in (other, None):
+        with pytest.raises(StackError, match="rtrl up --fresh"):
+            _pin_model(state_dir, wrong)
+    with pytest.raises(StackError, match="no config.json"):
+        _pin_model(tmp_path / "fresh-state", tmp_path)
