@@ -4,6 +4,8 @@ versions to publish. Fixtures built on these are in tests/conftest.py."""
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import faulthandler
 import os
 import queue
 import threading
@@ -36,8 +38,17 @@ class InProcessServer:
         self._thread.start()
         self.server: WeightSyncServer | None = None
 
-    def _run(self, coro):
-        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout=30)
+    def _run(self, coro, timeout_s: float = 60.0):
+        future = asyncio.run_coroutine_threadsafe(coro, self._loop)
+        try:
+            return future.result(timeout=timeout_s)
+        except concurrent.futures.TimeoutError:
+            # Say where the loop is stuck, and stop the step rather than let it finish unseen.
+            faulthandler.dump_traceback(all_threads=True)
+            future.cancel()
+            raise TimeoutError(
+                f"the server's event loop did not finish in {timeout_s:.0f} s"
+            ) from None
 
     @property
     def running(self) -> WeightSyncServer:
@@ -46,20 +57,29 @@ class InProcessServer:
         return self.server
 
     def start(self) -> None:
+        """Start the server; one that fails or times out is stopped and its loop closed,
+        so it cannot go on beating into a Redis the next test uses."""
+
         async def start():
             self.server = WeightSyncServer(self.settings, self.stack)
             await self.server.start()
 
-        self._run(start())
+        try:
+            self._run(start())
+        except BaseException:
+            self.close()
+            raise
 
     def stop(self) -> None:
         if self.server is not None:
-            self._run(self.server.stop(grace_s=0))
-            self.server = None
+            server, self.server = self.server, None
+            self._run(server.stop(grace_s=0))
 
     def close(self) -> None:
-        self.stop()
-        self._loop.call_soon_threadsafe(self._loop.stop)
+        try:
+            self.stop()
+        finally:
+            self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=10)
         self._loop.close()
 

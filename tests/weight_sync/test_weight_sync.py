@@ -72,15 +72,23 @@ def test_new_subscriber_gets_latest_bit_identical(server, stack, publisher, poli
     for (_, weights), published in zip(received, versions, strict=True):
         assert_bit_identical(weights, published)
 
-    # Heartbeats come once a second: wait for one written after the subscription.
-    def beat() -> dict:
-        return next(doc for doc in heartbeat.read_all(client) if doc["service"] == "weight_sync")
+    # Heartbeats come once a second: wait for one written after the subscription. Every
+    # test server beats under the same instance name; this one is told by its port.
+    def beat() -> dict | None:
+        return next(
+            (
+                doc
+                for doc in heartbeat.read_all(client)
+                if doc["service"] == "weight_sync" and doc["port"] == server.running.port
+            ),
+            None,
+        )
 
     deadline = time.monotonic() + 10
-    while beat()["bytes_sent"] < sum(blob_sizes):
-        assert time.monotonic() < deadline, beat()
+    while (doc := beat()) is None or doc["bytes_sent"] < sum(blob_sizes):
+        assert time.monotonic() < deadline, doc
         time.sleep(0.1)
-    assert beat()["latest"] == {ARM: 4} and beat()["versions_published"] == 5
+    assert doc["latest"] == {ARM: 4} and doc["versions_published"] == 5
 
 
 def test_subscriber_holding_v1_receives_only_deltas(server, publisher, policy_weights):
