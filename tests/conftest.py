@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import os
 import secrets
+import sys
+import warnings
 from pathlib import Path
 from typing import cast
 
@@ -55,6 +57,19 @@ def redis_server(tmp_path_factory):
     proc = procs.start_redis(tmp, tmp / "redis.log")
     yield f"redis://127.0.0.1:{proc.port}/0"
     proc.stop()
+
+
+@pytest.fixture(autouse=True)
+def no_weight_sync_server_outlives_its_test():
+    """A test that leaves an in-process weight_sync server running would have it beat
+    into, and rebuild registries in, the Redis the next tests share: close it and say so."""
+    yield
+    support = sys.modules.get("support.weight_sync")
+    if support is None:
+        return
+    for handle in list(support.InProcessServer.live):
+        warnings.warn(f"a test left the weight_sync server on {handle.addr} running", stacklevel=1)
+        handle.close()
 
 
 @pytest.fixture

@@ -9,6 +9,7 @@ import faulthandler
 import os
 import queue
 import threading
+from typing import ClassVar
 
 import torch
 
@@ -30,7 +31,11 @@ MANIFEST_PUBLIC_KEYS = signing.parse_public_keys(os.environ["RTRL_MANIFEST_PUBLI
 class InProcessServer:
     """WeightSyncServer on its own event loop thread, so the test thread can use the sync clients."""
 
+    live: ClassVar[set[InProcessServer]] = set()
+    """Handles not yet closed: tests/conftest.py closes any a test leaves behind."""
+
     def __init__(self, settings: WeightSyncSettings, stack: StackSettings) -> None:
+        InProcessServer.live.add(self)
         self.settings, self.stack = settings, stack
         self.addr = f"127.0.0.1:{settings.port}"
         self._loop = asyncio.new_event_loop()
@@ -76,6 +81,7 @@ class InProcessServer:
             self._run(server.stop(grace_s=0))
 
     def close(self) -> None:
+        InProcessServer.live.discard(self)
         try:
             self.stop()
         finally:
