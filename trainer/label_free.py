@@ -96,13 +96,20 @@ def sample_answer(
     eos: Sequence[int],
     seed: int,
 ) -> tuple[int, list[int]]:
-    """(prompt length, prompt + a sampled answer of at least one token)."""
+    """(prompt length, prompt + a sampled answer of at least one token).
+
+    The prompt runs once and each sampled token once after it, on the model's KV cache:
+    a gate that samples long answers pays for their tokens, not their square."""
     generator = torch.Generator().manual_seed(seed)
     ids = list(prompt)
-    for _ in range(max_new_tokens):
-        logits = model(torch.tensor([ids])).logits[0, -1].float()
+    outputs = model(torch.tensor([ids]), use_cache=True)
+    for step in range(max_new_tokens):
+        logits = outputs.logits[0, -1].float()
         token = int(torch.multinomial(torch.softmax(logits, -1), 1, generator=generator))
         ids.append(token)
-        if token in eos:
+        if token in eos or step == max_new_tokens - 1:
             break
+        outputs = model(
+            torch.tensor([[token]]), past_key_values=outputs.past_key_values, use_cache=True
+        )
     return len(prompt), ids
