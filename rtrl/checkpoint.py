@@ -17,6 +17,7 @@ What a service needs of it:
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import cached_property
@@ -122,21 +123,40 @@ class Checkpoint:
                     out[name] = TensorInfo(tuple(piece.get_shape()), str(piece.get_dtype()))
         return out
 
-    def fingerprint(self) -> str:
-        """Names a lineage: the config, the tokenizer and the stored tensors' bytes."""
+    def fingerprint(self, cache_dir: Path | None = None) -> str:
+        """Names a lineage: the config, the tokenizer and the stored tensors' bytes.
+
+        Hashing a large model's weights takes seconds, at every start. With ``cache_dir``
+        the digest is kept there, keyed by each file's path, size, inode and mtime (what
+        make and git trust): a file re-saved in place gets a new mtime, and so a new digest.
+        """
+        files = [self.path / n for n in ("config.json", "tokenizer.json")]
+        files = [f for f in files if f.is_file()] + self._weight_files()
+        stamp = xxhash.xxh3_64()
+        for file in files:
+            st = file.stat()
+            stamp.update(
+                f"{file.resolve()}\0{st.st_size}\0{st.st_ino}\0{st.st_mtime_ns}\0".encode()
+            )
+        cached = None if cache_dir is None else cache_dir / f"fingerprint-{stamp.hexdigest()}"
+        if cached is not None and cached.is_file():
+            return cached.read_text().strip()
         digest = xxhash.xxh3_128()
-        for name in ("config.json", "tokenizer.json"):
-            if (self.path / name).is_file():
-                digest.update((self.path / name).read_bytes())
-        for file in self._weight_files():
+        for file in files:
             with open(file, "rb") as f:
                 while chunk := f.read(1 << 20):
                     digest.update(chunk)
-        return digest.hexdigest()[:16]
+        found = digest.hexdigest()[:16]
+        if cached is not None:
+            cached.parent.mkdir(parents=True, exist_ok=True)
+            partial = cached.with_name(f"{cached.name}.{os.getpid()}.partial")
+            partial.write_text(found)
+            partial.replace(cached)  # atomic: ranks starting together may race here
+        return found
 
-    def lineage_name(self) -> str:
+    def lineage_name(self, cache_dir: Path | None = None) -> str:
         """The name a run trained from this checkpoint records as its origin."""
-        return f"{self.path.name}-{self.fingerprint()}"
+        return f"{self.path.name}-{self.fingerprint(cache_dir)}"
 
     def load_model(self, dtype: str = "float32", device: str = "cpu") -> PreTrainedModel:
         """The checkpoint as an AutoModelForCausalLM in eval mode (sdpa attention)."""

@@ -176,7 +176,11 @@ class Trainer:
         )
         self.policy = Checkpoint.open(path)
         # A user's directory may be re-saved under the same name: its bytes name the lineage.
-        self.warm_start = path.name if self.model_dir is None else self.policy.lineage_name()
+        self.warm_start = (
+            path.name
+            if self.model_dir is None
+            else self.policy.lineage_name(self.state_dir / "cache")
+        )
         model = self._load_policy()
         ref_model = self._load_policy()
         ref_model.requires_grad_(False)

@@ -53,6 +53,8 @@ class Run:
     status_json: dict
     status_text: str
     model_name: str
+    fingerprints: list[str]
+    """The trainer's kept digests of the model's bytes (state_dir/cache)."""
 
 
 def _beats(stack) -> tuple[TrainerBeat | None, list[InferenceBeat]]:
@@ -152,7 +154,13 @@ def run(tmp_path_factory):
                 env={**os.environ, "COLUMNS": "200"},
             ).stdout
             yield Run(
-                traffic, trainer, workers, json.loads(status_json), status_text, model_dir.name
+                traffic,
+                trainer,
+                workers,
+                json.loads(status_json),
+                status_text,
+                model_dir.name,
+                sorted(p.name for p in (state_dir / "cache").glob("fingerprint-*")),
             )
         finally:
             down(state_dir, console)
@@ -169,6 +177,8 @@ def test_the_trainer_publishes_versions_of_your_model_and_every_worker_serves_th
     served = {s["version"] for a in run.traffic.answers for s in a["policy_versions"]}
     assert max(served) >= 1
     assert run.traffic.accepted_events >= 2 * len(run.traffic.answers) * 0.9
+    # The model's bytes were hashed once and the digest kept for the next start.
+    assert len(run.fingerprints) == 1, run.fingerprints
 
 
 def test_status_shows_the_train_inference_mismatch(run):

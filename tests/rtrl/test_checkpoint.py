@@ -5,6 +5,7 @@ built-in character vocabulary does."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 
 import pytest
@@ -37,6 +38,30 @@ def test_a_checkpoint_describes_its_model_tokens_and_tensors(qwen3):
     assert {name: info.shape for name, info in ckpt.tensors.items()} == stored
     assert {info.dtype for info in ckpt.tensors.values()} == {"F32"}
     assert ckpt.lineage_name().startswith("qwen3-")
+
+
+def test_the_fingerprint_is_kept_while_no_file_changes_and_redone_when_one_does(tmp_path):
+    """A large model's weights are hashed once, not at every trainer start: the digest is
+    kept by each file's size, inode and mtime, and a file re-saved in place (new mtime)
+    is hashed again."""
+    directory = write_tiny_checkpoint(tmp_path / "qwen3", "qwen3")
+    cache = tmp_path / "cache"
+    ckpt = Checkpoint.open(directory)
+    first = ckpt.fingerprint(cache)
+    assert first == ckpt.fingerprint() and len(list(cache.iterdir())) == 1
+    weights = directory / "model.safetensors"
+    before = weights.stat()
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 0xFF  # the last byte of the last tensor
+    weights.write_bytes(bytes(data))
+    os.utime(weights, ns=(before.st_atime_ns, before.st_mtime_ns))
+    # Same path, size, inode and mtime: the kept digest is trusted without reading a byte...
+    assert Checkpoint.open(directory).fingerprint(cache) == first
+    # ...but not by a reader without the cache, nor once the mtime moves.
+    changed = Checkpoint.open(directory).fingerprint()
+    assert changed != first
+    os.utime(weights, ns=(before.st_atime_ns, before.st_mtime_ns + 1))
+    assert Checkpoint.open(directory).fingerprint(cache) == changed
 
 
 def test_the_chat_template_renders_ids_and_refuses_clearly(qwen3, tmp_path):
