@@ -9,6 +9,7 @@ only after the outputs they produced are durable.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import threading
 import time
@@ -54,9 +55,14 @@ def ensure_topics(
         for n in names
         if n not in existing
     ]
-    for future in admin.create_topics(missing).values() if missing else ():
+    for name, future in admin.create_topics(missing).items() if missing else ():
         try:
             future.result(timeout=timeout_s)
+        except concurrent.futures.TimeoutError:
+            raise TimeoutError(
+                f"the broker at {settings.kafka_bootstrap} did not create topic {name} "
+                f"in {timeout_s:.0f} s"
+            ) from None
         except KafkaException as exc:
             if exc.args[0].code() != KafkaError.TOPIC_ALREADY_EXISTS:
                 raise
