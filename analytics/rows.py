@@ -54,6 +54,7 @@ COLUMNS: dict[str, tuple[str, ...]] = {
         "completion_text",
         "finish_reason",
         "traceparent",
+        "context_key",
     ),
     schema.TELEMETRY: (
         "event_id",
@@ -254,6 +255,7 @@ def rollout_row(r: rollout_pb2.RolloutRecord) -> Row:
             r.completion_text,
             r.finish_reason,
             r.traceparent,
+            r.context_key,
         ),
     )
 

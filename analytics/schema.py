@@ -86,6 +86,7 @@ ROLLOUT_VALUES = {
 # adds these to it, which is a no-op where the CREATE already made them. Only ever appended,
 # like the proto fields they hold.
 ADDED_COLUMNS: dict[str, tuple[tuple[str, str], ...]] = {
+    ROLLOUTS: (("context_key", "String"),),
     TRAINER_STEPS: (
         ("mismatch_mean", "Float64"),
         ("mismatch_max", "Float64"),
@@ -123,7 +124,7 @@ CREATE TABLE IF NOT EXISTS {ROLLOUTS} (
     prompt_text String,
     completion_text String,
     finish_reason LowCardinality(String),
-    traceparent String
+    traceparent String{_added(ROLLOUTS)}
 ) ENGINE = ReplacingMergeTree ORDER BY rollout_id
 """,
     f"""

@@ -10,14 +10,19 @@ rollout record holds exactly those ids and the sampled ones.
 
 from __future__ import annotations
 
+import re
 import time
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from inference.engine import Completion
 from inference.records import version_spans
 from rtrl.event_time import EventTimeWindow
+
+CONTEXT_KEY = re.compile(r"[A-Za-z0-9._:/@-]{0,128}")
+"""What a request's context_key may hold: ASCII letters, digits and ``._:/@-``, at most 128
+of them. It becomes a key of the trainer's running means and an analytics column."""
 
 
 class FieldRefused(ValueError):
@@ -46,8 +51,18 @@ class RequestBody(BaseModel):
     client_ts_ms: int | None = None
     """The product's clock when it asked; absent means the server's. Bounded by ``check_client_ts``."""
     prompt_group_id: str = ""
+    context_key: str = ""
+    """The product's context of the request (task type, repository...), matching CONTEXT_KEY;
+    the trainer's context baseline compares the rollout's reward with that context's."""
     stream: bool = False
     """Server-sent events: a chunk per token as it is sampled, then the whole answer."""
+
+    @field_validator("context_key")
+    @classmethod
+    def _context_key_allowed(cls, value: str) -> str:
+        if CONTEXT_KEY.fullmatch(value) is None:
+            raise ValueError("at most 128 of the characters A-Z a-z 0-9 . _ : / @ -")
+        return value
 
     def check_client_ts(self, now_ms: int, window: EventTimeWindow) -> None:
         """Raise FieldRefused unless client_ts_ms (when given) lies in ``window`` around ``now_ms``:

@@ -46,6 +46,7 @@ class RolloutContext:
     model_name: str
     prompt_text: str
     prompt_group_id: str = ""
+    context_key: str = ""
     traceparent: str = ""
     client_id: str = ""
     """The client whose API key was served the completion ("" without keys)."""
@@ -64,6 +65,7 @@ def rollout_record(context: RolloutContext, completion: Completion) -> rollout_p
         arm=ARM_ENUM[completion.arm],
         model_name=context.model_name,
         prompt_group_id=context.prompt_group_id,
+        context_key=context.context_key,
         prompt_token_ids=completion.prompt_ids,
         completion_token_ids=result.token_ids,
         completion_logprobs=result.logprobs,

@@ -505,6 +505,7 @@ class InferenceServer:
                 model_name=self.model_name,
                 prompt_text=self.policy.decode(prompt_ids),
                 prompt_group_id=body.prompt_group_id,
+                context_key=body.context_key,
                 traceparent=traceparent,
                 client_id=key.client_id if key is not None else "",
             )

@@ -5,9 +5,11 @@ traffic has unique prompts, so every rollout is alone in its group and falls bac
 batch mean: a rollout of an easy context looks good next to one of a hard context, and
 the gradient rewards being asked easy things. ``RTRL_TRAINER_BASELINE=context`` compares
 such a rollout with a running mean of the rewards earlier rollouts of its *context* got:
-a key the product supplies (task type, repository, project), read from the rollout
-record by the ``RTRL_TRAINER_CONTEXT_KEY`` plug-in. Rollouts that do share a prompt in
-the batch still use leave-one-out.
+a key the product supplies (task type, repository, project). A product sends it as the
+serving API's ``context_key``, which the record carries; a record without one (``""``)
+is keyed by the ``RTRL_TRAINER_CONTEXT_KEY`` plug-in instead, which reads it from the
+record some other way (the demo's parses the project tag of its prompts). Rollouts that
+do share a prompt in the batch still use leave-one-out.
 
 The running mean of a key is an exponential moving average over its last ``window``
 rewards or so (a plain mean until it has that many), taken *before* the batch's rewards
@@ -51,7 +53,8 @@ REMEMBERED_BATCHES = 64
 refused) gets the same ones, not ones from means that now hold its own rewards."""
 
 ContextKey = Callable[[rollout_pb2.RolloutRecord], str]
-"""The product's context of a rollout (RTRL_TRAINER_CONTEXT_KEY); "" for none."""
+"""The product's context of a rollout without a context_key (RTRL_TRAINER_CONTEXT_KEY); "" for
+none."""
 
 
 @dataclass
@@ -157,7 +160,8 @@ class RunningContextBaseline:
         self._recent: OrderedDict[tuple[str, ...], tuple[float, ...]] = OrderedDict()
 
     def context_of(self, rollout: rollout_pb2.RolloutRecord) -> str:
-        return self.context_key(rollout)
+        """The context_key the product sent with the request, else the plug-in's."""
+        return rollout.context_key or self.context_key(rollout)
 
     def collate(self, samples: Sequence[TrainSample]) -> TrainBatch:
         batch = collate(samples)

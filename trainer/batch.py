@@ -75,7 +75,8 @@ def to_sample(
     context_of: Callable[[rollout_pb2.RolloutRecord], str] | None = None,
     vocab_size: int = VOCAB_SIZE,
 ) -> TrainSample | Drop:
-    """context_of: the product's context key of a rollout (RTRL_TRAINER_CONTEXT_KEY);
+    """context_of: the product's context key of a rollout (its context_key, else the
+    RTRL_TRAINER_CONTEXT_KEY plug-in's: trainer/baseline.py);
     max_positions and vocab_size: the policy's (its checkpoint's)."""
     rollout = record.rollout
     if rollout.arm != common_pb2.ARM_TREATMENT:

@@ -89,7 +89,9 @@ class TrainerSettings(Settings):
     context_key: str = "simulator.tasks:context_key"
     """With baseline=context, the product's context of a rollout (task type, repository...) as a
     plug-in ``module:callable`` taking the RolloutRecord and returning a string ("" for none); the
-    default reads the demo's project tag from the prompt."""
+    default reads the demo's project tag from the prompt. Asked only for a rollout whose request
+    sent no ``context_key`` to the serving API: the key a request sends, carried in the record,
+    comes first."""
 
     baseline_window: float = Field(64.0, ge=1)
     """Rewards a context's running mean averages over (an exponential moving average of about this

@@ -152,6 +152,23 @@ def test_context_key_is_read_by_the_plug_in():
     assert isinstance(sample, TrainSample) and sample.context == "@p2"
 
 
+@pytest.mark.parametrize(
+    "context_key, prompt_text, expected",
+    [
+        # The key the product sent with the request wins over the plug-in's reading.
+        ("repo:acme/api", "@p3 log ok 01234\n", "repo:acme/api"),
+        ("task:rename", "fix the build", "task:rename"),
+        # None sent: the plug-in is asked, so the demo's tagged prompts keep their contexts.
+        ("", "@p3 log ok 01234\n", "@p3"),
+        ("", "fix the build", ""),
+    ],
+)
+def test_a_record_s_own_context_key_comes_before_the_plug_in(context_key, prompt_text, expected):
+    baseline = baseline_for(TrainerSettings(baseline="context"))
+    record = rollout_pb2.RolloutRecord(context_key=context_key, prompt_text=prompt_text)
+    assert baseline.context_of(record) == expected
+
+
 def test_setting_is_read_from_the_environment(monkeypatch):
     monkeypatch.setenv("RTRL_TRAINER_BASELINE", "context")
     assert isinstance(baseline_for(TrainerSettings()), RunningContextBaseline)
