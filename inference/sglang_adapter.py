@@ -31,6 +31,7 @@ from typing import Any
 
 from inference.batch import SequenceParams, SequenceResult
 from inference.engine import Completion, EngineStats, sequence_params
+from inference.sglang_weight_protocol import SGLangWeights
 from rtrl.checkpoint import Checkpoint
 
 log = logging.getLogger(__name__)
@@ -370,8 +371,6 @@ class SGLangEngine:
         return completion
 
     def _poll(self) -> None:
-        from inference.sglang_sidecar import SGLangWeights
-
         servers = {
             arm: SGLangWeights(url, timeout_s=min(self.timeout_s, 10.0), api_key=self.api_key)
             for arm, url in self.urls.items()

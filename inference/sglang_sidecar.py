@@ -19,31 +19,19 @@ Versions carry the checkpoint's Hugging Face names (``q_proj``, ``gate_proj``, a
 ``q_norm``...): SGLang's weight loader maps them onto its own fused parameters
 (``qkv_proj``, ``gate_up_proj``) as it does when loading from disk.
 
-Three things SGLang 0.5.23 does not refuse, so the sidecar checks them itself before it
-pauses anything: a tensor whose shape differs from the served parameter kills the
-server's scheduler (an AssertionError in its weight loader takes the whole server
-down), a tensor with an unknown name is skipped while the server still reports the new
-version, and a tensor of another kind of dtype (integers into a float parameter) is
-silently converted. A version must therefore match what the server loaded from the
-checkpoint (``served_inventory``): the same names and shapes, floating-point tensors
-where it serves floating point (sent in the dtype it serves, ``--dtype``); one that does
-not is rejected and never sent.
+Versions are checked against what the server loaded before anything is paused
+(inference/sglang_inventory.py says what SGLang would otherwise do with a tensor that
+does not fit); one that does not fit is rejected and never sent. The HTTP steps
+themselves are inference/sglang_weight_protocol.py.
 """
 
 from __future__ import annotations
 
-import base64
-import json
 import logging
-import pickle
 import signal
-import struct
 import threading
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
@@ -51,14 +39,19 @@ from opentelemetry import trace
 from pydantic import Field, SecretStr
 from pydantic_settings import SettingsConfigDict
 
+from inference.sglang_inventory import ServedTensor, as_served, check_fits, inventory_of
+from inference.sglang_weight_protocol import (
+    PauseMode,
+    SGLangRefused,
+    SGLangWeights,
+    serialize_named_tensors,
+)
 from inference.weights import WeightFollower
 from rtrl import entrypoint, otel, signing
 from rtrl.config import Settings, StackSettings
 
 log = logging.getLogger(__name__)
 _tracer = trace.get_tracer("rtrl.sglang_sidecar")
-
-PauseMode = Literal["in_place", "retract"]
 
 
 class SidecarSettings(Settings):
@@ -102,14 +95,6 @@ class SidecarSettings(Settings):
     """Timeout of one HTTP call to SGLang (the tensor upload is the longest)."""
 
 
-class SGLangRefused(RuntimeError):
-    """SGLang answered a step of the weight protocol with an HTTP error or success=false."""
-
-    def __init__(self, step: str, status: int, message: str) -> None:
-        super().__init__(f"SGLang refused {step} (HTTP {status}): {message}")
-        self.step, self.status, self.message = step, status, message
-
-
 class WeightUpdateRefused(RuntimeError):
     """Every attempt to swap a version in was refused. Generation was resumed after each
     attempt and the version is still pending: the next apply tries it again."""
@@ -117,241 +102,6 @@ class WeightUpdateRefused(RuntimeError):
     def __init__(self, version: int, attempts: int, last: SGLangRefused) -> None:
         super().__init__(f"v{version} not applied after {attempts} attempts; last: {last}")
         self.version, self.attempts, self.last = version, attempts, last
-
-
-class WeightsRejected(ValueError):
-    """A version does not fit the served model; it is never sent to SGLang."""
-
-
-class SGLangWeights:
-    """SGLang 0.5.23's weight-update HTTP protocol, one method per step.
-
-    Each method raises SGLangRefused when the server refuses the step, and lets
-    connection errors propagate (the server is not there to refuse anything)."""
-
-    def __init__(
-        self, url: str, timeout_s: float = 120.0, api_key: str = "", admin_api_key: str = ""
-    ) -> None:
-        self.url = url.rstrip("/")
-        self.timeout_s = timeout_s
-        # SGLang takes its --api-key on the serving endpoints (/model_info here) and, when it
-        # has one, only its --admin-api-key on the weight steps.
-        self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        admin = admin_api_key or api_key
-        self._admin_headers = {"Authorization": f"Bearer {admin}"} if admin else {}
-
-    def pause(self, mode: PauseMode) -> None:
-        self._post("pause", "/pause_generation", {"mode": mode})
-
-    def begin(self) -> None:
-        self._post("begin", "/begin_weight_update", {})
-
-    def update(self, serialized: str, *, weight_version: str, flush_cache: bool) -> None:
-        """Load the tensors of ``serialized`` (see serialize_named_tensors) and label
-        the weights ``weight_version``. ``flush_cache`` must be false while requests are
-        paused in place (SGLang refuses to flush a cache that running requests use)."""
-        body = {
-            "serialized_named_tensors": [serialized],
-            "flush_cache": flush_cache,
-            "weight_version": weight_version,
-        }
-        self._post("update", "/update_weights_from_tensor", body)
-
-    def end(self) -> None:
-        self._post("end", "/end_weight_update", {})
-
-    def continue_generation(self) -> None:
-        self._post("continue", "/continue_generation", {})
-
-    def weight_version(self) -> str:
-        """The label of the weights the server serves now."""
-        return str(self._get("/model_info")["weight_version"])
-
-    def architectures(self) -> list[str]:
-        """The model classes of the checkpoint the server loaded (its config's ``architectures``)."""
-        return list(self._get("/model_info").get("architectures") or [])
-
-    def dtype(self) -> str:
-        """The server's ``--dtype`` (``auto`` unless it was launched with one)."""
-        return str(self._get("/server_info")["dtype"])
-
-    def _get(self, path: str) -> dict[str, Any]:
-        request = urllib.request.Request(f"{self.url}{path}", headers=self._headers)
-        with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
-            answer: dict[str, Any] = json.loads(response.read())
-        return answer
-
-    def _post(self, step: str, path: str, body: dict[str, Any]) -> dict[str, Any]:
-        request = urllib.request.Request(
-            f"{self.url}{path}",
-            data=json.dumps(body).encode(),
-            headers={"Content-Type": "application/json", **self._admin_headers},
-            method="POST",
-        )
-        try:
-            with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
-                answer = json.loads(response.read() or b"{}")
-        except urllib.error.HTTPError as exc:
-            raise SGLangRefused(step, exc.code, _error_message(exc)) from None
-        # /pause_generation and /continue_generation answer {"status": "ok"}, the weight
-        # steps {"success": bool, "message": str}.
-        if answer.get("success") is False:
-            raise SGLangRefused(step, 200, answer.get("message", ""))
-        return answer
-
-
-def _error_message(exc: urllib.error.HTTPError) -> str:
-    body = exc.read().decode(errors="replace")
-    try:
-        return json.loads(body).get("message", body)
-    except (ValueError, AttributeError):
-        return body
-
-
-def serialize_named_tensors(tensors: Mapping[str, Any]) -> str:
-    """The ``serialized_named_tensors`` entry SGLang's HTTP endpoint takes: a base64
-    plain pickle of ``[(name, tensor), ...]``. Plain pickle carries the bytes inside
-    (SGLang's safe unpickler accepts torch's storage rebuild); torch's multiprocessing
-    pickler would instead pass shared-memory handles only valid on this host."""
-    named = [(name, tensor.detach().cpu().contiguous()) for name, tensor in tensors.items()]
-    return base64.b64encode(pickle.dumps(named, protocol=pickle.HIGHEST_PROTOCOL)).decode("ascii")
-
-
-@dataclass(frozen=True)
-class ServedTensor:
-    """One tensor as the server holds it, which a version's tensor of that name must match."""
-
-    shape: tuple[int, ...]
-    dtype: str
-    """torch's name of the dtype the server holds it in (``float32``, ``bfloat16``...)."""
-
-
-# safetensors' dtype names → torch's.
-_SAFETENSORS_DTYPES = {
-    "F64": "float64",
-    "F32": "float32",
-    "F16": "float16",
-    "BF16": "bfloat16",
-    "F8_E4M3": "float8_e4m3fn",
-    "F8_E5M2": "float8_e5m2",
-    "I64": "int64",
-    "I32": "int32",
-    "I16": "int16",
-    "I8": "int8",
-    "U8": "uint8",
-    "BOOL": "bool",
-}
-# What the dense (unquantized) weights of a checkpoint are stored and served in; anything
-# else (fp8, packed integers) SGLang loads as stored.
-_DENSE_DTYPES = frozenset({"float64", "float32", "float16", "bfloat16"})
-# SGLang's --dtype spellings (sglang/srt/configs/model_config.py).
-_SGLANG_DTYPES = {
-    "half": "float16",
-    "float16": "float16",
-    "float": "float32",
-    "float32": "float32",
-    "bfloat16": "bfloat16",
-}
-# Tensors SGLang's loaders skip (rotary tables some checkpoints store): never served.
-_SKIPPED = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
-
-
-def served_dtype(server_dtype: str, config: Mapping[str, Any]) -> str:
-    """The dtype SGLang 0.5.23 holds a checkpoint's dense weights in, for its ``--dtype``
-    and the checkpoint's config.json (sglang/srt/configs/model_config.py,
-    ``_get_and_verify_dtype``): ``auto`` keeps the config's dtype, except that float32
-    checkpoints are served in float16 (bfloat16 for Gemma)."""
-    if server_dtype.lower() != "auto":
-        return _SGLANG_DTYPES[server_dtype.lower()]
-    text = config.get("text_config") or config
-    stored = text.get("dtype") or text.get("torch_dtype") or config.get("dtype") or "float32"
-    if _SGLANG_DTYPES.get(stored, "float32") != "float32":
-        return _SGLANG_DTYPES[stored]
-    return "bfloat16" if str(text.get("model_type", "")).startswith("gemma") else "float16"
-
-
-def served_inventory(model_dir: Path, server_dtype: str = "float32") -> dict[str, ServedTensor]:
-    """Name → shape and dtype of every tensor a server launched on ``model_dir`` with
-    ``--dtype server_dtype`` holds, read from config.json and the safetensors headers (no
-    tensor data is loaded). Left out: what SGLang's loaders skip (rotary tables) and,
-    with tied embeddings, ``lm_head.weight`` (the embedding is the head: a version
-    changes both through ``model.embed_tokens.weight``)."""
-    config = json.loads((Path(model_dir) / "config.json").read_text())
-    dense = served_dtype(server_dtype, config)
-    tied = bool(config.get("tie_word_embeddings", False))
-    files = sorted(Path(model_dir).glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"no *.safetensors in {model_dir}")
-    inventory: dict[str, ServedTensor] = {}
-    for path in files:
-        with open(path, "rb") as f:
-            (length,) = struct.unpack("<Q", f.read(8))
-            header = json.loads(f.read(length))
-        for name, meta in header.items():
-            if name == "__metadata__" or name.endswith(_SKIPPED):
-                continue
-            if tied and name == "lm_head.weight":
-                continue
-            stored = _SAFETENSORS_DTYPES.get(meta["dtype"], meta["dtype"])
-            inventory[name] = ServedTensor(
-                tuple(meta["shape"]), dense if stored in _DENSE_DTYPES else stored
-            )
-    return inventory
-
-
-def inventory_of(weights: SGLangWeights, model_dir: Path) -> dict[str, ServedTensor]:
-    """The inventory of the server behind ``weights``, launched on ``model_dir``: refuses
-    (ValueError) a server that loaded a model of other architectures, and reads the
-    dtype it serves from the server itself."""
-    config = json.loads((Path(model_dir) / "config.json").read_text())
-    expected, served = list(config.get("architectures") or []), weights.architectures()
-    if expected and served and expected != served:
-        raise ValueError(
-            f"{weights.url} serves {served}, but the sidecar's model_dir {model_dir} holds {expected}"
-        )
-    return served_inventory(model_dir, weights.dtype())
-
-
-def check_fits(
-    version: int, tensors: Mapping[str, Any], inventory: Mapping[str, ServedTensor]
-) -> None:
-    """Raise WeightsRejected unless ``tensors`` has exactly the served names and shapes,
-    and each a dtype the served one can take without changing kind: any floating-point
-    dtype for a dense weight (sent converted to the served dtype), the very same dtype
-    otherwise. A partial version would leave old tensors under the new version's label."""
-    unknown = sorted(set(tensors) - set(inventory))
-    missing = sorted(set(inventory) - set(tensors))
-    wrong_shape = sorted(
-        f"{name} {tuple(t.shape)} (served {inventory[name].shape})"
-        for name, t in tensors.items()
-        if name in inventory and tuple(t.shape) != inventory[name].shape
-    )
-    wrong_dtype = sorted(
-        f"{name} {_dtype_name(t)} (served {inventory[name].dtype})"
-        for name, t in tensors.items()
-        if name in inventory and not _convertible(_dtype_name(t), inventory[name].dtype)
-    )
-    if unknown or missing or wrong_shape or wrong_dtype:
-        raise WeightsRejected(
-            f"v{version} does not fit the served model: unknown {unknown[:5]}, "
-            f"missing {missing[:5]}, wrong shape {wrong_shape[:5]}, wrong dtype {wrong_dtype[:5]}"
-        )
-
-
-def as_served(tensors: Mapping[str, Any], inventory: Mapping[str, ServedTensor]) -> dict[str, Any]:
-    """``tensors`` (checked by check_fits) in the dtypes the server holds them in: what it
-    would round them to on load, converted here so the upload is no larger than needed."""
-    import torch
-
-    return {name: t.to(getattr(torch, inventory[name].dtype)) for name, t in tensors.items()}
-
-
-def _dtype_name(tensor: Any) -> str:
-    return str(tensor.dtype).removeprefix("torch.")
-
-
-def _convertible(dtype: str, served: str) -> bool:
-    return dtype == served or (dtype in _DENSE_DTYPES and served in _DENSE_DTYPES)
 
 
 class SGLangSidecar:

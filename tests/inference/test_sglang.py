@@ -28,18 +28,16 @@ from inference import records
 from inference.batch import SequenceParams
 from inference.sampling import sampling_logprobs
 from inference.sglang_adapter import DEMO, ServedModel, SGLangGenerationError, generate
-from inference.sglang_sidecar import (
-    SGLangRefused,
-    SGLangSidecar,
-    SGLangWeights,
-    SidecarSettings,
+from inference.sglang_inventory import (
     WeightsRejected,
-    WeightUpdateRefused,
     as_served,
     check_fits,
     inventory_of,
+    served_dtype,
     served_inventory,
 )
+from inference.sglang_sidecar import SGLangSidecar, SidecarSettings, WeightUpdateRefused
+from inference.sglang_weight_protocol import SGLangRefused, SGLangWeights
 from rtrl.ops.tiny_model import write_tiny_checkpoint
 from rtrl.policy import BOS, build_model, encode, load_weights, state_dict_fp32
 from rtrl.v1 import common_pb2, rollout_pb2
@@ -750,8 +748,6 @@ def test_versions_are_sent_in_the_dtype_the_server_holds(qwen3_dir):
     ],
 )
 def test_served_dtype_follows_sglang(qwen3_dir, server_dtype, config, served):
-    from inference.sglang_sidecar import served_dtype
-
     assert served_dtype(server_dtype, config) == served
 
 
