@@ -70,6 +70,9 @@ class IngestBench:
     rollout_verify_us: float = 0.0
     """Verifying it (the joiner, once per rollout)."""
     rollout_bytes: int = 0
+    event_mac_us: float = 0.0
+    """Authenticating one event of event_bytes (the gateway, once per event; the joiner's
+    check costs the same)."""
 
 
 class SignatureCosts(TypedDict):
@@ -79,6 +82,7 @@ class SignatureCosts(TypedDict):
     rollout_sign_us: float
     rollout_verify_us: float
     rollout_bytes: int
+    event_mac_us: float
 
 
 def signature_costs(repeats: int = 2_000) -> SignatureCosts:
@@ -111,11 +115,19 @@ def signature_costs(repeats: int = 2_000) -> SignatureCosts:
         check.problem(value, header) for value, header in zip(rollouts, headers, strict=True)
     )
     verified = time.perf_counter() - start
+
+    events = [event.SerializeToString() for event in make_events(repeats)]
+    mac = signing.MacSigner(signing.generate_mac_key(), signing.Purpose.EVENT)
+    start = time.perf_counter()
+    for value in events:
+        mac.headers(value)
+    authenticated = time.perf_counter() - start
     return {
         "key_verify_us": round(key_verify / repeats * 1e6, 1),
         "rollout_sign_us": round(signed / repeats * 1e6, 1),
         "rollout_verify_us": round(verified / repeats * 1e6, 1),
         "rollout_bytes": round(sum(map(len, rollouts)) / repeats),
+        "event_mac_us": round(authenticated / repeats * 1e6, 2),
     }
 
 
@@ -274,6 +286,7 @@ def run(
                 "RTRL_INGEST_MAX_INFLIGHT": str(batch * concurrency * 2),
                 "RTRL_OTEL_EXPORTER": "none",
                 "RTRL_API_KEY_PUBLIC_KEYS": signing.public_key_of(operator_key),
+                "RTRL_INGEST_EVENT_KEY": signing.generate_mac_key(),
                 "PYTHONPATH": str(Path(__file__).resolve().parent.parent)
                 + os.pathsep
                 + os.environ.get("PYTHONPATH", ""),
@@ -374,6 +387,7 @@ def run(
     console.print(
         f"signatures: {result.key_verify_us} us to verify an API key record (per key per cache TTL); "
         f"{result.rollout_sign_us} us to sign a {result.rollout_bytes:,}-byte rollout (the serving API), "
-        f"{result.rollout_verify_us} us to verify it (the joiner)"
+        f"{result.rollout_verify_us} us to verify it (the joiner); "
+        f"{result.event_mac_us} us to authenticate a {result.event_bytes:,}-byte event (the gateway)"
     )
     return result

@@ -63,6 +63,7 @@ from rich.progress import Progress
 from rich.table import Table
 
 from bench import report
+from reward_stream.authn import Authenticator
 from reward_stream.config import RewardStreamSettings
 from reward_stream.runtime import Joiner
 from rtrl import heartbeat, kafka, procs, signing, topics
@@ -101,12 +102,19 @@ def rollout_signer() -> signing.Signer:
     return signing.Signer(os.environ["RTRL_INFERENCE_ROLLOUT_SIGNING_KEY"], signing.Purpose.ROLLOUT)
 
 
+def event_signer() -> signing.MacSigner:
+    """The gateway's event authenticator: the joiners verify every event (run() makes a key
+    for the bench unless the environment holds one)."""
+    return signing.MacSigner(os.environ["RTRL_INGEST_EVENT_KEY"], signing.Purpose.EVENT)
+
+
 def signed_records(
-    rollout_id: str, ts_ms: int, signer: signing.Signer
+    rollout_id: str, ts_ms: int, signer: signing.Signer, events: signing.MacSigner
 ) -> list[tuple[str, bytes, Headers]]:
-    """rollout_records with the headers a producer sends: the rollout signed as a worker signs it."""
+    """rollout_records with the headers their writers send: the rollout signed as a worker
+    signs it, each event authenticated as the gateway does."""
     return [
-        (topic, value, list(signer.headers(value)) if topic == topics.ROLLOUT else [])
+        (topic, value, list((signer if topic == topics.ROLLOUT else events).headers(value)))
         for topic, value in rollout_records(rollout_id, ts_ms)
     ]
 
@@ -158,11 +166,13 @@ def produce_load(
         kafka.producer_config(stack, **{"linger.ms": 20, "queue.buffering.max.messages": 200_000})
     )
     task = progress.add_task("producing", total=rollouts)
-    signer = rollout_signer()
+    signer, events = rollout_signer(), event_signer()
     ids, size = [], 0
     for i in range(rollouts):
         rollout_id = f"r{i:06d}"
-        for topic, value, headers in signed_records(rollout_id, base_ms + spacing_ms * i, signer):
+        for topic, value, headers in signed_records(
+            rollout_id, base_ms + spacing_ms * i, signer, events
+        ):
             producer.produce(topic, value, key=rollout_id, headers=kafka.kafka_headers(headers))
             size += len(value)
         ids.append(rollout_id)
@@ -173,7 +183,7 @@ def produce_load(
     end_ms = base_ms + spacing_ms * rollouts + close_after_ms
     for partition in range(PARTITIONS):
         rollout_id = f"{SENTINEL}{partition}"
-        for topic, value, headers in signed_records(rollout_id, end_ms, signer):
+        for topic, value, headers in signed_records(rollout_id, end_ms, signer, events):
             producer.produce(
                 topic,
                 value,
@@ -453,12 +463,12 @@ def produce_live(
     producer = Producer(kafka.producer_config(stack))
     task = progress.add_task("live rollouts", total=rollouts)
     opened, start = {}, time.monotonic()
-    signer = rollout_signer()
+    signer, events = rollout_signer(), event_signer()
     for i in range(rollouts):
         time.sleep(max(0.0, start + i / rate_per_s - time.monotonic()))
         rollout_id = f"{LIVE}{i:06d}"
         opened[rollout_id] = int(time.time() * 1000)
-        for topic, value, headers in signed_records(rollout_id, opened[rollout_id], signer):
+        for topic, value, headers in signed_records(rollout_id, opened[rollout_id], signer, events):
             producer.produce(topic, value, key=rollout_id, headers=kafka.kafka_headers(headers))
         producer.poll(0)
         progress.update(task, completed=i + 1)
@@ -496,20 +506,20 @@ def joiner_inprocess(
     records in production order (every topic aligned, as no broker delivers them): the
     ceiling of the join's own CPU cost, without faust or publishing; with ``reward_key``,
     as the service runs it: every rollout verified, every reward signed."""
-    signer = verifier = None
+    settings = RewardStreamSettings()
+    signer = authenticator = None
     if reward_key is not None:
         signer = signing.Signer(reward_key, signing.Purpose.REWARD)
-        verifier = signing.Verifier(
-            [signing.public_key_of(os.environ["RTRL_INFERENCE_ROLLOUT_SIGNING_KEY"])],
-            signing.Purpose.ROLLOUT,
-        )
-    joiner = Joiner(RewardStreamSettings().join_config(), signer=signer, rollout_verifier=verifier)
+        authenticator = Authenticator.of(settings, "the bench's joiner")
+    joiner = Joiner(settings.join_config(), signer=signer, authenticator=authenticator)
     records: list[tuple[str, int, bytes, bytes, Headers]] = []
-    rollouts_signer = rollout_signer()
+    rollouts_signer, events_signer = rollout_signer(), event_signer()
     for i in range(rollouts):
         rollout_id = f"r{i:06d}"
         partition = zlib.crc32(rollout_id.encode()) % PARTITIONS
-        signed = signed_records(rollout_id, base_ms + spacing_ms * i, rollouts_signer)
+        signed = signed_records(
+            rollout_id, base_ms + spacing_ms * i, rollouts_signer, events_signer
+        )
         records.extend(
             (topic, partition, rollout_id.encode(), value, headers)
             for topic, value, headers in signed
@@ -662,6 +672,8 @@ def run(
         "RTRL_INFERENCE_ROLLOUT_SIGNING_KEY", signing.generate_private_key()
     )
     os.environ.setdefault("RTRL_REWARD_ROLLOUT_PUBLIC_KEYS", signing.public_key_of(rollout_key))
+    event_key = os.environ.setdefault("RTRL_INGEST_EVENT_KEY", signing.generate_mac_key())
+    os.environ.setdefault("RTRL_REWARD_EVENT_KEYS", event_key)
     join_settings = RewardStreamSettings()
     code = code_version()
     close_after_ms = round((join_settings.window_s + join_settings.grace_s) * 1000)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pydantic import Field, model_validator
+from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import SettingsConfigDict
 
 from rtrl.config import Settings
@@ -47,6 +47,12 @@ class IngestSettings(Settings, TLSListener):
 
     retry_after_s: int = Field(1, ge=0)
     """The ``Retry-After`` header sent with a 429."""
+
+    event_key: SecretStr = SecretStr("")
+    """The key (base64url, 32 bytes; rtrl/signing.py) the gateway authenticates every event it
+    writes with (an HMAC-SHA256 in the record's headers): the joiner holds it too and joins
+    only events that verify, so nothing that merely reaches the broker can steer rewards.
+    No default: the gateway refuses to start without one (`rtrl up` generates it)."""
 
     auth_required: bool = True
     """Refuse requests without a valid API key (rtrl/api_keys.py). Off only for local experiments."""

@@ -37,7 +37,7 @@ import redis.asyncio as aioredis
 from opentelemetry import trace
 
 from ingest.validation import CLIENT_TS_WINDOW, validate
-from rtrl import heartbeat, kafka, otel, topics
+from rtrl import heartbeat, kafka, otel, signing, topics
 from rtrl.api_keys import PRIVATE_USERS, SERVED_PREFIX, ApiKey
 from rtrl.event_time import EventTimeWindow
 from rtrl.v1 import ingest_pb2, telemetry_pb2
@@ -139,10 +139,13 @@ class Gateway:
         dedup_ttl_s: int,
         claim_ttl_s: int,
         max_inflight: int,
+        signer: signing.MacSigner,
         clock_ms: Callable[[], int] = wall_clock_ms,
         client_ts_window: EventTimeWindow = CLIENT_TS_WINDOW,
     ) -> None:
         self._producer = producer
+        self._signer = signer
+        """Authenticates every event written (the joiner joins only events that verify)."""
         self._redis = redis
         self._dedup_ttl_s = dedup_ttl_s
         self._claim_ttl_s = claim_ttl_s
@@ -295,17 +298,18 @@ class Gateway:
 
         # send_batch enqueues in batch order before anything is awaited, so events of
         # one rollout keep their order on its partition.
-        errors = await self._producer.send_batch(
-            [
+        records = []
+        for i in to_produce:
+            value = events[i].SerializeToString()
+            records.append(
                 (
                     topics.BY_PAYLOAD[events[i].WhichOneof("payload")],
-                    events[i].SerializeToString(),
+                    value,
                     events[i].rollout_id,
-                    headers,
+                    [*headers, *self._signer.headers(value)],
                 )
-                for i in to_produce
-            ]
-        )
+            )
+        errors = await self._producer.send_batch(records)
         async with self._redis.pipeline(transaction=False) as pipe:
             for i, error in zip(to_produce, errors, strict=True):
                 if error is not None:

@@ -378,11 +378,22 @@ class IngestServer:
 async def start(stack: StackSettings, settings: IngestSettings) -> IngestServer:
     await asyncio.to_thread(kafka.wait_for_broker, stack)
     await asyncio.to_thread(kafka.ensure_topics, stack)
+    event_key = settings.event_key.get_secret_value()
+    if not event_key:
+        raise SystemExit(
+            "RTRL_INGEST_EVENT_KEY is not set: the gateway authenticates every event it writes "
+            "and has no default key (python -m rtrl.signing prints one)"
+        )
+    try:
+        signer = signing.MacSigner(event_key, signing.Purpose.EVENT)
+    except ValueError as exc:
+        raise SystemExit(f"RTRL_INGEST_EVENT_KEY: {exc}") from None
     redis = aioredis.Redis.from_url(stack.redis_url)
     producer = kafka.AsyncProducer(stack, **{"message.timeout.ms": settings.produce_timeout_ms})
     gateway = Gateway(
         producer,
         redis,
+        signer=signer,
         dedup_ttl_s=settings.dedup_ttl_s,
         claim_ttl_s=settings.claim_ttl_s,
         max_inflight=settings.max_inflight,

@@ -38,6 +38,7 @@ from opentelemetry import metrics
 
 from reward_stream import recovery
 from reward_stream.acks import OrderedAcks, Ticket
+from reward_stream.authn import Authenticator
 from reward_stream.config import RewardStreamSettings
 from reward_stream.publisher import OutputPublisher
 from reward_stream.runtime import Joiner
@@ -86,18 +87,11 @@ def create_app(settings: RewardStreamSettings, stack: StackSettings) -> faust.Ap
             "RTRL_REWARD_SIGNING_KEY is not set: "
             "the joiner signs every reward and has no default key (python -m rtrl.signing)"
         )
-    if not settings.rollout_public_keys.strip():
-        raise SystemExit(
-            "RTRL_REWARD_ROLLOUT_PUBLIC_KEYS is not set: the joiner joins only rollouts an inference worker signed"
-        )
-    rollouts = signing.Verifier(
-        signing.parse_public_keys(settings.rollout_public_keys), signing.Purpose.ROLLOUT
-    )
     joiner = Joiner(
         settings.join_config(),
         settings.reward_fn_version,
         signing.Signer(key, signing.Purpose.REWARD),
-        rollouts,
+        Authenticator.of(settings, "the joiner"),
     )
     ordered = OrderedAcks()
 

@@ -16,8 +16,9 @@ class MalformedEvent(ValueError):
     """The record cannot be joined; str(exc) is the reason put in the DLQ header."""
 
 
-class UnauthenticatedRollout(MalformedEvent):
-    """A rollout record the inference workers did not sign (forged, tampered or unsigned)."""
+class Unauthenticated(MalformedEvent):
+    """A record its topic's writer did not sign (forged, tampered or unsigned): a rollout
+    no inference worker signed, an event the ingest gateway did not authenticate."""
 
 
 class PrivacyModeEvent(Exception):

@@ -65,6 +65,12 @@ class RewardStreamSettings(Settings):
     joined: dead-lettered with the reason and counted as ``unauthenticated``. No default:
     the joiner refuses to start without one (`rtrl up` derives it)."""
 
+    event_keys: SecretStr = SecretStr("")
+    """The ingest gateway's event key(s) (base64url, 32 bytes each; rtrl/signing.py),
+    comma-separated (more than one while keys rotate): an event whose HMAC does not verify is
+    never joined: dead-lettered with the reason and counted as ``unauthenticated``. No default:
+    the joiner refuses to start without one (`rtrl up` generates it)."""
+
     reward_fn_version: str = "r3"
     """Reward function the live stream settles with (reward_stream/reward.py: r1, r2, r3).
     Changing it changes every reward_id; recompute history with reward_stream.replay."""

@@ -41,6 +41,7 @@ from confluent_kafka import (
 )
 
 from reward_stream import join, reward
+from reward_stream.authn import Authenticator
 from reward_stream.codec import MalformedEvent, PrivacyModeEvent, decode, rollout_of, telemetry_of
 from rtrl import kafka, signing, topics
 from rtrl.config import StackSettings
@@ -76,7 +77,8 @@ class Replay:
     late: int
     """Events for a rollout that had already settled in event time."""
     unauthenticated: int = 0
-    """Rollouts skipped because no inference worker signed them (also counted in skipped)."""
+    """Records skipped because their writer did not sign them: rollouts no inference worker
+    signed, events the gateway did not authenticate (also counted in skipped)."""
 
 
 def read_retained(
@@ -123,11 +125,11 @@ def rejoin(
     retained: list[RetainedRecord],
     config: join.JoinConfig,
     version: str,
-    rollout_verifier: signing.Verifier | None = None,
+    authenticator: Authenticator | None = None,
 ) -> Replay:
     """The pure part: join retained records per partition on an event-time clock. With
-    ``rollout_verifier`` (the command always has one), a rollout no worker signed is skipped
-    as the live joiner dead-letters it."""
+    ``authenticator`` (the command always has one), a rollout no worker signed or an event
+    the gateway did not authenticate is skipped as the live joiner dead-letters it."""
     if version not in reward.FUNCTIONS:
         raise KeyError(
             f"unknown reward function version {version!r}; known: {sorted(reward.FUNCTIONS)}"
@@ -135,14 +137,11 @@ def rejoin(
     by_partition: dict[int, list[join.Event]] = defaultdict(list)
     skipped = unauthenticated = 0
     for record in retained:
-        if (
-            record.topic == topics.ROLLOUT
-            and rollout_verifier is not None
-            and rollout_verifier.problem(
-                # Empty stands in for a header without a value: the verifier finds either unsigned.
-                record.value or b"",
-                [(name, value or b"") for name, value in record.headers],
-            )
+        if authenticator is not None and authenticator.problem(
+            record.topic,
+            record.value or b"",
+            # Empty stands in for a header without a value: the verifier finds either unsigned.
+            [(name, value or b"") for name, value in record.headers],
         ):
             skipped += 1
             unauthenticated += 1
@@ -231,9 +230,9 @@ def replay(
     config: join.JoinConfig,
     version: str,
     write: bool = True,
-    rollout_verifier: signing.Verifier | None = None,
+    authenticator: Authenticator | None = None,
 ) -> Replay:
-    result = rejoin(read_retained(settings), config, version, rollout_verifier)
+    result = rejoin(read_retained(settings), config, version, authenticator)
     if write:
         publish(settings, result)
     return result
@@ -248,17 +247,13 @@ def main() -> None:
     from reward_stream.config import RewardStreamSettings
 
     settings = RewardStreamSettings()
-    if not settings.rollout_public_keys.strip():
-        raise SystemExit(
-            "RTRL_REWARD_ROLLOUT_PUBLIC_KEYS is not set: a replay joins only rollouts an inference worker signed"
-        )
-    verifier = signing.Verifier(
-        signing.parse_public_keys(settings.rollout_public_keys), signing.Purpose.ROLLOUT
+    authenticator = Authenticator.of(settings, "a replay")
+    result = replay(
+        StackSettings(), settings.join_config(), sys.argv[1], authenticator=authenticator
     )
-    result = replay(StackSettings(), settings.join_config(), sys.argv[1], rollout_verifier=verifier)
     print(
         f"{topics.reward_replay(result.version)}: {len(result.records)} rewards, "
-        f"{result.skipped} skipped ({result.unauthenticated} rollouts no worker signed), "
+        f"{result.skipped} skipped ({result.unauthenticated} records their writer did not sign), "
         f"{result.dropped} dropped, {result.late} late"
     )
 

@@ -32,10 +32,11 @@ from dataclasses import asdict, dataclass
 from opentelemetry import trace
 
 from reward_stream import join, monitors, reward
+from reward_stream.authn import Authenticator
 from reward_stream.codec import (
     MalformedEvent,
     PrivacyModeEvent,
-    UnauthenticatedRollout,
+    Unauthenticated,
     decode,
     message_of,
     rollout_of,
@@ -87,7 +88,7 @@ class Counters:
     dropped: int = 0
     privacy_dropped: int = 0
     unauthenticated: int = 0
-    """Rollouts refused because no inference worker signed them (also counted in dlq)."""
+    """Records refused because their writer did not sign them (also counted in dlq)."""
     foreign: int = 0
     """Events left out of a reward because another client's key sent them (reward.from_its_client)."""
     first_event_ms: int = 0
@@ -109,15 +110,15 @@ class Joiner:
         config: join.JoinConfig,
         reward_fn_version: str = reward.REWARD_FN_VERSION,
         signer: signing.Signer | None = None,
-        rollout_verifier: signing.Verifier | None = None,
+        authenticator: Authenticator | None = None,
     ) -> None:
         self.config = config
         self.signer = signer
         """Signs every reward it writes (the service always has one; rtrl/signing.py)."""
-        self.rollout_verifier = rollout_verifier
-        """Checks every rollout record against the inference workers' keys before it is
-        decoded (the service always has one): a reward is only ever built on a rollout a
-        worker served."""
+        self.authenticator = authenticator
+        """Checks every record's writer before it is decoded (the service always has one):
+        a reward is only ever built on a rollout a worker served and events the gateway
+        admitted."""
         self.settled: Counter[tuple[str, bool]] = Counter()
         """Rewards settled per (arm, defaulted), and below their sum and their components'
         sums per (arm, component): plain sums on the hot path, read as metrics (app.py)."""
@@ -235,12 +236,12 @@ class Joiner:
     def _authenticate(
         self, topic: str, value: bytes | None, headers: Sequence[tuple[str, bytes]] | None
     ) -> None:
-        if topic != topics.ROLLOUT or self.rollout_verifier is None:
+        if self.authenticator is None:
             return
-        problem = self.rollout_verifier.problem(value or b"", headers)
+        problem = self.authenticator.problem(topic, value or b"", headers)
         if problem is not None:
             self.counters.unauthenticated += 1
-            raise UnauthenticatedRollout(f"rollout not signed by an inference worker: {problem}")
+            raise Unauthenticated(problem)
 
     def _dead_letter(
         self,

@@ -93,7 +93,8 @@ class RewardStreamBeat:
     dropped: int = 0
     privacy_dropped: int = 0
     unauthenticated: int = 0
-    """Rollouts refused because no inference worker signed them (also counted in dlq)."""
+    """Records refused because their writer did not sign them (also counted in dlq): rollouts
+    no inference worker signed, events the ingest gateway did not authenticate."""
     foreign: int = 0
     """Events left out of a reward because another client's key sent them."""
     first_event_ms: int = 0

@@ -11,7 +11,13 @@ signature is no rollout's or manifest's. It travels in the record's Kafka header
 the signer's key id (the first 16 hex digits of SHA-256 over its public key), so keys
 rotate by adding the new public key to the verifiers, then switching the signer.
 
-Keys are base64url text: ``python -m rtrl.signing`` prints a new pair.
+Telemetry events are authenticated too, but they are many (several per rollout) and both
+ends are trusted with what they say: the gateway that admits them and the joiner that turns
+them into rewards (and could write any reward anyway). They carry an HMAC-SHA256 under a
+shared key instead (``MacSigner``/``MacVerifier``, ~2 µs a record against Ed25519's ~35 µs
+to sign and ~110 µs to verify), in the same headers; no other process holds that key.
+
+Keys are base64url text: ``python -m rtrl.signing`` prints a new pair and an event key.
 """
 
 from __future__ import annotations
@@ -19,6 +25,8 @@ from __future__ import annotations
 import base64
 import enum
 import hashlib
+import hmac
+import secrets
 from collections.abc import Iterable, Sequence
 
 from cryptography.exceptions import InvalidSignature
@@ -36,6 +44,7 @@ class Purpose(enum.StrEnum):
     MANIFEST = "manifest"
     ROLLOUT = "rollout"
     API_KEY = "api-key"
+    EVENT = "event"
 
 
 def _b64(data: bytes) -> str:
@@ -63,18 +72,18 @@ def _raw_key(text: str, kind: str) -> bytes:
     try:
         raw = _unb64(text)
     except ValueError as exc:
-        raise ValueError(f"not an Ed25519 {kind} key (32 bytes, base64url): {exc}") from None
+        raise ValueError(f"not {kind} key (32 bytes, base64url): {exc}") from None
     if len(raw) != 32:
-        raise ValueError(f"not an Ed25519 {kind} key (32 bytes, base64url): {len(raw)} bytes")
+        raise ValueError(f"not {kind} key (32 bytes, base64url): {len(raw)} bytes")
     return raw
 
 
 def _private(text: str) -> Ed25519PrivateKey:
-    return Ed25519PrivateKey.from_private_bytes(_raw_key(text, "private"))
+    return Ed25519PrivateKey.from_private_bytes(_raw_key(text, "an Ed25519 private"))
 
 
 def _public(text: str) -> Ed25519PublicKey:
-    return Ed25519PublicKey.from_public_bytes(_raw_key(text, "public"))
+    return Ed25519PublicKey.from_public_bytes(_raw_key(text, "an Ed25519 public"))
 
 
 def _message(purpose: Purpose, payload: bytes) -> bytes:
@@ -131,6 +140,63 @@ class Verifier:
         return None
 
 
+def generate_mac_key() -> str:
+    return _b64(secrets.token_bytes(32))
+
+
+def mac_key_id(key: str) -> str:
+    """A MAC key's name in headers: one-way, so naming it gives nothing of it away."""
+    return hashlib.sha256(b"rtrl/v1/mac-key-id\0" + _raw_key(key, "an event")).hexdigest()[:16]
+
+
+class MacSigner:
+    """HMAC-SHA256 over ``_message(purpose, payload)``, for records whose producer and
+    consumer are both trusted with the key (telemetry events: the gateway and the joiner)."""
+
+    def __init__(self, key: str, purpose: Purpose) -> None:
+        self._key = _raw_key(key, "an event")
+        self.purpose = purpose
+        self.key_id = mac_key_id(key)
+        self._signer_header = (SIGNER_HEADER, self.key_id.encode())
+
+    def sign(self, payload: bytes) -> bytes:
+        return hmac.digest(self._key, _message(self.purpose, payload), "sha256")
+
+    def headers(self, payload: bytes) -> tuple[tuple[str, bytes], tuple[str, bytes]]:
+        """The Kafka headers that carry the MAC of ``payload``."""
+        return (SIGNATURE_HEADER, self.sign(payload)), self._signer_header
+
+
+class MacVerifier:
+    """Checks MACs against a set of keys (more than one while keys rotate)."""
+
+    def __init__(self, keys: Iterable[str], purpose: Purpose) -> None:
+        self._keys = {mac_key_id(k): _raw_key(k, "an event") for k in keys if k.strip()}
+        if not self._keys:
+            raise ValueError(f"a {purpose} verifier needs at least one key")
+        self.purpose = purpose
+
+    def problem(self, payload: bytes, headers: Sequence[tuple[str, bytes]] | None) -> str | None:
+        """None if ``payload`` carries a valid MAC by one of the keys; else why not."""
+        found = dict(headers or ())
+        tag, signer = found.get(SIGNATURE_HEADER), found.get(SIGNER_HEADER)
+        if not tag or not signer:
+            return UNSIGNED
+        key = self._keys.get(signer.decode(errors="replace"))
+        if key is None:
+            return f"signed by an unknown key {signer[:32].decode(errors='replace')!r}"
+        expected = hmac.digest(key, _message(self.purpose, payload), "sha256")
+        return None if hmac.compare_digest(expected, tag) else "bad signature"
+
+
+def parse_mac_keys(text: str) -> list[str]:
+    """A comma-separated list of event keys, each checked (the first signs)."""
+    keys = [k.strip() for k in text.split(",") if k.strip()]
+    for k in keys:
+        _raw_key(k, "an event")
+    return keys
+
+
 def parse_public_keys(text: str) -> list[str]:
     """A comma-separated list of public keys, each checked."""
     keys = [k.strip() for k in text.split(",") if k.strip()]
@@ -143,6 +209,7 @@ def main() -> None:
     private = generate_private_key()
     print(f"private (the signer's alone): {private}")
     print(f"public (for the verifiers):   {public_key_of(private)}")
+    print(f"event key (gateway and joiner): {generate_mac_key()}")
 
 
 if __name__ == "__main__":

@@ -49,6 +49,10 @@ os.environ.setdefault(
     "RTRL_REWARD_ROLLOUT_PUBLIC_KEYS",
     signing.public_key_of(os.environ["RTRL_INFERENCE_ROLLOUT_SIGNING_KEY"]),
 )
+# Telemetry events are authenticated by the gateway and verified by the joiner with one
+# shared key; support.signing.worker_headers adds it to events tests write straight to Kafka.
+os.environ.setdefault("RTRL_INGEST_EVENT_KEY", signing.generate_mac_key())
+os.environ.setdefault("RTRL_REWARD_EVENT_KEYS", os.environ["RTRL_INGEST_EVENT_KEY"])
 
 
 @pytest.fixture(scope="session")

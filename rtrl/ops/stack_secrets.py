@@ -43,6 +43,9 @@ class StackSecrets:
     api_key_signing_key: str
     """Signs API key records (Ed25519 private key): the operator (rtrl keys, the demo) alone;
     the gateway and the serving API hold its public key. No service holds it."""
+    event_mac_key: str
+    """Authenticates telemetry events (HMAC-SHA256 key): the gateway, which writes them, and
+    the joiner, which verifies them (rtrl/signing.py says why a shared key)."""
 
     @classmethod
     def generate(cls) -> StackSecrets:
@@ -54,7 +57,10 @@ class StackSecrets:
             for f in fields(cls)
             if f.name.endswith("_signing_key")
         }
-        return cls(**tokens, **keys)
+        macs = {
+            f.name: signing.generate_mac_key() for f in fields(cls) if f.name.endswith("_mac_key")
+        }
+        return cls(**tokens, **keys, **macs)
 
     def values(self) -> list[str]:
         return list(asdict(self).values())
@@ -75,7 +81,11 @@ SERVICE_SECRETS: dict[str, dict[str, str]] = {
         "RTRL_WEIGHT_SYNC_SUBSCRIBE_TOKEN": "weight_sync_subscribe_token",
         "RTRL_INFERENCE_ROLLOUT_SIGNING_KEY": "rollout_signing_key",
     },
-    "reward_stream": {"RTRL_REWARD_SIGNING_KEY": "reward_signing_key"},
+    "ingest": {"RTRL_INGEST_EVENT_KEY": "event_mac_key"},
+    "reward_stream": {
+        "RTRL_REWARD_SIGNING_KEY": "reward_signing_key",
+        "RTRL_REWARD_EVENT_KEYS": "event_mac_key",
+    },
 }
 
 # Service -> environment variable -> the public half of a key pair it verifies with (not secret).

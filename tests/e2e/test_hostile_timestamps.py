@@ -483,7 +483,13 @@ def test_joiner_service_dead_letters_future_records_then_settles_honest_rollouts
                 ),
             )
             for topic, event in events:
-                producer.produce(topic, event.SerializeToString(), key=rollout_id)
+                value = event.SerializeToString()
+                producer.produce(
+                    topic,
+                    value,
+                    key=rollout_id,
+                    headers=kafka.kafka_headers(worker_headers(topic, value)),
+                )
         assert producer.flush(10) == 0
         status = wait_for_heartbeat(hb, lambda d: d["settled"] >= len(honest) and d["pending"] == 0)
         assert {k: status[k] for k in ("settled", "dlq", "late", "dropped")} == {

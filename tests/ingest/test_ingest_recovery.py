@@ -14,6 +14,7 @@ from ingest.gateway import ACCEPTED, DUPLICATE, INFLIGHT, RETRY, Gateway, dedup_
 from ingest.recovery import Sweep, sweep
 from rtrl import kafka
 from support.ingest import read_topics, shown
+from support.signing import EVENT_SIGNER
 
 pytestmark = pytest.mark.integration
 
@@ -45,7 +46,9 @@ def test_events_abandoned_mid_produce_are_settled_from_the_topic(
 ):
     landed = [shown(f"landed-{i}") for i in range(30)]
     lost = [shown(f"lost-{i}") for i in range(20)]
-    kwargs: dict[str, Any] = dict(dedup_ttl_s=3600, claim_ttl_s=30, max_inflight=1000)
+    kwargs: dict[str, Any] = dict(
+        dedup_ttl_s=3600, claim_ttl_s=30, max_inflight=1000, signer=EVENT_SIGNER
+    )
 
     async def scenario():
         client = aioredis.Redis.from_url(stack_settings.redis_url)

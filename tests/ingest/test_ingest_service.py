@@ -24,6 +24,7 @@ from rtrl import heartbeat, procs, runtime, topics
 from rtrl.procs import free_port
 from rtrl.v1 import ingest_pb2, ingest_pb2_grpc, telemetry_pb2
 from support.ingest import followup, ingest_settings, persisted, read_topics, shown
+from support.signing import EVENT_SIGNER
 
 pytestmark = pytest.mark.integration
 
@@ -216,7 +217,9 @@ def test_failed_produce_releases_the_claim_so_the_resend_is_not_a_duplicate(redi
     async def scenario():
         client = aioredis.Redis.from_url(redis_url)
         try:
-            kwargs: dict[str, Any] = dict(dedup_ttl_s=3600, claim_ttl_s=30, max_inflight=10)
+            kwargs: dict[str, Any] = dict(
+                dedup_ttl_s=3600, claim_ttl_s=30, max_inflight=10, signer=EVENT_SIGNER
+            )
             (failed,) = await Gateway(FailingProducer(), client, **kwargs).publish([event])
             assert (failed.status, await client.exists(dedup_key(event.event_id))) == (RETRY, 0)
             assert "broker down" in failed.error

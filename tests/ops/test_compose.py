@@ -62,6 +62,9 @@ OPERATOR_ENV = {
     "RTRL_REWARD_SIGNING_KEY": "signing-secret",
     "RTRL_TRAINER_MANIFEST_SIGNING_KEY": "manifest-secret",
     "RTRL_INFERENCE_ROLLOUT_SIGNING_KEY": "rollout-secret",
+    # One key in truth (the gateway authenticates, the joiner verifies): two names, two values here.
+    "RTRL_INGEST_EVENT_KEY": "event-key-gateway",
+    "RTRL_REWARD_EVENT_KEYS": "event-keys-joiner",
     "RTRL_SGLANG_API_KEY": "sglang-serving-secret",
     "RTRL_SGLANG_ADMIN_API_KEY": "sglang-admin-secret",
     **{f"RTRL_REDIS_PASSWORD_{user.upper()}": f"redis-{user}-secret" for user in REDIS_USERS},

@@ -31,7 +31,7 @@ from rtrl.api_keys import (
     issue_key,
 )
 from rtrl.v1 import telemetry_pb2
-from support.signing import KEY_AUTHORITY
+from support.signing import EVENT_SIGNER, KEY_AUTHORITY
 from support.weight_sync import (
     ARM,
     MANIFEST_KEY,
@@ -126,7 +126,14 @@ def test_each_service_does_its_work_as_its_own_user(
         assert await KeyCache(ingest, 1.0, verifier).lookup(key) == api_key
         producer = kafka.AsyncProducer(stack_settings)
         try:
-            gateway = Gateway(producer, ingest, dedup_ttl_s=60, claim_ttl_s=30, max_inflight=100)
+            gateway = Gateway(
+                producer,
+                ingest,
+                dedup_ttl_s=60,
+                claim_ttl_s=30,
+                max_inflight=100,
+                signer=EVENT_SIGNER,
+            )
             event = make_event(
                 "r-acl",
                 "s",

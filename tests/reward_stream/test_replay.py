@@ -3,7 +3,6 @@ without moving the live joiner's offsets."""
 
 from __future__ import annotations
 
-import os
 import random
 import time
 
@@ -11,6 +10,7 @@ import pytest
 from confluent_kafka import OFFSET_INVALID, Consumer, Producer, TopicPartition
 
 from reward_stream import replay, reward
+from reward_stream.authn import Authenticator
 from reward_stream.config import RewardStreamSettings
 from rtrl import kafka, signing, topics
 from rtrl.v1 import reward_pb2, rollout_pb2, telemetry_pb2
@@ -166,8 +166,20 @@ def test_replay_against_the_broker(stack_settings):
             headers=kafka.kafka_headers(worker_headers(topics.ROLLOUT, record.SerializeToString())),
         )
         for topic, event in events:
-            producer.produce(topic, event.SerializeToString(), key=record.rollout_id)
-    producer.produce(topics.EDIT, b"\xff\xff not protobuf", key="garbage")
+            value = event.SerializeToString()
+            producer.produce(
+                topic,
+                value,
+                key=record.rollout_id,
+                headers=kafka.kafka_headers(worker_headers(topic, value)),
+            )
+    garbage = b"\xff\xff not protobuf"  # authenticated, so it is the decode that refuses it
+    producer.produce(
+        topics.EDIT,
+        garbage,
+        key="garbage",
+        headers=kafka.kafka_headers(worker_headers(topics.EDIT, garbage)),
+    )
     # Rollouts written straight to the broker by someone who is not a worker.
     stranger = signing.Signer(signing.generate_private_key(), signing.Purpose.ROLLOUT)
     for rollout_id, sign in (("forged-unsigned", None), ("forged-stranger", stranger)):
@@ -177,6 +189,14 @@ def test_replay_against_the_broker(stack_settings):
         producer.produce(
             topics.ROLLOUT, value, key=rollout_id, headers=list(sign.headers(value)) if sign else []
         )
+    # An event written straight to the broker, not through the gateway: a user's anger, forged.
+    forged = telemetry_pb2.TelemetryEvent(
+        event_id="forged-anger",
+        rollout_id=scenario(0)[0].rollout_id,
+        client_ts_ms=scenario(0)[0].client_ts_ms + 1,
+        followup=telemetry_pb2.FollowUp(seconds_after_edit=1, message="this is wrong, undo it"),
+    )
+    producer.produce(topics.FOLLOWUP, forged.SerializeToString(), key=forged.rollout_id)
     assert producer.flush(10) == 0
     producer.close()
 
@@ -193,22 +213,20 @@ def test_replay_against_the_broker(stack_settings):
     live_before = committed(stack_settings, live_group)
     assert {offset for t, _, offset in live_before if t == topics.ROLLOUT} == {1}
 
-    workers = signing.Verifier(
-        signing.parse_public_keys(os.environ["RTRL_REWARD_ROLLOUT_PUBLIC_KEYS"]),
-        signing.Purpose.ROLLOUT,
-    )
+    writers = Authenticator.of(RewardStreamSettings(), "the test")
     results = {
-        version: replay.replay(stack_settings, CONFIG, version, rollout_verifier=workers)
+        version: replay.replay(stack_settings, CONFIG, version, authenticator=writers)
         for version in ("r1", "r2")
     }
-    again = replay.replay(stack_settings, CONFIG, "r2", write=False, rollout_verifier=workers)
+    again = replay.replay(stack_settings, CONFIG, "r2", write=False, authenticator=writers)
 
     for version, result in results.items():
         assert sorted(r.rollout_id for r in result.records) == sorted(
             expected(version)
         )  # one per rollout, none forged
         assert {r.reward_fn_version for r in result.records} == {version}
-        assert (result.skipped, result.unauthenticated) == (3, 2)
+        # The garbage, two forged rollouts and the forged event.
+        assert (result.skipped, result.unauthenticated) == (4, 3)
         written = replay.read_retained(stack_settings, (topics.reward_replay(version),))
         assert by_reward_id(
             reward_pb2.RewardRecord.FromString(_present(r.value)) for r in written

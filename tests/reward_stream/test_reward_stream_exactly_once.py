@@ -82,8 +82,14 @@ def produce_rollouts(settings, base_ms: int) -> set[str]:
             key=rollout_id,
             headers=kafka.kafka_headers(worker_headers(topics.ROLLOUT, record.SerializeToString())),
         )
-        producer.produce(topics.EDIT, shown.SerializeToString(), key=rollout_id)
-        producer.produce(topics.PERSISTENCE, kept.SerializeToString(), key=rollout_id)
+        for topic, event in ((topics.EDIT, shown), (topics.PERSISTENCE, kept)):
+            value = event.SerializeToString()
+            producer.produce(
+                topic,
+                value,
+                key=rollout_id,
+                headers=kafka.kafka_headers(worker_headers(topic, value)),
+            )
         producer.poll(0)
         ids.add(rollout_id)
     assert producer.flush(30) == 0

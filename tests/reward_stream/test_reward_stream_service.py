@@ -49,7 +49,13 @@ def test_one_reward_per_rollout_dlq_late_and_clean_stop(
                 ),
             )
             for topic, event in events:
-                producer.produce(topic, event.SerializeToString(), key=rollout_id)
+                value = event.SerializeToString()
+                producer.produce(
+                    topic,
+                    value,
+                    key=rollout_id,
+                    headers=kafka.kafka_headers(worker_headers(topic, value)),
+                )
         # Redeliveries: a RolloutRecord, a persistence snapshot, a follow-up.
         duplicates = [
             (topics.ROLLOUT, scenarios["rollout-00"][0]),
@@ -63,7 +69,13 @@ def test_one_reward_per_rollout_dlq_late_and_clean_stop(
                 key=message.rollout_id,
                 headers=kafka.kafka_headers(worker_headers(topic, message.SerializeToString())),
             )
-        producer.produce(topics.EDIT, GARBAGE, key="garbage")
+        # Authenticated, so it is the decode that dead-letters it.
+        producer.produce(
+            topics.EDIT,
+            GARBAGE,
+            key="garbage",
+            headers=kafka.kafka_headers(worker_headers(topics.EDIT, GARBAGE)),
+        )
         assert producer.flush(10) == 0
 
         hb = redis.Redis.from_url(redis_url)
@@ -75,7 +87,13 @@ def test_one_reward_per_rollout_dlq_late_and_clean_stop(
             client_ts_ms=base_ms + 5000,
             followup=telemetry_pb2.FollowUp(message="ugh"),
         )
-        producer.produce(topics.FOLLOWUP, late.SerializeToString(), key="rollout-03")
+        value = late.SerializeToString()
+        producer.produce(
+            topics.FOLLOWUP,
+            value,
+            key="rollout-03",
+            headers=kafka.kafka_headers(worker_headers(topics.FOLLOWUP, value)),
+        )
         assert producer.flush(10) == 0
         status = wait_for_heartbeat(hb, lambda d: d["late"] >= 1)
         assert {

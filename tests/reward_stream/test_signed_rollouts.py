@@ -11,7 +11,6 @@ dead-lettered with its reason and counted.
 
 from __future__ import annotations
 
-import os
 import sys
 import time
 import uuid
@@ -21,6 +20,7 @@ import redis
 from confluent_kafka import Producer
 
 from reward_stream import replay
+from reward_stream.authn import Authenticator
 from reward_stream.config import RewardStreamSettings
 from reward_stream.runtime import Joiner
 from rtrl import heartbeat, kafka, procs, signing, topics
@@ -85,13 +85,8 @@ def _forgeries(ts_ms: int) -> dict[str, tuple[bytes, list[tuple[str, bytes]], st
 
 
 def test_the_join_refuses_every_forged_rollout_and_settles_the_honest_one():
-    workers = signing.Verifier(
-        signing.parse_public_keys(os.environ["RTRL_REWARD_ROLLOUT_PUBLIC_KEYS"]),
-        signing.Purpose.ROLLOUT,
-    )
-    joiner = Joiner(
-        RewardStreamSettings(window_s=1, grace_s=0).join_config(), rollout_verifier=workers
-    )
+    settings = RewardStreamSettings(window_s=1, grace_s=0)
+    joiner = Joiner(settings.join_config(), authenticator=Authenticator.of(settings, "the test"))
     ts = 1_800_000_000_000
     offset = 0
     dead: dict[str, str] = {}
@@ -156,16 +151,25 @@ def test_the_joiner_service_builds_no_reward_on_a_rollout_produced_straight_to_t
                 key=rollout_id,
                 headers=kafka.kafka_headers(worker_headers(topics.ROLLOUT, value)),
             )
+            kept = _kept(rollout_id, ts).SerializeToString()
             producer.produce(
-                topics.PERSISTENCE, _kept(rollout_id, ts).SerializeToString(), key=rollout_id
+                topics.PERSISTENCE,
+                kept,
+                key=rollout_id,
+                headers=kafka.kafka_headers(worker_headers(topics.PERSISTENCE, kept)),
             )
         for rollout_id, (value, headers, _) in forged.items():
             producer.produce(
                 topics.ROLLOUT, value, key=rollout_id, headers=kafka.kafka_headers(headers)
             )
-            # The forger reports the edit kept, too: telemetry without a rollout joins nothing.
+            # The forger reports the edit kept, through the gateway: telemetry without a
+            # rollout joins nothing.
+            kept = _kept(rollout_id, ts).SerializeToString()
             producer.produce(
-                topics.PERSISTENCE, _kept(rollout_id, ts).SerializeToString(), key=rollout_id
+                topics.PERSISTENCE,
+                kept,
+                key=rollout_id,
+                headers=kafka.kafka_headers(worker_headers(topics.PERSISTENCE, kept)),
             )
         assert producer.flush(10) == 0
 

@@ -1,5 +1,6 @@
-"""The inference workers' rollout signature, for tests that produce rollouts straight to
-Kafka as a worker would (tests/conftest.py generates the key pair; the joiner verifies)."""
+"""The inference workers' rollout signature and the gateway's event MAC, for tests that
+produce rollouts and events straight to Kafka as a worker or the gateway would
+(tests/conftest.py generates the keys; the joiner verifies)."""
 
 from __future__ import annotations
 
@@ -13,9 +14,14 @@ ROLLOUT_SIGNER = signing.Signer(
 )
 
 
+EVENT_SIGNER = signing.MacSigner(os.environ["RTRL_INGEST_EVENT_KEY"], signing.Purpose.EVENT)
+
+
 def worker_headers(topic: str, value: bytes) -> list[tuple[str, bytes]]:
-    """The headers a worker sends with ``value``: a rollout's signature; none for telemetry."""
-    return list(ROLLOUT_SIGNER.headers(value)) if topic == topics.ROLLOUT else []
+    """The headers its writer sends with ``value``: a worker's signature on a rollout, the
+    gateway's MAC on a telemetry event."""
+    signer = ROLLOUT_SIGNER if topic == topics.ROLLOUT else EVENT_SIGNER
+    return list(signer.headers(value))
 
 
 # The operator's signer of API key records (tests/conftest.py generates the pair; servers verify).
