@@ -66,6 +66,8 @@ class WeightFollower:
         self._subscriber: Subscriber | None = None
         self._staged: OrderedDict[int, tuple[str, int]] = OrderedDict()
         self._refused_before = 0
+        self._newest_step = -1
+        """The highest train_step taken, carried from one subscriber to the next."""
         self._thread = threading.Thread(target=self._run, name=f"weights-{arm}", daemon=True)
 
     def start(self) -> WeightFollower:
@@ -81,9 +83,11 @@ class WeightFollower:
 
     @property
     def refused(self) -> int:
-        """Versions refused because the trainer did not sign their manifest (forged)."""
+        """Versions refused: manifests the trainer did not sign (forged), or old versions it
+        did sign replayed as new ones (rolled back)."""
         with self._lock:
-            current = 0 if self._subscriber is None else self._subscriber.forged
+            subscriber = self._subscriber
+            current = 0 if subscriber is None else subscriber.forged + subscriber.rolled_back
             return self._refused_before + current
 
     def staged(self, version: int) -> tuple[str, int] | None:
@@ -127,6 +131,7 @@ class WeightFollower:
                 token=self.token,
                 public_keys=self.public_keys,
                 tls_ca_file=self.tls_ca_file,
+                newest_step=self._newest_step,
             )
             with self._lock:
                 self._subscriber = subscriber
@@ -165,6 +170,7 @@ class WeightFollower:
             finally:
                 subscriber.close()
                 with self._lock:
-                    self._refused_before += subscriber.forged
+                    self._refused_before += subscriber.forged + subscriber.rolled_back
+                    self._newest_step = subscriber.newest_step  # a rollback stays refused
                     self._subscriber = None
             self._stopped.wait(self.retry_s)

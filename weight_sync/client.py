@@ -185,8 +185,11 @@ class Subscriber:
     ``follow`` yields (manifest, weights) for every version newer than any it yielded
     before, each fully decoded and checksum-verified; it never yields a corrupt or
     half-received version, nor one whose manifest does not verify against
-    ``public_keys`` (the trainer's: provenance.py). The yielded tensors are the subscriber's own copy of the
-    weights it will apply the next delta to: read them, do not modify them in place.
+    ``public_keys`` (the trainer's: provenance.py), nor one trained to an earlier step than
+    one it took before (a rollback: an old version the trainer did sign, replayed as a new
+    one by whoever can write the registry; the signed train_step only ever grows within a
+    run). The yielded tensors are the subscriber's own copy of the weights it will apply
+    the next delta to: read them, do not modify them in place.
     """
 
     def __init__(
@@ -200,10 +203,15 @@ class Subscriber:
         min_backoff_s: float = 0.1,
         max_backoff_s: float = 2.0,
         tls_ca_file: Path | None = None,
+        newest_step: int = -1,
     ) -> None:
         self._verifier = ManifestVerifier(public_keys)
         self.forged = 0
         """Versions refused because their manifest was not signed by the trainer."""
+        self.rolled_back = 0
+        """Versions refused because they were trained to an earlier step than one taken."""
+        self.newest_step = newest_step
+        """The highest train_step of a version taken (a worker's earlier subscriber's, too)."""
         self.arm = arm
         self.worker_id = worker_id
         self.stream = VersionStream(
@@ -254,6 +262,21 @@ class Subscriber:
                 self.stream.reject()
                 held_version, held = -1, None
                 continue
+            if manifest.train_step < self.newest_step:
+                log.error(
+                    "%s: refusing %s v%d: trained to step %d, before step %d of a version "
+                    "already taken (an old version replayed: a rollback); re-subscribing from "
+                    "a keyframe. A new run's versions need the worker restarted.",
+                    self.worker_id,
+                    self.arm,
+                    manifest.version,
+                    manifest.train_step,
+                    self.newest_step,
+                )
+                self.rolled_back += 1
+                self.stream.reject()
+                held_version, held = -1, None
+                continue
             try:
                 if not manifest.keyframe and manifest.parent_version != held_version:
                     raise codec.ParentMismatch(
@@ -274,6 +297,7 @@ class Subscriber:
                 held_version, held = -1, None
                 continue
             held_version = manifest.version
+            self.newest_step = max(self.newest_step, manifest.train_step)
             self.stream.accept(held_version)
             if held_version > yielded:
                 yielded = held_version

@@ -324,7 +324,7 @@ def test_latest_answers_from_the_registry_not_from_a_head_cached_before_a_flush(
         client.flushall()
         assert publisher.latest() == 5  # the rebuild, not the cached v6
         versions.append(train_step(versions[-1], 7))
-        assert publisher.publish(versions[-1]) == 7
+        assert publisher.publish(versions[-1], train_step=len(versions) - 1) == 7
         assert server.alive()
     finally:
         publisher.close()
@@ -381,9 +381,13 @@ def test_flushall_under_live_servers_and_subscribers_keeps_versions_rising(
             "the registry to come back at v4 without a publish",
         )
         versions.append(train_step(versions[-1], 5))
-        assert publisher.publish(versions[-1]) == 5  # a delta on v4, as before the flush
+        assert (
+            publisher.publish(versions[-1], train_step=len(versions) - 1) == 5
+        )  # a delta on v4, as before the flush
         versions.append(train_step(versions[-1], 6))
-        assert publisher.publish(versions[-1]) == 6  # the keyframe due at v6
+        assert (
+            publisher.publish(versions[-1], train_step=len(versions) - 1) == 6
+        )  # the keyframe due at v6
         manifest, weights = following.until(6)[-1]
         assert_bit_identical(weights, versions[6])
 
@@ -395,7 +399,7 @@ def test_flushall_under_live_servers_and_subscribers_keeps_versions_rising(
             lambda: client.get(registry.latest_key(ARM)) == b"5", "the registry to come back at v5"
         )
         versions.append(train_step(versions[-1], 7))
-        assert publisher.publish(versions[-1]) == 7
+        assert publisher.publish(versions[-1], train_step=len(versions) - 1) == 7
         manifest, weights = following.next()
         assert (manifest.version, manifest.keyframe) == (7, True)
         assert_bit_identical(weights, versions[7])

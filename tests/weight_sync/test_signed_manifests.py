@@ -166,7 +166,7 @@ def test_a_worker_applies_neither_a_rewritten_registry_nor_a_stolen_tokens_versi
         # The trainer's next version goes on top of what the registry now says (a keyframe on
         # the forged v3, as after any rival publish), and the worker takes it.
         versions.append(train_step(versions[-1], 3))
-        assert trainer[TREATMENT].publish(versions[-1]) == 4
+        assert trainer[TREATMENT].publish(versions[-1], train_step=len(versions) - 1) == 4
         manifest, weights = worker.next()
         assert (manifest.version, manifest.keyframe) == (4, True)
         assert_bit_identical(weights, versions[-1])
@@ -178,7 +178,7 @@ def test_a_worker_applies_neither_a_rewritten_registry_nor_a_stolen_tokens_versi
         thief.close()
         _until_refused(subscriber, refused_before + 1)
         versions.append(train_step(versions[-1], 6))
-        assert trainer[TREATMENT].publish(versions[-1]) == 6
+        assert trainer[TREATMENT].publish(versions[-1], train_step=len(versions) - 1) == 6
         manifest, weights = worker.next()
         assert manifest.version == 6
         assert_bit_identical(weights, versions[-1])
@@ -188,3 +188,59 @@ def test_a_worker_applies_neither_a_rewritten_registry_nor_a_stolen_tokens_versi
         worker.stop()
         for publisher in trainer.values():
             publisher.close()
+
+
+@pytest.mark.guarantee(7)
+@pytest.mark.integration
+@pytest.mark.timeout(120)
+def test_a_worker_refuses_an_old_version_the_trainer_signed_replayed_as_the_latest(
+    server, stack, policy_weights
+):
+    """A rollback: one who can write Redis cannot forge a manifest, but can replay an old
+    one the trainer did sign (its version number is weight_sync's, not signed). The signed
+    train_step only grows within a run, so a following worker refuses a version trained to
+    an earlier step than one it took, keeps what it holds, counts it, and takes the
+    trainer's next version."""
+    client = redis.Redis.from_url(stack.redis_url)
+    trainer = Publisher(
+        server.addr,
+        stack.weight_sync_token.get_secret_value(),
+        TREATMENT,
+        keyframe_every=20,
+        signing_key=MANIFEST_KEY,
+    )
+    versions = publish_versions(trainer, policy_weights, 4)  # v0..v3, trained to steps 0..3
+    subscriber = Subscriber(
+        server.addr,
+        TREATMENT,
+        "worker",
+        token=SUBSCRIBE_TOKEN,
+        public_keys=MANIFEST_PUBLIC_KEYS,
+        max_backoff_s=0.3,
+    )
+    worker = Following(subscriber)
+    try:
+        assert [m.version for m, _ in worker.until(3)][-1] == 3
+        # v0, the warm start, signature and blob and all, committed again as v4.
+        replayed = weights_pb2.Manifest.FromString(
+            stored(client, registry.manifest_key(TREATMENT, 0))
+        )
+        assert ManifestVerifier(MANIFEST_PUBLIC_KEYS).problem(replayed) is None
+        replayed.version = 4
+        _commit_behind_the_servers_back(client, replayed)
+        deadline = time.monotonic() + 30
+        while subscriber.rolled_back < 1:
+            assert time.monotonic() < deadline, "the worker took the replayed v0"
+            time.sleep(0.05)
+        assert subscriber.forged == 0 and worker.nothing_pending()
+
+        # The trainer's next version (a keyframe, the registry having moved under it) is taken.
+        versions.append(train_step(versions[-1], 4))
+        assert trainer.publish(versions[-1], train_step=4) == 5
+        manifest, weights = worker.next()
+        assert (manifest.version, manifest.keyframe, manifest.train_step) == (5, True, 4)
+        assert_bit_identical(weights, versions[-1])
+        assert worker.nothing_pending()
+    finally:
+        worker.stop()
+        trainer.close()

@@ -167,7 +167,7 @@ def test_follow_receives_versions_published_later(server, publisher, policy_weig
         assert following.nothing_pending()
         for seed in (10, 11):
             versions.append(train_step(versions[-1], seed))
-            version = publisher.publish(versions[-1])
+            version = publisher.publish(versions[-1], train_step=len(versions) - 1)
             manifest, weights = following.next()
             assert manifest.version == version and not manifest.keyframe
             assert_bit_identical(weights, versions[-1])
@@ -181,12 +181,12 @@ def test_stale_publisher_resends_a_keyframe(server, stack, publisher, policy_wei
         server.addr, stack.weight_sync_token.get_secret_value(), ARM, signing_key=MANIFEST_KEY
     )
     assert (
-        rival.publish(train_step(versions[-1], 7)) == 2
+        rival.publish(train_step(versions[-1], 7), train_step=2) == 2
     )  # a fresh publisher starts with a keyframe
     rival.close()
     # `publisher` still believes v1 is latest: its delta is refused and it resends a keyframe.
     versions.append(train_step(versions[-1], 8))
-    assert publisher.publish(versions[-1]) == 3
+    assert publisher.publish(versions[-1], train_step=len(versions) - 1) == 3
     following = Following(
         Subscriber(
             server.addr, ARM, "worker-d", token=SUBSCRIBE_TOKEN, public_keys=MANIFEST_PUBLIC_KEYS
@@ -252,7 +252,9 @@ def test_corrupt_version_is_never_yielded_and_the_next_keyframe_repairs(
         assert [m.version for m, _ in following.until(1)] == [0, 1]
         for seed in (3, 4):
             versions.append(train_step(versions[-1], seed))
-            publisher.publish(versions[-1])  # v3 (delta on the corrupt v2), v4 (keyframe)
+            publisher.publish(
+                versions[-1], train_step=len(versions) - 1
+            )  # v3 (delta on the corrupt v2), v4 (keyframe)
         manifest, weights = following.next()
     finally:
         following.stop()
@@ -428,7 +430,7 @@ def test_subscriber_survives_a_killed_server(stack, repo_root, tmp_path, policy_
         time.sleep(0.3)  # let the subscriber see the stream die while nothing listens
         proc = start()
         versions.append(train_step(versions[-1], 5))
-        assert publisher.publish(versions[-1]) == 2
+        assert publisher.publish(versions[-1], train_step=len(versions) - 1) == 2
         manifest, weights = following.next()
         assert (manifest.version, manifest.keyframe) == (2, False)
         assert_bit_identical(weights, versions[-1])

@@ -167,7 +167,7 @@ def _collect_the_version(
 ) -> tuple[int, dict]:
     """Two newer keyframes, then garbage collection (keep_keyframes=2) deletes v0."""
     newer = [train_step(old, 1), train_step(old, 2)]
-    assert [publisher.publish(weights) for weights in newer] == [1, 2]
+    assert [publisher.publish(w, train_step=step) for step, w in enumerate(newer, 1)] == [1, 2]
     plans = server._run(server.running.collect_garbage())
     assert [plan.versions for plan in plans] == [(0,)] and not blob_path(stack, 0).exists()
     return 2, newer[-1]
@@ -447,7 +447,7 @@ def test_a_lost_delta_is_never_skipped_and_the_next_keyframe_repairs(
         proxy.cut_all()
         for seed in (2, 3):
             versions.append(train_step(versions[-1], seed))
-            publisher.publish(versions[-1])
+            publisher.publish(versions[-1], train_step=len(versions) - 1)
         blob_path(stack, 2).unlink()
         # A server may keep what it verified in memory, and then v2 is not lost to it; a
         # restarted one has only the store (the subscriber's reconnect waits at the proxy).
@@ -468,7 +468,9 @@ def test_a_lost_delta_is_never_skipped_and_the_next_keyframe_repairs(
         wait_for(lambda: refusals() >= 2, "the subscriber to be refused twice")
         assert following.nothing_pending(), "something was yielded while no intact path existed"
         versions.append(train_step(versions[-1], 4))
-        assert publisher.publish(versions[-1]) == 4  # keyframe_every=4: a keyframe
+        assert (
+            publisher.publish(versions[-1], train_step=len(versions) - 1) == 4
+        )  # keyframe_every=4: a keyframe
         manifest, weights = following.next()
         time.sleep(0.3)
         assert following.nothing_pending()
@@ -530,7 +532,7 @@ def test_a_subscriber_killed_mid_version_harms_no_one_and_restarts_clean(
         )
 
         versions.append(train_step(versions[-1], 3))
-        assert publisher.publish(versions[-1]) == 3
+        assert publisher.publish(versions[-1], train_step=len(versions) - 1) == 3
         manifest, weights = bystander.next()
         assert manifest.version == 3
         assert_bit_identical(weights, versions[3])
@@ -543,7 +545,7 @@ def test_a_subscriber_killed_mid_version_harms_no_one_and_restarts_clean(
             timeout_s=60,
         )
         versions.append(train_step(versions[-1], 4))
-        assert publisher.publish(versions[-1]) == 4
+        assert publisher.publish(versions[-1], train_step=len(versions) - 1) == 4
         wait_for(lambda: applied_versions()[-1:] == [4], "the restarted subscriber to reach v4")
     finally:
         if proc is not None:

@@ -239,7 +239,7 @@ def test_subscribers_carry_on_after_their_relay_is_killed(
         os.killpg(proc.pid, signal.SIGKILL)
         proc.popen.wait()
         versions.append(train_step(versions[-1], 9))
-        assert publisher.publish(versions[-1]) == 2
+        assert publisher.publish(versions[-1], train_step=len(versions) - 1) == 2
         proc = start()
         manifest, weights = following.next()
         # The restarted relay holds the keyframe and both deltas; the worker held v1, so it gets only v2.
