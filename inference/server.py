@@ -368,6 +368,20 @@ class InferenceServer:
             return f"top_p {top_p:g} is below the trained band's {s.trained_top_p_min:g}"
         return ""
 
+    def _too_large(self, rollout_id: str, value: bytes) -> str:
+        """Why a rollout record is too large to write ("" if it is not): the reward built on
+        it carries it, and must fit the broker's record limit too."""
+        limit = kafka.max_rollout_bytes(self.stack.kafka_max_record_bytes)
+        if len(value) <= limit:
+            return ""
+        log.warning(
+            "rollout %s served but not recorded: %d bytes, over %d", rollout_id, len(value), limit
+        )
+        return (
+            f"its rollout record is {len(value):,} bytes, over the {limit:,} that leave room "
+            f"for the reward carrying it (RTRL_KAFKA_MAX_RECORD_BYTES)"
+        )
+
     async def _complete(self, request: web.Request, span: trace.Span) -> web.StreamResponse:
         """Who is asking is settled from the headers, before the body is read."""
         key = None
@@ -493,9 +507,7 @@ class InferenceServer:
         private = await private_check
         if private:
             self.counters.private += 1
-        elif unrecorded:
-            self.counters.unrecorded += 1
-        else:
+        elif not unrecorded:
             context = RolloutContext(
                 rollout_id=rollout_id,
                 session_id=body.session_id,
@@ -509,7 +521,11 @@ class InferenceServer:
                 traceparent=traceparent,
                 client_id=key.client_id if key is not None else "",
             )
-            record = rollout_record(context, completion)
+            value = rollout_record(context, completion).SerializeToString()
+            unrecorded = self._too_large(rollout_id, value)
+        if unrecorded and not private:
+            self.counters.unrecorded += 1
+        elif not private:
             if key is not None:
                 # Before the answer: the client's telemetry about it may arrive right after.
                 await self.redis.set(
@@ -519,7 +535,6 @@ class InferenceServer:
             with _tracer.start_as_current_span(
                 f"publish {topics.ROLLOUT}", kind=trace.SpanKind.PRODUCER, attributes=publish
             ) as producing:
-                value = record.SerializeToString()
                 headers = [
                     *kafka.traceparent_headers(otel.traceparent_of(producing) or traceparent),
                     *self.rollout_signer.headers(value),

@@ -36,6 +36,12 @@ class StackSettings(Settings):
     """Replication factor of the topics rtrl creates (Tansu: 1; a Kafka cluster whose
     ``min.insync.replicas`` is 2 needs at least 3, or every ``acks=all`` produce fails)."""
 
+    kafka_max_record_bytes: int = Field(1_000_000, ge=64 * 1024, le=256 * 1024 * 1024)
+    """Largest record a service writes (librdkafka's ``message.max.bytes``). The broker's and
+    the topics' limits must be at least this (Apache Kafka's default is about 1 MB). A rollout
+    record that would leave its reward (which carries it) over it, e.g. a long mixture-of-experts
+    rollout with its routes, is served but not recorded, and the answer says why."""
+
     kafka_security_protocol: Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"] = "PLAINTEXT"
     """How every Kafka client connects: PLAINTEXT for the embedded broker (Tansu has no
     authentication; it listens on loopback only), SASL_SSL for a production cluster."""

@@ -123,6 +123,17 @@ def faust_credentials(settings: StackSettings):
     return SSLCredentials(context) if context is not None else None
 
 
+# A reward record carries its rollout's bytes (reward_stream.reward.encode_with_rollout) plus
+# its own fields: a rollout is recorded only if this much room is left for them under the
+# stack's kafka_max_record_bytes, so the reward built on it can be written too.
+REWARD_ROOM_BYTES = 64 * 1024
+
+
+def max_rollout_bytes(max_record_bytes: int) -> int:
+    """The largest rollout record a worker writes, for records of at most ``max_record_bytes``."""
+    return max_record_bytes - REWARD_ROOM_BYTES
+
+
 def producer_config(settings: StackSettings, **overrides) -> dict:
     return client_config(
         settings,
@@ -131,6 +142,7 @@ def producer_config(settings: StackSettings, **overrides) -> dict:
             "acks": "all",
             "linger.ms": 5,
             "partitioner": "murmur2_random",  # the Java client's partitioner, so every client agrees
+            "message.max.bytes": settings.kafka_max_record_bytes,
             **overrides,
         },
     )

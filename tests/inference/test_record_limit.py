@@ -1,0 +1,81 @@
+"""A rollout too large for the broker is served, not lost, and not recorded.
+
+Kafka refuses records over its limit (about 1 MB by default), and a long mixture-of-experts
+rollout carries its routes (hundreds of bytes per token). Producing one would fail after
+the completion was computed; instead the worker answers it with ``not_recorded`` naming
+the limit, counts it, and writes every rollout that fits. The limit leaves room for the
+reward that carries the rollout: a rollout of the largest size recorded makes a reward
+that fits too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import aiohttp
+import pytest
+import torch
+
+from inference.config import InferenceSettings
+from inference.engine import Engine, EngineConfig
+from inference.server import InferenceServer
+from reward_stream.config import RewardStreamSettings
+from reward_stream.runtime import Joiner
+from rtrl import kafka, topics
+from rtrl.policy import build_model, state_dict_fp32
+from rtrl.v1 import common_pb2, rollout_pb2
+from support.inference import read_rollouts
+
+torch.set_num_threads(1)
+
+LIMIT = 64 * 1024 + 1500
+"""kafka_max_record_bytes: rollouts of up to 1,500 bytes are recorded."""
+
+
+@pytest.mark.integration
+def test_a_rollout_over_the_record_limit_is_served_and_not_recorded(stack_settings):
+    stack = stack_settings.model_copy(update={"kafka_max_record_bytes": LIMIT})
+    engine = Engine(EngineConfig(batch_wait_s=0.01))
+    settings = InferenceSettings(http_port=0, follow_weights=False, auth_required=False)
+
+    async def scenario() -> list[tuple[int, dict]]:
+        server = InferenceServer(stack, settings, engine=engine)
+        await server.start()
+        try:
+            for arm in ("control", "treatment"):
+                engine.stage(arm, 0, state_dict_fp32(build_model(seed=1)))
+            url = f"http://127.0.0.1:{server.port}/v1/completions"
+            answers = []
+            async with aiohttp.ClientSession() as http:
+                for prompt, max_tokens in (("@p1 hi\n", 4), ("@p1 " + "x" * 100 + "\n", 24)):
+                    body = {"prompt": prompt, "user_id": "u", "session_id": "s", "seed": 1}
+                    body |= {"max_tokens": max_tokens, "prompt_group_id": "g" * 1200}
+                    async with http.post(url, json=body) as resp:
+                        answers.append((resp.status, await resp.json()))
+            assert server.counters.unrecorded == 1 and server.counters.records == 1
+            return answers
+        finally:
+            await server.stop()
+
+    (small_status, small), (large_status, large) = asyncio.run(scenario())
+    assert (small_status, large_status) == (200, 200), (small, large)
+    assert "not_recorded" not in small
+    assert large["usage"]["completion_tokens"] > 0  # served in full
+    assert "over the 1,500 that leave room for the reward" in large["not_recorded"]
+    assert [r.rollout_id for r in read_rollouts(stack_settings)] == [small["rollout_id"]]
+
+
+def test_a_rollout_of_the_largest_recorded_size_makes_a_reward_under_the_limit():
+    limit = 1_000_000
+    largest = kafka.max_rollout_bytes(limit)
+    record = rollout_pb2.RolloutRecord(
+        event_id="r-r", rollout_id="r", client_ts_ms=1_800_000_000_000, arm=common_pb2.ARM_TREATMENT,
+        completion_token_ids=[5, 6, 7], completion_logprobs=[-0.1, -0.2, -0.3],
+    )  # fmt: skip
+    record.completion_text = "x" * (largest - record.ByteSize() - 5)
+    value = record.SerializeToString()
+    assert largest - 8 <= len(value) <= largest
+    joiner = Joiner(RewardStreamSettings(window_s=1, grace_s=0).join_config())
+    joiner.feed_record(topics.ROLLOUT, 0, 0, b"r", value, 1_800_000_000_000)
+    (reward,) = [r for r in joiner.tick(1_800_000_100_000) if r.topic == topics.REWARD]
+    assert len(value) < len(reward.value) < limit
