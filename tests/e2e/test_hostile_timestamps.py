@@ -48,7 +48,7 @@ from rtrl.v1 import (
 from support.analytics import RecordingConsumer, hand_made_records
 from support.ingest import ingest_settings, read_topics, shown
 from support.reward_stream import read_all, scenario, wait_for_heartbeat
-from support.signing import worker_headers
+from support.signing import produce_as_its_writer, worker_headers
 from trainer.batch import TrainSample, collate, to_sample
 
 NOW_MS = 1_800_000_000_000
@@ -458,12 +458,7 @@ def test_joiner_service_dead_letters_future_records_then_settles_honest_rollouts
         ]
         for topic, message in hostile:
             # Signed as a worker signs: refused for their time, not for who wrote them.
-            producer.produce(
-                topic,
-                message.SerializeToString(),
-                key=message.rollout_id,
-                headers=kafka.kafka_headers(worker_headers(topic, message.SerializeToString())),
-            )
+            produce_as_its_writer(producer, topic, message.SerializeToString(), message.rollout_id)
         assert producer.flush(10) == 0
         hb = redis.Redis.from_url(redis_url)
         wait_for_heartbeat(hb, lambda d: d["dlq"] >= len(hostile))
@@ -484,12 +479,7 @@ def test_joiner_service_dead_letters_future_records_then_settles_honest_rollouts
             )
             for topic, event in events:
                 value = event.SerializeToString()
-                producer.produce(
-                    topic,
-                    value,
-                    key=rollout_id,
-                    headers=kafka.kafka_headers(worker_headers(topic, value)),
-                )
+                produce_as_its_writer(producer, topic, value, rollout_id)
         assert producer.flush(10) == 0
         status = wait_for_heartbeat(hb, lambda d: d["settled"] >= len(honest) and d["pending"] == 0)
         assert {k: status[k] for k in ("settled", "dlq", "late", "dropped")} == {

@@ -24,8 +24,9 @@ from reward_stream import replay
 from reward_stream.authn import Authenticator
 from reward_stream.config import RewardStreamSettings
 from reward_stream.runtime import Joiner
-from rtrl import heartbeat, kafka, procs, signing, topics
+from rtrl import kafka, procs, signing, topics
 from rtrl.v1 import common_pb2, reward_pb2, rollout_pb2, telemetry_pb2
+from support.reward_stream import wait_for_heartbeat
 from support.signing import EVENT_SIGNER, worker_headers
 
 Headers = list[tuple[str, bytes]]
@@ -152,20 +153,15 @@ def test_the_joiner_service_lets_no_event_produced_straight_to_the_broker_steer_
         assert producer.flush(10) == 0
         producer.close()
 
-        client = redis.Redis.from_url(redis_url)
-        deadline = time.monotonic() + 90
-        while True:
-            docs = [d for d in heartbeat.read_all(client) if d["service"] == "reward_stream"]
-            if (
-                docs
-                and docs[0]["settled"] >= len(honest)
-                and docs[0]["unauthenticated"] >= len(forged)
-                and docs[0]["pending"] == 0
-            ):
-                break
-            assert time.monotonic() < deadline, f"joiner heartbeat: {docs}"
-            time.sleep(0.2)
-        assert docs[0]["unauthenticated"] == len(forged) == docs[0]["dlq"]
+        beat = wait_for_heartbeat(
+            redis.Redis.from_url(redis_url),
+            lambda d: (
+                d["settled"] >= len(honest)
+                and d["unauthenticated"] >= len(forged)
+                and d["pending"] == 0
+            ),
+        )
+        assert beat["unauthenticated"] == len(forged) == beat["dlq"]
 
         out = replay.read_retained(stack_settings, (topics.REWARD, topics.REWARD_DLQ))
         rewards = [

@@ -24,7 +24,7 @@ from reward_stream.runtime import Joiner
 from rtrl import kafka, procs, topics
 from rtrl.v1 import reward_pb2, rollout_pb2, telemetry_pb2
 from support.reward_stream import read_all, wait_for_heartbeat
-from support.signing import worker_headers
+from support.signing import produce_as_its_writer
 
 pytestmark = pytest.mark.integration
 
@@ -127,9 +127,7 @@ def test_broker_path_matches_the_pure_join(stack_settings, stack_env, redis_url,
     try:
         producer = Producer(kafka.producer_config(stack_settings))
         for topic, rid, value in records:
-            producer.produce(
-                topic, value, key=rid, headers=kafka.kafka_headers(worker_headers(topic, value))
-            )
+            produce_as_its_writer(producer, topic, value, rid)
             producer.flush(
                 10
             )  # one at a time, so the broker keeps the production order per partition

@@ -14,7 +14,7 @@ from reward_stream.authn import Authenticator
 from reward_stream.config import RewardStreamSettings
 from rtrl import kafka, signing, topics
 from rtrl.v1 import reward_pb2, rollout_pb2, telemetry_pb2
-from support.signing import worker_headers
+from support.signing import produce_as_its_writer
 
 N_ROLLOUTS = 12
 # An hour ago: the broker stamps records with the time they are produced, and a replay
@@ -159,27 +159,14 @@ def test_replay_against_the_broker(stack_settings):
     producer = Producer(kafka.producer_config(stack_settings))
     for i in range(N_ROLLOUTS):
         record, events = scenario(i)
-        producer.produce(
-            topics.ROLLOUT,
-            record.SerializeToString(),
-            key=record.rollout_id,
-            headers=kafka.kafka_headers(worker_headers(topics.ROLLOUT, record.SerializeToString())),
+        produce_as_its_writer(
+            producer, topics.ROLLOUT, record.SerializeToString(), record.rollout_id
         )
         for topic, event in events:
             value = event.SerializeToString()
-            producer.produce(
-                topic,
-                value,
-                key=record.rollout_id,
-                headers=kafka.kafka_headers(worker_headers(topic, value)),
-            )
+            produce_as_its_writer(producer, topic, value, record.rollout_id)
     garbage = b"\xff\xff not protobuf"  # authenticated, so it is the decode that refuses it
-    producer.produce(
-        topics.EDIT,
-        garbage,
-        key="garbage",
-        headers=kafka.kafka_headers(worker_headers(topics.EDIT, garbage)),
-    )
+    produce_as_its_writer(producer, topics.EDIT, garbage, "garbage")
     # Rollouts written straight to the broker by someone who is not a worker.
     stranger = signing.Signer(signing.generate_private_key(), signing.Purpose.ROLLOUT)
     for rollout_id, sign in (("forged-unsigned", None), ("forged-stranger", stranger)):

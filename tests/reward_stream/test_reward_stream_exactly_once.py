@@ -28,7 +28,7 @@ from analytics.query import http_query_fn
 from rtrl import kafka, procs, topics
 from rtrl.v1 import reward_pb2, rollout_pb2, telemetry_pb2
 from support.reward_stream import read_all
-from support.signing import worker_headers
+from support.signing import produce_as_its_writer
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -76,20 +76,10 @@ def produce_rollouts(settings, base_ms: int) -> set[str]:
             client_ts_ms=ts + 2,
             persistence=telemetry_pb2.PersistenceSnapshot(region_text="x = 1\n"),
         )
-        producer.produce(
-            topics.ROLLOUT,
-            record.SerializeToString(),
-            key=rollout_id,
-            headers=kafka.kafka_headers(worker_headers(topics.ROLLOUT, record.SerializeToString())),
-        )
+        produce_as_its_writer(producer, topics.ROLLOUT, record.SerializeToString(), rollout_id)
         for topic, event in ((topics.EDIT, shown), (topics.PERSISTENCE, kept)):
             value = event.SerializeToString()
-            producer.produce(
-                topic,
-                value,
-                key=rollout_id,
-                headers=kafka.kafka_headers(worker_headers(topic, value)),
-            )
+            produce_as_its_writer(producer, topic, value, rollout_id)
         producer.poll(0)
         ids.add(rollout_id)
     assert producer.flush(30) == 0

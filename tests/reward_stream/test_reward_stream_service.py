@@ -13,7 +13,7 @@ from confluent_kafka import Producer
 from rtrl import kafka, procs, topics
 from rtrl.v1 import reward_pb2, telemetry_pb2
 from support.reward_stream import read_all, scenario, wait_for_heartbeat
-from support.signing import worker_headers
+from support.signing import produce_as_its_writer, worker_headers
 
 pytestmark = pytest.mark.integration
 
@@ -50,12 +50,7 @@ def test_one_reward_per_rollout_dlq_late_and_clean_stop(
             )
             for topic, event in events:
                 value = event.SerializeToString()
-                producer.produce(
-                    topic,
-                    value,
-                    key=rollout_id,
-                    headers=kafka.kafka_headers(worker_headers(topic, value)),
-                )
+                produce_as_its_writer(producer, topic, value, rollout_id)
         # Redeliveries: a RolloutRecord, a persistence snapshot, a follow-up.
         duplicates = [
             (topics.ROLLOUT, scenarios["rollout-00"][0]),
@@ -63,19 +58,9 @@ def test_one_reward_per_rollout_dlq_late_and_clean_stop(
             (topics.FOLLOWUP, scenarios["rollout-02"][1][0][1]),
         ]
         for topic, message in duplicates:
-            producer.produce(
-                topic,
-                message.SerializeToString(),
-                key=message.rollout_id,
-                headers=kafka.kafka_headers(worker_headers(topic, message.SerializeToString())),
-            )
+            produce_as_its_writer(producer, topic, message.SerializeToString(), message.rollout_id)
         # Authenticated, so it is the decode that dead-letters it.
-        producer.produce(
-            topics.EDIT,
-            GARBAGE,
-            key="garbage",
-            headers=kafka.kafka_headers(worker_headers(topics.EDIT, GARBAGE)),
-        )
+        produce_as_its_writer(producer, topics.EDIT, GARBAGE, "garbage")
         assert producer.flush(10) == 0
 
         hb = redis.Redis.from_url(redis_url)
@@ -88,12 +73,7 @@ def test_one_reward_per_rollout_dlq_late_and_clean_stop(
             followup=telemetry_pb2.FollowUp(message="ugh"),
         )
         value = late.SerializeToString()
-        producer.produce(
-            topics.FOLLOWUP,
-            value,
-            key="rollout-03",
-            headers=kafka.kafka_headers(worker_headers(topics.FOLLOWUP, value)),
-        )
+        produce_as_its_writer(producer, topics.FOLLOWUP, value, "rollout-03")
         assert producer.flush(10) == 0
         status = wait_for_heartbeat(hb, lambda d: d["late"] >= 1)
         assert {

@@ -25,7 +25,7 @@ from reward_stream.config import RewardStreamSettings
 from reward_stream.runtime import Joiner
 from rtrl import heartbeat, kafka, procs, signing, topics
 from rtrl.v1 import common_pb2, reward_pb2, rollout_pb2, telemetry_pb2
-from support.signing import ROLLOUT_SIGNER, worker_headers
+from support.signing import ROLLOUT_SIGNER, produce_as_its_writer, worker_headers
 
 
 def _present(value: bytes | None) -> bytes:
@@ -145,19 +145,9 @@ def test_the_joiner_service_builds_no_reward_on_a_rollout_produced_straight_to_t
         producer = Producer(kafka.producer_config(stack_settings))
         for rollout_id in honest:
             value = _rollout(rollout_id, ts).SerializeToString()
-            producer.produce(
-                topics.ROLLOUT,
-                value,
-                key=rollout_id,
-                headers=kafka.kafka_headers(worker_headers(topics.ROLLOUT, value)),
-            )
+            produce_as_its_writer(producer, topics.ROLLOUT, value, rollout_id)
             kept = _kept(rollout_id, ts).SerializeToString()
-            producer.produce(
-                topics.PERSISTENCE,
-                kept,
-                key=rollout_id,
-                headers=kafka.kafka_headers(worker_headers(topics.PERSISTENCE, kept)),
-            )
+            produce_as_its_writer(producer, topics.PERSISTENCE, kept, rollout_id)
         for rollout_id, (value, headers, _) in forged.items():
             producer.produce(
                 topics.ROLLOUT, value, key=rollout_id, headers=kafka.kafka_headers(headers)
@@ -165,12 +155,7 @@ def test_the_joiner_service_builds_no_reward_on_a_rollout_produced_straight_to_t
             # The forger reports the edit kept, through the gateway: telemetry without a
             # rollout joins nothing.
             kept = _kept(rollout_id, ts).SerializeToString()
-            producer.produce(
-                topics.PERSISTENCE,
-                kept,
-                key=rollout_id,
-                headers=kafka.kafka_headers(worker_headers(topics.PERSISTENCE, kept)),
-            )
+            produce_as_its_writer(producer, topics.PERSISTENCE, kept, rollout_id)
         assert producer.flush(10) == 0
 
         client = redis.Redis.from_url(redis_url)

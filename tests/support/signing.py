@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import os
 
-from rtrl import signing, topics
+from confluent_kafka import Producer
+
+from rtrl import kafka, signing, topics
 from rtrl.api_keys import KeyAuthority
 
 ROLLOUT_SIGNER = signing.Signer(
@@ -22,6 +24,13 @@ def worker_headers(topic: str, value: bytes) -> list[tuple[str, bytes]]:
     gateway's MAC on a telemetry event."""
     signer = ROLLOUT_SIGNER if topic == topics.ROLLOUT else EVENT_SIGNER
     return list(signer.headers(value))
+
+
+def produce_as_its_writer(producer: Producer, topic: str, value: bytes, key: str) -> None:
+    """Produce ``value`` to ``topic`` with the headers its writer sends (worker_headers)."""
+    producer.produce(
+        topic, value, key=key, headers=kafka.kafka_headers(worker_headers(topic, value))
+    )
 
 
 # The operator's signer of API key records (tests/conftest.py generates the pair; servers verify).
