@@ -98,7 +98,8 @@ def token_versions(samples: Sequence[TrainSample]) -> torch.Tensor:
     versions = torch.full((len(samples), width), -1, dtype=torch.long)
     for row, sample in enumerate(samples):
         if len(sample.token_versions) != len(sample.completion_ids):
-            versions[row] = sample.oldest_version  # a sample built without them: its row's
+            # Built without per-token versions: the row's oldest stands for every token.
+            versions[row] = sample.oldest_version
             continue
         start = len(sample.prompt_ids) - 1
         versions[row, start : start + len(sample.completion_ids)] = torch.tensor(

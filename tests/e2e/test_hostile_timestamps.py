@@ -47,7 +47,7 @@ from rtrl.v1 import (
 )
 from support.analytics import RecordingConsumer, hand_made_records
 from support.ingest import ingest_settings, read_topics, shown
-from support.reward_stream import read_all, scenario, wait_for_heartbeat
+from support.reward_stream import read_all, scenario, spawn_joiner, wait_for_heartbeat
 from support.signing import produce_as_its_writer, worker_headers
 from trainer.batch import TrainSample, collate, to_sample
 
@@ -435,13 +435,7 @@ def test_replay_skips_a_hostile_time_as_the_live_joiner_does(case):
 def test_joiner_service_dead_letters_future_records_then_settles_honest_rollouts_with_real_rewards(
     stack_settings, stack_env, redis_url, tmp_path
 ):
-    env = {**stack_env, "RTRL_REWARD_WINDOW_S": "1", "RTRL_REWARD_WEB_PORT": str(procs.free_port())}
-    service = procs.spawn(
-        "reward_stream",
-        [sys.executable, "-m", "reward_stream"],
-        tmp_path / "reward_stream.log",
-        env=env,
-    )
+    service = spawn_joiner(stack_env, tmp_path)
     try:
         producer = Producer(kafka.producer_config(stack_settings))
         hostile: list[tuple[str, Hostile]] = [

@@ -13,7 +13,6 @@ counted, and every reward is what the honest events alone make it.
 
 from __future__ import annotations
 
-import sys
 import time
 
 import pytest
@@ -24,9 +23,9 @@ from reward_stream import replay
 from reward_stream.authn import Authenticator
 from reward_stream.config import RewardStreamSettings
 from reward_stream.runtime import Joiner
-from rtrl import kafka, procs, signing, topics
+from rtrl import kafka, signing, topics
 from rtrl.v1 import common_pb2, reward_pb2, rollout_pb2, telemetry_pb2
-from support.reward_stream import wait_for_heartbeat
+from support.reward_stream import spawn_joiner, wait_for_heartbeat
 from support.signing import EVENT_SIGNER, worker_headers
 
 Headers = list[tuple[str, bytes]]
@@ -126,13 +125,7 @@ def test_the_join_refuses_every_forged_event_and_the_reward_is_the_honest_ones()
 def test_the_joiner_service_lets_no_event_produced_straight_to_the_broker_steer_a_reward(
     stack_settings, stack_env, redis_url, tmp_path
 ):
-    env = {**stack_env, "RTRL_REWARD_WINDOW_S": "1", "RTRL_REWARD_WEB_PORT": str(procs.free_port())}
-    service = procs.spawn(
-        "reward_stream",
-        [sys.executable, "-m", "reward_stream"],
-        tmp_path / "reward_stream.log",
-        env=env,
-    )
+    service = spawn_joiner(stack_env, tmp_path)
     try:
         ts = int(time.time() * 1000)
         honest = [f"honest-{i}" for i in range(4)]

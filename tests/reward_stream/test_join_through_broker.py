@@ -23,7 +23,7 @@ from reward_stream.config import RewardStreamSettings
 from reward_stream.runtime import Joiner
 from rtrl import kafka, procs, topics
 from rtrl.v1 import reward_pb2, rollout_pb2, telemetry_pb2
-from support.reward_stream import read_all, wait_for_heartbeat
+from support.reward_stream import read_all, spawn_joiner, wait_for_heartbeat
 from support.signing import produce_as_its_writer
 
 pytestmark = pytest.mark.integration
@@ -112,18 +112,7 @@ def test_broker_path_matches_the_pure_join(stack_settings, stack_env, redis_url,
     assert set(expected) == {"ooo", "dup", "priv", "quiet", "late-record"}
     assert "priv-f" not in expected["priv"].event_ids and "ooo-p" in expected["ooo"].event_ids
 
-    env = {
-        **stack_env,
-        "RTRL_REWARD_WINDOW_S": "1",
-        "RTRL_REWARD_GRACE_S": "0.5",
-        "RTRL_REWARD_WEB_PORT": str(procs.free_port()),
-    }
-    service = procs.spawn(
-        "reward_stream",
-        [sys.executable, "-m", "reward_stream"],
-        tmp_path / "reward_stream.log",
-        env=env,
-    )
+    service = spawn_joiner(stack_env, tmp_path, grace_s="0.5")
     try:
         producer = Producer(kafka.producer_config(stack_settings))
         for topic, rid, value in records:

@@ -3,16 +3,15 @@ late events to .late, clean exit on SIGTERM."""
 
 from __future__ import annotations
 
-import sys
 import time
 
 import pytest
 import redis
 from confluent_kafka import Producer
 
-from rtrl import kafka, procs, topics
+from rtrl import kafka, topics
 from rtrl.v1 import reward_pb2, telemetry_pb2
-from support.reward_stream import read_all, scenario, wait_for_heartbeat
+from support.reward_stream import read_all, scenario, spawn_joiner, wait_for_heartbeat
 from support.signing import produce_as_its_writer, worker_headers
 
 pytestmark = pytest.mark.integration
@@ -25,13 +24,7 @@ GARBAGE = b"\xff\xff\xff not protobuf"
 def test_one_reward_per_rollout_dlq_late_and_clean_stop(
     stack_settings, stack_env, redis_url, tmp_path
 ):
-    env = {**stack_env, "RTRL_REWARD_WINDOW_S": "1", "RTRL_REWARD_WEB_PORT": str(procs.free_port())}
-    service = procs.spawn(
-        "reward_stream",
-        [sys.executable, "-m", "reward_stream"],
-        tmp_path / "reward_stream.log",
-        env=env,
-    )
+    service = spawn_joiner(stack_env, tmp_path)
     try:
         base_ms = int(time.time() * 1000)
         scenarios = {

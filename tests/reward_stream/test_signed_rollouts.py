@@ -11,7 +11,6 @@ dead-lettered with its reason and counted.
 
 from __future__ import annotations
 
-import sys
 import time
 import uuid
 
@@ -23,8 +22,9 @@ from reward_stream import replay
 from reward_stream.authn import Authenticator
 from reward_stream.config import RewardStreamSettings
 from reward_stream.runtime import Joiner
-from rtrl import heartbeat, kafka, procs, signing, topics
+from rtrl import heartbeat, kafka, signing, topics
 from rtrl.v1 import common_pb2, reward_pb2, rollout_pb2, telemetry_pb2
+from support.reward_stream import spawn_joiner
 from support.signing import ROLLOUT_SIGNER, produce_as_its_writer, worker_headers
 
 
@@ -131,13 +131,7 @@ def test_the_join_refuses_every_forged_rollout_and_settles_the_honest_one():
 def test_the_joiner_service_builds_no_reward_on_a_rollout_produced_straight_to_the_broker(
     stack_settings, stack_env, redis_url, tmp_path
 ):
-    env = {**stack_env, "RTRL_REWARD_WINDOW_S": "1", "RTRL_REWARD_WEB_PORT": str(procs.free_port())}
-    service = procs.spawn(
-        "reward_stream",
-        [sys.executable, "-m", "reward_stream"],
-        tmp_path / "reward_stream.log",
-        env=env,
-    )
+    service = spawn_joiner(stack_env, tmp_path)
     try:
         ts = int(time.time() * 1000)
         forged = _forgeries(ts)

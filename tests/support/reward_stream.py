@@ -6,13 +6,15 @@ completions the hacking monitor counts as clarifying questions."""
 from __future__ import annotations
 
 import json
+import sys
 import time
 import uuid
+from pathlib import Path
 
 import redis
 from confluent_kafka import OFFSET_BEGINNING, Consumer, TopicPartition
 
-from rtrl import heartbeat, kafka, topics
+from rtrl import heartbeat, kafka, procs, topics
 from rtrl.v1 import rollout_pb2, telemetry_pb2
 from simulator.tasks import Style, Task
 
@@ -135,3 +137,20 @@ def read_all(settings, topic_names: tuple[str, ...]) -> dict[str, list]:
         consumer.close()
     assert not remaining, f"could not read up to the end of {remaining}"
     return records
+
+
+def spawn_joiner(stack_env: dict[str, str], log_dir: Path, **settings: str) -> procs.Proc:
+    """``python -m reward_stream`` on the test's stack, logging to ``log_dir``: a 1 s window,
+    its own web port, and ``settings`` as RTRL_REWARD_* variables (``grace_s="0.5"``)."""
+    env = {
+        **stack_env,
+        "RTRL_REWARD_WINDOW_S": "1",
+        "RTRL_REWARD_WEB_PORT": str(procs.free_port()),
+        **{f"RTRL_REWARD_{name.upper()}": value for name, value in settings.items()},
+    }
+    return procs.spawn(
+        "reward_stream",
+        [sys.executable, "-m", "reward_stream"],
+        log_dir / "reward_stream.log",
+        env=env,
+    )
