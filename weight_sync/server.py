@@ -19,7 +19,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from rtrl import entrypoint, heartbeat, otel
 from rtrl.config import StackSettings
-from rtrl.runtime import service_process, until_stopped
+from rtrl.runtime import bounded, service_process, until_stopped
 from weight_sync import gc
 from weight_sync.broadcast import add_to_server, observe_fanout
 from weight_sync.config import WeightSyncSettings
@@ -112,11 +112,14 @@ class WeightSyncServer:
         # The background loops go first: a server on its way out must not rebuild a
         # registry (from its own blob store) that the servers staying up now own.
         # Following streams still poll through the grace period.
+        # Each step is bounded (rtrl.runtime.bounded): a step that swallows its cancellation,
+        # as a gRPC aio shutdown with a stream still open can, is abandoned, not waited on.
         for task in self.tasks:
             task.cancel()
-        await asyncio.gather(*self.tasks, return_exceptions=True)
-        await self._server.stop(self.settings.shutdown_grace_s if grace_s is None else grace_s)
-        await self._redis.aclose()
+        await bounded("background loops", asyncio.gather(*self.tasks, return_exceptions=True), 5)
+        grace = self.settings.shutdown_grace_s if grace_s is None else grace_s
+        await bounded("gRPC drain", self._server.stop(grace), grace + 5)
+        await bounded("Redis close", self._redis.aclose(), 2)
 
     async def _listen(self) -> None:
         """Wake subscribers on every publish (of this or another server). Following
