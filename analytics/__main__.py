@@ -1,6 +1,6 @@
-"""``python -m analytics``: see analytics.service (``--help`` lists every setting)."""
+"""``python -m rtrl.analytics``: see analytics.service (``--help`` lists every setting)."""
 
-from analytics.service import main
+from rtrl.analytics.service import main
 
 if __name__ == "__main__":
     main()

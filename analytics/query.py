@@ -25,7 +25,7 @@ from aiohttp import web
 from clickhouse_connect.driver.client import Client
 from clickhouse_connect.driver.exceptions import ClickHouseError
 
-from analytics.sql_guard import Refused, checked_sql
+from rtrl.analytics.sql_guard import Refused, checked_sql
 from rtrl.config import StackSettings
 
 QueryFn = Callable[[str], list[dict[str, Any]]]

@@ -29,10 +29,10 @@ from typing import Any
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
-from analytics import schema
-from analytics.query import QueryFn
-from analytics.schema import PERSISTED_THRESHOLD
 from rtrl import topics
+from rtrl.analytics import schema
+from rtrl.analytics.query import QueryFn
+from rtrl.analytics.schema import PERSISTED_THRESHOLD
 
 ARMS = ("control", "treatment")
 COUNT_METRICS = ("rollouts", "rewards")
@@ -316,7 +316,7 @@ def write_html(
 
 
 def render(query_fn: QueryFn, path: Path | str, bucket_size: int | None = None) -> Path:
-    from analytics.training_report import figures
+    from rtrl.analytics.training_report import figures
 
     return write_html(
         path,

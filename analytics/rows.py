@@ -15,8 +15,8 @@ from datetime import UTC, datetime, timedelta
 
 from google.protobuf.message import DecodeError
 
-from analytics import schema
 from rtrl import topics
+from rtrl.analytics import schema
 from rtrl.v1 import reward_pb2, rollout_pb2, telemetry_pb2, trainer_pb2
 
 ARM_NAMES = {1: "control", 2: "treatment"}

@@ -11,10 +11,10 @@ from aiohttp import web
 from confluent_kafka import Consumer
 from opentelemetry import metrics
 
-from analytics import query, schema
-from analytics.config import AnalyticsSettings
-from analytics.sink import Sink
 from rtrl import entrypoint, heartbeat, kafka, otel, topics
+from rtrl.analytics import query, schema
+from rtrl.analytics.config import AnalyticsSettings
+from rtrl.analytics.sink import Sink
 from rtrl.config import StackSettings
 from rtrl.runtime import service_process, until_stopped
 
@@ -117,7 +117,7 @@ async def serve(
 
 def main() -> None:
     settings, stack = entrypoint.parse_settings(
-        "python -m analytics", __doc__, AnalyticsSettings, StackSettings
+        "python -m rtrl.analytics", __doc__, AnalyticsSettings, StackSettings
     )
     entrypoint.configure_logging()
     service_process()

@@ -14,13 +14,13 @@ from collections.abc import Callable
 
 from confluent_kafka import Consumer, KafkaException, TopicPartition
 
-from analytics.rows import COLUMNS, KafkaRecord, convert
-from analytics.schema import DEAD_LETTERS
 from rtrl import otel
+from rtrl.analytics.rows import COLUMNS, KafkaRecord, convert
+from rtrl.analytics.schema import DEAD_LETTERS
 from rtrl.heartbeat import AnalyticsBeat
 from rtrl.kafka import record_headers, record_position
 
-log = logging.getLogger("analytics.sink")
+log = logging.getLogger("rtrl.analytics.sink")
 
 
 def wall_clock_ms() -> int:

@@ -15,9 +15,9 @@ from dataclasses import dataclass
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
-from analytics.query import QueryFn
-from analytics.schema import TRAINER_STEPS
 from rtrl import topics
+from rtrl.analytics.query import QueryFn
+from rtrl.analytics.schema import TRAINER_STEPS
 
 COMPONENTS = (
     "persisted_fraction",

@@ -39,8 +39,8 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
-from bench import report
 from rtrl import heartbeat, procs, signing
+from rtrl.bench import report
 from rtrl.config import StackSettings
 
 FANOUTS = (1, 2, 4, 8)
@@ -182,7 +182,7 @@ def run_topology(
     stack: StackSettings,
     workdir: Path,
 ) -> Delivery:
-    from weight_sync.client import Publisher
+    from rtrl.weight_sync.client import Publisher
 
     addrs = (
         [relay_addrs[i % len(relay_addrs)] for i in range(topology.subscribers)]
@@ -225,7 +225,7 @@ def server_bytes_sent(client: redis.Redis, instance: str) -> int:
 
 
 def run(out: Path, console: Console, rounds: int = 15) -> BroadcastResult:
-    from bench.codec import minilm_versions
+    from rtrl.bench.codec import minilm_versions
 
     # The bench's own servers, relays and probes (which inherit this environment) share a pair
     # of tokens made for the run: weight_sync has no defaults.
@@ -234,7 +234,7 @@ def run(out: Path, console: Console, rounds: int = 15) -> BroadcastResult:
 
     with console.status("MiniLM: fine-tuning for the versions to broadcast"):
         versions = minilm_versions(5 + rounds, keep=1 + rounds)
-    from weight_sync import codec
+    from rtrl.weight_sync import codec
 
     keyframe_bytes = len(codec.encode(None, versions[0]).blob)
     delta_sizes = [
@@ -269,7 +269,7 @@ def run(out: Path, console: Console, rounds: int = 15) -> BroadcastResult:
             redis_proc,
             procs.spawn(
                 "weight_sync",
-                [sys.executable, "-m", "weight_sync"],
+                [sys.executable, "-m", "rtrl.weight_sync"],
                 workdir / "weight_sync.log",
                 env=env,
                 port=port,
@@ -288,7 +288,7 @@ def run(out: Path, console: Console, rounds: int = 15) -> BroadcastResult:
             started.append(
                 procs.spawn(
                     f"relay-{i}",
-                    [sys.executable, "-m", "weight_sync.relay"],
+                    [sys.executable, "-m", "rtrl.weight_sync.relay"],
                     workdir / f"relay-{i}.log",
                     env=relay_env,
                     port=relay_port,

@@ -28,7 +28,7 @@ import zstandard
 from rich.console import Console
 from rich.table import Table
 
-from bench import report
+from rtrl.bench import report
 
 Weights = dict[str, torch.Tensor]
 
@@ -87,10 +87,10 @@ def minilm_versions(steps: int, keep: int, seed: int = 0) -> list[Weights]:
 def policy_workload(seed: int = 0) -> tuple[Weights, Weights]:
     """fp32 weights before and after one RL step of the demo policy on sampled rollouts."""
     from rtrl.policy import build_model, state_dict_fp32
-    from simulator.tasks import random_task
-    from trainer.batch import TrainSample, collate
-    from trainer.sampling import prompt_ids, sample
-    from trainer.step import build_optimizer, rl_step
+    from rtrl.simulator.tasks import random_task
+    from rtrl.trainer.batch import TrainSample, collate
+    from rtrl.trainer.sampling import prompt_ids, sample
+    from rtrl.trainer.step import build_optimizer, rl_step
 
     model = build_model(seed=seed)
     rng = random.Random(seed)
@@ -231,7 +231,7 @@ class CodecResult:
 
 
 def measure(parent: Weights, new: Weights, repeats: int = 15) -> DeltaResult:
-    from weight_sync import codec
+    from rtrl.weight_sync import codec
 
     full_bytes = sum(t.numel() * t.element_size() for t in new.values())
     encoded = codec.encode(parent, new)

@@ -34,11 +34,11 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
-from bench import report
-from bench.join import code_version
-from inference.engine import Engine, EngineConfig, prompt_token_ids
+from rtrl.bench import report
+from rtrl.bench.join import code_version
+from rtrl.inference.engine import Engine, EngineConfig, prompt_token_ids
 from rtrl.policy import EOS, PAD, build_model, state_dict_fp32
-from simulator.tasks import random_task
+from rtrl.simulator.tasks import random_task
 
 
 @dataclass

@@ -1,6 +1,6 @@
 """`rtrl bench ingest`: events/s through the gateway against a bare producer.
 
-On a fresh Tansu broker and Redis, the gateway (``python -m ingest``, API keys
+On a fresh Tansu broker and Redis, the gateway (``python -m rtrl.ingest``, API keys
 required, as deployed) takes batches of realistic ~1 KB events over gRPC from
 ``concurrency`` clients in this process. The baseline is a bare confluent-kafka
 producer in this process sending the same serialized events, keyed the same way,
@@ -26,9 +26,9 @@ from typing import TypedDict
 from rich.console import Console
 from rich.table import Table
 
-from bench import report
-from bench.join import code_version
 from rtrl import procs, topics
+from rtrl.bench import report
+from rtrl.bench.join import code_version
 from rtrl.config import StackSettings
 
 EVENT_BYTES = 1024
@@ -89,9 +89,9 @@ def signature_costs(repeats: int = 2_000) -> SignatureCosts:
     """Microseconds per record for what the trust boundary adds around ingest, in this
     process: the key record check (rtrl/api_keys.py) and the rollout signature the serving
     API makes and the joiner checks (a real completion's record, from the demo's engine)."""
-    from bench.join import rollout_records
     from rtrl import signing
     from rtrl.api_keys import KeyAuthority, KeyVerifier, key_hash
+    from rtrl.bench.join import rollout_records
 
     operator = signing.generate_private_key()
     digest = key_hash("rtrl_bench")
@@ -133,7 +133,7 @@ def signature_costs(repeats: int = 2_000) -> SignatureCosts:
 
 def make_events(n: int, seed: int = 0) -> list:
     """Edit-shown events of about EVENT_BYTES serialized, over many rollouts."""
-    from ingest.client import make_event
+    from rtrl.ingest.client import make_event
     from rtrl.v1 import telemetry_pb2
 
     now_ms = time.time_ns() // 1_000_000
@@ -293,7 +293,7 @@ def run(
             }
             gateway = procs.spawn(
                 "ingest",
-                [sys.executable, "-m", "ingest"],
+                [sys.executable, "-m", "rtrl.ingest"],
                 tmp_path / "ingest.log",
                 env=env,
                 port=grpc_port,

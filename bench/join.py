@@ -13,7 +13,7 @@ beginning with a fresh consumer group:
   (events - 1) / (last receipt - first receipt);
 * ``faust_floor_events_per_s``: bench.join_floor, a faust agent with the joiner's
   settings that only counts, timed the same way in its own process;
-* ``events_per_s``: one ``python -m reward_stream`` worker, (events - 1) / (its
+* ``events_per_s``: one ``python -m rtrl.reward_stream`` worker, (events - 1) / (its
   latest read - its first), both clocked by the worker and reported in its heartbeat
   (first_event_ms, last_event_ms): group formation is left out as the floors leave
   out everything before their first record; the read-back of settled rollouts on
@@ -62,12 +62,12 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
-from bench import report
-from reward_stream.authn import Authenticator
-from reward_stream.config import RewardStreamSettings
-from reward_stream.runtime import Joiner
 from rtrl import heartbeat, kafka, procs, signing, topics
+from rtrl.bench import report
 from rtrl.config import StackSettings
+from rtrl.reward_stream.authn import Authenticator
+from rtrl.reward_stream.config import RewardStreamSettings
+from rtrl.reward_stream.runtime import Joiner
 from rtrl.v1 import rollout_pb2, telemetry_pb2
 
 PARTITIONS = 4
@@ -236,7 +236,7 @@ def faust_floor(stack: StackSettings, workdir: Path, expected: int, progress: Pr
     env = worker_env(stack, workdir, "bench-join-floor", "floor")
     proc = procs.spawn(
         "floor",
-        [sys.executable, "-m", "bench.join_floor", str(out), str(expected)],
+        [sys.executable, "-m", "rtrl.bench.join_floor", str(out), str(expected)],
         workdir / "floor.log",
         env=env,
     )
@@ -373,7 +373,7 @@ class Joiners:
         self.procs = [
             procs.spawn(
                 i,
-                [sys.executable, "-m", "reward_stream"],
+                [sys.executable, "-m", "rtrl.reward_stream"],
                 workdir / f"{i}.log",
                 env=worker_env(stack, workdir, f"bench-join-{n}w", i),
             )

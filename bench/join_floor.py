@@ -1,6 +1,6 @@
 """The faust floor of `rtrl bench join`: a bare agent that only counts input records.
 
-python -m bench.join_floor OUT EXPECTED. Same faust settings and the same
+python -m rtrl.bench.join_floor OUT EXPECTED. Same faust settings and the same
 read path as reward_stream/app.py (one agent over the four telemetry topics, a
 noack stream, each event acked at once), so the difference against the joiner is
 the join itself and its publishing. Stack settings come from RTRL_* variables and
@@ -21,10 +21,10 @@ from typing import TypedDict
 
 import faust
 
-from reward_stream.app import faust_app, run_worker
-from reward_stream.config import RewardStreamSettings
 from rtrl import topics
 from rtrl.config import StackSettings
+from rtrl.reward_stream.app import faust_app, run_worker
+from rtrl.reward_stream.config import RewardStreamSettings
 
 
 class FloorCount(TypedDict):

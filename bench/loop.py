@@ -33,7 +33,7 @@ import redis
 from rich.console import Console
 from rich.table import Table
 
-from bench import report
+from rtrl.bench import report
 from rtrl.v1 import trainer_pb2, weights_pb2
 
 ARM = "treatment"
@@ -462,12 +462,12 @@ class LoopResult(LoopSummary):
 
 
 def run(state_dir: Path, duration_s: float, out: Path, console: Console) -> LoopResult:
-    from reward_stream.config import RewardStreamSettings
     from rtrl.ops.demo import run_product
     from rtrl.ops.health import running_stack
     from rtrl.ops.lifecycle import down, up
     from rtrl.ops.stack import embedded_trainer_env
-    from trainer.config import TrainerSettings
+    from rtrl.reward_stream.config import RewardStreamSettings
+    from rtrl.trainer.config import TrainerSettings
 
     started_here = running_stack(state_dir) is None
     stack = up(state_dir, console)

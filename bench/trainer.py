@@ -28,15 +28,15 @@ import torch
 from rich.console import Console
 from rich.progress import Progress
 
-from bench import report
-from bench.join import code_version
-from inference.engine import Engine, EngineConfig, prompt_token_ids
+from rtrl.bench import report
+from rtrl.bench.join import code_version
+from rtrl.inference.engine import Engine, EngineConfig, prompt_token_ids
 from rtrl.policy import build_model, state_dict_fp32
-from simulator.tasks import random_task
-from trainer.batch import TrainBatch, TrainSample, collate
-from trainer.config import TrainerSettings
-from trainer.objective import leave_one_out_advantages
-from trainer.step import build_optimizer, rl_step
+from rtrl.simulator.tasks import random_task
+from rtrl.trainer.batch import TrainBatch, TrainSample, collate
+from rtrl.trainer.config import TrainerSettings
+from rtrl.trainer.objective import leave_one_out_advantages
+from rtrl.trainer.step import build_optimizer, rl_step
 
 
 def production_batch(size: int, max_tokens: int, seed: int = 0) -> TrainBatch:

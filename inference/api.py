@@ -16,9 +16,9 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from inference.engine import Completion
-from inference.records import version_spans
 from rtrl.event_time import EventTimeWindow
+from rtrl.inference.engine import Completion
+from rtrl.inference.records import version_spans
 
 CONTEXT_KEY = re.compile(r"[A-Za-z0-9._:/@-]{0,128}")
 """What a request's context_key may hold: ASCII letters, digits and ``._:/@-``, at most 128

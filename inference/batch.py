@@ -33,8 +33,8 @@ from typing import Generic, Literal, TypeVar
 
 import torch
 
-from inference.model import Routes, Weights, new_cache
-from inference.sampling import sample
+from rtrl.inference.model import Routes, Weights, new_cache
+from rtrl.inference.sampling import sample
 from rtrl.policy import ModelSpec
 
 SwapPolicy = Literal["keep", "recompute"]

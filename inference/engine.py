@@ -27,8 +27,8 @@ from dataclasses import dataclass, field
 import torch
 from transformers import AutoModelForCausalLM, PretrainedConfig
 
-from inference.batch import RunningBatch, SequenceParams, SequenceResult, SwapPolicy
-from inference.model import Weights, servable
+from rtrl.inference.batch import RunningBatch, SequenceParams, SequenceResult, SwapPolicy
+from rtrl.inference.model import Weights, servable
 from rtrl.policy import BOS, ModelSpec, decode, demo_hf_config, encode, weights_digest
 
 log = logging.getLogger(__name__)

@@ -5,9 +5,9 @@ from __future__ import annotations
 import uuid
 from dataclasses import dataclass
 
-from inference.arms import ARM_ENUM
-from inference.engine import Completion
-from inference.model import Routes
+from rtrl.inference.arms import ARM_ENUM
+from rtrl.inference.engine import Completion
+from rtrl.inference.model import Routes
 from rtrl.moe import pack_routes
 from rtrl.v1 import rollout_pb2
 

@@ -34,21 +34,6 @@ from opentelemetry import metrics, trace
 from opentelemetry.util.types import AttributeValue
 from pydantic import ValidationError
 
-from inference.access import Denied, ServingDoor
-from inference.api import (
-    ChatBody,
-    CompletionBody,
-    FieldRefused,
-    RequestBody,
-    chat_response,
-    completion_response,
-)
-from inference.arms import assign_arm
-from inference.config import InferenceSettings
-from inference.engine import ARMS, ArmNotReady, Engine, EngineConfig
-from inference.records import RolloutContext, rollout_record
-from inference.sglang_adapter import ServedModel, SGLangEngine
-from inference.weights import WeightFollower
 from rtrl import heartbeat, kafka, otel, signing, topics
 from rtrl.api_keys import (
     PRIVATE_USERS,
@@ -60,6 +45,21 @@ from rtrl.api_keys import (
 )
 from rtrl.checkpoint import ChatTemplateError, Checkpoint
 from rtrl.config import StackSettings
+from rtrl.inference.access import Denied, ServingDoor
+from rtrl.inference.api import (
+    ChatBody,
+    CompletionBody,
+    FieldRefused,
+    RequestBody,
+    chat_response,
+    completion_response,
+)
+from rtrl.inference.arms import assign_arm
+from rtrl.inference.config import InferenceSettings
+from rtrl.inference.engine import ARMS, ArmNotReady, Engine, EngineConfig
+from rtrl.inference.records import RolloutContext, rollout_record
+from rtrl.inference.sglang_adapter import ServedModel, SGLangEngine
+from rtrl.inference.weights import WeightFollower
 from rtrl.runtime import until_stopped
 
 log = logging.getLogger("inference")

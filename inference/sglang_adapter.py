@@ -29,10 +29,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from inference.batch import SequenceParams, SequenceResult
-from inference.engine import Completion, EngineStats, sequence_params
-from inference.sglang_weight_protocol import SGLangWeights
 from rtrl.checkpoint import Checkpoint
+from rtrl.inference.batch import SequenceParams, SequenceResult
+from rtrl.inference.engine import Completion, EngineStats, sequence_params
+from rtrl.inference.sglang_weight_protocol import SGLangWeights
 
 log = logging.getLogger(__name__)
 

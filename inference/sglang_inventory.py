@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from inference.sglang_weight_protocol import SGLangWeights
+from rtrl.inference.sglang_weight_protocol import SGLangWeights
 
 
 class WeightsRejected(ValueError):

@@ -1,6 +1,6 @@
 """The SGLang backend's weight sidecar: weight_sync versions pushed into a running server.
 
-Runs next to one SGLang server (``python -m inference.sglang_sidecar``). It follows an
+Runs next to one SGLang server (``python -m rtrl.inference.sglang_sidecar``). It follows an
 arm's versions exactly as the embedded worker does (inference/weights.py: the
 Subscriber rebuilds every version's full tensors from keyframes and deltas) and swaps
 each one into SGLang mid-generation over SGLang 0.5.23's HTTP weight protocol:
@@ -39,16 +39,16 @@ from opentelemetry import trace
 from pydantic import Field, SecretStr
 from pydantic_settings import SettingsConfigDict
 
-from inference.sglang_inventory import ServedTensor, as_served, check_fits, inventory_of
-from inference.sglang_weight_protocol import (
+from rtrl import entrypoint, otel, signing
+from rtrl.config import Settings, StackSettings
+from rtrl.inference.sglang_inventory import ServedTensor, as_served, check_fits, inventory_of
+from rtrl.inference.sglang_weight_protocol import (
     PauseMode,
     SGLangRefused,
     SGLangWeights,
     serialize_named_tensors,
 )
-from inference.weights import WeightFollower
-from rtrl import entrypoint, otel, signing
-from rtrl.config import Settings, StackSettings
+from rtrl.inference.weights import WeightFollower
 
 log = logging.getLogger(__name__)
 _tracer = trace.get_tracer("rtrl.sglang_sidecar")
@@ -327,7 +327,7 @@ def _policy_version(label: str) -> int:
 def main() -> None:
     # Configuration first: a bad setting fails before torch is imported.
     settings, stack = entrypoint.parse_settings(
-        "python -m inference.sglang_sidecar", __doc__, SidecarSettings, StackSettings
+        "python -m rtrl.inference.sglang_sidecar", __doc__, SidecarSettings, StackSettings
     )
     entrypoint.configure_logging()
     otel.configure("sglang_sidecar", stack)

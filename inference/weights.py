@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from weight_sync.client import Subscriber
+    from rtrl.weight_sync.client import Subscriber
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +48,7 @@ class WeightFollower:
         public_keys: Sequence[str],
         tls_ca_file: Path | None = None,
     ) -> None:
-        from weight_sync.provenance import ManifestVerifier
+        from rtrl.weight_sync.provenance import ManifestVerifier
 
         ManifestVerifier(
             public_keys
@@ -100,7 +100,7 @@ class WeightFollower:
         (a restart, a long disconnect) decodes the versions before it but stages only
         it: it never serves the intermediate versions, nor the keyframe a catch-up
         starts from, however long ago that was published."""
-        from weight_sync.client import latest_version
+        from rtrl.weight_sync.client import latest_version
 
         try:
             return latest_version(self.addr, self.token, self.arm, tls_ca_file=self.tls_ca_file)
@@ -121,7 +121,7 @@ class WeightFollower:
 
     def _run(self) -> None:
         # Imported here so the engine and its unit tests do not need the gRPC client.
-        from weight_sync.client import Subscriber
+        from rtrl.weight_sync.client import Subscriber
 
         while not self._stopped.is_set():
             subscriber = Subscriber(

@@ -1,6 +1,6 @@
-"""``python -m ingest``: see ingest.server (``--help`` lists every setting)."""
+"""``python -m rtrl.ingest``: see ingest.server (``--help`` lists every setting)."""
 
-from ingest.server import main
+from rtrl.ingest.server import main
 
 if __name__ == "__main__":
     main()

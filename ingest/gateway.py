@@ -36,10 +36,10 @@ from typing import Protocol
 import redis.asyncio as aioredis
 from opentelemetry import trace
 
-from ingest.validation import CLIENT_TS_WINDOW, validate
 from rtrl import heartbeat, kafka, otel, signing, topics
 from rtrl.api_keys import PRIVATE_USERS, SERVED_PREFIX, ApiKey
 from rtrl.event_time import EventTimeWindow
+from rtrl.ingest.validation import CLIENT_TS_WINDOW, validate
 from rtrl.v1 import ingest_pb2, telemetry_pb2
 
 DEDUP_PREFIX = "rtrl:ingest:event:"

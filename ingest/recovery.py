@@ -22,12 +22,12 @@ from dataclasses import dataclass
 import redis
 from confluent_kafka import Consumer, KafkaError, TopicPartition
 
-from ingest.gateway import INFLIGHT, PAYLOADS
 from rtrl import kafka, topics
 from rtrl.config import StackSettings
+from rtrl.ingest.gateway import INFLIGHT, PAYLOADS
 from rtrl.v1 import telemetry_pb2
 
-log = logging.getLogger("ingest.recovery")
+log = logging.getLogger("rtrl.ingest.recovery")
 
 # Tansu's timestamp index is approximate: start this much before the oldest claim.
 LOOKBACK_MS = 5_000

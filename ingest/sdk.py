@@ -36,11 +36,11 @@ from typing import Self
 import aiohttp.abc
 from aiohttp.abc import ResolveResult
 
-from ingest.client import IngestClient, IngestError, make_event
-from ingest.spool import Spool, SpooledEvent, SpoolFull, SpoolLocked  # noqa: F401 - SpoolFull and SpoolLocked are raised to SDK users
+from rtrl.ingest.client import IngestClient, IngestError, make_event
+from rtrl.ingest.spool import Spool, SpooledEvent, SpoolFull, SpoolLocked  # noqa: F401 - SpoolFull and SpoolLocked are raised to SDK users
 from rtrl.v1 import ingest_pb2, telemetry_pb2
 
-log = logging.getLogger("ingest.sdk")
+log = logging.getLogger("rtrl.ingest.sdk")
 
 ACCEPTED = ingest_pb2.EventResult.STATUS_ACCEPTED
 DUPLICATE = ingest_pb2.EventResult.STATUS_DUPLICATE

@@ -43,11 +43,11 @@ from google.protobuf import json_format
 from google.protobuf.message import DecodeError
 from opentelemetry import metrics
 
-from ingest.config import IngestSettings
-from ingest.gateway import REJECTED, RETRY, Gateway
 from rtrl import entrypoint, heartbeat, kafka, otel, signing
 from rtrl.api_keys import ApiKey, KeyCache, KeyVerifier, RateLimiter, bearer_key
 from rtrl.config import StackSettings
+from rtrl.ingest.config import IngestSettings
+from rtrl.ingest.gateway import REJECTED, RETRY, Gateway
 from rtrl.runtime import bounded, service_process, until_stopped
 from rtrl.v1 import ingest_pb2, telemetry_pb2
 
@@ -480,7 +480,7 @@ def _observe(gateway: Gateway, door: Door) -> None:
 async def _recover_forever(stack: StackSettings, settings: IngestSettings) -> None:
     """Settle events abandoned mid-produce by any gateway (ingest/recovery.py), now and
     every half claim TTL. A failed sweep is logged and tried again next time."""
-    from ingest.recovery import sweep
+    from rtrl.ingest.recovery import sweep
 
     while True:
         try:
@@ -534,7 +534,7 @@ async def serve(stack: StackSettings, settings: IngestSettings) -> None:
 
 def main() -> None:
     settings, stack = entrypoint.parse_settings(
-        "python -m ingest", __doc__, IngestSettings, StackSettings
+        "python -m rtrl.ingest", __doc__, IngestSettings, StackSettings
     )
     entrypoint.configure_logging()
     service_process()

@@ -22,7 +22,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-log = logging.getLogger("ingest.sdk")
+log = logging.getLogger("rtrl.ingest.sdk")
 
 _RECORD_HEADER = struct.Struct(">II")
 _ACK = struct.Struct(">Q")

@@ -12,10 +12,10 @@ import importlib
 
 import torch
 
-from kernels import delta as _torch_path
-from kernels import mxfp8 as _mxfp8_torch
-from kernels.delta import SparseDelta, bits_dtype
-from kernels.mxfp8 import MXFP8Tensor
+from rtrl.kernels import delta as _torch_path
+from rtrl.kernels import mxfp8 as _mxfp8_torch
+from rtrl.kernels.delta import SparseDelta, bits_dtype
+from rtrl.kernels.mxfp8 import MXFP8Tensor
 
 
 def _triton_or(module_name: str, fallback):
@@ -27,11 +27,11 @@ def _triton_or(module_name: str, fallback):
 
 def _path(tensor: torch.Tensor):
     if tensor.device.type == "cpu":
-        from kernels import delta_cpu
+        from rtrl.kernels import delta_cpu
 
         return delta_cpu
     if tensor.device.type == "cuda":
-        return _triton_or("kernels.triton_delta", _torch_path)
+        return _triton_or("rtrl.kernels.triton_delta", _torch_path)
     return _torch_path
 
 
@@ -48,7 +48,7 @@ def delta_apply(old: torch.Tensor, delta: SparseDelta) -> torch.Tensor:
 def mxfp8_quantize(x: torch.Tensor) -> MXFP8Tensor:
     """MXFP8 (E4M3 elements, one E8M0 scale per 32) of x, fused on GPUs."""
     path = (
-        _triton_or("kernels.triton_mxfp8", _mxfp8_torch)
+        _triton_or("rtrl.kernels.triton_mxfp8", _mxfp8_torch)
         if x.device.type == "cuda"
         else _mxfp8_torch
     )
@@ -59,7 +59,7 @@ def mxfp8_dequantize(
     data: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.bfloat16
 ) -> torch.Tensor:
     path = (
-        _triton_or("kernels.triton_mxfp8", _mxfp8_torch)
+        _triton_or("rtrl.kernels.triton_mxfp8", _mxfp8_torch)
         if data.device.type == "cuda"
         else _mxfp8_torch
     )

@@ -18,7 +18,7 @@ import numba
 import numpy as np
 import torch
 
-from kernels.delta import SparseDelta, check_delta, check_pair, flat_bits
+from rtrl.kernels.delta import SparseDelta, check_delta, check_pair, flat_bits
 
 
 def _wrap_kernel(bits: int):

@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.delta import SparseDelta, check_delta, check_pair, flat_bits
+from rtrl.kernels.delta import SparseDelta, check_delta, check_pair, flat_bits
 
 ENCODE_BLOCK = 1024
 """Elements compared per program; one count per block."""

@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.mxfp8 import (
+from rtrl.kernels.mxfp8 import (
     BLOCK_SIZE,
     MXFP8Tensor,
     check_input,

@@ -36,14 +36,14 @@ import faust
 import redis.asyncio as aioredis
 from opentelemetry import metrics
 
-from reward_stream import recovery
-from reward_stream.acks import OrderedAcks, Ticket
-from reward_stream.authn import Authenticator
-from reward_stream.config import RewardStreamSettings
-from reward_stream.publisher import OutputPublisher
-from reward_stream.runtime import Joiner
 from rtrl import heartbeat, kafka, otel, signing, topics
 from rtrl.config import StackSettings
+from rtrl.reward_stream import recovery
+from rtrl.reward_stream.acks import OrderedAcks, Ticket
+from rtrl.reward_stream.authn import Authenticator
+from rtrl.reward_stream.config import RewardStreamSettings
+from rtrl.reward_stream.publisher import OutputPublisher
+from rtrl.reward_stream.runtime import Joiner
 
 SERVICE = "reward_stream"
 log = logging.getLogger("reward_stream")

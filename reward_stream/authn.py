@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 from rtrl import signing, topics
 
 if TYPE_CHECKING:
-    from reward_stream.config import RewardStreamSettings
+    from rtrl.reward_stream.config import RewardStreamSettings
 
 
 @dataclass(frozen=True)

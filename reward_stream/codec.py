@@ -7,8 +7,8 @@ from typing import TypeGuard
 
 from google.protobuf.message import DecodeError
 
-from reward_stream.join import TELEMETRY_KINDS, Event, EventKind, TelemetryKind
 from rtrl import topics
+from rtrl.reward_stream.join import TELEMETRY_KINDS, Event, EventKind, TelemetryKind
 from rtrl.v1 import rollout_pb2, telemetry_pb2
 
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import SettingsConfigDict
 
-from reward_stream.join import JoinConfig
 from rtrl.config import Settings
+from rtrl.reward_stream.join import JoinConfig
 
 
 class RewardStreamSettings(Settings):
@@ -80,7 +80,7 @@ class RewardStreamSettings(Settings):
         if self.grace_s > self.window_s:
             raise ValueError(f"grace_s ({self.grace_s}) must be <= window_s ({self.window_s})")
         self.join_config()  # the join's own checks (grace <= window, max_wait covers the window)
-        from reward_stream.reward import FUNCTIONS
+        from rtrl.reward_stream.reward import FUNCTIONS
 
         if self.reward_fn_version not in FUNCTIONS:
             raise ValueError(

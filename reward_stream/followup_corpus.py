@@ -1,6 +1,6 @@
 """The labelled follow-up corpus the dissatisfaction classifier is trained and scored on.
 
-``python -m reward_stream.followup_corpus`` rewrites ``reward_stream/data/followups.jsonl``
+``python -m rtrl.reward_stream.followup_corpus`` rewrites ``reward_stream/data/followups.jsonl``
 from the templates below with a fixed seed; the committed file is what training reads,
 so regenerating is only needed after editing the templates.
 

@@ -67,9 +67,9 @@ import math
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 
-from reward_stream.signals import has_code
 from rtrl.heartbeat import RewardAlert as Alert
 from rtrl.heartbeat import RewardByVersion
+from rtrl.reward_stream.signals import has_code
 from rtrl.v1 import reward_pb2, rollout_pb2
 
 RATES = ("edit", "clarifying_question", "broken_tool_call", "dissatisfied")

@@ -20,9 +20,9 @@ from collections.abc import Callable
 
 from confluent_kafka import KafkaError, Message, Producer
 
-from reward_stream.runtime import Batch
 from rtrl import kafka
 from rtrl.config import StackSettings
+from rtrl.reward_stream.runtime import Batch
 
 log = logging.getLogger(__name__)
 

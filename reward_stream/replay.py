@@ -1,6 +1,6 @@
 """Replay: recompute rewards over retained telemetry with another reward-function version.
 
-    python -m reward_stream.replay r2   (stack and RTRL_REWARD_* settings from the environment)
+    python -m rtrl.reward_stream.replay r2   (stack and RTRL_REWARD_* settings from the environment)
 
 Reads every retained record of the input topics (telemetry.rollout.v1 and the
 telemetry topics) by partition assignment from the beginning up to the log end seen
@@ -40,11 +40,17 @@ from confluent_kafka import (
     TopicPartition,
 )
 
-from reward_stream import join, reward
-from reward_stream.authn import Authenticator
-from reward_stream.codec import MalformedEvent, PrivacyModeEvent, decode, rollout_of, telemetry_of
 from rtrl import kafka, signing, topics
 from rtrl.config import StackSettings
+from rtrl.reward_stream import join, reward
+from rtrl.reward_stream.authn import Authenticator
+from rtrl.reward_stream.codec import (
+    MalformedEvent,
+    PrivacyModeEvent,
+    decode,
+    rollout_of,
+    telemetry_of,
+)
 from rtrl.v1 import reward_pb2
 
 
@@ -192,7 +198,7 @@ def publish(
     """Write the replayed records to their own topic, signed as the joiner signs (a trainer
     trains on nothing else); returns its name."""
     if signer is None:
-        from reward_stream.config import RewardStreamSettings
+        from rtrl.reward_stream.config import RewardStreamSettings
 
         key = RewardStreamSettings().signing_key.get_secret_value()
         if not key:
@@ -241,10 +247,10 @@ def replay(
 def main() -> None:
     if len(sys.argv) != 2 or sys.argv[1] not in reward.FUNCTIONS:
         print(
-            f"usage: python -m reward_stream.replay VERSION  (one of {sorted(reward.FUNCTIONS)})\n{__doc__}"
+            f"usage: python -m rtrl.reward_stream.replay VERSION  (one of {sorted(reward.FUNCTIONS)})\n{__doc__}"
         )
         raise SystemExit(2)
-    from reward_stream.config import RewardStreamSettings
+    from rtrl.reward_stream.config import RewardStreamSettings
 
     settings = RewardStreamSettings()
     authenticator = Authenticator.of(settings, "a replay")

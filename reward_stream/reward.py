@@ -5,7 +5,7 @@ The final reward is a versioned function of the components in RewardComponents;
 RewardRecord names the version that produced it; RTRL_REWARD_REWARD_FN_VERSION picks
 the live one and replay (reward_stream/replay.py) recomputes history with any. r3
 (below r2's description) is the default (REWARD_FN_VERSION), the service's and the
-embedded stack's (rtrl/ops/stack.py, StackConfig.reward_fn_version). r1 is kept because
+embedded stack's (ops/stack.py, StackConfig.reward_fn_version). r1 is kept because
 it is hackable by not editing: `rtrl demo --reward-fn r1` shows the monitor
 (reward_stream/monitors.py) catching that.
 
@@ -97,7 +97,7 @@ import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from reward_stream.signals import (
+from rtrl.reward_stream.signals import (
     dissatisfaction,
     has_code,
     is_dissatisfied,

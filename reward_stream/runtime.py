@@ -31,9 +31,10 @@ from dataclasses import asdict, dataclass
 
 from opentelemetry import trace
 
-from reward_stream import join, monitors, reward
-from reward_stream.authn import Authenticator
-from reward_stream.codec import (
+from rtrl import heartbeat, kafka, otel, signing, topics
+from rtrl.reward_stream import join, monitors, reward
+from rtrl.reward_stream.authn import Authenticator
+from rtrl.reward_stream.codec import (
     MalformedEvent,
     PrivacyModeEvent,
     Unauthenticated,
@@ -42,7 +43,6 @@ from reward_stream.codec import (
     rollout_of,
     telemetry_of,
 )
-from rtrl import heartbeat, kafka, otel, signing, topics
 
 log = logging.getLogger(__name__)
 _tracer = trace.get_tracer("rtrl.reward_stream")

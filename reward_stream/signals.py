@@ -106,7 +106,7 @@ def _rule_scores(messages: list[str]) -> list[float]:
 def _scorer() -> Callable[[list[str]], list[float]]:
     # Chosen once per process, on first use, so importing signals stays cheap and the
     # log says once which scorer every reward of this process came from.
-    from reward_stream import classifier
+    from rtrl.reward_stream import classifier
 
     try:
         model = classifier.DissatisfactionClassifier(

@@ -1,6 +1,6 @@
 """Train the dissatisfaction head and score it against the rule fallback on the held-out split.
 
-    python -m reward_stream.train_classifier
+    python -m rtrl.reward_stream.train_classifier
 
 Reads the committed corpus (reward_stream/data/followups.jsonl), embeds every message
 once with all-MiniLM-L6-v2, fits the logistic head on the ``train`` templates, and
@@ -21,7 +21,7 @@ from rich.console import Console
 from rich.table import Table
 from safetensors.torch import save_file
 
-from reward_stream.classifier import (
+from rtrl.reward_stream.classifier import (
     ENCODER_NAME,
     HEAD_META_PATH,
     HEAD_PATH,
@@ -29,8 +29,8 @@ from reward_stream.classifier import (
     Head,
     load_encoder,
 )
-from reward_stream.followup_corpus import CORPUS_PATH, FollowUp, corpus_sha256, load
-from reward_stream.signals import is_dissatisfied
+from rtrl.reward_stream.followup_corpus import CORPUS_PATH, FollowUp, corpus_sha256, load
+from rtrl.reward_stream.signals import is_dissatisfied
 
 
 @dataclass(frozen=True)

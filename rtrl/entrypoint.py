@@ -2,7 +2,7 @@
 (and telemetry, in the service), then run.
 
     def main() -> None:
-        settings, stack = entrypoint.parse_settings("python -m ingest", __doc__, IngestSettings, StackSettings)
+        settings, stack = entrypoint.parse_settings("python -m rtrl.ingest", __doc__, IngestSettings, StackSettings)
         entrypoint.configure_logging()
         service_process()
         otel.configure(SERVICE, stack)

@@ -32,7 +32,7 @@ def reward_replay(version: str) -> str:
 
 
 # What each service does on the broker: the "produced by / consumed by" of docs/operations.md,
-# as the compose brokers' ACLs grant it (rtrl/ops/kafka_acls.py renders them). A name ending in
+# as the compose brokers' ACLs grant it (ops/kafka_acls.py renders them). A name ending in
 # "*" is a prefix. Read by rtrl.ops.kafka_acls and tests/ops/test_compose.py.
 @dataclass(frozen=True)
 class Access:

@@ -283,7 +283,7 @@ def _healthy(url: str) -> bool:
 
 
 def _check(server: SGLangServer, model_dir: Path | None) -> None:
-    from inference.sglang_adapter import served_model
+    from rtrl.inference.sglang_adapter import served_model
 
     body = {
         "input_ids": served_model(model_dir).encode("def add(a, b):"),

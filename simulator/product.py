@@ -21,10 +21,10 @@ from dataclasses import dataclass, field
 
 import aiohttp
 
-from ingest.client import IngestClient, make_event
+from rtrl.ingest.client import IngestClient, make_event
+from rtrl.simulator.tasks import UNIQUE_MAX_TOKENS, UniqueTasks, random_task
+from rtrl.simulator.users import User, population, react
 from rtrl.v1 import ingest_pb2, telemetry_pb2
-from simulator.tasks import UNIQUE_MAX_TOKENS, UniqueTasks, random_task
-from simulator.users import User, population, react
 
 ACCEPTED = ingest_pb2.EventResult.STATUS_ACCEPTED
 DUPLICATE = ingest_pb2.EventResult.STATUS_DUPLICATE

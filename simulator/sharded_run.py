@@ -1,7 +1,7 @@
 """Synthetic production-shaped training, on one process with rl_step or under torchrun
 with sharded_rl_step (trainer.distributed), so the two can be compared step by step.
 
-``python -m simulator.sharded_run --steps N --out report.json`` (under
+``python -m rtrl.simulator.sharded_run --steps N --out report.json`` (under
 ``torch.distributed.run`` for several ranks); tests/trainer/test_trainer_fsdp.py compares the runs.
 """
 
@@ -21,9 +21,9 @@ import torch
 
 from rtrl import entrypoint
 from rtrl.policy import EOS, encode
-from simulator.tasks import PROJECT_STYLES, random_style, random_task
-from trainer.batch import TrainBatch, TrainSample, collate
-from trainer.distributed import (
+from rtrl.simulator.tasks import PROJECT_STYLES, random_style, random_task
+from rtrl.trainer.batch import TrainBatch, TrainSample, collate
+from rtrl.trainer.distributed import (
     broadcast_batch,
     close_world,
     full_state_dict,
@@ -31,10 +31,10 @@ from trainer.distributed import (
     shard,
     sharded_rl_step,
 )
-from trainer.sampling import prompt_ids
-from trainer.step import StepMetrics, build_optimizer, rl_step, token_logprobs
+from rtrl.trainer.sampling import prompt_ids
+from rtrl.trainer.step import StepMetrics, build_optimizer, rl_step, token_logprobs
 
-log = logging.getLogger("simulator.sharded_run")
+log = logging.getLogger("rtrl.simulator.sharded_run")
 
 
 BATCH_ROWS = (8, 5, 1, 7, 4, 3)

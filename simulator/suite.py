@@ -17,7 +17,7 @@ import random
 import torch
 
 from rtrl.policy import EOS, decode
-from simulator.tasks import (
+from rtrl.simulator.tasks import (
     MIXED_PROJECT,
     PROJECT_STYLES,
     QUESTION_TOPICS,
@@ -27,8 +27,8 @@ from simulator.tasks import (
     random_task,
     with_random_serial,
 )
-from trainer.evaluation import EvalScores
-from trainer.sampling import prompt_ids, sample
+from rtrl.trainer.evaluation import EvalScores
+from rtrl.trainer.sampling import prompt_ids, sample
 
 CHECKERS = ("well_formed", "house_style")
 

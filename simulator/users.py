@@ -29,7 +29,14 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-from simulator.tasks import MIXED_PROJECT, PROJECT_STYLES, Style, Task, is_question, parse_style
+from rtrl.simulator.tasks import (
+    MIXED_PROJECT,
+    PROJECT_STYLES,
+    Style,
+    Task,
+    is_question,
+    parse_style,
+)
 
 PEEVES = ("indent", "quote")
 # (peeves, share of users)

@@ -53,11 +53,11 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 
 import rtrl.policy
-import simulator.tasks
-import trainer.sampling
+import rtrl.simulator.tasks
+import rtrl.trainer.sampling
 from rtrl.checkpoint import write_demo_checkpoint
 from rtrl.policy import EOS, PAD, PolicyConfig, build_model, decode, encode, state_dict_fp32
-from simulator.tasks import (
+from rtrl.simulator.tasks import (
     MIXED_PROJECT,
     PROJECT_STYLES,
     PROJECTS,
@@ -68,7 +68,7 @@ from simulator.tasks import (
     random_task,
     with_random_serial,
 )
-from trainer.sampling import prompt_ids, sample
+from rtrl.trainer.sampling import prompt_ids, sample
 
 Progress = Callable[[int, int, float], None]
 
@@ -130,7 +130,7 @@ class WarmStartStats:
 
 def _sources_digest() -> str:
     digest = hashlib.sha256()
-    for module in (simulator.tasks, rtrl.policy, trainer.sampling):
+    for module in (rtrl.simulator.tasks, rtrl.policy, rtrl.trainer.sampling):
         digest.update(Path(inspect.getfile(module)).read_bytes())
     digest.update(Path(__file__).read_bytes())
     return digest.hexdigest()

@@ -142,8 +142,8 @@ def stack(redis_url, tmp_path) -> StackSettings:
 
 @pytest.fixture
 def server(stack):
+    from rtrl.weight_sync.config import WeightSyncSettings
     from support.weight_sync import InProcessServer
-    from weight_sync.config import WeightSyncSettings
 
     # Small chunks so every keyframe spans many WeightChunks.
     handle = InProcessServer(
@@ -157,8 +157,8 @@ def server(stack):
 
 @pytest.fixture
 def publisher(server, stack):
+    from rtrl.weight_sync.client import Publisher
     from support.weight_sync import ARM, MANIFEST_KEY
-    from weight_sync.client import Publisher
 
     client = Publisher(
         server.addr,

@@ -1,8 +1,8 @@
-"""``python -m trainer``: trains the policy on settled rewards and publishes the versions
+"""``python -m rtrl.trainer``: trains the policy on settled rewards and publishes the versions
 the eval gate accepts. Settings are parsed before torch is imported, so a bad
 configuration fails at once.
 
-Under ``torchrun --nproc_per_node N -m trainer`` the same service trains a model
+Under ``torchrun --nproc_per_node N -m rtrl.trainer`` the same service trains a model
 sharded over N processes (trainer/learner.py): rank 0 consumes, judges and publishes.
 """
 
@@ -15,17 +15,17 @@ import os
 from rtrl import entrypoint
 from rtrl.config import StackSettings
 from rtrl.runtime import service_process
-from trainer.config import TrainerSettings
+from rtrl.trainer.config import TrainerSettings
 
 
 def main() -> None:
     settings, stack = entrypoint.parse_settings(
-        "python -m trainer", __doc__, TrainerSettings, StackSettings
+        "python -m rtrl.trainer", __doc__, TrainerSettings, StackSettings
     )
     entrypoint.configure_logging()
     service_process(shutdown_budget_s=None)
-    from trainer.distributed import close_world, init_world
-    from trainer.service import serve
+    from rtrl.trainer.distributed import close_world, init_world
+    from rtrl.trainer.service import serve
 
     world = init_world()
     asyncio.run(serve(settings, stack, world))

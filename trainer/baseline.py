@@ -37,10 +37,10 @@ from pathlib import Path
 from typing import Protocol, cast
 
 from rtrl import plugins
+from rtrl.trainer.batch import TrainBatch, TrainSample, collate
+from rtrl.trainer.config import TrainerSettings
+from rtrl.trainer.objective import context_baseline_advantages
 from rtrl.v1 import rollout_pb2
-from trainer.batch import TrainBatch, TrainSample, collate
-from trainer.config import TrainerSettings
-from trainer.objective import context_baseline_advantages
 
 log = logging.getLogger("trainer")
 
@@ -55,6 +55,11 @@ refused) gets the same ones, not ones from means that now hold its own rewards."
 ContextKey = Callable[[rollout_pb2.RolloutRecord], str]
 """The product's context of a rollout without a context_key (RTRL_TRAINER_CONTEXT_KEY); "" for
 none."""
+
+
+def no_context(rollout: rollout_pb2.RolloutRecord) -> str:
+    """No context of the product's own: every rollout without a context_key shares the global mean."""
+    return ""
 
 
 @dataclass
@@ -156,7 +161,11 @@ class RunningContextBaseline:
     def __init__(self, settings: TrainerSettings) -> None:
         self.means = ContextBaseline(settings.baseline_window)
         self.std_normalize = settings.std_normalize
-        self.context_key = cast(ContextKey, plugins.load(settings.context_key))
+        self.context_key = (
+            cast(ContextKey, plugins.load(settings.context_key))
+            if settings.context_key
+            else no_context
+        )
         self._recent: OrderedDict[tuple[str, ...], tuple[float, ...]] = OrderedDict()
 
     def context_of(self, rollout: rollout_pb2.RolloutRecord) -> str:

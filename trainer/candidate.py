@@ -19,9 +19,9 @@ from typing import Any
 import torch
 
 from rtrl.policy import load_weights
-from trainer.batch import TrainSample
-from trainer.evaluation import EvalGate, Verdict
-from trainer.step import StepMetrics
+from rtrl.trainer.batch import TrainSample
+from rtrl.trainer.evaluation import EvalGate, Verdict
+from rtrl.trainer.step import StepMetrics
 
 
 # Produced by Trainer.train_pending when a candidate's optimizer steps end; consumed by

@@ -86,12 +86,12 @@ class TrainerSettings(Settings):
     in its context (context_key), kept across steps and restarts: for traffic whose prompts are
     unique (`rtrl demo --unique-prompts` uses it)."""
 
-    context_key: str = "simulator.tasks:context_key"
+    context_key: str = ""
     """With baseline=context, the product's context of a rollout (task type, repository...) as a
-    plug-in ``module:callable`` taking the RolloutRecord and returning a string ("" for none); the
-    default reads the demo's project tag from the prompt. Asked only for a rollout whose request
-    sent no ``context_key`` to the serving API: the key a request sends, carried in the record,
-    comes first."""
+    plug-in ``module:callable`` taking the RolloutRecord and returning a string ("" for none);
+    empty: none (the embedded demo names the simulated product's, which reads the project tag
+    from the prompt). Asked only for a rollout whose request sent no ``context_key`` to the
+    serving API: the key a request sends, carried in the record, comes first."""
 
     baseline_window: float = Field(64.0, ge=1)
     """Rewards a context's running mean averages over (an exponential moving average of about this
@@ -131,9 +131,10 @@ class TrainerSettings(Settings):
     topic: str = "rl.reward.v1"
     """Reward topic to train on (a replay topic, rl.reward.replay.<version>, to train on a re-scored history)."""
 
-    initial_policy: str = "simulator.warmstart:demo_policy"
-    """The policy both arms start from, as a plug-in ``module:callable``
-    (trainer.plugins.InitialPolicy); the default warm-starts the built-in demo policy."""
+    initial_policy: str = ""
+    """The policy both arms start from when RTRL_MODEL_DIR names none, as a plug-in
+    ``module:callable`` (trainer.plugins.InitialPolicy); the embedded stack names the demo's
+    warm start (rtrl.simulator.warmstart:demo_policy). One of the two is required."""
 
     dtype: Literal["float32", "bfloat16"] = "float32"
     """The trainer's weights and compute (what it publishes is float32 either way: workers
@@ -142,9 +143,11 @@ class TrainerSettings(Settings):
     device: str = "cpu"
     """torch device the trainer runs on (``cpu``, ``cuda``, ``cuda:1``...)."""
 
-    eval_suite: str = "simulator.suite:demo_suite"
+    eval_suite: str = ""
     """The eval gate's held-out suite, as a plug-in ``module:callable``
-    (trainer.plugins.SuiteFactory); the default is the simulated product's tasks."""
+    (trainer.plugins.SuiteFactory); empty: the label-free gate (trainer/label_free.py), unless
+    eval_prompts names a prompt file. The embedded demo names the simulated product's tasks
+    (rtrl.simulator.suite:demo_suite)."""
 
     eval_prompts: Path | None = None
     """Your eval gate's held-out cases: a JSON Lines file, one ``{"messages": [...]}`` or

@@ -8,7 +8,7 @@ the unwrapped model's keys.
 
 Under torchrun, rank 0 consumes rewards and broadcasts each batch (broadcast_batch),
 every rank calls sharded_rl_step, and rank 0 publishes full_state_dict.
-``python -m simulator.sharded_run`` trains on synthetic production-shaped batches, on
+``python -m rtrl.simulator.sharded_run`` trains on synthetic production-shaped batches, on
 one process with rl_step or under torchrun with sharded_rl_step, so the two can be
 compared step by step.
 """
@@ -27,16 +27,16 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
-from trainer.batch import TrainBatch
-from trainer.mismatch import Mismatch, Probe, merge
-from trainer.objective import leave_one_out_advantages, policy_gradient_loss
-from trainer.router_replay import replaying
-from trainer.step import StepMetrics, measure_probe, token_logprobs
+from rtrl.trainer.batch import TrainBatch
+from rtrl.trainer.mismatch import Mismatch, Probe, merge
+from rtrl.trainer.objective import leave_one_out_advantages, policy_gradient_loss
+from rtrl.trainer.router_replay import replaying
+from rtrl.trainer.step import StepMetrics, measure_probe, token_logprobs
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
-log = logging.getLogger("trainer.distributed")
+log = logging.getLogger("rtrl.trainer.distributed")
 
 
 @dataclass(frozen=True)

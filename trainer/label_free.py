@@ -23,7 +23,7 @@ from collections.abc import Sequence
 import torch
 
 from rtrl.checkpoint import Checkpoint
-from trainer.evaluation import EvalScores
+from rtrl.trainer.evaluation import EvalScores
 
 PROMPTS = (
     "Write a function that returns the sum of a list.",

@@ -19,16 +19,16 @@ import torch
 import torch.distributed as dist
 
 from rtrl.policy import load_weights, state_dict_fp32
-from trainer.batch import TrainBatch
-from trainer.config import TrainerSettings
-from trainer.mismatch import Probe
-from trainer.router_replay import replaying
-from trainer.step import StepMetrics, build_optimizer, rl_step
+from rtrl.trainer.batch import TrainBatch
+from rtrl.trainer.config import TrainerSettings
+from rtrl.trainer.mismatch import Probe
+from rtrl.trainer.router_replay import replaying
+from rtrl.trainer.step import StepMetrics, build_optimizer, rl_step
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
-    from trainer.distributed import World
+    from rtrl.trainer.distributed import World
 
 log = logging.getLogger("trainer")
 
@@ -118,7 +118,7 @@ class ShardedLearner:
         settings: TrainerSettings,
         world: World,
     ) -> None:
-        from trainer.distributed import shard
+        from rtrl.trainer.distributed import shard
 
         self.world = world
         self.settings = settings
@@ -202,7 +202,7 @@ class ShardedLearner:
         return box[0]
 
     def _step(self, batch: TrainBatch, probe: Probe | None) -> StepMetrics:
-        from trainer.distributed import sharded_rl_step
+        from rtrl.trainer.distributed import sharded_rl_step
 
         s = self.settings
         return sharded_rl_step(
@@ -220,7 +220,7 @@ class ShardedLearner:
         )
 
     def _weights(self) -> dict[str, torch.Tensor] | None:
-        from trainer.distributed import full_state_dict
+        from rtrl.trainer.distributed import full_state_dict
 
         return full_state_dict(self.model, self.world)
 

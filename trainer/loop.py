@@ -42,11 +42,10 @@ from rtrl import otel, signing
 from rtrl.checkpoint import Checkpoint
 from rtrl.heartbeat import GateRefusal, TrainerBeat, TrainerMismatch
 from rtrl.policy import PolicyConfig, state_dict_fp32
-from rtrl.v1 import reward_pb2, trainer_pb2, weights_pb2
-from trainer import checkpoint, plugins
-from trainer import metrics as step_metrics
-from trainer.baseline import baseline_for
-from trainer.batch import (
+from rtrl.trainer import checkpoint, plugins
+from rtrl.trainer import metrics as step_metrics
+from rtrl.trainer.baseline import baseline_for
+from rtrl.trainer.batch import (
     Drop,
     SeenRollouts,
     TrainSample,
@@ -55,16 +54,17 @@ from trainer.batch import (
     split_even,
     to_sample,
 )
-from trainer.candidate import Candidate, Judge
-from trainer.config import TrainerSettings
-from trainer.distributed import World
-from trainer.evaluation import EvalGate, Suite, Verdict
-from trainer.journal import Journal, parse_position_key, position_key
-from trainer.label_free import LabelFreeSuite
-from trainer.learner import LocalLearner, ShardedLearner
-from trainer.mismatch import Probe, token_versions
-from trainer.prompt_suite import PromptFileSuite
-from trainer.step import StepMetrics, combine
+from rtrl.trainer.candidate import Candidate, Judge
+from rtrl.trainer.config import TrainerSettings
+from rtrl.trainer.distributed import World
+from rtrl.trainer.evaluation import EvalGate, Suite, Verdict
+from rtrl.trainer.journal import Journal, parse_position_key, position_key
+from rtrl.trainer.label_free import LabelFreeSuite
+from rtrl.trainer.learner import LocalLearner, ShardedLearner
+from rtrl.trainer.mismatch import Probe, token_versions
+from rtrl.trainer.prompt_suite import PromptFileSuite
+from rtrl.trainer.step import StepMetrics, combine
+from rtrl.v1 import reward_pb2, trainer_pb2, weights_pb2
 
 log = logging.getLogger("trainer")
 _tracer = trace.get_tracer("rtrl.trainer")
@@ -222,8 +222,7 @@ class Trainer:
 
     def _eval_suite(self, initial: PreTrainedModel) -> Suite:
         """Your prompt file and checker (trainer/prompt_suite.py) if named, else the suite
-        plug-in named in the settings; for a model of your own with neither, the
-        label-free one (trainer/label_free.py): the demo's suite knows only the demo's tasks."""
+        plug-in named in the settings, else the label-free one (trainer/label_free.py)."""
         if self.settings.eval_prompts is not None:
             return PromptFileSuite(
                 self.policy,
@@ -232,7 +231,7 @@ class Trainer:
                 max_new_tokens=self.settings.eval_max_new_tokens,
                 seed=self.settings.seed,
             )
-        if self.model_dir is not None and "eval_suite" not in self.settings.model_fields_set:
+        if not self.settings.eval_suite:
             log.info("eval gate: label-free (KL to the initial policy on held-out answers)")
             return LabelFreeSuite(
                 self.policy,

@@ -17,10 +17,10 @@ from confluent_kafka import Producer
 from opentelemetry import metrics
 
 from rtrl import topics
+from rtrl.trainer.batch import TrainSample
+from rtrl.trainer.evaluation import Verdict
+from rtrl.trainer.step import StepMetrics
 from rtrl.v1 import trainer_pb2
-from trainer.batch import TrainSample
-from trainer.evaluation import Verdict
-from trainer.step import StepMetrics
 
 log = logging.getLogger("trainer")
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from trainer.batch import TrainSample
+from rtrl.trainer.batch import TrainSample
 
 
 # Produced by measure (one optimizer step, or one rank's rows) and merge; carried by

@@ -1,7 +1,9 @@
 """The trainer's plug-ins: where the first version comes from and what judges candidates.
 
 Both are named in TrainerSettings (``initial_policy``, ``eval_suite``) and loaded at
-start-up; the defaults are the demo's, in the simulated product (simulator/).
+start-up. The trainer has no default of its own for either: a model directory
+(RTRL_MODEL_DIR) is a policy, and the label-free gate judges it; the embedded demo names
+the simulated product's (ops/stack.py).
 """
 
 from __future__ import annotations
@@ -11,8 +13,8 @@ from typing import Protocol, cast
 
 from rtrl import plugins
 from rtrl.policy import PolicyConfig
-from trainer.config import TrainerSettings
-from trainer.evaluation import Suite
+from rtrl.trainer.config import TrainerSettings
+from rtrl.trainer.evaluation import Suite
 
 
 class InitialPolicy(Protocol):
@@ -29,7 +31,16 @@ class SuiteFactory(Protocol):
     def __call__(self, tasks: int, max_new_tokens: int) -> Suite: ...
 
 
+class NoPolicyError(ValueError):
+    """Neither a model directory nor an initial-policy plug-in was named."""
+
+
 def initial_policy(settings: TrainerSettings) -> InitialPolicy:
+    if not settings.initial_policy:
+        raise NoPolicyError(
+            "no policy to train: set RTRL_MODEL_DIR (a Hugging Face model directory) or "
+            "RTRL_TRAINER_INITIAL_POLICY (a plug-in module:callable)"
+        )
     return cast(InitialPolicy, plugins.load(settings.initial_policy))
 
 

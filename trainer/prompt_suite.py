@@ -23,8 +23,8 @@ import torch
 
 from rtrl import plugins
 from rtrl.checkpoint import Checkpoint
-from trainer.evaluation import EvalScores
-from trainer.label_free import sample_answer
+from rtrl.trainer.evaluation import EvalScores
+from rtrl.trainer.label_free import sample_answer
 
 Checker = Callable[[Mapping[str, Any], str], bool]
 

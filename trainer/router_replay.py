@@ -15,7 +15,7 @@ from contextlib import ExitStack, contextmanager
 import torch
 
 from rtrl.moe import replay_routes
-from trainer.batch import TrainBatch
+from rtrl.trainer.batch import TrainBatch
 
 
 @contextmanager

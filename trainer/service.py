@@ -28,13 +28,13 @@ from rtrl.config import StackSettings
 from rtrl.heartbeat import beat_forever
 from rtrl.kafka import consumer_config, producer_config
 from rtrl.policy import PolicyConfig
+from rtrl.trainer import plugins
+from rtrl.trainer.config import TrainerSettings
+from rtrl.trainer.distributed import World
+from rtrl.trainer.learner import ShardedLearner
+from rtrl.trainer.loop import CONTROL, TREATMENT, Trainer
+from rtrl.trainer.metrics import StepExporter
 from rtrl.v1 import weights_pb2
-from trainer import plugins
-from trainer.config import TrainerSettings
-from trainer.distributed import World
-from trainer.learner import ShardedLearner
-from trainer.loop import CONTROL, TREATMENT, Trainer
-from trainer.metrics import StepExporter
 
 log = logging.getLogger("trainer")
 
@@ -49,7 +49,7 @@ def fetch_published(
 ) -> tuple[weights_pb2.Manifest, dict[str, torch.Tensor]]:
     """The manifest and weights weight_sync holds for one version of an arm, if the
     trainer signed it (a resume never starts from weights someone else wrote)."""
-    from weight_sync.client import Subscriber
+    from rtrl.weight_sync.client import Subscriber
 
     subscriber = Subscriber(
         addr,
@@ -92,7 +92,7 @@ def follow_rank_zero(settings: TrainerSettings, stack: StackSettings, world: Wor
 async def serve(
     settings: TrainerSettings, stack: StackSettings, world: World | None = None
 ) -> None:
-    from weight_sync.client import Publisher
+    from rtrl.weight_sync.client import Publisher
 
     torch.set_num_threads(1)
     if world is not None and world.rank != 0:

@@ -8,9 +8,9 @@ from dataclasses import dataclass
 
 import torch
 
-from trainer.batch import TrainBatch
-from trainer.mismatch import Mismatch, Probe, measure, merge
-from trainer.objective import leave_one_out_advantages, policy_gradient_loss
+from rtrl.trainer.batch import TrainBatch
+from rtrl.trainer.mismatch import Mismatch, Probe, measure, merge
+from rtrl.trainer.objective import leave_one_out_advantages, policy_gradient_loss
 
 
 def token_logprobs(model: torch.nn.Module, batch: TrainBatch) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,6 +1,6 @@
-"""``python -m weight_sync``: see weight_sync.server (``--help`` lists every setting)."""
+"""``python -m rtrl.weight_sync``: see weight_sync.server (``--help`` lists every setting)."""
 
-from weight_sync.server import main
+from rtrl.weight_sync.server import main
 
 if __name__ == "__main__":
     main()

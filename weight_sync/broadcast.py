@@ -23,9 +23,9 @@ from opentelemetry import metrics
 
 from rtrl import otel
 from rtrl.v1 import weights_pb2, weights_pb2_grpc
-from weight_sync import lineage
-from weight_sync.checksum import xxh3_hex
-from weight_sync.store import check_arm
+from rtrl.weight_sync import lineage
+from rtrl.weight_sync.checksum import xxh3_hex
+from rtrl.weight_sync.store import check_arm
 
 log = logging.getLogger("weight_sync")
 

@@ -17,11 +17,11 @@ from opentelemetry.util.types import AttributeValue
 
 from rtrl import otel, tls
 from rtrl.v1 import weights_pb2, weights_pb2_grpc
-from weight_sync import codec, lineage
-from weight_sync.provenance import ManifestSigner, ManifestVerifier
-from weight_sync.stream import CHANNEL_OPTIONS, VersionStream, bearer
+from rtrl.weight_sync import codec, lineage
+from rtrl.weight_sync.provenance import ManifestSigner, ManifestVerifier
+from rtrl.weight_sync.stream import CHANNEL_OPTIONS, VersionStream, bearer
 
-log = logging.getLogger("weight_sync.client")
+log = logging.getLogger("rtrl.weight_sync.client")
 _tracer = trace.get_tracer("rtrl.weight_sync")
 
 

@@ -25,10 +25,10 @@ import numpy as np
 import torch
 import zstandard
 
-import kernels
-from kernels import delta_cpu
-from kernels.delta import SparseDelta, bits_dtype
-from kernels.varint import (
+from rtrl import kernels
+from rtrl.kernels import delta_cpu
+from rtrl.kernels.delta import SparseDelta, bits_dtype
+from rtrl.kernels.varint import (
     from_planes,
     leb128_decode,
     to_planes,
@@ -36,7 +36,7 @@ from kernels.varint import (
     zigzag_leb128_encode,
 )
 from rtrl.v1 import weights_pb2
-from weight_sync.checksum import xxh3_hex
+from rtrl.weight_sync.checksum import xxh3_hex
 
 FULL = "full"
 SPARSE_DIFF = "sparse_diff"

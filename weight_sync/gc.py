@@ -17,8 +17,8 @@ import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from weight_sync.registry import Registry
-from weight_sync.store import BlobStore
+from rtrl.weight_sync.registry import Registry
+from rtrl.weight_sync.store import BlobStore
 
 log = logging.getLogger("weight_sync")
 _MANIFESTS_PER_READ = 256

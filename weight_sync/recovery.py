@@ -28,9 +28,9 @@ from google.protobuf.message import DecodeError
 
 from rtrl.heartbeat import RegistryRebuild
 from rtrl.v1 import weights_pb2
-from weight_sync.checksum import xxh3_hex
-from weight_sync.registry import Registry, RestoredArm
-from weight_sync.store import ArmFiles, BlobStore
+from rtrl.weight_sync.checksum import xxh3_hex
+from rtrl.weight_sync.registry import Registry, RestoredArm
+from rtrl.weight_sync.store import ArmFiles, BlobStore
 
 log = logging.getLogger("weight_sync")
 

@@ -1,6 +1,6 @@
 """A relay: follows weight_sync (or another relay) and serves the same Subscribe and
 Latest to the workers near it, so a fleet's fan-out does not multiply the
-publisher's egress. Run as ``python -m weight_sync.relay`` (reads RTRL_* and
+publisher's egress. Run as ``python -m rtrl.weight_sync.relay`` (reads RTRL_* and
 RTRL_WEIGHT_SYNC_RELAY_* variables).
 
 A relay never decodes weights: it keeps each arm's blobs from the newest keyframes
@@ -24,11 +24,11 @@ from rtrl.config import Settings, StackSettings
 from rtrl.runtime import service_process, until_stopped
 from rtrl.tls import TLSListener
 from rtrl.v1 import weights_pb2
-from weight_sync.broadcast import Broadcaster, abort, add_to_server, observe_fanout
-from weight_sync.store import check_arm
-from weight_sync.stream import AsyncVersionStream
+from rtrl.weight_sync.broadcast import Broadcaster, abort, add_to_server, observe_fanout
+from rtrl.weight_sync.store import check_arm
+from rtrl.weight_sync.stream import AsyncVersionStream
 
-log = logging.getLogger("weight_sync.relay")
+log = logging.getLogger("rtrl.weight_sync.relay")
 _tracer = trace.get_tracer("rtrl.relay")
 
 
@@ -229,7 +229,7 @@ async def serve(settings: RelaySettings, stack: StackSettings) -> None:
 
 def main() -> None:
     settings, stack = entrypoint.parse_settings(
-        "python -m weight_sync.relay", __doc__, RelaySettings, StackSettings
+        "python -m rtrl.weight_sync.relay", __doc__, RelaySettings, StackSettings
     )
     entrypoint.configure_logging()
     service_process()

@@ -2,7 +2,7 @@
 watch over the registry (rebuilt from the blob store when Redis lost it) and its
 garbage collection of old versions.
 
-Run as ``python -m weight_sync`` (reads RTRL_* and RTRL_WEIGHT_SYNC_* variables);
+Run as ``python -m rtrl.weight_sync`` (reads RTRL_* and RTRL_WEIGHT_SYNC_* variables);
 tests run WeightSyncServer in-process.
 """
 
@@ -20,13 +20,13 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from rtrl import entrypoint, heartbeat, otel
 from rtrl.config import StackSettings
 from rtrl.runtime import bounded, service_process, until_stopped
-from weight_sync import gc
-from weight_sync.broadcast import add_to_server, observe_fanout
-from weight_sync.config import WeightSyncSettings
-from weight_sync.recovery import RegistryRecovery
-from weight_sync.registry import PUBLISHED_PATTERN, Registry, arm_of_channel
-from weight_sync.servicer import WeightSyncService
-from weight_sync.store import open_store
+from rtrl.weight_sync import gc
+from rtrl.weight_sync.broadcast import add_to_server, observe_fanout
+from rtrl.weight_sync.config import WeightSyncSettings
+from rtrl.weight_sync.recovery import RegistryRecovery
+from rtrl.weight_sync.registry import PUBLISHED_PATTERN, Registry, arm_of_channel
+from rtrl.weight_sync.servicer import WeightSyncService
+from rtrl.weight_sync.store import open_store
 
 log = logging.getLogger("weight_sync")
 SERVICE = "weight_sync"
@@ -209,7 +209,7 @@ async def serve(settings: WeightSyncSettings, stack: StackSettings) -> None:
 
 def main() -> None:
     settings, stack = entrypoint.parse_settings(
-        "python -m weight_sync", __doc__, WeightSyncSettings, StackSettings
+        "python -m rtrl.weight_sync", __doc__, WeightSyncSettings, StackSettings
     )
     entrypoint.configure_logging()
     service_process()

@@ -19,13 +19,13 @@ from opentelemetry import trace
 
 from rtrl import otel
 from rtrl.v1 import weights_pb2
-from weight_sync import lineage
-from weight_sync.broadcast import Broadcaster, abort, retrieve_exception, valid_arm
-from weight_sync.checksum import xxh3_hex
-from weight_sync.config import WeightSyncSettings
-from weight_sync.recovery import stored_manifest
-from weight_sync.registry import Registry
-from weight_sync.store import BlobStore
+from rtrl.weight_sync import lineage
+from rtrl.weight_sync.broadcast import Broadcaster, abort, retrieve_exception, valid_arm
+from rtrl.weight_sync.checksum import xxh3_hex
+from rtrl.weight_sync.config import WeightSyncSettings
+from rtrl.weight_sync.recovery import stored_manifest
+from rtrl.weight_sync.registry import Registry
+from rtrl.weight_sync.store import BlobStore
 
 log = logging.getLogger("weight_sync")
 _tracer = trace.get_tracer("rtrl.weight_sync")

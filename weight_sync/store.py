@@ -21,7 +21,7 @@ from pathlib import Path
 from urllib.parse import unquote, urlparse
 
 from rtrl.config import StackSettings
-from weight_sync.config import WeightSyncSettings
+from rtrl.weight_sync.config import WeightSyncSettings
 
 # Arm names become directory names and key segments: no separators, no leading dot.
 _ARM = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}")
@@ -220,6 +220,6 @@ def open_store(settings: WeightSyncSettings, stack: StackSettings) -> BlobStore:
     if settings.blob_url.startswith("file:"):
         return LocalBlobStore(Path(unquote(urlparse(settings.blob_url).path)))
     # Imported here so that the embedded stack, which never uses S3, does not load boto3.
-    from weight_sync.store_s3 import S3BlobStore
+    from rtrl.weight_sync.store_s3 import S3BlobStore
 
     return S3BlobStore.from_settings(settings)

@@ -19,8 +19,8 @@ import boto3
 from botocore.config import Config
 from botocore.exceptions import BotoCoreError, ClientError
 
-from weight_sync.config import WeightSyncSettings, split_s3_url
-from weight_sync.store import (
+from rtrl.weight_sync.config import WeightSyncSettings, split_s3_url
+from rtrl.weight_sync.store import (
     ArmFiles,
     BlobStore,
     add_listed,

@@ -25,9 +25,9 @@ import grpc
 
 from rtrl import tls
 from rtrl.v1 import weights_pb2, weights_pb2_grpc
-from weight_sync.checksum import xxh3_hex
+from rtrl.weight_sync.checksum import xxh3_hex
 
-log = logging.getLogger("weight_sync.stream")
+log = logging.getLogger("rtrl.weight_sync.stream")
 
 # gRPC's own reconnect backoff starts at 1 s and grows to 120 s; a worker should
 # find a restarted server within a couple of seconds.

@@ -13,13 +13,13 @@ import pytest
 import redis
 from confluent_kafka import Consumer
 
-from analytics import report, schema
-from analytics.query import client_query_fn, connect, http_query_fn
-from analytics.rows import KafkaRecord
-from analytics.sink import Sink
-from ingest.client import make_event
 from rtrl import heartbeat, kafka, procs, topics
+from rtrl.analytics import report, schema
+from rtrl.analytics.query import client_query_fn, connect, http_query_fn
+from rtrl.analytics.rows import KafkaRecord
+from rtrl.analytics.sink import Sink
 from rtrl.config import StackSettings
+from rtrl.ingest.client import make_event
 from rtrl.v1 import telemetry_pb2
 from support.analytics import T0, RecordingConsumer, hand_made_records
 
@@ -204,7 +204,7 @@ def test_sink_deduplicates_replays_and_commits_after_insert(
     }
     sink = procs.spawn(
         "analytics",
-        [sys.executable, "-m", "analytics"],
+        [sys.executable, "-m", "rtrl.analytics"],
         tmp_path / "analytics.log",
         env=env,
         port=port,

@@ -9,13 +9,13 @@ from typing import cast
 import pytest
 from confluent_kafka import Consumer
 
-from analytics import report, schema
-from analytics.query import client_query_fn, connect
-from analytics.rows import KafkaRecord
-from analytics.sink import Sink
-from reward_stream.monitors import is_clarifying_question
 from rtrl import topics
+from rtrl.analytics import report, schema
+from rtrl.analytics.query import client_query_fn, connect
+from rtrl.analytics.rows import KafkaRecord
+from rtrl.analytics.sink import Sink
 from rtrl.config import StackSettings
+from rtrl.reward_stream.monitors import is_clarifying_question
 from rtrl.v1 import reward_pb2, rollout_pb2, telemetry_pb2
 from support.analytics import T0, RecordingConsumer, reward, rollout
 from support.reward_stream import QUESTION_CASES

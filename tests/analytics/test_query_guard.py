@@ -18,12 +18,12 @@ from typing import cast
 import pytest
 from confluent_kafka import Consumer
 
-from analytics import report, schema, training_report
-from analytics.query import client_query_fn, connect, http_query_fn, project_tables
-from analytics.rows import KafkaRecord
-from analytics.sink import Sink
-from analytics.sql_guard import Refused, checked_sql
 from rtrl import procs, topics
+from rtrl.analytics import report, schema, training_report
+from rtrl.analytics.query import client_query_fn, connect, http_query_fn, project_tables
+from rtrl.analytics.rows import KafkaRecord
+from rtrl.analytics.sink import Sink
+from rtrl.analytics.sql_guard import Refused, checked_sql
 from rtrl.ops.reporting import landed
 from support.analytics import RecordingConsumer, hand_made_records
 
@@ -229,7 +229,7 @@ def test_a_running_sink_refuses_escapes_strangers_and_huge_answers_and_writes_no
     }
     sink = procs.spawn(
         "analytics",
-        [sys.executable, "-m", "analytics"],
+        [sys.executable, "-m", "rtrl.analytics"],
         tmp_path / "analytics.log",
         env=env,
         port=port,

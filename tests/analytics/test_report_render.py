@@ -16,11 +16,11 @@ import pytest
 from confluent_kafka import Consumer
 from matplotlib.image import imread
 
-from analytics import report, schema
-from analytics.query import client_query_fn, connect
-from analytics.rows import KafkaRecord
-from analytics.sink import Sink
 from rtrl import topics
+from rtrl.analytics import report, schema
+from rtrl.analytics.query import client_query_fn, connect
+from rtrl.analytics.rows import KafkaRecord
+from rtrl.analytics.sink import Sink
 from rtrl.config import StackSettings
 from rtrl.v1 import trainer_pb2
 from support.analytics import RecordingConsumer, hand_made_records

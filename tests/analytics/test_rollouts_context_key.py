@@ -7,11 +7,11 @@ from typing import cast
 
 from confluent_kafka import Consumer
 
-from analytics import schema
-from analytics.query import client_query_fn, connect, project_tables
-from analytics.rows import KafkaRecord
-from analytics.sink import Sink
 from rtrl import topics
+from rtrl.analytics import schema
+from rtrl.analytics.query import client_query_fn, connect, project_tables
+from rtrl.analytics.rows import KafkaRecord
+from rtrl.analytics.sink import Sink
 from rtrl.config import StackSettings
 from rtrl.v1 import rollout_pb2
 from support.analytics import RecordingConsumer

@@ -10,13 +10,13 @@ from typing import cast
 import pytest
 from confluent_kafka import Consumer
 
-from analytics import schema
-from analytics.query import client_query_fn, connect, project_tables
-from analytics.rows import KafkaRecord
-from analytics.sink import Sink
-from analytics.sql_guard import checked_sql
-from analytics.training_report import MismatchSummary, mismatch_summary
 from rtrl import topics
+from rtrl.analytics import schema
+from rtrl.analytics.query import client_query_fn, connect, project_tables
+from rtrl.analytics.rows import KafkaRecord
+from rtrl.analytics.sink import Sink
+from rtrl.analytics.sql_guard import checked_sql
+from rtrl.analytics.training_report import MismatchSummary, mismatch_summary
 from rtrl.config import StackSettings
 from rtrl.ops.reporting import mismatch_line
 from rtrl.v1 import trainer_pb2

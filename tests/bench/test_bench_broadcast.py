@@ -14,9 +14,9 @@ import pytest
 import torch
 from rich.console import Console
 
-from bench import broadcast as bench_broadcast
-from bench import codec as bench_codec
-from bench import report
+from rtrl.bench import broadcast as bench_broadcast
+from rtrl.bench import codec as bench_codec
+from rtrl.bench import report
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from bench.codec import measure, order0_bound_bytes
+from rtrl.bench.codec import measure, order0_bound_bytes
 
 
 def test_order0_bound_by_hand():

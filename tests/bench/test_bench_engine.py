@@ -7,8 +7,8 @@ import json
 
 from rich.console import Console
 
-from bench import report
-from bench.engine import run
+from rtrl.bench import report
+from rtrl.bench.engine import run
 
 
 def test_bench_engine_writes_consistent_results(tmp_path):

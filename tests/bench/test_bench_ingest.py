@@ -7,8 +7,8 @@ import json
 import pytest
 from rich.console import Console
 
-from bench import report
-from bench.ingest import EVENT_BYTES, make_events, run
+from rtrl.bench import report
+from rtrl.bench.ingest import EVENT_BYTES, make_events, run
 
 pytestmark = pytest.mark.integration
 

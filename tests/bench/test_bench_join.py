@@ -8,8 +8,8 @@ import json
 import pytest
 from rich.console import Console
 
-from bench import report
-from bench.join import Exactness, run
+from rtrl.bench import report
+from rtrl.bench.join import Exactness, run
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

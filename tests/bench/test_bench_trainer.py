@@ -7,11 +7,11 @@ import json
 import torch
 from rich.console import Console
 
-from bench import report
-from bench.trainer import plain_step, production_batch, run
+from rtrl.bench import report
+from rtrl.bench.trainer import plain_step, production_batch, run
 from rtrl.policy import build_model
-from trainer.objective import leave_one_out_advantages
-from trainer.step import build_optimizer, rl_step
+from rtrl.trainer.objective import leave_one_out_advantages
+from rtrl.trainer.step import build_optimizer, rl_step
 
 
 def test_bench_trainer_writes_its_ratio(tmp_path):

@@ -23,12 +23,12 @@ import pytest
 import redis
 from rich.console import Console
 
-from bench.loop import live_times
+from rtrl.bench.loop import live_times
 from rtrl.heartbeat import IngestBeat, RewardStreamBeat, TrainerBeat
 from rtrl.ops import health
 from rtrl.ops.lifecycle import down, up
 from rtrl.ops.reporting import drain, query_function
-from weight_sync import registry
+from rtrl.weight_sync import registry
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

@@ -21,22 +21,23 @@ import torch
 from confluent_kafka import Consumer, Producer
 from google.protobuf import json_format
 
-from analytics import schema
-from analytics.query import client_query_fn, connect, http_query_fn
-from analytics.rows import TS_MAX_MS, KafkaRecord
-from analytics.sink import Sink
-from inference.config import InferenceSettings
-from inference.engine import Engine, EngineConfig
-from inference.server import InferenceServer
-from ingest.gateway import ACCEPTED, REJECTED
-from ingest.server import start as start_ingest
-from ingest.validation import validate
-from reward_stream import replay
-from reward_stream.config import RewardStreamSettings
-from reward_stream.runtime import Joiner
 from rtrl import kafka, procs, topics
+from rtrl.analytics import schema
+from rtrl.analytics.query import client_query_fn, connect, http_query_fn
+from rtrl.analytics.rows import TS_MAX_MS, KafkaRecord
+from rtrl.analytics.sink import Sink
 from rtrl.config import StackSettings
+from rtrl.inference.config import InferenceSettings
+from rtrl.inference.engine import Engine, EngineConfig
+from rtrl.inference.server import InferenceServer
+from rtrl.ingest.gateway import ACCEPTED, REJECTED
+from rtrl.ingest.server import start as start_ingest
+from rtrl.ingest.validation import validate
 from rtrl.policy import build_model, state_dict_fp32
+from rtrl.reward_stream import replay
+from rtrl.reward_stream.config import RewardStreamSettings
+from rtrl.reward_stream.runtime import Joiner
+from rtrl.trainer.batch import TrainSample, collate, to_sample
 from rtrl.v1 import (
     common_pb2,
     ingest_pb2,
@@ -49,7 +50,6 @@ from support.analytics import RecordingConsumer, hand_made_records
 from support.ingest import ingest_settings, read_topics, shown
 from support.reward_stream import read_all, scenario, spawn_joiner, wait_for_heartbeat
 from support.signing import produce_as_its_writer, worker_headers
-from trainer.batch import TrainSample, collate, to_sample
 
 NOW_MS = 1_800_000_000_000
 
@@ -623,7 +623,7 @@ def test_sink_process_dead_letters_an_unstorable_record_and_commits_past_it(
     assert producer.flush(10) == 0
     sink = procs.spawn(
         "analytics",
-        [sys.executable, "-m", "analytics"],
+        [sys.executable, "-m", "rtrl.analytics"],
         tmp_path / "analytics.log",
         env=env,
         port=port,

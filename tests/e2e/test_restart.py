@@ -104,7 +104,7 @@ def resumed(tmp_path_factory):
 @pytest.mark.timeout(1500)
 def test_a_stopped_stack_resumes_its_lineage_weights_and_history(resumed):
     from rtrl.ops.demo import run_product
-    from trainer.service import fetch_published
+    from rtrl.trainer.service import fetch_published
 
     stack, first, beats = resumed.stack, resumed.first, resumed.beats_at_start
     assert first["last_version"] >= 1, f"the first run published nothing: {first}"
@@ -236,7 +236,7 @@ def _manifests(stack, arm: str):
 
 
 def _subscribe_token(state_dir) -> str:
-    """The token the stack generated for its workers (rtrl/ops/stack_secrets.py): there is no default."""
+    """The token the stack generated for its workers (ops/stack_secrets.py): there is no default."""
     secrets = stack_secrets.load(state_dir)
     assert secrets is not None, "the stack has no secrets file"
     return secrets.weight_sync_subscribe_token

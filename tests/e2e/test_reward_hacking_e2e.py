@@ -18,13 +18,13 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from reward_stream.monitors import is_clarifying_question
 from rtrl.heartbeat import RewardAlert
 from rtrl.ops import health
 from rtrl.ops.lifecycle import down, up
 from rtrl.ops.reporting import query_function
 from rtrl.ops.status_view import hacking_alerts, render
-from simulator.product import Product
+from rtrl.reward_stream.monitors import is_clarifying_question
+from rtrl.simulator.product import Product
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -33,7 +33,7 @@ MAX_PRODUCT_S = 240
 
 @pytest.fixture
 def state_dir(tmp_path, monkeypatch, repo_root):
-    from simulator.warmstart import cache_path, ensure_warm_start
+    from rtrl.simulator.warmstart import cache_path, ensure_warm_start
 
     monkeypatch.setenv("RTRL_STATE_DIR", str(tmp_path))
     monkeypatch.setenv("RTRL_STACK_INFERENCE_WORKERS", "2")

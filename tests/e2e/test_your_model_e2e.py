@@ -22,9 +22,9 @@ import aiohttp
 import pytest
 from rich.console import Console
 
-from ingest.client import IngestClient, make_event
-from ingest.gateway import ACCEPTED
 from rtrl.heartbeat import InferenceBeat, TrainerBeat
+from rtrl.ingest.client import IngestClient, make_event
+from rtrl.ingest.gateway import ACCEPTED
 from rtrl.ops import health
 from rtrl.ops.demo import simulator_key
 from rtrl.ops.lifecycle import down, up

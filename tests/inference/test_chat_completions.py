@@ -13,11 +13,11 @@ import aiohttp
 import pytest
 import torch
 
-from inference.config import InferenceSettings
-from inference.engine import Engine
-from inference.server import InferenceServer
 from rtrl.api_keys import COMPLETIONS, issue_key
 from rtrl.checkpoint import Checkpoint
+from rtrl.inference.config import InferenceSettings
+from rtrl.inference.engine import Engine
+from rtrl.inference.server import InferenceServer
 from rtrl.ops.tiny_model import write_tiny_checkpoint
 from rtrl.policy import state_dict_fp32
 from support.inference import read_rollouts

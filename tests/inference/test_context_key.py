@@ -12,9 +12,9 @@ import aiohttp
 import pytest
 import torch
 
-from inference.config import InferenceSettings
-from inference.engine import Engine, EngineConfig
-from inference.server import InferenceServer
+from rtrl.inference.config import InferenceSettings
+from rtrl.inference.engine import Engine, EngineConfig
+from rtrl.inference.server import InferenceServer
 from rtrl.policy import build_model, state_dict_fp32
 from support.inference import read_rollouts
 

@@ -5,10 +5,10 @@ import threading
 import pytest
 import torch
 
-from inference.arms import assign_arm
-from inference.engine import ArmNotReady, Engine, EngineConfig, prompt_token_ids
-from inference.records import VersionSpan, version_spans
-from inference.sampling import sample, sampling_logprobs
+from rtrl.inference.arms import assign_arm
+from rtrl.inference.engine import ArmNotReady, Engine, EngineConfig, prompt_token_ids
+from rtrl.inference.records import VersionSpan, version_spans
+from rtrl.inference.sampling import sample, sampling_logprobs
 from rtrl.policy import build_model, encode, state_dict_fp32
 
 torch.set_num_threads(1)
@@ -170,7 +170,7 @@ def test_swap_between_decode_steps(policy):
 
 def test_model_matches_transformers_forward():
     # The lean forward (inference/model.py) against LlamaForCausalLM, prefill and decode.
-    from inference.model import Params, SlotCache, decode_step, prefill
+    from rtrl.inference.model import Params, SlotCache, decode_step, prefill
 
     hf = build_model(seed=3)
     params = Params.from_state_dict(state_dict_fp32(hf))
@@ -450,7 +450,7 @@ def _fmix32(x: int) -> int:
 def test_counter_uniform_is_the_documented_hash():
     # Rollouts must stay reproducible from (seed, weights) across releases: the vectorized
     # hash against the same function on Python ints, one value at a time.
-    from inference.sampling import counter_uniform
+    from rtrl.inference.sampling import counter_uniform
 
     seeds = [0, 1, 2**32 - 1, 2**32, 2**62 + 12345, 2**63 - 1]
     for counter in (0, 1, 77, 2**32 + 5):

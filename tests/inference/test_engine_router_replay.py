@@ -19,9 +19,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
-from inference.engine import ARMS, Completion, Engine, EngineConfig
-from inference.records import RolloutContext, VersionSpan, rollout_record, version_spans
 from rtrl.checkpoint import Checkpoint
+from rtrl.inference.engine import ARMS, Completion, Engine, EngineConfig
+from rtrl.inference.records import RolloutContext, VersionSpan, rollout_record, version_spans
 from rtrl.moe import record_routes, replay_routes, unpack_routes
 from rtrl.ops.tiny_model import write_tiny_checkpoint
 from rtrl.policy import load_weights, state_dict_fp32

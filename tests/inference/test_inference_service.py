@@ -12,9 +12,6 @@ import pytest
 import redis
 import torch
 
-from inference.config import InferenceSettings
-from inference.engine import Engine, EngineConfig
-from inference.server import InferenceServer
 from rtrl import heartbeat, procs
 from rtrl.api_keys import (
     COMPLETIONS,
@@ -23,6 +20,9 @@ from rtrl.api_keys import (
     register_private_user,
     revoke_key,
 )
+from rtrl.inference.config import InferenceSettings
+from rtrl.inference.engine import Engine, EngineConfig
+from rtrl.inference.server import InferenceServer
 from rtrl.policy import BOS, build_model, state_dict_fp32
 from rtrl.v1 import common_pb2
 from support.inference import read_rollouts
@@ -318,7 +318,7 @@ def test_worker_process_heartbeats_and_stops_on_sigterm(
         "RTRL_INSTANCE": "7",
     }
     proc = procs.spawn(
-        "inference", [sys.executable, "-m", "inference"], tmp_path / "inference.log", env=env
+        "inference", [sys.executable, "-m", "rtrl.inference"], tmp_path / "inference.log", env=env
     )
     client = redis.Redis.from_url(stack_settings.redis_url)
     try:
@@ -341,10 +341,10 @@ def test_worker_process_heartbeats_and_stops_on_sigterm(
 
 
 def test_weights_follow_weight_sync(stack_settings):
+    from rtrl.weight_sync.client import Publisher
+    from rtrl.weight_sync.config import WeightSyncSettings
+    from rtrl.weight_sync.server import WeightSyncServer
     from support.weight_sync import MANIFEST_KEY
-    from weight_sync.client import Publisher
-    from weight_sync.config import WeightSyncSettings
-    from weight_sync.server import WeightSyncServer
 
     published = {
         ("control", 0): build_model(seed=1),

@@ -19,8 +19,8 @@ from transformers import (
     PreTrainedModel,
 )
 
-from inference.engine import Engine, EngineConfig
-from inference.records import VersionSpan, version_spans
+from rtrl.inference.engine import Engine, EngineConfig
+from rtrl.inference.records import VersionSpan, version_spans
 from rtrl.ops.tiny_model import tiny_config, write_tiny_checkpoint
 from rtrl.policy import ModelSpec, load_weights, state_dict_fp32
 
@@ -207,9 +207,9 @@ def test_a_version_that_does_not_fit_is_refused(checkpoint):
 
 
 def test_the_engine_says_once_why_it_serves_through_transformers(checkpoint, caplog):
-    with caplog.at_level(logging.WARNING, logger="inference.engine"):
+    with caplog.at_level(logging.WARNING, logger="rtrl.inference.engine"):
         Engine(EngineConfig(hf_config=checkpoint.config))
-    warnings = [r.getMessage() for r in caplog.records if r.name == "inference.engine"]
+    warnings = [r.getMessage() for r in caplog.records if r.name == "rtrl.inference.engine"]
     if checkpoint.spec.fast_path:
         assert warnings == []
     else:
@@ -244,7 +244,7 @@ def test_stop_strings_are_found_in_the_tokenizers_text(checkpoint):
     ],
 )
 def test_lean_forward_matches_transformers(family, changes):
-    from inference.model import Params, SlotCache, decode_step, prefill
+    from rtrl.inference.model import Params, SlotCache, decode_step, prefill
 
     config = tiny_config(family, 384)
     for key, value in changes.items():

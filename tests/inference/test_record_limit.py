@@ -16,13 +16,13 @@ import aiohttp
 import pytest
 import torch
 
-from inference.config import InferenceSettings
-from inference.engine import Engine, EngineConfig
-from inference.server import InferenceServer
-from reward_stream.config import RewardStreamSettings
-from reward_stream.runtime import Joiner
 from rtrl import kafka, topics
+from rtrl.inference.config import InferenceSettings
+from rtrl.inference.engine import Engine, EngineConfig
+from rtrl.inference.server import InferenceServer
 from rtrl.policy import build_model, state_dict_fp32
+from rtrl.reward_stream.config import RewardStreamSettings
+from rtrl.reward_stream.runtime import Joiner
 from rtrl.v1 import common_pb2, rollout_pb2
 from support.inference import read_rollouts
 

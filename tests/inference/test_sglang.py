@@ -24,11 +24,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from inference import records
-from inference.batch import SequenceParams
-from inference.sampling import sampling_logprobs
-from inference.sglang_adapter import DEMO, ServedModel, SGLangGenerationError, generate
-from inference.sglang_inventory import (
+from rtrl.inference import records
+from rtrl.inference.batch import SequenceParams
+from rtrl.inference.sampling import sampling_logprobs
+from rtrl.inference.sglang_adapter import DEMO, ServedModel, SGLangGenerationError, generate
+from rtrl.inference.sglang_inventory import (
     WeightsRejected,
     as_served,
     check_fits,
@@ -36,8 +36,8 @@ from inference.sglang_inventory import (
     served_dtype,
     served_inventory,
 )
-from inference.sglang_sidecar import SGLangSidecar, SidecarSettings, WeightUpdateRefused
-from inference.sglang_weight_protocol import SGLangRefused, SGLangWeights
+from rtrl.inference.sglang_sidecar import SGLangSidecar, SidecarSettings, WeightUpdateRefused
+from rtrl.inference.sglang_weight_protocol import SGLangRefused, SGLangWeights
 from rtrl.ops.tiny_model import write_tiny_checkpoint
 from rtrl.policy import BOS, build_model, encode, load_weights, state_dict_fp32
 from rtrl.v1 import common_pb2, rollout_pb2
@@ -456,8 +456,8 @@ def test_the_serving_api_fronts_sglang(sglang, stack_settings):
     import aiohttp
     import redis
 
-    from inference.config import InferenceSettings
-    from inference.server import InferenceServer
+    from rtrl.inference.config import InferenceSettings
+    from rtrl.inference.server import InferenceServer
     from support.inference import read_rollouts
 
     sglang_server, _ = sglang
@@ -763,7 +763,7 @@ def test_sidecar_refuses_a_server_of_another_checkpoint(sglang, qwen3_dir):
 
 
 def test_served_model_reads_the_checkpoint(qwen3_dir):
-    from inference.sglang_adapter import request_body
+    from rtrl.inference.sglang_adapter import request_body
 
     model = ServedModel.from_dir(qwen3_dir)
     assert (model.vocab_size, model.eos_token_ids, model.max_positions) == (384, (2,), 256)

@@ -17,9 +17,6 @@ import redis.asyncio as aioredis
 from confluent_kafka import OFFSET_BEGINNING, Consumer, TopicPartition
 from google.protobuf import json_format
 
-from ingest.client import make_event
-from ingest.gateway import ACCEPTED, REJECTED
-from ingest.server import start
 from rtrl import kafka, signing
 from rtrl.api_keys import (
     KEY_PREFIX,
@@ -31,6 +28,9 @@ from rtrl.api_keys import (
     revoke_key,
     rotate_keys,
 )
+from rtrl.ingest.client import make_event
+from rtrl.ingest.gateway import ACCEPTED, REJECTED
+from rtrl.ingest.server import start
 from rtrl.v1 import ingest_pb2, ingest_pb2_grpc, telemetry_pb2
 from support.ingest import followup, ingest_settings, persisted, read_topics, shown
 from support.signing import KEY_AUTHORITY

@@ -33,12 +33,12 @@ from google.protobuf.message import DecodeError
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from ingest.config import IngestSettings
-from ingest.gateway import ACCEPTED, DUPLICATE, REJECTED
-from ingest.server import start
-from ingest.validation import MAX_PATH_BYTES, MAX_TEXT_BYTES, validate
 from rtrl import topics
 from rtrl.api_keys import issue_key
+from rtrl.ingest.config import IngestSettings
+from rtrl.ingest.gateway import ACCEPTED, DUPLICATE, REJECTED
+from rtrl.ingest.server import start
+from rtrl.ingest.validation import MAX_PATH_BYTES, MAX_TEXT_BYTES, validate
 from rtrl.procs import free_port
 from rtrl.v1 import ingest_pb2, telemetry_pb2
 from support.ingest import read_topics

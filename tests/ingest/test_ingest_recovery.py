@@ -10,9 +10,9 @@ from typing import Any
 import pytest
 import redis.asyncio as aioredis
 
-from ingest.gateway import ACCEPTED, DUPLICATE, INFLIGHT, RETRY, Gateway, dedup_key
-from ingest.recovery import Sweep, sweep
 from rtrl import kafka
+from rtrl.ingest.gateway import ACCEPTED, DUPLICATE, INFLIGHT, RETRY, Gateway, dedup_key
+from rtrl.ingest.recovery import Sweep, sweep
 from support.ingest import read_topics, shown
 from support.signing import EVENT_SIGNER
 

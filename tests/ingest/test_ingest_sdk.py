@@ -19,13 +19,13 @@ import redis
 import redis.asyncio as aioredis
 from confluent_kafka import OFFSET_BEGINNING, Consumer, TopicPartition
 
-from ingest import sdk
-from ingest.client import IngestAuthError
-from ingest.gateway import dedup_key
-from ingest.sdk import RejectedEvent, Telemetry, TelemetrySettings
-from ingest.spool import Spool, SpoolFull, SpoolLocked
 from rtrl import kafka, procs, topics
 from rtrl.api_keys import issue_key
+from rtrl.ingest import sdk
+from rtrl.ingest.client import IngestAuthError
+from rtrl.ingest.gateway import dedup_key
+from rtrl.ingest.sdk import RejectedEvent, Telemetry, TelemetrySettings
+from rtrl.ingest.spool import Spool, SpoolFull, SpoolLocked
 from rtrl.procs import free_port
 from rtrl.v1 import telemetry_pb2
 from support.netfault import FaultProxy
@@ -200,7 +200,7 @@ def test_helpers_fill_the_envelope_and_exactly_one_payload():
 
 
 class GatewayProcess:
-    """``python -m ingest`` on fixed ports, as in production: killable and restartable."""
+    """``python -m rtrl.ingest`` on fixed ports, as in production: killable and restartable."""
 
     def __init__(
         self, stack_env: dict[str, str], repo_root: Path, log_path: Path, **settings
@@ -221,7 +221,7 @@ class GatewayProcess:
     def start(self, *, wait: bool = True) -> None:
         self.proc = procs.spawn(
             "ingest",
-            [sys.executable, "-m", "ingest"],
+            [sys.executable, "-m", "rtrl.ingest"],
             self.log_path,
             env=self.env,
             port=self.http_port,
@@ -355,7 +355,7 @@ def test_rejected_events_are_final_a_refused_key_keeps_events_spooled_and_a_rate
     seen: list[RejectedEvent] = []
     bad = sdk.followup(rollout_id="r9", **WHO, seconds_after_edit=5.0, message="no")
     bad.schema_version = 2
-    with caplog.at_level(logging.WARNING, logger="ingest.sdk"):
+    with caplog.at_level(logging.WARNING, logger="rtrl.ingest.sdk"):
         with Telemetry(
             gateway.url, api_key=api_key, spool_dir=spool_dir, on_rejected=seen.append
         ) as telemetry:
@@ -489,7 +489,7 @@ PRODUCT = (
     """
 import logging
 import sys
-from ingest.sdk import Telemetry, TelemetrySettings
+from rtrl.ingest.sdk import Telemetry, TelemetrySettings
 
 logging.basicConfig(level=logging.INFO)
 url, spool_dir, api_key, first, count, linger_s = sys.argv[1:]

@@ -17,10 +17,10 @@ import redis.asyncio as aioredis
 from confluent_kafka import KafkaException
 from google.protobuf import json_format
 
-from ingest.client import IngestClient, make_event
-from ingest.gateway import ACCEPTED, DUPLICATE, REJECTED, RETRY, Gateway, dedup_key
-from ingest.server import start
 from rtrl import heartbeat, procs, runtime, topics
+from rtrl.ingest.client import IngestClient, make_event
+from rtrl.ingest.gateway import ACCEPTED, DUPLICATE, REJECTED, RETRY, Gateway, dedup_key
+from rtrl.ingest.server import start
 from rtrl.procs import free_port
 from rtrl.v1 import ingest_pb2, ingest_pb2_grpc, telemetry_pb2
 from support.ingest import followup, ingest_settings, persisted, read_topics, shown
@@ -254,7 +254,11 @@ def test_ingest_process_accepts_events_and_stops_cleanly_on_sigterm(
         "PYTHONPATH": str(repo_root),
     }
     proc = procs.spawn(
-        "ingest", [sys.executable, "-m", "ingest"], tmp_path / "ingest.log", env=env, port=http_port
+        "ingest",
+        [sys.executable, "-m", "rtrl.ingest"],
+        tmp_path / "ingest.log",
+        env=env,
+        port=http_port,
     )
     event = followup("r1")
     try:

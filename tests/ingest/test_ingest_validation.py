@@ -2,8 +2,8 @@
 
 import pytest
 
-from ingest.client import make_event
-from ingest.validation import MAX_TEXT_BYTES, validate
+from rtrl.ingest.client import make_event
+from rtrl.ingest.validation import MAX_TEXT_BYTES, validate
 from rtrl.v1 import telemetry_pb2
 
 NOW_MS = 1_800_000_000_000

@@ -24,9 +24,9 @@ pytest.importorskip(
     reason="the Triton kernels need the gpu extra: pip install -c constraints.txt -e '.[gpu]'",
 )
 
-from kernels import delta as torch_delta
-from kernels import triton_delta
-from kernels.delta import SparseDelta, flat_bits
+from rtrl.kernels import delta as torch_delta
+from rtrl.kernels import triton_delta
+from rtrl.kernels.delta import SparseDelta, flat_bits
 
 DEVICE = "cpu" if os.environ["TRITON_INTERPRET"] == "1" else "cuda"
 # One of each width, and the float formats the weights actually come in.
@@ -174,7 +174,7 @@ import re
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from kernels import triton_delta, triton_mxfp8
+from rtrl.kernels import triton_delta, triton_mxfp8
 
 def compile_ptx(kernel, signature, constexprs):
     signature = {**signature, **{name: "constexpr" for name in constexprs}}

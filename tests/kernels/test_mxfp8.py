@@ -18,15 +18,15 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kernels import mxfp8
-from kernels.mxfp8 import MXFP8Tensor
+from rtrl.kernels import mxfp8
+from rtrl.kernels.mxfp8 import MXFP8Tensor
 
 # Only a missing triton skips; any other import error in the kernels must fail loudly.
 triton_mxfp8: ModuleType | None
 if importlib.util.find_spec("triton") is None:
     triton_mxfp8 = None
 else:
-    from kernels import triton_mxfp8
+    from rtrl.kernels import triton_mxfp8
 
 needs_triton = pytest.mark.skipif(
     triton_mxfp8 is None,

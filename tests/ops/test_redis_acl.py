@@ -18,8 +18,6 @@ import pytest
 import redis
 import redis.asyncio as aioredis
 
-from ingest.client import make_event
-from ingest.gateway import ACCEPTED, Gateway
 from rtrl import heartbeat, kafka, procs, signing
 from rtrl.api_keys import (
     COMPLETIONS,
@@ -30,7 +28,11 @@ from rtrl.api_keys import (
     RateLimiter,
     issue_key,
 )
+from rtrl.ingest.client import make_event
+from rtrl.ingest.gateway import ACCEPTED, Gateway
 from rtrl.v1 import telemetry_pb2
+from rtrl.weight_sync.client import Publisher, Subscriber
+from rtrl.weight_sync.config import WeightSyncSettings
 from support.signing import EVENT_SIGNER, KEY_AUTHORITY
 from support.weight_sync import (
     ARM,
@@ -40,8 +42,6 @@ from support.weight_sync import (
     Following,
     InProcessServer,
 )
-from weight_sync.client import Publisher, Subscriber
-from weight_sync.config import WeightSyncSettings
 
 pytestmark = pytest.mark.integration
 

@@ -1,4 +1,4 @@
-"""The embedded stack's secrets (rtrl/ops/stack_secrets.py): generated once, owner-only, and
+"""The embedded stack's secrets (ops/stack_secrets.py): generated once, owner-only, and
 each service's environment built from an allow-list, never the operator's whole one."""
 
 from __future__ import annotations

@@ -254,9 +254,9 @@ def test_trend_of_an_arm_without_rewards():
 
 def test_the_joiner_heartbeat_carries_the_trend():
     # What reward_stream's heartbeat carries (through JSON, as Redis stores it) renders as the trend.
-    from reward_stream import monitors
-    from reward_stream.join import JoinConfig
-    from reward_stream.runtime import Joiner
+    from rtrl.reward_stream import monitors
+    from rtrl.reward_stream.join import JoinConfig
+    from rtrl.reward_stream.runtime import Joiner
     from rtrl.v1 import reward_pb2, rollout_pb2
 
     joiner = Joiner(

@@ -3,7 +3,7 @@ joiner service). Scenarios and topic readers are plain functions in support/rewa
 
 import pytest
 
-from reward_stream import reward, signals
+from rtrl.reward_stream import reward, signals
 
 
 @pytest.fixture

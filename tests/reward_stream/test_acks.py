@@ -3,7 +3,7 @@ one still waiting: what keeps faust from committing past a pending rollout."""
 
 import pytest
 
-from reward_stream.acks import OrderedAcks
+from rtrl.reward_stream.acks import OrderedAcks
 
 
 class Record:

@@ -8,9 +8,9 @@ from typing import cast
 
 import pytest
 
-from reward_stream import classifier, signals
-from reward_stream.followup_corpus import CORPUS_PATH, corpus_sha256, generate, load
-from reward_stream.train_classifier import evaluate
+from rtrl.reward_stream import classifier, signals
+from rtrl.reward_stream.followup_corpus import CORPUS_PATH, corpus_sha256, generate, load
+from rtrl.reward_stream.train_classifier import evaluate
 
 # Held-out F1 the committed head must reach. It scores 0.81 and the rules 0.48. The
 # split holds 56 templates of ~4 variants each, so one template whose variants sit near
@@ -132,7 +132,7 @@ def test_fallback_to_rules_when_the_model_cannot_load(fresh_scorer, monkeypatch,
 
     monkeypatch.setattr(classifier, "load_encoder", missing)
     messages = ["no, that broke the build", "thanks", "oh wonderful, now every test is red", ""]
-    with caplog.at_level(logging.INFO, logger="reward_stream.signals"):
+    with caplog.at_level(logging.INFO, logger="rtrl.reward_stream.signals"):
         assert signals.dissatisfaction(messages) == [1.0, 0.0, 0.0, 0.0]
         assert signals.dissatisfaction(messages[:1]) == [1.0]
     assert [r.message for r in caplog.records if "dissatisfaction" in r.message] == [

@@ -14,9 +14,9 @@ from typing import Any, cast
 
 import pytest
 
-from reward_stream import join, reward
-from reward_stream.runtime import Joiner
 from rtrl import topics
+from rtrl.reward_stream import join, reward
+from rtrl.reward_stream.runtime import Joiner
 from rtrl.v1 import reward_pb2, rollout_pb2, telemetry_pb2
 
 CONFIG = join.JoinConfig(

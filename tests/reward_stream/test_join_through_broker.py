@@ -3,7 +3,7 @@
 Each trace is a list of records produced in order (some out of event-time order,
 some duplicated, one from a privacy-mode user, one follow-up that never comes). The
 same records are fed to the pure runtime (runtime.Joiner, in process) and produced
-to a real Tansu for `python -m reward_stream`; the reward records of both paths must
+to a real Tansu for `python -m rtrl.reward_stream`; the reward records of both paths must
 agree on everything but the wall-clock settle time.
 """
 
@@ -18,10 +18,10 @@ import redis
 from confluent_kafka import Producer
 from rich.progress import Progress
 
-from bench.join import produce_load
-from reward_stream.config import RewardStreamSettings
-from reward_stream.runtime import Joiner
 from rtrl import kafka, procs, topics
+from rtrl.bench.join import produce_load
+from rtrl.reward_stream.config import RewardStreamSettings
+from rtrl.reward_stream.runtime import Joiner
 from rtrl.v1 import reward_pb2, rollout_pb2, telemetry_pb2
 from support.reward_stream import read_all, spawn_joiner, wait_for_heartbeat
 from support.signing import produce_as_its_writer
@@ -155,7 +155,7 @@ def test_a_backlog_read_unevenly_still_joins_every_event(
     env = {**stack_env, "RTRL_REWARD_WEB_PORT": str(procs.free_port())}
     service = procs.spawn(
         "reward_stream",
-        [sys.executable, "-m", "reward_stream"],
+        [sys.executable, "-m", "rtrl.reward_stream"],
         tmp_path / "reward_stream.log",
         env=env,
     )

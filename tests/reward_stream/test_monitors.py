@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from reward_stream import monitors, reward
+from rtrl.reward_stream import monitors, reward
 from rtrl.v1 import reward_pb2, rollout_pb2, telemetry_pb2
 from support.reward_stream import QUESTION_CASES
 
@@ -316,9 +316,9 @@ def test_config_is_validated(bad):
 def test_the_live_joiner_reports_alerts_in_its_status():
     # The runtime feeds every settled reward to the monitor: a version that starts
     # dodging with broken tool calls shows up in the heartbeat status.
-    from reward_stream.join import JoinConfig
-    from reward_stream.runtime import Joiner
     from rtrl import topics
+    from rtrl.reward_stream.join import JoinConfig
+    from rtrl.reward_stream.runtime import Joiner
 
     joiner = Joiner(
         JoinConfig(

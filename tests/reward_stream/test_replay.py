@@ -9,10 +9,10 @@ import time
 import pytest
 from confluent_kafka import OFFSET_INVALID, Consumer, Producer, TopicPartition
 
-from reward_stream import replay, reward
-from reward_stream.authn import Authenticator
-from reward_stream.config import RewardStreamSettings
 from rtrl import kafka, signing, topics
+from rtrl.reward_stream import replay, reward
+from rtrl.reward_stream.authn import Authenticator
+from rtrl.reward_stream.config import RewardStreamSettings
 from rtrl.v1 import reward_pb2, rollout_pb2, telemetry_pb2
 from support.signing import produce_as_its_writer
 

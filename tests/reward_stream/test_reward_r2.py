@@ -6,8 +6,8 @@ import math
 
 import pytest
 
-from reward_stream import reward
-from reward_stream.config import RewardStreamSettings
+from rtrl.reward_stream import reward
+from rtrl.reward_stream.config import RewardStreamSettings
 from rtrl.v1 import reward_pb2, rollout_pb2, telemetry_pb2
 
 AGENT = "def f():\n    return 1\n"

@@ -5,10 +5,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from reward_stream import reward
-from reward_stream.config import RewardStreamSettings
-from reward_stream.runtime import Joiner
 from rtrl import topics
+from rtrl.reward_stream import reward
+from rtrl.reward_stream.config import RewardStreamSettings
+from rtrl.reward_stream.runtime import Joiner
 from rtrl.v1 import reward_pb2, rollout_pb2, telemetry_pb2
 
 tokens = st.lists(st.integers(min_value=0, max_value=200_000), max_size=300)

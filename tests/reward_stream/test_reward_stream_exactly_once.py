@@ -24,8 +24,8 @@ from collections import Counter
 import pytest
 from confluent_kafka import Producer, TopicPartition
 
-from analytics.query import http_query_fn
 from rtrl import kafka, procs, topics
+from rtrl.analytics.query import http_query_fn
 from rtrl.v1 import reward_pb2, rollout_pb2, telemetry_pb2
 from support.reward_stream import read_all
 from support.signing import produce_as_its_writer
@@ -40,7 +40,7 @@ SINK_GROUP = "analytics"
 RAW_REWARD_IDS = (
     """
 import json
-from analytics import query
+from rtrl.analytics import query
 from rtrl.config import StackSettings
 rows = query.client_query_fn(query.connect(StackSettings()))"""
     f"""("SELECT reward_id FROM rewards WHERE topic = '{topics.REWARD}'")
@@ -132,14 +132,17 @@ def test_kill_9_mid_stream_loses_and_doubles_nothing(
     def start_joiner() -> procs.Proc:
         joiner_env["RTRL_REWARD_WEB_PORT"] = str(procs.free_port())
         return procs.spawn(
-            "reward_stream", [sys.executable, "-m", "reward_stream"], joiner_log, env=joiner_env
+            "reward_stream",
+            [sys.executable, "-m", "rtrl.reward_stream"],
+            joiner_log,
+            env=joiner_env,
         )
 
     def start_sink() -> procs.Proc:
         port = procs.free_port()
         sink_env["RTRL_ANALYTICS_QUERY_PORT"] = str(port)
         return procs.spawn(
-            "analytics", [sys.executable, "-m", "analytics"], sink_log, env=sink_env, port=port
+            "analytics", [sys.executable, "-m", "rtrl.analytics"], sink_log, env=sink_env, port=port
         )
 
     def wait_until(condition, timeout_s: float, what: str, *running: procs.Proc) -> None:

@@ -1,4 +1,4 @@
-"""`python -m reward_stream` against a real Tansu: one reward per rollout, garbage to the DLQ,
+"""`python -m rtrl.reward_stream` against a real Tansu: one reward per rollout, garbage to the DLQ,
 late events to .late, clean exit on SIGTERM."""
 
 from __future__ import annotations

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from reward_stream import reward
-from reward_stream.signals import has_code, is_dissatisfied, persisted_fraction
+from rtrl.reward_stream import reward
+from rtrl.reward_stream.signals import has_code, is_dissatisfied, persisted_fraction
+from rtrl.simulator.tasks import Style, Task
+from rtrl.simulator.users import ANNOYED, ANSWERS, CONTENT
 from rtrl.v1 import rollout_pb2, telemetry_pb2
-from simulator.tasks import Style, Task
-from simulator.users import ANNOYED, ANSWERS, CONTENT
 
 TASK = Task(project=0, verb="say", word="hi")
 AGENT = TASK.render(Style(2, "'"))  # def say_hi():\n  print('hi')\n

@@ -18,11 +18,11 @@ import pytest
 import redis
 from confluent_kafka import Producer
 
-from reward_stream import replay
-from reward_stream.authn import Authenticator
-from reward_stream.config import RewardStreamSettings
-from reward_stream.runtime import Joiner
 from rtrl import heartbeat, kafka, signing, topics
+from rtrl.reward_stream import replay
+from rtrl.reward_stream.authn import Authenticator
+from rtrl.reward_stream.config import RewardStreamSettings
+from rtrl.reward_stream.runtime import Joiner
 from rtrl.v1 import common_pb2, reward_pb2, rollout_pb2, telemetry_pb2
 from support.reward_stream import spawn_joiner
 from support.signing import ROLLOUT_SIGNER, produce_as_its_writer, worker_headers

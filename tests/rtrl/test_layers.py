@@ -1,27 +1,35 @@
-"""The layers of ARCHITECTURE.md hold: every import points down.
+"""The layers of ARCHITECTURE.md hold: every import points down, inside one namespace.
 
-1. foundation: ``rtrl`` (but ``rtrl.ops``);
-2. services: ingest, reward_stream, trainer, inference, weight_sync, analytics, and
-   kernels (their hot loops); a service reaches another only through that service's
+1. foundation: ``rtrl`` (its own modules: config, topics, trajectory...);
+2. services: rtrl.ingest, .reward_stream, .trainer, .inference, .weight_sync, .analytics,
+   and .kernels (their hot loops); a service reaches another only through that service's
    public client modules (PUBLIC);
-3. the operator's shell: ``rtrl.ops`` (and ``python -m rtrl``, its CLI), the
-   simulated product, ``bench``.
+3. the operator's shell: ``rtrl.ops`` (and ``python -m rtrl``, its CLI), the simulated
+   product, the benches.
+
+What is installed is one package, ``rtrl``: the repository's top-level folders (trainer/,
+ops/...) are reached through symlinks in rtrl/ (rtrl/trainer -> ../trainer). A module
+that imports one of them by its folder name (``import trainer``) works only from a
+checkout, and takes a name another PyPI project owns: that is an edge too.
 
 Every ``import`` statement counts, including those inside functions and under
-TYPE_CHECKING: a lazy import is still a dependency.
+TYPE_CHECKING: a lazy import is still a dependency. So does a plug-in string
+(``"module.path:callable"``, loaded by rtrl.plugins at start-up): a service whose default
+names the shell depends on it as surely as an import.
 """
 
 from __future__ import annotations
 
 import ast
+import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 
 FOUNDATION, SERVICE, SHELL = 1, 2, 3
-PACKAGES = {
-    "rtrl": FOUNDATION,
+FOLDERS = {
     "ingest": SERVICE,
     "reward_stream": SERVICE,
     "trainer": SERVICE,
@@ -29,15 +37,22 @@ PACKAGES = {
     "weight_sync": SERVICE,
     "analytics": SERVICE,
     "kernels": SERVICE,
-    "rtrl.ops": SHELL,
-    "rtrl.__main__": SHELL,
+    "ops": SHELL,
     "simulator": SHELL,
     "bench": SHELL,
 }
-LIBRARIES = {"kernels"}
+"""The repository's top-level packages besides rtrl/, each installed as rtrl.<folder>."""
+PACKAGES = {
+    "rtrl": FOUNDATION,
+    "rtrl.__main__": SHELL,
+    **{f"rtrl.{folder}": layer for folder, layer in FOLDERS.items()},
+}
+LIBRARIES = {"rtrl.kernels"}
 """Service-layer packages any service may use whole."""
-PUBLIC = {"weight_sync.client", "weight_sync.provenance"}
+PUBLIC = {"rtrl.weight_sync.client", "rtrl.weight_sync.provenance"}
 """A service's modules other services may import: weight_sync's subscriber and publisher."""
+PLUGIN = re.compile(r"[A-Za-z_]\w*(?:\.\w+)+:[A-Za-z_]\w*")
+"""A plug-in string, ``package.module:attribute`` (rtrl/plugins.py)."""
 
 
 @dataclass(frozen=True)
@@ -45,9 +60,10 @@ class Edge:
     module: str
     imported: str
     line: int
+    how: str = "imports"
 
     def __str__(self) -> str:
-        return f"{self.module}:{self.line} imports {self.imported}"
+        return f"{self.module}:{self.line} {self.how} {self.imported}"
 
 
 def package_of(module: str) -> str | None:
@@ -59,27 +75,36 @@ def package_of(module: str) -> str | None:
     return None
 
 
-def imports(path: Path, module: str) -> list[tuple[str, int]]:
-    """Absolute module names ``path`` imports, each with its line."""
+def imports(path: Path, module: str) -> list[tuple[str, int, str]]:
+    """Absolute module names ``path`` imports or names in a plug-in string, with the line
+    and how ("imports" or "names plug-in")."""
     found = []
     package = module if path.name == "__init__.py" else module.rpartition(".")[0]
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.Import):
-            found += [(alias.name, node.lineno) for alias in node.names]
+            found += [(alias.name, node.lineno, "imports") for alias in node.names]
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:
                 anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
                 base = ".".join([*anchor, base] if base else anchor)
             # "from rtrl import ops" imports rtrl.ops: judge each name as a module too.
-            found += [(f"{base}.{alias.name}", node.lineno) for alias in node.names]
+            found += [(f"{base}.{alias.name}", node.lineno, "imports") for alias in node.names]
+        elif (
+            isinstance(node, ast.Constant)
+            and isinstance(node.value, str)
+            and PLUGIN.fullmatch(node.value)
+        ):
+            found.append((node.value.partition(":")[0], node.lineno, "names plug-in"))
     return found
 
 
 def modules(root: Path) -> dict[str, Path]:
+    """Every module of the namespace by its installed name, read through rtrl/'s symlinks."""
     found = {}
-    for top in {name.split(".")[0] for name in PACKAGES}:
-        for path in sorted((root / top).rglob("*.py")):
+    for directory, _, files in os.walk(root / "rtrl", followlinks=True):
+        for name in sorted(f for f in files if f.endswith(".py")):
+            path = Path(directory) / name
             relative = path.relative_to(root).with_suffix("")
             parts = relative.parts[:-1] if relative.name == "__init__" else relative.parts
             found[".".join(parts)] = path
@@ -90,7 +115,10 @@ def forbidden_edges(root: Path) -> list[Edge]:
     edges = []
     for module, path in modules(root).items():
         source = package_of(module)
-        for imported, line in imports(path, module):
+        for imported, line, how in imports(path, module):
+            if imported.split(".")[0] in FOLDERS:
+                edges.append(Edge(module, imported, line, how + " outside rtrl:"))
+                continue
             target = package_of(imported)
             if source is None or target is None or target == source:
                 continue
@@ -101,7 +129,7 @@ def forbidden_edges(root: Path) -> list[Edge]:
                 and not any(imported == p or imported.startswith(p + ".") for p in PUBLIC)
             )
             if upward or sideways:
-                edges.append(Edge(module, imported, line))
+                edges.append(Edge(module, imported, line, how))
     return edges
 
 
@@ -109,9 +137,12 @@ def test_every_import_points_down_the_layers():
     assert [str(edge) for edge in forbidden_edges(REPO)] == []
 
 
-def test_every_package_is_in_a_layer():
-    tops = {p.parent.name for p in REPO.glob("*/__init__.py")}
-    assert tops - {name.split(".")[0] for name in PACKAGES} == set()
+def test_every_package_is_in_a_layer_and_installed_under_rtrl():
+    tops = {p.parent.name for p in REPO.glob("*/__init__.py")} - {"rtrl"}
+    assert tops - set(FOLDERS) == set()
+    for folder in FOLDERS:
+        link = REPO / "rtrl" / folder
+        assert link.is_symlink() and os.readlink(link) == f"../{folder}", link
 
 
 PLANTED = {
@@ -123,13 +154,13 @@ PLANTED = {
     ),
     "foundation importing a service lazily": (
         "rtrl/planted.py",
-        "def f():\n    from trainer.loop import Trainer\n",
-        "trainer.loop.Trainer",
+        "def f():\n    from rtrl.trainer.loop import Trainer\n",
+        "rtrl.trainer.loop.Trainer",
     ),
     "service importing the shell": (
         "trainer/planted.py",
-        "import simulator.tasks\n",
-        "simulator.tasks",
+        "import rtrl.simulator.tasks\n",
+        "rtrl.simulator.tasks",
     ),
     "foundation importing the shell relatively": (
         "rtrl/planted.py",
@@ -138,31 +169,63 @@ PLANTED = {
     ),
     "service importing another's internals": (
         "inference/planted.py",
-        "from weight_sync.registry import Registry\n",
-        "weight_sync.registry.Registry",
+        "from rtrl.weight_sync.registry import Registry\n",
+        "rtrl.weight_sync.registry.Registry",
+    ),
+    "service importing another's internals relatively": (
+        "inference/planted.py",
+        "from ..weight_sync import registry\n",
+        "rtrl.weight_sync.registry",
+    ),
+    "service naming the shell in a plug-in default": (
+        "trainer/planted.py",
+        'class Settings:\n    eval_suite: str = "rtrl.simulator.suite:demo_suite"\n',
+        "rtrl.simulator.suite",
+    ),
+    "foundation naming a service in a plug-in string": (
+        "rtrl/planted.py",
+        'DEFAULT = "rtrl.trainer.baseline:global_key"\n',
+        "rtrl.trainer.baseline",
+    ),
+    "service importing a folder by its bare name": (
+        "ingest/planted.py",
+        "from kernels import delta\n",
+        "kernels.delta",
+    ),
+    "shell naming a plug-in by its bare folder name": (
+        "ops/planted.py",
+        'SUITE = "simulator.suite:demo_suite"\n',
+        "simulator.suite",
     ),
     "service using another's client": (
         "inference/planted.py",
-        "from weight_sync.client import Subscriber\n",
+        "from rtrl.weight_sync.client import Subscriber\n",
         None,
     ),
-    "service using kernels": ("weight_sync/planted.py", "from kernels import delta\n", None),
-    "shell importing everything": (
+    "service using kernels": ("weight_sync/planted.py", "from rtrl.kernels import delta\n", None),
+    "service naming its own plug-in": (
+        "trainer/planted.py",
+        'KEY = "rtrl.trainer.baseline:no_context"\n',
+        None,
+    ),
+    "shell importing and naming everything": (
         "bench/planted.py",
-        "import trainer.loop\nfrom rtrl.ops import cli\n",
+        'import rtrl.trainer.loop\nfrom rtrl.ops import cli\nS = "rtrl.simulator.suite:demo_suite"\n',
         None,
     ),
+    "a redis key is no plug-in": ("trainer/planted.py", 'KEY = "rtrl:hb:trainer"\n', None),
 }
 
 
-def test_a_planted_upward_import_is_caught(tmp_path):
+def test_a_planted_upward_import_or_plugin_string_is_caught(tmp_path):
     for case, (planted, source, expected) in PLANTED.items():
         root = tmp_path / case.replace(" ", "_")
-        for top in {name.split(".")[0] for name in PACKAGES}:
-            (root / top).mkdir(parents=True)
-            (root / top / "__init__.py").write_text("")
-        (root / "rtrl" / "ops").mkdir()
-        (root / "rtrl" / "ops" / "__init__.py").write_text("")
+        (root / "rtrl").mkdir(parents=True)
+        (root / "rtrl" / "__init__.py").write_text("")
+        for folder in FOLDERS:
+            (root / folder).mkdir()
+            (root / folder / "__init__.py").write_text("")
+            (root / "rtrl" / folder).symlink_to(f"../{folder}")
         (root / planted).write_text(source)
         found = [edge.imported for edge in forbidden_edges(root)]
         assert found == ([expected] if expected else []), case

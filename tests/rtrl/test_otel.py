@@ -27,13 +27,13 @@ from opentelemetry.proto.collector.trace.v1 import (
 )
 
 from rtrl import otel, procs
+from rtrl.weight_sync.client import Publisher
 from support.weight_sync import (
     ARM,
     MANIFEST_KEY,
     MANIFEST_PUBLIC_KEYS,
     publish_versions,
 )
-from weight_sync.client import Publisher
 
 TRACEPARENT = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
 
@@ -145,7 +145,7 @@ def test_weight_sync_exports_over_otlp_and_serves_prometheus(
     }
     proc = procs.spawn(
         "weight_sync",
-        [sys.executable, "-m", "weight_sync"],
+        [sys.executable, "-m", "rtrl.weight_sync"],
         tmp_path / "weight_sync.log",
         env=env,
         port=port,
@@ -200,7 +200,7 @@ def test_a_worker_apply_span_is_a_child_of_the_commit(
 ):
     """Through the manifest: the publisher's span → weight_sync's commit span (in the
     stored manifest) → the apply span a follower opens from it."""
-    from inference.weights import WeightFollower
+    from rtrl.inference.weights import WeightFollower
     from support.weight_sync import SUBSCRIBE_TOKEN
 
     spans, _ = otel_memory

@@ -16,7 +16,6 @@ from pathlib import Path
 TESTS = Path(__file__).resolve().parents[1]
 REPO = TESTS.parent
 NOT_PACKAGES = {
-    "ops": REPO / "rtrl" / "ops",  # the operator's shell, a package inside rtrl
     "e2e": None,  # whole-stack tests, across every service
     "support": None,  # helpers shared across directories
 }
@@ -107,6 +106,8 @@ def test_support_is_importable_and_no_test_directory_shadows_its_package():
     assert Path(support.__file__).parent == TESTS / "support"
     # tests/ingest/ and the like could pass for namespace packages named like the real ones.
     for directory in sorted(p for p in TESTS.iterdir() if (REPO / p.name / "__init__.py").exists()):
-        package = importlib.import_module(directory.name)
+        # Installed as one namespace: tests/trainer/ holds the tests of rtrl.trainer.
+        name = "rtrl" if directory.name == "rtrl" else f"rtrl.{directory.name}"
+        package = importlib.import_module(name)
         assert package.__file__ is not None, package
-        assert Path(package.__file__) == REPO / directory.name / "__init__.py", package
+        assert Path(package.__file__).resolve() == REPO / directory.name / "__init__.py", package

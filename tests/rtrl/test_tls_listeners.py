@@ -17,11 +17,13 @@ from pathlib import Path
 import grpc
 import pytest
 
-from analytics.query import http_query_fn
-from inference.config import InferenceSettings
-from inference.engine import Engine, EngineConfig
-from inference.server import InferenceServer
 from rtrl import procs
+from rtrl.analytics.query import http_query_fn
+from rtrl.inference.config import InferenceSettings
+from rtrl.inference.engine import Engine, EngineConfig
+from rtrl.inference.server import InferenceServer
+from rtrl.weight_sync.client import Publisher, Subscriber, latest_version
+from rtrl.weight_sync.config import WeightSyncSettings
 from support.weight_sync import (
     ARM,
     MANIFEST_KEY,
@@ -31,8 +33,6 @@ from support.weight_sync import (
     InProcessServer,
     assert_bit_identical,
 )
-from weight_sync.client import Publisher, Subscriber, latest_version
-from weight_sync.config import WeightSyncSettings
 
 pytestmark = pytest.mark.integration
 
@@ -142,7 +142,7 @@ def test_the_query_endpoint_over_tls(stack_env, tmp_path, repo_root, certificate
     }  # fmt: skip
     sink = procs.spawn(
         "analytics",
-        [sys.executable, "-m", "analytics"],
+        [sys.executable, "-m", "rtrl.analytics"],
         tmp_path / "analytics.log",
         env=env,
         port=port,
@@ -176,7 +176,7 @@ def test_the_prometheus_endpoint_over_tls(stack, tmp_path, repo_root, certificat
     }  # fmt: skip
     server = procs.spawn(
         "weight_sync",
-        [sys.executable, "-m", "weight_sync"],
+        [sys.executable, "-m", "rtrl.weight_sync"],
         tmp_path / "weight_sync.log",
         env=env,
         port=port,

@@ -4,8 +4,8 @@ import random
 
 import pytest
 
-from reward_stream.signals import is_dissatisfied
-from simulator.tasks import (
+from rtrl.reward_stream.signals import is_dissatisfied
+from rtrl.simulator.tasks import (
     MIXED_PROJECT,
     PROJECT_STYLES,
     Style,
@@ -14,7 +14,7 @@ from simulator.tasks import (
     parse_style,
     random_task,
 )
-from simulator.users import ANSWER_RATE, User, population, react
+from rtrl.simulator.users import ANSWER_RATE, User, population, react
 
 TASK = Task(project=1, verb="say", word="hi")  # project 1: 4-space indent, single quotes
 HOUSE = PROJECT_STYLES[1]

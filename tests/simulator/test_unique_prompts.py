@@ -8,10 +8,9 @@ import random
 import pytest
 
 from rtrl.policy import encode
-from rtrl.v1 import rollout_pb2
-from simulator.product import Product
-from simulator.suite import demo_suite, unique_prompt_suite
-from simulator.tasks import (
+from rtrl.simulator.product import Product
+from rtrl.simulator.suite import demo_suite, unique_prompt_suite
+from rtrl.simulator.tasks import (
     CALLS,
     INDENTS,
     PROJECT_STYLES,
@@ -29,7 +28,8 @@ from simulator.tasks import (
     random_task,
     serial_of,
 )
-from simulator.warmstart import WarmStartRecipe, batch_rows
+from rtrl.simulator.warmstart import WarmStartRecipe, batch_rows
+from rtrl.v1 import rollout_pb2
 
 
 def test_unique_tasks_never_repeat_a_prompt():

@@ -18,14 +18,14 @@ from rtrl.policy import (
     state_dict_fp32,
     weights_digest,
 )
-from simulator.tasks import (
+from rtrl.simulator.tasks import (
     MIXED_PROJECT,
     PROJECT_STYLES,
     QUESTION_TOPICS,
     is_question,
     parse_style,
 )
-from simulator.warmstart import (
+from rtrl.simulator.warmstart import (
     WarmStartRecipe,
     batch_rows,
     cache_path,

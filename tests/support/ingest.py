@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from confluent_kafka import OFFSET_BEGINNING, Consumer, TopicPartition
 
-from ingest.client import make_event
-from ingest.config import IngestSettings
 from rtrl import kafka, topics
+from rtrl.ingest.client import make_event
+from rtrl.ingest.config import IngestSettings
 from rtrl.procs import free_port
 from rtrl.v1 import telemetry_pb2
 

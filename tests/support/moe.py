@@ -11,7 +11,7 @@ import torch.distributed as dist
 from transformers import PreTrainedModel
 
 from rtrl.moe import routers
-from trainer.distributed import World
+from rtrl.trainer.distributed import World
 
 
 def tie_experts(model: PreTrainedModel, tied: int, spread: float = 3e-9) -> None:

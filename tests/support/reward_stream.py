@@ -15,8 +15,8 @@ import redis
 from confluent_kafka import OFFSET_BEGINNING, Consumer, TopicPartition
 
 from rtrl import heartbeat, kafka, procs, topics
+from rtrl.simulator.tasks import Style, Task
 from rtrl.v1 import rollout_pb2, telemetry_pb2
-from simulator.tasks import Style, Task
 
 ACCEPTED = telemetry_pb2.EditOutcome(outcome=telemetry_pb2.EditOutcome.OUTCOME_ACCEPTED)
 
@@ -140,7 +140,7 @@ def read_all(settings, topic_names: tuple[str, ...]) -> dict[str, list]:
 
 
 def spawn_joiner(stack_env: dict[str, str], log_dir: Path, **settings: str) -> procs.Proc:
-    """``python -m reward_stream`` on the test's stack, logging to ``log_dir``: a 1 s window,
+    """``python -m rtrl.reward_stream`` on the test's stack, logging to ``log_dir``: a 1 s window,
     its own web port, and ``settings`` as RTRL_REWARD_* variables (``grace_s="0.5"``)."""
     env = {
         **stack_env,
@@ -150,7 +150,7 @@ def spawn_joiner(stack_env: dict[str, str], log_dir: Path, **settings: str) -> p
     }
     return procs.spawn(
         "reward_stream",
-        [sys.executable, "-m", "reward_stream"],
+        [sys.executable, "-m", "rtrl.reward_stream"],
         log_dir / "reward_stream.log",
         env=env,
     )

@@ -50,7 +50,7 @@ def weights_checksum(weights: Mapping[str, torch.Tensor]) -> str:
 def main() -> None:
     from rtrl import signing
     from rtrl.config import StackSettings
-    from weight_sync.client import Subscriber
+    from rtrl.weight_sync.client import Subscriber
 
     addr, arm, worker_id, out_path = sys.argv[1:]
     token = StackSettings().weight_sync_subscribe_token.get_secret_value()

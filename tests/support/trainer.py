@@ -15,10 +15,10 @@ from transformers import LlamaForCausalLM
 
 from rtrl import signing, topics
 from rtrl.policy import EOS, PolicyConfig, build_model, decode, load_weights
+from rtrl.simulator.tasks import parse_style, random_task
+from rtrl.simulator.warmstart import cache_path, ensure_warm_start, load_warm_start
+from rtrl.trainer.sampling import prompt_ids, sample
 from rtrl.v1 import common_pb2, reward_pb2, rollout_pb2, weights_pb2
-from simulator.tasks import parse_style, random_task
-from simulator.warmstart import cache_path, ensure_warm_start, load_warm_start
-from trainer.sampling import prompt_ids, sample
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -128,7 +128,7 @@ def produce(
 def trainer_env(
     stack_env: dict[str, str], weight_sync_addr: str, repo_root: Path
 ) -> dict[str, str]:
-    """The environment of a trainer process (`python -m trainer`) for the fault tests:
+    """The environment of a trainer process (`python -m rtrl.trainer`) for the fault tests:
     small batches, every candidate judged and none refused (those tests are about
     delivery and recovery; test_eval_gate is about refusals)."""
     return {

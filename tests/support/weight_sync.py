@@ -13,13 +13,13 @@ from typing import ClassVar
 
 import torch
 
-from kernels.delta import bits_dtype
 from rtrl import signing
 from rtrl.config import StackSettings
+from rtrl.kernels.delta import bits_dtype
 from rtrl.v1 import weights_pb2
-from weight_sync.client import Publisher, Subscriber
-from weight_sync.config import WeightSyncSettings
-from weight_sync.server import WeightSyncServer
+from rtrl.weight_sync.client import Publisher, Subscriber
+from rtrl.weight_sync.config import WeightSyncSettings
+from rtrl.weight_sync.server import WeightSyncServer
 
 ARM = "treatment"
 SUBSCRIBE_TOKEN = StackSettings().weight_sync_subscribe_token.get_secret_value()

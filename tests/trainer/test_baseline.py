@@ -9,9 +9,8 @@ import pytest
 import torch
 
 from rtrl.policy import EOS, PolicyConfig, build_model, encode
-from rtrl.v1 import common_pb2, reward_pb2, rollout_pb2
-from simulator.tasks import PROJECT_STYLES, Task
-from trainer.baseline import (
+from rtrl.simulator.tasks import PROJECT_STYLES, Task
+from rtrl.trainer.baseline import (
     BASELINE_FILE,
     PRIOR_REWARDS,
     ContextBaseline,
@@ -20,11 +19,12 @@ from trainer.baseline import (
     RunningMean,
     baseline_for,
 )
-from trainer.batch import TrainSample, collate, to_sample
-from trainer.config import TrainerSettings
-from trainer.objective import context_baseline_advantages, leave_one_out_advantages
-from trainer.sampling import prompt_ids
-from trainer.step import build_optimizer, rl_step
+from rtrl.trainer.batch import TrainSample, collate, to_sample
+from rtrl.trainer.config import TrainerSettings
+from rtrl.trainer.objective import context_baseline_advantages, leave_one_out_advantages
+from rtrl.trainer.sampling import prompt_ids
+from rtrl.trainer.step import build_optimizer, rl_step
+from rtrl.v1 import common_pb2, reward_pb2, rollout_pb2
 
 TINY = PolicyConfig(hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64)
 STYLE = PROJECT_STYLES[0]

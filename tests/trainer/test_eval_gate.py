@@ -23,11 +23,11 @@ from rich.console import Console
 
 from rtrl.ops.health import ComponentHealth
 from rtrl.policy import PolicyConfig, build_model, load_weights
-from simulator.suite import DemoSuite
+from rtrl.simulator.suite import DemoSuite
+from rtrl.trainer.evaluation import EvalGate, EvalScores
+from rtrl.trainer.journal import Journal
 from support.analytics import RecordingConsumer
 from support.weight_sync import MANIFEST_KEY, MANIFEST_PUBLIC_KEYS, Following
-from trainer.evaluation import EvalGate, EvalScores
-from trainer.journal import Journal
 
 
 def test_suite_scores_are_reproducible_and_the_checkers_tell_good_from_broken():
@@ -76,11 +76,11 @@ def _trainer_steps_in_clickhouse(stack_settings, tmp_path) -> list[dict]:
     """Read the trainer-steps topic back and put it through the analytics sink into chdb."""
     from confluent_kafka import Consumer
 
-    from analytics import schema
-    from analytics.query import client_query_fn, connect
-    from analytics.rows import KafkaRecord
-    from analytics.sink import Sink
     from rtrl import topics
+    from rtrl.analytics import schema
+    from rtrl.analytics.query import client_query_fn, connect
+    from rtrl.analytics.rows import KafkaRecord
+    from rtrl.analytics.sink import Sink
     from rtrl.config import StackSettings
     from rtrl.kafka import consumer_config, record_position
 
@@ -135,6 +135,11 @@ def test_a_harmful_update_is_refused_and_never_reaches_a_worker(
 
     from rtrl.kafka import consumer_config, producer_config
     from rtrl.ops.status_view import refusals_table, workers_table
+    from rtrl.trainer.config import TrainerSettings
+    from rtrl.trainer.loop import CONTROL, TREATMENT, Trainer
+    from rtrl.trainer.metrics import StepExporter
+    from rtrl.trainer.service import fetch_published
+    from rtrl.weight_sync.client import Publisher, Subscriber
     from support.trainer import (
         install_warm_start,
         produce,
@@ -143,11 +148,6 @@ def test_a_harmful_update_is_refused_and_never_reaches_a_worker(
         warm_model,
     )
     from support.weight_sync import SUBSCRIBE_TOKEN
-    from trainer.config import TrainerSettings
-    from trainer.loop import CONTROL, TREATMENT, Trainer
-    from trainer.metrics import StepExporter
-    from trainer.service import fetch_published
-    from weight_sync.client import Publisher, Subscriber
 
     torch.set_num_threads(1)
     install_warm_start(stack_settings.state_dir)
@@ -267,7 +267,9 @@ def test_a_harmful_update_is_refused_and_never_reaches_a_worker(
         assert steps[0]["eval_candidate"]["well_formed"] == pytest.approx(
             status.refusals[0].candidate["well_formed"]
         )
-        step_spans = [span for span in spans.get_finished_spans() if span.name == "trainer.step"]
+        step_spans = [
+            span for span in spans.get_finished_spans() if span.name == "rtrl.trainer.step"
+        ]
         assert [span.attributes["rtrl.trainer.published"] for span in step_spans] == [
             False,
             False,

@@ -9,8 +9,8 @@ import torch
 from rtrl.checkpoint import Checkpoint, write_demo_checkpoint
 from rtrl.ops.tiny_model import write_tiny_checkpoint
 from rtrl.policy import PolicyConfig, build_model, state_dict_fp32
-from trainer.evaluation import EvalGate
-from trainer.label_free import CHECKER, LabelFreeSuite, sample_answer
+from rtrl.trainer.evaluation import EvalGate
+from rtrl.trainer.label_free import CHECKER, LabelFreeSuite, sample_answer
 
 torch.set_num_threads(1)
 

@@ -12,22 +12,22 @@ from pathlib import Path
 import pytest
 import torch
 
-from inference.engine import Engine, EngineConfig, prompt_token_ids
-from inference.records import version_spans
+from rtrl.inference.engine import Engine, EngineConfig, prompt_token_ids
+from rtrl.inference.records import version_spans
 from rtrl.policy import build_model, state_dict_fp32
+from rtrl.trainer import metrics as step_metrics
+from rtrl.trainer.batch import TrainSample, collate, to_sample
+from rtrl.trainer.config import TrainerSettings
+from rtrl.trainer.distributed import World, local_objective, shard, sharded_rl_step
+from rtrl.trainer.evaluation import EvalScores, Verdict
+from rtrl.trainer.learner import LocalLearner
+from rtrl.trainer.loop import Trainer
+from rtrl.trainer.mismatch import Mismatch, Probe, measure, merge, row_versions, token_versions
+from rtrl.trainer.objective import leave_one_out_advantages
+from rtrl.trainer.step import StepMetrics, build_optimizer
 from rtrl.v1 import common_pb2, reward_pb2, rollout_pb2
 from support.moe import one_rank_group
 from support.trainer import never_fetch
-from trainer import metrics as step_metrics
-from trainer.batch import TrainSample, collate, to_sample
-from trainer.config import TrainerSettings
-from trainer.distributed import World, local_objective, shard, sharded_rl_step
-from trainer.evaluation import EvalScores, Verdict
-from trainer.learner import LocalLearner
-from trainer.loop import Trainer
-from trainer.mismatch import Mismatch, Probe, measure, merge, row_versions, token_versions
-from trainer.objective import leave_one_out_advantages
-from trainer.step import StepMetrics, build_optimizer
 
 torch.set_num_threads(1)
 

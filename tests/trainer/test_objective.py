@@ -8,8 +8,7 @@ from typing import Any
 import pytest
 import torch
 
-from rtrl.v1 import common_pb2, reward_pb2, rollout_pb2
-from trainer.batch import (
+from rtrl.trainer.batch import (
     Drop,
     SeenRollouts,
     TrainSample,
@@ -17,7 +16,8 @@ from trainer.batch import (
     drop_stale,
     to_sample,
 )
-from trainer.objective import leave_one_out_advantages, policy_gradient_loss
+from rtrl.trainer.objective import leave_one_out_advantages, policy_gradient_loss
+from rtrl.v1 import common_pb2, reward_pb2, rollout_pb2
 
 
 @pytest.mark.parametrize(

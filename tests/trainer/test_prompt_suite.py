@@ -13,10 +13,10 @@ from pydantic import ValidationError
 
 from rtrl.checkpoint import Checkpoint
 from rtrl.ops.tiny_model import write_tiny_checkpoint
-from trainer.config import TrainerSettings
-from trainer.evaluation import EvalGate
-from trainer.label_free import sample_answer
-from trainer.prompt_suite import CHECKER, PromptFileError, PromptFileSuite
+from rtrl.trainer.config import TrainerSettings
+from rtrl.trainer.evaluation import EvalGate
+from rtrl.trainer.label_free import sample_answer
+from rtrl.trainer.prompt_suite import CHECKER, PromptFileError, PromptFileSuite
 
 torch.set_num_threads(1)
 

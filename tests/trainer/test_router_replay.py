@@ -26,14 +26,14 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from rtrl.moe import pack_routes, record_routes, routers
 from rtrl.ops.tiny_model import write_tiny_checkpoint
+from rtrl.trainer.batch import TrainBatch, TrainSample, collate, to_sample
+from rtrl.trainer.config import TrainerSettings
+from rtrl.trainer.distributed import shard, sharded_rl_step
+from rtrl.trainer.learner import LocalLearner
+from rtrl.trainer.router_replay import replaying
+from rtrl.trainer.step import build_optimizer, token_logprobs
 from rtrl.v1 import common_pb2, reward_pb2, rollout_pb2
 from support.moe import one_rank_group, tie_experts
-from trainer.batch import TrainBatch, TrainSample, collate, to_sample
-from trainer.config import TrainerSettings
-from trainer.distributed import shard, sharded_rl_step
-from trainer.learner import LocalLearner
-from trainer.router_replay import replaying
-from trainer.step import build_optimizer, token_logprobs
 
 TEMPERATURE = 0.8
 PROMPTS = ((12, 40), (7, 30))

@@ -18,10 +18,10 @@ from confluent_kafka import Consumer, Message, Producer
 
 from rtrl import signing, topics
 from rtrl.kafka import consumer_config
+from rtrl.trainer.batch import Drop
+from rtrl.trainer.config import TrainerSettings
+from rtrl.trainer.loop import Trainer
 from support.trainer import never_fetch, reward_record
-from trainer.batch import Drop
-from trainer.config import TrainerSettings
-from trainer.loop import Trainer
 
 HONEST = 12
 

@@ -1,7 +1,7 @@
 """kill -9 the trainer mid-training, twice: every rollout delivered is trained on
 exactly once, none twice, none skipped.
 
-The trainer runs as its own process (`python -m trainer`, as `rtrl up` starts it)
+The trainer runs as its own process (`python -m rtrl.trainer`, as `rtrl up` starts it)
 against a Tansu broker and a weight_sync server. The reward topic carries every
 rollout once plus some of them again (a reward stream that replayed after a crash
 of its own). The trainer is killed at moments that differ from run to run, while
@@ -43,6 +43,10 @@ def _kill_9(service: procs.Proc) -> None:
 def test_kill_9_mid_training_trains_every_rollout_exactly_once(
     stack_settings, stack_env, server, tmp_path, repo_root
 ):
+    from rtrl.trainer.journal import Journal
+    from rtrl.trainer.loop import TREATMENT
+    from rtrl.trainer.service import fetch_published
+    from rtrl.weight_sync.client import Publisher
     from support.trainer import (
         install_warm_start,
         produce,
@@ -52,10 +56,6 @@ def test_kill_9_mid_training_trains_every_rollout_exactly_once(
         warm_model,
     )
     from support.weight_sync import MANIFEST_KEY, MANIFEST_PUBLIC_KEYS
-    from trainer.journal import Journal
-    from trainer.loop import TREATMENT
-    from trainer.service import fetch_published
-    from weight_sync.client import Publisher
 
     torch.set_num_threads(1)
     install_warm_start(stack_settings.state_dir)
@@ -73,7 +73,7 @@ def test_kill_9_mid_training_trains_every_rollout_exactly_once(
     log_path = tmp_path / "trainer.log"
 
     def start() -> procs.Proc:
-        return procs.spawn("trainer", [sys.executable, "-m", "trainer"], log_path, env=env)
+        return procs.spawn("trainer", [sys.executable, "-m", "rtrl.trainer"], log_path, env=env)
 
     def wait_until(condition, timeout_s: float, what: str, service: procs.Proc) -> None:
         deadline = time.monotonic() + timeout_s
@@ -143,11 +143,16 @@ def test_kill_9_mid_training_trains_every_rollout_exactly_once(
 def test_the_trainer_service_runs_sharded_under_torchrun(
     stack_settings, stack_env, server, tmp_path, repo_root
 ):
-    """`torchrun --nproc_per_node 2 -m trainer`: two gloo ranks hold the FSDP shards,
+    """`torchrun --nproc_per_node 2 -m rtrl.trainer`: two gloo ranks hold the FSDP shards,
     rank 0 consumes, judges and publishes; stopped with SIGTERM and started again, it
     resumes from its checkpoint and journal and still trains every rollout once."""
     from rtrl.policy import state_dict_fp32
-    from simulator.warmstart import cache_path, load_warm_start
+    from rtrl.simulator.warmstart import cache_path, load_warm_start
+    from rtrl.trainer.checkpoint import load
+    from rtrl.trainer.journal import Journal
+    from rtrl.trainer.loop import TREATMENT
+    from rtrl.trainer.service import fetch_published
+    from rtrl.weight_sync.client import Publisher
     from support.trainer import (
         install_warm_start,
         produce,
@@ -157,11 +162,6 @@ def test_the_trainer_service_runs_sharded_under_torchrun(
         warm_model,
     )
     from support.weight_sync import MANIFEST_KEY, MANIFEST_PUBLIC_KEYS
-    from trainer.checkpoint import load
-    from trainer.journal import Journal
-    from trainer.loop import TREATMENT
-    from trainer.service import fetch_published
-    from weight_sync.client import Publisher
 
     torch.set_num_threads(1)
     install_warm_start(stack_settings.state_dir)
@@ -180,7 +180,7 @@ def test_the_trainer_service_runs_sharded_under_torchrun(
         "--nproc_per_node",
         "2",
         "-m",
-        "trainer",
+        "rtrl.trainer",
     ]
 
     def trained() -> int:

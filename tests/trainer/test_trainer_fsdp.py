@@ -25,10 +25,10 @@ import torch
 from safetensors.torch import load_file
 
 from rtrl.policy import build_model, state_dict_fp32
-from simulator.sharded_run import GRAD_CLIP, IS_CAP, KL_COEF, synthetic_batches
-from trainer.distributed import World, local_objective, row_range, slice_rows
-from trainer.objective import leave_one_out_advantages, policy_gradient_loss
-from trainer.step import rl_step, token_logprobs
+from rtrl.simulator.sharded_run import GRAD_CLIP, IS_CAP, KL_COEF, synthetic_batches
+from rtrl.trainer.distributed import World, local_objective, row_range, slice_rows
+from rtrl.trainer.objective import leave_one_out_advantages, policy_gradient_loss
+from rtrl.trainer.step import rl_step, token_logprobs
 
 TOLERANCE = 1e-5
 STEPS = 10
@@ -147,7 +147,7 @@ def _run(command: list[str], tmp: Path) -> tuple[dict, dict[str, torch.Tensor]]:
     env["OMP_NUM_THREADS"] = "1"
     args = [
         "-m",
-        "simulator.sharded_run",
+        "rtrl.simulator.sharded_run",
         "--steps",
         str(STEPS),
         "--out",

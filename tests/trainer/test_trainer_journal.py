@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from trainer.journal import Journal
+from rtrl.trainer.journal import Journal
 
 P0 = {"rl.reward.v1:0": 10, "rl.reward.v1:1": 4}
 P1 = {"rl.reward.v1:0": 20, "rl.reward.v1:1": 9}

@@ -14,12 +14,12 @@ import pytest
 import torch
 
 from rtrl.policy import PolicyConfig, decode
+from rtrl.simulator.tasks import PROJECT_STYLES, parse_style, random_task
+from rtrl.simulator.warmstart import WarmStartRecipe, train
+from rtrl.trainer.batch import TrainSample, collate, drop_stale, to_sample
+from rtrl.trainer.sampling import prompt_ids, sample
+from rtrl.trainer.step import build_optimizer, rl_step
 from rtrl.v1 import common_pb2, reward_pb2, rollout_pb2
-from simulator.tasks import PROJECT_STYLES, parse_style, random_task
-from simulator.warmstart import WarmStartRecipe, train
-from trainer.batch import TrainSample, collate, drop_stale, to_sample
-from trainer.sampling import prompt_ids, sample
-from trainer.step import build_optimizer, rl_step
 
 pytestmark = pytest.mark.slow
 

@@ -15,11 +15,11 @@ from confluent_kafka import Consumer
 
 from rtrl import topics
 from rtrl.kafka import consumer_config
+from rtrl.trainer.batch import Drop, TrainSample, shed_oldest
+from rtrl.trainer.config import TrainerSettings
+from rtrl.trainer.journal import position_key
+from rtrl.trainer.loop import Trainer
 from support.trainer import never_fetch, produce, reward_record
-from trainer.batch import Drop, TrainSample, shed_oldest
-from trainer.config import TrainerSettings
-from trainer.journal import position_key
-from trainer.loop import Trainer
 
 OLD, NEW = 100, 40
 BATCH = 32

@@ -17,6 +17,10 @@ from moto.server import ThreadedMotoServer
 
 from rtrl import procs
 from rtrl.config import StackSettings
+from rtrl.weight_sync.client import Publisher, Subscriber
+from rtrl.weight_sync.config import WeightSyncSettings
+from rtrl.weight_sync.store import ArmFiles, LocalBlobStore, open_store
+from rtrl.weight_sync.store_s3 import S3BlobStore
 
 # The in-process server and subscriber helpers of the local-store tests.
 from support.weight_sync import (
@@ -28,10 +32,6 @@ from support.weight_sync import (
     assert_bit_identical,
     publish_versions,
 )
-from weight_sync.client import Publisher, Subscriber
-from weight_sync.config import WeightSyncSettings
-from weight_sync.store import ArmFiles, LocalBlobStore, open_store
-from weight_sync.store_s3 import S3BlobStore
 
 
 class S3Login(TypedDict):

@@ -9,13 +9,13 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import kernels
-from kernels import delta as torch_path
-from kernels import delta_cpu
-from kernels.delta import SparseDelta, bits_dtype
+from rtrl import kernels
+from rtrl.kernels import delta as torch_path
+from rtrl.kernels import delta_cpu
+from rtrl.kernels.delta import SparseDelta, bits_dtype
 from rtrl.v1 import weights_pb2
-from weight_sync import codec, lineage
-from weight_sync.checksum import xxh3_hex
+from rtrl.weight_sync import codec, lineage
+from rtrl.weight_sync.checksum import xxh3_hex
 
 
 def bits(tensor: torch.Tensor) -> torch.Tensor:
@@ -305,7 +305,7 @@ def test_a_frame_claiming_a_huge_size_is_refused_before_allocating():
 
 
 def test_varint_and_planes_round_trip_and_refuse_truncation():
-    from kernels.varint import (
+    from rtrl.kernels.varint import (
         from_planes,
         leb128_decode,
         leb128_encode,

@@ -25,6 +25,12 @@ import redis.asyncio as aioredis
 from rtrl import heartbeat, procs
 from rtrl.config import StackSettings
 from rtrl.v1 import weights_pb2
+from rtrl.weight_sync import registry
+from rtrl.weight_sync.checksum import xxh3_hex
+from rtrl.weight_sync.client import Publisher, Subscriber
+from rtrl.weight_sync.recovery import RegistryRecovery, recover_store, stored_manifest
+from rtrl.weight_sync.registry import Registry
+from rtrl.weight_sync.store import LocalBlobStore
 from support import subscriber_proc
 from support.redis_reply import stored
 from support.subscriber_proc import weights_checksum
@@ -38,12 +44,6 @@ from support.weight_sync import (
     publish_versions,
     train_step,
 )
-from weight_sync import registry
-from weight_sync.checksum import xxh3_hex
-from weight_sync.client import Publisher, Subscriber
-from weight_sync.recovery import RegistryRecovery, recover_store, stored_manifest
-from weight_sync.registry import Registry
-from weight_sync.store import LocalBlobStore
 
 KEYFRAME_EVERY = 3  # keyframes v0, v3, v6 of the table's eight versions
 
@@ -268,7 +268,7 @@ def start_weight_sync(
         "PYTHONPATH": str(repo_root),
     }
     proc = procs.spawn(
-        "weight_sync", [sys.executable, "-m", "weight_sync"], log_path, env=env, port=port
+        "weight_sync", [sys.executable, "-m", "rtrl.weight_sync"], log_path, env=env, port=port
     )
     procs.wait_for_port(port)
     return proc, f"127.0.0.1:{port}"
@@ -444,6 +444,7 @@ def test_the_trainer_continues_from_the_blob_store_after_flushall(
     restarted trainer resumes from the version before it and publishes above both."""
     import torch
 
+    from rtrl.trainer.loop import TREATMENT
     from support.trainer import (
         install_warm_start,
         produce,
@@ -452,7 +453,6 @@ def test_the_trainer_continues_from_the_blob_store_after_flushall(
         trainer_env,
         warm_model,
     )
-    from trainer.loop import TREATMENT
 
     torch.set_num_threads(1)
     install_warm_start(stack_settings.state_dir)
@@ -465,7 +465,7 @@ def test_the_trainer_continues_from_the_blob_store_after_flushall(
     env = trainer_env(stack_env, server.addr, repo_root)
 
     def start() -> procs.Proc:
-        return procs.spawn("trainer", [sys.executable, "-m", "trainer"], log_path, env=env)
+        return procs.spawn("trainer", [sys.executable, "-m", "rtrl.trainer"], log_path, env=env)
 
     def wait_until(condition, what: str, service: procs.Proc, timeout_s: float = 240) -> None:
         deadline = time.monotonic() + timeout_s

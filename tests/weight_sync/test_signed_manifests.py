@@ -19,6 +19,9 @@ import redis
 
 from rtrl import signing
 from rtrl.v1 import weights_pb2
+from rtrl.weight_sync import registry
+from rtrl.weight_sync.client import Publisher, Subscriber
+from rtrl.weight_sync.provenance import ManifestSigner, ManifestVerifier
 from support.redis_reply import stored
 from support.weight_sync import (
     MANIFEST_KEY,
@@ -29,9 +32,6 @@ from support.weight_sync import (
     publish_versions,
     train_step,
 )
-from weight_sync import registry
-from weight_sync.client import Publisher, Subscriber
-from weight_sync.provenance import ManifestSigner, ManifestVerifier
 
 TREATMENT, CONTROL = "treatment", "control"
 

@@ -1,6 +1,6 @@
 """weight_sync end to end: a real gRPC server, a real Redis, blobs on disk.
 
-The server runs in-process on a free port (one test runs `python -m weight_sync`
+The server runs in-process on a free port (one test runs `python -m rtrl.weight_sync`
 and kills it); Publisher and Subscriber are the clients the trainer and the
 inference workers use.
 """
@@ -19,6 +19,9 @@ import redis
 from rtrl import heartbeat, procs
 from rtrl.config import StackSettings
 from rtrl.v1 import weights_pb2, weights_pb2_grpc
+from rtrl.weight_sync import codec, registry
+from rtrl.weight_sync.client import Publisher, Subscriber
+from rtrl.weight_sync.stream import bearer
 from support.redis_reply import stored
 from support.weight_sync import (
     ARM,
@@ -30,9 +33,6 @@ from support.weight_sync import (
     publish_versions,
     train_step,
 )
-from weight_sync import codec, registry
-from weight_sync.client import Publisher, Subscriber
-from weight_sync.stream import bearer
 
 pytestmark = pytest.mark.integration
 
@@ -372,7 +372,7 @@ def test_weight_sync_will_not_start_without_its_tokens(stack, tmp_path, repo_roo
         "PYTHONPATH": str(repo_root),
     }
     proc = procs.spawn(
-        "weight_sync", [sys.executable, "-m", "weight_sync"], tmp_path / "ws.log", env=env
+        "weight_sync", [sys.executable, "-m", "rtrl.weight_sync"], tmp_path / "ws.log", env=env
     )
     try:
         assert proc.popen.wait(timeout=60) != 0
@@ -404,7 +404,7 @@ def test_subscriber_survives_a_killed_server(stack, repo_root, tmp_path, policy_
     def start() -> procs.Proc:
         proc = procs.spawn(
             "weight_sync",
-            [sys.executable, "-m", "weight_sync"],
+            [sys.executable, "-m", "rtrl.weight_sync"],
             tmp_path / "weight_sync.log",
             env=env,
             port=port,

@@ -27,6 +27,13 @@ import redis
 from rtrl import procs
 from rtrl.config import StackSettings
 from rtrl.v1 import weights_pb2, weights_pb2_grpc
+from rtrl.weight_sync import codec, registry
+from rtrl.weight_sync.broadcast import version_chunks
+from rtrl.weight_sync.checksum import xxh3_hex
+from rtrl.weight_sync.client import Publisher, Subscriber
+from rtrl.weight_sync.config import WeightSyncSettings
+from rtrl.weight_sync.provenance import ManifestSigner
+from rtrl.weight_sync.stream import Assembler, TornStream, bearer
 from support import subscriber_proc
 from support.netfault import FaultProxy
 from support.redis_reply import stored
@@ -42,13 +49,6 @@ from support.weight_sync import (
     publish_versions,
     train_step,
 )
-from weight_sync import codec, registry
-from weight_sync.broadcast import version_chunks
-from weight_sync.checksum import xxh3_hex
-from weight_sync.client import Publisher, Subscriber
-from weight_sync.config import WeightSyncSettings
-from weight_sync.provenance import ManifestSigner
-from weight_sync.stream import Assembler, TornStream, bearer
 
 pytestmark = pytest.mark.integration
 CHUNK_BYTES = 64 * 1024
@@ -462,7 +462,7 @@ def test_a_lost_delta_is_never_skipped_and_the_next_keyframe_repairs(
             return sum(
                 "DATA_LOSS" in r.getMessage()
                 for r in caplog.records
-                if r.name == "weight_sync.stream"
+                if r.name == "rtrl.weight_sync.stream"
             )
 
         wait_for(lambda: refusals() >= 2, "the subscriber to be refused twice")

@@ -19,6 +19,11 @@ from hypothesis import strategies as st
 from rtrl import procs
 from rtrl.config import StackSettings
 from rtrl.v1 import weights_pb2
+from rtrl.weight_sync import gc, registry
+from rtrl.weight_sync.client import Publisher, Subscriber
+from rtrl.weight_sync.config import WeightSyncSettings
+from rtrl.weight_sync.registry import Registry
+from rtrl.weight_sync.store import LocalBlobStore
 
 # The in-process server and subscriber helpers of the weight_sync tests.
 from support.weight_sync import (
@@ -30,11 +35,6 @@ from support.weight_sync import (
     assert_bit_identical,
     publish_versions,
 )
-from weight_sync import gc, registry
-from weight_sync.client import Publisher, Subscriber
-from weight_sync.config import WeightSyncSettings
-from weight_sync.registry import Registry
-from weight_sync.store import LocalBlobStore
 
 
 def uri(version: int) -> str:

@@ -19,6 +19,9 @@ import pytest
 from rtrl import procs
 from rtrl.config import StackSettings
 from rtrl.v1 import weights_pb2, weights_pb2_grpc
+from rtrl.weight_sync.client import Publisher, Subscriber
+from rtrl.weight_sync.relay import Relay, RelaySettings
+from rtrl.weight_sync.stream import bearer
 from support.weight_sync import (
     MANIFEST_KEY,
     MANIFEST_PUBLIC_KEYS,
@@ -28,9 +31,6 @@ from support.weight_sync import (
     publish_versions,
     train_step,
 )
-from weight_sync.client import Publisher, Subscriber
-from weight_sync.relay import Relay, RelaySettings
-from weight_sync.stream import bearer
 
 pytestmark = pytest.mark.integration
 ARM = "treatment"
@@ -215,7 +215,7 @@ def test_subscribers_carry_on_after_their_relay_is_killed(
     def start() -> procs.Proc:
         proc = procs.spawn(
             "relay",
-            [sys.executable, "-m", "weight_sync.relay"],
+            [sys.executable, "-m", "rtrl.weight_sync.relay"],
             tmp_path / "relay.log",
             env=env,
             port=port,

@@ -15,7 +15,7 @@ from rtrl.ops import stack_secrets
 from rtrl.ops.stack import StackFile
 
 if TYPE_CHECKING:
-    from analytics.training_report import MismatchSummary
+    from rtrl.analytics.training_report import MismatchSummary
 
 LABELS = {
     "persisted_rate": "edits persisted",
@@ -29,7 +29,7 @@ LABELS = {
 
 def query_function(stack: StackFile | None, state_dir: Path | None = None):
     """Query the running sink over HTTP, or open the chdb tables directly when the stack is down."""
-    from analytics.query import client_query_fn, connect, http_query_fn
+    from rtrl.analytics.query import client_query_fn, connect, http_query_fn
 
     if stack is not None:
         secrets = stack_secrets.load(Path(stack.state_dir))
@@ -140,8 +140,8 @@ def print_report(
     html: Path = Path("reports/report.html"),
     state_dir: Path | None = None,
 ) -> list:
-    from analytics.report import ab_table, by_version, write_html
-    from analytics.training_report import figures, mismatch_summary
+    from rtrl.analytics.report import ab_table, by_version, write_html
+    from rtrl.analytics.training_report import figures, mismatch_summary
 
     query = query_function(stack, state_dir)
     rows = ab_table(query)

@@ -41,7 +41,7 @@ class StackConfig(Settings):
     @field_validator("reward_fn_version")
     @classmethod
     def _known_reward_fn(cls, version: str) -> str:
-        from reward_stream.reward import FUNCTIONS
+        from rtrl.reward_stream.reward import FUNCTIONS
 
         if version not in FUNCTIONS:
             raise ValueError(f"reward_fn_version {version!r} is not one of {sorted(FUNCTIONS)}")
@@ -62,15 +62,30 @@ the trainer judges inline, steps on 32 rollouts and sheds what it cannot take, k
 event -> live a few seconds (`rtrl bench loop` measures it; README)."""
 
 
+DEMO_POLICY_TRAINER: dict[str, str] = {
+    "RTRL_TRAINER_INITIAL_POLICY": "rtrl.simulator.warmstart:demo_policy",
+    "RTRL_TRAINER_EVAL_SUITE": "rtrl.simulator.suite:demo_suite",
+    "RTRL_TRAINER_CONTEXT_KEY": "rtrl.simulator.tasks:context_key",
+}
+"""The trainer's plug-ins when the stack runs no model of the user's (no RTRL_MODEL_DIR): the
+demo's warm start, the simulated product's held-out tasks and its project tags. The trainer
+names none of them itself: they belong to the shell (the layer test reads plug-in strings)."""
+
+
 def embedded_trainer_env(environ: Mapping[str, str]) -> dict[str, str]:
-    """EMBEDDED_TRAINER with whatever ``environ`` sets instead."""
-    return {name: environ.get(name, value) for name, value in EMBEDDED_TRAINER.items()}
+    """EMBEDDED_TRAINER (and DEMO_POLICY_TRAINER without a model directory) with whatever
+    ``environ`` sets instead."""
+    defaults = {
+        **EMBEDDED_TRAINER,
+        **({} if environ.get("RTRL_MODEL_DIR") else DEMO_POLICY_TRAINER),
+    }
+    return {name: environ.get(name, value) for name, value in defaults.items()}
 
 
 @dataclass
 class ServiceSpec:
     name: str
-    """Service package, started as ``python -m <name>``."""
+    """Service package, started as ``python -m rtrl.<name>``."""
     instance: str
     ports: dict[str, int] = field(default_factory=dict)
     """Environment variable -> port assigned to it."""

@@ -31,23 +31,23 @@ SECTIONS = {
         "Embedded stack",
         "`rtrl up`, `rtrl demo` and the supervisor they start (not the services)",
     ),
-    "ingest.config.IngestSettings": ("Ingest gateway", "`python -m ingest`"),
+    "ingest.config.IngestSettings": ("Ingest gateway", "`python -m rtrl.ingest`"),
     "reward_stream.config.RewardStreamSettings": (
         "Reward stream",
-        "`python -m reward_stream`, and `python -m reward_stream.replay` for its join window",
+        "`python -m rtrl.reward_stream`, and `python -m rtrl.reward_stream.replay` for its join window",
     ),
     "trainer.config.TrainerSettings": (
         "Trainer",
-        "`python -m trainer`, and every rank of `torchrun … -m trainer`",
+        "`python -m rtrl.trainer`, and every rank of `torchrun … -m rtrl.trainer`",
     ),
-    "weight_sync.config.WeightSyncSettings": ("Weight sync server", "`python -m weight_sync`"),
-    "weight_sync.relay.RelaySettings": ("Weight sync relay", "`python -m weight_sync.relay`"),
-    "inference.config.InferenceSettings": ("Inference worker", "`python -m inference`"),
+    "weight_sync.config.WeightSyncSettings": ("Weight sync server", "`python -m rtrl.weight_sync`"),
+    "weight_sync.relay.RelaySettings": ("Weight sync relay", "`python -m rtrl.weight_sync.relay`"),
+    "inference.config.InferenceSettings": ("Inference worker", "`python -m rtrl.inference`"),
     "inference.sglang_sidecar.SidecarSettings": (
         "SGLang sidecar",
-        "`python -m inference.sglang_sidecar`",
+        "`python -m rtrl.inference.sglang_sidecar`",
     ),
-    "analytics.config.AnalyticsSettings": ("Analytics sink", "`python -m analytics`"),
+    "analytics.config.AnalyticsSettings": ("Analytics sink", "`python -m rtrl.analytics`"),
 }
 
 

@@ -25,7 +25,7 @@ class StackError(RuntimeError):
 
 def warm_start(state_dir: Path, console: Console) -> Path:
     """Train (or find cached) the warm-start policy, with a progress bar."""
-    from simulator.warmstart import ensure_warm_start  # torch import: only when needed
+    from rtrl.simulator.warmstart import ensure_warm_start  # torch import: only when needed
 
     with Progress(
         TextColumn("[bold]warm start[/] {task.description}"),

@@ -17,7 +17,7 @@ import sys
 import time
 
 from rtrl.config import StackSettings
-from weight_sync.stream import AsyncVersionStream
+from rtrl.weight_sync.stream import AsyncVersionStream
 
 
 async def follow(stream: AsyncVersionStream, out: str) -> None:

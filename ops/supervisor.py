@@ -128,7 +128,7 @@ class Supervisor:
         }
         proc = procs.spawn(
             spec.key,
-            [sys.executable, "-m", spec.name],
+            [sys.executable, "-m", f"rtrl.{spec.name}"],
             spec.log_path(self.state_dir),
             env=env,
             inherit_env=False,
@@ -170,8 +170,8 @@ class Supervisor:
     def _measure_broker(self, *, final: bool) -> None:
         """Record what the broker holds that nothing durable has taken in yet; a reading
         that fails is logged and tried again next time, never a reason to stop."""
-        from reward_stream.config import RewardStreamSettings
-        from trainer.config import TrainerSettings
+        from rtrl.reward_stream.config import RewardStreamSettings
+        from rtrl.trainer.config import TrainerSettings
 
         self.measured_at = time.monotonic()
         if self.broker is None or self.broker.current is None:

@@ -9,9 +9,9 @@ import re
 from collections.abc import Iterator
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[3]
+REPO = Path(__file__).resolve().parents[2]
 # Not service code: tests, generated protobuf, benchmarks, scripts and this generator.
-SKIPPED = ("tests/*", "rtrl/v1/*", "bench/*", "rtrl/bench_*", "scripts/*", "rtrl/ops/docgen/*")
+SKIPPED = ("tests/*", "rtrl/v1/*", "bench/*", "rtrl/bench_*", "scripts/*", "ops/docgen/*")
 
 
 # ---- the service code ------------------------------------------------------------------

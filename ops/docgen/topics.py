@@ -234,7 +234,7 @@ class _RecordingClient:
 
 def render_tables() -> list[str]:
     """The analytics sink's ClickHouse tables, from the statements it runs at start-up."""
-    from analytics import schema
+    from rtrl.analytics import schema
 
     client = _RecordingClient()
     schema.create_tables(client)

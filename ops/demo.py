@@ -15,13 +15,13 @@ from rich.live import Live
 from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
-from reward_stream.monitors import DRIFT
 from rtrl import heartbeat
 from rtrl.ops import health, stack_secrets, statedir
 from rtrl.ops.reporting import landed, query_function
 from rtrl.ops.stack import StackFile
 from rtrl.ops.status_view import alerts_table, hacking_alerts
-from simulator.product import Product, ProductStats
+from rtrl.reward_stream.monitors import DRIFT
+from rtrl.simulator.product import Product, ProductStats
 
 
 def _arm_table(stats: ProductStats, trainer: heartbeat.Beat | None) -> Table:
@@ -127,8 +127,8 @@ async def _drive(
 
 UNIQUE_PROMPTS_TRAINER: dict[str, str] = {
     "RTRL_TRAINER_BASELINE": "context",
-    "RTRL_TRAINER_INITIAL_POLICY": "simulator.warmstart:unique_prompt_policy",
-    "RTRL_TRAINER_EVAL_SUITE": "simulator.suite:unique_prompt_suite",
+    "RTRL_TRAINER_INITIAL_POLICY": "rtrl.simulator.warmstart:unique_prompt_policy",
+    "RTRL_TRAINER_EVAL_SUITE": "rtrl.simulator.suite:unique_prompt_suite",
 }
 """The trainer's settings for ``rtrl demo --unique-prompts`` wherever the environment sets none:
 no two rollouts share a prompt, so leave-one-out has no group to compare within and the
@@ -143,8 +143,8 @@ def unique_prompts_env(environ: Mapping[str, str]) -> dict[str, str]:
 def prepare_unique_prompts(state_dir: Path, console: Console) -> None:
     """Set the trainer's unique-prompts settings for the stack about to start, and warm-start
     its policy here (cached), so the trainer does not spend its health timeout on it."""
-    from simulator.warmstart import WarmStartRecipe, ensure_warm_start
-    from trainer.config import TrainerSettings
+    from rtrl.simulator.warmstart import WarmStartRecipe, ensure_warm_start
+    from rtrl.trainer.config import TrainerSettings
 
     os.environ.update(unique_prompts_env(os.environ))
     if not statedir.is_state_dir(state_dir) and statedir.foreign_entries(state_dir):

@@ -231,7 +231,7 @@ def bench_loop(
     out: Path = typer.Option(Path("bench/results/loop.json")),
 ) -> None:
     """Event-to-live latency: last event of a version's newest rollout until every worker serves it."""
-    from bench.loop import run
+    from rtrl.bench.loop import run
 
     run(_state_dir(), minutes * 60, out, console)
 
@@ -239,7 +239,7 @@ def bench_loop(
 @bench_app.command("codec")
 def bench_codec(out: Path = typer.Option(Path("bench/results/codec.json"))) -> None:
     """Delta size and speed on real deltas (MiniLM fine-tune in bf16, a demo policy step)."""
-    from bench.codec import run
+    from rtrl.bench.codec import run
 
     run(out, console)
 
@@ -250,7 +250,7 @@ def bench_broadcast(
     out: Path = typer.Option(Path("bench/results/broadcast.json")),
 ) -> None:
     """Time for one new version to reach 1, 2, 4 and 8 subscriber processes, direct and through relays."""
-    from bench.broadcast import run
+    from rtrl.bench.broadcast import run
 
     run(out, console, rounds=rounds)
 
@@ -266,7 +266,7 @@ def bench_join(
     out: Path = typer.Option(Path("bench/results/join.json")),
 ) -> None:
     """Reward-join events/s against a bare faust agent and a raw consumer, 2 workers vs 1, settle latency."""
-    from bench.join import run
+    from rtrl.bench.join import run
 
     run(
         out,
@@ -288,7 +288,7 @@ def bench_engine(
     out: Path = typer.Option(Path("bench/results/engine.json")),
 ) -> None:
     """Engine tokens/s against HF generate() on the same model and prompts, and the slowdown while versions arrive."""
-    from bench.engine import run
+    from rtrl.bench.engine import run
 
     run(out, console, concurrency=concurrency, max_tokens=max_tokens, phase_s=phase_s)
 
@@ -300,7 +300,7 @@ def bench_trainer(
     out: Path = typer.Option(Path("bench/results/trainer.json")),
 ) -> None:
     """Training-step tokens/s against a bare torch loop doing the same forward/backward on the same batch."""
-    from bench.trainer import run
+    from rtrl.bench.trainer import run
 
     run(out, console, batch_size=batch, steps=steps)
 
@@ -314,7 +314,7 @@ def bench_ingest(
     out: Path = typer.Option(Path("bench/results/ingest.json")),
 ) -> None:
     """Events/s through the gateway against a bare confluent-kafka producer on the same broker."""
-    from bench.ingest import run
+    from rtrl.bench.ingest import run
 
     run(out, console, events_per_round=events, batch=batch, concurrency=concurrency, rounds=rounds)
 
