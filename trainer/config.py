@@ -178,7 +178,7 @@ class TrainerSettings(Settings):
     @field_validator("initial_policy", "eval_suite", "context_key")
     @classmethod
     def _plugin_spec(cls, spec: str) -> str:
-        return check_spec(spec)
+        return spec and check_spec(spec)
 
     @model_validator(mode="after")
     def _eval_checker_with_prompts(self) -> TrainerSettings:

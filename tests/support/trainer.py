@@ -14,11 +14,18 @@ from confluent_kafka import Producer
 from transformers import LlamaForCausalLM
 
 from rtrl import signing, topics
+from rtrl.ops.stack import DEMO_POLICY_TRAINER
 from rtrl.policy import EOS, PolicyConfig, build_model, decode, load_weights
 from rtrl.simulator.tasks import parse_style, random_task
 from rtrl.simulator.warmstart import cache_path, ensure_warm_start, load_warm_start
 from rtrl.trainer.sampling import prompt_ids, sample
 from rtrl.v1 import common_pb2, reward_pb2, rollout_pb2, weights_pb2
+
+DEMO_PLUGINS = {
+    name.removeprefix("RTRL_TRAINER_").lower(): value for name, value in DEMO_POLICY_TRAINER.items()
+}
+"""The demo's plug-ins as TrainerSettings fields, as the embedded stack names them (a trainer
+names none of its own): for a Trainer built in a test on the demo policy and its suite."""
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -133,6 +140,7 @@ def trainer_env(
     delivery and recovery; test_eval_gate is about refusals)."""
     return {
         **stack_env,
+        **DEMO_POLICY_TRAINER,
         "PYTHONPATH": str(repo_root),
         "RTRL_WEIGHT_SYNC_ADDR": weight_sync_addr,
         "RTRL_TRAINER_BATCH_SIZE": "16",

@@ -25,6 +25,7 @@ from rtrl.trainer.objective import context_baseline_advantages, leave_one_out_ad
 from rtrl.trainer.sampling import prompt_ids
 from rtrl.trainer.step import build_optimizer, rl_step
 from rtrl.v1 import common_pb2, reward_pb2, rollout_pb2
+from support.trainer import DEMO_PLUGINS
 
 TINY = PolicyConfig(hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64)
 STYLE = PROJECT_STYLES[0]
@@ -115,7 +116,7 @@ def test_no_rollout_s_own_reward_is_in_its_baseline():
 
 
 def test_means_survive_a_restart(tmp_path):
-    settings = TrainerSettings(baseline="context")
+    settings = TrainerSettings(baseline="context", context_key=DEMO_PLUGINS["context_key"])
     before = baseline_for(settings)
     assert isinstance(before, RunningContextBaseline)
     before.collate(samples([1.0, 0.0, 1.0, 1.0], ["@p0", "@p1", "@p0", "@p0"]))
@@ -128,7 +129,9 @@ def test_means_survive_a_restart(tmp_path):
 
 
 def test_a_missing_file_starts_the_means_empty(tmp_path):
-    baseline = baseline_for(TrainerSettings(baseline="context"))
+    baseline = baseline_for(
+        TrainerSettings(baseline="context", context_key=DEMO_PLUGINS["context_key"])
+    )
     baseline.load(tmp_path)
     assert isinstance(baseline, RunningContextBaseline)
     assert baseline.means.overall.count == 0
@@ -136,7 +139,9 @@ def test_a_missing_file_starts_the_means_empty(tmp_path):
 
 def test_a_batch_trained_again_gets_the_advantages_it_got_first():
     """After a refusal the loop trains the same batches again: the means now hold their rewards."""
-    baseline = baseline_for(TrainerSettings(baseline="context"))
+    baseline = baseline_for(
+        TrainerSettings(baseline="context", context_key=DEMO_PLUGINS["context_key"])
+    )
     baseline.collate(samples([0.0] * 8, ["@p0"] * 8, prefix="warm"))
     batch = samples([1.0, 0.0, 1.0], ["@p0", "@p0", "@p1"])
     first = baseline.collate(batch).advantages
@@ -144,7 +149,9 @@ def test_a_batch_trained_again_gets_the_advantages_it_got_first():
 
 
 def test_context_key_is_read_by_the_plug_in():
-    baseline = baseline_for(TrainerSettings(baseline="context"))
+    baseline = baseline_for(
+        TrainerSettings(baseline="context", context_key=DEMO_PLUGINS["context_key"])
+    )
     assert baseline.context_of(rollout_pb2.RolloutRecord(prompt_text="@p3 log ok 01234\n")) == "@p3"
     assert baseline.context_of(rollout_pb2.RolloutRecord(prompt_text="fix the build")) == ""
     record = reward_pb2.RewardRecord(rollout=rollout(Task(2, "say", "hi", "01234")), reward=1.0)
@@ -164,7 +171,9 @@ def test_context_key_is_read_by_the_plug_in():
     ],
 )
 def test_a_record_s_own_context_key_comes_before_the_plug_in(context_key, prompt_text, expected):
-    baseline = baseline_for(TrainerSettings(baseline="context"))
+    baseline = baseline_for(
+        TrainerSettings(baseline="context", context_key=DEMO_PLUGINS["context_key"])
+    )
     record = rollout_pb2.RolloutRecord(context_key=context_key, prompt_text=prompt_text)
     assert baseline.context_of(record) == expected
 
@@ -184,7 +193,7 @@ def test_unique_prompts_get_context_advantages_only_with_context(mode):
     """A batch of unique prompts in two contexts whose rewards differ: ``group`` compares each
     rollout with the batch mean, ``context`` with its context's running mean, and the step
     trains on what the baseline chose."""
-    baseline = baseline_for(TrainerSettings(baseline=mode))
+    baseline = baseline_for(TrainerSettings(baseline=mode, context_key=DEMO_PLUGINS["context_key"]))
     contexts = ["@p0", "@p1"] * 8
     rewards = [0.9 if c == "@p0" else 0.1 for c in contexts]
     baseline.collate(samples(rewards, contexts, prefix="earlier"))

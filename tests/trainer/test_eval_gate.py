@@ -27,6 +27,7 @@ from rtrl.simulator.suite import DemoSuite
 from rtrl.trainer.evaluation import EvalGate, EvalScores
 from rtrl.trainer.journal import Journal
 from support.analytics import RecordingConsumer
+from support.trainer import DEMO_PLUGINS
 from support.weight_sync import MANIFEST_KEY, MANIFEST_PUBLIC_KEYS, Following
 
 
@@ -157,7 +158,7 @@ def test_a_harmful_update_is_refused_and_never_reaches_a_worker(
         for arm in (CONTROL, TREATMENT)
     }
     settings = TrainerSettings(
-        lr=1e-3, batch_size=32, min_batch=32, max_staleness=100, eval_tolerance=0.1
+        **DEMO_PLUGINS, lr=1e-3, batch_size=32, min_batch=32, max_staleness=100, eval_tolerance=0.1
     )
     exporter = StepExporter(Producer(producer_config(stack_settings)))
     spans, reader = otel_memory
