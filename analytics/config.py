@@ -5,7 +5,7 @@ from __future__ import annotations
 from pydantic import Field, SecretStr
 from pydantic_settings import SettingsConfigDict
 
-from rtrl.config import Settings
+from rtrl.config import BearerToken, Settings
 from rtrl.tls import TLSListener
 
 
@@ -30,7 +30,7 @@ class AnalyticsSettings(Settings, TLSListener):
     query_timeout_s: float = Field(30.0, gt=0)
     """Budget of one ``/query`` request (also the ClickHouse ``max_execution_time``)."""
 
-    query_token: SecretStr = SecretStr("")
+    query_token: BearerToken = SecretStr("")
     """The operator's credential for ``POST /query`` (``Authorization: Bearer``). There is no
     default: without one the sink serves no queries (`rtrl up` generates one per state
     directory; `rtrl report` and `rtrl status` read it from there)."""

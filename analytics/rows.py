@@ -17,6 +17,7 @@ from google.protobuf.message import DecodeError
 
 from rtrl import topics
 from rtrl.analytics import schema
+from rtrl.trajectory import Summary
 from rtrl.v1 import reward_pb2, rollout_pb2, telemetry_pb2, trainer_pb2
 
 ARM_NAMES = {1: "control", 2: "treatment"}
@@ -223,14 +224,14 @@ def late_row(record: KafkaRecord, now_ms: int) -> Row:
     )
 
 
-def version_range(rollout: rollout_pb2.RolloutRecord) -> tuple[int, int]:
-    """(min, max) policy version over the rollout's spans; (-1, -1) when it has none."""
-    versions = [span.policy_version for span in rollout.version_spans]
-    return (min(versions), max(versions)) if versions else (-1, -1)
+def version_range(summary: Summary) -> tuple[int, int]:
+    """(min, max) policy version that sampled the rollout; (-1, -1) when it names none."""
+    return summary.version_range() or (-1, -1)
 
 
 def rollout_row(r: rollout_pb2.RolloutRecord) -> Row:
-    low, high = version_range(r)
+    summary = Summary.of(r)
+    low, high = version_range(summary)
     return Row(
         schema.ROLLOUTS,
         (
@@ -245,15 +246,15 @@ def rollout_row(r: rollout_pb2.RolloutRecord) -> Row:
             ts(r.client_ts_ms, "client_ts_ms"),
             low,
             high,
-            len(r.prompt_token_ids),
-            len(r.completion_token_ids),
+            summary.prompt_tokens,
+            summary.generated_tokens,
             r.latency_s,
             r.time_to_first_token_s,
-            len(r.tool_calls),
-            sum(not call.valid for call in r.tool_calls),
-            r.prompt_text,
-            r.completion_text,
-            r.finish_reason,
+            len(summary.tool_calls),
+            summary.invalid_tool_calls,
+            summary.prompt_text,
+            summary.final_text,
+            summary.finish_reason,
             r.traceparent,
             r.context_key,
         ),
@@ -293,7 +294,8 @@ def telemetry_row(e: telemetry_pb2.TelemetryEvent) -> Row:
 
 def reward_row(rec: reward_pb2.RewardRecord, topic: str) -> Row:
     rollout, parts = rec.rollout, rec.components
-    _, policy_version = version_range(rollout)
+    summary = Summary.of(rollout)
+    _, policy_version = version_range(summary)
     return Row(
         schema.REWARDS,
         (
@@ -303,7 +305,7 @@ def reward_row(rec: reward_pb2.RewardRecord, topic: str) -> Row:
             arm_name(rollout.arm),
             policy_version,
             ts(rollout.client_ts_ms, "rollout.client_ts_ms"),
-            len(rollout.completion_token_ids),
+            summary.generated_tokens,
             parts.latency_s or rollout.latency_s,
             parts.persisted_fraction,
             parts.persistence_observed,

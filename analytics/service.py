@@ -8,6 +8,7 @@ import threading
 
 import redis.asyncio as aioredis
 from aiohttp import web
+from clickhouse_connect.driver.client import Client
 from confluent_kafka import Consumer
 from opentelemetry import metrics
 
@@ -75,18 +76,7 @@ async def serve(
     )
     consumer.subscribe(list(topics.ALL), on_revoke=sink.on_revoke)
 
-    token = settings.query_token.get_secret_value()
-    runner = web.AppRunner(
-        query.build_query_app(reader, tables, token, settings.query_max_rows), access_log=None
-    )
-    await runner.setup()
-    await web.TCPSite(
-        runner, settings.bind_host, settings.query_port, ssl_context=settings.http_context()
-    ).start()
-    if not token:
-        log.warning(
-            "no RTRL_ANALYTICS_QUERY_TOKEN: the query endpoint serves nothing (there is no default token)"
-        )
+    runner = await _serve_queries(settings, reader, tables)
     redis = aioredis.Redis.from_url(stack.redis_url)
     stopping = threading.Event()
     sink_task = asyncio.create_task(
@@ -113,6 +103,25 @@ async def serve(
         await redis.aclose()
         reader.close()
         writer.close()
+
+
+async def _serve_queries(
+    settings: AnalyticsSettings, reader: Client, tables: dict[str, frozenset[str]]
+) -> web.AppRunner:
+    """The read-only query endpoint, listening; the caller cleans the runner up."""
+    token = settings.query_token.get_secret_value()
+    runner = web.AppRunner(
+        query.build_query_app(reader, tables, token, settings.query_max_rows), access_log=None
+    )
+    await runner.setup()
+    await web.TCPSite(
+        runner, settings.bind_host, settings.query_port, ssl_context=settings.http_context()
+    ).start()
+    if not token:
+        log.warning(
+            "no RTRL_ANALYTICS_QUERY_TOKEN: the query endpoint serves nothing (there is no default token)"
+        )
+    return runner
 
 
 def main() -> None:

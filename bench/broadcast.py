@@ -31,8 +31,11 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import closing, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import redis
 from rich.console import Console
@@ -42,6 +45,9 @@ from rich.table import Table
 from rtrl import heartbeat, procs, signing
 from rtrl.bench import report
 from rtrl.config import StackSettings
+
+if TYPE_CHECKING:
+    from rtrl.bench.codec import Weights
 
 FANOUTS = (1, 2, 4, 8)
 PROBE_MODULE = "rtrl.ops.broadcast_probe"
@@ -224,60 +230,90 @@ def server_bytes_sent(client: redis.Redis, instance: str) -> int:
     )
 
 
-def run(out: Path, console: Console, rounds: int = 15) -> BroadcastResult:
+# Produced by encode_versions; read by run and measure.
+@dataclass(frozen=True)
+class Versions:
+    """The weights to broadcast, and the sizes of their blobs as the codec encodes them."""
+
+    weights: list[Weights]
+    """State dicts: a keyframe's, then one per round and more (minilm_versions)."""
+    keyframe_bytes: int
+    delta_sizes: tuple[int, ...]
+
+    @property
+    def total_bytes(self) -> int:
+        """One copy of every version: the unit of the server's egress."""
+        return self.keyframe_bytes + sum(self.delta_sizes)
+
+
+def encode_versions(rounds: int, console: Console) -> Versions:
     from rtrl.bench.codec import minilm_versions
-
-    # The bench's own servers, relays and probes (which inherit this environment) share a pair
-    # of tokens made for the run: weight_sync has no defaults.
-    for name in ("RTRL_WEIGHT_SYNC_TOKEN", "RTRL_WEIGHT_SYNC_SUBSCRIBE_TOKEN"):
-        os.environ.setdefault(name, secrets.token_urlsafe(24))
-
-    with console.status("MiniLM: fine-tuning for the versions to broadcast"):
-        versions = minilm_versions(5 + rounds, keep=1 + rounds)
     from rtrl.weight_sync import codec
 
-    keyframe_bytes = len(codec.encode(None, versions[0]).blob)
-    delta_sizes = [
-        len(codec.encode(parent, new).blob) for parent, new in itertools.pairwise(versions)
-    ]
-    delta_bytes = round(statistics.median(delta_sizes))
-    topologies = [
+    with console.status("MiniLM: fine-tuning for the versions to broadcast"):
+        weights = minilm_versions(5 + rounds, keep=1 + rounds)
+    return Versions(
+        weights,
+        keyframe_bytes=len(codec.encode(None, weights[0]).blob),
+        delta_sizes=tuple(
+            len(codec.encode(parent, new).blob) for parent, new in itertools.pairwise(weights)
+        ),
+    )
+
+
+def topologies() -> list[Topology]:
+    """Every mode, direct and relayed, at each of FANOUTS the relays can serve."""
+    return [
         Topology(n, relays, mode)
         for mode in MODES
         for relays in (0, RELAYS)
         for n in FANOUTS
         if n >= max(relays, 1)
     ]
-    measured: list[TopologyResult] = []
-    with tempfile.TemporaryDirectory(prefix="rtrl-bench-broadcast-") as tmp:
-        workdir = Path(tmp)
-        redis_proc = procs.start_redis(workdir / "redis", workdir / "redis.log")
-        stack = StackSettings(
-            redis_url=f"redis://127.0.0.1:{redis_proc.port}/0",
-            state_dir=workdir / "state",
-            instance="bench",
-        )
-        port = procs.free_port()
-        env = {
-            "RTRL_REDIS_URL": stack.redis_url,
-            "RTRL_STATE_DIR": str(stack.state_dir),
-            "RTRL_INSTANCE": "bench",
-            "RTRL_WEIGHT_SYNC_PORT": str(port),
-            "RTRL_WEIGHT_SYNC_GC_INTERVAL_S": "0",
-        }
-        started = [
-            redis_proc,
-            procs.spawn(
-                "weight_sync",
-                [sys.executable, "-m", "rtrl.weight_sync"],
-                workdir / "weight_sync.log",
-                env=env,
-                port=port,
-            ),
-        ]
-        server_addr = f"127.0.0.1:{port}"
-        relay_arms = json.dumps([t.arm for t in topologies if t.relays])
-        relay_addrs = []
+
+
+# Produced by servers; read by measure.
+@dataclass(frozen=True)
+class Servers:
+    """What the subscribers reach: the server directly, or one of the relays."""
+
+    stack: StackSettings
+    server_addr: str
+    relay_addrs: list[str]
+
+
+@contextmanager
+def servers(workdir: Path, relayed: list[Topology]) -> Iterator[Servers]:
+    """redis-server, the weight_sync server and RELAYS relays carrying the ``relayed``
+    topologies' arms, each listening before this yields; stopped in reverse order."""
+    redis_proc = procs.start_redis(workdir / "redis", workdir / "redis.log")
+    stack = StackSettings(
+        redis_url=f"redis://127.0.0.1:{redis_proc.port}/0",
+        state_dir=workdir / "state",
+        instance="bench",
+    )
+    port = procs.free_port()
+    env = {
+        "RTRL_REDIS_URL": stack.redis_url,
+        "RTRL_STATE_DIR": str(stack.state_dir),
+        "RTRL_INSTANCE": "bench",
+        "RTRL_WEIGHT_SYNC_PORT": str(port),
+        "RTRL_WEIGHT_SYNC_GC_INTERVAL_S": "0",
+    }
+    started = [
+        redis_proc,
+        procs.spawn(
+            "weight_sync",
+            [sys.executable, "-m", "rtrl.weight_sync"],
+            workdir / "weight_sync.log",
+            env=env,
+            port=port,
+        ),
+    ]
+    server_addr = f"127.0.0.1:{port}"
+    relay_arms = json.dumps([t.arm for t in relayed])
+    relay_addrs = []
+    try:
         for i in range(RELAYS):
             relay_port = procs.free_port()
             relay_env = {
@@ -295,39 +331,70 @@ def run(out: Path, console: Console, rounds: int = 15) -> BroadcastResult:
                 )
             )
             relay_addrs.append(f"127.0.0.1:{relay_port}")
-        client = redis.Redis.from_url(stack.redis_url)
-        try:
-            for proc in started[1:]:
-                assert proc.port is not None  # spawned with port= above
-                procs.wait_for_port(proc.port)
-            with Progress(console=console, transient=True) as progress:
-                task = progress.add_task("broadcasting", total=len(topologies))
-                for topology in topologies:
-                    progress.update(task, description=topology.arm)
-                    before = server_bytes_sent(client, "bench")
-                    delivery = run_topology(
-                        topology, server_addr, relay_addrs, versions, stack, workdir
-                    )
-                    # Egress in copies of the arm's versions: what the server's own streams carried.
-                    sent = server_bytes_sent(client, "bench") - before
-                    measured.append(
-                        TopologyResult(
-                            mode=topology.mode,
-                            subscribers=topology.subscribers,
-                            relays=topology.relays,
-                            delivery_s=delivery.delivery_s,
-                            first_delivery_s=delivery.first_delivery_s,
-                            rounds=delivery.rounds,
-                            server_copies_per_version=round(
-                                sent / (keyframe_bytes + sum(delta_sizes)), 3
-                            ),
-                        )
-                    )
-                    progress.advance(task)
-        finally:
-            client.close()
-            for proc in reversed(started):
-                proc.stop()
+        for proc in started[1:]:
+            assert proc.port is not None  # spawned with port= above
+            procs.wait_for_port(proc.port)
+        yield Servers(stack, server_addr, relay_addrs)
+    finally:
+        for proc in reversed(started):
+            proc.stop()
+
+
+def measure(
+    measured: list[Topology],
+    at: Servers,
+    versions: Versions,
+    workdir: Path,
+    console: Console,
+) -> list[TopologyResult]:
+    """Each topology in turn, with the server's egress over its run."""
+    results = []
+    with (
+        closing(redis.Redis.from_url(at.stack.redis_url)) as client,
+        Progress(console=console, transient=True) as progress,
+    ):
+        task = progress.add_task("broadcasting", total=len(measured))
+        for topology in measured:
+            progress.update(task, description=topology.arm)
+            before = server_bytes_sent(client, "bench")
+            delivery = run_topology(
+                topology, at.server_addr, at.relay_addrs, versions.weights, at.stack, workdir
+            )
+            # Egress in copies of the arm's versions: what the server's own streams carried.
+            sent = server_bytes_sent(client, "bench") - before
+            results.append(
+                TopologyResult(
+                    mode=topology.mode,
+                    subscribers=topology.subscribers,
+                    relays=topology.relays,
+                    delivery_s=delivery.delivery_s,
+                    first_delivery_s=delivery.first_delivery_s,
+                    rounds=delivery.rounds,
+                    server_copies_per_version=round(sent / versions.total_bytes, 3),
+                )
+            )
+            progress.advance(task)
+    return results
+
+
+def run(out: Path, console: Console, rounds: int = 15) -> BroadcastResult:
+    # The bench's own servers, relays and probes (which inherit this environment) share a pair
+    # of tokens made for the run: weight_sync has no defaults.
+    for name in ("RTRL_WEIGHT_SYNC_TOKEN", "RTRL_WEIGHT_SYNC_SUBSCRIBE_TOKEN"):
+        os.environ.setdefault(name, secrets.token_urlsafe(24))
+    versions = encode_versions(rounds, console)
+    planned = topologies()
+    with tempfile.TemporaryDirectory(prefix="rtrl-bench-broadcast-") as tmp:
+        workdir = Path(tmp)
+        with servers(workdir, [t for t in planned if t.relays]) as at:
+            measured = measure(planned, at, versions, workdir, console)
+    result = _result(measured, versions, rounds)
+    report.write(out, result)
+    _print(result, out, console)
+    return result
+
+
+def _result(measured: list[TopologyResult], versions: Versions, rounds: int) -> BroadcastResult:
     by = {(t.mode, t.relays, t.subscribers): t.delivery_s for t in measured}
 
     def fanout(n: int, mode: str = "connections", relays: int = 0) -> float | None:
@@ -336,9 +403,9 @@ def run(out: Path, console: Console, rounds: int = 15) -> BroadcastResult:
             return None
         return round(by[(mode, relays, n)] / by[(mode, 0, 1)], 2)
 
-    result = BroadcastResult(
-        delta_bytes=delta_bytes,
-        keyframe_bytes=keyframe_bytes,
+    return BroadcastResult(
+        delta_bytes=round(statistics.median(versions.delta_sizes)),
+        keyframe_bytes=versions.keyframe_bytes,
         rounds=rounds,
         topologies=tuple(measured),
         fanout_2_vs_1=fanout(2),
@@ -354,9 +421,6 @@ def run(out: Path, console: Console, rounds: int = 15) -> BroadcastResult:
         fanout_8_vs_1_processes=fanout(8, "processes"),
         fanout_8_vs_1_relayed_processes=fanout(8, "processes", RELAYS),
     )
-    report.write(out, result)
-    _print(result, out, console)
-    return result
 
 
 def _print(result: BroadcastResult, out: Path, console: Console) -> None:

@@ -26,6 +26,7 @@ from __future__ import annotations
 import random
 import threading
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,10 +36,14 @@ from rich.progress import Progress
 from rich.table import Table
 
 from rtrl.bench import report
-from rtrl.bench.join import code_version
+from rtrl.bench.report import code_version
+from rtrl.inference.batch import SwapPolicy
 from rtrl.inference.engine import Engine, EngineConfig, prompt_token_ids
 from rtrl.policy import EOS, PAD, build_model, state_dict_fp32
 from rtrl.simulator.tasks import random_task
+
+SWAP_POLICIES: tuple[SwapPolicy, ...] = ("keep", "recompute")
+"""Each measured in turn; "keep" against HF generate() too."""
 
 
 @dataclass
@@ -121,6 +126,17 @@ def hf_generate(
     return Phase("hf_generate", tokens, time.perf_counter() - started)
 
 
+# Produced by run from its arguments; read by every phase.
+@dataclass(frozen=True)
+class Load:
+    """What each phase asks of its generator: ``concurrency`` completions of ``max_tokens``
+    tokens at a time, over ``prompts`` in turn."""
+
+    prompts: list[list[int]]
+    concurrency: int
+    max_tokens: int
+
+
 @dataclass
 class _InFlight:
     """What engine_phase's submitter and completion callbacks share, under its lock."""
@@ -134,19 +150,42 @@ class _InFlight:
     error: BaseException | None = None
 
 
+class _Swapper:
+    """Stages a new version every ``every_s`` from its own thread while open, as the weight
+    subscriber does; counts the swaps."""
+
+    def __init__(self, engine: Engine, every_s: float, sets: list[dict[str, torch.Tensor]]) -> None:
+        self.engine, self.every_s, self.sets = engine, every_s, sets
+        self.swaps = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._swap, daemon=True)
+
+    def _swap(self) -> None:
+        while not self._stop.wait(self.every_s):
+            version = self.engine.held_version("control") + 1
+            self.engine.stage("control", version, self.sets[version % len(self.sets)])
+            self.swaps += 1
+
+    def __enter__(self) -> _Swapper:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
 def engine_phase(
     engine: Engine,
     name: str,
-    prompts: list[list[int]],
-    concurrency: int,
-    max_tokens: int,
+    load: Load,
     seconds: float,
     progress: Progress,
     swap: tuple[float, list[dict[str, torch.Tensor]]] | None = None,
     label: str = "",
 ) -> Phase:
-    """Keep ``concurrency`` requests in flight for ``seconds``; with ``swap`` = (every_s,
-    weight sets), stage a new version every every_s from another thread."""
+    """Keep ``load.concurrency`` requests in flight for ``seconds``; with ``swap`` =
+    (every_s, weight sets), stage a new version every every_s from another thread."""
     task = progress.add_task(label or name, total=seconds)
     lock = threading.Lock()
     state = _InFlight()
@@ -156,11 +195,11 @@ def engine_phase(
 
     def submit() -> None:
         with lock:
-            prompt = prompts[state.next % len(prompts)]
+            prompt = load.prompts[state.next % len(load.prompts)]
             state.next += 1
             state.in_flight += 1
         engine.submit(
-            "control", prompt, max_tokens=max_tokens, temperature=1.0, ignore_eos=True
+            "control", prompt, max_tokens=load.max_tokens, temperature=1.0, ignore_eos=True
         ).add_done_callback(done)
 
     def done(future) -> None:
@@ -180,29 +219,52 @@ def engine_phase(
         elif finished:
             idle.set()
 
-    stop = threading.Event()
-    swaps = [0]
-
-    def swapper(every_s: float, sets: list[dict[str, torch.Tensor]]) -> None:
-        while not stop.wait(every_s):
-            version = engine.held_version("control") + 1
-            engine.stage("control", version, sets[version % len(sets)])
-            swaps[0] += 1
-
-    thread = threading.Thread(target=swapper, args=swap, daemon=True) if swap else None
-    if thread:
-        thread.start()
-    for _ in range(concurrency):
-        submit()
-    while not idle.wait(0.25):
-        progress.update(task, completed=min(time.perf_counter() - started, seconds))
-    stop.set()
-    if thread:
-        thread.join()
+    swapper = _Swapper(engine, *swap) if swap else None
+    with swapper or nullcontext():
+        for _ in range(load.concurrency):
+            submit()
+        while not idle.wait(0.25):
+            progress.update(task, completed=min(time.perf_counter() - started, seconds))
     if state.error is not None:
         raise RuntimeError(f"{name}: a request failed") from state.error
     progress.update(task, completed=seconds)
-    return Phase(name, state.tokens, state.last - started, swaps[0])
+    return Phase(name, state.tokens, state.last - started, swapper.swaps if swapper else 0)
+
+
+def policy_phases(
+    policy: SwapPolicy,
+    model,
+    sets: list[dict[str, torch.Tensor]],
+    load: Load,
+    phase_s: float,
+    rounds: int,
+    swap_every_s: float,
+    progress: Progress,
+) -> dict[str, list[Phase]]:
+    """The engine under one swap policy, steady then swapping, ``rounds`` times for "keep"
+    (each round after an HF generate() phase) and once for "recompute"; by phase name."""
+    phases: dict[str, list[Phase]] = {}
+    engine = Engine(EngineConfig(max_batch=load.concurrency, swap_policy=policy))
+    engine.stage("control", 0, sets[0])
+    engine.start()
+    try:
+        engine_phase(engine, f"warm-up ({policy})", load, 1.0, progress)
+        for r in range(rounds if policy == "keep" else 1):
+            if policy == "keep":
+                phases.setdefault("hf_generate", []).append(
+                    hf_generate(
+                        model, load.prompts, load.concurrency, load.max_tokens, phase_s, progress
+                    )
+                )
+            for swapping in (False, True):
+                name = f"engine_{policy}_{'swaps' if swapping else 'steady'}"
+                swap = (swap_every_s, sets) if swapping else None
+                phases.setdefault(name, []).append(
+                    engine_phase(engine, name, load, phase_s, progress, swap, f"{name} {r + 1}")
+                )
+    finally:
+        engine.stop()
+    return phases
 
 
 def run(
@@ -217,50 +279,31 @@ def run(
     torch.set_num_threads(1)
     model = build_model(seed=1)
     sets = [state_dict_fp32(build_model(seed=s)) for s in (1, 2)]
-    prompts = task_prompts(256)
+    load = Load(task_prompts(256), concurrency, max_tokens)
     phases: dict[str, list[Phase]] = {}
     with Progress(console=console, transient=True) as progress:
-        for policy in ("keep", "recompute"):
-            engine = Engine(EngineConfig(max_batch=concurrency, swap_policy=policy))
-            engine.stage("control", 0, sets[0])
-            engine.start()
-            try:
-                engine_phase(
-                    engine, f"warm-up ({policy})", prompts, concurrency, max_tokens, 1.0, progress
-                )
-                for r in range(rounds if policy == "keep" else 1):
-                    if policy == "keep":
-                        phases.setdefault("hf_generate", []).append(
-                            hf_generate(model, prompts, concurrency, max_tokens, phase_s, progress)
-                        )
-                    for swapping in (False, True):
-                        name = f"engine_{policy}_{'swaps' if swapping else 'steady'}"
-                        swap = (swap_every_s, sets) if swapping else None
-                        phases.setdefault(name, []).append(
-                            engine_phase(
-                                engine,
-                                name,
-                                prompts,
-                                concurrency,
-                                max_tokens,
-                                phase_s,
-                                progress,
-                                swap,
-                                f"{name} {r + 1}",
-                            )
-                        )
-            finally:
-                engine.stop()
+        for policy in SWAP_POLICIES:
+            phases |= policy_phases(
+                policy, model, sets, load, phase_s, rounds, swap_every_s, progress
+            )
+    result = _result(phases, load, phase_s, swap_every_s)
+    report.write(out, result)
+    _print(result, out, console)
+    return result
 
+
+def _result(
+    phases: dict[str, list[Phase]], load: Load, phase_s: float, swap_every_s: float
+) -> EngineResult:
     def rate(name: str) -> float:
         return sum(p.tokens for p in phases[name]) / sum(p.seconds for p in phases[name])
 
     steady, hf = rate("engine_keep_steady"), rate("hf_generate")
     swapped = ("engine_keep_swaps", "engine_recompute_swaps")
-    result = EngineResult(
+    return EngineResult(
         code=code_version("inference"),
-        concurrency=concurrency,
-        max_tokens=max_tokens,
+        concurrency=load.concurrency,
+        max_tokens=load.max_tokens,
         torch_threads=torch.get_num_threads(),
         phase_s=phase_s,
         swap_every_s=swap_every_s,
@@ -278,9 +321,6 @@ def run(
             for p in ps
         ),
     )
-    report.write(out, result)
-    _print(result, out, console)
-    return result
 
 
 def _print(r: EngineResult, out: Path, console: Console) -> None:

@@ -19,16 +19,19 @@ import os
 import sys
 import tempfile
 import time
+from collections.abc import Awaitable, Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TypedDict
+from typing import Any, TypedDict
 
 from rich.console import Console
 from rich.table import Table
 
 from rtrl import procs, topics
 from rtrl.bench import report
-from rtrl.bench.join import code_version
+from rtrl.bench.report import code_version
+from rtrl.bench.stack import scratch_stack
 from rtrl.config import StackSettings
 
 EVENT_BYTES = 1024
@@ -91,7 +94,7 @@ def signature_costs(repeats: int = 2_000) -> SignatureCosts:
     API makes and the joiner checks (a real completion's record, from the demo's engine)."""
     from rtrl import signing
     from rtrl.api_keys import KeyAuthority, KeyVerifier, key_hash
-    from rtrl.bench.join import rollout_records
+    from rtrl.bench.join_load import rollout_records
 
     operator = signing.generate_private_key()
     digest = key_hash("rtrl_bench")
@@ -186,12 +189,11 @@ async def gateway_round(
 
     from rtrl.v1 import ingest_pb2
 
-    retry = ingest_pb2.EventResult.STATUS_RETRY
     queue: asyncio.Queue[tuple[list, bytes]] = asyncio.Queue()
     for start in range(0, len(events), batch):
         chunk = events[start : start + batch]
         queue.put_nowait((chunk, ingest_pb2.PublishEventsRequest(events=chunk).SerializeToString()))
-    refused = resent = 0
+    answers = _Answers()
     async with grpc.aio.insecure_channel(
         addr, options=[("grpc.max_receive_message_length", 64 << 20)]
     ) as channel:
@@ -201,49 +203,157 @@ async def gateway_round(
             response_deserializer=ingest_pb2.PublishEventsResponse.FromString,
         )
         metadata = (("authorization", f"Bearer {key}"),)
-
-        async def client() -> None:
-            nonlocal refused, resent
-            while not queue.empty():
-                chunk, body = queue.get_nowait()
-                while True:
-                    try:
-                        answer = await call(body, metadata=metadata, timeout=60)
-                    except grpc.aio.AioRpcError as exc:
-                        if exc.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:
-                            raise
-                        resent += len(chunk)
-                        await asyncio.sleep(0.05)
-                        continue
-                    # One result per event, in order (the gateway's contract; the SDK checks it).
-                    again = [
-                        event
-                        for event, r in zip(chunk, answer.results, strict=True)
-                        if r.status == retry
-                    ]
-                    refused += sum(
-                        r.status not in (ingest_pb2.EventResult.STATUS_ACCEPTED, retry)
-                        for r in answer.results
-                    )
-                    if not again:
-                        break
-                    resent += len(again)
-                    chunk, body = (
-                        again,
-                        ingest_pb2.PublishEventsRequest(events=again).SerializeToString(),
-                    )
-                    await asyncio.sleep(0.05)
-
         started = time.perf_counter()
-        await asyncio.gather(*(client() for _ in range(concurrency)))
+        await asyncio.gather(*(_client(call, metadata, queue, answers) for _ in range(concurrency)))
         elapsed = time.perf_counter() - started
-    return len(events) / elapsed, refused, resent
+    return len(events) / elapsed, answers.refused, answers.resent
+
+
+@dataclass
+class _Answers:
+    """What gateway_round's clients tally as they go (one event loop: no lock)."""
+
+    refused: int = 0
+    """Events answered neither ACCEPTED nor RETRY."""
+    resent: int = 0
+
+
+async def _client(
+    call: Callable[..., Awaitable[Any]],
+    metadata: tuple[tuple[str, str], ...],
+    queue: asyncio.Queue[tuple[list, bytes]],
+    answers: _Answers,
+) -> None:
+    """One client: sends batches from ``queue`` until it is empty, each until the gateway
+    has answered every event of it with something other than RETRY."""
+    import grpc
+
+    from rtrl.v1 import ingest_pb2
+
+    retry = ingest_pb2.EventResult.STATUS_RETRY
+    while not queue.empty():
+        chunk, body = queue.get_nowait()
+        while True:
+            try:
+                answer = await call(body, metadata=metadata, timeout=60)
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:
+                    raise
+                answers.resent += len(chunk)
+                await asyncio.sleep(0.05)
+                continue
+            # One result per event, in order (the gateway's contract; the SDK checks it).
+            again = [
+                event for event, r in zip(chunk, answer.results, strict=True) if r.status == retry
+            ]
+            answers.refused += sum(
+                r.status not in (ingest_pb2.EventResult.STATUS_ACCEPTED, retry)
+                for r in answer.results
+            )
+            if not again:
+                break
+            answers.resent += len(again)
+            chunk, body = again, ingest_pb2.PublishEventsRequest(events=again).SerializeToString()
+            await asyncio.sleep(0.05)
 
 
 def _end_total(stack: StackSettings) -> int:
     from rtrl import kafka
 
     return sum(kafka.end_offsets(stack, kafka.partitions(stack, (topics.EDIT,))).values())
+
+
+@contextmanager
+def gateway(
+    stack: StackSettings, workdir: Path, operator_key: str, max_inflight: int
+) -> Iterator[str]:
+    """``python -m rtrl.ingest`` on ``stack``, API keys required (signed by ``operator_key``),
+    as deployed; yields its gRPC address once it listens, stops it on the way out."""
+    from rtrl import signing
+
+    http_port, grpc_port = procs.free_port(), procs.free_port()
+    env = {
+        "RTRL_KAFKA_BOOTSTRAP": stack.kafka_bootstrap,
+        "RTRL_REDIS_URL": stack.redis_url,
+        "RTRL_STATE_DIR": str(stack.state_dir),
+        "RTRL_INGEST_HTTP_PORT": str(http_port),
+        "RTRL_INGEST_GRPC_PORT": str(grpc_port),
+        "RTRL_INGEST_MAX_INFLIGHT": str(max_inflight),
+        "RTRL_OTEL_EXPORTER": "none",
+        "RTRL_API_KEY_PUBLIC_KEYS": signing.public_key_of(operator_key),
+        "RTRL_INGEST_EVENT_KEY": signing.generate_mac_key(),
+        "PYTHONPATH": str(Path(__file__).resolve().parent.parent)
+        + os.pathsep
+        + os.environ.get("PYTHONPATH", ""),
+    }
+    proc = procs.spawn(
+        "ingest",
+        [sys.executable, "-m", "rtrl.ingest"],
+        workdir / "ingest.log",
+        env=env,
+        port=grpc_port,
+    )
+    try:
+        procs.wait_for_port(grpc_port, timeout_s=60)
+        yield f"127.0.0.1:{grpc_port}"
+    finally:
+        proc.stop()
+
+
+# Produced by timed_rounds; read by run for IngestBench and its table.
+@dataclass(frozen=True)
+class Rounds:
+    """The timed rounds: each side's rate per round, and the exactness check over them all."""
+
+    gateway_rates: tuple[float, ...]
+    raw_rates: tuple[float, ...]
+    refused: int
+    """Gateway events answered neither ACCEPTED nor RETRY."""
+    resent: int
+    sent: int
+    """Events sent, by both sides."""
+    landed: int
+    """Growth of the topics' end offsets over the rounds."""
+
+    @property
+    def exact(self) -> bool:
+        return self.refused == 0 and self.landed == self.sent
+
+
+def timed_rounds(
+    stack: StackSettings,
+    addr: str,
+    key: str,
+    events_per_round: int,
+    batch: int,
+    concurrency: int,
+    rounds: int,
+    console: Console,
+) -> Rounds:
+    """The bare producer then the gateway, ``rounds`` times, each on fresh events."""
+    gateway_rates, raw_rates, refused, resent, sent = [], [], 0, 0, 0
+    before = _end_total(stack)
+    for round_index in range(rounds):
+        raw_rates.append(raw_round(stack, make_events(events_per_round, seed=2 * round_index)))
+        rate, not_accepted, again = asyncio.run(
+            gateway_round(
+                addr,
+                key,
+                make_events(events_per_round, seed=2 * round_index + 1),
+                batch,
+                concurrency,
+            )
+        )
+        gateway_rates.append(rate)
+        refused += not_accepted
+        resent += again
+        sent += 2 * events_per_round
+        console.print(
+            f"round {round_index + 1}/{rounds}: raw producer {raw_rates[-1]:,.0f} events/s, "
+            f"gateway {rate:,.0f} events/s"
+        )
+    landed = _end_total(stack) - before
+    return Rounds(tuple(gateway_rates), tuple(raw_rates), refused, resent, sent, landed)
 
 
 def run(
@@ -262,85 +372,21 @@ def run(
     operator_key = (
         signing.generate_private_key()
     )  # the bench's own operator: it signs the bench's key
-
-    with tempfile.TemporaryDirectory(prefix="rtrl-bench-ingest-") as tmp:
-        tmp_path = Path(tmp)
-        tansu = procs.start_tansu(tmp_path / "tansu.log")
-        redis_proc = procs.start_redis(tmp_path / "redis", tmp_path / "redis.log")
-        gateway = None
-        try:
-            stack = StackSettings(
-                kafka_bootstrap=f"127.0.0.1:{tansu.port}",
-                redis_url=f"redis://127.0.0.1:{redis_proc.port}/0",
-                state_dir=tmp_path / "state",
-            )
-            wait_for_broker(stack)
-            ensure_topics(stack)
-            http_port, grpc_port = procs.free_port(), procs.free_port()
-            env = {
-                "RTRL_KAFKA_BOOTSTRAP": stack.kafka_bootstrap,
-                "RTRL_REDIS_URL": stack.redis_url,
-                "RTRL_STATE_DIR": str(stack.state_dir),
-                "RTRL_INGEST_HTTP_PORT": str(http_port),
-                "RTRL_INGEST_GRPC_PORT": str(grpc_port),
-                "RTRL_INGEST_MAX_INFLIGHT": str(batch * concurrency * 2),
-                "RTRL_OTEL_EXPORTER": "none",
-                "RTRL_API_KEY_PUBLIC_KEYS": signing.public_key_of(operator_key),
-                "RTRL_INGEST_EVENT_KEY": signing.generate_mac_key(),
-                "PYTHONPATH": str(Path(__file__).resolve().parent.parent)
-                + os.pathsep
-                + os.environ.get("PYTHONPATH", ""),
-            }
-            gateway = procs.spawn(
-                "ingest",
-                [sys.executable, "-m", "rtrl.ingest"],
-                tmp_path / "ingest.log",
-                env=env,
-                port=grpc_port,
-            )
-            procs.wait_for_port(grpc_port, timeout_s=60)
-
+    with (
+        tempfile.TemporaryDirectory(prefix="rtrl-bench-ingest-") as tmp,
+        scratch_stack(Path(tmp)) as stack,
+    ):
+        wait_for_broker(stack)
+        ensure_topics(stack)
+        with gateway(stack, Path(tmp), operator_key, batch * concurrency * 2) as addr:
             key = call_sync(stack.redis_url, issue_key, KeyAuthority(operator_key), "bench")
             # Warm both paths (connections, topic metadata, the gateway's scripts).
             raw_round(stack, make_events(2_000, seed=-1))
-            asyncio.run(
-                gateway_round(
-                    f"127.0.0.1:{grpc_port}", key, make_events(2_000, seed=-2), batch, concurrency
-                )
+            asyncio.run(gateway_round(addr, key, make_events(2_000, seed=-2), batch, concurrency))
+            measured = timed_rounds(
+                stack, addr, key, events_per_round, batch, concurrency, rounds, console
             )
-
-            gateway_rates, raw_rates, refused, resent, sent = [], [], 0, 0, 0
-            before = _end_total(stack)
-            for round_index in range(rounds):
-                raw_rates.append(
-                    raw_round(stack, make_events(events_per_round, seed=2 * round_index))
-                )
-                rate, not_accepted, again = asyncio.run(
-                    gateway_round(
-                        f"127.0.0.1:{grpc_port}",
-                        key,
-                        make_events(events_per_round, seed=2 * round_index + 1),
-                        batch,
-                        concurrency,
-                    )
-                )
-                gateway_rates.append(rate)
-                refused += not_accepted
-                resent += again
-                sent += 2 * events_per_round
-                console.print(
-                    f"round {round_index + 1}/{rounds}: raw producer {raw_rates[-1]:,.0f} events/s, "
-                    f"gateway {rate:,.0f} events/s"
-                )
-            landed = _end_total(stack) - before
-            exact = refused == 0 and landed == sent
-        finally:
-            if gateway is not None:
-                gateway.stop()
-            redis_proc.stop()
-            tansu.stop()
-
-    best_gateway, best_raw = max(gateway_rates), max(raw_rates)
+    best_gateway, best_raw = max(measured.gateway_rates), max(measured.raw_rates)
     result = IngestBench(
         events_per_s=round(best_gateway),
         raw_producer_events_per_s=round(best_raw),
@@ -350,39 +396,45 @@ def run(
         concurrency=concurrency,
         events_per_round=events_per_round,
         rounds=rounds,
-        gateway_rounds=tuple(round(r) for r in gateway_rates),
-        raw_rounds=tuple(round(r) for r in raw_rates),
-        exact=exact,
-        sent=sent,
-        landed=landed,
-        not_accepted=refused,
-        resent=resent,
+        gateway_rounds=tuple(round(r) for r in measured.gateway_rates),
+        raw_rounds=tuple(round(r) for r in measured.raw_rates),
+        exact=measured.exact,
+        sent=measured.sent,
+        landed=measured.landed,
+        not_accepted=measured.refused,
+        resent=measured.resent,
         code_version=code_version("ingest"),
         **signature_costs(),
     )
     report.write(out, result)
+    _print(result, measured, console)
+    return result
+
+
+def _print(result: IngestBench, measured: Rounds, console: Console) -> None:
     table = Table(
-        title=f"rtrl bench ingest ({result.event_bytes} B events, batches of {batch}, {concurrency} in flight)",
+        title=f"rtrl bench ingest ({result.event_bytes} B events, batches of {result.batch}, "
+        f"{result.concurrency} in flight)",
         title_justify="left",
     )
     for column in ("path", "events/s (best round)", "rounds", "ratio"):
         table.add_column(column, justify="left" if column == "path" else "right")
     table.add_row(
         "bare confluent-kafka producer",
-        f"{best_raw:,.0f}",
-        ", ".join(f"{r:,.0f}" for r in raw_rates),
+        f"{max(measured.raw_rates):,.0f}",
+        ", ".join(f"{r:,.0f}" for r in measured.raw_rates),
         "1.00",
     )
     table.add_row(
         "gateway (gRPC, keys, dedup, validation)",
-        f"{best_gateway:,.0f}",
-        ", ".join(f"{r:,.0f}" for r in gateway_rates),
+        f"{max(measured.gateway_rates):,.0f}",
+        ", ".join(f"{r:,.0f}" for r in measured.gateway_rates),
         f"{result.ratio:.2f}",
     )
     console.print(table)
     console.print(
-        f"exact: {exact}: {sent:,} sent, the topics grew by {landed:,}, "
-        f"{refused} gateway events refused, {resent} resent after RETRY"
+        f"exact: {measured.exact}: {measured.sent:,} sent, the topics grew by {measured.landed:,}, "
+        f"{measured.refused} gateway events refused, {measured.resent} resent after RETRY"
     )
     console.print(
         f"signatures: {result.key_verify_us} us to verify an API key record (per key per cache TTL); "
@@ -390,4 +442,3 @@ def run(
         f"{result.rollout_verify_us} us to verify it (the joiner); "
         f"{result.event_mac_us} us to authenticate a {result.event_bytes:,}-byte event (the gateway)"
     )
-    return result

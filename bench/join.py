@@ -39,279 +39,63 @@ unevenly (whole seconds of one topic's event time before another's), and the joi
 stays exact only because stream time follows the slowest source still behind and the
 wall clock waits until the partition has caught up (reward_stream/join.py). On this
 load every count but ``settled`` must be 0.
+
+The load and its keys are bench/join_load.py's, the readers and the read-back of rewards
+bench/join_readers.py's; this module runs them in order and makes the result.
 """
 
 from __future__ import annotations
 
-import json
-import os
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
-import uuid
-import zlib
+from contextlib import closing
 from dataclasses import dataclass
 from pathlib import Path
 
 import redis
-from confluent_kafka import OFFSET_BEGINNING, Consumer, Message, Producer, TopicPartition
-from confluent_kafka.admin import AdminClient
 from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
-from rtrl import heartbeat, kafka, procs, signing, topics
+from rtrl import kafka
 from rtrl.bench import report
+from rtrl.bench.join_load import PARTITIONS, SENTINEL, produce_live, produce_load, signing_keys
+from rtrl.bench.join_readers import (
+    Joiners,
+    SignatureCost,
+    Span,
+    empty_reward_topics,
+    faust_floor,
+    joiner_inprocess,
+    raw_consume,
+    read_rewards,
+    signature_costs,
+)
+from rtrl.bench.report import code_version
+from rtrl.bench.stack import scratch_stack
 from rtrl.config import StackSettings
-from rtrl.reward_stream.authn import Authenticator
 from rtrl.reward_stream.config import RewardStreamSettings
-from rtrl.reward_stream.runtime import Joiner
-from rtrl.v1 import rollout_pb2, telemetry_pb2
-
-PARTITIONS = 4
-TOKENS = 200
-EDIT_TEXT = "".join(f"    value_{i} = compute(value_{i - 1}, scale={i})\n" for i in range(1, 12))
-SENTINEL = "sentinel-"
-LIVE = "live-"
-TIMEOUT_S = 300.0
 
 
+# Produced by run from its arguments and the joiner's window; read by every phase of run.
 @dataclass(frozen=True)
-class Span:
-    """What one throughput measurement saw: how many events, between which instants (s)."""
+class Load:
+    """What run produces: the main load, then the live rollouts."""
 
-    events: int
-    first_s: float
-    last_s: float
+    rollouts: int
+    spacing_ms: int
+    live_rollouts: int
+    live_rate_per_s: float
+    close_after_ms: int
+    """The joiner's window plus grace: how long after its first event a rollout can close."""
 
-    @property
-    def events_per_s(self) -> float:
-        return (self.events - 1) / max(self.last_s - self.first_s, 1e-3)
-
-
-Headers = list[tuple[str, bytes]]
-"""A record's Kafka headers, as the joiner reads them (produced through
-rtrl.kafka.kafka_headers, which types them as confluent_kafka's produce() wants)."""
-
-
-def rollout_signer() -> signing.Signer:
-    """The inference workers' rollout signer: the joiners verify every rollout (run() makes
-    a key pair for the bench unless the environment holds one)."""
-    return signing.Signer(os.environ["RTRL_INFERENCE_ROLLOUT_SIGNING_KEY"], signing.Purpose.ROLLOUT)
-
-
-def event_signer() -> signing.MacSigner:
-    """The gateway's event authenticator: the joiners verify every event (run() makes a key
-    for the bench unless the environment holds one)."""
-    return signing.MacSigner(os.environ["RTRL_INGEST_EVENT_KEY"], signing.Purpose.EVENT)
-
-
-def signed_records(
-    rollout_id: str, ts_ms: int, signer: signing.Signer, events: signing.MacSigner
-) -> list[tuple[str, bytes, Headers]]:
-    """rollout_records with the headers their writers send: the rollout signed as a worker
-    signs it, each event authenticated as the gateway does."""
-    return [
-        (topic, value, list((signer if topic == topics.ROLLOUT else events).headers(value)))
-        for topic, value in rollout_records(rollout_id, ts_ms)
-    ]
-
-
-def rollout_records(rollout_id: str, ts_ms: int) -> list[tuple[str, bytes]]:
-    """The three records of one rollout, as (topic, value)."""
-    record = rollout_pb2.RolloutRecord(
-        event_id=str(uuid.uuid4()),
-        rollout_id=rollout_id,
-        session_id="bench",
-        client_ts_ms=ts_ms,
-        model_name="bench-policy",
-        completion_text=EDIT_TEXT[:200],
-        latency_s=0.4,
-        completion_token_ids=[(7919 * i) % 50_000 for i in range(TOKENS)],
-        completion_logprobs=[-0.01 * (i % 97) for i in range(TOKENS)],
-    )
-    shown = telemetry_pb2.TelemetryEvent(
-        event_id=str(uuid.uuid4()),
-        rollout_id=rollout_id,
-        session_id="bench",
-        client_ts_ms=ts_ms + 1,
-        edit_shown=telemetry_pb2.EditShown(file_path="src/bench.py", edit_text=EDIT_TEXT),
-    )
-    kept = telemetry_pb2.TelemetryEvent(
-        event_id=str(uuid.uuid4()),
-        rollout_id=rollout_id,
-        session_id="bench",
-        client_ts_ms=ts_ms + 2,
-        persistence=telemetry_pb2.PersistenceSnapshot(seconds_after_edit=30, region_text=EDIT_TEXT),
-    )
-    return [
-        (topics.ROLLOUT, record.SerializeToString()),
-        (topics.EDIT, shown.SerializeToString()),
-        (topics.PERSISTENCE, kept.SerializeToString()),
-    ]
-
-
-def produce_load(
-    stack: StackSettings,
-    rollouts: int,
-    spacing_ms: int,
-    base_ms: int,
-    close_after_ms: int,
-    progress: Progress,
-) -> tuple[list[str], int]:
-    """The main load plus one sentinel per partition; returns the rollout ids and the bytes produced."""
-    producer = Producer(
-        kafka.producer_config(stack, **{"linger.ms": 20, "queue.buffering.max.messages": 200_000})
-    )
-    task = progress.add_task("producing", total=rollouts)
-    signer, events = rollout_signer(), event_signer()
-    ids, size = [], 0
-    for i in range(rollouts):
-        rollout_id = f"r{i:06d}"
-        for topic, value, headers in signed_records(
-            rollout_id, base_ms + spacing_ms * i, signer, events
-        ):
-            producer.produce(topic, value, key=rollout_id, headers=kafka.kafka_headers(headers))
-            size += len(value)
-        ids.append(rollout_id)
-        if i % 500 == 0:
-            producer.poll(0)
-            progress.update(task, completed=i)
-    # Explicit partitions: a sentinel must advance every partition's stream time.
-    end_ms = base_ms + spacing_ms * rollouts + close_after_ms
-    for partition in range(PARTITIONS):
-        rollout_id = f"{SENTINEL}{partition}"
-        for topic, value, headers in signed_records(rollout_id, end_ms, signer, events):
-            producer.produce(
-                topic,
-                value,
-                key=rollout_id,
-                partition=partition,
-                headers=kafka.kafka_headers(headers),
+    def __post_init__(self) -> None:
+        if self.live_rollouts / self.live_rate_per_s <= 1.2 * self.close_after_ms / 1000:
+            raise ValueError(
+                "live rollouts must keep coming well past one window + grace "
+                f"({self.close_after_ms} ms) to close any by stream time"
             )
-        ids.append(rollout_id)
-    assert producer.flush(60) == 0, "the broker did not take the load"
-    progress.update(task, completed=rollouts)
-    return ids, size
-
-
-def raw_consume(stack: StackSettings, expected: int, progress: Progress) -> Span:
-    consumer = Consumer(kafka.consumer_config(stack, f"bench-join-raw-{uuid.uuid4().hex[:8]}"))
-    consumer.subscribe(list(topics.TELEMETRY))
-    task = progress.add_task("raw consumer", total=expected)
-    count, first = 0, None
-    deadline = time.monotonic() + TIMEOUT_S
-    try:
-        while count < expected:
-            assert time.monotonic() < deadline, f"raw consumer read {count} of {expected}"
-            batch = consumer.consume(1000, timeout=0.5)
-            now = time.time()
-            got = sum(1 for m in batch if m.error() is None)
-            if got and first is None:
-                first = now
-            count += got
-            progress.update(task, completed=count)
-        assert first is not None  # set with the first batch that held events
-        return Span(count, first, now)
-    finally:
-        consumer.close()
-
-
-def worker_env(stack: StackSettings, workdir: Path, app_id: str, instance: str) -> dict[str, str]:
-    return {
-        "RTRL_KAFKA_BOOTSTRAP": stack.kafka_bootstrap,
-        "RTRL_REDIS_URL": stack.redis_url,
-        "RTRL_STATE_DIR": str(workdir / instance),
-        "RTRL_KAFKA_PARTITIONS": str(PARTITIONS),
-        "RTRL_INSTANCE": instance,
-        "RTRL_REWARD_APP_ID": app_id,
-        "RTRL_REWARD_WEB_PORT": str(procs.free_port()),
-    }
-
-
-def faust_floor(stack: StackSettings, workdir: Path, expected: int, progress: Progress) -> Span:
-    out = workdir / "floor.json"
-    env = worker_env(stack, workdir, "bench-join-floor", "floor")
-    proc = procs.spawn(
-        "floor",
-        [sys.executable, "-m", "rtrl.bench.join_floor", str(out), str(expected)],
-        workdir / "floor.log",
-        env=env,
-    )
-    task = progress.add_task("faust floor", total=expected)
-    deadline = time.monotonic() + TIMEOUT_S
-    try:
-        while True:
-            assert proc.alive(), (workdir / "floor.log").read_text()[-3000:]
-            assert time.monotonic() < deadline, f"faust floor stuck; see {workdir / 'floor.log'}"
-            counted = json.loads(out.read_text()) if out.exists() else {"events": 0}
-            progress.update(task, completed=counted["events"])
-            if counted["events"] >= expected:
-                return Span(counted["events"], counted["first_s"], counted["last_s"])
-            time.sleep(0.2)
-    finally:
-        proc.stop()
-
-
-def read_rewards(stack: StackSettings) -> list[tuple[str, int]]:
-    """(rollout_id, broker timestamp ms) of every reward record, read by assignment."""
-    tps = [TopicPartition(topics.REWARD, p) for p in range(PARTITIONS)]
-    ends = kafka.end_offsets(stack, tps)
-    remaining = {k for k, end in ends.items() if end > 0}
-    consumer = Consumer(
-        kafka.client_config(stack, **{"group.id": "bench-join-read", "enable.auto.commit": False})
-    )
-    consumer.assign([TopicPartition(tp.topic, tp.partition, OFFSET_BEGINNING) for tp in tps])
-    rewards = []
-    deadline = time.monotonic() + 60
-    try:
-        while remaining:
-            assert time.monotonic() < deadline, (
-                f"could not read rewards up to the end of {remaining}"
-            )
-            for msg in consumer.consume(1000, timeout=0.2):
-                if msg.error() is None:
-                    topic, partition, offset = kafka.record_position(msg)
-                    rewards.append((reward_key(msg), msg.timestamp()[1]))
-                    if offset + 1 >= ends[(topic, partition)]:
-                        remaining.discard((topic, partition))
-    finally:
-        consumer.close()
-    return rewards
-
-
-def reward_key(msg: Message) -> str:
-    """A reward record's key: the rollout_id it settles (the joiner keys every reward)."""
-    key = msg.key()
-    assert key is not None, f"a reward record without a key at {kafka.record_position(msg)}"
-    return key.decode()
-
-
-def read_all_rewards(stack: StackSettings, idle_s: float = 3.0) -> str:
-    """Every reward record, read until none came for ``idle_s`` (end offsets not trusted):
-    a diagnosis when the broker seems to hold fewer rewards than the workers settled."""
-    consumer = Consumer(
-        kafka.client_config(
-            stack, **{"group.id": "bench-join-diagnosis", "enable.auto.commit": False}
-        )
-    )
-    consumer.assign([TopicPartition(topics.REWARD, p, OFFSET_BEGINNING) for p in range(PARTITIONS)])
-    keys: list[str] = []
-    offsets: dict[int, int] = {}
-    last = time.monotonic()
-    try:
-        while time.monotonic() - last < idle_s:
-            for msg in consumer.consume(1000, timeout=0.2):
-                if msg.error() is None:
-                    _, partition, offset = kafka.record_position(msg)
-                    keys.append(reward_key(msg))
-                    offsets[partition] = max(offsets.get(partition, -1), offset)
-                    last = time.monotonic()
-    finally:
-        consumer.close()
-    return f"{len(keys)} records, {len(set(keys))} rollouts, last offsets {dict(sorted(offsets.items()))}"
 
 
 # Produced by exactness, per joiner run; part of JoinResult.
@@ -338,10 +122,7 @@ def rewards_span(rewards: list[tuple[str, int]], main_ids: set[str]) -> Span:
     return Span(3 * len(stamps) - 2, stamps[0] / 1000, stamps[-1] / 1000)
 
 
-QUALITY = ("settled", "defaulted", "late", "dropped", "duplicates")
-
-
-# Produced by run from the workers' heartbeats, per joiner run; part of JoinResult.
+# Produced from the workers' heartbeats, per joiner run (WorkersRun); part of JoinResult.
 @dataclass(frozen=True)
 class JoinCounts:
     """The QUALITY counters of a run's workers, summed: on the bench's load all but settled are 0."""
@@ -364,118 +145,6 @@ class JoinCounts:
         )
 
 
-class Joiners:
-    """``n`` reward_stream workers in one fresh group, watched through their heartbeats."""
-
-    def __init__(self, stack: StackSettings, workdir: Path, n: int) -> None:
-        self.instances = [f"join{n}w-{i}" for i in range(n)]
-        self.stack, self.workdir = stack, workdir
-        self.procs = [
-            procs.spawn(
-                i,
-                [sys.executable, "-m", "rtrl.reward_stream"],
-                workdir / f"{i}.log",
-                env=worker_env(stack, workdir, f"bench-join-{n}w", i),
-            )
-            for i in self.instances
-        ]
-
-    def heartbeats(self, client: redis.Redis) -> list[heartbeat.RewardStreamBeat]:
-        found = (heartbeat.read_one(client, "reward_stream", i) for i in self.instances)
-        return [
-            beat.beat
-            for beat in found
-            if beat is not None and isinstance(beat.beat, heartbeat.RewardStreamBeat)
-        ]
-
-    def totals(self, client: redis.Redis) -> dict[str, int]:
-        beats = self.heartbeats(client)
-        totals = {
-            k: sum(getattr(beat, k) for beat in beats) for k in ("events", "pending", *QUALITY)
-        }
-        return {**totals, "beats": len(beats)}
-
-    def read_until_idle(
-        self, client: redis.Redis, events: int, progress: Progress, description: str
-    ) -> Span:
-        """Wait until the workers have read ``events`` records and hold nothing pending, and
-        every reward they settled is on the broker.
-
-        Returns the span from the workers' first read to their latest, as they clock it
-        themselves to the millisecond (the heartbeats only say when to look, once a second:
-        too coarse to time a run of ten)."""
-        task = progress.add_task(description, total=events)
-        deadline = time.monotonic() + TIMEOUT_S
-        done = False
-        while True:
-            totals = self.totals(client)
-            for proc in self.procs:
-                assert proc.alive(), (self.workdir / f"{proc.name}.log").read_text()[-3000:]
-            assert time.monotonic() < deadline, (
-                f"{description}: {totals} after {TIMEOUT_S:.0f} s; logs in {self.workdir}"
-            )
-            done = done or totals["events"] >= events
-            progress.update(task, completed=min(totals["events"], events))
-            if done and totals["pending"] == 0 and totals["beats"] == len(self.instances):
-                break
-            time.sleep(0.1)
-        # The counter moves when a reward is handed to the producer; wait until the broker holds them.
-        tps = [TopicPartition(topics.REWARD, p) for p in range(PARTITIONS)]
-        drained_since = None
-        while sum((written := kafka.end_offsets(self.stack, tps)).values()) < totals["settled"]:
-            alive = [proc.alive() for proc in self.procs]
-            # Nothing left in the workers' producers: what is missing now will not come.
-            if all(beat.in_flight == 0 for beat in self.heartbeats(client)):
-                drained_since = drained_since or time.monotonic()
-            else:
-                drained_since = None
-            if drained_since and time.monotonic() - drained_since > 15:
-                deadline = 0.0
-            read_back = (
-                read_all_rewards(self.stack)
-                if time.monotonic() > deadline or not all(alive)
-                else None
-            )
-            assert time.monotonic() < deadline and all(alive), (
-                f"{description}: {totals['settled']} rewards settled, "
-                f"{sum(written.values())} on the broker by end offsets, "
-                f"{read_back} read back "
-                f"({ {tp[1]: end for tp, end in written.items()} }); workers alive {alive}; "
-                f"heartbeats {self.heartbeats(client)}; logs in {self.workdir}"
-            )
-            time.sleep(0.2)
-        beats = self.heartbeats(client)
-        return Span(
-            sum(b.events for b in beats),
-            min(b.first_event_ms for b in beats) / 1000,
-            max(b.last_event_ms for b in beats) / 1000,
-        )
-
-    def stop(self) -> None:
-        for proc in self.procs:
-            proc.stop(timeout_s=20)
-
-
-def produce_live(
-    stack: StackSettings, rollouts: int, rate_per_s: float, progress: Progress
-) -> dict[str, int]:
-    """Rollouts produced in real time; returns rollout_id -> event time of its first event."""
-    producer = Producer(kafka.producer_config(stack))
-    task = progress.add_task("live rollouts", total=rollouts)
-    opened, start = {}, time.monotonic()
-    signer, events = rollout_signer(), event_signer()
-    for i in range(rollouts):
-        time.sleep(max(0.0, start + i / rate_per_s - time.monotonic()))
-        rollout_id = f"{LIVE}{i:06d}"
-        opened[rollout_id] = int(time.time() * 1000)
-        for topic, value, headers in signed_records(rollout_id, opened[rollout_id], signer, events):
-            producer.produce(topic, value, key=rollout_id, headers=kafka.kafka_headers(headers))
-        producer.poll(0)
-        progress.update(task, completed=i + 1)
-    assert producer.flush(30) == 0
-    return opened
-
-
 def settle_latencies(
     rewards: list[tuple[str, int]], opened: dict[str, int], close_after_ms: int
 ) -> list[float]:
@@ -485,112 +154,6 @@ def settle_latencies(
         for rollout_id, ts in rewards
         if rollout_id in opened and opened[rollout_id] <= last_open - close_after_ms
     )
-
-
-def empty_reward_topics(stack: StackSettings) -> None:
-    admin = AdminClient(kafka.client_config(stack))
-    outputs = [topics.REWARD, topics.REWARD_LATE, topics.REWARD_DLQ]
-    for future in admin.delete_topics(outputs).values():
-        future.result(timeout=20)
-    deadline = time.monotonic() + 20
-    while set(outputs) & set(admin.list_topics(timeout=5).topics):
-        assert time.monotonic() < deadline, "reward topics still listed after deletion"
-        time.sleep(0.1)
-    kafka.ensure_topics(stack)
-
-
-def joiner_inprocess(
-    rollouts: int, spacing_ms: int, base_ms: int, reward_key: str | None = None
-) -> Span:
-    """Joiner.feed_record alone on the same load, decoded in this process, each partition's
-    records in production order (every topic aligned, as no broker delivers them): the
-    ceiling of the join's own CPU cost, without faust or publishing; with ``reward_key``,
-    as the service runs it: every rollout verified, every reward signed."""
-    settings = RewardStreamSettings()
-    signer = authenticator = None
-    if reward_key is not None:
-        signer = signing.Signer(reward_key, signing.Purpose.REWARD)
-        authenticator = Authenticator.of(settings, "the bench's joiner")
-    joiner = Joiner(settings.join_config(), signer=signer, authenticator=authenticator)
-    records: list[tuple[str, int, bytes, bytes, Headers]] = []
-    rollouts_signer, events_signer = rollout_signer(), event_signer()
-    for i in range(rollouts):
-        rollout_id = f"r{i:06d}"
-        partition = zlib.crc32(rollout_id.encode()) % PARTITIONS
-        signed = signed_records(
-            rollout_id, base_ms + spacing_ms * i, rollouts_signer, events_signer
-        )
-        records.extend(
-            (topic, partition, rollout_id.encode(), value, headers)
-            for topic, value, headers in signed
-        )
-    now_ms = int(time.time() * 1000)
-    start = time.perf_counter()
-    for offset, (topic, partition, key, value, headers) in enumerate(records):
-        joiner.feed_record(topic, partition, offset, key, value, now_ms, offset, headers=headers)
-    assert joiner.counters.unauthenticated == 0
-    elapsed = time.perf_counter() - start
-    return Span(len(records), 0.0, elapsed)
-
-
-@dataclass(frozen=True)
-class SignatureCost:
-    """signature_costs' figures for one kind of record; run puts them in JoinResult's
-    sign_us_per_<kind>, verify_us_per_<kind> and <kind>_bytes."""
-
-    sign_us: float
-    verify_us: float
-    bytes: int
-    """The records' mean size."""
-
-
-def signature_costs(key: str, rewards: int = 2_000) -> dict[str, SignatureCost]:
-    """Microseconds to sign and to verify one record of the demo's size, on this machine, in
-    this process, by kind: a reward (the joiner signs, the trainer verifies) and a rollout
-    (a worker signs, the joiner verifies)."""
-    rollouts = [rollout_records(f"s{i:06d}", 0)[0][1] for i in range(rewards)]
-    costs: dict[str, SignatureCost] = {}
-    for kind, purpose, values in (
-        (
-            "reward",
-            signing.Purpose.REWARD,
-            [value * 2 for value in rollouts],
-        ),  # ~a reward with its rollout
-        ("rollout", signing.Purpose.ROLLOUT, rollouts),
-    ):
-        signer, verifier = (
-            signing.Signer(key, purpose),
-            signing.Verifier([signing.public_key_of(key)], purpose),
-        )
-        start = time.perf_counter()
-        headers = [signer.headers(value) for value in values]
-        signed = time.perf_counter() - start
-        start = time.perf_counter()
-        problems = [
-            verifier.problem(value, header) for value, header in zip(values, headers, strict=True)
-        ]
-        verified = time.perf_counter() - start
-        assert not any(problems)
-        costs[kind] = SignatureCost(
-            sign_us=round(signed / len(values) * 1e6, 1),
-            verify_us=round(verified / len(values) * 1e6, 1),
-            bytes=round(statistics.fmean(len(v) for v in values)),
-        )
-    return costs
-
-
-def code_version(watched: str = "reward_stream") -> str:
-    """The commit measured (``+dirty`` when ``watched`` differs from it; empty outside a
-    git checkout): the code changes under a benchmark, so a figure names its code."""
-    repo = Path(__file__).resolve().parent.parent
-
-    def git(*args: str) -> str:
-        return subprocess.run(
-            ["git", *args], cwd=repo, capture_output=True, text=True, check=False
-        ).stdout.strip()
-
-    head = git("rev-parse", "--short", "HEAD")
-    return f"{head}+dirty" if head and git("status", "--porcelain", "--", watched) else head
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -657,6 +220,40 @@ class JoinResult:
     p99_settle_latency_s: float
 
 
+# Produced by _one_worker and _two_workers, per joiner run; read by _result.
+@dataclass(frozen=True)
+class WorkersRun:
+    """One joiner run: what the workers read, their counters, the rewards left on the broker."""
+
+    read: Span
+    counts: JoinCounts
+    rewards: list[tuple[str, int]]
+    """(rollout_id, broker timestamp ms) of every reward record after the run."""
+    partitions: tuple[tuple[int, ...], ...] = ()
+    """The partitions each worker held (recorded for the two-worker run)."""
+
+
+# Produced by _measure; read by _result.
+@dataclass(frozen=True)
+class Measured:
+    """Everything one run measured on its stack, before it becomes a JoinResult."""
+
+    ids: list[str]
+    """Every rollout produced: the main load, its sentinels, the live rollouts."""
+    main_ids: set[str]
+    load_bytes: int
+    events: int
+    """Records in the main load with its sentinels."""
+    inprocess: Span
+    inprocess_signed: Span
+    signatures: dict[str, SignatureCost]
+    raw: Span
+    floor: Span
+    one: WorkersRun
+    two: WorkersRun
+    latencies: list[float]
+
+
 def run(
     out: Path,
     console: Console,
@@ -665,105 +262,127 @@ def run(
     live_rollouts: int = 2_000,
     live_rate_per_s: float = 250.0,
 ) -> JoinResult:
-    # The bench's joiners (which inherit this environment) sign with a key made for the run
-    # unless one is set: the service has no default key.
-    key = os.environ.setdefault("RTRL_REWARD_SIGNING_KEY", signing.generate_private_key())
-    rollout_key = os.environ.setdefault(
-        "RTRL_INFERENCE_ROLLOUT_SIGNING_KEY", signing.generate_private_key()
-    )
-    os.environ.setdefault("RTRL_REWARD_ROLLOUT_PUBLIC_KEYS", signing.public_key_of(rollout_key))
-    event_key = os.environ.setdefault("RTRL_INGEST_EVENT_KEY", signing.generate_mac_key())
-    os.environ.setdefault("RTRL_REWARD_EVENT_KEYS", event_key)
+    key = signing_keys()
     join_settings = RewardStreamSettings()
     code = code_version()
-    close_after_ms = round((join_settings.window_s + join_settings.grace_s) * 1000)
-    if live_rollouts / live_rate_per_s <= 1.2 * close_after_ms / 1000:
-        raise ValueError(
-            "live rollouts must keep coming well past one window + grace "
-            f"({close_after_ms} ms) to close any by stream time"
-        )
+    load = Load(
+        rollouts,
+        spacing_ms,
+        live_rollouts,
+        live_rate_per_s,
+        close_after_ms=round((join_settings.window_s + join_settings.grace_s) * 1000),
+    )
     with tempfile.TemporaryDirectory(prefix="rtrl-bench-join-") as tmp:
         workdir = Path(tmp)
-        tansu = procs.start_tansu(workdir / "tansu.log")
-        redis_proc = procs.start_redis(workdir / "redis", workdir / "redis.log")
-        stack = StackSettings(
-            kafka_bootstrap=f"127.0.0.1:{tansu.port}",
-            redis_url=f"redis://127.0.0.1:{redis_proc.port}/0",
-            kafka_partitions=PARTITIONS,
-            state_dir=workdir / "state",
-        )
-        client = redis.Redis.from_url(stack.redis_url)
-        try:
-            kafka.ensure_topics(stack)
-            with Progress(console=console, transient=True) as progress:
-                # Event time ends well before now, so the live rollouts' windows start fresh.
-                base_ms = int(time.time() * 1000) - spacing_ms * rollouts - 10 * close_after_ms
-                ids, load_bytes = produce_load(
-                    stack, rollouts, spacing_ms, base_ms, close_after_ms, progress
-                )
-                events = 3 * len(ids)
-                with console.status("joiner in-process, then signing each reward"):
-                    inprocess = joiner_inprocess(rollouts, spacing_ms, base_ms)
-                    inprocess_signed = joiner_inprocess(rollouts, spacing_ms, base_ms, key)
-                    signatures = signature_costs(key)
-                raw = raw_consume(stack, events, progress)
-                floor = faust_floor(stack, workdir, events, progress)
-                main_ids = {i for i in ids if not i.startswith(SENTINEL)}
+        with scratch_stack(workdir, kafka_partitions=PARTITIONS) as stack:
+            measured = _measure(stack, workdir, load, key, console)
+    result = _result(measured, load, join_settings, code)
+    report.write(out, result)
+    _print(result, out, console)
+    return result
 
-                one = Joiners(stack, workdir, 1)
-                try:
-                    read_one = one.read_until_idle(client, events, progress, "joiner, 1 worker")
-                    opened = produce_live(stack, live_rollouts, live_rate_per_s, progress)
-                    one.read_until_idle(
-                        client, events + 3 * live_rollouts, progress, "live rollouts settling"
-                    )
-                    time.sleep(1.1)  # one more heartbeat, so the counters are final
-                    quality_one = one.totals(client)
-                finally:
-                    one.stop()
-                ids += list(opened)
-                rewards_one = read_rewards(stack)
-                latencies = settle_latencies(rewards_one, opened, close_after_ms)
 
-                empty_reward_topics(stack)
-                two = Joiners(stack, workdir, 2)
-                try:
-                    read_two = two.read_until_idle(
-                        client, events + 3 * live_rollouts, progress, "joiner, 2 workers"
-                    )
-                    time.sleep(1.1)  # one more heartbeat, so the counters are final
-                    quality_two = two.totals(client)
-                    partitions_two = tuple(
-                        tuple(beat.partitions) for beat in two.heartbeats(client)
-                    )
-                finally:
-                    two.stop()
-                rewards_two = read_rewards(stack)
-        finally:
-            client.close()
-            redis_proc.stop()
-            tansu.stop()
-    settle_one, settle_two = (
-        rewards_span(rewards_one, main_ids),
-        rewards_span(rewards_two, main_ids),
-    )
-    one_rate, two_rate = read_one.events_per_s, read_two.events_per_s
-    reward, rollout = signatures["reward"], signatures["rollout"]
-    result = JoinResult(
-        code=code,
-        rollouts=rollouts,
+def _measure(
+    stack: StackSettings, workdir: Path, load: Load, key: str, console: Console
+) -> Measured:
+    """Produce the load, then time each reader on it, the joiners last."""
+    with closing(redis.Redis.from_url(stack.redis_url)) as client:
+        kafka.ensure_topics(stack)
+        with Progress(console=console, transient=True) as progress:
+            # Event time ends well before now, so the live rollouts' windows start fresh.
+            base_ms = (
+                int(time.time() * 1000) - load.spacing_ms * load.rollouts - 10 * load.close_after_ms
+            )
+            ids, load_bytes = produce_load(
+                stack, load.rollouts, load.spacing_ms, base_ms, load.close_after_ms, progress
+            )
+            events = 3 * len(ids)
+            with console.status("joiner in-process, then signing each reward"):
+                inprocess = joiner_inprocess(load.rollouts, load.spacing_ms, base_ms)
+                inprocess_signed = joiner_inprocess(load.rollouts, load.spacing_ms, base_ms, key)
+                signatures = signature_costs(key)
+            raw = raw_consume(stack, events, progress)
+            floor = faust_floor(stack, workdir, events, progress)
+            one, opened = _one_worker(stack, workdir, client, events, load, progress)
+            empty_reward_topics(stack)
+            two = _two_workers(stack, workdir, client, events + 3 * load.live_rollouts, progress)
+    return Measured(
+        ids=ids + list(opened),
+        main_ids={i for i in ids if not i.startswith(SENTINEL)},
+        load_bytes=load_bytes,
         events=events,
-        mean_event_bytes=round(load_bytes / (3 * rollouts)),
+        inprocess=inprocess,
+        inprocess_signed=inprocess_signed,
+        signatures=signatures,
+        raw=raw,
+        floor=floor,
+        one=one,
+        two=two,
+        latencies=settle_latencies(one.rewards, opened, load.close_after_ms),
+    )
+
+
+def _one_worker(
+    stack: StackSettings,
+    workdir: Path,
+    client: redis.Redis,
+    events: int,
+    load: Load,
+    progress: Progress,
+) -> tuple[WorkersRun, dict[str, int]]:
+    """One worker through the main load, then kept up while the live rollouts are produced;
+    returns its run and the live rollouts' opening times."""
+    one = Joiners(stack, workdir, 1)
+    try:
+        read = one.read_until_idle(client, events, progress, "joiner, 1 worker")
+        opened = produce_live(stack, load.live_rollouts, load.live_rate_per_s, progress)
+        one.read_until_idle(
+            client, events + 3 * load.live_rollouts, progress, "live rollouts settling"
+        )
+        time.sleep(1.1)  # one more heartbeat, so the counters are final
+        counts = JoinCounts.of(one.totals(client))
+    finally:
+        one.stop()
+    return WorkersRun(read, counts, read_rewards(stack)), opened
+
+
+def _two_workers(
+    stack: StackSettings, workdir: Path, client: redis.Redis, events: int, progress: Progress
+) -> WorkersRun:
+    """Two workers in one group through everything produced (the reward topics emptied)."""
+    two = Joiners(stack, workdir, 2)
+    try:
+        read = two.read_until_idle(client, events, progress, "joiner, 2 workers")
+        time.sleep(1.1)  # one more heartbeat, so the counters are final
+        counts = JoinCounts.of(two.totals(client))
+        partitions = tuple(tuple(beat.partitions) for beat in two.heartbeats(client))
+    finally:
+        two.stop()
+    return WorkersRun(read, counts, read_rewards(stack), partitions)
+
+
+def _result(m: Measured, load: Load, join_settings: RewardStreamSettings, code: str) -> JoinResult:
+    settle_one, settle_two = (
+        rewards_span(m.one.rewards, m.main_ids),
+        rewards_span(m.two.rewards, m.main_ids),
+    )
+    one_rate, two_rate = m.one.read.events_per_s, m.two.read.events_per_s
+    reward, rollout = m.signatures["reward"], m.signatures["rollout"]
+    return JoinResult(
+        code=code,
+        rollouts=load.rollouts,
+        events=m.events,
+        mean_event_bytes=round(m.load_bytes / (3 * load.rollouts)),
         partitions=PARTITIONS,
-        spacing_ms=spacing_ms,
+        spacing_ms=load.spacing_ms,
         window_s=join_settings.window_s,
         grace_s=join_settings.grace_s,
-        raw_consumer_events_per_s=round(raw.events_per_s),
-        faust_floor_events_per_s=round(floor.events_per_s),
-        joiner_inprocess_events_per_s=round(inprocess.events_per_s),
-        joiner_inprocess_signed_events_per_s=round(inprocess_signed.events_per_s),
+        raw_consumer_events_per_s=round(m.raw.events_per_s),
+        faust_floor_events_per_s=round(m.floor.events_per_s),
+        joiner_inprocess_events_per_s=round(m.inprocess.events_per_s),
+        joiner_inprocess_signed_events_per_s=round(m.inprocess_signed.events_per_s),
         signed_vs_unsigned_inprocess=round(
-            inprocess_signed.events_per_s / inprocess.events_per_s, 3
+            m.inprocess_signed.events_per_s / m.inprocess.events_per_s, 3
         ),
         sign_us_per_reward=reward.sign_us,
         verify_us_per_reward=reward.verify_us,
@@ -773,28 +392,25 @@ def run(
         rollout_bytes=rollout.bytes,
         events_per_s=round(one_rate),
         events_per_s_2_workers=round(two_rate),
-        ratio_vs_floor=round(one_rate / floor.events_per_s, 3),
-        floor_vs_raw=round(floor.events_per_s / raw.events_per_s, 3),
+        ratio_vs_floor=round(one_rate / m.floor.events_per_s, 3),
+        floor_vs_raw=round(m.floor.events_per_s / m.raw.events_per_s, 3),
         scaleout_2_vs_1=round(two_rate / one_rate, 3),
         rate_source="worker clocks",
         settle_events_per_s=round(settle_one.events_per_s),
         settle_events_per_s_2_workers=round(settle_two.events_per_s),
-        rewards_1_worker=len(rewards_one),
-        rewards_2_workers=len(rewards_two),
-        exact_1_worker=exactness(rewards_one, ids),
-        exact_2_workers=exactness(rewards_two, ids),
-        join_1_worker=JoinCounts.of(quality_one),
-        join_2_workers=JoinCounts.of(quality_two),
-        partitions_2_workers=partitions_two,
-        live_rollouts=live_rollouts,
-        live_rate_per_s=live_rate_per_s,
-        latency_samples=len(latencies),
-        p50_settle_latency_s=round(statistics.median(latencies), 4),
-        p99_settle_latency_s=round(percentile(latencies, 0.99), 4),
+        rewards_1_worker=len(m.one.rewards),
+        rewards_2_workers=len(m.two.rewards),
+        exact_1_worker=exactness(m.one.rewards, m.ids),
+        exact_2_workers=exactness(m.two.rewards, m.ids),
+        join_1_worker=m.one.counts,
+        join_2_workers=m.two.counts,
+        partitions_2_workers=m.two.partitions,
+        live_rollouts=load.live_rollouts,
+        live_rate_per_s=load.live_rate_per_s,
+        latency_samples=len(m.latencies),
+        p50_settle_latency_s=round(statistics.median(m.latencies), 4),
+        p99_settle_latency_s=round(percentile(m.latencies, 0.99), 4),
     )
-    report.write(out, result)
-    _print(result, out, console)
-    return result
 
 
 def _print(r: JoinResult, out: Path, console: Console) -> None:

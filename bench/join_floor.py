@@ -28,7 +28,7 @@ from rtrl.reward_stream.config import RewardStreamSettings
 
 
 class FloorCount(TypedDict):
-    """OUT's document; read by bench.join.faust_floor."""
+    """OUT's document; read by bench.join_readers.faust_floor."""
 
     events: int
     first_s: float | None

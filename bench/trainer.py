@@ -29,7 +29,7 @@ from rich.console import Console
 from rich.progress import Progress
 
 from rtrl.bench import report
-from rtrl.bench.join import code_version
+from rtrl.bench.report import code_version
 from rtrl.inference.engine import Engine, EngineConfig, prompt_token_ids
 from rtrl.policy import build_model, state_dict_fp32
 from rtrl.simulator.tasks import random_task
@@ -133,6 +133,71 @@ class TrainerResult:
     """plain loop time over rl_step time: 1.0 means the trainer adds nothing."""
 
 
+# Produced by run; read by timed_steps.
+@dataclass(frozen=True)
+class Sides:
+    """The two sides on one batch, each with its own copy of the same initial model and its
+    own optimizer, and the frozen reference both regularise towards."""
+
+    batch: TrainBatch
+    ref: torch.nn.Module
+    models: dict[str, tuple[torch.nn.Module, torch.optim.Optimizer]]
+    """By side ("trainer", "plain"): its model and its optimizer."""
+    advantages: torch.Tensor
+    """The bare loop's leave-one-out advantages, computed once outside its loop."""
+
+
+def sides(batch: TrainBatch, settings: TrainerSettings) -> Sides:
+    base = build_model(seed=1)
+    ref = copy.deepcopy(base).eval()
+    models: dict[str, tuple[torch.nn.Module, torch.optim.Optimizer]] = {}
+    for side in ("trainer", "plain"):
+        model = copy.deepcopy(base).eval()
+        models[side] = (model, build_optimizer(model, settings.lr))
+    advantages = torch.tensor(
+        leave_one_out_advantages(batch.rewards, batch.groups, std_normalize=False),
+        dtype=torch.float32,
+    )
+    return Sides(batch, ref, models, advantages)
+
+
+def timed_steps(
+    on: Sides, settings: TrainerSettings, steps: int, rounds: int, console: Console
+) -> dict[str, float]:
+    """Seconds each side took for ``rounds`` x ``steps`` steps, the sides alternating by round."""
+    seconds = {"trainer": 0.0, "plain": 0.0}
+    with Progress(console=console, transient=True) as progress:
+        task = progress.add_task("trainer step vs bare loop", total=2 * rounds * steps)
+        for _ in range(rounds):
+            for side in ("trainer", "plain"):
+                model, optimizer = on.models[side]
+                started = time.perf_counter()
+                for _ in range(steps):
+                    if side == "trainer":
+                        rl_step(
+                            model,
+                            optimizer,
+                            on.batch,
+                            ref_model=on.ref,
+                            is_cap=settings.is_cap,
+                            kl_coef=settings.kl_coef,
+                            grad_clip=settings.grad_clip,
+                        )
+                    else:
+                        plain_step(
+                            model,
+                            on.ref,
+                            optimizer,
+                            on.batch,
+                            on.advantages,
+                            settings.kl_coef,
+                            settings.grad_clip,
+                        )
+                    progress.advance(task)
+                seconds[side] += time.perf_counter() - started
+    return seconds
+
+
 def run(
     out: Path,
     console: Console,
@@ -145,47 +210,7 @@ def run(
     with console.status("sampling a batch with the engine"):
         batch = production_batch(batch_size, max_tokens)
     tokens_per_step = int(batch.target_mask.sum())
-    base = build_model(seed=1)
-    ref = copy.deepcopy(base).eval()
-    sides = {}
-    for side in ("trainer", "plain"):
-        model = copy.deepcopy(base).eval()
-        sides[side] = (model, build_optimizer(model, settings.lr))
-    # The bare loop gets the same leave-one-out advantages, computed once outside its loop.
-    advantages = torch.tensor(
-        leave_one_out_advantages(batch.rewards, batch.groups, std_normalize=False),
-        dtype=torch.float32,
-    )
-    seconds = {"trainer": 0.0, "plain": 0.0}
-    with Progress(console=console, transient=True) as progress:
-        task = progress.add_task("trainer step vs bare loop", total=2 * rounds * steps)
-        for _ in range(rounds):
-            for side in ("trainer", "plain"):
-                model, optimizer = sides[side]
-                started = time.perf_counter()
-                for _ in range(steps):
-                    if side == "trainer":
-                        rl_step(
-                            model,
-                            optimizer,
-                            batch,
-                            ref_model=ref,
-                            is_cap=settings.is_cap,
-                            kl_coef=settings.kl_coef,
-                            grad_clip=settings.grad_clip,
-                        )
-                    else:
-                        plain_step(
-                            model,
-                            ref,
-                            optimizer,
-                            batch,
-                            advantages,
-                            settings.kl_coef,
-                            settings.grad_clip,
-                        )
-                    progress.advance(task)
-                seconds[side] += time.perf_counter() - started
+    seconds = timed_steps(sides(batch, settings), settings, steps, rounds, console)
     trained = tokens_per_step * steps * rounds
     result = TrainerResult(
         code=code_version("trainer"),

@@ -10,7 +10,11 @@ def main() -> None:
     from rtrl.runtime import service_process
 
     settings, stack = entrypoint.parse_settings(
-        "python -m rtrl.inference", __doc__, InferenceSettings, StackSettings
+        "python -m rtrl.inference",
+        __doc__,
+        InferenceSettings,
+        StackSettings,
+        required=InferenceSettings.required_secrets,
     )
     entrypoint.configure_logging()
     service_process()

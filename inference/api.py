@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from rtrl.event_time import EventTimeWindow
 from rtrl.inference.engine import Completion
-from rtrl.inference.records import version_spans
+from rtrl.inference.records import trajectory_of
 
 CONTEXT_KEY = re.compile(r"[A-Za-z0-9._:/@-]{0,128}")
 """What a request's context_key may hold: ASCII letters, digits and ``._:/@-``, at most 128
@@ -107,8 +107,8 @@ def chat_response(
     answer["choices"] = [
         {
             "index": 0,
-            "message": {"role": "assistant", "content": completion.result.text},
-            "finish_reason": completion.result.finish_reason,
+            "message": {"role": "assistant", "content": answer["text"]},
+            "finish_reason": answer["finish_reason"],
             "logprobs": None,
         }
     ]
@@ -118,11 +118,12 @@ def chat_response(
 def completion_response(
     rollout_id: str, model_name: str, completion: Completion, latency_s: float
 ) -> dict[str, Any]:
-    result = completion.result
+    trajectory = trajectory_of(completion)
+    prompt, generated = trajectory.prompt_ids, trajectory.generated_ids
     usage = {
-        "prompt_tokens": len(completion.prompt_ids),
-        "completion_tokens": len(result.token_ids),
-        "total_tokens": len(completion.prompt_ids) + len(result.token_ids),
+        "prompt_tokens": len(prompt),
+        "completion_tokens": len(generated),
+        "total_tokens": len(prompt) + len(generated),
     }
     return {
         "id": rollout_id,
@@ -131,23 +132,23 @@ def completion_response(
         "created": int(time.time()),
         "model": model_name,
         "arm": completion.arm,
-        "text": result.text,
-        "finish_reason": result.finish_reason,
+        "text": trajectory.final_text,
+        "finish_reason": trajectory.finish_reason,
         "choices": [
             {
                 "index": 0,
-                "text": result.text,
-                "finish_reason": result.finish_reason,
+                "text": trajectory.final_text,
+                "finish_reason": trajectory.finish_reason,
                 "logprobs": None,
             }
         ],
         "policy_versions": [
             {"version": s.version, "start": s.start, "end": s.end}
-            for s in version_spans(result.versions)
+            for s in trajectory.version_spans()
         ],
         "usage": usage,
-        "prompt_token_ids": list(completion.prompt_ids),
-        "token_ids": list(result.token_ids),
+        "prompt_token_ids": list(prompt),
+        "token_ids": list(generated),
         "seed": completion.params.seed,
         "ttft_s": completion.ttft_s,
         "latency_s": latency_s,

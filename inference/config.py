@@ -10,7 +10,7 @@ from typing import Literal
 from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import SettingsConfigDict
 
-from rtrl.config import Settings
+from rtrl.config import RequiredSecret, Settings, SigningKey, StackSettings
 from rtrl.event_time import EventTimeWindow
 from rtrl.tls import TLSListener
 
@@ -63,7 +63,7 @@ class InferenceSettings(Settings, TLSListener):
     """How long the gateway remembers which client a rollout was served to (telemetry from
     another client's key is refused; the joiner checks it regardless)."""
 
-    rollout_signing_key: SecretStr = SecretStr("")
+    rollout_signing_key: SigningKey = SecretStr("")
     """The workers' Ed25519 private key for rollout records (base64url, rtrl/signing.py):
     every rollout is signed with it, and the joiner joins only rollouts that verify
     (RTRL_REWARD_ROLLOUT_PUBLIC_KEYS). No default: the server refuses to start without
@@ -122,6 +122,39 @@ class InferenceSettings(Settings, TLSListener):
 
     def client_ts_window(self) -> EventTimeWindow:
         return EventTimeWindow.of_seconds(self.client_ts_max_future_s, self.client_ts_max_age_s)
+
+    def required_secrets(self, stack: StackSettings) -> list[RequiredSecret]:
+        """What ``python -m rtrl.inference`` does not start without."""
+        required = [
+            RequiredSecret(
+                self,
+                "rollout_signing_key",
+                "the worker signs every rollout it records (rtrl up generates it)",
+            )
+        ]
+        if self.auth_required:
+            required.append(
+                RequiredSecret(
+                    stack,
+                    "api_key_public_keys",
+                    "the serving API accepts only API keys the operator signed (rtrl up derives it)",
+                )
+            )
+        # SGLang's sidecars follow the weights for the sglang backend; they need these then.
+        if self.follow_weights and self.backend == "embedded":
+            required += [
+                RequiredSecret(
+                    stack,
+                    "weight_sync_subscribe_token",
+                    "the worker follows weight_sync's versions with it (rtrl up generates it)",
+                ),
+                RequiredSecret(
+                    stack,
+                    "manifest_public_keys",
+                    "the worker applies only versions the trainer signed (rtrl up derives it)",
+                ),
+            ]
+        return required
 
     def sglang_url_map(self) -> dict[str, str]:
         """``sglang_urls`` as arm -> url."""

@@ -25,9 +25,10 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import torch
-from transformers import AutoModelForCausalLM, PretrainedConfig
+from transformers import PretrainedConfig
 
 from rtrl.inference.batch import RunningBatch, SequenceParams, SequenceResult, SwapPolicy
+from rtrl.inference.layout import TensorLayout
 from rtrl.inference.model import Weights, servable
 from rtrl.policy import BOS, ModelSpec, decode, demo_hf_config, encode, weights_digest
 
@@ -49,6 +50,17 @@ def demo_decode(token_ids: Sequence[int]) -> str:
 
 class ArmNotReady(TimeoutError):
     """The arm had no weights within the request's ready timeout."""
+
+
+class EngineStopped(RuntimeError):
+    """The engine stopped before it served the request: the worker is shutting down, and
+    another one may serve it."""
+
+
+class EngineCrashed(RuntimeError):
+    """The engine thread died of an error (logged where it happened, with its traceback):
+    every request it held fails with this one. A bug, not a busy worker; the worker exits
+    so the supervisor restarts it."""
 
 
 @dataclass(frozen=True)
@@ -173,7 +185,7 @@ class Engine:
                 self.spec.model_type,
                 self.spec.fast_path_refusal,
             )
-        self._tensors, self._required = _model_tensors(self.hf_config)
+        self._layout = TensorLayout(self.hf_config, self.spec.model_type)
         self._params: dict[str, Weights | None] = {arm: None for arm in ARMS}
         self._batches: dict[str, RunningBatch[_Pending]] = {
             arm: RunningBatch(self.spec, config.max_batch, config.decode) for arm in ARMS
@@ -207,7 +219,7 @@ class Engine:
         with self._cond:
             for queue in self._waiting.values():
                 while queue:
-                    _fail(queue.popleft(), RuntimeError("inference engine stopped"))
+                    _fail(queue.popleft(), EngineStopped("inference engine stopped"))
 
     def versions(self) -> dict[str, int]:
         with self._cond:
@@ -242,7 +254,7 @@ class Engine:
         A newer staged version replaces an unapplied older one. Returns False (and
         ignores it) if the arm already holds or has staged this version or a newer one."""
         self._check_arm(arm)
-        self._check_weights(weights)
+        self._layout.check(weights)  # in the caller's thread, so applying it cannot fail
         if version <= self.held_version(arm):
             log.info("ignoring %s v%d: already at v%d", arm, version, self.held_version(arm))
             return False
@@ -270,7 +282,8 @@ class Engine:
         ignore_eos: bool = False,
         on_token: Callable[[int, float, int], None] | None = None,
     ) -> Future:
-        """Queue a request; the future resolves to a Completion (or ArmNotReady).
+        """Queue a request; the future resolves to a Completion, or fails with ArmNotReady,
+        EngineStopped or EngineCrashed. Bad parameters raise ValueError here.
 
         ``on_token(token_id, logprob, version)`` streams each token as it is sampled,
         on the engine thread (keep it short: it holds up every request)."""
@@ -287,8 +300,10 @@ class Engine:
         )
         pending = _Pending(params, arm, time.monotonic(), on_token=on_token)
         with self._cond:
+            if self.failure is not None:
+                raise EngineCrashed(f"inference engine crashed: {self.failure!r}")
             if self._stopping:
-                raise RuntimeError("inference engine stopped")
+                raise EngineStopped("inference engine stopped")
             self._waiting[arm].append(pending)
             self._cond.notify_all()
         return pending.future
@@ -300,30 +315,6 @@ class Engine:
     def _check_arm(self, arm: str) -> None:
         if arm not in self._params:
             raise ValueError(f"unknown arm {arm!r}; expected one of {ARMS}")
-
-    def _check_weights(self, weights: dict[str, torch.Tensor]) -> None:
-        """Reject a bad version in the caller's thread, so applying it cannot fail: every
-        tensor the model needs, none it does not know, each of the model's shape and of a
-        dtype it takes without changing kind (any floating-point dtype for a floating
-        tensor, served as float32; the very same dtype otherwise)."""
-        missing = sorted(self._required - weights.keys())
-        unknown = sorted(weights.keys() - self._tensors.keys())
-        known = sorted((n, t, self._tensors[n]) for n, t in weights.items() if n in self._tensors)
-        wrong_shape = [
-            f"{n} {tuple(t.shape)} (want {tuple(want.shape)})"
-            for n, t, want in known
-            if t.shape != want.shape
-        ]
-        wrong_dtype = [
-            f"{n} {t.dtype} (want {want.dtype})"
-            for n, t, want in known
-            if t.dtype != want.dtype and not (t.is_floating_point() and want.is_floating_point())
-        ]
-        if missing or unknown or wrong_shape or wrong_dtype:
-            raise ValueError(
-                f"weights do not fit the {self.spec.model_type} model: missing={missing[:5]} "
-                f"unknown={unknown[:5]} wrong_shape={wrong_shape[:5]} wrong_dtype={wrong_dtype[:5]}"
-            )
 
     # ---- engine thread ----------------------------------------------------------
 
@@ -345,14 +336,15 @@ class Engine:
             # `failure` and exits so the supervisor restarts the worker.
             self.failure = exc
             log.exception("inference engine crashed")
+            why = f"inference engine crashed: {exc!r}"
             with self._cond:
                 self._stopping = True
                 for queue in self._waiting.values():
                     while queue:
-                        _fail(queue.popleft(), RuntimeError(f"inference engine crashed: {exc!r}"))
+                        _fail(queue.popleft(), EngineCrashed(why))
                 for batch in self._batches.values():
                     for row in batch.rows:
-                        _fail(row.owner, RuntimeError(f"inference engine crashed: {exc!r}"))
+                        _fail(row.owner, EngineCrashed(why))
             raise
 
     def _apply_staged(self) -> None:
@@ -475,24 +467,6 @@ class Engine:
                 latency_s=now - pending.submitted,
             )
         )
-
-
-def _model_tensors(
-    config: PretrainedConfig,
-) -> tuple[dict[str, torch.Tensor], frozenset[str]]:
-    """Every tensor a model of ``config`` holds (on the meta device: shape and dtype, no
-    memory, no initialization), and the names a version must carry: each tied tensor
-    once, under its first name, as rtrl.policy.state_dict_fp32 lists them."""
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
-    tensors = model.state_dict(keep_vars=True)  # tied names hold the very same Parameter
-    seen: set[int] = set()
-    required = []
-    for name, tensor in tensors.items():
-        if id(tensor) not in seen:
-            seen.add(id(tensor))
-            required.append(name)
-    return tensors, frozenset(required)
 
 
 def _send(

@@ -1,4 +1,4 @@
-"""From an engine Completion to the wire: version spans and the RolloutRecord."""
+"""From an engine Completion to the wire: its trajectory and the RolloutRecord."""
 
 from __future__ import annotations
 
@@ -9,29 +9,24 @@ from rtrl.inference.arms import ARM_ENUM
 from rtrl.inference.engine import Completion
 from rtrl.inference.model import Routes
 from rtrl.moe import pack_routes
+from rtrl.trajectory import Segment, Trajectory
+from rtrl.trajectory import VersionSpan as VersionSpan
+from rtrl.trajectory import version_spans as version_spans
 from rtrl.v1 import rollout_pb2
 
 SCHEMA_VERSION = 1
 
 
-@dataclass(frozen=True)
-class VersionSpan:
-    """Completion tokens [start, end) were sampled by policy version ``version``."""
-
-    version: int
-    start: int
-    end: int
-
-
-def version_spans(versions: tuple[int, ...] | list[int]) -> list[VersionSpan]:
-    """Runs of equal versions, in token order."""
-    spans: list[VersionSpan] = []
-    start = 0
-    for i in range(1, len(versions) + 1):
-        if i == len(versions) or versions[i] != versions[start]:
-            spans.append(VersionSpan(versions[start], start, i))
-            start = i
-    return spans
+def trajectory_of(completion: Completion, prompt_text: str = "") -> Trajectory:
+    """The completion as the prompt and the one segment the engine generated after it."""
+    result = completion.result
+    return Trajectory.single_turn(
+        completion.prompt_ids,
+        Segment.generated(result.token_ids, result.logprobs, result.versions),
+        final_text=result.text,
+        finish_reason=result.finish_reason,
+        prompt_text=prompt_text,
+    )
 
 
 @dataclass(frozen=True)
@@ -66,13 +61,6 @@ def rollout_record(context: RolloutContext, completion: Completion) -> rollout_p
         model_name=context.model_name,
         prompt_group_id=context.prompt_group_id,
         context_key=context.context_key,
-        prompt_token_ids=completion.prompt_ids,
-        completion_token_ids=result.token_ids,
-        completion_logprobs=result.logprobs,
-        version_spans=[
-            rollout_pb2.VersionSpan(policy_version=s.version, start=s.start, end=s.end)
-            for s in version_spans(result.versions)
-        ],
         sampling=rollout_pb2.SamplingParams(
             temperature=params.temperature,
             top_p=params.top_p,
@@ -81,12 +69,10 @@ def rollout_record(context: RolloutContext, completion: Completion) -> rollout_p
         ),
         latency_s=completion.latency_s,
         time_to_first_token_s=completion.ttft_s,
-        prompt_text=context.prompt_text,
-        completion_text=result.text,
-        finish_reason=result.finish_reason,
         traceparent=context.traceparent,
         client_id=context.client_id,
     )
+    trajectory_of(completion, context.prompt_text).write(record)
     routes = result.router_choices
     if routes is not None:
         record.router_choices.CopyFrom(_router_choices(completion, routes))

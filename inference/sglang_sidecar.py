@@ -40,7 +40,7 @@ from pydantic import Field, SecretStr
 from pydantic_settings import SettingsConfigDict
 
 from rtrl import entrypoint, otel, signing
-from rtrl.config import Settings, StackSettings
+from rtrl.config import RequiredSecret, Settings, StackSettings
 from rtrl.inference.sglang_inventory import ServedTensor, as_served, check_fits, inventory_of
 from rtrl.inference.sglang_weight_protocol import (
     PauseMode,
@@ -93,6 +93,21 @@ class SidecarSettings(Settings):
 
     http_timeout_s: float = Field(120.0, gt=0, le=3600)
     """Timeout of one HTTP call to SGLang (the tensor upload is the longest)."""
+
+    def required_secrets(self, stack: StackSettings) -> list[RequiredSecret]:
+        """What the sidecar does not start without."""
+        return [
+            RequiredSecret(
+                stack,
+                "weight_sync_subscribe_token",
+                "the sidecar follows weight_sync's versions with it",
+            ),
+            RequiredSecret(
+                stack,
+                "manifest_public_keys",
+                "the sidecar swaps in only versions the trainer signed",
+            ),
+        ]
 
 
 class WeightUpdateRefused(RuntimeError):
@@ -327,7 +342,11 @@ def _policy_version(label: str) -> int:
 def main() -> None:
     # Configuration first: a bad setting fails before torch is imported.
     settings, stack = entrypoint.parse_settings(
-        "python -m rtrl.inference.sglang_sidecar", __doc__, SidecarSettings, StackSettings
+        "python -m rtrl.inference.sglang_sidecar",
+        __doc__,
+        SidecarSettings,
+        StackSettings,
+        required=SidecarSettings.required_secrets,
     )
     entrypoint.configure_logging()
     otel.configure("sglang_sidecar", stack)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import SettingsConfigDict
 
-from rtrl.config import Settings
+from rtrl.config import MacKey, RequiredSecret, Settings, StackSettings
 from rtrl.event_time import EventTimeWindow
 from rtrl.tls import TLSListener
 
@@ -48,7 +48,7 @@ class IngestSettings(Settings, TLSListener):
     retry_after_s: int = Field(1, ge=0)
     """The ``Retry-After`` header sent with a 429."""
 
-    event_key: SecretStr = SecretStr("")
+    event_key: MacKey = SecretStr("")
     """The key (base64url, 32 bytes; rtrl/signing.py) the gateway authenticates every event it
     writes with (an HMAC-SHA256 in the record's headers): the joiner holds it too and joins
     only events that verify, so nothing that merely reaches the broker can steer rewards.
@@ -70,6 +70,26 @@ class IngestSettings(Settings, TLSListener):
 
     def client_ts_window(self) -> EventTimeWindow:
         return EventTimeWindow.of_seconds(self.client_ts_max_future_s, self.client_ts_max_age_s)
+
+    def required_secrets(self, stack: StackSettings) -> list[RequiredSecret]:
+        """What ``python -m rtrl.ingest`` does not start without."""
+        required = [
+            RequiredSecret(
+                self,
+                "event_key",
+                "the gateway authenticates every event it writes "
+                "(rtrl up generates it; python -m rtrl.signing prints one)",
+            )
+        ]
+        if self.auth_required:
+            required.append(
+                RequiredSecret(
+                    stack,
+                    "api_key_public_keys",
+                    "the gateway accepts only API keys the operator signed (rtrl up derives it)",
+                )
+            )
+        return required
 
     @model_validator(mode="after")
     def _claim_outlives_produce(self) -> IngestSettings:

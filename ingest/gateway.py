@@ -1,8 +1,8 @@
 """The transport-independent core of ingest: validate, deduplicate, produce.
 
-Both the HTTP and the gRPC front ends authenticate the request (rtrl/api_keys.py) and
-hand its batch to ``Gateway.publish``; they only translate its per-event results
-into their own status codes.
+Both the HTTP and the gRPC front ends (ingest/http_api.py, ingest/grpc_api.py) admit the
+request (rtrl/admission.py, ``batch_refusal``) and hand its batch to ``Gateway.publish``;
+they only translate its per-event results into their own status codes.
 
 Dedup protocol (Redis key ``rtrl:ingest:event:<event_id>``), one script call per batch:
   1. claim: ``SET key pending NX GET EX claim_ttl_s`` — if the key held ``done`` the
@@ -37,6 +37,7 @@ import redis.asyncio as aioredis
 from opentelemetry import trace
 
 from rtrl import heartbeat, kafka, otel, signing, topics
+from rtrl.admission import Admission, Refusal
 from rtrl.api_keys import PRIVATE_USERS, SERVED_PREFIX, ApiKey
 from rtrl.event_time import EventTimeWindow
 from rtrl.ingest.validation import CLIENT_TS_WINDOW, validate
@@ -199,29 +200,63 @@ class Gateway:
         for i, event in enumerate(events):
             # Who sent it is the key's to say, never the client's.
             event.client_id = key.client_id if key is not None else ""
-            rejection = validate(event, now_ms, self._client_ts_window)
-            if rejection is not None:
-                results[i] = _result(event, REJECTED, rejection.field, rejection.reason)
-            elif key is not None and not key.allows(event.WhichOneof("payload")):
-                results[i] = _result(
-                    event,
-                    REJECTED,
-                    "payload",
-                    f"the API key of client {key.client_id!r} may not send {event.WhichOneof('payload')} events",
-                )
-            elif key is not None and served_to[i] is not None and served_to[i] != key.client_id:
-                results[i] = _result(
-                    event,
-                    REJECTED,
-                    "rollout_id",
-                    f"rollout {event.rollout_id} was served to another client's API key",
-                )
-            elif event.event_id in first_seen:
+            results[i] = self._rejection(event, key, served_to[i], now_ms)
+            if results[i] is not None:
+                continue
+            if event.event_id in first_seen:
                 repeats.append((i, first_seen[event.event_id]))
             else:
                 first_seen[event.event_id] = i
                 fresh.append(i)
+        await self._write_admitted(events, fresh, results, headers)
+        for i, j in repeats:
+            first = results[j]
+            assert first is not None  # j is fresh, and every fresh event has its result by now
+            status = DUPLICATE if first.status in (ACCEPTED, DUPLICATE) else first.status
+            results[i] = _result(events[i], status, first.field, first.error)
+        answered = _answered(results)
+        self._count(events, answered)
+        return answered
 
+    def _rejection(
+        self,
+        event: telemetry_pb2.TelemetryEvent,
+        key: ApiKey | None,
+        served_to: str | None,
+        now_ms: int,
+    ) -> ingest_pb2.EventResult | None:
+        """REJECTED when the event is invalid, of a type its key may not send, or about a
+        rollout served to another client; None when it may be written."""
+        rejection = validate(event, now_ms, self._client_ts_window)
+        if rejection is not None:
+            return _result(event, REJECTED, rejection.field, rejection.reason)
+        if key is None:
+            return None
+        if not key.allows(event.WhichOneof("payload")):
+            return _result(
+                event,
+                REJECTED,
+                "payload",
+                f"the API key of client {key.client_id!r} may not send {event.WhichOneof('payload')} events",
+            )
+        if served_to is not None and served_to != key.client_id:
+            return _result(
+                event,
+                REJECTED,
+                "rollout_id",
+                f"rollout {event.rollout_id} was served to another client's API key",
+            )
+        return None
+
+    async def _write_admitted(
+        self,
+        events: Sequence[telemetry_pb2.TelemetryEvent],
+        fresh: list[int],
+        results: list[ingest_pb2.EventResult | None],
+        headers: list[tuple[str, bytes]],
+    ) -> None:
+        """Writes the fresh events the in-flight budget admits and answers RETRY to the rest,
+        filling ``results`` at their indices."""
         admitted = fresh[: max(self._max_inflight - self.inflight, 0)]
         for i in fresh[len(admitted) :]:
             results[i] = _result(
@@ -238,14 +273,6 @@ class Gateway:
             self.inflight -= len(admitted)
         for i, outcome in zip(admitted, outcomes, strict=True):
             results[i] = outcome
-        for i, j in repeats:
-            first = results[j]
-            assert first is not None  # j is fresh, and every fresh event has its result by now
-            status = DUPLICATE if first.status in (ACCEPTED, DUPLICATE) else first.status
-            results[i] = _result(events[i], status, first.field, first.error)
-        answered = _answered(results)
-        self._count(events, answered)
-        return answered
 
     async def _served_to(self, events: Sequence[telemetry_pb2.TelemetryEvent]) -> list[str | None]:
         """The client each event's rollout was served to, where the serving API recorded one."""
@@ -259,21 +286,7 @@ class Gateway:
     ) -> list[ingest_pb2.EventResult]:
         if not events:
             return []
-        keys = [dedup_key(event.event_id) for event in events]
-        keys.append(PRIVATE_USERS)
-        keys.extend(privacy_key(payload) for payload in PAYLOADS)
-        keys.append(INFLIGHT)
-        args: list[str | int] = [self._claim_ttl_s, self._dedup_ttl_s, self._clock_ms()]
-        for event in events:
-            args.extend(
-                (
-                    event.user_id,
-                    1 if event.privacy_mode else 0,
-                    PAYLOADS.index(event.WhichOneof("payload")) + 1,
-                )
-            )
-        claims = await self._claim(keys=keys, args=args)
-
+        claims = await self._claim_all(events)
         results: list[ingest_pb2.EventResult | None] = [None] * len(events)
         to_produce: list[int] = []
         for i, (event, claim) in enumerate(zip(events, claims, strict=True)):
@@ -293,9 +306,36 @@ class Gateway:
                     "event_id",
                     "another request is writing this event_id, retry later",
                 )
-        if not to_produce:
-            return _answered(results)
+        if to_produce:
+            await self._produce(events, to_produce, results, headers)
+        return _answered(results)
 
+    async def _claim_all(self, events: list[telemetry_pb2.TelemetryEvent]) -> list[int]:
+        """The claim script's answer per event (CLAIMED, SEEN, ...), in one call."""
+        keys = [dedup_key(event.event_id) for event in events]
+        keys.append(PRIVATE_USERS)
+        keys.extend(privacy_key(payload) for payload in PAYLOADS)
+        keys.append(INFLIGHT)
+        args: list[str | int] = [self._claim_ttl_s, self._dedup_ttl_s, self._clock_ms()]
+        for event in events:
+            args.extend(
+                (
+                    event.user_id,
+                    1 if event.privacy_mode else 0,
+                    PAYLOADS.index(event.WhichOneof("payload")) + 1,
+                )
+            )
+        return await self._claim(keys=keys, args=args)
+
+    async def _produce(
+        self,
+        events: list[telemetry_pb2.TelemetryEvent],
+        to_produce: list[int],
+        results: list[ingest_pb2.EventResult | None],
+        headers: list[tuple[str, bytes]],
+    ) -> None:
+        """Produces the claimed events, then marks each done (ACCEPTED) or releases its
+        claim (RETRY), filling ``results`` at their indices."""
         # send_batch enqueues in batch order before anything is awaited, so events of
         # one rollout keep their order on its partition.
         records = []
@@ -310,19 +350,19 @@ class Gateway:
                 )
             )
         errors = await self._producer.send_batch(records)
+        keys = [dedup_key(events[i].event_id) for i in to_produce]
         async with self._redis.pipeline(transaction=False) as pipe:
-            for i, error in zip(to_produce, errors, strict=True):
+            for i, key, error in zip(to_produce, keys, errors, strict=True):
                 if error is not None:
-                    pipe.delete(keys[i])
+                    pipe.delete(key)
                     results[i] = _result(
                         events[i], RETRY, "", f"broker did not take the event: {error}"
                     )
                 else:
-                    pipe.set(keys[i], _DONE, ex=self._dedup_ttl_s)
+                    pipe.set(key, _DONE, ex=self._dedup_ttl_s)
                     results[i] = _result(events[i], ACCEPTED)
-            pipe.hdel(INFLIGHT, *(keys[i] for i in to_produce))
+            pipe.hdel(INFLIGHT, *keys)
             await pipe.execute()
-        return _answered(results)
 
     def _count(
         self, events: Sequence[telemetry_pb2.TelemetryEvent], results: list[ingest_pb2.EventResult]
@@ -336,6 +376,19 @@ class Gateway:
                 self.counters.rejected += 1
             else:
                 self.counters.retry += 1
+
+
+async def batch_refusal(
+    admission: Admission, key: ApiKey | None, events: Sequence[telemetry_pb2.TelemetryEvent]
+) -> Refusal | None:
+    """May this key send this batch now: 403 when it may send none of the batch's event
+    types (``Gateway.publish`` rejects the others one by one), 429 when its events per
+    second are spent. Both front ends ask this once the batch is parsed."""
+    kinds = {kind for event in events if (kind := event.WhichOneof("payload")) is not None}
+    refusal = admission.scope_refusal(key, kinds)
+    if refusal is not None:
+        return refusal
+    return await admission.rate_refusal(key, len(events), "events")
 
 
 def _answered(results: list[ingest_pb2.EventResult | None]) -> list[ingest_pb2.EventResult]:

@@ -26,317 +26,28 @@ gRPC ``rtrl.v1.Ingest/PublishEvents`` answers OK with the same per-event results
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
-import math
 import threading
-from collections import Counter
-from collections.abc import Sequence
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass, fields
 
-import aiohttp
-import aiohttp.http_exceptions
 import grpc
 import redis.asyncio as aioredis
 from aiohttp import web
-from google.protobuf import json_format
-from google.protobuf.message import DecodeError
 from opentelemetry import metrics
 
 from rtrl import entrypoint, heartbeat, kafka, otel, signing
-from rtrl.api_keys import ApiKey, KeyCache, KeyVerifier, RateLimiter, bearer_key
+from rtrl.admission import Admission
+from rtrl.api_keys import KeyCache, KeyVerifier, RateLimiter
 from rtrl.config import StackSettings
 from rtrl.ingest.config import IngestSettings
-from rtrl.ingest.gateway import REJECTED, RETRY, Gateway
+from rtrl.ingest.gateway import Gateway
+from rtrl.ingest.grpc_api import IngestServicer
+from rtrl.ingest.http_api import build_http_app
 from rtrl.runtime import bounded, service_process, until_stopped
-from rtrl.v1 import ingest_pb2, telemetry_pb2
 
 log = logging.getLogger("ingest")
 
 SERVICE = "ingest"
-_GATEWAY = web.AppKey("gateway", Gateway)
-_SETTINGS = web.AppKey("settings", IngestSettings)
-
-
-@dataclass(frozen=True)
-class Refusal:
-    """A whole request refused before its events were looked at."""
-
-    http_status: int
-    grpc_code: grpc.StatusCode
-    message: str
-    retry_after_s: float = 0.0
-
-
-class Door:
-    """Authentication and rate limiting, shared by both front ends."""
-
-    def __init__(self, keys: KeyCache | None, limiter: RateLimiter | None) -> None:
-        self._keys = keys
-        self._limiter = limiter
-        self.refused: Counter[int] = Counter()
-        """Requests refused, by HTTP status (401, 403, 429)."""
-
-    @property
-    def keys(self) -> KeyCache | None:
-        return self._keys
-
-    async def authenticate(self, authorization: str) -> tuple[ApiKey | None, Refusal | None]:
-        """Who is asking: from the Authorization header alone, before any of the body is read."""
-        key, refusal = await self._authenticate(authorization)
-        if refusal is not None:
-            self.refused[refusal.http_status] += 1
-        return key, refusal
-
-    async def authorize(
-        self, key: ApiKey | None, events: Sequence[telemetry_pb2.TelemetryEvent]
-    ) -> Refusal | None:
-        """May this key send these events now (scope, rate)?"""
-        refusal = await self._authorize(key, events)
-        if refusal is not None:
-            self.refused[refusal.http_status] += 1
-        return refusal
-
-    async def _authenticate(self, authorization: str) -> tuple[ApiKey | None, Refusal | None]:
-        if self._keys is None:
-            return None, None
-        key, why = await bearer_key(self._keys, authorization)
-        if why is not None:
-            return key, Refusal(401, grpc.StatusCode.UNAUTHENTICATED, why)
-        return key, None
-
-    async def _authorize(
-        self, key: ApiKey | None, events: Sequence[telemetry_pb2.TelemetryEvent]
-    ) -> Refusal | None:
-        if key is None or self._limiter is None:
-            return None
-        kinds = {event.WhichOneof("payload") for event in events} - {None}
-        if kinds and not any(key.allows(kind) for kind in kinds):
-            allowed = ", ".join(sorted(key.scopes))
-            return Refusal(
-                403,
-                grpc.StatusCode.PERMISSION_DENIED,
-                f"the API key of client {key.client_id!r} may send only {allowed}, not {', '.join(sorted(kinds))}",
-            )
-        wait_s = await self._limiter.take(key, len(events))
-        if wait_s > 0:
-            return Refusal(
-                429,
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"rate limit of client {key.client_id!r} ({key.rate_per_s:g} events/s) spent: retry in {wait_s:.2f} s",
-                retry_after_s=wait_s,
-            )
-        return None
-
-
-_DOOR = web.AppKey("door", Door)
-
-
-def http_status(results: list[ingest_pb2.EventResult]) -> int:
-    statuses = {r.status for r in results}
-    if RETRY in statuses:
-        return 429
-    if REJECTED in statuses:
-        return 400 if statuses == {REJECTED} else 207
-    return 200
-
-
-def build_http_app(
-    gateway: Gateway, settings: IngestSettings, door: Door | None = None
-) -> web.Application:
-    app = web.Application(client_max_size=settings.max_body_bytes)
-    app[_GATEWAY] = gateway
-    app[_SETTINGS] = settings
-    app[_DOOR] = door or Door(None, None)
-    app.router.add_post("/v1/events", _post_events)
-    app.router.add_get("/healthz", _healthz)
-    return app
-
-
-async def _post_events(request: web.Request) -> web.Response:
-    gateway, settings, door = request.app[_GATEWAY], request.app[_SETTINGS], request.app[_DOOR]
-    # Cheap checks first: who is asking, from the headers alone, before a byte of the body
-    # is read, decompressed or parsed.
-    key, refusal = await door.authenticate(request.headers.get("Authorization", ""))
-    if refusal is not None:
-        return _refused(refusal)
-    raw = await _read_body(request, settings)
-    if isinstance(raw, web.Response):
-        return raw
-    try:
-        text = raw.decode("utf-8")
-        batch = json_format.Parse(text, ingest_pb2.PublishEventsRequest())
-        problem = _json_type_error(
-            json.loads(text), ingest_pb2.PublishEventsRequest.DESCRIPTOR, "PublishEventsRequest"
-        )
-        if problem:
-            raise json_format.ParseError(problem)
-    except (UnicodeDecodeError, json_format.ParseError) as exc:
-        return _error(400, f"body is not the JSON form of rtrl.v1.PublishEventsRequest: {exc}")
-    if len(batch.events) > settings.max_batch:
-        return _error(
-            400,
-            f"batch has {len(batch.events)} events, at most {settings.max_batch} allowed: split it",
-        )
-    refusal = await door.authorize(key, batch.events)
-    if refusal is not None:
-        return _refused(refusal)
-    results = await gateway.publish(
-        batch.events, key=key, traceparent=request.headers.get("traceparent", "")
-    )
-    status = http_status(results)
-    headers = {"Retry-After": str(settings.retry_after_s)} if status == 429 else None
-    body = json_format.MessageToJson(ingest_pb2.PublishEventsResponse(results=results), indent=None)
-    return web.Response(status=status, text=body, content_type="application/json", headers=headers)
-
-
-ACCEPTED_ENCODINGS = ("identity", "gzip", "deflate")
-
-
-async def _read_body(request: web.Request, settings: IngestSettings) -> bytes | web.Response:
-    """The body, decompressed, or the refusal: at most max_body_bytes, and a compressed body
-    at most max_inflation times its Content-Length (a 93 KB gzip that expands to 61 MB stops
-    at the bound, read no further)."""
-    encoding = request.headers.get("Content-Encoding", "identity").strip().lower() or "identity"
-    if encoding not in ACCEPTED_ENCODINGS:
-        return _error(
-            415,
-            f"Content-Encoding {encoding!r} is not accepted: send {', '.join(ACCEPTED_ENCODINGS)}",
-        )
-    limit, why = (
-        settings.max_body_bytes,
-        f"body is larger than {settings.max_body_bytes} bytes: split the batch",
-    )
-    if encoding != "identity":
-        if request.content_length is None:
-            return _error(411, f"a {encoding} body needs a Content-Length")
-        if settings.max_inflation * request.content_length < limit:
-            limit = settings.max_inflation * request.content_length
-            why = f"{encoding} body expands past {settings.max_inflation}x its {request.content_length} bytes"
-    body = bytearray()
-    try:
-        async for chunk in request.content.iter_any():
-            body += chunk
-            if len(body) > limit:
-                return _error(413, why)
-    except (
-        web.RequestPayloadError,
-        aiohttp.ClientPayloadError,
-        aiohttp.http_exceptions.HttpProcessingError,
-    ) as exc:
-        return _error(400, f"body does not decode ({encoding}): {exc}")
-    return bytes(body)
-
-
-def _refused(refusal: Refusal) -> web.Response:
-    headers = (
-        {"Retry-After": str(math.ceil(refusal.retry_after_s))} if refusal.retry_after_s else None
-    )
-    return _error(refusal.http_status, refusal.message, headers)
-
-
-def _json_type_error(value, descriptor, path: str) -> str | None:
-    """Where the JSON has a type the proto3 JSON mapping does not allow but protobuf's
-    Python parser takes: [] or "" for a message, a bool for a number, 1.5 for an enum."""
-    if not isinstance(value, dict):
-        return f"{path} must be a JSON object"
-    for field in descriptor.fields:
-        for key in {field.name, field.json_name}:
-            item = value.get(key)
-            if item is None:
-                continue
-            for i, element in enumerate(
-                item if field.is_repeated and isinstance(item, list) else [item]
-            ):
-                where = f"{path}.{key}[{i}]" if field.is_repeated else f"{path}.{key}"
-                if field.message_type is not None:
-                    problem = _json_type_error(element, field.message_type, where)
-                    if problem:
-                        return problem
-                elif isinstance(element, bool) and field.cpp_type != field.CPPTYPE_BOOL:
-                    return f"{where} must not be a bool"
-                elif isinstance(element, float) and field.enum_type is not None:
-                    return f"{where} must be an enum name or number"
-    return None
-
-
-async def _healthz(request: web.Request) -> web.Response:
-    return web.json_response({"status": "ok", **asdict(request.app[_GATEWAY].status())})
-
-
-def _error(status: int, message: str, headers: dict[str, str] | None = None) -> web.Response:
-    return web.Response(
-        status=status,
-        text=json.dumps({"error": message}),
-        content_type="application/json",
-        headers=headers,
-    )
-
-
-class IngestServicer:
-    """``rtrl.v1.Ingest/PublishEvents`` over raw bytes: a request that does not parse is
-    answered INVALID_ARGUMENT with the parser's reason (a generated servicer would
-    fail it as INTERNAL before any code of ours ran)."""
-
-    def __init__(self, gateway: Gateway, settings: IngestSettings, door: Door) -> None:
-        self._gateway = gateway
-        self._settings = settings
-        self._door = door
-
-    def handler(self) -> grpc.GenericRpcHandler:
-        method = grpc.unary_unary_rpc_method_handler(
-            self.publish_events,
-            request_deserializer=None,
-            response_serializer=ingest_pb2.PublishEventsResponse.SerializeToString,
-        )
-        return grpc.method_handlers_generic_handler("rtrl.v1.Ingest", {"PublishEvents": method})
-
-    async def publish_events(
-        self, raw: bytes, context: grpc.aio.ServicerContext
-    ) -> ingest_pb2.PublishEventsResponse:
-        metadata = dict(context.invocation_metadata() or ())
-        # Who is asking, from the metadata alone, before the request is parsed.
-        key, refusal = await self._door.authenticate(metadata.get("authorization", ""))
-        if refusal is not None:
-            await context.abort(refusal.grpc_code, refusal.message)
-        try:
-            request = ingest_pb2.PublishEventsRequest.FromString(raw)
-        except DecodeError as exc:
-            await context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"request is not a serialized rtrl.v1.PublishEventsRequest: {exc}",
-            )
-        events = request.events
-        if len(events) > self._settings.max_batch:
-            await context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"batch has {len(events)} events, at most {self._settings.max_batch} allowed",
-            )
-        refusal = await self._door.authorize(key, events)
-        if refusal is not None:
-            if refusal.retry_after_s:
-                context.set_trailing_metadata(
-                    (("retry-after", str(math.ceil(refusal.retry_after_s))),)
-                )
-            await context.abort(refusal.grpc_code, refusal.message)
-        results = await self._gateway.publish(
-            events, key=key, traceparent=metadata.get("traceparent", "")
-        )
-        statuses = {r.status for r in results}
-        if results and statuses == {REJECTED}:
-            problems = "; ".join(
-                f"event {i} ({r.event_id[:40]!r}): {r.field}: {r.error}"
-                for i, r in enumerate(results[:20])
-            )
-            await context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT, f"every event is invalid: {problems}"
-            )
-        if results and statuses == {RETRY}:
-            context.set_trailing_metadata((("retry-after", str(self._settings.retry_after_s)),))
-            await context.abort(
-                grpc.StatusCode.RESOURCE_EXHAUSTED, f"no event admitted: {results[0].error}"
-            )
-        return ingest_pb2.PublishEventsResponse(results=results)
 
 
 @dataclass
@@ -350,7 +61,7 @@ class IngestServer:
     grpc_server: grpc.aio.Server
     heartbeat_task: asyncio.Task
     recovery_task: asyncio.Task
-    door: Door | None = None
+    admission: Admission
 
     async def stop(self, grace_s: float = 5.0) -> None:
         # Stop taking requests first, then let in-flight produces reach the broker. Every
@@ -378,16 +89,7 @@ class IngestServer:
 async def start(stack: StackSettings, settings: IngestSettings) -> IngestServer:
     await asyncio.to_thread(kafka.wait_for_broker, stack)
     await asyncio.to_thread(kafka.ensure_topics, stack)
-    event_key = settings.event_key.get_secret_value()
-    if not event_key:
-        raise SystemExit(
-            "RTRL_INGEST_EVENT_KEY is not set: the gateway authenticates every event it writes "
-            "and has no default key (python -m rtrl.signing prints one)"
-        )
-    try:
-        signer = signing.MacSigner(event_key, signing.Purpose.EVENT)
-    except ValueError as exc:
-        raise SystemExit(f"RTRL_INGEST_EVENT_KEY: {exc}") from None
+    signer = _event_signer(settings)
     redis = aioredis.Redis.from_url(stack.redis_url)
     producer = kafka.AsyncProducer(stack, **{"message.timeout.ms": settings.produce_timeout_ms})
     gateway = Gateway(
@@ -399,40 +101,10 @@ async def start(stack: StackSettings, settings: IngestSettings) -> IngestServer:
         max_inflight=settings.max_inflight,
         client_ts_window=settings.client_ts_window(),
     )
-
-    if settings.auth_required:
-        if not stack.api_key_public_keys.strip():
-            raise SystemExit(
-                "RTRL_API_KEY_PUBLIC_KEYS is not set: "
-                "the gateway accepts only API keys the operator signed (rtrl up derives it)"
-            )
-        verifier = KeyVerifier(signing.parse_public_keys(stack.api_key_public_keys))
-        door = Door(KeyCache(redis, settings.key_cache_ttl_s, verifier), RateLimiter(redis))
-    else:
-        door = Door(None, None)
-        log.warning("RTRL_INGEST_AUTH_REQUIRED=false: accepting events without an API key")
-
-    runner = web.AppRunner(build_http_app(gateway, settings, door), access_log=None)
-    await runner.setup()
-    await web.TCPSite(
-        runner, settings.bind_host, settings.http_port, ssl_context=settings.http_context()
-    ).start()
-
-    options = [("grpc.max_receive_message_length", settings.max_body_bytes)]
-    grpc_server = grpc.aio.server(options=options)
-    grpc_server.add_generic_rpc_handlers((IngestServicer(gateway, settings, door).handler(),))
-    address = f"{settings.bind_host}:{settings.grpc_port}"
-    credentials = settings.grpc_credentials()
-    bound = (
-        grpc_server.add_secure_port(address, credentials)
-        if credentials
-        else grpc_server.add_insecure_port(address)
-    )
-    if bound == 0:
-        raise RuntimeError(f"cannot bind gRPC to {address}")
-    await grpc_server.start()
-
-    _observe(gateway, door)
+    admission = _admission(stack, settings, redis)
+    runner = await _serve_http(gateway, settings, admission)
+    grpc_server = await _serve_grpc(gateway, settings, admission)
+    _observe(gateway, admission)
     beats = asyncio.create_task(
         heartbeat.beat_forever(redis, SERVICE, stack.instance, gateway.status)
     )
@@ -444,10 +116,55 @@ async def start(stack: StackSettings, settings: IngestSettings) -> IngestServer:
         settings.bind_host,
         settings.grpc_port,
     )
-    return IngestServer(gateway, producer, redis, runner, grpc_server, beats, recovery, door)
+    return IngestServer(gateway, producer, redis, runner, grpc_server, beats, recovery, admission)
 
 
-def _observe(gateway: Gateway, door: Door) -> None:
+def _event_signer(settings: IngestSettings) -> signing.MacSigner:
+    """What authenticates every event written; the gateway has no default key."""
+    return signing.MacSigner(settings.event_key.get_secret_value(), signing.Purpose.EVENT)
+
+
+def _admission(stack: StackSettings, settings: IngestSettings, redis: aioredis.Redis) -> Admission:
+    """API keys the operator signed and their rate limits; an open door only when
+    RTRL_INGEST_AUTH_REQUIRED is off."""
+    if not settings.auth_required:
+        log.warning("RTRL_INGEST_AUTH_REQUIRED=false: accepting events without an API key")
+        return Admission(None, None)
+    verifier = KeyVerifier(signing.parse_public_keys(stack.api_key_public_keys))
+    return Admission(KeyCache(redis, settings.key_cache_ttl_s, verifier), RateLimiter(redis))
+
+
+async def _serve_http(
+    gateway: Gateway, settings: IngestSettings, admission: Admission
+) -> web.AppRunner:
+    runner = web.AppRunner(build_http_app(gateway, settings, admission), access_log=None)
+    await runner.setup()
+    await web.TCPSite(
+        runner, settings.bind_host, settings.http_port, ssl_context=settings.http_context()
+    ).start()
+    return runner
+
+
+async def _serve_grpc(
+    gateway: Gateway, settings: IngestSettings, admission: Admission
+) -> grpc.aio.Server:
+    options = [("grpc.max_receive_message_length", settings.max_body_bytes)]
+    grpc_server = grpc.aio.server(options=options)
+    grpc_server.add_generic_rpc_handlers((IngestServicer(gateway, settings, admission).handler(),))
+    address = f"{settings.bind_host}:{settings.grpc_port}"
+    credentials = settings.grpc_credentials()
+    bound = (
+        grpc_server.add_secure_port(address, credentials)
+        if credentials
+        else grpc_server.add_insecure_port(address)
+    )
+    if bound == 0:
+        raise RuntimeError(f"cannot bind gRPC to {address}")
+    await grpc_server.start()
+    return grpc_server
+
+
+def _observe(gateway: Gateway, admission: Admission) -> None:
     """The gateway's counters as OpenTelemetry (and so Prometheus) metrics."""
     meter = metrics.get_meter("rtrl.ingest")
     counters = gateway.counters
@@ -463,7 +180,7 @@ def _observe(gateway: Gateway, door: Door) -> None:
         meter,
         "rtrl.ingest.refused_requests",
         "counter",
-        lambda: [(n, {"http_status": str(status)}) for status, n in door.refused.items()],
+        lambda: [(n, {"http_status": str(status)}) for status, n in admission.refused.items()],
         unit="{request}",
         description="Requests refused before any event was looked at: 401 key, 403 scope, 429 rate limit",
     )
@@ -534,7 +251,11 @@ async def serve(stack: StackSettings, settings: IngestSettings) -> None:
 
 def main() -> None:
     settings, stack = entrypoint.parse_settings(
-        "python -m rtrl.ingest", __doc__, IngestSettings, StackSettings
+        "python -m rtrl.ingest",
+        __doc__,
+        IngestSettings,
+        StackSettings,
+        required=IngestSettings.required_secrets,
     )
     entrypoint.configure_logging()
     service_process()

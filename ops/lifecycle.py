@@ -111,6 +111,14 @@ def up(
             f"stack already running (supervisor pid {running.supervisor_pid}); `rtrl down` stops it"
         )
         return running
+    _prepare(state_dir, console, fresh)
+    supervisor = _start_supervisor(state_dir, _policy_env(state_dir, console, model_dir))
+    return _wait_healthy(state_dir, console, supervisor, config.health_timeout_s)
+
+
+def _prepare(state_dir: Path, console: Console, fresh: bool) -> None:
+    """Make state_dir a state directory (emptied first with ``fresh``) and say which run
+    it holds."""
     try:
         resumed = statedir.is_state_dir(state_dir) and not fresh
         marker = statedir.prepare(state_dir, fresh=fresh)
@@ -121,6 +129,11 @@ def up(
         f"{'resuming' if resumed else 'starting'} the run in {state_dir} "
         f"(lineage began {began}; `rtrl up --fresh` starts over)"
     )
+
+
+def _policy_env(state_dir: Path, console: Console, model_dir: Path | None) -> dict[str, str]:
+    """The supervisor's environment: this environment, the state directory and the model
+    the run is pinned to; the warm start trained (or found) when that is the demo policy."""
     env = {**os.environ, "RTRL_STATE_DIR": str(state_dir)}
     model_dir = model_dir or (Path(env["RTRL_MODEL_DIR"]) if env.get("RTRL_MODEL_DIR") else None)
     model = _pin_model(state_dir, model_dir)
@@ -130,6 +143,11 @@ def up(
     else:
         env["RTRL_MODEL_DIR"] = model
         console.print(f"policy: {model}")
+    return env
+
+
+def _start_supervisor(state_dir: Path, env: dict[str, str]) -> subprocess.Popen[bytes]:
+    """The supervisor, detached in a session of its own, logging to logs/supervisor.out."""
     (state_dir / "logs").mkdir(parents=True, exist_ok=True)
     log = procs.open_log(state_dir / "logs" / "supervisor.out")
     supervisor = subprocess.Popen(
@@ -141,7 +159,15 @@ def up(
         start_new_session=True,
     )
     log.close()
-    deadline = time.monotonic() + config.health_timeout_s
+    return supervisor
+
+
+def _wait_healthy(
+    state_dir: Path, console: Console, supervisor: subprocess.Popen[bytes], timeout_s: float
+) -> StackFile:
+    """The stack once every component is healthy, its health shown live; stopped and
+    StackError if the supervisor exits or ``timeout_s`` passes first."""
+    deadline = time.monotonic() + timeout_s
     stack = None
     with Live(console=console, refresh_per_second=4, transient=False) as live:
         while time.monotonic() < deadline:
@@ -161,7 +187,7 @@ def up(
     unhealthy = [r.name for r in health.check(stack)] if stack else ["supervisor"]
     down(state_dir, console)
     raise StackError(
-        f"not healthy after {config.health_timeout_s:.0f} s: {unhealthy}; logs in {state_dir / 'logs'}"
+        f"not healthy after {timeout_s:.0f} s: {unhealthy}; logs in {state_dir / 'logs'}"
     )
 
 

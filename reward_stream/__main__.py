@@ -14,7 +14,11 @@ from rtrl.runtime import service_process
 
 def main() -> None:
     settings, stack = entrypoint.parse_settings(
-        "python -m rtrl.reward_stream", __doc__, RewardStreamSettings, StackSettings
+        "python -m rtrl.reward_stream",
+        __doc__,
+        RewardStreamSettings,
+        StackSettings,
+        required=RewardStreamSettings.required_secrets,
     )
     entrypoint.configure_logging()
     service_process(shutdown_budget_s=None)

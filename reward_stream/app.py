@@ -31,10 +31,13 @@ import dataclasses
 import functools
 import logging
 import time
+from collections.abc import Callable, Iterable, Set
 
 import faust
 import redis.asyncio as aioredis
+from faust.types import TP
 from opentelemetry import metrics
+from opentelemetry.metrics import Meter
 
 from rtrl import heartbeat, kafka, otel, signing, topics
 from rtrl.config import StackSettings
@@ -43,7 +46,7 @@ from rtrl.reward_stream.acks import OrderedAcks, Ticket
 from rtrl.reward_stream.authn import Authenticator
 from rtrl.reward_stream.config import RewardStreamSettings
 from rtrl.reward_stream.publisher import OutputPublisher
-from rtrl.reward_stream.runtime import Joiner
+from rtrl.reward_stream.runtime import Counters, Joiner
 
 SERVICE = "reward_stream"
 log = logging.getLogger("reward_stream")
@@ -81,54 +84,87 @@ def faust_app(settings: RewardStreamSettings, stack: StackSettings, datadir: str
 
 def create_app(settings: RewardStreamSettings, stack: StackSettings) -> faust.App:
     app = faust_app(settings, stack, "reward_stream")
-    key = settings.signing_key.get_secret_value()
-    if not key:
-        raise SystemExit(
-            "RTRL_REWARD_SIGNING_KEY is not set: "
-            "the joiner signs every reward and has no default key (python -m rtrl.signing)"
-        )
-    joiner = Joiner(
+    ordered = OrderedAcks()
+    worker = _Worker(
+        _joiner(settings),
+        ordered,
+        OutputPublisher(stack, settings.max_in_flight, functools.partial(_release, ordered)),
+        app.consumer.highwater,
+    )
+    _observe(worker.joiner, worker.publisher, settings.app_id, worker.lag)
+    _add_join_agent(app, worker, settings, stack)
+    _add_signal_handlers(app, worker, settings.tick_interval_s)
+
+    @app.task
+    async def heartbeat_task():
+        client = aioredis.Redis.from_url(stack.redis_url)
+        try:
+            await heartbeat.beat_forever(
+                client, SERVICE, stack.instance, lambda: worker.status(app.consumer.assignment())
+            )
+        finally:
+            await client.aclose()
+
+    return app
+
+
+def _joiner(settings: RewardStreamSettings) -> Joiner:
+    return Joiner(
         settings.join_config(),
         settings.reward_fn_version,
-        signing.Signer(key, signing.Purpose.REWARD),
-        Authenticator.of(settings, "the joiner"),
+        signing.Signer(settings.signing_key.get_secret_value(), signing.Purpose.REWARD),
+        Authenticator.of(settings),
     )
-    ordered = OrderedAcks()
 
-    def release(handle: object) -> None:
-        # A record's handle in the Joiner is the Ticket ordered.read() gave it.
-        if not isinstance(handle, Ticket):
-            raise TypeError(f"the joiner released {handle!r}, not a Ticket")
-        ordered.done(handle)
 
-    publisher = OutputPublisher(stack, settings.max_in_flight, release)
-    highwater = app.consumer.highwater
+def _release(ordered: OrderedAcks, handle: object) -> None:
+    # A record's handle in the Joiner is the Ticket ordered.read() gave it.
+    if not isinstance(handle, Ticket):
+        raise TypeError(f"the joiner released {handle!r}, not a Ticket")
+    ordered.done(handle)
 
-    read: dict = {}
+
+@dataclasses.dataclass(frozen=True)
+class _Worker:
+    """What one worker's agent, timer, signal handlers and heartbeat share."""
+
+    joiner: Joiner
+    ordered: OrderedAcks
+    publisher: OutputPublisher
+    highwater: Callable[[TP], int | None]
+    """The consumer's high watermark of a topic partition (None before its first fetch)."""
+    read: dict[TP, int] = dataclasses.field(default_factory=dict)
     """Offset of the newest record read, per topic partition (consumer lag)."""
-    _observe(
-        joiner,
-        publisher,
-        settings.app_id,
-        lambda: [
-            (max(0, (highwater(tp) or 0) - offset - 1), tp.topic, tp.partition)
-            for tp, offset in list(read.items())
-        ],
-    )
+
+    def lag(self) -> list[tuple[float, str, int]]:
+        """Records behind the high watermark, topic and partition, per partition read."""
+        return [
+            (max(0, (self.highwater(tp) or 0) - offset - 1), tp.topic, tp.partition)
+            for tp, offset in list(self.read.items())
+        ]
+
+    def status(self, assignment: Set[TP]) -> heartbeat.RewardStreamBeat:
+        return dataclasses.replace(
+            self.joiner.status(),
+            assigned=len(assignment),
+            in_flight=self.publisher.in_flight(),
+            unacked=self.ordered.waiting(),
+        )
+
+
+def _add_join_agent(
+    app: faust.App, worker: _Worker, settings: RewardStreamSettings, stack: StackSettings
+) -> None:
+    """The agent that feeds every input record to the Joiner, in offset order."""
+    joiner, publisher = worker.joiner, worker.publisher
 
     @app.agent(app.topic(*topics.TELEMETRY), name="join")
     async def join_agent(stream):
         async for event in stream.noack().events():
             message = event.message
-            read[message.tp] = message.offset
+            worker.read[message.tp] = message.offset
             if not joiner.restored(message.partition):
-                positions = await asyncio.to_thread(
-                    recovery.input_positions, stack, settings.app_id, message.partition
-                )
-                settled = await asyncio.to_thread(
-                    recovery.settled_rollouts, stack, message.partition
-                )
-                joiner.restore(message.partition, settled, now_ms(), positions)
+                await _restore(joiner, stack, settings.app_id, message.partition)
             batch = joiner.feed_record(
                 message.topic,
                 message.partition,
@@ -136,15 +172,27 @@ def create_app(settings: RewardStreamSettings, stack: StackSettings) -> faust.Ap
                 message.key,
                 message.value,
                 now_ms(),
-                ordered.read(message.tp, event),
-                functools.partial(highwater, message.tp),
+                worker.ordered.read(message.tp, event),
+                functools.partial(worker.highwater, message.tp),
                 message.headers,
             )
             publisher.publish(batch)
             if publisher.full():
                 await publisher.wait_for_room()
 
-    @app.timer(settings.tick_interval_s, name="deadline_tick")
+
+async def _restore(joiner: Joiner, stack: StackSettings, group: str, partition: int) -> None:
+    """Read a partition's settled memory back from the output topics (recovery.py)."""
+    positions = await asyncio.to_thread(recovery.input_positions, stack, group, partition)
+    settled = await asyncio.to_thread(recovery.settled_rollouts, stack, partition)
+    joiner.restore(partition, settled, now_ms(), positions)
+
+
+def _add_signal_handlers(app: faust.App, worker: _Worker, tick_interval_s: float) -> None:
+    """The deadline tick, and what a shutdown and a revocation do to the worker's state."""
+    joiner, publisher = worker.joiner, worker.publisher
+
+    @app.timer(tick_interval_s, name="deadline_tick")
     async def deadline_tick():
         publisher.publish(joiner.tick_batch(now_ms()))
         # Delivery reports are only served by poll(): when the input goes quiet, this is
@@ -163,42 +211,54 @@ def create_app(settings: RewardStreamSettings, stack: StackSettings) -> faust.Ap
     @app.on_partitions_revoked.connect  # type: ignore[arg-type]
     async def on_revoked(app, revoked, **kwargs) -> None:
         joiner.forget({tp.partition for tp in revoked})
-        ordered.forget(set(revoked))
-
-    def status() -> heartbeat.RewardStreamBeat:
-        return dataclasses.replace(
-            joiner.status(),
-            assigned=len(app.consumer.assignment()),
-            in_flight=publisher.in_flight(),
-            unacked=ordered.waiting(),
-        )
-
-    @app.task
-    async def heartbeat_task():
-        client = aioredis.Redis.from_url(stack.redis_url)
-        try:
-            await heartbeat.beat_forever(client, SERVICE, stack.instance, status)
-        finally:
-            await client.aclose()
-
-    return app
+        worker.ordered.forget(set(revoked))
 
 
-def _observe(joiner: Joiner, publisher: OutputPublisher, group: str, lag) -> None:
+def _observe(
+    joiner: Joiner,
+    publisher: OutputPublisher,
+    group: str,
+    lag: Callable[[], Iterable[tuple[float, str, int]]],
+) -> None:
     """The joiner's counters and the consumer's lag as OpenTelemetry (and so Prometheus) metrics."""
     meter = metrics.get_meter("rtrl.reward_stream")
-    counters = joiner.counters
-    outcomes = (
-        "settled",
-        "defaulted",
-        "duplicates",
-        "late",
-        "dlq",
-        "dropped",
-        "privacy_dropped",
-        "unauthenticated",
-        "foreign",
+    _observe_records(meter, joiner.counters)
+    _observe_rewards(meter, joiner)
+    otel.observe(
+        meter,
+        "rtrl.reward_stream.pending",
+        "gauge",
+        lambda: [(joiner.pending(), {})],
+        unit="{rollout}",
+        description="Rollouts waiting for their window to close",
     )
+    otel.observe(
+        meter,
+        "rtrl.reward_stream.in_flight",
+        "gauge",
+        lambda: [(publisher.in_flight(), {})],
+        unit="{record}",
+        description="Outputs not yet acked by the broker",
+    )
+    otel.observe_lag(meter, group, lag)
+
+
+_OUTCOMES = (
+    "settled",
+    "defaulted",
+    "duplicates",
+    "late",
+    "dlq",
+    "dropped",
+    "privacy_dropped",
+    "unauthenticated",
+    "foreign",
+)
+"""The joiner's counters read as ``rtrl.reward_stream.outcomes``, one label value each."""
+
+
+def _observe_records(meter: Meter, counters: Counters) -> None:
+    """What became of the input records."""
     otel.observe(
         meter,
         "rtrl.reward_stream.records",
@@ -211,10 +271,14 @@ def _observe(joiner: Joiner, publisher: OutputPublisher, group: str, lag) -> Non
         meter,
         "rtrl.reward_stream.outcomes",
         "counter",
-        lambda: [(getattr(counters, name), {"outcome": name}) for name in outcomes],
+        lambda: [(getattr(counters, name), {"outcome": name}) for name in _OUTCOMES],
         unit="{record}",
         description="Rollouts settled (defaulted: without a user signal) and records set aside, by outcome",
     )
+
+
+def _observe_rewards(meter: Meter, joiner: Joiner) -> None:
+    """The rewards settled, by arm: how many, their sum and each component's sum."""
     otel.observe(
         meter,
         "rtrl.reward.settled",
@@ -242,23 +306,6 @@ def _observe(joiner: Joiner, publisher: OutputPublisher, group: str, lag) -> Non
         ],
         description="Sum of each reward component over the rewards settled, by arm: over rtrl.reward.settled, its mean",
     )
-    otel.observe(
-        meter,
-        "rtrl.reward_stream.pending",
-        "gauge",
-        lambda: [(joiner.pending(), {})],
-        unit="{rollout}",
-        description="Rollouts waiting for their window to close",
-    )
-    otel.observe(
-        meter,
-        "rtrl.reward_stream.in_flight",
-        "gauge",
-        lambda: [(publisher.in_flight(), {})],
-        unit="{record}",
-        description="Outputs not yet acked by the broker",
-    )
-    otel.observe_lag(meter, group, lag)
 
 
 def run(settings: RewardStreamSettings, stack: StackSettings) -> None:

@@ -6,12 +6,16 @@ under the event key the gateway and the joiner share; rtrl/signing.py says why).
 that fails is never joined: the live joiner dead-letters it with the reason, a replay
 skips it. So nothing that merely reaches the broker (the embedded one has no ACLs) can
 put a rollout, or a user's signal about one, into a reward.
+
+The topics are an allow-list: each one the join reads names its writer, and a record from
+any other topic is refused as having no known writer, never checked against a default.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import TYPE_CHECKING
 
 from rtrl import signing, topics
@@ -21,41 +25,53 @@ if TYPE_CHECKING:
 
 
 @dataclass(frozen=True)
+class Writer:
+    """Who must have written a topic's records, and how that is checked."""
+
+    verifier: signing.Verifier | signing.MacVerifier
+    refusal: str
+    """Said of a record that fails, before the verifier's reason."""
+
+
+@dataclass(frozen=True)
 class Authenticator:
-    rollouts: signing.Verifier
-    """The inference workers' public keys."""
-    events: signing.MacVerifier
-    """The gateway's event key(s)."""
+    writers: Mapping[str, Writer]
+    """Topic -> its writer, for every topic the join reads; there is no other."""
 
     def problem(
         self, topic: str, value: bytes, headers: Sequence[tuple[str, bytes]] | None
     ) -> str | None:
         """None if the record's writer is who must write ``topic``; else why not."""
-        if topic == topics.ROLLOUT:
-            problem = self.rollouts.problem(value, headers)
-            return problem and f"rollout not signed by an inference worker: {problem}"
-        problem = self.events.problem(value, headers)
-        return problem and f"event not authenticated by the ingest gateway: {problem}"
+        writer = self.writers.get(topic)
+        if writer is None:
+            return f"no writer is known for topic {topic[:64]!r}: the joiner reads {sorted(self.writers)}"
+        problem = writer.verifier.problem(value, headers)
+        return problem and f"{writer.refusal}: {problem}"
 
     @classmethod
-    def of(cls, settings: RewardStreamSettings, who: str) -> Authenticator:
-        """From the settings; ``who`` (the joiner, a replay) names the refuser of missing keys."""
-        rollout_keys = settings.rollout_public_keys
-        event_keys = settings.event_keys.get_secret_value()
-        if not rollout_keys.strip():
-            raise SystemExit(
-                f"RTRL_REWARD_ROLLOUT_PUBLIC_KEYS is not set: {who} joins only rollouts "
-                "an inference worker signed"
+    def of(cls, settings: RewardStreamSettings) -> Authenticator:
+        """From the settings' keys; a ValueError if either set is empty (``python -m`` refuses
+        that first, naming the variable: RewardStreamSettings.required_secrets)."""
+        workers = Writer(
+            signing.Verifier(
+                signing.parse_public_keys(settings.rollout_public_keys), signing.Purpose.ROLLOUT
+            ),
+            "rollout not signed by an inference worker",
+        )
+        gateway = Writer(
+            signing.MacVerifier(
+                signing.parse_mac_keys(settings.event_keys.get_secret_value()),
+                signing.Purpose.EVENT,
+            ),
+            "event not authenticated by the ingest gateway",
+        )
+        return cls(
+            MappingProxyType(
+                {
+                    topics.ROLLOUT: workers,
+                    topics.EDIT: gateway,
+                    topics.PERSISTENCE: gateway,
+                    topics.FOLLOWUP: gateway,
+                }
             )
-        if not event_keys.strip():
-            raise SystemExit(
-                f"RTRL_REWARD_EVENT_KEYS is not set: {who} joins only events the ingest "
-                "gateway authenticated (rtrl up generates the key; python -m rtrl.signing prints one)"
-            )
-        try:
-            return cls(
-                signing.Verifier(signing.parse_public_keys(rollout_keys), signing.Purpose.ROLLOUT),
-                signing.MacVerifier(signing.parse_mac_keys(event_keys), signing.Purpose.EVENT),
-            )
-        except ValueError as exc:
-            raise SystemExit(f"the joiner's keys: {exc}") from None
+        )

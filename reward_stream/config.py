@@ -5,7 +5,7 @@ from __future__ import annotations
 from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import SettingsConfigDict
 
-from rtrl.config import Settings
+from rtrl.config import MacKeys, PublicKeys, RequiredSecret, Settings, SigningKey, StackSettings
 from rtrl.reward_stream.join import JoinConfig
 
 
@@ -53,19 +53,19 @@ class RewardStreamSettings(Settings):
     """Output records handed to the producer but not yet acked by the broker before the
     agent waits; their input records stay unacknowledged until then."""
 
-    signing_key: SecretStr = SecretStr("")
+    signing_key: SigningKey = SecretStr("")
     """The joiner's Ed25519 private key (base64url, rtrl/signing.py): every reward it writes is
     signed with it, and the trainer trains only on rewards that verify. No default: the
     joiner refuses to start without one (`rtrl up` generates it; `python -m rtrl.signing`
     prints a pair)."""
 
-    rollout_public_keys: str = ""
+    rollout_public_keys: PublicKeys = ""
     """The inference workers' Ed25519 public key(s) for rollout records, comma-separated
     (more than one while keys rotate): a rollout whose signature does not verify is never
     joined: dead-lettered with the reason and counted as ``unauthenticated``. No default:
     the joiner refuses to start without one (`rtrl up` derives it)."""
 
-    event_keys: SecretStr = SecretStr("")
+    event_keys: MacKeys = SecretStr("")
     """The ingest gateway's event key(s) (base64url, 32 bytes each; rtrl/signing.py),
     comma-separated (more than one while keys rotate): an event whose HMAC does not verify is
     never joined: dead-lettered with the reason and counted as ``unauthenticated``. No default:
@@ -87,6 +87,29 @@ class RewardStreamSettings(Settings):
                 f"reward_fn_version {self.reward_fn_version!r} is not one of {sorted(FUNCTIONS)}"
             )
         return self
+
+    def required_secrets(self, stack: StackSettings) -> list[RequiredSecret]:
+        """What the joiner (``python -m rtrl.reward_stream``) and a replay do not start
+        without (none of them is the stack's)."""
+        return [
+            RequiredSecret(
+                self,
+                "signing_key",
+                "the joiner signs every reward, and a replay is signed as the joiner signs "
+                "(rtrl up generates it; python -m rtrl.signing prints a pair)",
+            ),
+            RequiredSecret(
+                self,
+                "rollout_public_keys",
+                "the joiner joins only rollouts an inference worker signed (rtrl up derives it)",
+            ),
+            RequiredSecret(
+                self,
+                "event_keys",
+                "the joiner joins only events the ingest gateway authenticated "
+                "(rtrl up generates the key; python -m rtrl.signing prints one)",
+            ),
+        ]
 
     def join_config(self) -> JoinConfig:
         return JoinConfig(

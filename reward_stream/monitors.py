@@ -70,6 +70,7 @@ from dataclasses import dataclass, field
 from rtrl.heartbeat import RewardAlert as Alert
 from rtrl.heartbeat import RewardByVersion
 from rtrl.reward_stream.signals import has_code
+from rtrl.trajectory import Summary
 from rtrl.v1 import reward_pb2, rollout_pb2
 
 RATES = ("edit", "clarifying_question", "broken_tool_call", "dissatisfied")
@@ -135,13 +136,7 @@ class MonitorState:
 
 def policy_version(rollout: rollout_pb2.RolloutRecord) -> int | None:
     """The version that sampled most of the rollout's tokens (the later one on a tie)."""
-    spans = rollout.version_spans
-    if not spans:
-        return None
-    tokens: Counter = Counter()
-    for span in spans:
-        tokens[span.policy_version] += span.end - span.start
-    return max(tokens, key=lambda v: (tokens[v], v))
+    return Summary.of(rollout).majority_version()
 
 
 def is_clarifying_question(completion_text: str) -> bool:
@@ -151,11 +146,11 @@ def is_clarifying_question(completion_text: str) -> bool:
 def behaviours(
     record: reward_pb2.RewardRecord, rollout: rollout_pb2.RolloutRecord
 ) -> dict[str, bool]:
-    c = record.components
+    c, summary = record.components, Summary.of(rollout)
     return {
-        "edit": c.persistence_observed or has_code(rollout.completion_text),
-        "clarifying_question": is_clarifying_question(rollout.completion_text),
-        "broken_tool_call": any(not call.valid for call in rollout.tool_calls),
+        "edit": c.persistence_observed or has_code(summary.final_text),
+        "clarifying_question": is_clarifying_question(summary.final_text),
+        "broken_tool_call": summary.invalid_tool_calls > 0,
         "dissatisfied": c.dissatisfied >= 0.5,
     }
 

@@ -40,7 +40,7 @@ from confluent_kafka import (
     TopicPartition,
 )
 
-from rtrl import kafka, signing, topics
+from rtrl import entrypoint, kafka, signing, topics
 from rtrl.config import StackSettings
 from rtrl.reward_stream import join, reward
 from rtrl.reward_stream.authn import Authenticator
@@ -140,6 +140,41 @@ def rejoin(
         raise KeyError(
             f"unknown reward function version {version!r}; known: {sorted(reward.FUNCTIONS)}"
         )
+    admitted = _admit(retained, config, authenticator)
+    records: list[reward_pb2.RewardRecord] = []
+    dropped = late = 0
+    for partition in sorted(admitted.by_partition):
+        for output in _join_partition(admitted.by_partition[partition], config):
+            if isinstance(output, join.Settled):
+                rollout, telemetry = rollout_of(output.rollout), telemetry_of(output.events)
+                records.append(
+                    reward.reward_record(rollout, telemetry, output.settled_ts_ms, version)
+                )
+            dropped += isinstance(output, join.Dropped)
+            late += isinstance(output, join.Late)
+    return Replay(
+        version, tuple(records), admitted.skipped, dropped, late, admitted.unauthenticated
+    )
+
+
+@dataclass(frozen=True)
+class _Admitted:
+    """The retained records a replay joins, decoded and by partition, and how many it
+    skipped. Produced by _admit; consumed by rejoin."""
+
+    by_partition: dict[int, list[join.Event]]
+    skipped: int
+    unauthenticated: int
+    """Of the skipped, those their writer did not sign."""
+
+
+def _admit(
+    retained: list[RetainedRecord],
+    config: join.JoinConfig,
+    authenticator: Authenticator | None,
+) -> _Admitted:
+    """Decode each record the live joiner would join; skip the others (unsigned,
+    malformed, privacy mode, outside the event-time window), in the order they were read."""
     by_partition: dict[int, list[join.Event]] = defaultdict(list)
     skipped = unauthenticated = 0
     for record in retained:
@@ -165,28 +200,21 @@ def rejoin(
             skipped += 1
             continue
         by_partition[record.partition].append(event)
-    records: list[reward_pb2.RewardRecord] = []
-    dropped = late = 0
-    for partition in sorted(by_partition):
-        state = join.JoinState(config)
-        outputs: list[join.Output] = []
-        for event in sorted(by_partition[partition], key=lambda e: (e.client_ts_ms, e.event_id)):
-            state, out = join.step(state, event, max(state.stream_time_ms, event.client_ts_ms))
-            outputs.extend(out)
-        # Past every deadline and max_wait: everything still pending settles or is dropped.
-        state, out = join.tick(
-            state, state.stream_time_ms + config.max_wait_ms + config.window_ms + 1
-        )
+    return _Admitted(by_partition, skipped, unauthenticated)
+
+
+def _join_partition(events: list[join.Event], config: join.JoinConfig) -> list[join.Output]:
+    """One partition's events joined in event-time order on an event-time clock, then
+    settled past every deadline."""
+    state = join.JoinState(config)
+    outputs: list[join.Output] = []
+    for event in sorted(events, key=lambda e: (e.client_ts_ms, e.event_id)):
+        state, out = join.step(state, event, max(state.stream_time_ms, event.client_ts_ms))
         outputs.extend(out)
-        for output in outputs:
-            if isinstance(output, join.Settled):
-                rollout, telemetry = rollout_of(output.rollout), telemetry_of(output.events)
-                records.append(
-                    reward.reward_record(rollout, telemetry, output.settled_ts_ms, version)
-                )
-            dropped += isinstance(output, join.Dropped)
-            late += isinstance(output, join.Late)
-    return Replay(version, tuple(records), skipped, dropped, late, unauthenticated)
+    # Past every deadline and max_wait: everything still pending settles or is dropped.
+    state, out = join.tick(state, state.stream_time_ms + config.max_wait_ms + config.window_ms + 1)
+    outputs.extend(out)
+    return outputs
 
 
 def publish(
@@ -200,12 +228,9 @@ def publish(
     if signer is None:
         from rtrl.reward_stream.config import RewardStreamSettings
 
-        key = RewardStreamSettings().signing_key.get_secret_value()
-        if not key:
-            raise RuntimeError(
-                "RTRL_REWARD_SIGNING_KEY is not set: a replay is signed with the joiner's key, or no trainer takes it"
-            )
-        signer = signing.Signer(key, signing.Purpose.REWARD)
+        signer = signing.Signer(
+            RewardStreamSettings().signing_key.get_secret_value(), signing.Purpose.REWARD
+        )
     topic = topics.reward_replay(result.version)
     kafka.ensure_topics(settings, (topic,))
     producer = Producer(kafka.producer_config(settings))
@@ -252,10 +277,17 @@ def main() -> None:
         raise SystemExit(2)
     from rtrl.reward_stream.config import RewardStreamSettings
 
-    settings = RewardStreamSettings()
-    authenticator = Authenticator.of(settings, "a replay")
+    # The version was read above; the settings and the keys a replay needs come as the joiner's do.
+    settings, stack = entrypoint.parse_settings(
+        "python -m rtrl.reward_stream.replay",
+        __doc__,
+        RewardStreamSettings,
+        StackSettings,
+        argv=[],
+        required=RewardStreamSettings.required_secrets,
+    )
     result = replay(
-        StackSettings(), settings.join_config(), sys.argv[1], authenticator=authenticator
+        stack, settings.join_config(), sys.argv[1], authenticator=Authenticator.of(settings)
     )
     print(
         f"{topics.reward_replay(result.version)}: {len(result.records)} rewards, "

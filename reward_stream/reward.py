@@ -103,6 +103,7 @@ from rtrl.reward_stream.signals import (
     is_dissatisfied,
     persisted_fraction,
 )
+from rtrl.trajectory import Summary
 from rtrl.v1 import reward_pb2, rollout_pb2, telemetry_pb2
 
 REWARD_FN_VERSION = "r3"
@@ -141,20 +142,22 @@ def components(
     rollout: rollout_pb2.RolloutRecord, telemetry: Sequence[telemetry_pb2.TelemetryEvent]
 ) -> reward_pb2.RewardComponents:
     """The r1 components (see the module docstring)."""
+    summary = Summary.of(rollout)
     shown = _newest(telemetry, "edit_shown")
     snapshot = _newest(telemetry, "persistence")
     if snapshot is not None:
-        persisted = _snapshot_fraction(rollout, shown, snapshot)
+        persisted = _snapshot_fraction(summary, shown, snapshot)
     else:
         persisted = _unobserved_persistence(telemetry)
     followups = _followups(telemetry)
     return _user_components(
         rollout,
+        summary,
         followups,
         persisted_fraction=persisted,
         persistence_observed=snapshot is not None,
         dissatisfied=1.0 if any(is_dissatisfied(m) for m in followups) else 0.0,
-        effort_penalty=min(EFFORT_CAP, EFFORT_PER_TOKEN * len(rollout.completion_token_ids)),
+        effort_penalty=min(EFFORT_CAP, EFFORT_PER_TOKEN * summary.generated_tokens),
     )
 
 
@@ -173,7 +176,9 @@ def made_no_edit(
 ) -> bool:
     """No edit was shown or snapshotted and the completion holds no code (r3)."""
     kinds = {e.WhichOneof("payload") for e in telemetry}
-    return not kinds & {"edit_shown", "persistence"} and not has_code(rollout.completion_text)
+    return not kinds & {"edit_shown", "persistence"} and not has_code(
+        Summary.of(rollout).final_text
+    )
 
 
 def components_r3(
@@ -206,6 +211,7 @@ def components_r2(
     rollout: rollout_pb2.RolloutRecord, telemetry: Sequence[telemetry_pb2.TelemetryEvent]
 ) -> reward_pb2.RewardComponents:
     """The r2 components; persisted_fraction holds the age-weighted value the scalar uses."""
+    summary = Summary.of(rollout)
     shown = _newest(telemetry, "edit_shown")
     snapshot = _newest(telemetry, "persistence")
     if snapshot is not None:
@@ -214,7 +220,7 @@ def components_r2(
             age_s = (snapshot.client_ts_ms - shown.client_ts_ms) / 1000
         trust = persistence_trust(age_s)
         persisted = (
-            trust * _snapshot_fraction(rollout, shown, snapshot)
+            trust * _snapshot_fraction(summary, shown, snapshot)
             + (1.0 - trust) * PERSISTENCE_DEFAULT
         )
     else:
@@ -222,13 +228,12 @@ def components_r2(
     followups = _followups(telemetry)
     return _user_components(
         rollout,
+        summary,
         followups,
         persisted_fraction=persisted,
         persistence_observed=snapshot is not None,
         dissatisfied=max(dissatisfaction(followups)) if followups else 0.0,
-        effort_penalty=effort_penalty_r2(
-            len(rollout.completion_token_ids), len(rollout.tool_calls)
-        ),
+        effort_penalty=effort_penalty_r2(summary.generated_tokens, len(summary.tool_calls)),
     )
 
 
@@ -244,11 +249,11 @@ def reward_r2(c: reward_pb2.RewardComponents) -> float:
 
 
 def _snapshot_fraction(
-    rollout: rollout_pb2.RolloutRecord,
+    summary: Summary,
     shown: telemetry_pb2.TelemetryEvent | None,
     snapshot: telemetry_pb2.TelemetryEvent,
 ) -> float:
-    agent_text = shown.edit_shown.edit_text if shown is not None else rollout.completion_text
+    agent_text = shown.edit_shown.edit_text if shown is not None else summary.final_text
     return persisted_fraction(agent_text, snapshot.persistence.region_text)
 
 
@@ -264,6 +269,7 @@ def _followups(telemetry: Sequence[telemetry_pb2.TelemetryEvent]) -> list[str]:
 
 def _user_components(
     rollout: rollout_pb2.RolloutRecord,
+    summary: Summary,
     followups: list[str],
     *,
     persisted_fraction: float,
@@ -273,7 +279,7 @@ def _user_components(
 ) -> reward_pb2.RewardComponents:
     """The components every version computes the same way, plus the ones each version
     computes its own way (the keyword arguments)."""
-    calls = rollout.tool_calls
+    calls = summary.tool_calls
     return reward_pb2.RewardComponents(
         followup_observed=bool(followups),
         tool_call_validity=sum(call.valid for call in calls) / len(calls) if calls else 1.0,

@@ -211,9 +211,11 @@ class Joiner:
             self._authenticate(topic, value, headers)
             event = decode(topic, key, value, handle, caught_up)
         except (MalformedEvent, PrivacyModeEvent) as exc:
-            self.states[partition], outputs = join.skip(
-                state, SOURCE_OF_TOPIC[topic], caught_up, now_ms
-            )
+            source = SOURCE_OF_TOPIC.get(topic)
+            outputs: list[join.Output] = []
+            # A topic the join does not read (the authenticator refuses it) moves no source.
+            if source is not None:
+                self.states[partition], outputs = join.skip(state, source, caught_up, now_ms)
             batch = self._batch(outputs)
             if isinstance(exc, PrivacyModeEvent):
                 self.counters.privacy_dropped += 1

@@ -57,6 +57,11 @@ class Admission:
         self.refused[refusal.status] += 1
         return refusal
 
+    def refuse(self, refusal: Refusal) -> Refusal:
+        """``refusal``, counted: a refusal the listener words itself (the serving API's
+        403 names the completions scope)."""
+        return self._refuse(refusal)
+
     async def authenticate(self, authorization: str) -> tuple[ApiKey | None, Refusal | None]:
         """Who is asking, from the Authorization header alone."""
         if self.keys is None:

@@ -6,11 +6,15 @@ embedded stack and a production cluster differ in configuration alone.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import Field, SecretStr, model_validator
+from pydantic import AfterValidator, Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from rtrl import signing
 
 
 class Settings(BaseSettings):
@@ -19,6 +23,79 @@ class Settings(BaseSettings):
     docstring under each field kept as its description (``--help``, docs/configuration.md)."""
 
     model_config = SettingsConfigDict(extra="ignore", use_attribute_docstrings=True)
+
+
+def env_name(cls: type[BaseSettings], field: str) -> str:
+    """The environment variable ``field`` of ``cls`` is read from."""
+    prefix = cls.model_config.get("env_prefix", "")
+    return f"{prefix}{field}".upper()
+
+
+# ---- secrets: their shape is checked wherever settings are built, their presence where a
+# service starts (RequiredSecret), so in-process services and tests can build settings
+# without the secrets they do not use.
+
+
+def _check_token(token: str) -> None:
+    if not (token.isascii() and token.isprintable()) or " " in token:
+        raise ValueError(
+            "not a bearer token: printable ASCII without spaces (it travels in an Authorization header)"
+        )
+
+
+def _secret(check: Callable[[str], object]) -> AfterValidator:
+    """A secret's text checked by ``check`` (which raises ValueError) unless it is empty."""
+
+    def validate(value: SecretStr) -> SecretStr:
+        if value.get_secret_value():
+            check(value.get_secret_value())
+        return value
+
+    return AfterValidator(validate)
+
+
+def _mac_keys(value: SecretStr) -> SecretStr:
+    # Normalised, so a list of nothing but commas reads as unset.
+    return SecretStr(",".join(signing.parse_mac_keys(value.get_secret_value())))
+
+
+def _public_keys(value: str) -> str:
+    return ",".join(signing.parse_public_keys(value))
+
+
+SigningKey = Annotated[SecretStr, _secret(signing.check_private_key)]
+"""An Ed25519 private key, base64url (rtrl/signing.py; ``python -m rtrl.signing`` prints one)."""
+MacKey = Annotated[SecretStr, _secret(signing.check_mac_key)]
+"""One event key: 32 bytes, base64url."""
+MacKeys = Annotated[SecretStr, AfterValidator(_mac_keys)]
+"""Event keys, comma-separated (more than one while keys rotate)."""
+PublicKeys = Annotated[str, AfterValidator(_public_keys)]
+"""Ed25519 public keys, base64url, comma-separated (more than one while keys rotate). Not secret."""
+BearerToken = Annotated[SecretStr, _secret(_check_token)]
+"""A bearer token: printable ASCII without spaces."""
+
+
+@dataclass(frozen=True)
+class RequiredSecret:
+    """A secret, or the public keys that verify what a service reads, without which the
+    service does not start: ``python -m SERVICE`` refuses it unset, naming its variable and
+    saying why (rtrl/entrypoint.py parse_settings). A malformed one is refused by its
+    field's type wherever the settings are built."""
+
+    settings: BaseSettings
+    """The parsed settings that hold it: the service's own, or StackSettings."""
+    field: str
+    why: str
+    """What the service does with it, and where it comes from."""
+
+    @property
+    def variable(self) -> str:
+        return env_name(type(self.settings), self.field)
+
+    def is_set(self) -> bool:
+        value: str | SecretStr = getattr(self.settings, self.field)
+        text = value.get_secret_value() if isinstance(value, SecretStr) else value
+        return bool(text.strip())
 
 
 class StackSettings(Settings):
@@ -75,21 +152,21 @@ class StackSettings(Settings):
     """CA certificate that signed weight_sync's (and its relays') certificate: set it when they
     listen with TLS (RTRL_WEIGHT_SYNC_TLS_CERT_FILE), and every client connects with TLS."""
 
-    weight_sync_token: SecretStr = SecretStr("")
+    weight_sync_token: BearerToken = SecretStr("")
     """Bearer token that allows publishing weights (the trainer, and weight_sync to check it).
-    No default: weight_sync refuses to start without one (`rtrl up` generates its own)."""
+    No default: both refuse to start without one (`rtrl up` generates its own)."""
 
-    weight_sync_subscribe_token: SecretStr = SecretStr("")
-    """Bearer token that allows following versions (inference workers and relays); it
-    cannot publish. No default, as for the publish token."""
+    weight_sync_subscribe_token: BearerToken = SecretStr("")
+    """Bearer token that allows following versions (inference workers, relays, SGLang
+    sidecars); it cannot publish. No default, as for the publish token."""
 
-    manifest_public_keys: str = ""
+    manifest_public_keys: PublicKeys = ""
     """The trainer's Ed25519 public key(s) for weight manifests, comma-separated (more than
     one while keys rotate; weight_sync/provenance.py): a worker applies only versions
     whose manifest verifies against one. Not secret. No default: workers refuse to
     start without one (`rtrl up` derives it from the trainer's key)."""
 
-    api_key_public_keys: str = ""
+    api_key_public_keys: PublicKeys = ""
     """The operator's Ed25519 public key(s) for API key records, comma-separated (rtrl/api_keys.py):
     the ingest gateway and the serving API accept only keys whose record in Redis verifies
     against one. Not secret. No default: they refuse to start without one when they

@@ -2,7 +2,10 @@
 (and telemetry, in the service), then run.
 
     def main() -> None:
-        settings, stack = entrypoint.parse_settings("python -m rtrl.ingest", __doc__, IngestSettings, StackSettings)
+        settings, stack = entrypoint.parse_settings(
+            "python -m rtrl.ingest", __doc__, IngestSettings, StackSettings,
+            required=IngestSettings.required_secrets,
+        )
         entrypoint.configure_logging()
         service_process()
         otel.configure(SERVICE, stack)
@@ -12,18 +15,22 @@ Services are configured by environment variables only, so the command line takes
 ``--help``: the service's summary and every variable it reads, with its default and
 the docstring under its field. Settings are parsed before anything heavy is imported,
 so ``--help`` and a bad setting answer at once; a bad setting exits with status 2,
-naming the variable, without a traceback.
+naming the variable, without a traceback. So does a secret the service needs
+(``required``: each service's settings say which) that is unset; one that is set but
+malformed (not an Ed25519 key, say) is a bad setting like any other.
 """
 
 from __future__ import annotations
 
 import logging
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, NoReturn
 
 from pydantic import SecretStr, ValidationError
 from pydantic_settings import BaseSettings
+
+from rtrl.config import RequiredSecret, env_name
 
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 """Every service's log line: time, level, logger, message."""
@@ -32,11 +39,6 @@ QUIET_LIBRARIES = ("faust", "mode", "aiokafka", "kafka", "urllib3", "botocore", 
 """Libraries whose INFO lines are their own business: warnings and errors only."""
 
 USAGE_ERROR = 2
-
-
-def env_name(cls: type[BaseSettings], field: str) -> str:
-    prefix = cls.model_config.get("env_prefix", "")
-    return f"{prefix}{field}".upper()
 
 
 def usage(prog: str, summary: str | None, classes: Sequence[type[BaseSettings]]) -> str:
@@ -67,10 +69,15 @@ def usage(prog: str, summary: str | None, classes: Sequence[type[BaseSettings]])
 
 
 def parse_settings(
-    prog: str, summary: str | None, *classes: type[BaseSettings], argv: Sequence[str] | None = None
+    prog: str,
+    summary: str | None,
+    *classes: type[BaseSettings],
+    argv: Sequence[str] | None = None,
+    required: Callable[..., Iterable[RequiredSecret]] | None = None,
 ) -> tuple[Any, ...]:
     """Each settings class read from the environment, in order; ``--help`` prints the usage
-    and exits 0, anything else on the command line or a bad setting exits 2."""
+    and exits 0, anything else on the command line, a bad setting or a secret that
+    ``required(*parsed)`` names and is unset exits 2."""
     args = list(sys.argv[1:] if argv is None else argv)
     if {"-h", "--help"} & set(args):
         print(usage(prog, summary, classes))
@@ -86,6 +93,14 @@ def parse_settings(
             parsed.append(cls())
         except ValidationError as error:
             _usage_error(prog, "invalid configuration:\n" + _explain(cls, error))
+    needed = required(*parsed) if required is not None else ()
+    missing = [secret for secret in needed if not secret.is_set()]
+    if missing:
+        _usage_error(
+            prog,
+            "invalid configuration:\n"
+            + "\n".join(f"  {secret.variable}: missing: {secret.why}" for secret in missing),
+        )
     return tuple(parsed)
 
 

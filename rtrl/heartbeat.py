@@ -130,7 +130,7 @@ class GateVerdict:
     """``"checker vs reference: candidate < reference - tolerance"``, one per failed check."""
 
 
-# Produced by trainer.loop.Trainer when the eval gate refuses a candidate; consumed by
+# Produced by trainer.report.Reporter when the eval gate refuses a candidate; consumed by
 # `rtrl status` (its refusals table) and tests.
 @dataclass(frozen=True)
 class GateRefusal:
@@ -145,7 +145,7 @@ class GateRefusal:
     regressions: tuple[str, ...] = ()
 
 
-# Produced by trainer.loop.Trainer from a step's trainer.mismatch.Mismatch; consumed by the
+# Produced by trainer.report.Reporter from a step's trainer.mismatch.Mismatch; consumed by the
 # trainer's beat and `rtrl status` (its row, and --json).
 @dataclass(frozen=True)
 class TrainerMismatch:
@@ -163,7 +163,7 @@ class TrainerMismatch:
     tokens: int
 
 
-# Produced by trainer.loop.Trainer (Trainer.heartbeat); consumed by `rtrl status`,
+# Produced by trainer.report.Reporter (Trainer.heartbeat); consumed by `rtrl status`,
 # health (published version) and `rtrl bench loop`.
 @dataclass(frozen=True)
 class TrainerBeat:

@@ -23,6 +23,7 @@ it as children, through the manifest's ``traceparent``.
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import json
 import logging
 import ssl
@@ -62,32 +63,12 @@ def configure(service: str, stack: StackSettings) -> None:
     resource = Resource.create(
         {"service.name": f"rtrl-{service}", "service.instance.id": stack.instance}
     )
+    exporters = _exporters(service, stack)
     readers: list[MetricReader] = []
-    closing: list[Callable[[], None]] = []
-    span_exporter: SpanExporter | None = None
-    metric_exporter: MetricExporter  # set wherever span_exporter is
-    if stack.otel_exporter == "file":
-        directory = otel_dir(stack)
-        directory.mkdir(parents=True, exist_ok=True)
-        stem = f"{service}-{stack.instance}"
-        spans = open(directory / f"{stem}.spans.jsonl", "a", encoding="utf-8")
-        samples = open(directory / f"{stem}.metrics.jsonl", "a", encoding="utf-8")
-        closing += [spans.close, samples.close]
-        span_exporter = ConsoleSpanExporter(out=spans, formatter=span_line)
-        metric_exporter = ConsoleMetricExporter(
-            out=samples, formatter=lambda data: data.to_json(indent=None) + "\n"
-        )
-    elif stack.otel_exporter == "otlp":
-        from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import OTLPMetricExporter
-        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
-
-        insecure = stack.otlp_endpoint.startswith("http://")
-        span_exporter = OTLPSpanExporter(endpoint=stack.otlp_endpoint, insecure=insecure)
-        metric_exporter = OTLPMetricExporter(endpoint=stack.otlp_endpoint, insecure=insecure)
-    if span_exporter is not None:
+    if exporters is not None:
         readers.append(
             PeriodicExportingMetricReader(
-                metric_exporter, export_interval_millis=stack.otel_metric_interval_s * 1000
+                exporters.metrics, export_interval_millis=stack.otel_metric_interval_s * 1000
             )
         )
     if stack.metrics_port:
@@ -99,15 +80,71 @@ def configure(service: str, stack: StackSettings) -> None:
                 stack.metrics_tls_key_file,
             )
         )
-    if span_exporter is None and not readers:
+    if exporters is None and not readers:
         return
-    sampler = ParentBased(TraceIdRatioBased(stack.otel_trace_sample_ratio))
+    _install(resource, stack.otel_trace_sample_ratio, exporters, readers)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Exporters:
+    """Where this process's spans and metric samples go (``RTRL_OTEL_EXPORTER``)."""
+
+    spans: SpanExporter
+    metrics: MetricExporter
+    closing: tuple[Callable[[], None], ...] = ()
+    """Closed at exit, after the providers have flushed into them."""
+
+
+def _exporters(service: str, stack: StackSettings) -> _Exporters | None:
+    """The exporters ``stack.otel_exporter`` names; None for ``none``."""
+    if stack.otel_exporter == "file":
+        return _file_exporters(otel_dir(stack), f"{service}-{stack.instance}")
+    if stack.otel_exporter == "otlp":
+        return _otlp_exporters(stack.otlp_endpoint)
+    return None
+
+
+def _file_exporters(directory: Path, stem: str) -> _Exporters:
+    """JSON lines appended to ``<stem>.spans.jsonl`` and ``<stem>.metrics.jsonl``."""
+    directory.mkdir(parents=True, exist_ok=True)
+    spans = open(directory / f"{stem}.spans.jsonl", "a", encoding="utf-8")
+    samples = open(directory / f"{stem}.metrics.jsonl", "a", encoding="utf-8")
+    return _Exporters(
+        spans=ConsoleSpanExporter(out=spans, formatter=span_line),
+        metrics=ConsoleMetricExporter(
+            out=samples, formatter=lambda data: data.to_json(indent=None) + "\n"
+        ),
+        closing=(spans.close, samples.close),
+    )
+
+
+def _otlp_exporters(endpoint: str) -> _Exporters:
+    """OTLP/gRPC to the collector at ``endpoint`` (plaintext when it says ``http://``)."""
+    from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import OTLPMetricExporter
+    from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+
+    insecure = endpoint.startswith("http://")
+    return _Exporters(
+        spans=OTLPSpanExporter(endpoint=endpoint, insecure=insecure),
+        metrics=OTLPMetricExporter(endpoint=endpoint, insecure=insecure),
+    )
+
+
+def _install(
+    resource: Resource,
+    sample_ratio: float,
+    exporters: _Exporters | None,
+    readers: list[MetricReader],
+) -> None:
+    """Set the global tracer and meter providers, and shut them down at exit."""
+    sampler = ParentBased(TraceIdRatioBased(sample_ratio))
     tracer_provider = TracerProvider(resource=resource, sampler=sampler)
-    if span_exporter is not None:
-        tracer_provider.add_span_processor(BatchSpanProcessor(span_exporter))
+    if exporters is not None:
+        tracer_provider.add_span_processor(BatchSpanProcessor(exporters.spans))
     meter_provider = MeterProvider(resource=resource, metric_readers=readers)
     trace.set_tracer_provider(tracer_provider)
     metrics.set_meter_provider(meter_provider)
+    closing = exporters.closing if exporters is not None else ()
 
     def shutdown() -> None:
         tracer_provider.shutdown()

@@ -86,6 +86,11 @@ def _public(text: str) -> Ed25519PublicKey:
     return Ed25519PublicKey.from_public_bytes(_raw_key(text, "an Ed25519 public"))
 
 
+def check_private_key(text: str) -> None:
+    """Raises ValueError, saying why, unless ``text`` is an Ed25519 private key."""
+    _private(text)
+
+
 def _message(purpose: Purpose, payload: bytes) -> bytes:
     return b"rtrl/v1/" + purpose.value.encode() + b"\0" + payload
 
@@ -187,6 +192,11 @@ class MacVerifier:
             return f"signed by an unknown key {signer[:32].decode(errors='replace')!r}"
         expected = hmac.digest(key, _message(self.purpose, payload), "sha256")
         return None if hmac.compare_digest(expected, tag) else "bad signature"
+
+
+def check_mac_key(text: str) -> None:
+    """Raises ValueError, saying why, unless ``text`` is one event key."""
+    _raw_key(text, "an event")
 
 
 def parse_mac_keys(text: str) -> list[str]:

@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 import aiohttp
 
 from rtrl.ingest.client import IngestClient, make_event
-from rtrl.simulator.tasks import UNIQUE_MAX_TOKENS, UniqueTasks, random_task
-from rtrl.simulator.users import User, population, react
+from rtrl.simulator.tasks import UNIQUE_MAX_TOKENS, Task, UniqueTasks, random_task
+from rtrl.simulator.users import Reaction, User, population, react
 from rtrl.v1 import ingest_pb2, telemetry_pb2
 
 ACCEPTED = ingest_pb2.EventResult.STATUS_ACCEPTED
@@ -162,38 +162,10 @@ class Product:
         else:
             task = self.unique_tasks.draw(rng, project=user.project)
         session_id = f"s-{user.user_id}"
-        body = {
-            "prompt": task.prompt,
-            "user_id": user.user_id,
-            "session_id": session_id,
-            "privacy_mode": user.privacy_mode,
-        }
-        if task.serial:
-            body["max_tokens"] = UNIQUE_MAX_TOKENS
-        async with http.post(
-            f"{url}/v1/completions", json=body, headers=self._serving_headers
-        ) as resp:
-            if resp.status != 200:
-                raise RuntimeError(f"inference answered {resp.status}: {(await resp.text())[:200]}")
-            completion = await resp.json()
+        completion = await self._complete(http, url, user, task, session_id)
         shown_ms = int(time.time() * 1000)
         reaction = react(user, task, completion["text"], rng)
-        if user.privacy_mode:
-            self.stats.privacy_completions += 1
-            self.stats.private_user_ids.add(user.user_id)
-        else:
-            arm = self.stats.arms[completion["arm"]]
-            arm.completions += 1
-            arm.persisted += reaction.persisted_fraction >= 0.999
-            arm.dissatisfied += reaction.dissatisfied
-            asked = reaction.region_text is None
-            arm.questions += asked
-            arm.latency_s.append(completion["latency_s"])
-            arm.recent.append((reaction.persisted_fraction >= 0.999, reaction.dissatisfied, asked))
-            arm.asked.append((time.monotonic() - self.stats.started, asked))
-            arm.max_version = max(
-                [arm.max_version] + [span["version"] for span in completion["policy_versions"]]
-            )
+        self._count(user, completion, reaction)
         rollout_id = completion["rollout_id"]
         shown = None
         if reaction.region_text is not None:
@@ -219,6 +191,45 @@ class Product:
         )
         self._reports.add(report)
         report.add_done_callback(self._reports.discard)
+
+    async def _complete(
+        self, http: aiohttp.ClientSession, url: str, user: User, task: Task, session_id: str
+    ) -> dict:
+        """The worker's completion for the user's task (its JSON answer)."""
+        body = {
+            "prompt": task.prompt,
+            "user_id": user.user_id,
+            "session_id": session_id,
+            "privacy_mode": user.privacy_mode,
+        }
+        if task.serial:
+            body["max_tokens"] = UNIQUE_MAX_TOKENS
+        async with http.post(
+            f"{url}/v1/completions", json=body, headers=self._serving_headers
+        ) as resp:
+            if resp.status != 200:
+                raise RuntimeError(f"inference answered {resp.status}: {(await resp.text())[:200]}")
+            return await resp.json()
+
+    def _count(self, user: User, completion: dict, reaction: Reaction) -> None:
+        """A completion shown and what the user did with it, in its arm's stats (a
+        privacy-mode user's only as such: no arm counts it)."""
+        if user.privacy_mode:
+            self.stats.privacy_completions += 1
+            self.stats.private_user_ids.add(user.user_id)
+            return
+        arm = self.stats.arms[completion["arm"]]
+        arm.completions += 1
+        arm.persisted += reaction.persisted_fraction >= 0.999
+        arm.dissatisfied += reaction.dissatisfied
+        asked = reaction.region_text is None
+        arm.questions += asked
+        arm.latency_s.append(completion["latency_s"])
+        arm.recent.append((reaction.persisted_fraction >= 0.999, reaction.dissatisfied, asked))
+        arm.asked.append((time.monotonic() - self.stats.started, asked))
+        arm.max_version = max(
+            [arm.max_version] + [span["version"] for span in completion["policy_versions"]]
+        )
 
     async def _report(
         self,

@@ -24,6 +24,7 @@ from rtrl.policy import EOS, encode
 from rtrl.simulator.tasks import PROJECT_STYLES, random_style, random_task
 from rtrl.trainer.batch import TrainBatch, TrainSample, collate
 from rtrl.trainer.distributed import (
+    World,
     broadcast_batch,
     close_world,
     full_state_dict,
@@ -93,16 +94,7 @@ def synthetic_batches(model: torch.nn.Module, steps: int, seed: int) -> list[Tra
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, required=True)
-    parser.add_argument(
-        "--out", type=Path, required=True, help="JSON of per-step metrics (written by rank 0)"
-    )
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument(
-        "--weights", type=Path, help="also save the final weights here (safetensors)"
-    )
-    args = parser.parse_args()
+    args = _arguments()
     entrypoint.configure_logging()
 
     from safetensors.torch import save_file
@@ -122,6 +114,46 @@ def main() -> None:
         ]
         shard(model, world)
         shard(ref, world)
+    history = _train(model, ref, batches, world, log_steps=rank == 0)
+    final = full_state_dict(model, world) if world else state_dict_fp32(model)
+    if rank == 0:
+        assert final is not None  # full_state_dict gathers the weights on rank 0
+        _write_report(args.out, world_size, history, initial, final)
+        if args.weights:
+            save_file(final, str(args.weights))
+    if world:
+        close_world()
+        # Gloo's worker threads can still hold the last collectives' tensors, and
+        # releasing them during interpreter shutdown aborts the process (SIGABRT in
+        # about one run in ten), so leave without the shutdown.
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
+
+
+def _arguments() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, required=True)
+    parser.add_argument(
+        "--out", type=Path, required=True, help="JSON of per-step metrics (written by rank 0)"
+    )
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--weights", type=Path, help="also save the final weights here (safetensors)"
+    )
+    return parser.parse_args()
+
+
+def _train(
+    model: torch.nn.Module,
+    ref: torch.nn.Module,
+    batches: list[TrainBatch],
+    world: World | None,
+    *,
+    log_steps: bool,
+) -> list[StepMetrics]:
+    """One RL step per batch, sharded over ``world`` when there is one; the metrics of each."""
     optimizer = build_optimizer(model, LEARNING_RATE)
     history: list[StepMetrics] = []
     for step, batch in enumerate(batches):
@@ -147,7 +179,7 @@ def main() -> None:
                 grad_clip=GRAD_CLIP,
             )
         history.append(metrics)
-        if rank == 0:
+        if log_steps:
             log.info(
                 "step %d rows %d tokens %d loss %.5f kl %.5f grad_norm %.4f clipped %.3f",
                 step,
@@ -158,21 +190,7 @@ def main() -> None:
                 metrics.grad_norm,
                 metrics.clipped_fraction,
             )
-    final = full_state_dict(model, world) if world else state_dict_fp32(model)
-    if rank == 0:
-        assert final is not None  # full_state_dict gathers the weights on rank 0
-        _write_report(args.out, world_size, history, initial, final)
-        if args.weights:
-            save_file(final, str(args.weights))
-    if world:
-        close_world()
-        # Gloo's worker threads can still hold the last collectives' tensors, and
-        # releasing them during interpreter shutdown aborts the process (SIGABRT in
-        # about one run in ten), so leave without the shutdown.
-        logging.shutdown()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)
+    return history
 
 
 def _write_report(

@@ -257,23 +257,7 @@ def train(
     while step < recipe.max_steps:
         for group in optimizer.param_groups:
             group["lr"] = recipe.lr * min(1.0, (step + 1) / recipe.warmup_steps)
-        ids, mask, projects = _batch(rng, recipe)
-        outputs = model(input_ids=ids, output_hidden_states=recipe.context_aux_weight > 0)
-        logits = outputs.logits[:, :-1]
-        token_loss = F.cross_entropy(
-            logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1), reduction="none"
-        )
-        loss = (token_loss.view(mask.shape) * mask).sum() / mask.sum()
-        total = loss
-        if recipe.context_aux_weight > 0:
-            project_logits = project_head(outputs.hidden_states[-1][:, :-1])
-            targets = projects[:, None].expand(mask.shape)
-            aux = F.cross_entropy(
-                project_logits.reshape(-1, PROJECTS), targets.reshape(-1), reduction="none"
-            )
-            total = (
-                loss + recipe.context_aux_weight * (aux.view(mask.shape) * mask).sum() / mask.sum()
-            )
+        loss, total = _losses(model, project_head, *_batch(rng, recipe), recipe.context_aux_weight)
         optimizer.zero_grad(set_to_none=True)
         total.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -282,15 +266,8 @@ def train(
         loss_value = loss.item()
         if progress is not None:
             progress(step, recipe.max_steps, loss_value)
-        if step >= recipe.min_steps and step % recipe.eval_every == 0:
-            quality = measure(
-                model,
-                recipe.eval_samples,
-                seed=recipe.seed + 1,
-                unique_prompts=recipe.unique_prompts,
-            )
-            if quality.parse_rate + quality.question_rate >= recipe.target_parse_rate:
-                break
+        if _well_formed(model, recipe, step):
+            break
     if progress is not None and step < recipe.max_steps:
         progress(recipe.max_steps, recipe.max_steps, loss_value)
     model.eval()
@@ -301,6 +278,46 @@ def train(
         final_loss=loss_value,
         quality=measure(model, unique_prompts=recipe.unique_prompts),
     )
+
+
+def _losses(
+    model: torch.nn.Module,
+    project_head: torch.nn.Module,
+    ids: torch.Tensor,
+    mask: torch.Tensor,
+    projects: torch.Tensor,
+    aux_weight: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The cross-entropy of the completion tokens, and what a step minimises: that plus,
+    with ``aux_weight``, the project head's loss at the same positions."""
+    outputs = model(input_ids=ids, output_hidden_states=aux_weight > 0)
+    logits = outputs.logits[:, :-1]
+    token_loss = F.cross_entropy(
+        logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1), reduction="none"
+    )
+    loss = (token_loss.view(mask.shape) * mask).sum() / mask.sum()
+    total = loss
+    if aux_weight > 0:
+        project_logits = project_head(outputs.hidden_states[-1][:, :-1])
+        targets = projects[:, None].expand(mask.shape)
+        aux = F.cross_entropy(
+            project_logits.reshape(-1, PROJECTS), targets.reshape(-1), reduction="none"
+        )
+        total = loss + aux_weight * (aux.view(mask.shape) * mask).sum() / mask.sum()
+    return loss, total
+
+
+def _well_formed(model: torch.nn.Module, recipe: WarmStartRecipe, step: int) -> bool:
+    """At an evaluation step, whether sampled completions are well formed enough to stop."""
+    if step < recipe.min_steps or step % recipe.eval_every != 0:
+        return False
+    quality = measure(
+        model,
+        recipe.eval_samples,
+        seed=recipe.seed + 1,
+        unique_prompts=recipe.unique_prompts,
+    )
+    return quality.parse_rate + quality.question_rate >= recipe.target_parse_rate
 
 
 def ensure_warm_start(

@@ -20,7 +20,11 @@ from rtrl.trainer.config import TrainerSettings
 
 def main() -> None:
     settings, stack = entrypoint.parse_settings(
-        "python -m rtrl.trainer", __doc__, TrainerSettings, StackSettings
+        "python -m rtrl.trainer",
+        __doc__,
+        TrainerSettings,
+        StackSettings,
+        required=TrainerSettings.required_secrets,
     )
     entrypoint.configure_logging()
     service_process(shutdown_budget_s=None)

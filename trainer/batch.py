@@ -15,6 +15,14 @@ import torch
 
 from rtrl.moe import unpack_routes
 from rtrl.policy import PAD, VOCAB_SIZE
+from rtrl.trajectory import (
+    MalformedTrajectory,
+    Segment,
+    Summary,
+    TargetAlignment,
+    Trajectory,
+    targets,
+)
 from rtrl.v1 import common_pb2, reward_pb2, rollout_pb2
 
 
@@ -61,12 +69,15 @@ class TrainSample:
     token_versions: tuple[int, ...] = ()
     """The version that sampled each completion token (from the record's version spans)."""
 
-
-def _token_versions(spans, completion: int) -> tuple[int, ...]:
-    versions = [-1] * completion
-    for span in spans:
-        versions[span.start : span.end] = [span.policy_version] * (span.end - span.start)
-    return tuple(versions)
+    @property
+    def trajectory(self) -> Trajectory:
+        """The prompt and the completion as one generated segment. Built without per-token
+        versions (benches, tests), every token takes the oldest version."""
+        versions = self.token_versions
+        if len(versions) != len(self.completion_ids):
+            versions = (self.oldest_version,) * len(self.completion_ids)
+        generated = Segment.generated(self.completion_ids, self.behaviour_logprobs, versions)
+        return Trajectory.single_turn(self.prompt_ids, generated)
 
 
 def to_sample(
@@ -81,40 +92,45 @@ def to_sample(
     rollout = record.rollout
     if rollout.arm != common_pb2.ARM_TREATMENT:
         return Drop.CONTROL_ARM
-    completion = tuple(rollout.completion_token_ids)
-    if not completion:
+    if Summary.of(rollout).generated_tokens == 0:
         return Drop.EMPTY
-    prompt = tuple(rollout.prompt_token_ids)
-    logprobs = tuple(rollout.completion_logprobs)
-    spans = rollout.version_spans
-    if (
-        not prompt
-        or len(logprobs) != len(completion)
-        or not spans
-        or max(prompt + completion) >= vocab_size
-        or sum(s.end - s.start for s in spans) != len(completion)
-        or not _routes_fit(rollout, len(prompt) + len(completion) - 1)
-    ):
+    trajectory = _trainable(rollout, vocab_size)
+    if trajectory is None:
         return Drop.MALFORMED
     if rollout.sampling.temperature <= 0:
         return Drop.GREEDY
+    prompt, completion = trajectory.prompt_ids, trajectory.generated_ids
     if len(prompt) + len(completion) > max_positions:
         return Drop.TOO_LONG
     return TrainSample(
         rollout_id=record.rollout_id or rollout.rollout_id,
-        group=rollout.prompt_group_id or rollout.prompt_text or ",".join(map(str, prompt)),
+        group=rollout.prompt_group_id or trajectory.prompt_text or ",".join(map(str, prompt)),
         prompt_ids=prompt,
         completion_ids=completion,
-        behaviour_logprobs=logprobs,
+        behaviour_logprobs=trajectory.generated_logprobs,
         temperature=float(rollout.sampling.temperature),
         reward=float(record.reward),
-        oldest_version=min(s.policy_version for s in spans),
-        token_versions=_token_versions(spans, len(completion)),
+        oldest_version=min(trajectory.generated_versions),
+        token_versions=trajectory.generated_versions,
         last_event_ts_ms=int(record.last_event_ts_ms),
         traceparent=record.traceparent or rollout.traceparent,
         context=context_of(rollout) if context_of is not None else "",
         router_choices=rollout.router_choices if rollout.HasField("router_choices") else None,
     )
+
+
+def _trainable(rollout: rollout_pb2.RolloutRecord, vocab_size: int) -> Trajectory | None:
+    """The rollout's trajectory, or None when it is malformed: log-probs or version spans
+    that do not fit its tokens, no prompt, an id outside the vocabulary, or routes that
+    miss a position its sampler ran."""
+    try:
+        trajectory = Trajectory.of(rollout)
+        row = targets(trajectory)
+    except MalformedTrajectory:
+        return None
+    if max(row.input_ids) >= vocab_size:
+        return None
+    return trajectory if _routes_fit(rollout, row.targets) else None
 
 
 def _routes_fit(rollout: rollout_pb2.RolloutRecord, positions: int) -> bool:
@@ -203,19 +219,24 @@ class TrainBatch:
     trainer's forwards (trainer/router_replay.py); None: re-routed."""
 
 
+def alignments(samples: Sequence[TrainSample]) -> list[TargetAlignment]:
+    """Each sample's training row: collate's layout, read by the mismatch probe as well."""
+    return [targets(sample.trajectory) for sample in samples]
+
+
 def collate(samples: Sequence[TrainSample]) -> TrainBatch:
     if not samples:
         raise ValueError("empty batch")
-    width = max(len(s.prompt_ids) + len(s.completion_ids) for s in samples)
+    rows = alignments(samples)
+    width = max(len(row.input_ids) for row in rows)
     input_ids = torch.full((len(samples), width), PAD, dtype=torch.long)
     target_mask = torch.zeros(len(samples), width - 1)
     behaviour = torch.zeros(len(samples), width - 1)
-    for row, s in enumerate(samples):
-        p, c = len(s.prompt_ids), len(s.completion_ids)
-        input_ids[row, : p + c] = torch.tensor(s.prompt_ids + s.completion_ids)
-        # Completion token j sits at position p+j and is predicted from position p+j-1.
-        target_mask[row, p - 1 : p - 1 + c] = 1.0
-        behaviour[row, p - 1 : p - 1 + c] = torch.tensor(s.behaviour_logprobs)
+    for index, row in enumerate(rows):
+        input_ids[index, : len(row.input_ids)] = torch.tensor(row.input_ids)
+        for run in row.runs:
+            target_mask[index, run.start : run.end] = 1.0
+            behaviour[index, run.start : run.end] = torch.tensor(run.segment.logprobs)
     return TrainBatch(
         input_ids=input_ids,
         target_mask=target_mask,

@@ -12,6 +12,7 @@ the weights that held them are gone, so no rollout is trained twice).
 
 from __future__ import annotations
 
+import enum
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -50,6 +51,14 @@ class Candidate:
     optimizer_state: dict[str, Any] | None
     """The optimizer state that goes with them (None: the learner still holds it)."""
     verdict: Future[Verdict]
+
+
+class Settled(enum.Enum):
+    """What acting on the verdict of the candidate at the gate came to (Trainer._settle)."""
+
+    NOTHING = "nothing"  # no candidate at the gate, or its verdict is not in yet
+    PUBLISHED = "published"
+    REFUSED = "refused"  # the learner is back on the published state
 
 
 class Judge:

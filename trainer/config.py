@@ -9,7 +9,7 @@ from typing import Literal
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import SettingsConfigDict
 
-from rtrl.config import Settings
+from rtrl.config import PublicKeys, RequiredSecret, Settings, SigningKey, StackSettings
 from rtrl.plugins import check_spec
 
 
@@ -113,13 +113,13 @@ class TrainerSettings(Settings):
     poll_timeout_s: float = Field(0.1, gt=0, le=5)
     """Longest a single Kafka poll blocks; bounds how late max_wait_s and shutdown are noticed."""
 
-    reward_public_keys: str = ""
+    reward_public_keys: PublicKeys = ""
     """The joiner's Ed25519 public key(s), comma-separated (more than one while keys rotate;
     rtrl/signing.py): a reward whose signature does not verify against one is never trained
     on: dropped as ``unsigned`` or ``forged``, counted and dead-lettered. No default: the
     trainer refuses to start without one."""
 
-    manifest_signing_key: SecretStr = SecretStr("")
+    manifest_signing_key: SigningKey = SecretStr("")
     """The trainer's Ed25519 private key for weight manifests (base64url,
     weight_sync/provenance.py): every version it publishes is signed with it, and workers
     apply only versions that verify against its public key (RTRL_MANIFEST_PUBLIC_KEYS).
@@ -174,6 +174,26 @@ class TrainerSettings(Settings):
 
     reward_window_steps: int = Field(20, ge=1)
     """Steps over which the heartbeat's reward_mean is averaged."""
+
+    def required_secrets(self, stack: StackSettings) -> list[RequiredSecret]:
+        """What ``python -m rtrl.trainer`` does not start without."""
+        return [
+            RequiredSecret(
+                self,
+                "manifest_signing_key",
+                "the trainer signs every version it publishes (rtrl up generates it)",
+            ),
+            RequiredSecret(
+                self,
+                "reward_public_keys",
+                "the trainer trains only on rewards the joiner signed (rtrl up derives it)",
+            ),
+            RequiredSecret(
+                stack,
+                "weight_sync_token",
+                "the trainer publishes its versions to weight_sync with it (rtrl up generates it)",
+            ),
+        ]
 
     @field_validator("initial_policy", "eval_suite", "context_key")
     @classmethod

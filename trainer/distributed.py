@@ -123,6 +123,36 @@ class LocalObjective:
     """Over this rank's rows; the ranks' are merged (trainer.mismatch.merge)."""
 
 
+@dataclass(frozen=True)
+class LocalRows:
+    """This rank's rows of a batch, on the model's device."""
+
+    batch: TrainBatch
+    start: int
+    stop: int
+    """The rows' range in the whole batch (the placeholder row 0 for a rank without tokens)."""
+    tokens: int
+    """Their completion tokens (0: the rows are a placeholder)."""
+
+
+def local_rows(batch: TrainBatch, world: World, device: torch.device) -> LocalRows:
+    """This rank's rows (row_range) on device; a rank without completion tokens gets row 0 as
+    a placeholder, since FSDP's gathers and reductions need every rank to run the models."""
+    start, stop = row_range(len(batch.rewards), world)
+    tokens = batch.target_mask[start:stop].sum().item()
+    if tokens == 0:
+        start, stop = 0, 1
+    rows = slice_rows(batch, start, stop)
+    rows = dataclasses.replace(
+        rows,
+        input_ids=rows.input_ids.to(device),
+        target_mask=rows.target_mask.to(device),
+        behaviour_logprobs=rows.behaviour_logprobs.to(device),
+        temperature=rows.temperature.to(device),
+    )
+    return LocalRows(rows, start, stop, int(tokens))
+
+
 def local_objective(
     model: torch.nn.Module,
     batch: TrainBatch,
@@ -145,19 +175,9 @@ def local_objective(
     rank.
     """
     batch_tokens = batch.target_mask.sum().item()
-    start, stop = row_range(len(batch.rewards), world)
-    local_tokens = batch.target_mask[start:stop].sum().item()
-    if local_tokens == 0:
-        start, stop = 0, 1
     device = next(model.parameters()).device
-    rows = slice_rows(batch, start, stop)
-    rows = dataclasses.replace(
-        rows,
-        input_ids=rows.input_ids.to(device),
-        target_mask=rows.target_mask.to(device),
-        behaviour_logprobs=rows.behaviour_logprobs.to(device),
-        temperature=rows.temperature.to(device),
-    )
+    local = local_rows(batch, world, device)
+    rows = local.batch
     ref_logp = None
     # A MoE's forwards take the experts the sampler chose (trainer/router_replay.py).
     with replaying(rows, (model, ref_model), enabled=router_replay):
@@ -166,24 +186,26 @@ def local_objective(
                 ref_logp, _ = token_logprobs(ref_model, rows)
         logp, entropy = token_logprobs(model, rows)
     sums = torch.zeros(5, dtype=torch.float64, device=device)
-    if local_tokens == 0:
+    if local.tokens == 0:
         return LocalObjective(loss=logp.sum() * 0.0, sums=sums, mismatch=Mismatch())
     terms = policy_gradient_loss(
         logp,
         rows.behaviour_logprobs,
-        advantages[start:stop].to(device),
+        advantages[local.start : local.stop].to(device),
         rows.target_mask,
         ref_logp=ref_logp,
         is_cap=is_cap,
         kl_coef=kl_coef,
     )
     means = [terms.loss.item(), terms.kl, terms.clipped_fraction, terms.ratio_mean]
-    sums[:4] = torch.tensor(means, dtype=torch.float64) * local_tokens
+    sums[:4] = torch.tensor(means, dtype=torch.float64) * local.tokens
     sums[4] = (entropy * rows.target_mask).sum().double()
     if probe is not None:
-        probe = dataclasses.replace(probe, token_versions=probe.token_versions[start:stop])
+        probe = dataclasses.replace(
+            probe, token_versions=probe.token_versions[local.start : local.stop]
+        )
     return LocalObjective(
-        loss=terms.loss * (local_tokens * world.world_size / batch_tokens),
+        loss=terms.loss * (local.tokens * world.world_size / batch_tokens),
         sums=sums,
         mismatch=measure_probe(logp, rows, probe),
     )

@@ -50,7 +50,7 @@ def parse_position_key(key: str) -> tuple[str, int]:
     return topic, int(partition)
 
 
-# Produced by Journal.replay; consumed by Trainer._resume.
+# Produced by Journal.replay; consumed by trainer.resume.replay_journal and Intake.resume.
 @dataclass(frozen=True)
 class Replayed:
     step: int = 0

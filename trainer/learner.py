@@ -296,3 +296,7 @@ class ShardedLearner:
             optimizer_state if self.world.rank == 0 else {},
             options=options,
         )
+
+
+Learner = LocalLearner | ShardedLearner
+"""What the trainer loop trains with: this process, or rank 0 of a torchrun group."""

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from rtrl.trainer.batch import TrainSample
+from rtrl.trainer.batch import TrainSample, alignments
 
 
 # Produced by measure (one optimizer step, or one rank's rows) and merge; carried by
@@ -94,17 +94,11 @@ def token_versions(samples: Sequence[TrainSample]) -> torch.Tensor:
     """[B, L-1] aligned with collate's targets: the version that sampled each completion
     token (-1 where there is none), so a rollout that spans a swap is measured on the
     tokens the learner's version sampled."""
-    width = max(len(s.prompt_ids) + len(s.completion_ids) for s in samples) - 1
-    versions = torch.full((len(samples), width), -1, dtype=torch.long)
-    for row, sample in enumerate(samples):
-        if len(sample.token_versions) != len(sample.completion_ids):
-            # Built without per-token versions: the row's oldest stands for every token.
-            versions[row] = sample.oldest_version
-            continue
-        start = len(sample.prompt_ids) - 1
-        versions[row, start : start + len(sample.completion_ids)] = torch.tensor(
-            sample.token_versions
-        )
+    rows = alignments(samples)
+    versions = torch.full((len(rows), max(row.targets for row in rows)), -1, dtype=torch.long)
+    for index, row in enumerate(rows):
+        for run in row.runs:
+            versions[index, run.start : run.end] = torch.tensor(run.segment.versions)
     return versions
 
 

@@ -16,6 +16,7 @@ import signal
 import threading
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import redis.asyncio as aioredis
 import torch
@@ -32,9 +33,13 @@ from rtrl.trainer import plugins
 from rtrl.trainer.config import TrainerSettings
 from rtrl.trainer.distributed import World
 from rtrl.trainer.learner import ShardedLearner
-from rtrl.trainer.loop import CONTROL, TREATMENT, Trainer
+from rtrl.trainer.loop import Trainer
 from rtrl.trainer.metrics import StepExporter
+from rtrl.trainer.publishing import CONTROL, TREATMENT, FetchWeights
 from rtrl.v1 import weights_pb2
+
+if TYPE_CHECKING:
+    from rtrl.weight_sync.client import Publisher
 
 log = logging.getLogger("trainer")
 
@@ -92,8 +97,6 @@ def follow_rank_zero(settings: TrainerSettings, stack: StackSettings, world: Wor
 async def serve(
     settings: TrainerSettings, stack: StackSettings, world: World | None = None
 ) -> None:
-    from rtrl.weight_sync.client import Publisher
-
     torch.set_num_threads(1)
     if world is not None and world.rank != 0:
         follow_rank_zero(settings, stack, world)
@@ -103,29 +106,8 @@ async def serve(
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
 
-    token = stack.weight_sync_token.get_secret_value()
-    signing_key = settings.manifest_signing_key.get_secret_value()
-    if not signing_key:
-        raise SystemExit(
-            "trainer: RTRL_TRAINER_MANIFEST_SIGNING_KEY is not set: "
-            "workers apply only versions it signs (rtrl up generates one)"
-        )
-    # Its own versions, and those of a key being rotated out.
-    own_keys = [
-        signing.public_key_of(signing_key),
-        *signing.parse_public_keys(stack.manifest_public_keys),
-    ]
-    publishers = {
-        arm: Publisher(
-            stack.weight_sync_addr,
-            token,
-            arm,
-            settings.keyframe_every,
-            signing_key=signing_key,
-            tls_ca_file=stack.weight_sync_tls_ca_file,
-        )
-        for arm in (CONTROL, TREATMENT)
-    }
+    fetch_weights = own_versions(settings, stack)
+    publishers = arm_publishers(settings, stack)
     # The trainer subscribes itself: it seeks to its journal's positions on assignment.
     rewards = Consumer(consumer_config(stack, settings.consumer_group))
     otel.configure("trainer", stack)
@@ -135,34 +117,69 @@ async def serve(
         stack.state_dir,
         rewards,
         publishers,
-        fetch_weights=lambda arm, version: fetch_published(
-            stack.weight_sync_addr, token, arm, version, own_keys, stack.weight_sync_tls_ca_file
-        ),
+        fetch_weights=fetch_weights,
         model_dir=stack.model_dir,
         on_step=exporter,
         world=world,
         dead_letter=exporter.dead_letter,
     )
     otel.observe_lag(
-        metrics.get_meter("rtrl.trainer"), settings.consumer_group, trainer.lag.readings
+        metrics.get_meter("rtrl.trainer"), settings.consumer_group, trainer.intake.lag.readings
     )
     redis = aioredis.from_url(stack.redis_url)
-    heartbeat: asyncio.Task | None = None
     try:
-        await asyncio.to_thread(trainer.start)
-        heartbeat = asyncio.create_task(
-            beat_forever(redis, "trainer", stack.instance, trainer.heartbeat)
-        )
-        log.info("trainer up: treatment v%d, step %d", trainer.version, trainer.step)
-        await asyncio.to_thread(trainer.run, stop)
-        log.info("trainer stopped at step %d, treatment v%d", trainer.step, trainer.version)
-        if world is not None:
-            trainer.learner.close()
+        await _run(trainer, stop, redis, stack.instance)
     finally:
-        if heartbeat is not None:
-            heartbeat.cancel()
         rewards.close()
         exporter.flush()
         for publisher in publishers.values():
             publisher.close()
         await redis.aclose()
+
+
+def own_versions(settings: TrainerSettings, stack: StackSettings) -> FetchWeights:
+    """fetch_published for versions the trainer signed: with its own key, or with a key
+    being rotated out."""
+    token = stack.weight_sync_token.get_secret_value()
+    own_keys = [
+        signing.public_key_of(settings.manifest_signing_key.get_secret_value()),
+        *signing.parse_public_keys(stack.manifest_public_keys),
+    ]
+    return lambda arm, version: fetch_published(
+        stack.weight_sync_addr, token, arm, version, own_keys, stack.weight_sync_tls_ca_file
+    )
+
+
+def arm_publishers(settings: TrainerSettings, stack: StackSettings) -> dict[str, Publisher]:
+    """A weight_sync publisher per arm, signing every version with the trainer's key."""
+    from rtrl.weight_sync.client import Publisher
+
+    return {
+        arm: Publisher(
+            stack.weight_sync_addr,
+            stack.weight_sync_token.get_secret_value(),
+            arm,
+            settings.keyframe_every,
+            signing_key=settings.manifest_signing_key.get_secret_value(),
+            tls_ca_file=stack.weight_sync_tls_ca_file,
+        )
+        for arm in (CONTROL, TREATMENT)
+    }
+
+
+async def _run(
+    trainer: Trainer, stop: threading.Event, redis: aioredis.Redis, instance: str
+) -> None:
+    """Start the trainer, beat once both arms have a version, run it until stop is set."""
+    heartbeat: asyncio.Task | None = None
+    try:
+        await asyncio.to_thread(trainer.start)
+        heartbeat = asyncio.create_task(beat_forever(redis, "trainer", instance, trainer.heartbeat))
+        log.info("trainer up: treatment v%d, step %d", trainer.version, trainer.step)
+        await asyncio.to_thread(trainer.run, stop)
+        log.info("trainer stopped at step %d, treatment v%d", trainer.step, trainer.version)
+        if trainer.world is not None:
+            trainer.learner.close()
+    finally:
+        if heartbeat is not None:
+            heartbeat.cancel()

@@ -248,60 +248,75 @@ class Subscriber:
         held_version, held = (have_version, weights) if weights is not None else (-1, None)
         yielded = have_version
         for manifest, blob in self.stream.follow(held_version):
-            problem = self._verifier.problem(manifest)
-            if problem is not None:
-                # Whoever wrote this manifest is not the trainer: nothing of it is decoded.
-                log.error(
-                    "%s: refusing %s v%d: its manifest does not verify (%s); re-subscribing from a keyframe",
-                    self.worker_id,
-                    self.arm,
-                    manifest.version,
-                    problem,
-                )
-                self.forged += 1
+            decoded = None
+            if not self._refused(manifest):
+                decoded = self._decode(manifest, blob, held_version, held)
+            if decoded is None:
                 self.stream.reject()
                 held_version, held = -1, None
                 continue
-            if manifest.train_step < self.newest_step:
-                log.error(
-                    "%s: refusing %s v%d: trained to step %d, before step %d of a version "
-                    "already taken (an old version replayed: a rollback); re-subscribing from "
-                    "a keyframe. A new run's versions need the worker restarted.",
-                    self.worker_id,
-                    self.arm,
-                    manifest.version,
-                    manifest.train_step,
-                    self.newest_step,
-                )
-                self.rolled_back += 1
-                self.stream.reject()
-                held_version, held = -1, None
-                continue
-            try:
-                if not manifest.keyframe and manifest.parent_version != held_version:
-                    raise codec.ParentMismatch(
-                        f"{self.arm} v{manifest.version} is a delta on v{manifest.parent_version}, "
-                        f"we hold v{held_version}"
-                    )
-                held = codec.decode(blob, manifest, held)
-            except codec.DecodeError as exc:
-                # Our copy may be what is wrong, so start over from a keyframe.
-                log.error(
-                    "%s: discarding %s v%d: %s; re-subscribing from a keyframe",
-                    self.worker_id,
-                    self.arm,
-                    manifest.version,
-                    exc,
-                )
-                self.stream.reject()
-                held_version, held = -1, None
-                continue
-            held_version = manifest.version
+            held_version, held = manifest.version, decoded
             self.newest_step = max(self.newest_step, manifest.train_step)
             self.stream.accept(held_version)
             if held_version > yielded:
                 yielded = held_version
                 yield manifest, held
+
+    def _refused(self, manifest: weights_pb2.Manifest) -> bool:
+        """Whether the version is not the trainer's or rolls it back (logged and counted)."""
+        problem = self._verifier.problem(manifest)
+        if problem is not None:
+            # Whoever wrote this manifest is not the trainer: nothing of it is decoded.
+            log.error(
+                "%s: refusing %s v%d: its manifest does not verify (%s); re-subscribing from a keyframe",
+                self.worker_id,
+                self.arm,
+                manifest.version,
+                problem,
+            )
+            self.forged += 1
+            return True
+        if manifest.train_step < self.newest_step:
+            log.error(
+                "%s: refusing %s v%d: trained to step %d, before step %d of a version "
+                "already taken (an old version replayed: a rollback); re-subscribing from "
+                "a keyframe. A new run's versions need the worker restarted.",
+                self.worker_id,
+                self.arm,
+                manifest.version,
+                manifest.train_step,
+                self.newest_step,
+            )
+            self.rolled_back += 1
+            return True
+        return False
+
+    def _decode(
+        self,
+        manifest: weights_pb2.Manifest,
+        blob: bytes,
+        held_version: int,
+        held: dict[str, torch.Tensor] | None,
+    ) -> dict[str, torch.Tensor] | None:
+        """The version's weights, decoded onto ``held`` (the weights of ``held_version``);
+        None, logged, when it does not decode or is a delta on another version."""
+        try:
+            if not manifest.keyframe and manifest.parent_version != held_version:
+                raise codec.ParentMismatch(
+                    f"{self.arm} v{manifest.version} is a delta on v{manifest.parent_version}, "
+                    f"we hold v{held_version}"
+                )
+            return codec.decode(blob, manifest, held)
+        except codec.DecodeError as exc:
+            # Our copy may be what is wrong, so start over from a keyframe.
+            log.error(
+                "%s: discarding %s v%d: %s; re-subscribing from a keyframe",
+                self.worker_id,
+                self.arm,
+                manifest.version,
+                exc,
+            )
+            return None
 
     def stop(self) -> None:
         """End follow() (from any thread)."""

@@ -12,7 +12,7 @@ from urllib.parse import unquote, urlparse
 from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import SettingsConfigDict
 
-from rtrl.config import Settings
+from rtrl.config import RequiredSecret, Settings, StackSettings
 from rtrl.tls import TLSListener
 
 # S3's bucket naming rules, less the rarely used ones (no "..", no IP-address names).
@@ -101,6 +101,22 @@ class WeightSyncSettings(Settings, TLSListener):
 
     gc_interval_s: float = Field(300.0, ge=0)
     """Seconds between garbage collections; 0 turns garbage collection off."""
+
+    def required_secrets(self, stack: StackSettings) -> list[RequiredSecret]:
+        """What ``python -m rtrl.weight_sync`` does not start without: both tokens it checks."""
+        return [
+            RequiredSecret(
+                stack,
+                "weight_sync_token",
+                "publishers (the trainer) present it, and there is no default (rtrl up generates it)",
+            ),
+            RequiredSecret(
+                stack,
+                "weight_sync_subscribe_token",
+                "workers and relays present it to follow versions, and there is no default "
+                "(rtrl up generates it)",
+            ),
+        ]
 
     @model_validator(mode="after")
     def _check_blob_store(self) -> WeightSyncSettings:

@@ -69,63 +69,10 @@ def recover_arm(
 ) -> RecoveredArm:
     """What to restore of one arm, from the versions the store lists and a way to read
     their manifests and blobs (FileNotFoundError for a file gone since the listing)."""
-    manifests: dict[int, weights_pb2.Manifest] = {}
-    unusable: dict[int, str] = {}
-    for version in sorted(files.manifests):
-        try:
-            manifest = parse_stored_manifest(read_manifest(version))
-        except (FileNotFoundError, ValueError) as exc:
-            unusable[version] = f"manifest unusable: {exc}"
-            continue
-        problem = _manifest_problem(arm, version, manifest)
-        if problem:
-            unusable[version] = problem
-        else:
-            manifests[version] = manifest
+    manifests, unusable = _read_manifests(arm, files, read_manifest)
     for version in sorted(files.blobs - files.manifests):
         unusable[version] = "blob without a manifest (written, never committed)"
-
-    def blob_problem(version: int) -> str | None:
-        manifest = manifests[version]
-        try:
-            blob = read_blob(manifest)
-        except FileNotFoundError:
-            return "blob missing"
-        except ValueError as exc:
-            return f"blob URI unusable: {exc}"
-        if len(blob) != manifest.blob_size or xxh3_hex(blob) != manifest.blob_checksum:
-            return (
-                f"blob does not match the manifest ({len(blob)} bytes, checksum {xxh3_hex(blob)})"
-            )
-        return None
-
-    checked: dict[int, str | None] = {}
-
-    def chain(version: int) -> list[int] | None:
-        """version's keyframe and the deltas up to it, if every one is intact."""
-        versions = []
-        while True:
-            if version not in manifests:
-                unusable.setdefault(version, "missing")
-                return None
-            if version not in checked:
-                problem = blob_problem(version)
-                checked[version] = problem
-                if problem:
-                    unusable[version] = problem
-            if checked[version]:
-                return None
-            versions.append(version)
-            if manifests[version].keyframe:
-                return versions[::-1]
-            version -= 1
-
-    newest: list[int] = []
-    for version in sorted(manifests, reverse=True):
-        found = chain(version)
-        if found is not None:
-            newest = found
-            break
+    newest = _Chains(manifests, read_blob, unusable).newest()
     older = [v for v in sorted(manifests) if newest and v < newest[0] and v in files.blobs]
     kept = older + newest
     for version in sorted(set(manifests) - set(kept)):
@@ -141,6 +88,84 @@ def recover_arm(
     lowest_next = max(files.manifests | files.blobs, default=-1) + 1
     restored = RestoredArm(arm, tuple(manifests[v] for v in kept), lowest_next)
     return RecoveredArm(restored, {v: unusable[v] for v in sorted(unusable) if v not in kept})
+
+
+def _read_manifests(
+    arm: str, files: ArmFiles, read_manifest: Callable[[int], bytes]
+) -> tuple[dict[int, weights_pb2.Manifest], dict[int, str]]:
+    """The listed manifests that are whole and consistent, and why each other one is not."""
+    manifests: dict[int, weights_pb2.Manifest] = {}
+    unusable: dict[int, str] = {}
+    for version in sorted(files.manifests):
+        try:
+            manifest = parse_stored_manifest(read_manifest(version))
+        except (FileNotFoundError, ValueError) as exc:
+            unusable[version] = f"manifest unusable: {exc}"
+            continue
+        problem = _manifest_problem(arm, version, manifest)
+        if problem:
+            unusable[version] = problem
+        else:
+            manifests[version] = manifest
+    return manifests, unusable
+
+
+class _Chains:
+    """Walks from a version down to its keyframe over usable manifests, reading each blob
+    at most once and noting in ``unusable`` why a version broke its chain."""
+
+    def __init__(
+        self,
+        manifests: dict[int, weights_pb2.Manifest],
+        read_blob: Callable[[weights_pb2.Manifest], bytes],
+        unusable: dict[int, str],
+    ) -> None:
+        self._manifests = manifests
+        self._read_blob = read_blob
+        self._unusable = unusable
+        self._checked: dict[int, str | None] = {}
+        """Version -> what is wrong with its blob (None: nothing), once read."""
+
+    def newest(self) -> list[int]:
+        """The newest complete chain, keyframe first; empty when there is none."""
+        for version in sorted(self._manifests, reverse=True):
+            found = self.chain(version)
+            if found is not None:
+                return found
+        return []
+
+    def chain(self, version: int) -> list[int] | None:
+        """version's keyframe and the deltas up to it, if every one is intact."""
+        versions = []
+        while True:
+            if version not in self._manifests:
+                self._unusable.setdefault(version, "missing")
+                return None
+            if version not in self._checked:
+                problem = _blob_problem(self._manifests[version], self._read_blob)
+                self._checked[version] = problem
+                if problem:
+                    self._unusable[version] = problem
+            if self._checked[version]:
+                return None
+            versions.append(version)
+            if self._manifests[version].keyframe:
+                return versions[::-1]
+            version -= 1
+
+
+def _blob_problem(
+    manifest: weights_pb2.Manifest, read_blob: Callable[[weights_pb2.Manifest], bytes]
+) -> str | None:
+    try:
+        blob = read_blob(manifest)
+    except FileNotFoundError:
+        return "blob missing"
+    except ValueError as exc:
+        return f"blob URI unusable: {exc}"
+    if len(blob) != manifest.blob_size or xxh3_hex(blob) != manifest.blob_checksum:
+        return f"blob does not match the manifest ({len(blob)} bytes, checksum {xxh3_hex(blob)})"
+    return None
 
 
 def _manifest_problem(arm: str, version: int, manifest: weights_pb2.Manifest) -> str | None:

@@ -20,7 +20,7 @@ from pydantic import Field
 from pydantic_settings import SettingsConfigDict
 
 from rtrl import entrypoint, otel
-from rtrl.config import Settings, StackSettings
+from rtrl.config import RequiredSecret, Settings, StackSettings
 from rtrl.runtime import service_process, until_stopped
 from rtrl.tls import TLSListener
 from rtrl.v1 import weights_pb2
@@ -64,6 +64,16 @@ class RelaySettings(Settings, TLSListener):
         super().__init__(**values)
         for arm in self.arms:
             check_arm(arm)
+
+    def required_secrets(self, stack: StackSettings) -> list[RequiredSecret]:
+        """What ``python -m rtrl.weight_sync.relay`` does not start without."""
+        return [
+            RequiredSecret(
+                stack,
+                "weight_sync_subscribe_token",
+                "the relay follows its upstream with it and asks it of its own subscribers",
+            )
+        ]
 
 
 class RelayCache:
@@ -229,7 +239,11 @@ async def serve(settings: RelaySettings, stack: StackSettings) -> None:
 
 def main() -> None:
     settings, stack = entrypoint.parse_settings(
-        "python -m rtrl.weight_sync.relay", __doc__, RelaySettings, StackSettings
+        "python -m rtrl.weight_sync.relay",
+        __doc__,
+        RelaySettings,
+        StackSettings,
+        required=RelaySettings.required_secrets,
     )
     entrypoint.configure_logging()
     service_process()

@@ -209,7 +209,11 @@ async def serve(settings: WeightSyncSettings, stack: StackSettings) -> None:
 
 def main() -> None:
     settings, stack = entrypoint.parse_settings(
-        "python -m rtrl.weight_sync", __doc__, WeightSyncSettings, StackSettings
+        "python -m rtrl.weight_sync",
+        __doc__,
+        WeightSyncSettings,
+        StackSettings,
+        required=WeightSyncSettings.required_secrets,
     )
     entrypoint.configure_logging()
     service_process()

@@ -264,30 +264,8 @@ class WeightSyncService(Broadcaster):
                 f"manifest says {manifest.blob_size} bytes, {manifest.blob_checksum}",
             )
         async with self._publish_locks.setdefault(arm, asyncio.Lock()):
-            latest = await self._registry.latest(arm)
-            next_version = await self._registry.next_version(arm, latest)
-            problem = lineage.publish_problem(
-                manifest,
-                latest,
-                await self._registry.newest_keyframe(arm, latest),
-                self._settings.keyframe_every,
-                next_version,
-            )
-            if problem:
-                self._registry_source.head_disputed(arm)
-                await abort(context, grpc.StatusCode.FAILED_PRECONDITION, problem)
-            manifest.version = next_version
-            if manifest.keyframe:
-                # In a publish, parent_version is the compare-and-set token; stored keyframes say -1.
-                manifest.parent_version = -1
-            manifest.created_ts_ms = int(time.time() * 1000)
-            manifest.traceparent = otel.traceparent_of(span) or manifest.traceparent
-            span.set_attributes(
-                {
-                    "rtrl.policy.version": manifest.version,
-                    "rtrl.weights.keyframe": manifest.keyframe,
-                }
-            )
+            latest, next_version = await self._next_version(manifest, context)
+            _stamp(manifest, next_version, span)
             manifest.blob_uri = await asyncio.to_thread(
                 self._store.write, arm, manifest.version, blob
             )
@@ -302,6 +280,29 @@ class WeightSyncService(Broadcaster):
                     grpc.StatusCode.FAILED_PRECONDITION,
                     f"another publisher committed version {manifest.version} of arm {arm!r} first",
                 )
+        self._announce(manifest, blob)
+
+    async def _next_version(self, manifest: weights_pb2.Manifest, context) -> tuple[int, int]:
+        """The arm's latest version and the one this publish becomes; aborts the call
+        (FAILED_PRECONDITION) when the manifest does not continue the arm's lineage."""
+        arm = manifest.arm
+        latest = await self._registry.latest(arm)
+        next_version = await self._registry.next_version(arm, latest)
+        problem = lineage.publish_problem(
+            manifest,
+            latest,
+            await self._registry.newest_keyframe(arm, latest),
+            self._settings.keyframe_every,
+            next_version,
+        )
+        if problem:
+            self._registry_source.head_disputed(arm)
+            await abort(context, grpc.StatusCode.FAILED_PRECONDITION, problem)
+        return latest, next_version
+
+    def _announce(self, manifest: weights_pb2.Manifest, blob: bytes) -> None:
+        """A committed version: to the cached head, the following streams and the counters."""
+        arm = manifest.arm
         self._registry_source.committed(manifest)
         self.verified(manifest, blob)
         self.published(arm, manifest.version)
@@ -314,3 +315,20 @@ class WeightSyncService(Broadcaster):
             "keyframe" if manifest.keyframe else "delta",
             len(blob),
         )
+
+
+def _stamp(manifest: weights_pb2.Manifest, version: int, span: trace.Span) -> None:
+    """What the server decides of a manifest it commits: its version, a keyframe's
+    parent, its creation time and the trace it continues."""
+    manifest.version = version
+    if manifest.keyframe:
+        # In a publish, parent_version is the compare-and-set token; stored keyframes say -1.
+        manifest.parent_version = -1
+    manifest.created_ts_ms = int(time.time() * 1000)
+    manifest.traceparent = otel.traceparent_of(span) or manifest.traceparent
+    span.set_attributes(
+        {
+            "rtrl.policy.version": manifest.version,
+            "rtrl.weights.keyframe": manifest.keyframe,
+        }
+    )

@@ -214,14 +214,8 @@ class AsyncVersionStream:
         async with open_channel(self.addr, self._credentials, self._channel_options) as channel:
             stub = weights_pb2_grpc.WeightSyncStub(channel)
             while not self._stopped:
-                partial = self._assembler.partial
-                request = weights_pb2.SubscribeRequest(
-                    arm=self.arm, have_version=self.held, worker_id=self.worker_id, follow=True
-                )
-                if partial is not None:
-                    request.resume.CopyFrom(partial.resume())
                 self._call = call = stub.Subscribe(
-                    request, metadata=self._metadata, wait_for_ready=True
+                    self._request(), metadata=self._metadata, wait_for_ready=True
                 )
                 try:
                     async for chunk in call:
@@ -247,21 +241,7 @@ class AsyncVersionStream:
                         return
                     if exc.code() not in RESUBSCRIBE:
                         raise
-                    partial = self._assembler.partial
-                    where = (
-                        f", resuming v{partial.manifest.version} at byte {partial.size}"
-                        if partial
-                        else ""
-                    )
-                    log.warning(
-                        "%s: stream of %s ended (%s: %s); re-subscribing from v%d%s",
-                        self.worker_id,
-                        self.arm,
-                        exc.code().name,
-                        exc.details(),
-                        self.held,
-                        where,
-                    )
+                    self._log_ended(exc)
                 finally:
                     call.cancel()
                     self._call = None
@@ -271,6 +251,29 @@ class AsyncVersionStream:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._wake.wait(), backoff_s)
                 backoff_s = min(backoff_s * 2, self._max_backoff_s)
+
+    def _request(self) -> weights_pb2.SubscribeRequest:
+        """Subscribe from the version held, resuming the one being received if any."""
+        request = weights_pb2.SubscribeRequest(
+            arm=self.arm, have_version=self.held, worker_id=self.worker_id, follow=True
+        )
+        partial = self._assembler.partial
+        if partial is not None:
+            request.resume.CopyFrom(partial.resume())
+        return request
+
+    def _log_ended(self, exc: grpc.RpcError) -> None:
+        partial = self._assembler.partial
+        where = f", resuming v{partial.manifest.version} at byte {partial.size}" if partial else ""
+        log.warning(
+            "%s: stream of %s ended (%s: %s); re-subscribing from v%d%s",
+            self.worker_id,
+            self.arm,
+            exc.code().name,
+            exc.details(),
+            self.held,
+            where,
+        )
 
 
 class VersionStream:

@@ -125,20 +125,8 @@ def topic_references() -> dict[str, list[str]]:
 
 def render_topics(docs: list[SettingsDoc]) -> str:
     from rtrl import topics
-    from rtrl.ops.status_view import CONSUMER_GROUPS
 
-    creations = call_sites("NewTopic", _NEW_TOPIC_PARAMETERS)
-    ensures = call_sites("ensure_topics", ("settings", "names"))
-    groups = topic_groups()
-    references = topic_references()
-    # Services that name a topic through a setting (the trainer's RTRL_TRAINER_TOPIC).
-    by_setting: dict[str, list[str]] = {}
-    for doc in docs:
-        for field in doc.fields:
-            if field.default.strip("`") in topics.ALL:
-                by_setting.setdefault(field.default.strip("`"), []).append(
-                    f"`{doc.qualname.split('.')[0]}` (default of `{field.env_names[0]}`)"
-                )
+    replay = topics.reward_replay("<version>")
     lines = [
         GENERATED,
         "",
@@ -150,8 +138,23 @@ def render_topics(docs: list[SettingsDoc]) -> str:
         "",
         "## How they are created",
         "",
+        *render_creations(),
+        "",
+        "## The topics",
+        "",
+        *render_topic_table(docs),
+        "",
+        f"Also `{replay}` (`topics.reward_replay`): {cell(inspect.getdoc(topics.reward_replay) or '')}",
+        "",
+        *render_tables(),
     ]
-    for site in creations:
+    return "\n".join(lines) + "\n"
+
+
+def render_creations() -> list[str]:
+    """Where ``NewTopic`` is called, with what, and who calls ``ensure_topics``."""
+    lines = []
+    for site in call_sites("NewTopic", _NEW_TOPIC_PARAMETERS):
         partitions = _setting_expression(site.arguments.get("num_partitions", "-1"))
         replication = (
             _setting_expression(site.arguments["replication_factor"])
@@ -177,14 +180,22 @@ def render_topics(docs: list[SettingsDoc]) -> str:
         "existing one's partition count differs from the configured one:",
         "",
     ]
-    for site in ensures:
+    for site in call_sites("ensure_topics", ("settings", "names")):
         names = site.arguments.get("names")
         what = f"only `{names}`" if names else "every topic in `topics.ALL`"
         lines.append(f"- `{site.function}()` in [`{site.path}`](../{site.path}): {what}")
-    lines += [
-        "",
-        "## The topics",
-        "",
+    return lines
+
+
+def render_topic_table(docs: list[SettingsDoc]) -> list[str]:
+    """One row per topic: the names standing for it, who reads it, which packages name it."""
+    from rtrl import topics
+    from rtrl.ops.status_view import CONSUMER_GROUPS
+
+    groups = topic_groups()
+    references = topic_references()
+    by_setting = _topics_by_setting(docs)
+    lines = [
         (
             "| topic | in `rtrl.topics` | read by the joiner (`TELEMETRY`) "
             "| consumer groups `rtrl status` shows lag for | packages naming it |"
@@ -202,14 +213,22 @@ def render_topics(docs: list[SettingsDoc]) -> str:
         lines.append(
             f"| `{topic}` | {constant_cell} | {joiner_cell} | {groups_cell} | {packages_cell} |"
         )
-    replay = topics.reward_replay("<version>")
-    lines += [
-        "",
-        f"Also `{replay}` (`topics.reward_replay`): {cell(inspect.getdoc(topics.reward_replay) or '')}",
-        "",
-        *render_tables(),
-    ]
-    return "\n".join(lines) + "\n"
+    return lines
+
+
+def _topics_by_setting(docs: list[SettingsDoc]) -> dict[str, list[str]]:
+    """Topic -> the services that name it through a setting (the trainer's
+    RTRL_TRAINER_TOPIC), as table text."""
+    from rtrl import topics
+
+    by_setting: dict[str, list[str]] = {}
+    for doc in docs:
+        for field in doc.fields:
+            if field.default.strip("`") in topics.ALL:
+                by_setting.setdefault(field.default.strip("`"), []).append(
+                    f"`{doc.qualname.split('.')[0]}` (default of `{field.env_names[0]}`)"
+                )
+    return by_setting
 
 
 _TABLE = re.compile(r"CREATE TABLE IF NOT EXISTS (\w+) \((.*)\)\s*ENGINE = (.+?)\s*$", re.DOTALL)

@@ -6,22 +6,24 @@ import os
 import secrets
 import signal
 import sys
-import time
 from typing import cast
 
 import pytest
 import redis
 from confluent_kafka import Consumer
 
-from rtrl import heartbeat, kafka, procs, topics
+from rtrl import kafka, procs, topics
 from rtrl.analytics import report, schema
 from rtrl.analytics.query import client_query_fn, connect, http_query_fn
 from rtrl.analytics.rows import KafkaRecord
 from rtrl.analytics.sink import Sink
 from rtrl.config import StackSettings
+from rtrl.heartbeat import AnalyticsBeat
 from rtrl.ingest.client import make_event
 from rtrl.v1 import telemetry_pb2
+from support import wait
 from support.analytics import T0, RecordingConsumer, hand_made_records
+from support.beats import wait_for_beat
 
 pytestmark = pytest.mark.integration
 
@@ -243,11 +245,14 @@ def test_sink_deduplicates_replays_and_commits_after_insert(
             "(SELECT count(DISTINCT reward_id) FROM rewards) AS rewards, "
             "(SELECT count() FROM telemetry_events FINAL) AS events"
         )
-        deadline = time.monotonic() + 60
-        while query(counts) != [{"rollouts": 9, "rewards": 9, "events": 3}]:
-            assert time.monotonic() < deadline, f"sink did not catch up: {query(counts)}"
-            assert sink.alive(), (tmp_path / "analytics.log").read_text()
-            time.sleep(0.3)
+        wait.until(
+            lambda: query(counts),
+            "the sink to catch up",
+            ready=lambda rows: rows == [{"rollouts": 9, "rewards": 9, "events": 3}],
+            timeout_s=60,
+            interval_s=0.3,
+            watching=[wait.Watched(sink, tmp_path / "analytics.log")],
+        )
         rows = by_metric(report.ab_table(query), "all")
         assert (rows["rollouts"].control, rows["rollouts"].treatment) == (4, 5)
         assert rows["persisted_rate"].relative_change == pytest.approx(0.2)
@@ -272,15 +277,13 @@ def test_sink_deduplicates_replays_and_commits_after_insert(
         # Every record is inserted, replays included (the tables collapse them). The sink
         # flushes in batches, so wait for all three counters rather than read them once.
         expected = {"rollouts": 13, "rewards": 12, "telemetry_events": 4}
-        deadline = time.monotonic() + 20
-        inserted: dict[str, int] = {}
-        while {k: inserted.get(k) for k in expected} != expected:
-            assert time.monotonic() < deadline, inserted
-            raw = redis.Redis.from_url(stack_settings.redis_url).get(
-                heartbeat.key("analytics", "0")
-            )
-            inserted = json.loads(raw)["inserted"] if raw else {}
-            time.sleep(0.2)
+        wait_for_beat(
+            redis.Redis.from_url(stack_settings.redis_url),
+            AnalyticsBeat,
+            f"{expected} inserted",
+            ready=lambda beat: {k: beat.inserted.get(k) for k in expected} == expected,
+            timeout_s=20,
+        )
     finally:
         os.killpg(sink.pid, signal.SIGTERM)
         assert sink.popen.wait(timeout=30) == 0, (tmp_path / "analytics.log").read_text()

@@ -2,7 +2,7 @@
 
 import pytest
 
-from rtrl.bench.loop import (
+from rtrl.bench.loop_latency import (
     Intake,
     StepTimes,
     VersionLatency,
@@ -163,7 +163,7 @@ def test_trend_needs_three_versions():
 
 
 def test_intake_counts_every_candidate_and_the_share_of_treatment_trained():
-    from rtrl.bench.loop import intake
+    from rtrl.bench.loop_latency import intake
     from rtrl.v1 import trainer_pb2
 
     records = [

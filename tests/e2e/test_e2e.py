@@ -14,7 +14,6 @@ import os
 import subprocess
 import sys
 import threading
-import time
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,6 +28,7 @@ from rtrl.ops import health
 from rtrl.ops.lifecycle import down, up
 from rtrl.ops.reporting import drain, query_function
 from rtrl.weight_sync import registry
+from support import wait
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -400,12 +400,13 @@ def test_one_rollout_traced_from_serving_to_every_workers_apply(run):
     serving span's and the step's traceparents."""
     workers = sum(1 for s in run.stack.services if s.name == "inference")
     state_dir = Path(run.stack.state_dir)
-    deadline = time.monotonic() + 60
-    chain = _chain(_spans(state_dir), workers)
-    while chain is None and time.monotonic() < deadline:  # spans are exported every 5 s
-        time.sleep(2)
-        chain = _chain(_spans(state_dir), workers)
-    assert chain is not None, "no rollout's trace reaches every worker's apply span"
+    chain = wait.until(
+        lambda: _chain(_spans(state_dir), workers),
+        "a rollout's trace that reaches every worker's apply span",
+        timeout_s=60,
+        interval_s=2,  # spans are exported every 5 s
+    )
+    assert chain is not None
     serving, *rest = chain
     services = [_service(s) for s in chain]
     assert services[0] == "rtrl-inference" and services[-1] == "rtrl-inference"

@@ -27,9 +27,10 @@ from rtrl.analytics.query import client_query_fn, connect, http_query_fn
 from rtrl.analytics.rows import TS_MAX_MS, KafkaRecord
 from rtrl.analytics.sink import Sink
 from rtrl.config import StackSettings
+from rtrl.heartbeat import RewardStreamBeat
 from rtrl.inference.config import InferenceSettings
 from rtrl.inference.engine import Engine, EngineConfig
-from rtrl.inference.server import InferenceServer
+from rtrl.inference.server import start as start_inference
 from rtrl.ingest.gateway import ACCEPTED, REJECTED
 from rtrl.ingest.server import start as start_ingest
 from rtrl.ingest.validation import validate
@@ -46,9 +47,11 @@ from rtrl.v1 import (
     telemetry_pb2,
     trainer_pb2,
 )
+from support import wait
 from support.analytics import RecordingConsumer, hand_made_records
+from support.beats import wait_for_beat
 from support.ingest import ingest_settings, read_topics, shown
-from support.reward_stream import read_all, scenario, spawn_joiner, wait_for_heartbeat
+from support.reward_stream import read_all, scenario, spawn_joiner
 from support.signing import produce_as_its_writer, worker_headers
 
 NOW_MS = 1_800_000_000_000
@@ -320,8 +323,7 @@ def test_serving_api_refuses_hostile_client_ts_and_records_an_honest_one(stack_s
             return resp.status, await resp.json()
 
     async def run():
-        server = InferenceServer(stack_settings, settings, engine=engine)
-        await server.start()
+        server = await start_inference(stack_settings, settings, engine=engine)
         try:
             engine.stage("control", 0, state_dict_fp32(build_model(seed=1)))
             engine.stage("treatment", 0, state_dict_fp32(build_model(seed=2)))
@@ -455,7 +457,12 @@ def test_joiner_service_dead_letters_future_records_then_settles_honest_rollouts
             produce_as_its_writer(producer, topic, message.SerializeToString(), message.rollout_id)
         assert producer.flush(10) == 0
         hb = redis.Redis.from_url(redis_url)
-        wait_for_heartbeat(hb, lambda d: d["dlq"] >= len(hostile))
+        wait_for_beat(
+            hb,
+            RewardStreamBeat,
+            "every hostile event dead-lettered",
+            ready=lambda beat: beat.dlq >= len(hostile),
+        )
         # Honest rollouts after the hostile ones, on the same partitions.
         base_ms = int(time.time() * 1000)
         honest = {
@@ -475,8 +482,13 @@ def test_joiner_service_dead_letters_future_records_then_settles_honest_rollouts
                 value = event.SerializeToString()
                 produce_as_its_writer(producer, topic, value, rollout_id)
         assert producer.flush(10) == 0
-        status = wait_for_heartbeat(hb, lambda d: d["settled"] >= len(honest) and d["pending"] == 0)
-        assert {k: status[k] for k in ("settled", "dlq", "late", "dropped")} == {
+        status = wait_for_beat(
+            hb,
+            RewardStreamBeat,
+            "every honest rollout settled",
+            ready=lambda beat: beat.settled >= len(honest) and beat.pending == 0,
+        )
+        assert {k: getattr(status, k) for k in ("settled", "dlq", "late", "dropped")} == {
             "settled": len(honest),
             "dlq": len(hostile),
             "late": 0,
@@ -636,13 +648,17 @@ def test_sink_process_dead_letters_an_unstorable_record_and_commits_past_it(
             "(SELECT count(DISTINCT reward_id) FROM rewards) AS rewards, "
             "(SELECT count() FROM dead_letters FINAL) AS letters"
         )
-        deadline = time.monotonic() + 60
-        while query(counts) != [
-            {"rollouts": len(rollouts), "rewards": len(rewards), "letters": len(hostile)}
-        ]:
-            assert time.monotonic() < deadline, f"sink did not catch up: {query(counts)}"
-            assert sink.alive(), (tmp_path / "analytics.log").read_text()[-3000:]
-            time.sleep(0.3)
+        wait.until(
+            lambda: query(counts),
+            "the sink to catch up",
+            ready=lambda rows: (
+                rows
+                == [{"rollouts": len(rollouts), "rewards": len(rewards), "letters": len(hostile)}]
+            ),
+            timeout_s=60,
+            interval_s=0.3,
+            watching=[wait.Watched(sink, tmp_path / "analytics.log")],
+        )
         letters = query("SELECT topic, reason FROM dead_letters FINAL ORDER BY topic")
     finally:
         sink.stop(timeout_s=30)

@@ -14,7 +14,6 @@ import os
 import subprocess
 import sys
 import threading
-import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,6 +27,7 @@ from rtrl.ops import broker_record, health, stack_secrets
 from rtrl.ops.lifecycle import down, up
 from rtrl.ops.reporting import drain, query_function
 from rtrl.policy import weights_digest
+from support import wait
 
 # Both tests break the stack on purpose (a stop and a start; a FLUSHALL mid-run): guarantee 8.
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.guarantee(8)]
@@ -214,12 +214,13 @@ def test_flushall_mid_run_keeps_training_serving_and_versions_rising(resumed):
 def _trainer_caught_up(stack, client, timeout_s: float = 60.0) -> tuple[int, dict[str, Any]]:
     """The registry's latest treatment version and the heartbeats, once the trainer's
     heartbeat shows that version (it publishes the last settled rewards after traffic stops)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        latest, beats = int(client.get(f"rtrl:ws:{TREATMENT}:latest")), _beats(stack)
-        if beats["trainer:0"].version == latest or time.monotonic() > deadline:
-            return latest, beats
-        time.sleep(1.0)
+    return wait.until(
+        lambda: (int(client.get(f"rtrl:ws:{TREATMENT}:latest")), _beats(stack)),
+        "the trainer's beat to show the registry's latest treatment version",
+        ready=lambda seen: seen[1]["trainer:0"].version == seen[0],
+        timeout_s=timeout_s,
+        interval_s=1.0,
+    )
 
 
 def _manifests(stack, arm: str):

@@ -25,6 +25,7 @@ from rtrl.ops.reporting import query_function
 from rtrl.ops.status_view import hacking_alerts, render
 from rtrl.reward_stream.monitors import is_clarifying_question
 from rtrl.simulator.product import Product
+from support import wait
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -94,12 +95,15 @@ def test_monitor_catches_questions_that_r1_pays_for(state_dir: Path):
         # The examples are real rollouts of the drifted versions, and they are questions.
         query = query_function(stack)
         ids = ", ".join(f"'{rollout_id}'" for rollout_id in alert.examples)
-        deadline = time.monotonic() + 60
-        while len(
-            rows := query(f"SELECT completion_text FROM rollouts FINAL WHERE rollout_id IN ({ids})")
-        ) < len(alert.examples):
-            assert time.monotonic() < deadline, f"example rollouts never reached ClickHouse: {rows}"
-            time.sleep(1)
+        rows = wait.until(
+            lambda: query(
+                f"SELECT completion_text FROM rollouts FINAL WHERE rollout_id IN ({ids})"
+            ),
+            "the example rollouts to reach ClickHouse",
+            ready=lambda rows: len(rows) >= len(alert.examples),
+            timeout_s=60,
+            interval_s=1,
+        )
         # Questions as the monitor counts them (it ends with "?" and holds no code): a drifted
         # policy also writes half-formed ones, like "def shotes p0 usp0 doe?", which the
         # product would not show as a question but the alert rightly counts.

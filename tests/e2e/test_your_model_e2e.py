@@ -92,7 +92,7 @@ async def _editor(http, urls, ingest, key, rng, traffic: Traffic) -> None:
     text = answer["choices"][0]["message"]["content"]
     kept = answer["token_ids"][0] % 2 == 0
     shown_ms = int(time.time() * 1000)
-    await asyncio.sleep(0.3)
+    await asyncio.sleep(0.3)  # the user's 0.3 s with the edit: seconds_after_edit below
     common = (str(answer["rollout_id"]), f"s-{user}", user)
     events = [
         make_event(

@@ -17,7 +17,7 @@ from rtrl.api_keys import COMPLETIONS, issue_key
 from rtrl.checkpoint import Checkpoint
 from rtrl.inference.config import InferenceSettings
 from rtrl.inference.engine import Engine
-from rtrl.inference.server import InferenceServer
+from rtrl.inference.server import start
 from rtrl.ops.tiny_model import write_tiny_checkpoint
 from rtrl.policy import state_dict_fp32
 from support.inference import read_rollouts
@@ -52,8 +52,7 @@ def test_a_chat_record_holds_the_templates_ids_and_the_sampled_ids(stack_setting
     )
 
     async def scenario() -> list[tuple[int, dict]]:
-        server = InferenceServer(stack, settings)
-        await server.start()
+        server = await start(stack, settings)
         try:
             assert isinstance(server.engine, Engine)  # the embedded backend
             for arm in ("control", "treatment"):
@@ -123,8 +122,7 @@ def test_the_chat_route_is_behind_the_same_door_as_completions(stack_settings, q
     oversize = {**common, "messages": [{"role": "user", "content": "x" * 3000}]}
 
     async def scenario() -> tuple[list[tuple[str, int, str]], dict]:
-        server = InferenceServer(stack, settings)
-        await server.start()
+        server = await start(stack, settings)
         try:
             assert isinstance(server.engine, Engine)
             for arm in ("control", "treatment"):

@@ -14,7 +14,7 @@ import torch
 
 from rtrl.inference.config import InferenceSettings
 from rtrl.inference.engine import Engine, EngineConfig
-from rtrl.inference.server import InferenceServer
+from rtrl.inference.server import start
 from rtrl.policy import build_model, state_dict_fp32
 from support.inference import read_rollouts
 
@@ -46,8 +46,7 @@ def test_context_key_is_recorded_and_a_hostile_one_refused(stack_settings):
 
     async def scenario() -> tuple[dict[str, dict], list[tuple[int, dict]]]:
         engine = Engine(EngineConfig())
-        server = InferenceServer(stack_settings, settings, engine=engine)
-        await server.start()
+        server = await start(stack_settings, settings, engine=engine)
         try:
             for arm in ("control", "treatment"):
                 engine.stage(arm, 0, state_dict_fp32(build_model(seed=1)))

@@ -12,7 +12,7 @@ import pytest
 import redis
 import torch
 
-from rtrl import heartbeat, procs
+from rtrl import procs
 from rtrl.api_keys import (
     COMPLETIONS,
     SERVED_PREFIX,
@@ -20,13 +20,15 @@ from rtrl.api_keys import (
     register_private_user,
     revoke_key,
 )
+from rtrl.heartbeat import InferenceBeat
 from rtrl.inference.config import InferenceSettings
-from rtrl.inference.engine import Engine, EngineConfig
-from rtrl.inference.server import InferenceServer
+from rtrl.inference.engine import Engine, EngineConfig, EngineCrashed
+from rtrl.inference.server import start
 from rtrl.policy import BOS, build_model, state_dict_fp32
 from rtrl.v1 import common_pb2
+from support import wait
+from support.beats import beat_of, wait_for_beat
 from support.inference import read_rollouts
-from support.redis_reply import stored
 from support.signing import KEY_AUTHORITY
 
 pytestmark = pytest.mark.integration
@@ -58,9 +60,9 @@ def test_completions_produce_one_rollout_record_each(stack_settings):
     users = [f"user-{i}" for i in range(12)]
 
     async def scenario() -> tuple[list[dict], list[dict]]:
-        server = InferenceServer(stack_settings, settings, engine=engine)
-        await server.start()
+        server = await start(stack_settings, settings, engine=engine)
         key = await issue_key(server.redis, KEY_AUTHORITY, "editor", scopes={COMPLETIONS})
+        beats = redis.Redis.from_url(stack_settings.redis_url)
         # Registered private at the gateway: private here too, whatever the request says.
         await register_private_user(server.redis, "registered-private")
         send = functools.partial(post, key=key)
@@ -144,7 +146,13 @@ def test_completions_produce_one_rollout_record_each(stack_settings):
                     "versions": {"control": 0, "treatment": 1},
                     "worker_id": "inference-0",
                 }
-                await asyncio.sleep(settings.heartbeat_interval_s * 1.5)
+                traffic_over = time.time()
+                await wait.until_async(
+                    lambda: beat_of(beats, InferenceBeat, after=traffic_over),
+                    "a beat written after the traffic",
+                    timeout_s=10 * settings.heartbeat_interval_s,
+                    interval_s=0.1,
+                )
             return [a for _, a in answers[: len(public)]], [a for _, a in answers[len(public) :]]
         finally:
             await server.stop()
@@ -213,12 +221,13 @@ def test_completions_produce_one_rollout_record_each(stack_settings):
     try:
         for arm, version in (("control", 0), ("treatment", 0), ("treatment", 1)):
             assert set(client.hgetall(f"rtrl:applied:{arm}:{version}")) == {b"inference-0"}
-        beat = json.loads(stored(client, heartbeat.key("inference", "0")))
-        assert beat["ready"] is True and beat["versions"] == {"control": 0, "treatment": 1}
+        beat = beat_of(client, InferenceBeat)
+        assert beat is not None
+        assert beat.ready is True and beat.versions == {"control": 0, "treatment": 1}
         assert (
-            beat["rollout_records"] == len(public)
-            and beat["private_completions"] == 4
-            and beat["unrecorded"] == 3
+            beat.rollout_records == len(public)
+            and beat.private_completions == 4
+            and beat.unrecorded == 3
         )
         # Each rollout names the client it was served to, and so does the gateway's record of it.
         assert {r.client_id for r in records.values()} == {"editor"}
@@ -238,8 +247,7 @@ def test_streamed_completion_matches_its_answer_and_record(stack_settings):
 
     async def scenario(body: dict) -> list[dict]:
         engine = Engine(EngineConfig())
-        server = InferenceServer(stack_settings, settings, engine=engine)
-        await server.start()
+        server = await start(stack_settings, settings, engine=engine)
         try:
             engine.stage("control", 0, state_dict_fp32(build_model(seed=1)))
             engine.stage("treatment", 0, state_dict_fp32(build_model(seed=1)))
@@ -287,8 +295,7 @@ def test_arm_without_weights_answers_503(stack_settings):
     )
 
     async def scenario():
-        server = InferenceServer(stack_settings, settings)
-        await server.start()
+        server = await start(stack_settings, settings)
         try:
             async with aiohttp.ClientSession() as http:
                 return await post(
@@ -307,6 +314,41 @@ def test_arm_without_weights_answers_503(stack_settings):
     assert read_rollouts(stack_settings, timeout_s=1) == []
 
 
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+def test_an_engine_bug_is_a_500_with_a_log_not_unavailable(stack_settings, caplog):
+    # The engine thread dies of an error of its own (here, its step hook raises): the
+    # request it held is a 500 and the traceback is in the log; nothing is counted as
+    # unavailable (a 503 says "ask again", which would hide the bug), nothing is recorded.
+    def on_step(arm: str, generated: int) -> None:
+        raise KeyError("a bug in the engine")
+
+    engine = Engine(EngineConfig(), on_step=on_step)
+    settings = InferenceSettings(http_port=0, follow_weights=False, auth_required=False)
+
+    async def scenario() -> tuple[int, int]:
+        server = await start(stack_settings, settings, engine=engine)
+        try:
+            for arm in ("control", "treatment"):
+                engine.stage(arm, 0, state_dict_fp32(build_model(seed=1)))
+            async with aiohttp.ClientSession() as http:
+                async with http.post(
+                    f"http://127.0.0.1:{server.port}/v1/completions",
+                    json={"prompt": "@p1 say hi\n", "user_id": "u", "session_id": "s"},
+                ) as resp:
+                    return resp.status, server.counters.unavailable
+        finally:
+            await server.stop()
+
+    status, unavailable = asyncio.run(scenario())
+    assert (status, unavailable) == (500, 0)
+    # Logged twice: where the engine died, and where the request failed (with its traceback).
+    failed_requests = [
+        r for r in caplog.records if r.exc_info and isinstance(r.exc_info[1], EngineCrashed)
+    ]
+    assert failed_requests and "a bug in the engine" in str(failed_requests[0].exc_info[1])
+    assert read_rollouts(stack_settings, timeout_s=1) == []
+
+
 def test_worker_process_heartbeats_and_stops_on_sigterm(
     stack_env, stack_settings, repo_root, tmp_path
 ):
@@ -322,16 +364,18 @@ def test_worker_process_heartbeats_and_stops_on_sigterm(
     )
     client = redis.Redis.from_url(stack_settings.redis_url)
     try:
-        deadline = time.monotonic() + 60
-        while client.get(heartbeat.key("inference", "7")) is None:
-            assert proc.alive(), (tmp_path / "inference.log").read_text()
-            assert time.monotonic() < deadline, "no heartbeat"
-            time.sleep(0.1)
-        beat = json.loads(stored(client, heartbeat.key("inference", "7")))
+        beat = wait_for_beat(
+            client,
+            InferenceBeat,
+            "a first beat",
+            instance="7",
+            timeout_s=60,
+            watching=[wait.Watched(proc, tmp_path / "inference.log")],
+        )
         assert (
-            beat["ready"] is False
-            and beat["http_port"] == port
-            and beat["versions"] == {"control": -1, "treatment": -1}
+            beat.ready is False
+            and beat.http_port == port
+            and beat.versions == {"control": -1, "treatment": -1}
         )
         proc.popen.send_signal(15)
         assert proc.popen.wait(timeout=20) == 0, (tmp_path / "inference.log").read_text()
@@ -357,8 +401,7 @@ def test_weights_follow_weight_sync(stack_settings):
         port = await weight_sync.start()
         stack = stack_settings.model_copy(update={"weight_sync_addr": f"127.0.0.1:{port}"})
         token = stack.weight_sync_token.get_secret_value()
-        server = InferenceServer(stack, InferenceSettings(http_port=0, auth_required=False))
-        await server.start()
+        server = await start(stack, InferenceSettings(http_port=0, auth_required=False))
         try:
             for arm in ("control", "treatment"):
                 publisher = Publisher(stack.weight_sync_addr, token, arm, signing_key=MANIFEST_KEY)
@@ -366,10 +409,11 @@ def test_weights_follow_weight_sync(stack_settings):
                     if a == arm:
                         await asyncio.to_thread(publisher.publish, state_dict_fp32(model))
                 publisher.close()
-            deadline = time.monotonic() + 30
-            while server.engine.versions() != {"control": 0, "treatment": 1}:
-                assert time.monotonic() < deadline, server.engine.versions()
-                await asyncio.sleep(0.05)
+            await wait.until_async(
+                server.engine.versions,
+                "both arms' versions applied",
+                ready=lambda versions: versions == {"control": 0, "treatment": 1},
+            )
             assert isinstance(server.engine, Engine)  # the embedded backend, the default
             live = server.engine.live_weights("treatment")
             for name, tensor in state_dict_fp32(published[("treatment", 1)]).items():
@@ -410,8 +454,7 @@ def test_the_serving_api_takes_only_completion_keys_and_holds_each_to_its_budget
     )
 
     async def scenario() -> None:
-        server = InferenceServer(stack_settings, settings, engine=engine)
-        await server.start()
+        server = await start(stack_settings, settings, engine=engine)
         redis_client = server.redis
         keys = {
             "plain": await issue_key(redis_client, KEY_AUTHORITY, "plain", scopes={COMPLETIONS}),
@@ -439,7 +482,9 @@ def test_the_serving_api_takes_only_completion_keys_and_holds_each_to_its_budget
                 waiting = asyncio.ensure_future(
                     post(http, server.port, keys["one-at-a-time"], **ask)
                 )
-                await asyncio.sleep(0.5)
+                await wait.until_async(
+                    lambda: sum(server.door.in_flight.values()), "the first completion in flight"
+                )
                 status, answer = await post(http, server.port, keys["one-at-a-time"], **ask)
                 assert status == 429 and "1 completions in flight" in answer["error"], answer
                 engine.stage("control", 0, state_dict_fp32(build_model(seed=1)))

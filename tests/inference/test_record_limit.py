@@ -19,7 +19,7 @@ import torch
 from rtrl import kafka, topics
 from rtrl.inference.config import InferenceSettings
 from rtrl.inference.engine import Engine, EngineConfig
-from rtrl.inference.server import InferenceServer
+from rtrl.inference.server import start
 from rtrl.policy import build_model, state_dict_fp32
 from rtrl.reward_stream.config import RewardStreamSettings
 from rtrl.reward_stream.runtime import Joiner
@@ -39,8 +39,7 @@ def test_a_rollout_over_the_record_limit_is_served_and_not_recorded(stack_settin
     settings = InferenceSettings(http_port=0, follow_weights=False, auth_required=False)
 
     async def scenario() -> list[tuple[int, dict]]:
-        server = InferenceServer(stack, settings, engine=engine)
-        await server.start()
+        server = await start(stack, settings, engine=engine)
         try:
             for arm in ("control", "treatment"):
                 engine.stage(arm, 0, state_dict_fp32(build_model(seed=1)))

@@ -15,7 +15,6 @@ import importlib.util
 import json
 import sys
 import threading
-import time
 import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -41,6 +40,7 @@ from rtrl.inference.sglang_weight_protocol import SGLangRefused, SGLangWeights
 from rtrl.ops.tiny_model import write_tiny_checkpoint
 from rtrl.policy import BOS, build_model, encode, load_weights, state_dict_fp32
 from rtrl.v1 import common_pb2, rollout_pb2
+from support import wait
 
 # A fresh SGLang install downloads ~11 GB inside the first test's setup; every wait in
 # the tests themselves has its own, much shorter, timeout.
@@ -437,9 +437,12 @@ def test_sidecar_follows_weight_sync_into_sglang(sglang, server, publisher):
     try:
         assert publisher.publish(base_weights(4)) == 0
         assert publisher.publish(dominant_weights("#")) == 1
-        deadline = time.monotonic() + 30
-        while sidecar.applied_version < 1 and time.monotonic() < deadline:
-            time.sleep(0.1)
+        wait.until(
+            lambda: sidecar.applied_version,
+            "the sidecar to apply v1",
+            ready=lambda applied: applied >= 1,
+            interval_s=0.1,
+        )
         assert sidecar.applied_version == 1
     finally:
         sidecar.stop()
@@ -457,7 +460,7 @@ def test_the_serving_api_fronts_sglang(sglang, stack_settings):
     import redis
 
     from rtrl.inference.config import InferenceSettings
-    from rtrl.inference.server import InferenceServer
+    from rtrl.inference.server import start
     from support.inference import read_rollouts
 
     sglang_server, _ = sglang
@@ -473,13 +476,16 @@ def test_the_serving_api_fronts_sglang(sglang, stack_settings):
     )
 
     async def scenario():
-        server = InferenceServer(stack_settings, settings)
-        await server.start()
+        server = await start(stack_settings, settings)
         try:
             async with aiohttp.ClientSession() as http:
-                deadline = time.monotonic() + 10
-                while server.engine.versions() != {ARM: version} and time.monotonic() < deadline:
-                    await asyncio.sleep(0.1)
+                await wait.until_async(
+                    server.engine.versions,
+                    f"the server to report v{version} served",
+                    ready=lambda versions: versions == {ARM: version},
+                    timeout_s=10,
+                    interval_s=0.1,
+                )
                 url = f"http://127.0.0.1:{server.port}/v1/completions"
                 answers = []
                 for user in ("u1", "u2", "u3"):

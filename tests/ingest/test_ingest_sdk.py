@@ -28,6 +28,7 @@ from rtrl.ingest.sdk import RejectedEvent, Telemetry, TelemetrySettings
 from rtrl.ingest.spool import Spool, SpoolFull, SpoolLocked
 from rtrl.procs import free_port
 from rtrl.v1 import telemetry_pb2
+from support import wait
 from support.netfault import FaultProxy
 from support.signing import KEY_AUTHORITY
 
@@ -304,13 +305,6 @@ def event_ids_on_topics(
     return counts
 
 
-def wait_until(condition, timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out after {timeout_s} s waiting until {what}"
-        time.sleep(0.01)
-
-
 WHO: dict[str, Any] = {"session_id": "s1", "user_id": "u1"}
 
 
@@ -438,10 +432,12 @@ def test_ten_thousand_events_arrive_once_through_gateway_kills_and_cut_connectio
         for i in range(total):
             if i in faults:
                 # Each fault hits a live stream: the gateway has answered events since the last one.
-                wait_until(
-                    lambda target=i - 1_500: telemetry.stats.answered >= target,
-                    60,
-                    f"{i - 1_500} events were answered",
+                wait.until(
+                    lambda: telemetry.stats.answered,
+                    f"{i - 1_500} events answered",
+                    ready=wait.at_least(i - 1_500),
+                    timeout_s=60,
+                    interval_s=0.01,
                 )
                 if faults[i] == "cut":
                     cut_connections.append(proxy.cut_all())
@@ -540,10 +536,11 @@ def test_a_product_killed_mid_stream_resends_its_spool_on_restart_and_nothing_is
             promised.append(line.strip())
             if len(promised) == 1_000:
                 break
-        wait_until(
-            lambda: gateway.counters()["accepted"] >= 200,
-            30,
-            "the gateway has taken 200 of the product's events",
+        wait.until(
+            lambda: gateway.counters()["accepted"],
+            "the gateway to take 200 of the product's events",
+            ready=lambda accepted: accepted >= 200,
+            interval_s=0.01,
         )
         product.send_signal(signal.SIGKILL)
         product.wait(timeout=30)

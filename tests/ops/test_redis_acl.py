@@ -163,8 +163,8 @@ def test_each_service_does_its_work_as_its_own_user(
             await client.aclose()
 
     asyncio.run(work())
-    beats = heartbeat.read_all(redis.Redis.from_url(acl_redis["trainer"]))
-    assert {doc["service"] for doc in beats} >= {
+    beats = heartbeat.read(redis.Redis.from_url(acl_redis["trainer"]))
+    assert {hb.service for hb in beats} >= {
         "ingest",
         "inference",
         "weight_sync",

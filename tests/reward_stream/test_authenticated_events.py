@@ -20,12 +20,14 @@ import redis
 from confluent_kafka import Producer
 
 from rtrl import kafka, signing, topics
+from rtrl.heartbeat import RewardStreamBeat
 from rtrl.reward_stream import replay
 from rtrl.reward_stream.authn import Authenticator
 from rtrl.reward_stream.config import RewardStreamSettings
 from rtrl.reward_stream.runtime import Joiner
 from rtrl.v1 import common_pb2, reward_pb2, rollout_pb2, telemetry_pb2
-from support.reward_stream import spawn_joiner, wait_for_heartbeat
+from support.beats import wait_for_beat
+from support.reward_stream import spawn_joiner
 from support.signing import EVENT_SIGNER, worker_headers
 
 Headers = list[tuple[str, bytes]]
@@ -97,7 +99,7 @@ def test_the_join_refuses_every_forged_event_and_the_reward_is_the_honest_ones()
     forged = _forgeries("r1", ts)
 
     def joiner() -> Joiner:
-        return Joiner(settings.join_config(), authenticator=Authenticator.of(settings, "the test"))
+        return Joiner(settings.join_config(), authenticator=Authenticator.of(settings))
 
     (alone,), none = _settled(joiner(), honest, ts)
     assert none == [] and alone.components.persisted_fraction == 1.0
@@ -146,15 +148,17 @@ def test_the_joiner_service_lets_no_event_produced_straight_to_the_broker_steer_
         assert producer.flush(10) == 0
         producer.close()
 
-        beat = wait_for_heartbeat(
+        beat = wait_for_beat(
             redis.Redis.from_url(redis_url),
-            lambda d: (
-                d["settled"] >= len(honest)
-                and d["unauthenticated"] >= len(forged)
-                and d["pending"] == 0
+            RewardStreamBeat,
+            "every honest rollout settled and every forgery refused",
+            ready=lambda beat: (
+                beat.settled >= len(honest)
+                and beat.unauthenticated >= len(forged)
+                and beat.pending == 0
             ),
         )
-        assert beat["unauthenticated"] == len(forged) == beat["dlq"]
+        assert beat.unauthenticated == len(forged) == beat.dlq
 
         out = replay.read_retained(stack_settings, (topics.REWARD, topics.REWARD_DLQ))
         rewards = [

@@ -20,10 +20,12 @@ from rich.progress import Progress
 
 from rtrl import kafka, procs, topics
 from rtrl.bench.join import produce_load
+from rtrl.heartbeat import RewardStreamBeat
 from rtrl.reward_stream.config import RewardStreamSettings
 from rtrl.reward_stream.runtime import Joiner
 from rtrl.v1 import reward_pb2, rollout_pb2, telemetry_pb2
-from support.reward_stream import read_all, spawn_joiner, wait_for_heartbeat
+from support.beats import wait_for_beat
+from support.reward_stream import read_all, spawn_joiner
 from support.signing import produce_as_its_writer
 
 pytestmark = pytest.mark.integration
@@ -121,11 +123,19 @@ def test_broker_path_matches_the_pure_join(stack_settings, stack_env, redis_url,
                 10
             )  # one at a time, so the broker keeps the production order per partition
         hb = redis.Redis.from_url(redis_url)
-        status = wait_for_heartbeat(
-            hb, lambda d: d["settled"] >= len(expected) and d["pending"] == 0
+        # Nothing more may come: every record read, no rollout pending, every reward acked.
+        status = wait_for_beat(
+            hb,
+            RewardStreamBeat,
+            "every record read, every rollout settled and every reward acked",
+            ready=lambda beat: (
+                beat.events >= len(records)
+                and beat.settled >= len(expected)
+                and beat.pending == 0
+                and beat.in_flight == 0
+            ),
         )
-        assert (status["duplicates"], status["privacy_dropped"]) == (2, 1)
-        time.sleep(1)  # nothing more may come
+        assert (status.duplicates, status.privacy_dropped) == (2, 1)
         got = {}
         for message in read_all(stack_settings, (topics.REWARD,))[topics.REWARD]:
             record = reward_pb2.RewardRecord.FromString(message.value())
@@ -161,17 +171,23 @@ def test_a_backlog_read_unevenly_still_joins_every_event(
     )
     try:
         hb = redis.Redis.from_url(redis_url)
-        status = wait_for_heartbeat(
-            hb, lambda d: d["events"] >= 3 * len(ids) and d["pending"] == 0, timeout_s=120
+        # In flight: the rewards counted settled but not yet acked by the broker.
+        status = wait_for_beat(
+            hb,
+            RewardStreamBeat,
+            "every record read and every reward acked",
+            ready=lambda beat: (
+                beat.events >= 3 * len(ids) and beat.pending == 0 and beat.in_flight == 0
+            ),
+            timeout_s=120,
         )
-        time.sleep(1.5)  # the rewards counted settled are on their way to the broker
         rewards = [
             reward_pb2.RewardRecord.FromString(m.value())
             for m in read_all(stack_settings, (topics.REWARD,))[topics.REWARD]
         ]
     finally:
         service.stop(timeout_s=20)
-    assert {k: status[k] for k in ("settled", "defaulted", "late", "dropped")} == {
+    assert {k: getattr(status, k) for k in ("settled", "defaulted", "late", "dropped")} == {
         "settled": len(ids),
         "defaulted": 0,
         "late": 0,

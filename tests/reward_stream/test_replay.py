@@ -200,7 +200,7 @@ def test_replay_against_the_broker(stack_settings):
     live_before = committed(stack_settings, live_group)
     assert {offset for t, _, offset in live_before if t == topics.ROLLOUT} == {1}
 
-    writers = Authenticator.of(RewardStreamSettings(), "the test")
+    writers = Authenticator.of(RewardStreamSettings())
     results = {
         version: replay.replay(stack_settings, CONFIG, version, authenticator=writers)
         for version in ("r1", "r2")

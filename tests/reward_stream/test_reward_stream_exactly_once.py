@@ -27,6 +27,7 @@ from confluent_kafka import Producer, TopicPartition
 from rtrl import kafka, procs, topics
 from rtrl.analytics.query import http_query_fn
 from rtrl.v1 import reward_pb2, rollout_pb2, telemetry_pb2
+from support import wait
 from support.reward_stream import read_all
 from support.signing import produce_as_its_writer
 
@@ -145,23 +146,19 @@ def test_kill_9_mid_stream_loses_and_doubles_nothing(
             "analytics", [sys.executable, "-m", "rtrl.analytics"], sink_log, env=sink_env, port=port
         )
 
-    def wait_until(condition, timeout_s: float, what: str, *running: procs.Proc) -> None:
-        deadline = time.monotonic() + timeout_s
-        while not condition():
-            assert time.monotonic() < deadline, what
-            for service in running:
-                assert service.alive(), (tmp_path / f"{service.name}.log").read_text()[-3000:]
-            time.sleep(0.1)
+    def both() -> list[wait.Watched]:
+        return [wait.Watched(joiner, joiner_log), wait.Watched(sink, sink_log)]
 
     ids = produce_rollouts(stack_settings, int(time.time() * 1000))
     joiner, sink = start_joiner(), start_sink()
     try:
-        wait_until(
-            lambda: rewards_written(stack_settings) >= N_ROLLOUTS // 4,
-            120,
-            "the joiner settled too little before the kill",
-            joiner,
-            sink,
+        wait.until(
+            lambda: rewards_written(stack_settings),
+            "a quarter of the rewards written before the joiner's kill",
+            ready=lambda written: written >= N_ROLLOUTS // 4,
+            timeout_s=120,
+            interval_s=0.1,
+            watching=both(),
         )
         kill_9(joiner)
         killed_at = rewards_written(stack_settings)
@@ -171,11 +168,13 @@ def test_kill_9_mid_stream_loses_and_doubles_nothing(
 
         # The sink, with the joiner down: mid-stream (the topic stops short of N), and
         # killed at a point of its consume/insert/commit cycle that differs from run to run.
-        wait_until(
-            lambda: sum(max(p.committed, 0) for p in sink_lag(stack_settings)) >= N_ROLLOUTS // 8,
-            60,
-            "the sink committed too little before its kill",
-            sink,
+        wait.until(
+            lambda: sum(max(p.committed, 0) for p in sink_lag(stack_settings)),
+            "an eighth of the rewards committed by the sink before its kill",
+            ready=lambda committed: committed >= N_ROLLOUTS // 8,
+            timeout_s=60,
+            interval_s=0.1,
+            watching=[wait.Watched(sink, sink_log)],
         )
         time.sleep(random.uniform(0, 0.5))
         kill_9(sink)
@@ -184,21 +183,31 @@ def test_kill_9_mid_stream_loses_and_doubles_nothing(
         committed_at_kill = sum(max(p.committed, 0) for p in sink_lag(stack_settings))
 
         joiner, sink = start_joiner(), start_sink()
-        wait_until(
-            lambda: rewards_written(stack_settings) >= N_ROLLOUTS,
-            180,
-            "the joiner did not settle every rollout after the restart",
-            joiner,
-            sink,
+        wait.until(
+            lambda: rewards_written(stack_settings),
+            "every rollout settled after the restart",
+            ready=lambda written: written >= N_ROLLOUTS,
+            timeout_s=180,
+            interval_s=0.1,
+            watching=both(),
         )
-        time.sleep(3)  # anything doubled would still be on its way
-        lag = kafka.consumer_lag(stack_settings, "rtrl-reward-stream", topics.TELEMETRY)
-        wait_until(
-            lambda: all(p.lag <= 0 for p in sink_lag(stack_settings)),
-            60,
-            "the sink did not catch up with the reward topic",
-            joiner,
-            sink,
+        # Nothing doubled is still on its way once every input is committed: the joiner
+        # commits an input only once the outputs it produced are acknowledged.
+        lag = wait.until(
+            lambda: kafka.consumer_lag(stack_settings, "rtrl-reward-stream", topics.TELEMETRY),
+            "the joiner to commit every input partition to its end",
+            ready=lambda lag: all(p.lag <= 0 for p in lag),
+            timeout_s=60,
+            interval_s=0.2,
+            watching=both(),
+        )
+        wait.until(
+            lambda: sink_lag(stack_settings),
+            "the sink to catch up with the reward topic",
+            ready=lambda lag: all(p.lag <= 0 for p in lag),
+            timeout_s=60,
+            interval_s=0.1,
+            watching=both(),
         )
         query = http_query_fn(f"http://127.0.0.1:{sink.port}", token)
         final = query(

@@ -10,8 +10,10 @@ import redis
 from confluent_kafka import Producer
 
 from rtrl import kafka, topics
+from rtrl.heartbeat import RewardStreamBeat
 from rtrl.v1 import reward_pb2, telemetry_pb2
-from support.reward_stream import read_all, scenario, spawn_joiner, wait_for_heartbeat
+from support.beats import wait_for_beat
+from support.reward_stream import read_all, scenario, spawn_joiner
 from support.signing import produce_as_its_writer, worker_headers
 
 pytestmark = pytest.mark.integration
@@ -57,7 +59,12 @@ def test_one_reward_per_rollout_dlq_late_and_clean_stop(
         assert producer.flush(10) == 0
 
         hb = redis.Redis.from_url(redis_url)
-        wait_for_heartbeat(hb, lambda d: d["settled"] >= N_ROLLOUTS and d["dlq"] >= 1)
+        wait_for_beat(
+            hb,
+            RewardStreamBeat,
+            "every rollout settled and the garbage dead-lettered",
+            ready=lambda beat: beat.settled >= N_ROLLOUTS and beat.dlq >= 1,
+        )
         # An event for an already-settled rollout goes to .late.
         late = telemetry_pb2.TelemetryEvent(
             event_id="late-1",
@@ -68,9 +75,11 @@ def test_one_reward_per_rollout_dlq_late_and_clean_stop(
         value = late.SerializeToString()
         produce_as_its_writer(producer, topics.FOLLOWUP, value, "rollout-03")
         assert producer.flush(10) == 0
-        status = wait_for_heartbeat(hb, lambda d: d["late"] >= 1)
+        status = wait_for_beat(
+            hb, RewardStreamBeat, "the late follow-up", ready=lambda beat: beat.late >= 1
+        )
         assert {
-            k: status[k]
+            k: getattr(status, k)
             for k in ("settled", "defaulted", "duplicates", "dlq", "late", "pending", "dropped")
         } == {
             "settled": N_ROLLOUTS,

@@ -18,12 +18,14 @@ import pytest
 import redis
 from confluent_kafka import Producer
 
-from rtrl import heartbeat, kafka, signing, topics
+from rtrl import kafka, signing, topics
+from rtrl.heartbeat import RewardStreamBeat
 from rtrl.reward_stream import replay
 from rtrl.reward_stream.authn import Authenticator
 from rtrl.reward_stream.config import RewardStreamSettings
 from rtrl.reward_stream.runtime import Joiner
 from rtrl.v1 import common_pb2, reward_pb2, rollout_pb2, telemetry_pb2
+from support.beats import wait_for_beat
 from support.reward_stream import spawn_joiner
 from support.signing import ROLLOUT_SIGNER, produce_as_its_writer, worker_headers
 
@@ -86,7 +88,7 @@ def _forgeries(ts_ms: int) -> dict[str, tuple[bytes, list[tuple[str, bytes]], st
 
 def test_the_join_refuses_every_forged_rollout_and_settles_the_honest_one():
     settings = RewardStreamSettings(window_s=1, grace_s=0)
-    joiner = Joiner(settings.join_config(), authenticator=Authenticator.of(settings, "the test"))
+    joiner = Joiner(settings.join_config(), authenticator=Authenticator.of(settings))
     ts = 1_800_000_000_000
     offset = 0
     dead: dict[str, str] = {}
@@ -152,20 +154,17 @@ def test_the_joiner_service_builds_no_reward_on_a_rollout_produced_straight_to_t
             produce_as_its_writer(producer, topics.PERSISTENCE, kept, rollout_id)
         assert producer.flush(10) == 0
 
-        client = redis.Redis.from_url(redis_url)
-        deadline = time.monotonic() + 90
-        while True:
-            docs = [d for d in heartbeat.read_all(client) if d["service"] == "reward_stream"]
-            if (
-                docs
-                and docs[0]["settled"] >= len(honest)
-                and docs[0]["unauthenticated"] >= len(forged)
-                and docs[0]["pending"] == 0
-            ):
-                break
-            assert time.monotonic() < deadline, f"joiner heartbeat: {docs}"
-            time.sleep(0.2)
-        assert docs[0]["unauthenticated"] == len(forged)
+        beat = wait_for_beat(
+            redis.Redis.from_url(redis_url),
+            RewardStreamBeat,
+            "every honest rollout settled and every forgery refused",
+            ready=lambda beat: (
+                beat.settled >= len(honest)
+                and beat.unauthenticated >= len(forged)
+                and beat.pending == 0
+            ),
+        )
+        assert beat.unauthenticated == len(forged)
 
         out = replay.read_retained(stack_settings, (topics.REWARD, topics.REWARD_DLQ))
         rewarded = sorted(

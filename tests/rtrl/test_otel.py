@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import sys
 import threading
-import time
 import urllib.request
 from concurrent import futures
 
@@ -28,6 +27,7 @@ from opentelemetry.proto.collector.trace.v1 import (
 
 from rtrl import otel, procs
 from rtrl.weight_sync.client import Publisher
+from support import wait
 from support.weight_sync import (
     ARM,
     MANIFEST_KEY,
@@ -223,10 +223,9 @@ def test_a_worker_apply_span_is_a_child_of_the_commit(
         with trace.get_tracer("test").start_as_current_span("trainer.step") as step:
             publish_versions(publisher, policy_weights, 1)
         assert staged.wait(30)
-        deadline = time.monotonic() + 10
-        while follower.staged(0) is None and time.monotonic() < deadline:
-            time.sleep(0.05)
-        staged_version = follower.staged(0)
+        staged_version = wait.until(
+            lambda: follower.staged(0), "the follower to record v0 as staged", timeout_s=10
+        )
         assert staged_version is not None
         traceparent, _ = staged_version
     finally:

@@ -8,10 +8,10 @@ import os
 import signal
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 from rtrl import procs, runtime
+from support import wait
 
 # A service whose drain never ends: until_stopped returns on SIGTERM, then the process
 # blocks in a function the dump must name.
@@ -35,10 +35,11 @@ HANGING_SERVICE = textwrap.dedent("""
 def _start(tmp_path, budget_s: float) -> tuple[procs.Proc, Path]:
     log = tmp_path / "service.log"
     proc = procs.spawn("hanging", [sys.executable, "-c", HANGING_SERVICE, str(budget_s)], log)
-    deadline = time.monotonic() + 30
-    while "serving" not in log.read_text():
-        assert time.monotonic() < deadline, log.read_text()
-        time.sleep(0.05)
+    wait.until(
+        lambda: "serving" in log.read_text(),
+        "the service to start serving",
+        watching=[wait.Watched(proc, log)],
+    )
     return proc, log
 
 
@@ -56,14 +57,28 @@ def test_a_stop_that_hangs_is_ended_by_the_watchdog_with_every_stack_in_the_log(
 def test_sigusr1_dumps_every_thread_and_the_service_keeps_running(tmp_path):
     proc, log = _start(tmp_path, budget_s=30.0)
     try:
+
+        def main_thread_dumps() -> int:
+            """Dumps of the main thread, which waits in the event loop (once per dump)."""
+            return log.read_text().count(" in run_forever")
+
         os.kill(proc.pid, signal.SIGUSR1)
-        deadline = time.monotonic() + 10
-        # faulthandler's header, then the main thread waiting in the event loop.
-        while "most recent call first" not in log.read_text():
-            assert time.monotonic() < deadline, log.read_text()
-            time.sleep(0.05)
-        assert "run_forever" in log.read_text()
-        time.sleep(0.5)
+        wait.until(
+            main_thread_dumps,
+            "a dump of every thread",
+            timeout_s=10,
+            watching=[wait.Watched(proc, log)],
+        )
+        assert "most recent call first" in log.read_text()  # faulthandler's header
+        # The sentinel: a service still running answers a second SIGUSR1 with a second dump.
+        os.kill(proc.pid, signal.SIGUSR1)
+        wait.until(
+            main_thread_dumps,
+            "a second dump: SIGUSR1 must not stop the service",
+            ready=lambda dumps: dumps >= 2,
+            timeout_s=10,
+            watching=[wait.Watched(proc, log)],
+        )
         assert proc.popen.poll() is None, "SIGUSR1 must not stop the service"
     finally:
         proc.stop(timeout_s=5)

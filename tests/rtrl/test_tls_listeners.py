@@ -21,7 +21,7 @@ from rtrl import procs
 from rtrl.analytics.query import http_query_fn
 from rtrl.inference.config import InferenceSettings
 from rtrl.inference.engine import Engine, EngineConfig
-from rtrl.inference.server import InferenceServer
+from rtrl.inference.server import start as start_inference
 from rtrl.weight_sync.client import Publisher, Subscriber, latest_version
 from rtrl.weight_sync.config import WeightSyncSettings
 from support.weight_sync import (
@@ -112,8 +112,7 @@ def test_the_serving_api_over_tls(stack_settings, certificate):
     )
 
     async def scenario() -> None:
-        server = InferenceServer(stack_settings, settings, engine=Engine(EngineConfig()))
-        await server.start()
+        server = await start_inference(stack_settings, settings, engine=Engine(EngineConfig()))
         try:
             url = f"https://127.0.0.1:{settings.http_port}/healthz"
             status, body = await asyncio.to_thread(_get, url, cert)

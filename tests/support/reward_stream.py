@@ -1,20 +1,18 @@
 """The reward stream's scenarios and readers, shared by the reward-stream tests and the
 hostile-timestamp tests: the records of a rollout with the reward components they must
-give, a wait on the joiner's heartbeat, a reader of whole topics, and the table of
-completions the hacking monitor counts as clarifying questions."""
+give, a reader of whole topics, and the table of completions the hacking monitor counts
+as clarifying questions. (The joiner's heartbeat is waited for through support.beats.)"""
 
 from __future__ import annotations
 
-import json
 import sys
 import time
 import uuid
 from pathlib import Path
 
-import redis
 from confluent_kafka import OFFSET_BEGINNING, Consumer, TopicPartition
 
-from rtrl import heartbeat, kafka, procs, topics
+from rtrl import kafka, procs, topics
 from rtrl.simulator.tasks import Style, Task
 from rtrl.v1 import rollout_pb2, telemetry_pb2
 
@@ -95,18 +93,6 @@ def scenario(i: int, base_ms: int):
         "event_ids": sorted([record.event_id, *(e.event_id for _, e in events)]),
     }
     return rollout_id, record, events, expected
-
-
-def wait_for_heartbeat(client: redis.Redis, predicate, timeout_s: float = 90.0) -> dict:
-    deadline = time.monotonic() + timeout_s
-    doc: dict = {}
-    while time.monotonic() < deadline:
-        raw = client.get(heartbeat.key("reward_stream", "0"))
-        doc = json.loads(raw) if raw else {}
-        if doc and predicate(doc):
-            return doc
-        time.sleep(0.2)
-    raise AssertionError(f"heartbeat never matched; last: {doc}")
 
 
 def read_all(settings, topic_names: tuple[str, ...]) -> dict[str, list]:

@@ -26,6 +26,7 @@ from rtrl.policy import PolicyConfig, build_model, load_weights
 from rtrl.simulator.suite import DemoSuite
 from rtrl.trainer.evaluation import EvalGate, EvalScores
 from rtrl.trainer.journal import Journal
+from support import wait
 from support.analytics import RecordingConsumer
 from support.trainer import DEMO_PLUGINS
 from support.weight_sync import MANIFEST_KEY, MANIFEST_PUBLIC_KEYS, Following
@@ -118,14 +119,6 @@ def _metric_points(reader, name: str) -> dict[tuple, float]:
     return out
 
 
-def _wait(predicate, timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
-        time.sleep(0.05)
-
-
 @pytest.mark.guarantee(6)
 @pytest.mark.integration
 @pytest.mark.timeout(300)
@@ -157,8 +150,9 @@ def test_a_harmful_update_is_refused_and_never_reaches_a_worker(
         arm: Publisher(server.addr, token, arm, signing_key=MANIFEST_KEY)
         for arm in (CONTROL, TREATMENT)
     }
-    settings = TrainerSettings(
-        **DEMO_PLUGINS, lr=1e-3, batch_size=32, min_batch=32, max_staleness=100, eval_tolerance=0.1
+    settings = TrainerSettings.model_validate(
+        {**DEMO_PLUGINS, "lr": 1e-3, "batch_size": 32, "min_batch": 32}
+        | {"max_staleness": 100, "eval_tolerance": 0.1}
     )
     exporter = StepExporter(Producer(producer_config(stack_settings)))
     spans, reader = otel_memory
@@ -205,7 +199,12 @@ def test_a_harmful_update_is_refused_and_never_reaches_a_worker(
         for i, batch in enumerate(batches[:2]):
             poisoned += [reward_record(*row[:4], reward=0.0 if row[4] else 1.0) for row in batch]
             produce(stack_settings.kafka_bootstrap, poisoned[-32:])
-            _wait(lambda i=i: trainer.status.refused == i + 1, 120, f"refusal {i + 1}")
+            wait.until(
+                lambda: trainer.heartbeat().refused,
+                f"refusal {i + 1}",
+                ready=wait.at_least(i + 1),
+                timeout_s=120,
+            )
 
         status = trainer.heartbeat()
         assert trainer.publishers[TREATMENT].latest() == 0
@@ -268,9 +267,7 @@ def test_a_harmful_update_is_refused_and_never_reaches_a_worker(
         assert steps[0]["eval_candidate"]["well_formed"] == pytest.approx(
             status.refusals[0].candidate["well_formed"]
         )
-        step_spans = [
-            span for span in spans.get_finished_spans() if span.name == "rtrl.trainer.step"
-        ]
+        step_spans = [span for span in spans.get_finished_spans() if span.name == "trainer.step"]
         assert [span.attributes["rtrl.trainer.published"] for span in step_spans] == [
             False,
             False,
@@ -285,6 +282,6 @@ def test_a_harmful_update_is_refused_and_never_reaches_a_worker(
         stop.set()
         loop.join(timeout=30)
         worker.subscriber.close()
-        trainer.consumer.close()
+        trainer.intake.consumer.close()
         for publisher in publishers.values():
             publisher.close()

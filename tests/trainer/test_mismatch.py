@@ -271,9 +271,9 @@ def test_the_loop_measures_only_the_first_step_from_the_published_weights(served
     again, _ = trainer._train([second])
     assert again.mismatch.tokens == 0
     # The heartbeat keeps the last step that measured any token.
-    trainer.status = trainer._status(metrics)
-    trainer.status = trainer._status(again)
-    shown = trainer.status.mismatch
+    trainer.reporter.show(trainer.progress(), metrics)
+    trainer.reporter.show(trainer.progress(), again)
+    shown = trainer.heartbeat().mismatch
     assert shown is not None and shown.tokens == metrics.mismatch.tokens
     assert (shown.threshold, shown.max) == (THRESHOLD, metrics.mismatch.max)
 

@@ -99,20 +99,21 @@ def test_only_the_joiners_rewards_are_trained_on(stack_settings):
         fetch_weights=never_fetch,
         dead_letter=dead_letter,
     )
-    consumer.subscribe([topics.REWARD], on_assign=trainer._on_assign)
+    intake = trainer.intake
+    consumer.subscribe([topics.REWARD], on_assign=intake.on_assign)
     try:
         deadline = time.monotonic() + 60
-        while len(trainer.pending) + sum(trainer.drops.values()) < HONEST + len(forged):
-            assert time.monotonic() < deadline, (len(trainer.pending), dict(trainer.drops))
-            trainer.poll()
+        while len(intake.pending) + sum(intake.drops.values()) < HONEST + len(forged):
+            assert time.monotonic() < deadline, (len(intake.pending), dict(intake.drops))
+            intake.poll()
     finally:
         consumer.close()
 
-    assert sorted(s.rollout_id for s in trainer.pending) == sorted(r.rollout_id for r in honest)
+    assert sorted(s.rollout_id for s in intake.pending) == sorted(r.rollout_id for r in honest)
     expected = {Drop.UNSIGNED: 0, Drop.FORGED: 0}
     for *_, drop in forged:
         expected[drop] += 1
-    assert dict(trainer.drops) == expected
+    assert dict(intake.drops) == expected
     assert sorted(value for value, _ in dead) == sorted(value for _, value, _, _ in forged)
     assert {reason for _, reason in dead} >= {"unsigned", "bad signature"} and any(
         "unknown key" in r for _, r in dead

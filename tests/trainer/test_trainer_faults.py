@@ -24,7 +24,8 @@ import time
 import pytest
 import torch
 
-from rtrl import procs
+from rtrl import kafka, procs, topics
+from support import wait
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -75,13 +76,6 @@ def test_kill_9_mid_training_trains_every_rollout_exactly_once(
     def start() -> procs.Proc:
         return procs.spawn("trainer", [sys.executable, "-m", "rtrl.trainer"], log_path, env=env)
 
-    def wait_until(condition, timeout_s: float, what: str, service: procs.Proc) -> None:
-        deadline = time.monotonic() + timeout_s
-        while not condition():
-            assert time.monotonic() < deadline, f"{what}\n{log_path.read_text()[-3000:]}"
-            assert service.alive(), log_path.read_text()[-3000:]
-            time.sleep(0.05)
-
     def trained() -> int:
         latest = registry.latest()
         return (
@@ -97,10 +91,14 @@ def test_kill_9_mid_training_trains_every_rollout_exactly_once(
     try:
         kills = []
         for target in (6, 16):
-            wait_until(
-                lambda target=target: registry.latest() >= target, 180, f"no v{target}", trainer
+            wait.until(
+                registry.latest,
+                f"v{target} published",
+                ready=wait.at_least(target),
+                timeout_s=180,
+                watching=[wait.Watched(trainer, log_path)],
             )
-            time.sleep(rng.uniform(0, 0.4))
+            time.sleep(rng.uniform(0, 0.4))  # a kill point that differs from run to run
             _kill_9(trainer)
             kills.append((registry.latest(), trained()))
             if len(kills) == 1:
@@ -113,13 +111,23 @@ def test_kill_9_mid_training_trains_every_rollout_exactly_once(
             f"a kill came after everything was trained: {kills}"
         )
 
-        wait_until(
-            lambda: trained() >= len(delivered),
-            240,
-            "the trainer did not train every delivered rollout",
-            trainer,
+        wait.until(
+            trained,
+            "every delivered rollout trained",
+            ready=lambda count: count >= len(delivered),
+            timeout_s=240,
+            watching=[wait.Watched(trainer, log_path)],
         )
-        time.sleep(2)  # a batch trained twice would be on its way by now
+        # Nothing trained twice is still on its way once the trainer has committed every
+        # reward it read: it commits a record once it is trained and published, or dropped.
+        wait.until(
+            lambda: kafka.consumer_lag(stack_settings, "trainer", (topics.REWARD,)),
+            "the trainer to commit every reward partition to its end",
+            ready=lambda lag: all(p.lag <= 0 for p in lag),
+            timeout_s=60,
+            interval_s=0.2,
+            watching=[wait.Watched(trainer, log_path)],
+        )
         trainer.stop()
         assert trainer.popen.returncode == 0, log_path.read_text()[-3000:]
 
@@ -193,21 +201,16 @@ def test_the_trainer_service_runs_sharded_under_torchrun(
             else 0
         )
 
-    def wait_until(condition, timeout_s: float, what: str, service: procs.Proc) -> None:
-        deadline = time.monotonic() + timeout_s
-        while not condition():
-            assert time.monotonic() < deadline, f"{what}\n{log_path.read_text()[-4000:]}"
-            assert service.alive(), log_path.read_text()[-4000:]
-            time.sleep(0.1)
-
     produce(stack_settings.kafka_bootstrap, records[:96])
     group = procs.spawn("torchrun", argv, log_path, env=env)
     try:
-        wait_until(
-            lambda: trained() >= 96,
-            240,
-            "the sharded trainer did not train the first records",
-            group,
+        wait.until(
+            trained,
+            "the sharded trainer to train the first records",
+            ready=lambda count: count >= 96,
+            timeout_s=240,
+            interval_s=0.1,
+            watching=[wait.Watched(group, log_path, tail_chars=4000)],
         )
         # torchrun itself exits non-zero on SIGTERM (it re-raises the signal); what matters
         # is that rank 0 stopped cleanly and wrote a checkpoint of what it published.
@@ -223,11 +226,13 @@ def test_the_trainer_service_runs_sharded_under_torchrun(
 
         produce(stack_settings.kafka_bootstrap, records[96:])
         group = procs.spawn("torchrun", argv, log_path, env=env)
-        wait_until(
-            lambda: trained() >= len(records),
-            240,
-            "the sharded trainer did not train the rest after a restart",
-            group,
+        wait.until(
+            trained,
+            "the sharded trainer to train the rest after a restart",
+            ready=lambda count: count >= len(records),
+            timeout_s=240,
+            interval_s=0.1,
+            watching=[wait.Watched(group, log_path, tail_chars=4000)],
         )
         group.stop(timeout_s=60)
         assert log_path.read_text().count("trainer stopped at step") == 2, log_path.read_text()[

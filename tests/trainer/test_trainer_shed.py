@@ -17,6 +17,7 @@ from rtrl import topics
 from rtrl.kafka import consumer_config
 from rtrl.trainer.batch import Drop, TrainSample, shed_oldest
 from rtrl.trainer.config import TrainerSettings
+from rtrl.trainer.intake import Intake
 from rtrl.trainer.journal import position_key
 from rtrl.trainer.loop import Trainer
 from support.trainer import never_fetch, produce, reward_record
@@ -57,18 +58,18 @@ def _trainer(stack_settings, when_behind: str) -> Trainer:
     trainer = Trainer(
         settings, stack_settings.state_dir, consumer, publishers={}, fetch_weights=never_fetch
     )
-    consumer.subscribe([topics.REWARD], on_assign=trainer._on_assign)
+    consumer.subscribe([topics.REWARD], on_assign=trainer.intake.on_assign)
     return trainer
 
 
-def _poll_until(trainer: Trainer, read: int, timeout_s: float = 60) -> None:
+def _poll_until(intake: Intake, read: int, timeout_s: float = 60) -> None:
     """Poll until `read` records were taken (pending or dropped)."""
     deadline = time.monotonic() + timeout_s
-    while len(trainer.pending) + sum(trainer.drops.values()) < read:
+    while len(intake.pending) + sum(intake.drops.values()) < read:
         assert time.monotonic() < deadline, (
-            f"read {len(trainer.pending)} + {dict(trainer.drops)} of {read}"
+            f"read {len(intake.pending)} + {dict(intake.drops)} of {read}"
         )
-        trainer.poll()
+        intake.poll()
 
 
 @pytest.fixture
@@ -84,40 +85,41 @@ def two_waves(stack_settings):
 @pytest.mark.integration
 def test_catch_up_takes_a_candidate_at_a_time_and_loses_nothing(stack_settings, two_waves):
     old, new = two_waves
-    trainer = _trainer(stack_settings, "catch_up")
+    intake = _trainer(stack_settings, "catch_up").intake
     taken: list[str] = []
     try:
         while len(taken) < OLD + NEW:
-            _poll_until(trainer, 1)
-            trainer.poll()  # a full candidate reads nothing more; a partial one takes what has arrived
-            assert len(trainer.pending) <= BATCH
-            assert sum(trainer.positions.values()) == len(taken) + len(trainer.pending), (
+            _poll_until(intake, 1)
+            intake.poll()  # a full candidate reads nothing more; a partial one takes what has arrived
+            assert len(intake.pending) <= BATCH
+            assert sum(intake.positions.values()) == len(taken) + len(intake.pending), (
                 "read past the candidate"
             )
-            taken += [s.rollout_id for s in trainer.pending]
-            trainer.pending = []  # trained, as train_pending would
+            taken += [s.rollout_id for s in intake.pending]
+            intake.pending = []  # trained, as train_pending would
     finally:
-        trainer.consumer.close()
-    assert sorted(taken) == sorted(old | new) and not trainer.drops
+        intake.consumer.close()
+    assert sorted(taken) == sorted(old | new) and not intake.drops
 
 
 @pytest.mark.integration
 def test_shed_reads_everything_and_keeps_the_newest_candidate(stack_settings, two_waves):
     old, new = two_waves
     trainer = _trainer(stack_settings, "shed")
+    intake = trainer.intake
     try:
-        _poll_until(trainer, OLD + NEW)
+        _poll_until(intake, OLD + NEW)
     finally:
-        trainer.consumer.close()
-    assert len(trainer.pending) == BATCH
-    assert {s.rollout_id for s in trainer.pending} <= new, (
+        intake.consumer.close()
+    assert len(intake.pending) == BATCH
+    assert {s.rollout_id for s in intake.pending} <= new, (
         "only the second wave's rewards are the newest"
     )
-    assert trainer.drops == {Drop.SHED: OLD + NEW - BATCH}
+    assert intake.drops == {Drop.SHED: OLD + NEW - BATCH}
     # Everything read is consumed: the positions after the candidate are past every record.
-    assert sum(trainer.positions.values()) == OLD + NEW
+    assert sum(intake.positions.values()) == OLD + NEW
     assert all(
-        key == position_key(topics.REWARD, int(key.rsplit(":", 1)[1])) for key in trainer.positions
+        key == position_key(topics.REWARD, int(key.rsplit(":", 1)[1])) for key in intake.positions
     )
-    trainer._refresh_counters()  # the heartbeat's copy, as run() refreshes it
-    assert trainer.status.dropped == {"shed": OLD + NEW - BATCH}
+    trainer.reporter.refresh(len(intake.pending), intake.drops)  # as run() refreshes the beat
+    assert trainer.heartbeat().dropped == {"shed": OLD + NEW - BATCH}

@@ -15,15 +15,15 @@ import re
 import shutil
 import signal
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import redis
 import redis.asyncio as aioredis
 
-from rtrl import heartbeat, procs
+from rtrl import procs
 from rtrl.config import StackSettings
+from rtrl.heartbeat import WeightSyncBeat
 from rtrl.v1 import weights_pb2
 from rtrl.weight_sync import registry
 from rtrl.weight_sync.checksum import xxh3_hex
@@ -31,7 +31,8 @@ from rtrl.weight_sync.client import Publisher, Subscriber
 from rtrl.weight_sync.recovery import RegistryRecovery, recover_store, stored_manifest
 from rtrl.weight_sync.registry import Registry
 from rtrl.weight_sync.store import LocalBlobStore
-from support import subscriber_proc
+from support import subscriber_proc, wait
+from support.beats import beats_of
 from support.redis_reply import stored
 from support.subscriber_proc import weights_checksum
 from support.weight_sync import (
@@ -242,8 +243,10 @@ def test_an_idle_server_notices_a_flushall_by_itself(server, publisher, policy_w
     client = redis.Redis.from_url(server.stack.redis_url)
     try:
         client.flushall()
-        wait_for(
-            lambda: client.get(registry.latest_key(ARM)) == b"1", "the registry to come back at v1"
+        wait.until(
+            lambda: client.get(registry.latest_key(ARM)),
+            "the registry to come back at v1",
+            ready=lambda latest: latest == b"1",
         )
         assert server.server.recovery.rebuilds == 1
     finally:
@@ -274,13 +277,6 @@ def start_weight_sync(
     return proc, f"127.0.0.1:{port}"
 
 
-def wait_for(condition, what: str, timeout_s: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, f"gave up after {timeout_s:.0f} s waiting for {what}"
-        time.sleep(0.05)
-
-
 def served(out_path: Path) -> list[tuple[int, str]]:
     """(version, weights checksum) per version a subscriber process yielded."""
     if not out_path.exists():
@@ -292,11 +288,7 @@ def served(out_path: Path) -> list[tuple[int, str]]:
 
 
 def registry_rebuilds(client: redis.Redis) -> int:
-    return sum(
-        doc.get("registry_rebuilds", 0)
-        for doc in heartbeat.read_all(client)
-        if doc["service"] == "weight_sync"
-    )
+    return sum(beat.registry_rebuilds for beat in beats_of(client, WeightSyncBeat))
 
 
 @pytest.mark.integration
@@ -368,17 +360,19 @@ def test_flushall_under_live_servers_and_subscribers_keeps_versions_rising(
     )
     try:
         versions = publish_versions(publisher, policy_weights, 5)
-        wait_for(
-            lambda: all(served(out)[-1:] == [(4, weights_checksum(versions[4]))] for out in outs),
+        wait.until(
+            lambda: [served(out)[-1:] for out in outs],
             "both workers at v4",
+            ready=lambda last: last == [[(4, weights_checksum(versions[4]))]] * len(outs),
         )
         assert following.until(4)[-1][0].version == 4
 
         client.flushall()
         # Nobody publishes: the servers notice on their own, and one of them rebuilds.
-        wait_for(
-            lambda: client.get(registry.latest_key(ARM)) == b"4",
+        wait.until(
+            lambda: client.get(registry.latest_key(ARM)),
             "the registry to come back at v4 without a publish",
+            ready=lambda latest: latest == b"4",
         )
         versions.append(train_step(versions[-1], 5))
         assert (
@@ -395,17 +389,20 @@ def test_flushall_under_live_servers_and_subscribers_keeps_versions_rising(
         # v6's number is not given out again, and the next version is a keyframe v7.
         flip_blob(LocalBlobStore(stack.state_dir / "blobs"), 6)
         client.flushall()
-        wait_for(
-            lambda: client.get(registry.latest_key(ARM)) == b"5", "the registry to come back at v5"
+        wait.until(
+            lambda: client.get(registry.latest_key(ARM)),
+            "the registry to come back at v5",
+            ready=lambda latest: latest == b"5",
         )
         versions.append(train_step(versions[-1], 7))
         assert publisher.publish(versions[-1], train_step=len(versions) - 1) == 7
         manifest, weights = following.next()
         assert (manifest.version, manifest.keyframe) == (7, True)
         assert_bit_identical(weights, versions[7])
-        wait_for(
-            lambda: all(served(out)[-1:] == [(7, weights_checksum(versions[7]))] for out in outs),
+        wait.until(
+            lambda: [served(out)[-1:] for out in outs],
             "both workers at v7",
+            ready=lambda last: last == [[(7, weights_checksum(versions[7]))]] * len(outs),
         )
         for out, worker in zip(outs, workers, strict=True):
             # Each version once, in order, bit for bit: none dropped back to, none reused.
@@ -414,8 +411,10 @@ def test_flushall_under_live_servers_and_subscribers_keeps_versions_rising(
             assert served(out) == [(v, weights_checksum(versions[v])) for v in seen]
             assert worker.alive()
         assert all(proc.alive() for proc, _ in servers)
-        wait_for(
-            lambda: registry_rebuilds(client) == 2, "the heartbeats to count two rebuilds in all"
+        wait.until(
+            lambda: registry_rebuilds(client),
+            "the heartbeats to count two rebuilds in all",
+            ready=lambda rebuilds: rebuilds == 2,
         )
         logs = "".join((tmp_path / f"weight_sync-{name}.log").read_text() for name in "ab")
         assert logs.count("registry rebuilt from") == 2 and "Traceback" not in logs
@@ -467,13 +466,6 @@ def test_the_trainer_continues_from_the_blob_store_after_flushall(
     def start() -> procs.Proc:
         return procs.spawn("trainer", [sys.executable, "-m", "rtrl.trainer"], log_path, env=env)
 
-    def wait_until(condition, what: str, service: procs.Proc, timeout_s: float = 240) -> None:
-        deadline = time.monotonic() + timeout_s
-        while not condition():
-            assert time.monotonic() < deadline, f"{what}\n{log_path.read_text()[-3000:]}"
-            assert service.alive(), log_path.read_text()[-3000:]
-            time.sleep(0.05)
-
     def manifest(version: int) -> weights_pb2.Manifest:
         return weights_pb2.Manifest.FromString(
             stored(client, registry.manifest_key(TREATMENT, version))
@@ -482,13 +474,25 @@ def test_the_trainer_continues_from_the_blob_store_after_flushall(
     produce(stack_settings.kafka_bootstrap, records[:96])
     trainer = start()
     try:
-        wait_until(lambda: reader.latest() >= 3, "no v3 before the flush", trainer)
+        wait.until(
+            reader.latest,
+            "v3 before the flush",
+            ready=lambda latest: latest >= 3,
+            timeout_s=240,
+            watching=[wait.Watched(trainer, log_path)],
+        )
         published = reader.latest()
         client.flushall()
         before = reader.latest()
         assert before >= published
         produce(stack_settings.kafka_bootstrap, records[96:192])
-        wait_until(lambda: reader.latest() > before + 1, "no version after the flush", trainer)
+        wait.until(
+            reader.latest,
+            "a version after the flush",
+            ready=lambda latest: latest > before + 1,
+            timeout_s=240,
+            watching=[wait.Watched(trainer, log_path)],
+        )
         first_after = manifest(before + 1)
         assert (first_after.keyframe, first_after.parent_version) == (False, before), (
             "the lineage did not continue through the flush"
@@ -501,17 +505,24 @@ def test_the_trainer_continues_from_the_blob_store_after_flushall(
         client.flushall()
         produce(stack_settings.kafka_bootstrap, records[192:])
         trainer = start()
-        wait_until(lambda: reader.latest() > newest, "no version after the restart", trainer)
+        wait.until(
+            reader.latest,
+            "a version after the restart",
+            ready=lambda latest: latest > newest,
+            timeout_s=240,
+            watching=[wait.Watched(trainer, log_path)],
+        )
         resumed = manifest(newest + 1)
         assert resumed.keyframe, "the version after a lost number must be a keyframe"
         # What the fleet serves now descends from v(newest - 1), the newest complete version.
         resumed_from = re.compile(
             rf"resumed from (checkpoint at step \d+, treatment|published treatment) v{newest - 1}\b"
         )
-        wait_until(
+        wait.until(
             lambda: resumed_from.search(log_path.read_text()),
-            "no resume from the newest complete version",
-            trainer,
+            "a resume from the newest complete version",
+            timeout_s=240,
+            watching=[wait.Watched(trainer, log_path)],
         )
         assert resumed.train_step > manifest(newest - 1).train_step
         trainer.stop()

@@ -12,8 +12,6 @@ takes the trainer's next version.
 
 from __future__ import annotations
 
-import time
-
 import pytest
 import redis
 
@@ -22,6 +20,7 @@ from rtrl.v1 import weights_pb2
 from rtrl.weight_sync import registry
 from rtrl.weight_sync.client import Publisher, Subscriber
 from rtrl.weight_sync.provenance import ManifestSigner, ManifestVerifier
+from support import wait
 from support.redis_reply import stored
 from support.weight_sync import (
     MANIFEST_KEY,
@@ -117,13 +116,12 @@ def _commit_behind_the_servers_back(client: redis.Redis, manifest: weights_pb2.M
     client.publish(registry.published_channel(arm), str(version))
 
 
-def _until_refused(subscriber: Subscriber, refusals: int, timeout_s: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while subscriber.forged < refusals:
-        assert time.monotonic() < deadline, (
-            f"the worker refused {subscriber.forged} versions, not {refusals}"
-        )
-        time.sleep(0.05)
+def _until_refused(subscriber: Subscriber, refusals: int) -> None:
+    wait.until(
+        lambda: subscriber.forged,
+        f"the worker to refuse {refusals} forged versions",
+        ready=lambda forged: forged >= refusals,
+    )
 
 
 @pytest.mark.guarantee(7)
@@ -228,10 +226,11 @@ def test_a_worker_refuses_an_old_version_the_trainer_signed_replayed_as_the_late
         assert ManifestVerifier(MANIFEST_PUBLIC_KEYS).problem(replayed) is None
         replayed.version = 4
         _commit_behind_the_servers_back(client, replayed)
-        deadline = time.monotonic() + 30
-        while subscriber.rolled_back < 1:
-            assert time.monotonic() < deadline, "the worker took the replayed v0"
-            time.sleep(0.05)
+        wait.until(
+            lambda: subscriber.rolled_back,
+            "the worker to refuse the replayed v0",
+            ready=lambda rolled_back: rolled_back >= 1,
+        )
         assert subscriber.forged == 0 and worker.nothing_pending()
 
         # The trainer's next version (a keyframe, the registry having moved under it) is taken.

@@ -10,18 +10,20 @@ from __future__ import annotations
 import os
 import signal
 import sys
-import time
 
 import grpc
 import pytest
 import redis
 
-from rtrl import heartbeat, procs
+from rtrl import procs
 from rtrl.config import StackSettings
+from rtrl.heartbeat import WeightSyncBeat
 from rtrl.v1 import weights_pb2, weights_pb2_grpc
 from rtrl.weight_sync import codec, registry
 from rtrl.weight_sync.client import Publisher, Subscriber
 from rtrl.weight_sync.stream import bearer
+from support import wait
+from support.beats import beats_of, wait_for_beat
 from support.redis_reply import stored
 from support.weight_sync import (
     ARM,
@@ -74,21 +76,20 @@ def test_new_subscriber_gets_latest_bit_identical(server, stack, publisher, poli
 
     # Heartbeats come once a second: wait for one written after the subscription. Every
     # test server beats under the same instance name; this one is told by its port.
-    def beat() -> dict | None:
+    def beat() -> WeightSyncBeat | None:
         return next(
-            (
-                doc
-                for doc in heartbeat.read_all(client)
-                if doc["service"] == "weight_sync" and doc["port"] == server.running.port
-            ),
-            None,
+            (b for b in beats_of(client, WeightSyncBeat) if b.port == server.running.port), None
         )
 
-    deadline = time.monotonic() + 10
-    while (doc := beat()) is None or doc["bytes_sent"] < sum(blob_sizes):
-        assert time.monotonic() < deadline, doc
-        time.sleep(0.1)
-    assert doc["latest"] == {ARM: 4} and doc["versions_published"] == 5
+    seen = wait.until(
+        beat,
+        "a beat counting every blob sent",
+        ready=lambda seen: seen is not None and seen.bytes_sent >= sum(blob_sizes),
+        timeout_s=10,
+        interval_s=0.1,
+    )
+    assert seen is not None
+    assert seen.latest == {ARM: 4} and seen.versions_published == 5
 
 
 def test_subscriber_holding_v1_receives_only_deltas(server, publisher, policy_weights):
@@ -378,10 +379,8 @@ def test_weight_sync_will_not_start_without_its_tokens(stack, tmp_path, repo_roo
         assert proc.popen.wait(timeout=60) != 0
     finally:
         proc.stop(timeout_s=5)
-    assert (
-        "RTRL_WEIGHT_SYNC_TOKEN" in (tmp_path / "ws.log").read_text()
-        and "no defaults" in (tmp_path / "ws.log").read_text()
-    )
+    log = (tmp_path / "ws.log").read_text()
+    assert "RTRL_WEIGHT_SYNC_TOKEN: missing: " in log and "there is no default" in log
 
 
 def registry_latest(server) -> int:
@@ -425,9 +424,15 @@ def test_subscriber_survives_a_killed_server(stack, repo_root, tmp_path, policy_
         versions = publish_versions(publisher, policy_weights, 2)
         assert following.until(1)[-1][0].version == 1
 
+        resubscribes = subscriber.resubscribes
         os.killpg(proc.pid, signal.SIGKILL)
         proc.popen.wait()
-        time.sleep(0.3)  # let the subscriber see the stream die while nothing listens
+        # The subscriber sees the stream die while nothing listens.
+        wait.until(
+            lambda: subscriber.resubscribes,
+            "the subscriber to see the stream die",
+            ready=lambda seen: seen > resubscribes,
+        )
         proc = start()
         versions.append(train_step(versions[-1], 5))
         assert publisher.publish(versions[-1], train_step=len(versions) - 1) == 2
@@ -437,10 +442,9 @@ def test_subscriber_survives_a_killed_server(stack, repo_root, tmp_path, policy_
         assert subscriber.resubscribes >= 1
 
         client = redis.Redis.from_url(stack.redis_url)
-        deadline = time.monotonic() + 10
-        while client.get(heartbeat.key("weight_sync", "killme")) is None:
-            assert time.monotonic() < deadline, "no heartbeat from the restarted server"
-            time.sleep(0.1)
+        wait_for_beat(
+            client, WeightSyncBeat, "the restarted server", instance="killme", timeout_s=10
+        )
     finally:
         following.stop()
         publisher.close()

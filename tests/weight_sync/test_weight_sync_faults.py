@@ -34,7 +34,7 @@ from rtrl.weight_sync.client import Publisher, Subscriber
 from rtrl.weight_sync.config import WeightSyncSettings
 from rtrl.weight_sync.provenance import ManifestSigner
 from rtrl.weight_sync.stream import Assembler, TornStream, bearer
-from support import subscriber_proc
+from support import subscriber_proc, wait
 from support.netfault import FaultProxy
 from support.redis_reply import stored
 from support.subscriber_proc import weights_checksum
@@ -96,14 +96,6 @@ def blob_path(stack: StackSettings, version: int):
     return stack.state_dir / "blobs" / ARM / f"{version}.blob"
 
 
-def wait_for(condition, what: str, timeout_s: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"gave up after {timeout_s:.0f} s waiting for {what}")
-        time.sleep(0.01)
-
-
 def subscribe_once(addr: str, have_version: int) -> grpc.StatusCode:
     """How a one-shot (non-following) Subscribe from have_version ends."""
     channel = grpc.insecure_channel(addr)
@@ -142,9 +134,11 @@ def test_a_cut_inside_a_version_resumes_where_it_stopped(
         for cut in range(1, cuts + 1):
             # Cut once the subscriber has taken in cut/(cuts + 1) of v0 (bytes in the
             # proxy's or gRPC's buffers do not count), so every reconnect has a resume.
-            wait_for(
-                lambda cut=cut: subscriber.stream.bytes_received >= cut * blob_size // (cuts + 1),
+            wait.until(
+                lambda: subscriber.stream.bytes_received,
                 f"cut point {cut} of v0",
+                ready=wait.at_least(cut * blob_size // (cuts + 1)),
+                interval_s=0.01,
             )
             proxy.cut_all()
             assert subscriber.stream.bytes_received < blob_size, "the cut came after v0 was whole"
@@ -183,9 +177,10 @@ def _replace_the_version(
     client.flushdb()
     client.close()
     rival = new_publisher(server, stack)
-    wait_for(
-        lambda: rival.latest() == -1,
+    wait.until(
+        rival.latest,
         "the server's Latest to report the emptied registry (-1)",
+        ready=lambda latest: latest == -1,
         timeout_s=5,
     )
     replacement = train_step(old, 3)
@@ -218,17 +213,28 @@ def test_a_resume_the_server_cannot_honour_starts_over_and_never_mixes_blobs(
     )
     following = Following(subscriber)
     try:
-        wait_for(lambda: subscriber.stream.bytes_received >= blob_size // 2, "half of v0 to arrive")
+        wait.until(
+            lambda: subscriber.stream.bytes_received,
+            "half of v0 to arrive",
+            ready=lambda received: received >= blob_size // 2,
+            interval_s=0.01,
+        )
         # The subscriber's reconnect, with its resume, waits at the proxy while the server's state changes.
         proxy.hold()
         proxy.cut_all()
         assert subscriber.stream.bytes_received < blob_size, "the cut came after v0 was whole"
-        wait_for(lambda: server.server.service.subscribers == 0, "the server to notice the cut")
+        wait.until(
+            lambda: server.server.service.subscribers,
+            "the server to notice the cut",
+            ready=lambda subscribers: subscribers == 0,
+        )
         expected_version, expected = change(server, stack, publisher, old)
         proxy.throttle(None)
         proxy.release()
         manifest, weights = following.next()
-        time.sleep(0.3)  # a few polls of the server: nothing else may follow
+        # Nothing else may follow: a sentinel version published now must be the next one.
+        assert publisher.publish(train_step(expected, 9), train_step=9) == expected_version + 1
+        assert following.next()[0].version == expected_version + 1
         assert following.nothing_pending()
     finally:
         following.stop()
@@ -405,6 +411,8 @@ def test_a_broken_stream_over_grpc_is_dropped_or_resumed_then_repaired(
     following = Following(subscriber)
     try:
         manifest_got, weights = following.next()
+        # The scripted server has only v0, so no sentinel version can follow it: leftovers
+        # of the broken stream are given a few tenths of a second to surface.
         time.sleep(0.3)
         assert following.nothing_pending()
     finally:
@@ -465,14 +473,16 @@ def test_a_lost_delta_is_never_skipped_and_the_next_keyframe_repairs(
                 if r.name == "rtrl.weight_sync.stream"
             )
 
-        wait_for(lambda: refusals() >= 2, "the subscriber to be refused twice")
+        wait.until(refusals, "the subscriber to be refused twice", ready=lambda n: n >= 2)
         assert following.nothing_pending(), "something was yielded while no intact path existed"
         versions.append(train_step(versions[-1], 4))
         assert (
             publisher.publish(versions[-1], train_step=len(versions) - 1) == 4
         )  # keyframe_every=4: a keyframe
         manifest, weights = following.next()
-        time.sleep(0.3)
+        # Nothing else may follow v4: a sentinel v5 published now must be the next version.
+        assert publisher.publish(train_step(versions[-1], 5), train_step=len(versions)) == 5
+        assert following.next()[0].version == 5
         assert following.nothing_pending()
     finally:
         following.stop()
@@ -497,8 +507,10 @@ def test_a_subscriber_killed_mid_version_harms_no_one_and_restarts_clean(
     applied = tmp_path / "applied.txt"
     argv, env = subscriber_proc.command(proxy.addr, ARM, "worker-kill9", applied)
 
+    log_path = tmp_path / "subscriber.log"
+
     def start() -> procs.Proc:
-        return procs.spawn("subscriber", argv, tmp_path / "subscriber.log", env=env)
+        return procs.spawn("subscriber", argv, log_path, env=env)
 
     def applied_versions() -> list[int]:
         return (
@@ -518,17 +530,22 @@ def test_a_subscriber_killed_mid_version_harms_no_one_and_restarts_clean(
         # The keyframe takes ~2 s through the proxy, so the kill lands inside it.
         proxy.throttle(blob_size / 2)
         proc = start()
-        wait_for(
-            lambda: proxy.bytes_to_client > blob_size // 5,
+        wait.until(
+            lambda: proxy.bytes_to_client,
             "the subscriber process to be receiving v0",
+            ready=lambda sent: sent > blob_size // 5,
             timeout_s=60,
+            interval_s=0.01,
+            watching=[wait.Watched(proc, log_path)],
         )
         assert service.subscribers == 2
         os.killpg(proc.pid, signal.SIGKILL)
         proc.popen.wait()
         assert applied_versions() == [], "the kill came too late: v0 was already whole"
-        wait_for(
-            lambda: service.subscribers == 1, "the server to drop the killed subscriber's stream"
+        wait.until(
+            lambda: service.subscribers,
+            "the server to drop the killed subscriber's stream",
+            ready=lambda subscribers: subscribers == 1,
         )
 
         versions.append(train_step(versions[-1], 3))
@@ -539,14 +556,21 @@ def test_a_subscriber_killed_mid_version_harms_no_one_and_restarts_clean(
 
         proxy.throttle(None)
         proc = start()
-        wait_for(
-            lambda: applied_versions()[-1:] == [3],
+        wait.until(
+            applied_versions,
             "the restarted subscriber to reach v3",
+            ready=lambda applied: applied[-1:] == [3],
             timeout_s=60,
+            watching=[wait.Watched(proc, log_path)],
         )
         versions.append(train_step(versions[-1], 4))
         assert publisher.publish(versions[-1], train_step=len(versions) - 1) == 4
-        wait_for(lambda: applied_versions()[-1:] == [4], "the restarted subscriber to reach v4")
+        wait.until(
+            applied_versions,
+            "the restarted subscriber to reach v4",
+            ready=lambda applied: applied[-1:] == [4],
+            watching=[wait.Watched(proc, log_path)],
+        )
     finally:
         if proc is not None:
             proc.stop()
@@ -653,7 +677,11 @@ def test_the_fault_proxy_closes_live_and_held_connections_when_it_stops():
         upstream, _ = target.accept()
         proxy.hold()
         held = socket.create_connection(("127.0.0.1", proxy.port), timeout=10)
-        wait_for(lambda: proxy.connections == 2, "the second connection to reach the proxy")
+        wait.until(
+            lambda: proxy.connections,
+            "the second connection to reach the proxy",
+            ready=lambda connections: connections == 2,
+        )
         proxy.close()
         assert reset_or_closed(live) and reset_or_closed(held) and reset_or_closed(upstream)
         assert not any(thread.name == "netfault" for thread in threading.enumerate())

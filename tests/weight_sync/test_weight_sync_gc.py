@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import Sequence
 from typing import cast
 
@@ -24,6 +23,7 @@ from rtrl.weight_sync.client import Publisher, Subscriber
 from rtrl.weight_sync.config import WeightSyncSettings
 from rtrl.weight_sync.registry import Registry
 from rtrl.weight_sync.store import LocalBlobStore
+from support import wait
 
 # The in-process server and subscriber helpers of the weight_sync tests.
 from support.weight_sync import (
@@ -265,10 +265,12 @@ def test_periodic_collection_runs_beside_publishing(stack, policy_weights):
     try:
         versions = publish_versions(publisher, policy_weights, 9)  # keyframes v0, v2, v4, v6, v8
         assert following.until(8)[-1][0].version == 8
-        deadline = time.monotonic() + 10
-        while stored_versions(stack, "treatment") != ([8], [8], [8]):
-            assert time.monotonic() < deadline, stored_versions(stack, "treatment")
-            time.sleep(0.05)
+        wait.until(
+            lambda: stored_versions(stack, "treatment"),
+            "only v8 left in the registry, the keyframes and the blob store",
+            ready=lambda stored: stored == ([8], [8], [8]),
+            timeout_s=10,
+        )
         assert server.running.versions_collected == 8
         fresh = Following(
             Subscriber(

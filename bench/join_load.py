@@ -1,0 +1,161 @@
+"""The load of `rtrl bench join`: rollouts of three records signed as their writers sign
+them, produced as a backlog (the main load and its sentinels) or in real time (the live
+rollouts), and the keys the bench's writers and joiners share."""
+
+from __future__ import annotations
+
+import os
+import time
+import uuid
+
+from confluent_kafka import Producer
+from rich.progress import Progress
+
+from rtrl import kafka, signing, topics
+from rtrl.config import StackSettings
+from rtrl.v1 import rollout_pb2, telemetry_pb2
+
+PARTITIONS = 4
+TOKENS = 200
+EDIT_TEXT = "".join(f"    value_{i} = compute(value_{i - 1}, scale={i})\n" for i in range(1, 12))
+SENTINEL = "sentinel-"
+LIVE = "live-"
+
+Headers = list[tuple[str, bytes]]
+"""A record's Kafka headers, as the joiner reads them (produced through
+rtrl.kafka.kafka_headers, which types them as confluent_kafka's produce() wants)."""
+
+
+def signing_keys() -> str:
+    """Keys for the bench's writers and joiners (which inherit this environment), made for
+    the run unless the environment holds them: the services have no default key. Returns
+    the joiners' reward signing key."""
+    key = os.environ.setdefault("RTRL_REWARD_SIGNING_KEY", signing.generate_private_key())
+    rollout_key = os.environ.setdefault(
+        "RTRL_INFERENCE_ROLLOUT_SIGNING_KEY", signing.generate_private_key()
+    )
+    os.environ.setdefault("RTRL_REWARD_ROLLOUT_PUBLIC_KEYS", signing.public_key_of(rollout_key))
+    event_key = os.environ.setdefault("RTRL_INGEST_EVENT_KEY", signing.generate_mac_key())
+    os.environ.setdefault("RTRL_REWARD_EVENT_KEYS", event_key)
+    return key
+
+
+def rollout_signer() -> signing.Signer:
+    """The inference workers' rollout signer: the joiners verify every rollout (run() makes
+    a key pair for the bench unless the environment holds one)."""
+    return signing.Signer(os.environ["RTRL_INFERENCE_ROLLOUT_SIGNING_KEY"], signing.Purpose.ROLLOUT)
+
+
+def event_signer() -> signing.MacSigner:
+    """The gateway's event authenticator: the joiners verify every event (run() makes a key
+    for the bench unless the environment holds one)."""
+    return signing.MacSigner(os.environ["RTRL_INGEST_EVENT_KEY"], signing.Purpose.EVENT)
+
+
+def signed_records(
+    rollout_id: str, ts_ms: int, signer: signing.Signer, events: signing.MacSigner
+) -> list[tuple[str, bytes, Headers]]:
+    """rollout_records with the headers their writers send: the rollout signed as a worker
+    signs it, each event authenticated as the gateway does."""
+    return [
+        (topic, value, list((signer if topic == topics.ROLLOUT else events).headers(value)))
+        for topic, value in rollout_records(rollout_id, ts_ms)
+    ]
+
+
+def rollout_records(rollout_id: str, ts_ms: int) -> list[tuple[str, bytes]]:
+    """The three records of one rollout, as (topic, value)."""
+    record = rollout_pb2.RolloutRecord(
+        event_id=str(uuid.uuid4()),
+        rollout_id=rollout_id,
+        session_id="bench",
+        client_ts_ms=ts_ms,
+        model_name="bench-policy",
+        completion_text=EDIT_TEXT[:200],
+        latency_s=0.4,
+        completion_token_ids=[(7919 * i) % 50_000 for i in range(TOKENS)],
+        completion_logprobs=[-0.01 * (i % 97) for i in range(TOKENS)],
+    )
+    shown = telemetry_pb2.TelemetryEvent(
+        event_id=str(uuid.uuid4()),
+        rollout_id=rollout_id,
+        session_id="bench",
+        client_ts_ms=ts_ms + 1,
+        edit_shown=telemetry_pb2.EditShown(file_path="src/bench.py", edit_text=EDIT_TEXT),
+    )
+    kept = telemetry_pb2.TelemetryEvent(
+        event_id=str(uuid.uuid4()),
+        rollout_id=rollout_id,
+        session_id="bench",
+        client_ts_ms=ts_ms + 2,
+        persistence=telemetry_pb2.PersistenceSnapshot(seconds_after_edit=30, region_text=EDIT_TEXT),
+    )
+    return [
+        (topics.ROLLOUT, record.SerializeToString()),
+        (topics.EDIT, shown.SerializeToString()),
+        (topics.PERSISTENCE, kept.SerializeToString()),
+    ]
+
+
+def produce_load(
+    stack: StackSettings,
+    rollouts: int,
+    spacing_ms: int,
+    base_ms: int,
+    close_after_ms: int,
+    progress: Progress,
+) -> tuple[list[str], int]:
+    """The main load plus one sentinel per partition; returns the rollout ids and the bytes produced."""
+    producer = Producer(
+        kafka.producer_config(stack, **{"linger.ms": 20, "queue.buffering.max.messages": 200_000})
+    )
+    task = progress.add_task("producing", total=rollouts)
+    signer, events = rollout_signer(), event_signer()
+    ids, size = [], 0
+    for i in range(rollouts):
+        rollout_id = f"r{i:06d}"
+        for topic, value, headers in signed_records(
+            rollout_id, base_ms + spacing_ms * i, signer, events
+        ):
+            producer.produce(topic, value, key=rollout_id, headers=kafka.kafka_headers(headers))
+            size += len(value)
+        ids.append(rollout_id)
+        if i % 500 == 0:
+            producer.poll(0)
+            progress.update(task, completed=i)
+    # Explicit partitions: a sentinel must advance every partition's stream time.
+    end_ms = base_ms + spacing_ms * rollouts + close_after_ms
+    for partition in range(PARTITIONS):
+        rollout_id = f"{SENTINEL}{partition}"
+        for topic, value, headers in signed_records(rollout_id, end_ms, signer, events):
+            producer.produce(
+                topic,
+                value,
+                key=rollout_id,
+                partition=partition,
+                headers=kafka.kafka_headers(headers),
+            )
+        ids.append(rollout_id)
+    assert producer.flush(60) == 0, "the broker did not take the load"
+    progress.update(task, completed=rollouts)
+    return ids, size
+
+
+def produce_live(
+    stack: StackSettings, rollouts: int, rate_per_s: float, progress: Progress
+) -> dict[str, int]:
+    """Rollouts produced in real time; returns rollout_id -> event time of its first event."""
+    producer = Producer(kafka.producer_config(stack))
+    task = progress.add_task("live rollouts", total=rollouts)
+    opened, start = {}, time.monotonic()
+    signer, events = rollout_signer(), event_signer()
+    for i in range(rollouts):
+        time.sleep(max(0.0, start + i / rate_per_s - time.monotonic()))
+        rollout_id = f"{LIVE}{i:06d}"
+        opened[rollout_id] = int(time.time() * 1000)
+        for topic, value, headers in signed_records(rollout_id, opened[rollout_id], signer, events):
+            producer.produce(topic, value, key=rollout_id, headers=kafka.kafka_headers(headers))
+        producer.poll(0)
+        progress.update(task, completed=i + 1)
+    assert producer.flush(30) == 0
+    return opened

@@ -1,0 +1,135 @@
+"""What becomes of a served completion, and how a recorded one is written.
+
+Every completion is served; what the trainer may learn from is the server's decision,
+one of three, each with its reason in its type:
+  Record            its RolloutRecord is published on the rollout topic
+  Private           privacy mode, or a user registered as private: nothing is written
+  KeptFromTraining  served, not recorded, and the caller is told why (``not_recorded``):
+                    an arm the caller chose (a caller that picks one would also pick what
+                    trains it), sampling outside the trained band, or a record too large
+                    for the broker to carry with the reward built on it
+
+Produced by the completions handler (inference/completions.py) once the completion is
+generated; consumed by its publish and answer steps and by its request counters.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import redis.asyncio as aioredis
+from opentelemetry import trace
+
+from rtrl import kafka, otel, signing, topics
+from rtrl.api_keys import PRIVATE_USERS, SERVED_PREFIX, ApiKey
+from rtrl.inference.api import RequestBody
+from rtrl.inference.config import InferenceSettings
+
+log = logging.getLogger("inference")
+_tracer = trace.get_tracer("rtrl.inference")
+
+
+@dataclass(frozen=True)
+class Record:
+    """Recorded: the trainer learns from it."""
+
+    value: bytes
+    """The serialized RolloutRecord, as published."""
+
+
+@dataclass(frozen=True)
+class Private:
+    """Privacy mode, or a user registered as private: nothing is written anywhere."""
+
+
+@dataclass(frozen=True)
+class KeptFromTraining:
+    """Served but not recorded; the product need not report telemetry about it."""
+
+    reason: str
+    """Why, as the answer's ``not_recorded`` tells the caller."""
+
+
+Recording = Record | Private | KeptFromTraining
+
+
+async def is_private(redis: aioredis.Redis, body: RequestBody) -> bool:
+    """One privacy policy at every door: the request's flag, or the user registered as
+    private (the same set the ingest gateway reads)."""
+    return body.privacy_mode or bool(
+        body.user_id and await redis.sismember(PRIVATE_USERS, body.user_id)
+    )
+
+
+def kept_from_training(
+    settings: InferenceSettings, body: RequestBody, temperature: float, top_p: float
+) -> KeptFromTraining | None:
+    """Why a request's completion will not be recorded, known before it is generated
+    (None: nothing yet keeps it). The arm is the server's to assign, and sampling must be
+    the policy's own, within the trained band."""
+    s = settings
+    if body.arm is not None:
+        return KeptFromTraining("the caller chose the arm")
+    if not s.trained_temperature_min <= temperature <= s.trained_temperature_max:
+        return KeptFromTraining(
+            f"temperature {temperature:g} is outside the trained band "
+            f"[{s.trained_temperature_min:g}, {s.trained_temperature_max:g}]"
+        )
+    if top_p < s.trained_top_p_min:
+        return KeptFromTraining(
+            f"top_p {top_p:g} is below the trained band's {s.trained_top_p_min:g}"
+        )
+    return None
+
+
+class RolloutPublisher:
+    """Writes recorded rollouts: signed with the workers' key, traced as a child of the
+    serving span, and acked by the broker before the request is answered (so a product
+    event never refers to an unknown rollout)."""
+
+    def __init__(
+        self,
+        producer: kafka.AsyncProducer,
+        signer: signing.Signer,
+        redis: aioredis.Redis,
+        *,
+        max_record_bytes: int,
+        served_ttl_s: int,
+    ) -> None:
+        self.producer = producer
+        self._signer = signer
+        self._redis = redis
+        self._max_rollout_bytes = kafka.max_rollout_bytes(max_record_bytes)
+        self._served_ttl_s = served_ttl_s
+
+    def fits(self, rollout_id: str, value: bytes) -> Record | KeptFromTraining:
+        """``value`` as a Record, or kept from training if it is too large to write: the
+        reward built on it carries it, and must fit the broker's record limit too."""
+        limit = self._max_rollout_bytes
+        if len(value) <= limit:
+            return Record(value)
+        log.warning(
+            "rollout %s served but not recorded: %d bytes, over %d", rollout_id, len(value), limit
+        )
+        return KeptFromTraining(
+            f"its rollout record is {len(value):,} bytes, over the {limit:,} that leave room "
+            f"for the reward carrying it (RTRL_KAFKA_MAX_RECORD_BYTES)"
+        )
+
+    async def publish(
+        self, rollout_id: str, record: Record, key: ApiKey | None, traceparent: str
+    ) -> None:
+        """Remember which client was served the rollout, then publish it and wait for the ack."""
+        if key is not None:
+            # Before the answer: the client's telemetry about it may arrive right after.
+            await self._redis.set(SERVED_PREFIX + rollout_id, key.client_id, ex=self._served_ttl_s)
+        attributes = otel.kafka_attributes("publish", topics.ROLLOUT, key=rollout_id)
+        with _tracer.start_as_current_span(
+            f"publish {topics.ROLLOUT}", kind=trace.SpanKind.PRODUCER, attributes=attributes
+        ) as producing:
+            headers = [
+                *kafka.traceparent_headers(otel.traceparent_of(producing) or traceparent),
+                *self._signer.headers(record.value),
+            ]
+            await self.producer.send(topics.ROLLOUT, record.value, key=rollout_id, headers=headers)
