@@ -100,27 +100,19 @@ async def _drive(
     client = redis.Redis.from_url(redis_url)
     run = asyncio.create_task(product.run(duration_s))
     started = time.monotonic()
+
+    def view() -> Group:
+        beats = _statuses(client)
+        table = _arm_table(product.stats, beats.get("trainer"))
+        return Group(progress, table, _footer(product.stats, beats))
+
     with Live(console=console, refresh_per_second=2) as live:
         while not run.done():
             progress.update(task, completed=min(time.monotonic() - started, duration_s))
-            beats = _statuses(client)
-            live.update(
-                Group(
-                    progress,
-                    _arm_table(product.stats, beats.get("trainer")),
-                    _footer(product.stats, beats),
-                )
-            )
+            live.update(view())
             await asyncio.sleep(0.5)
         progress.update(task, completed=duration_s)
-        beats = _statuses(client)
-        live.update(
-            Group(
-                progress,
-                _arm_table(product.stats, beats.get("trainer")),
-                _footer(product.stats, beats),
-            )
-        )
+        live.update(view())
     client.close()
     return await run
 

@@ -16,17 +16,15 @@ from __future__ import annotations
 import time
 
 import pytest
-import redis
 from confluent_kafka import Producer
 
 from rtrl import kafka, signing, topics
-from rtrl.heartbeat import RewardStreamBeat
 from rtrl.reward_stream import replay
 from rtrl.reward_stream.authn import Authenticator
 from rtrl.reward_stream.config import RewardStreamSettings
 from rtrl.reward_stream.runtime import Joiner
 from rtrl.v1 import common_pb2, reward_pb2, rollout_pb2, telemetry_pb2
-from support.beats import wait_for_beat
+from support.beats import wait_for_settled
 from support.reward_stream import spawn_joiner
 from support.signing import EVENT_SIGNER, worker_headers
 
@@ -148,16 +146,7 @@ def test_the_joiner_service_lets_no_event_produced_straight_to_the_broker_steer_
         assert producer.flush(10) == 0
         producer.close()
 
-        beat = wait_for_beat(
-            redis.Redis.from_url(redis_url),
-            RewardStreamBeat,
-            "every honest rollout settled and every forgery refused",
-            ready=lambda beat: (
-                beat.settled >= len(honest)
-                and beat.unauthenticated >= len(forged)
-                and beat.pending == 0
-            ),
-        )
+        beat = wait_for_settled(redis_url, settled=len(honest), refused=len(forged))
         assert beat.unauthenticated == len(forged) == beat.dlq
 
         out = replay.read_retained(stack_settings, (topics.REWARD, topics.REWARD_DLQ))

@@ -58,3 +58,20 @@ def wait_for_beat(
     )
     assert beat is not None
     return beat
+
+
+def wait_for_settled(redis_url: str, *, settled: int, refused: int) -> heartbeat.RewardStreamBeat:
+    """The joiner's first beat with ``settled`` rollouts settled, ``refused`` records refused
+    as unauthenticated and nothing pending: what the forgery tests wait for."""
+    client = redis.Redis.from_url(redis_url)
+    try:
+        return wait_for_beat(
+            client,
+            heartbeat.RewardStreamBeat,
+            f"{settled} honest rollouts settled and {refused} forgeries refused",
+            ready=lambda beat: (
+                beat.settled >= settled and beat.unauthenticated >= refused and beat.pending == 0
+            ),
+        )
+    finally:
+        client.close()
