@@ -53,14 +53,11 @@ class Admission:
         self.in_flight: Counter[str] = Counter()
         """Requests being served (``serving``), per key hash."""
 
-    def _refuse(self, refusal: Refusal) -> Refusal:
+    def refuse(self, refusal: Refusal) -> Refusal:
+        """``refusal``, counted by its status: every refusal of this door, and one a
+        listener words itself (the serving API's 403 names the completions scope)."""
         self.refused[refusal.status] += 1
         return refusal
-
-    def refuse(self, refusal: Refusal) -> Refusal:
-        """``refusal``, counted: a refusal the listener words itself (the serving API's
-        403 names the completions scope)."""
-        return self._refuse(refusal)
 
     async def authenticate(self, authorization: str) -> tuple[ApiKey | None, Refusal | None]:
         """Who is asking, from the Authorization header alone."""
@@ -68,7 +65,7 @@ class Admission:
             return None, None
         key, why = await bearer_key(self.keys, authorization)
         if why is not None:
-            return key, self._refuse(Refusal(401, why))
+            return key, self.refuse(Refusal(401, why))
         return key, None
 
     def scope_refusal(self, key: ApiKey | None, kinds: Collection[str]) -> Refusal | None:
@@ -76,7 +73,7 @@ class Admission:
         events of a batch its key may not send one by one, later)."""
         if key is None or not kinds or any(key.allows(kind) for kind in kinds):
             return None
-        return self._refuse(
+        return self.refuse(
             Refusal(
                 403,
                 f"the API key of client {key.client_id!r} may send only "
@@ -90,7 +87,7 @@ class Admission:
             return None
         if self.in_flight[key.key_hash] < key.max_concurrency:
             return None
-        return self._refuse(
+        return self.refuse(
             Refusal(
                 429,
                 f"client {key.client_id!r} has {key.max_concurrency} {what} in flight, "
@@ -106,7 +103,7 @@ class Admission:
         wait_s = await self._limiter.take(key, cost)
         if wait_s <= 0:
             return None
-        return self._refuse(
+        return self.refuse(
             Refusal(
                 429,
                 f"rate limit of client {key.client_id!r} ({key.rate_per_s:g} {what}/s) spent: "
@@ -127,14 +124,14 @@ class Admission:
         if size is None or limit is None or size <= limit:
             return None
         if key is not None and key.max_request_bytes and size > key.max_request_bytes:
-            return self._refuse(
+            return self.refuse(
                 Refusal(
                     429,
                     f"a request of {size} bytes is over client {key.client_id!r}'s budget "
                     f"of {key.max_request_bytes} bytes",
                 )
             )
-        return self._refuse(
+        return self.refuse(
             Refusal(
                 413,
                 f"a request of {size} bytes is over the server's bound of "
@@ -146,7 +143,7 @@ class Admission:
         """429 when a completion asks for more tokens than the key's budget."""
         if key is None or not key.max_tokens or max_tokens <= key.max_tokens:
             return None
-        return self._refuse(
+        return self.refuse(
             Refusal(
                 429,
                 f"max_tokens {max_tokens} is over client {key.client_id!r}'s budget "
