@@ -5,11 +5,19 @@ from __future__ import annotations
 from pydantic import Field, SecretStr
 from pydantic_settings import SettingsConfigDict
 
-from rtrl.config import BearerToken, Settings
+from rtrl.config import (
+    BearerToken,
+    MacKeys,
+    PublicKeys,
+    RequiredSecret,
+    Settings,
+    StackSettings,
+)
+from rtrl.http_limits import HTTPListener
 from rtrl.tls import TLSListener
 
 
-class AnalyticsSettings(Settings, TLSListener):
+class AnalyticsSettings(Settings, HTTPListener, TLSListener):
     model_config = SettingsConfigDict(env_prefix="RTRL_ANALYTICS_")
 
     bind_host: str = "127.0.0.1"
@@ -51,3 +59,49 @@ class AnalyticsSettings(Settings, TLSListener):
     """On SIGTERM, how long the sink keeps reading while records still arrive (it stops
     at the first empty poll): the embedded stack stops it after every producer, so what
     they wrote last reaches ClickHouse before a memory-only broker goes away."""
+
+    rollout_public_keys: PublicKeys = ""
+    """The inference workers' Ed25519 public key(s) for rollout records, comma-separated (more
+    than one while keys rotate; analytics/authn.py): a rollout whose signature does not verify
+    is not stored (``dead_letters`` holds it, with the reason). No default: the sink refuses
+    to start without one (`rtrl up` derives it)."""
+
+    reward_mac_keys: MacKeys = SecretStr("")
+    """The key(s) the joiner authenticates rewards and late records to the sink with (base64url,
+    32 bytes each, comma-separated while keys rotate; the joiner's
+    RTRL_REWARD_ANALYTICS_MAC_KEY), never the trainer's: a reward whose MAC does not verify is
+    not stored, so it is in no A/B number. No default (`rtrl up` generates it)."""
+
+    event_keys: MacKeys = SecretStr("")
+    """The key(s) the ingest gateway authenticates telemetry events to the sink with (base64url,
+    32 bytes each, comma-separated while keys rotate; the gateway's
+    RTRL_INGEST_ANALYTICS_EVENT_KEY), never the joiner's: an event whose MAC does not verify
+    is not stored. No default: the sink refuses to start without one (`rtrl up` generates it)."""
+
+    def required_secrets(self, stack: StackSettings) -> list[RequiredSecret]:
+        """What the sink (``python -m rtrl.analytics``) does not start without: the keys it
+        verifies every record it stores with (analytics/authn.py)."""
+        return [
+            RequiredSecret(
+                self,
+                "rollout_public_keys",
+                "the sink stores only rollouts an inference worker signed (rtrl up derives it)",
+            ),
+            RequiredSecret(
+                self,
+                "reward_mac_keys",
+                "the sink stores only rewards and late records the joiner authenticated to it "
+                "(rtrl up generates the key; python -m rtrl.signing prints one)",
+            ),
+            RequiredSecret(
+                self,
+                "event_keys",
+                "the sink stores only events the ingest gateway authenticated to it "
+                "(rtrl up generates the key; python -m rtrl.signing prints one)",
+            ),
+            RequiredSecret(
+                stack,
+                "manifest_public_keys",
+                "the sink stores only trainer steps the trainer signed (rtrl up derives it)",
+            ),
+        ]

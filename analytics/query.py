@@ -34,6 +34,7 @@ _CLIENT = web.AppKey("client", Client)
 _TABLES = web.AppKey[dict[str, frozenset[str]]]("tables")
 _TOKEN = web.AppKey("token", bytes)
 _MAX_ROWS = web.AppKey("max_rows", int)
+_MAX_BYTES = web.AppKey("max_bytes", int)
 MAX_BODY_BYTES = 64 * 1024
 """A query is at most sql_guard.MAX_SQL_CHARS; the body is refused past this before parsing."""
 
@@ -47,28 +48,57 @@ def connect(stack: StackSettings, settings: dict[str, Any] | None = None, url: s
     return clickhouse_connect.get_client(dsn=url, settings=settings)
 
 
+QUERY_MAX_MEMORY_BYTES = 1 << 30
+"""What one ``/query`` may use inside the engine (chdb runs in the sink's own process)."""
+QUERY_BLOCK_ROWS = 8192
+"""Rows per block: the step at which the engine checks its limits and the sink reads."""
+QUERY_MAX_EXPANDED_AST = 50_000
+"""Nodes of a query once its aliases are expanded: a few kilobytes of SQL whose aliases
+nest cannot ask for a tree of millions of nodes."""
+
+
 def read_only_client(
     stack: StackSettings,
     timeout_s: float,
     max_result_rows: int,
     max_result_bytes: int,
     url: str = "",
+    max_memory_bytes: int = QUERY_MAX_MEMORY_BYTES,
 ):
+    """A read-only client held to ``read_limits``: the settings go with every query (SET
+    on chdb's handle, URL parameters to a server), and chdb honours them."""
+    return connect(
+        stack, read_limits(timeout_s, max_result_rows, max_result_bytes, max_memory_bytes), url
+    )
+
+
+def read_limits(
+    timeout_s: float, max_result_rows: int, max_result_bytes: int, max_memory_bytes: int
+) -> dict[str, Any]:
+    """ClickHouse settings that stop a query inside the engine, before its answer exists."""
     # readonly=2 still allows per-query settings (needed by the HTTP backend) but no writes
     # and no way back to readonly=0. max_execution_time goes first: it cannot be set after.
-    # A result past either bound is an error, never a truncated answer or a sink out of memory.
-    return connect(
-        stack,
-        {
-            "max_execution_time": int(math.ceil(timeout_s)),
-            "readonly": 2,
-            "max_result_rows": max_result_rows,
-            "max_result_bytes": max_result_bytes,
-            "result_overflow_mode": "throw",
-            "max_memory_usage": 1 << 30,
-        },
-        url,
-    )
+    # A result past either bound is an error, never a truncated answer. ClickHouse applies
+    # max_result_rows to rows read from tables but not to rows made from constants (an
+    # arrayJoin of a literal); ``limit`` ends every answer one row past the bound, and with
+    # it the engine checks those rows too, before they reach the sink.
+    return {
+        "max_execution_time": int(math.ceil(timeout_s)),
+        "readonly": 2,
+        "max_result_rows": max_result_rows,
+        "max_result_bytes": max_result_bytes,
+        "result_overflow_mode": "throw",
+        "limit": max_result_rows + 1,
+        "max_block_size": QUERY_BLOCK_ROWS,
+        "max_expanded_ast_elements": QUERY_MAX_EXPANDED_AST,
+        # Memory: a GROUP BY or ORDER BY past half the budget spills to disk, a join's
+        # right side past a quarter is an error, anything else past the budget too.
+        "max_memory_usage": max_memory_bytes,
+        "max_bytes_before_external_group_by": max_memory_bytes // 2,
+        "max_bytes_before_external_sort": max_memory_bytes // 2,
+        "max_bytes_in_join": max_memory_bytes // 4,
+        "join_overflow_mode": "throw",
+    }
 
 
 def project_tables(client) -> dict[str, frozenset[str]]:
@@ -115,6 +145,38 @@ def http_query_fn(
     return query
 
 
+class AnswerTooLarge(ValueError):
+    """An answer past ``/query``'s row or byte bound: refused whole, never cut."""
+
+
+def bounded_answer(client: Client, sql: str, max_rows: int, max_bytes: int) -> bytes:
+    """``{"columns": [...], "rows": [{...}]}`` as JSON, read block by block: past
+    ``max_rows`` rows or ``max_bytes`` bytes of JSON it raises AnswerTooLarge, so the
+    sink holds at most one block beyond its bounds, never the whole result first.
+
+    Reading a stream also keeps each answer its own: chdb's buffered query now and then
+    hands the rows a failed query had written to the next query on the same handle."""
+    rows: list[str] = []
+    size = 0
+    with client.query_row_block_stream(sql) as stream:
+        for block in stream:
+            if len(rows) + len(block) > max_rows:
+                raise AnswerTooLarge(
+                    f"the answer has more than {max_rows} rows (TOO_MANY_ROWS): narrow the query"
+                )
+            columns = stream.source.column_names
+            for row in block:
+                text = json.dumps({c: jsonable(v) for c, v in zip(columns, row, strict=True)})
+                size += len(text) + 2
+                if size > max_bytes:
+                    raise AnswerTooLarge(
+                        f"the answer is larger than {max_bytes} bytes (TOO_MANY_BYTES): narrow the query"
+                    )
+                rows.append(text)
+        columns = stream.source.column_names
+    return f'{{"columns": {json.dumps(list(columns))}, "rows": [{", ".join(rows)}]}}'.encode()
+
+
 def jsonable(value: Any) -> Any:
     """Plain JSON for a ClickHouse value: NaN/inf -> null, dates -> ISO 8601, bytes -> base64."""
     if isinstance(value, float):
@@ -133,16 +195,18 @@ def jsonable(value: Any) -> Any:
 
 
 def build_query_app(
-    client: Client, tables: dict[str, frozenset[str]], token: str, max_rows: int
+    client: Client, tables: dict[str, frozenset[str]], token: str, max_rows: int, max_bytes: int
 ) -> web.Application:
     """``POST /query`` with ``Authorization: Bearer <token>`` and ``{"sql": "SELECT …"}`` ->
-    ``{"columns": [...], "rows": [{...}]}``; the SQL must pass analytics/sql_guard.py. With
-    an empty token every query is refused (there is no default token)."""
+    ``{"columns": [...], "rows": [{...}]}``; the SQL must pass analytics/sql_guard.py and
+    the answer must fit ``max_rows`` rows and ``max_bytes`` bytes of JSON. With an empty
+    token every query is refused (there is no default token)."""
     app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[_authenticated])
     app[_CLIENT] = client
     app[_TABLES] = tables
     app[_TOKEN] = token.encode()
     app[_MAX_ROWS] = max_rows
+    app[_MAX_BYTES] = max_bytes
     app.router.add_post("/query", _query)
     app.router.add_get("/healthz", _healthz)
     return app
@@ -189,22 +253,16 @@ async def _query(request: web.Request) -> web.Response:
     except Refused as exc:
         return web.json_response({"error": f"refused: {exc}"}, status=400)
     try:
-        result = await asyncio.to_thread(request.app[_CLIENT].query, sql)
-    except ClickHouseError as exc:
-        return web.json_response({"error": str(exc)[:2000]}, status=400)
-    if len(result.result_rows) > request.app[_MAX_ROWS]:
-        # ClickHouse bounds results read from tables (max_result_rows); this bounds the rest.
-        return web.json_response(
-            {
-                "error": f"the answer has more than {request.app[_MAX_ROWS]} rows (TOO_MANY_ROWS): narrow the query"
-            },
-            status=400,
+        answer = await asyncio.to_thread(
+            bounded_answer,
+            request.app[_CLIENT],
+            sql,
+            request.app[_MAX_ROWS],
+            request.app[_MAX_BYTES],
         )
-    columns = list(result.column_names)
-    rows = [
-        {c: jsonable(v) for c, v in zip(columns, row, strict=True)} for row in result.result_rows
-    ]
-    return web.json_response({"columns": columns, "rows": rows})
+    except (ClickHouseError, AnswerTooLarge) as exc:
+        return web.json_response({"error": str(exc)[:2000]}, status=400)
+    return web.Response(body=answer, content_type="application/json")
 
 
 async def _healthz(request: web.Request) -> web.Response:

@@ -14,9 +14,11 @@ from opentelemetry import metrics
 
 from rtrl import entrypoint, heartbeat, kafka, otel, topics
 from rtrl.analytics import query, schema
+from rtrl.analytics.authn import Authenticator
 from rtrl.analytics.config import AnalyticsSettings
 from rtrl.analytics.sink import Sink
 from rtrl.config import StackSettings
+from rtrl.http_limits import serve_http
 from rtrl.runtime import service_process, until_stopped
 
 log = logging.getLogger("analytics")
@@ -45,6 +47,14 @@ def _observe(sink: Sink, group: str) -> None:
     )
     otel.observe(
         meter,
+        "rtrl.analytics.refused",
+        "counter",
+        lambda: [(n, {"topic": topic}) for topic, n in sink.refused.items()],
+        unit="{record}",
+        description="Records kept only as dead letters: their writer did not verify (analytics/authn.py)",
+    )
+    otel.observe(
+        meter,
         "rtrl.analytics.pending",
         "gauge",
         lambda: [(sink.status().pending, {})],
@@ -58,6 +68,7 @@ async def serve(
     stack: StackSettings, settings: AnalyticsSettings, stop: asyncio.Event | None = None
 ) -> None:
     """Run until SIGTERM/SIGINT (or ``stop`` is set); then insert and commit what is buffered."""
+    authenticator = Authenticator.of(settings, stack)
     await asyncio.to_thread(kafka.wait_for_broker, stack)
     await asyncio.to_thread(kafka.ensure_topics, stack)
     writer = query.connect(stack)
@@ -72,7 +83,11 @@ async def serve(
     tables = query.project_tables(writer)
     consumer = Consumer(kafka.consumer_config(stack, settings.group_id))
     sink = Sink(
-        consumer, writer, batch_size=settings.batch_size, flush_interval_s=settings.flush_interval_s
+        consumer,
+        writer,
+        authenticator=authenticator,
+        batch_size=settings.batch_size,
+        flush_interval_s=settings.flush_interval_s,
     )
     consumer.subscribe(list(topics.ALL), on_revoke=sink.on_revoke)
 
@@ -110,13 +125,15 @@ async def _serve_queries(
 ) -> web.AppRunner:
     """The read-only query endpoint, listening; the caller cleans the runner up."""
     token = settings.query_token.get_secret_value()
-    runner = web.AppRunner(
-        query.build_query_app(reader, tables, token, settings.query_max_rows), access_log=None
+    runner = await serve_http(
+        query.build_query_app(
+            reader, tables, token, settings.query_max_rows, settings.query_max_bytes
+        ),
+        settings.bind_host,
+        settings.query_port,
+        settings.http_limits(),
+        settings.http_context(),
     )
-    await runner.setup()
-    await web.TCPSite(
-        runner, settings.bind_host, settings.query_port, ssl_context=settings.http_context()
-    ).start()
     if not token:
         log.warning(
             "no RTRL_ANALYTICS_QUERY_TOKEN: the query endpoint serves nothing (there is no default token)"
@@ -126,7 +143,11 @@ async def _serve_queries(
 
 def main() -> None:
     settings, stack = entrypoint.parse_settings(
-        "python -m rtrl.analytics", __doc__, AnalyticsSettings, StackSettings
+        "python -m rtrl.analytics",
+        __doc__,
+        AnalyticsSettings,
+        StackSettings,
+        required=AnalyticsSettings.required_secrets,
     )
     entrypoint.configure_logging()
     service_process()

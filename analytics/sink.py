@@ -1,7 +1,9 @@
-"""The consumer loop: every topic -> rows -> batched inserts -> offset commit.
+"""The consumer loop: every topic -> its writer checked -> rows -> batched inserts -> offset commit.
 
 Offsets are committed only after the rows they produced are inserted, so a crash
 replays at most the last batch; the ReplacingMergeTree tables collapse the replay.
+A record whose writer does not verify (analytics/authn.py) is stored only as a dead
+letter, with the reason, and its offset advances like any other's.
 """
 
 from __future__ import annotations
@@ -15,7 +17,8 @@ from collections.abc import Callable
 from confluent_kafka import Consumer, KafkaException, TopicPartition
 
 from rtrl import otel
-from rtrl.analytics.rows import COLUMNS, KafkaRecord, convert
+from rtrl.analytics.authn import Authenticator
+from rtrl.analytics.rows import COLUMNS, KafkaRecord, convert, dead_letter
 from rtrl.analytics.schema import DEAD_LETTERS
 from rtrl.heartbeat import AnalyticsBeat
 from rtrl.kafka import record_headers, record_position
@@ -33,6 +36,7 @@ class Sink:
         consumer: Consumer,
         client,
         *,
+        authenticator: Authenticator,
         batch_size: int,
         flush_interval_s: float,
         clock: Callable[[], float] = time.monotonic,
@@ -40,6 +44,7 @@ class Sink:
     ) -> None:
         self._consumer = consumer
         self._client = client
+        self._authenticator = authenticator
         self._batch_size = batch_size
         self._flush_interval_s = flush_interval_s
         self._clock = clock
@@ -50,6 +55,9 @@ class Sink:
         self._oldest_pending_at = 0.0
         self.consumed = 0
         self.inserted: Counter[str] = Counter()
+        self.refused: Counter[str] = Counter()
+        """Records stored only as dead letters because their writer did not verify, per topic
+        (every record of the dead-letter topic: nothing vouches for one)."""
         self.lag = otel.PositionLag()
         """The consumer's lag, refreshed between polls for the metrics scrape."""
 
@@ -93,7 +101,13 @@ class Sink:
         return len(messages)
 
     def add(self, record: KafkaRecord) -> None:
-        row = convert(record, self._now_ms())
+        now_ms = self._now_ms()
+        problem = self._authenticator.problem(record.topic, record.value, record.headers)
+        if problem is None:
+            row = convert(record, now_ms)
+        else:
+            row = dead_letter(record, problem, now_ms)
+            self.refused[record.topic] += 1
         if row.table == DEAD_LETTERS:
             log.warning(
                 "dead letter %s[%d]@%d: %s",

@@ -3,14 +3,20 @@
 A query is parsed (sqlglot, ClickHouse dialect) and allowed only if every part of it is
 on an allow-list: one statement, a SELECT (or a UNION of them), tables from the
 project's schema and nothing else (no database qualifier, no table function, no system
-table), columns those tables have or the query itself names, and functions from
-``FUNCTIONS``. No SETTINGS, FORMAT or INTO. What runs is the SQL generated back from
-the checked tree, never the caller's text, so nothing the parser saw differently from
-ClickHouse can ride along. A refusal says which part broke the rule.
+table), columns those tables have or the query itself names, functions from
+``FUNCTIONS``, joins on a condition. No SETTINGS, FORMAT or INTO. What runs is the SQL
+generated back from the checked tree, never the caller's text, so nothing the parser saw
+differently from ClickHouse can ride along. A refusal says which part broke the rule.
+
+Rows come only from the project's tables: nothing on the lists makes rows out of the
+query's text (no arrayJoin, ARRAY JOIN, WITH RECURSIVE, WITH FILL, numbers() or other
+table functions, cross joins), and literals are capped (``MAX_LITERAL_ELEMENTS``,
+``MAX_STRING_LITERAL_BYTES``), so a few kilobytes of SQL cannot ask for millions of rows.
 
 This is the first of two walls: the client that runs the query is read-only with
-result-size and time limits (analytics/query.py), and on a ClickHouse server the query
-user is granted SELECT on the project's database and no sources (compose/).
+result-size, memory and time limits that act inside the engine (analytics/query.py),
+and on a ClickHouse server the query user is granted SELECT on the project's database
+and no sources (compose/).
 """
 
 from __future__ import annotations
@@ -22,10 +28,17 @@ from sqlglot import exp
 from sqlglot.errors import ParseError
 
 MAX_SQL_CHARS = 20_000
+MAX_LITERAL_ELEMENTS = 100
+"""Elements of one array, tuple or map literal: enough to name arms or quantile levels."""
+MAX_STRING_LITERAL_BYTES = 1024
+"""Bytes of one string literal (UTF-8): ids, topics, patterns; not data to unpack."""
 
 # Every function a report, status or test query uses, and the plain arithmetic,
 # comparison, date and array helpers around them. Nothing that reads outside the row:
 # no dictGet, no file/url/remote, no system introspection, no currentUser, no sleep.
+# Nothing that makes rows (arrayJoin), nor values whose size is a number in the query
+# rather than the size of their arguments (range, replicate, repeat, arrayWithConstant)
+# or a product of them (replaceAll).
 FUNCTIONS = frozenset(
     name.lower()
     for name in (
@@ -118,7 +131,6 @@ FUNCTIONS = frozenset(
         "startsWith",
         "endsWith",
         "trim",
-        "replaceAll",
         "lengthUTF8",
         # arrays, maps, tuples
         "arrayAvg",
@@ -126,7 +138,6 @@ FUNCTIONS = frozenset(
         "arrayMin",
         "arrayMax",
         "arrayReduce",
-        "arrayJoin",
         "has",
         "empty",
         "notEmpty",
@@ -210,6 +221,18 @@ _OPERATORS: tuple[type[exp.Expr], ...] = (
 )
 _REFUSED_ARGS = ("settings", "format", "into", "sample", "kind")
 
+# Joins that pair rows on a condition: (strictness or kind, side) as sqlglot parses them.
+# Not here, so refused: ARRAY JOIN (rows out of arrays), CROSS and comma joins (every
+# pair of rows), PASTE JOIN (rows by position).
+_JOIN_KINDS = frozenset({"", "INNER", "OUTER", "ANY", "ALL", "SEMI", "ANTI", "ASOF"})
+_JOIN_SIDES = frozenset({"", "LEFT", "RIGHT", "FULL"})
+# Literals whose elements are capped, by the name a refusal gives them.
+_COLLECTIONS: tuple[tuple[type[exp.Expr], str], ...] = (
+    (exp.Array, "array literal"),
+    (exp.Tuple, "tuple literal"),
+    (exp.Struct, "tuple literal"),
+)
+
 
 class Refused(ValueError):
     """The query breaks the allow-list; the message says where."""
@@ -246,8 +269,15 @@ def _check(tree: exp.Expression, tables: Mapping[str, Collection[str]]) -> None:
             arg := next((a for a in _REFUSED_ARGS if node.args.get(a)), None)
         ):
             raise Refused(f"{arg.upper()} is not allowed: {_show(node.args[arg])}")
-        if isinstance(node, exp.Table):
+        _check_size(node)
+        if isinstance(node, exp.With) and node.args.get("recursive"):
+            raise Refused("WITH RECURSIVE is not allowed: rows come from the project's tables")
+        if isinstance(node, exp.Join):
+            _check_join(node)
+        elif isinstance(node, exp.Table):
             _check_table(node, tables, defined)
+        elif isinstance(node, exp.Literal):
+            _check_literal(node)
         elif isinstance(node, exp.Func) and not isinstance(node, _OPERATORS):
             _check_function(node)
         elif isinstance(node, exp.Column):
@@ -266,32 +296,58 @@ def _check_table(node: exp.Table, tables: Mapping[str, Collection[str]], defined
         raise Refused(f"unknown table {node.name!r} (allowed: {', '.join(sorted(tables))})")
 
 
+def _check_join(node: exp.Join) -> None:
+    kind, side = (str(node.args.get(a) or "").upper() for a in ("kind", "side"))
+    if kind not in _JOIN_KINDS or side not in _JOIN_SIDES:
+        shown = " ".join(part for part in (side, kind) if part)
+        raise Refused(f"{shown} JOIN is not allowed: join tables ON a condition or USING columns")
+    if not (node.args.get("on") or node.args.get("using")):
+        raise Refused(
+            f"a join needs ON or USING (a join without one pairs every row): {_show(node)}"
+        )
+
+
+def _check_size(node: exp.Expr) -> None:
+    for kind, shown in _COLLECTIONS:
+        if isinstance(node, kind) and len(node.expressions) > MAX_LITERAL_ELEMENTS:
+            raise Refused(
+                f"{shown} of {len(node.expressions)} elements (at most {MAX_LITERAL_ELEMENTS})"
+            )
+
+
+def _check_literal(node: exp.Literal) -> None:
+    size = len(node.this.encode()) if node.is_string else 0
+    if size > MAX_STRING_LITERAL_BYTES:
+        raise Refused(f"string literal of {size} bytes (at most {MAX_STRING_LITERAL_BYTES})")
+
+
 def _check_function(node: exp.Func) -> None:
     name = _function_name(node)
-    if name not in FUNCTIONS:
+    if name.lower() not in FUNCTIONS:
         raise Refused(f"function {name}() is not allowed")
-    if name in _NAMED_AGGREGATE_ARG:
+    if name.lower() in _NAMED_AGGREGATE_ARG:
         first = node.expressions[0] if node.expressions else node.this
         if not (isinstance(first, exp.Literal) and first.is_string):
             raise Refused(f"{name}() takes the aggregate's name as a string literal")
-        aggregate = first.this.split("(", 1)[0].strip().lower()
-        if aggregate not in FUNCTIONS:
+        aggregate = first.this.split("(", 1)[0].strip()
+        if aggregate.lower() not in FUNCTIONS:
             raise Refused(f"aggregate {aggregate}() is not allowed in {name}()")
 
 
 def _function_name(node: exp.Func) -> str:
-    """The name ClickHouse will see: what the checked tree renders before the call's "(".
-    (sqlglot's own names differ: its COUNT_IF is ClickHouse's countIf.)"""
+    """The name ClickHouse will see, as written: what the checked tree renders before the
+    call's "(". (sqlglot's own names differ: its COUNT_IF is ClickHouse's countIf.)
+    ClickHouse matches these names without case, so compare them lower-cased."""
     if isinstance(
         node, (exp.Anonymous, exp.ParameterizedAgg, exp.AnonymousAggFunc, exp.CombinedAggFunc)
     ):
         this = node.this
-        return (this.name if isinstance(this, exp.Identifier) else str(this)).lower()
+        return this.name if isinstance(this, exp.Identifier) else str(this)
     rendered = node.sql(dialect="clickhouse")
     name, paren, _ = rendered.partition("(")
     if not paren or not name.replace("_", "").isalnum():
         raise Refused(f"{_show(node)} is not a plain function call")
-    return name.strip().lower()
+    return name.strip()
 
 
 def _names_defined_in(tree: exp.Expression) -> set[str]:

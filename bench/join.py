@@ -180,17 +180,20 @@ class JoinResult:
     faust_floor_events_per_s: int
     joiner_inprocess_events_per_s: int
     joiner_inprocess_signed_events_per_s: int
-    """The same with every rollout verified and every reward signed, as the service runs it."""
+    """The same with every record's writer checked and every reward authenticated, as the
+    service runs it."""
     signed_vs_unsigned_inprocess: float
     sign_us_per_reward: float
-    """Microseconds for the joiner to sign a reward of reward_bytes."""
+    """Microseconds for the joiner to authenticate a reward of reward_bytes (a MAC for each
+    reader: the trainer, the analytics sink)."""
     verify_us_per_reward: float
-    """Microseconds for the trainer to verify it."""
+    """Microseconds for the trainer to check its MAC."""
     reward_bytes: int
     sign_us_per_rollout: float
-    """Microseconds for a worker to sign a rollout of rollout_bytes."""
+    """Microseconds for a worker to authenticate a rollout of rollout_bytes (its signature
+    and the joiner's MAC)."""
     verify_us_per_rollout: float
-    """Microseconds for the joiner to verify it."""
+    """Microseconds for the joiner to check its MAC."""
     rollout_bytes: int
     events_per_s: int
     """One reward_stream worker, clocked by itself."""
@@ -262,7 +265,7 @@ def run(
     live_rollouts: int = 2_000,
     live_rate_per_s: float = 250.0,
 ) -> JoinResult:
-    key = signing_keys()
+    signing_keys()
     join_settings = RewardStreamSettings()
     code = code_version()
     load = Load(
@@ -275,16 +278,14 @@ def run(
     with tempfile.TemporaryDirectory(prefix="rtrl-bench-join-") as tmp:
         workdir = Path(tmp)
         with scratch_stack(workdir, kafka_partitions=PARTITIONS) as stack:
-            measured = _measure(stack, workdir, load, key, console)
+            measured = _measure(stack, workdir, load, console)
     result = _result(measured, load, join_settings, code)
     report.write(out, result)
     _print(result, out, console)
     return result
 
 
-def _measure(
-    stack: StackSettings, workdir: Path, load: Load, key: str, console: Console
-) -> Measured:
+def _measure(stack: StackSettings, workdir: Path, load: Load, console: Console) -> Measured:
     """Produce the load, then time each reader on it, the joiners last."""
     with closing(redis.Redis.from_url(stack.redis_url)) as client:
         kafka.ensure_topics(stack)
@@ -299,8 +300,10 @@ def _measure(
             events = 3 * len(ids)
             with console.status("joiner in-process, then signing each reward"):
                 inprocess = joiner_inprocess(load.rollouts, load.spacing_ms, base_ms)
-                inprocess_signed = joiner_inprocess(load.rollouts, load.spacing_ms, base_ms, key)
-                signatures = signature_costs(key)
+                inprocess_signed = joiner_inprocess(
+                    load.rollouts, load.spacing_ms, base_ms, checked=True
+                )
+                signatures = signature_costs()
             raw = raw_consume(stack, events, progress)
             floor = faust_floor(stack, workdir, events, progress)
             one, opened = _one_worker(stack, workdir, client, events, load, progress)
@@ -424,7 +427,7 @@ def _print(r: JoinResult, out: Path, console: Console) -> None:
         ("bare faust agent (floor)", floor),
         ("Joiner.feed_record in-process, aligned", r.joiner_inprocess_events_per_s),
         (
-            "... verifying every rollout, signing every reward (Ed25519)",
+            "... checking every record's writer, authenticating every reward",
             r.joiner_inprocess_signed_events_per_s,
         ),
         ("reward_stream, 1 worker", r.events_per_s),
@@ -443,10 +446,11 @@ def _print(r: JoinResult, out: Path, console: Console) -> None:
             f"{j.defaulted:,} defaulted, {j.late:,} late, {j.dropped:,} dropped"
         )
     console.print(
-        f"signatures: {r.sign_us_per_reward} us to sign a {r.reward_bytes:,}-byte reward (the joiner), "
-        f"{r.verify_us_per_reward} us to verify it (the trainer); {r.sign_us_per_rollout} us to sign a "
-        f"{r.rollout_bytes:,}-byte rollout (a worker), {r.verify_us_per_rollout} us to verify it (the joiner); "
-        f"signed/unsigned in-process {r.signed_vs_unsigned_inprocess}"
+        f"checks: {r.sign_us_per_reward} us to seal a {r.reward_bytes:,}-byte reward (the joiner: "
+        f"a MAC per reader), {r.verify_us_per_reward} us to check it (the trainer: its MAC); "
+        f"{r.sign_us_per_rollout} us to seal a {r.rollout_bytes:,}-byte rollout (a worker: "
+        f"signature and the joiner's MAC), {r.verify_us_per_rollout} us to check it (the joiner: "
+        f"its MAC); checked/unchecked in-process {r.signed_vs_unsigned_inprocess}"
     )
     console.print(
         f"ratio_vs_floor {r.ratio_vs_floor:.2f} (target >= 0.8), "

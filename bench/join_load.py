@@ -26,37 +26,42 @@ Headers = list[tuple[str, bytes]]
 rtrl.kafka.kafka_headers, which types them as confluent_kafka's produce() wants)."""
 
 
-def signing_keys() -> str:
+def signing_keys() -> None:
     """Keys for the bench's writers and joiners (which inherit this environment), made for
-    the run unless the environment holds them: the services have no default key. Returns
-    the joiners' reward signing key."""
-    key = os.environ.setdefault("RTRL_REWARD_SIGNING_KEY", signing.generate_private_key())
-    rollout_key = os.environ.setdefault(
-        "RTRL_INFERENCE_ROLLOUT_SIGNING_KEY", signing.generate_private_key()
-    )
-    os.environ.setdefault("RTRL_REWARD_ROLLOUT_PUBLIC_KEYS", signing.public_key_of(rollout_key))
+    the run unless the environment holds them: the services have no default key."""
+    for variable in ("RTRL_REWARD_TRAINER_MAC_KEY", "RTRL_REWARD_ANALYTICS_MAC_KEY"):
+        os.environ.setdefault(variable, signing.generate_mac_key())
+    os.environ.setdefault("RTRL_INFERENCE_ROLLOUT_SIGNING_KEY", signing.generate_private_key())
+    mac_key = os.environ.setdefault("RTRL_INFERENCE_ROLLOUT_MAC_KEY", signing.generate_mac_key())
+    os.environ.setdefault("RTRL_REWARD_ROLLOUT_MAC_KEYS", mac_key)
     event_key = os.environ.setdefault("RTRL_INGEST_EVENT_KEY", signing.generate_mac_key())
     os.environ.setdefault("RTRL_REWARD_EVENT_KEYS", event_key)
-    return key
+    os.environ.setdefault("RTRL_INGEST_ANALYTICS_EVENT_KEY", signing.generate_mac_key())
 
 
-def rollout_signer() -> signing.Signer:
-    """The inference workers' rollout signer: the joiners verify every rollout (run() makes
-    a key pair for the bench unless the environment holds one)."""
-    return signing.Signer(os.environ["RTRL_INFERENCE_ROLLOUT_SIGNING_KEY"], signing.Purpose.ROLLOUT)
+def rollout_signer() -> signing.Seal:
+    """The inference workers' rollout seal: their signature and the joiner's MAC, which the
+    joiners verify on every rollout (run() makes the keys unless the environment holds them)."""
+    return signing.Seal(
+        signing.Signer(os.environ["RTRL_INFERENCE_ROLLOUT_SIGNING_KEY"], signing.Purpose.ROLLOUT),
+        signing.MacSigner(os.environ["RTRL_INFERENCE_ROLLOUT_MAC_KEY"], signing.Purpose.ROLLOUT),
+    )
 
 
-def event_signer() -> signing.MacSigner:
-    """The gateway's event authenticator: the joiners verify every event (run() makes a key
-    for the bench unless the environment holds one)."""
-    return signing.MacSigner(os.environ["RTRL_INGEST_EVENT_KEY"], signing.Purpose.EVENT)
+def event_signer() -> signing.Seal:
+    """The gateway's event seal: a MAC for the joiner, which verifies every event, and one for
+    the analytics sink (run() makes the keys unless the environment holds them)."""
+    return signing.Seal(
+        signing.MacSigner(os.environ["RTRL_INGEST_EVENT_KEY"], signing.Purpose.EVENT),
+        signing.MacSigner(os.environ["RTRL_INGEST_ANALYTICS_EVENT_KEY"], signing.Purpose.EVENT),
+    )
 
 
 def signed_records(
-    rollout_id: str, ts_ms: int, signer: signing.Signer, events: signing.MacSigner
+    rollout_id: str, ts_ms: int, signer: signing.Seal, events: signing.Seal
 ) -> list[tuple[str, bytes, Headers]]:
-    """rollout_records with the headers their writers send: the rollout signed as a worker
-    signs it, each event authenticated as the gateway does."""
+    """rollout_records with the headers their writers send: the rollout sealed as a worker
+    seals it, each event authenticated as the gateway does."""
     return [
         (topic, value, list((signer if topic == topics.ROLLOUT else events).headers(value)))
         for topic, value in rollout_records(rollout_id, ts_ms)

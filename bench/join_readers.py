@@ -288,17 +288,16 @@ class Joiners:
             proc.stop(timeout_s=20)
 
 
-def joiner_inprocess(
-    rollouts: int, spacing_ms: int, base_ms: int, reward_key: str | None = None
-) -> Span:
+def joiner_inprocess(rollouts: int, spacing_ms: int, base_ms: int, checked: bool = False) -> Span:
     """Joiner.feed_record alone on the same load, decoded in this process, each partition's
     records in production order (every topic aligned, as no broker delivers them): the
-    ceiling of the join's own CPU cost, without faust or publishing; with ``reward_key``,
-    as the service runs it: every rollout verified, every reward signed."""
+    ceiling of the join's own CPU cost, without faust or publishing; ``checked``, as the
+    service runs it: every record's writer checked, every reward authenticated."""
     settings = RewardStreamSettings()
-    signer = authenticator = None
-    if reward_key is not None:
-        signer = signing.Signer(reward_key, signing.Purpose.REWARD)
+    signer: signing.HeaderSigner | None = None
+    authenticator = None
+    if checked:
+        signer = settings.reward_seal()
         authenticator = Authenticator.of(settings)
     joiner = Joiner(settings.join_config(), signer=signer, authenticator=authenticator)
     records: list[tuple[str, int, bytes, bytes, Headers]] = []
@@ -333,26 +332,35 @@ class SignatureCost:
     """The records' mean size."""
 
 
-def signature_costs(key: str, rewards: int = 2_000) -> dict[str, SignatureCost]:
-    """Microseconds to sign and to verify one record of the demo's size, on this machine, in
-    this process, by kind: a reward (the joiner signs, the trainer verifies) and a rollout
-    (a worker signs, the joiner verifies)."""
+def signature_costs(rewards: int = 2_000) -> dict[str, SignatureCost]:
+    """Microseconds to authenticate and to check one record of the demo's size, on this
+    machine, in this process, by kind, as the services do: a reward (the joiner seals it with
+    a MAC for each reader; the trainer checks its own) and a rollout (a worker signs it and
+    adds the joiner's MAC; the joiner checks the MAC)."""
+    settings = RewardStreamSettings()
     rollouts = [rollout_records(f"s{i:06d}", 0)[0][1] for i in range(rewards)]
     costs: dict[str, SignatureCost] = {}
-    for kind, purpose, values in (
+    for kind, seal, verifier, values in (
         (
             "reward",
-            signing.Purpose.REWARD,
-            [value * 2 for value in rollouts],
-        ),  # ~a reward with its rollout
-        ("rollout", signing.Purpose.ROLLOUT, rollouts),
+            settings.reward_seal(),
+            signing.MacVerifier(
+                [settings.trainer_mac_key.get_secret_value()], signing.Purpose.REWARD
+            ),
+            [value * 2 for value in rollouts],  # ~a reward with its rollout
+        ),
+        (
+            "rollout",
+            rollout_signer(),
+            signing.MacVerifier(
+                signing.parse_mac_keys(settings.rollout_mac_keys.get_secret_value()),
+                signing.Purpose.ROLLOUT,
+            ),
+            rollouts,
+        ),
     ):
-        signer, verifier = (
-            signing.Signer(key, purpose),
-            signing.Verifier([signing.public_key_of(key)], purpose),
-        )
         start = time.perf_counter()
-        headers = [signer.headers(value) for value in values]
+        headers = [seal.headers(value) for value in values]
         signed = time.perf_counter() - start
         start = time.perf_counter()
         problems = [

@@ -222,7 +222,7 @@ def run(state_dir: Path, duration_s: float, out: Path, console: Console) -> Loop
         run_product(stack, duration_s, console)
         time.sleep(3)  # let the last versions reach every worker
         load_after = os.getloadavg()
-        seen = observe(stack.redis_url, stack.kafka_bootstrap, since_ms)
+        seen = observe(stack.redis_url_as("operator"), stack.kafka_bootstrap, since_ms)
     finally:
         if started_here:
             down(state_dir, console)

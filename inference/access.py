@@ -5,8 +5,8 @@ The same API keys as the ingest gateway (rtrl/api_keys.py), with their own scope
 (``completions``, never implied by ``*``). Everything is decided from the request's
 headers before its body is read, in this order: the key (401), its scope (403), the
 body's declared size (429 over the key's budget, 413 over the server's bound), the
-key's completions in flight (per server process) and its requests per second (shared by
-every server through Redis), both 429. The token budget, which the body states, is
+key's requests per second (shared by every server through Redis) and its completions in
+flight (per server process), both 429. The token budget, which the body states, is
 checked once the body is parsed. Without ``auth_required`` the door is open: everyone
 is admitted as nobody, and only the server's bound on a body holds.
 """
@@ -48,8 +48,11 @@ async def admit(
         refusal = (
             _scope_refusal(door, key)
             or door.size_refusal(key, content_length)
-            or door.concurrency_refusal(key, "completions")
             or await door.rate_refusal(key, 1, "completions")
+            # Last, and nothing awaited after it: the caller counts the request in flight
+            # (door.serving) in the same step of the event loop, so a flood on one key
+            # cannot all pass this check before the first of it is counted.
+            or door.concurrency_refusal(key, "completions")
         )
     return key, refusal
 

@@ -167,7 +167,7 @@ class CompletionsApi:
             return refused(raw)
         tokens: asyncio.Queue[SampledToken] = asyncio.Queue()
         try:
-            ask = self._parse(request.path, raw, received_ms)
+            ask = await self._parse(request.path, raw, received_ms)
             if (refusal := self.door.tokens_refusal(key, ask.max_tokens)) is not None:
                 return refused(refusal)
             waiting = asyncio.wrap_future(self._submit(ask, tokens))
@@ -224,12 +224,12 @@ class CompletionsApi:
                 return refusal
         return bytes(raw)
 
-    def _parse(self, path: str, raw: bytes, received_ms: int) -> Ask:
+    async def _parse(self, path: str, raw: bytes, received_ms: int) -> Ask:
         """The request as the engine will run it. Raises ValueError (pydantic's
         ValidationError, FieldRefused naming the field) for a body the server refuses."""
         chat = path.endswith("/chat/completions")
         body: RequestBody = (ChatBody if chat else CompletionBody).model_validate_json(raw)
-        prompt_ids = self._prompt_ids(body)
+        prompt_ids = await self._prompt_ids(body)
         body.check_client_ts(received_ms, self._client_ts_window)
         s = self.settings
         temperature = s.temperature if body.temperature is None else body.temperature
@@ -246,13 +246,15 @@ class CompletionsApi:
             kept=kept_from_training(s, body, temperature, top_p),
         )
 
-    def _prompt_ids(self, body: RequestBody) -> list[int]:
+    async def _prompt_ids(self, body: RequestBody) -> list[int]:
         """The token ids the model sees: the chat template's rendering of the messages, the
         prompt's tokens, or the prompt's ids as given (checked against the vocabulary).
-        Raises FieldRefused naming the field."""
+        Raises FieldRefused naming the field. The template renders in a thread, within its
+        bounds (rtrl/chat_template.py): the event loop goes on serving meanwhile."""
         if isinstance(body, ChatBody):
+            messages = [m.model_dump() for m in body.messages]
             try:
-                return self.policy.render_chat([m.model_dump() for m in body.messages])
+                return await asyncio.to_thread(self.policy.render_chat, messages)
             except ChatTemplateError as exc:
                 raise FieldRefused("messages", str(exc)) from None
         assert isinstance(body, CompletionBody)

@@ -10,12 +10,13 @@ from typing import Literal
 from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import SettingsConfigDict
 
-from rtrl.config import RequiredSecret, Settings, SigningKey, StackSettings
+from rtrl.config import MacKey, RequiredSecret, Settings, SigningKey, StackSettings
 from rtrl.event_time import EventTimeWindow
+from rtrl.http_limits import HTTPListener
 from rtrl.tls import TLSListener
 
 
-class InferenceSettings(Settings, TLSListener):
+class InferenceSettings(Settings, HTTPListener, TLSListener):
     model_config = SettingsConfigDict(env_prefix="RTRL_INFERENCE_")
 
     bind_host: str = "127.0.0.1"
@@ -65,9 +66,15 @@ class InferenceSettings(Settings, TLSListener):
 
     rollout_signing_key: SigningKey = SecretStr("")
     """The workers' Ed25519 private key for rollout records (base64url, rtrl/signing.py):
-    every rollout is signed with it, and the joiner joins only rollouts that verify
-    (RTRL_REWARD_ROLLOUT_PUBLIC_KEYS). No default: the server refuses to start without
-    one (`rtrl up` generates it)."""
+    every rollout is signed with it, for the readers that must not be able to forge one
+    (the analytics sink: RTRL_ANALYTICS_ROLLOUT_PUBLIC_KEYS). No default: the server
+    refuses to start without one (`rtrl up` generates it)."""
+
+    rollout_mac_key: MacKey = SecretStr("")
+    """The key (base64url, 32 bytes) of the MAC every rollout carries for the joiner, which
+    joins only rollouts whose MAC verifies (RTRL_REWARD_ROLLOUT_MAC_KEYS): ~3 µs to check
+    where the signature costs ~110 µs (rtrl/signing.py says why it is enough). No default:
+    the server refuses to start without one (`rtrl up` generates it)."""
 
     treatment_fraction: float = Field(0.5, ge=0, le=1)
     """Share of user ids (by a stable hash) served by the treatment arm."""
@@ -130,7 +137,13 @@ class InferenceSettings(Settings, TLSListener):
                 self,
                 "rollout_signing_key",
                 "the worker signs every rollout it records (rtrl up generates it)",
-            )
+            ),
+            RequiredSecret(
+                self,
+                "rollout_mac_key",
+                "the worker authenticates every rollout to the joiner (rtrl up generates it; "
+                "python -m rtrl.signing prints one)",
+            ),
         ]
         if self.auth_required:
             required.append(

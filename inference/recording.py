@@ -84,14 +84,14 @@ def kept_from_training(
 
 
 class RolloutPublisher:
-    """Writes recorded rollouts: signed with the workers' key, traced as a child of the
-    serving span, and acked by the broker before the request is answered (so a product
-    event never refers to an unknown rollout)."""
+    """Writes recorded rollouts: sealed for their readers (the workers' signature, the
+    joiner's MAC), traced as a child of the serving span, and acked by the broker before the
+    request is answered (so a product event never refers to an unknown rollout)."""
 
     def __init__(
         self,
         producer: kafka.AsyncProducer,
-        signer: signing.Signer,
+        signer: signing.Seal,
         redis: aioredis.Redis,
         *,
         max_record_bytes: int,

@@ -33,6 +33,7 @@ from rtrl import heartbeat, kafka, signing
 from rtrl.admission import Admission
 from rtrl.checkpoint import Checkpoint
 from rtrl.config import StackSettings
+from rtrl.http_limits import serve_http
 from rtrl.inference.access import serving_door
 from rtrl.inference.applied import AppliedVersions
 from rtrl.inference.completions import CompletionsApi, RequestCounters
@@ -105,8 +106,9 @@ async def start(
 ) -> InferenceServer:
     """A worker serving on ``settings.http_port`` (0: any free port, see ``port``).
     ``engine`` replaces the one built from ``settings`` (tests attach hooks to it)."""
-    signer = signing.Signer(
-        settings.rollout_signing_key.get_secret_value(), signing.Purpose.ROLLOUT
+    signer = signing.Seal(
+        signing.Signer(settings.rollout_signing_key.get_secret_value(), signing.Purpose.ROLLOUT),
+        signing.MacSigner(settings.rollout_mac_key.get_secret_value(), signing.Purpose.ROLLOUT),
     )
     if not settings.auth_required:
         log.warning("RTRL_INFERENCE_AUTH_REQUIRED=false: serving completions without an API key")
@@ -202,11 +204,14 @@ async def _listen(settings: InferenceSettings, api: CompletionsApi) -> tuple[web
     app.router.add_post("/v1/completions", api.handle)
     app.router.add_post("/v1/chat/completions", api.handle)
     app.router.add_get("/healthz", functools.partial(_healthz, api.engine, api.worker_id))
-    runner = web.AppRunner(app, access_log=None, shutdown_timeout=settings.shutdown_grace_s)
-    await runner.setup()
-    await web.TCPSite(
-        runner, settings.bind_host, settings.http_port, ssl_context=settings.http_context()
-    ).start()
+    runner = await serve_http(
+        app,
+        settings.bind_host,
+        settings.http_port,
+        settings.http_limits(),
+        settings.http_context(),
+        shutdown_timeout_s=settings.shutdown_grace_s,
+    )
     return runner, runner.addresses[0][1]
 
 

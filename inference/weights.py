@@ -14,7 +14,8 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from rtrl.weight_sync.client import Subscriber
+    from rtrl.v1 import weights_pb2
+    from rtrl.weight_sync.client import RefusalBackoff, Subscriber
 
 log = logging.getLogger(__name__)
 
@@ -33,6 +34,12 @@ class WeightFollower:
     logged and the stream goes on: one unusable version must not stop the next. Only
     versions whose manifest verifies against ``public_keys`` (the trainer's) arrive.
 
+    A refused version (weight_sync/refusals.py) is logged and counted once (``refused``),
+    however long the registry points at it and however many subscribers the follower
+    starts: they share what was refused. The worker keeps serving what it staged, and a
+    fresh start from a keyframe waits a pause doubling with each refusal
+    (``refusal_backoff``), cut short by a new version.
+
     ``staged(version)`` tells when a version was staged and the traceparent of the
     weight_sync span that committed it: the worker's apply span continues that trace."""
 
@@ -47,7 +54,9 @@ class WeightFollower:
         *,
         public_keys: Sequence[str],
         tls_ca_file: Path | None = None,
+        refusal_backoff: RefusalBackoff | None = None,
     ) -> None:
+        from rtrl.weight_sync.client import Refusals
         from rtrl.weight_sync.provenance import ManifestVerifier
 
         ManifestVerifier(
@@ -65,9 +74,14 @@ class WeightFollower:
         self._lock = threading.Lock()
         self._subscriber: Subscriber | None = None
         self._staged: OrderedDict[int, tuple[str, int]] = OrderedDict()
-        self._refused_before = 0
+        self._refusals = Refusals(refusal_backoff)
+        """What this worker refused, shared by its successive subscribers."""
         self._newest_step = -1
         """The highest train_step taken, carried from one subscriber to the next."""
+        self._newest_version = -1
+        """The newest version staged (or refused by ``stage``): the next subscriber starts
+        from a keyframe but hands over only newer ones (the chain to them is older, and no
+        rollback)."""
         self._thread = threading.Thread(target=self._run, name=f"weights-{arm}", daemon=True)
 
     def start(self) -> WeightFollower:
@@ -83,12 +97,10 @@ class WeightFollower:
 
     @property
     def refused(self) -> int:
-        """Versions refused: manifests the trainer did not sign (forged), or old versions it
-        did sign replayed as new ones (rolled back)."""
-        with self._lock:
-            subscriber = self._subscriber
-            current = 0 if subscriber is None else subscriber.forged + subscriber.rolled_back
-            return self._refused_before + current
+        """Versions refused, each once: manifests that are not the trainer's for this arm
+        (forged), old versions it did sign replayed as new ones (rolled back), versions
+        that cannot be decoded."""
+        return self._refusals.total
 
     def staged(self, version: int) -> tuple[str, int] | None:
         """(traceparent, time.time_ns() when staged) of a version this follower staged."""
@@ -119,6 +131,14 @@ class WeightFollower:
             while len(self._staged) > 64:
                 self._staged.popitem(last=False)
 
+    def _stage(self, manifest: weights_pb2.Manifest, weights: dict[str, torch.Tensor]) -> None:
+        try:
+            if self.stage(manifest.version, weights):
+                self._remember(manifest.version, manifest.traceparent)
+                log.info("staged %s v%d from %s", self.arm, manifest.version, self.addr)
+        except ValueError as exc:
+            log.error("%s v%d from %s not staged: %s", self.arm, manifest.version, self.addr, exc)
+
     def _run(self) -> None:
         # Imported here so the engine and its unit tests do not need the gRPC client.
         from rtrl.weight_sync.client import Subscriber
@@ -132,6 +152,7 @@ class WeightFollower:
                 public_keys=self.public_keys,
                 tls_ca_file=self.tls_ca_file,
                 newest_step=self._newest_step,
+                refusals=self._refusals,
             )
             with self._lock:
                 self._subscriber = subscriber
@@ -139,7 +160,7 @@ class WeightFollower:
                 break
             try:
                 catch_up_to, read_at = self._latest(), time.monotonic()
-                for manifest, weights in subscriber.follow():
+                for manifest, weights in subscriber.follow(self._newest_version):
                     if (
                         manifest.version < catch_up_to
                         and time.monotonic() - read_at > CATCH_UP_RECHECK_S
@@ -148,18 +169,8 @@ class WeightFollower:
                         catch_up_to, read_at = self._latest(), time.monotonic()
                     if manifest.version < catch_up_to:
                         continue  # on the way to the version that was latest when we subscribed
-                    try:
-                        if self.stage(manifest.version, weights):
-                            self._remember(manifest.version, manifest.traceparent)
-                            log.info("staged %s v%d from %s", self.arm, manifest.version, self.addr)
-                    except ValueError as exc:
-                        log.error(
-                            "%s v%d from %s not staged: %s",
-                            self.arm,
-                            manifest.version,
-                            self.addr,
-                            exc,
-                        )
+                    self._stage(manifest, weights)
+                    self._newest_version = manifest.version
             except Exception:  # retried on purpose: the worker must keep following
                 log.exception(
                     "following %s weights from %s failed; starting over in %.1f s",
@@ -170,7 +181,6 @@ class WeightFollower:
             finally:
                 subscriber.close()
                 with self._lock:
-                    self._refused_before += subscriber.forged + subscriber.rolled_back
                     self._newest_step = subscriber.newest_step  # a rollback stays refused
                     self._subscriber = None
             self._stopped.wait(self.retry_s)

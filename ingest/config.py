@@ -7,10 +7,11 @@ from pydantic_settings import SettingsConfigDict
 
 from rtrl.config import MacKey, RequiredSecret, Settings, StackSettings
 from rtrl.event_time import EventTimeWindow
+from rtrl.http_limits import HTTPListener
 from rtrl.tls import TLSListener
 
 
-class IngestSettings(Settings, TLSListener):
+class IngestSettings(Settings, HTTPListener, TLSListener):
     model_config = SettingsConfigDict(env_prefix="RTRL_INGEST_")
 
     bind_host: str = "127.0.0.1"
@@ -54,6 +55,12 @@ class IngestSettings(Settings, TLSListener):
     only events that verify, so nothing that merely reaches the broker can steer rewards.
     No default: the gateway refuses to start without one (`rtrl up` generates it)."""
 
+    analytics_event_key: MacKey = SecretStr("")
+    """The key of the second MAC every event carries, for the analytics sink alone
+    (RTRL_ANALYTICS_EVENT_KEYS), which stores only events that verify, so nothing written
+    around the gateway reaches the A/B report. A key of its own: the sink cannot forge an
+    event the joiner takes. No default (`rtrl up` generates it)."""
+
     auth_required: bool = True
     """Refuse requests without a valid API key (rtrl/api_keys.py). Off only for local experiments."""
 
@@ -79,7 +86,13 @@ class IngestSettings(Settings, TLSListener):
                 "event_key",
                 "the gateway authenticates every event it writes "
                 "(rtrl up generates it; python -m rtrl.signing prints one)",
-            )
+            ),
+            RequiredSecret(
+                self,
+                "analytics_event_key",
+                "the gateway authenticates every event to the analytics sink too "
+                "(rtrl up generates it; python -m rtrl.signing prints one)",
+            ),
         ]
         if self.auth_required:
             required.append(

@@ -52,7 +52,6 @@ REJECTED = ingest_pb2.EventResult.STATUS_REJECTED
 RETRY = ingest_pb2.EventResult.STATUS_RETRY
 
 _PENDING = b"pending"
-_DONE = b"done"
 PAYLOADS = ("edit_shown", "edit_outcome", "persistence", "followup")
 
 # What the claim script answers per event.
@@ -93,6 +92,23 @@ for i = 1, n do
   end
 end
 return out
+"""
+
+# After the produce: each claimed event marked done (its dedup key kept for the dedup TTL) or
+# released for a resend (key deleted), and its in-flight entry removed: one call for the
+# batch, where a pipeline of one command per event cost the gateway a fifth of its time.
+# KEYS: n dedup keys, INFLIGHT. ARGV: dedup ttl, then per event 1 (written) or 0 (not).
+_SETTLE_SCRIPT = """
+local n = #KEYS - 1
+for i = 1, n do
+  if ARGV[i + 1] == '1' then
+    redis.call('SET', KEYS[i], 'done', 'EX', ARGV[1])
+  else
+    redis.call('DEL', KEYS[i])
+  end
+  redis.call('HDEL', KEYS[n + 1], KEYS[i])
+end
+return n
 """
 
 _tracer = trace.get_tracer("rtrl.ingest")
@@ -140,7 +156,7 @@ class Gateway:
         dedup_ttl_s: int,
         claim_ttl_s: int,
         max_inflight: int,
-        signer: signing.MacSigner,
+        signer: signing.Seal,
         clock_ms: Callable[[], int] = wall_clock_ms,
         client_ts_window: EventTimeWindow = CLIENT_TS_WINDOW,
     ) -> None:
@@ -154,6 +170,7 @@ class Gateway:
         self._clock_ms = clock_ms
         self._client_ts_window = client_ts_window
         self._claim = redis.register_script(_CLAIM_SCRIPT)
+        self._settle = redis.register_script(_SETTLE_SCRIPT)
         self.inflight = 0
         self.counters = GatewayCounters()
 
@@ -350,19 +367,17 @@ class Gateway:
                 )
             )
         errors = await self._producer.send_batch(records)
+        written: list[int | str] = [self._dedup_ttl_s]
+        for i, error in zip(to_produce, errors, strict=True):
+            if error is not None:
+                results[i] = _result(
+                    events[i], RETRY, "", f"broker did not take the event: {error}"
+                )
+            else:
+                results[i] = _result(events[i], ACCEPTED)
+            written.append(0 if error is not None else 1)
         keys = [dedup_key(events[i].event_id) for i in to_produce]
-        async with self._redis.pipeline(transaction=False) as pipe:
-            for i, key, error in zip(to_produce, keys, errors, strict=True):
-                if error is not None:
-                    pipe.delete(key)
-                    results[i] = _result(
-                        events[i], RETRY, "", f"broker did not take the event: {error}"
-                    )
-                else:
-                    pipe.set(key, _DONE, ex=self._dedup_ttl_s)
-                    results[i] = _result(events[i], ACCEPTED)
-            pipe.hdel(INFLIGHT, *keys)
-            await pipe.execute()
+        await self._settle(keys=[*keys, INFLIGHT], args=written)
 
     def _count(
         self, events: Sequence[telemetry_pb2.TelemetryEvent], results: list[ingest_pb2.EventResult]

@@ -39,6 +39,7 @@ from rtrl import entrypoint, heartbeat, kafka, otel, signing
 from rtrl.admission import Admission
 from rtrl.api_keys import KeyCache, KeyVerifier, RateLimiter
 from rtrl.config import StackSettings
+from rtrl.http_limits import serve_http
 from rtrl.ingest.config import IngestSettings
 from rtrl.ingest.gateway import Gateway
 from rtrl.ingest.grpc_api import IngestServicer
@@ -119,9 +120,13 @@ async def start(stack: StackSettings, settings: IngestSettings) -> IngestServer:
     return IngestServer(gateway, producer, redis, runner, grpc_server, beats, recovery, admission)
 
 
-def _event_signer(settings: IngestSettings) -> signing.MacSigner:
-    """What authenticates every event written; the gateway has no default key."""
-    return signing.MacSigner(settings.event_key.get_secret_value(), signing.Purpose.EVENT)
+def _event_signer(settings: IngestSettings) -> signing.Seal:
+    """What authenticates every event written, a MAC for each reader (the joiner, the
+    analytics sink); the gateway has no default key."""
+    return signing.Seal(
+        signing.MacSigner(settings.event_key.get_secret_value(), signing.Purpose.EVENT),
+        signing.MacSigner(settings.analytics_event_key.get_secret_value(), signing.Purpose.EVENT),
+    )
 
 
 def _admission(stack: StackSettings, settings: IngestSettings, redis: aioredis.Redis) -> Admission:
@@ -137,12 +142,13 @@ def _admission(stack: StackSettings, settings: IngestSettings, redis: aioredis.R
 async def _serve_http(
     gateway: Gateway, settings: IngestSettings, admission: Admission
 ) -> web.AppRunner:
-    runner = web.AppRunner(build_http_app(gateway, settings, admission), access_log=None)
-    await runner.setup()
-    await web.TCPSite(
-        runner, settings.bind_host, settings.http_port, ssl_context=settings.http_context()
-    ).start()
-    return runner
+    return await serve_http(
+        build_http_app(gateway, settings, admission),
+        settings.bind_host,
+        settings.http_port,
+        settings.http_limits(),
+        settings.http_context(),
+    )
 
 
 async def _serve_grpc(

@@ -12,6 +12,7 @@ from pathlib import Path
 import typer
 from rich.console import Console
 
+from rtrl.key_budgets import ONE_CLIENT, ONE_CLIENT_BURST_S
 from rtrl.runtime import owner_only_files
 
 app = typer.Typer(
@@ -320,8 +321,9 @@ def bench_ingest(
 
 
 def _redis_url() -> str:
-    """The Redis of the stack running in RTRL_STATE_DIR, or RTRL_REDIS_URL when set (a
-    production Redis); never a default address, where any Redis may listen."""
+    """The Redis of the stack running in RTRL_STATE_DIR, as its ``operator`` user, or
+    RTRL_REDIS_URL when set (a production Redis); never a default address, where any
+    Redis may listen."""
     import os
 
     from rtrl.ops.health import running_stack
@@ -334,7 +336,7 @@ def _redis_url() -> str:
                 "runs its own Redis: using the stack's[/]"
             )
         err_console.print(f"using the stack in {_state_dir()} (redis {stack.redis_url})")
-        return stack.redis_url
+        return stack.redis_url_as("operator")
     if "RTRL_REDIS_URL" in os.environ:
         err_console.print(
             f"no stack running in {_state_dir()}: using RTRL_REDIS_URL ({os.environ['RTRL_REDIS_URL']})"
@@ -372,33 +374,47 @@ def keys_create(
         "(edit_shown, edit_outcome, persistence, followup, or * for all), "
         "and `completions` for the serving API (never implied by *).",
     ),
-    rate: float = typer.Option(
-        0.0, help="Events (gateway) or completions (serving API) per second (0: unlimited)."
+    rate: float | None = typer.Option(
+        None,
+        help="Events (gateway) plus completions (serving API) per second, from one bucket "
+        f"(default: {ONE_CLIENT.rate_per_s:g}; 0: unlimited).",
     ),
-    burst: float = typer.Option(None, help="Largest burst (default: one second's worth)."),
-    max_request_bytes: int = typer.Option(
-        0, help="Serving API: largest request body in bytes (0: the server's bound)."
+    burst: float | None = typer.Option(
+        None,
+        help=f"Largest burst (default: {ONE_CLIENT_BURST_S:g} seconds' worth of the rate, "
+        f"{ONE_CLIENT.burst:g} at the default rate).",
     ),
-    max_tokens: int = typer.Option(
-        0, help="Serving API: most tokens one completion may ask for (0: the server's bound)."
+    max_request_bytes: int | None = typer.Option(
+        None, help="Serving API: largest request body in bytes (default: 0, the server's bound)."
     ),
-    max_concurrency: int = typer.Option(
-        0, help="Serving API: completions in flight at once, per server (0: unlimited)."
+    max_tokens: int | None = typer.Option(
+        None,
+        help="Serving API: most tokens one completion may ask for (default: 0, the server's bound).",
+    ),
+    max_concurrency: int | None = typer.Option(
+        None,
+        help="Serving API: completions in flight at once, per server "
+        f"(default: {ONE_CLIENT.max_concurrency}; 0: unlimited).",
     ),
 ) -> None:
-    """Issue a key; it is printed once and stored only as its hash, signed by the operator."""
-    from rtrl.api_keys import issue_key
+    """Issue a key; it is printed once and stored only as its hash, signed by the operator.
 
-    authority = _authority()
+    Budgets not given are one editor's (rtrl/key_budgets.py ONE_CLIENT): a few completions in
+    flight, a few a second with bursts, and their telemetry. Give a product's shared key, or
+    a load test's, budgets of its own; 0 lifts a budget. The budgets are printed on stderr."""
+    from rtrl.api_keys import issue_key
+    from rtrl.key_budgets import client_budgets
+
     try:
+        budgets = client_budgets(rate, burst, max_concurrency, max_request_bytes, max_tokens)
         key = _redis_call(
-            issue_key, authority, client, scopes=set(events.split(",")), rate_per_s=rate, burst=burst,
-            max_request_bytes=max_request_bytes, max_tokens=max_tokens, max_concurrency=max_concurrency,
-        )  # fmt: skip
+            issue_key, _authority(), client, scopes=set(events.split(",")), **budgets.issue_args()
+        )
     except ValueError as exc:
         err_console.print(f"[red]{exc}[/]")
         raise typer.Exit(2) from None
     console.print(key)
+    err_console.print(f"budgets: {budgets.describe()}")
 
 
 @keys_app.command("rotate")
@@ -431,12 +447,17 @@ def keys_list(client: str = typer.Argument(...)) -> None:
 
     from rtrl.api_keys import list_keys
 
-    table = Table("key sha256", "events", "rate/s", "revoked", "expires (ms)", "created (ms)")
+    table = Table(
+        "key sha256", "events", "rate/s", "burst", "in flight", "revoked", "expires (ms)",
+        "created (ms)",
+    )  # fmt: skip
     for row in _redis_call(list_keys, client):
         table.add_row(
             row["key_hash"][:16] + "…",
             row["scopes"],
             row["rate_per_s"],
+            row["burst"],
+            row.get("max_concurrency", "0"),
             row["revoked"],
             row["expires_ms"],
             row["created_ms"],

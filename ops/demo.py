@@ -16,12 +16,13 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
 from rtrl import heartbeat
+from rtrl.key_budgets import Budgets
 from rtrl.ops import health, stack_secrets, statedir
 from rtrl.ops.reporting import landed, query_function
 from rtrl.ops.stack import StackFile
 from rtrl.ops.status_view import alerts_table, hacking_alerts
 from rtrl.reward_stream.monitors import DRIFT
-from rtrl.simulator.product import Product, ProductStats
+from rtrl.simulator.product import DEFAULT_CLIENTS, Product, ProductStats
 
 
 def _arm_table(stats: ProductStats, trainer: heartbeat.Beat | None) -> Table:
@@ -147,28 +148,41 @@ def prepare_unique_prompts(state_dir: Path, console: Console) -> None:
     console.print(f"unique prompts: warm start {path.name}, trainer baseline context")
 
 
-def simulator_key(stack: StackFile) -> str:
-    """An API key for the simulated product, for telemetry and completions (a new one per
-    run; keys are cheap), signed with the stack's operator key."""
+def simulator_budgets(clients: int) -> Budgets:
+    """The budgets of the simulated product's one key. It stands for ``clients`` editors that
+    ask again the moment an answer comes back (nobody types in between), so one editor's
+    budgets (ONE_CLIENT) would throttle it: it may have as many completions in flight as it
+    has editors, and 100 requests a second per editor, each edit being one completion and
+    two or three events. The demo's completions take a few hundred milliseconds, so that is
+    over ten times what an editor asks for: the product is never refused, and a bug that
+    floods the servers from it still is."""
+    return Budgets(rate_per_s=100.0 * clients, burst=100.0 * clients, max_concurrency=clients)
+
+
+def simulator_key(stack: StackFile, clients: int = DEFAULT_CLIENTS) -> str:
+    """An API key for a simulated product of ``clients`` editors, for telemetry and
+    completions (a new one per run; keys are cheap), signed with the stack's operator key."""
     from rtrl.api_keys import ALL_EVENTS, COMPLETIONS, call_sync, issue_key
 
     authority = stack_secrets.key_authority(Path(stack.state_dir))
     return call_sync(
-        stack.redis_url, issue_key, authority, "simulated-product", scopes={ALL_EVENTS, COMPLETIONS}
-    )
+        stack.redis_url_as("operator"), issue_key, authority, "simulated-product",
+        scopes={ALL_EVENTS, COMPLETIONS}, **simulator_budgets(clients).issue_args(),
+    )  # fmt: skip
 
 
 def run_product(
     stack: StackFile, duration_s: float, console: Console, **product_options
 ) -> ProductStats:
+    clients = product_options.setdefault("clients", DEFAULT_CLIENTS)
     product = Product(
         stack.urls("inference", "RTRL_INFERENCE_HTTP_PORT"),
         stack.urls("ingest", "RTRL_INGEST_HTTP_PORT")[0],
-        api_key=simulator_key(stack),
+        api_key=simulator_key(stack, clients),
         **product_options,
     )
     product.stats.landed_before = landed(query_function(stack))
-    return asyncio.run(_drive(product, duration_s, console, stack.redis_url))
+    return asyncio.run(_drive(product, duration_s, console, stack.redis_url_as("operator")))
 
 
 def question_rate_table(stats: ProductStats, bucket_s: float = 30.0) -> Table:

@@ -67,7 +67,7 @@ def ready(beat: heartbeat.Beat) -> tuple[bool, str]:
 
 
 def check(stack: StackFile) -> list[ComponentHealth]:
-    client = redis.Redis.from_url(stack.redis_url, socket_timeout=2)
+    client = redis.Redis.from_url(stack.redis_url_as("operator"), socket_timeout=2)
     try:
         beats = {beat.name: beat for beat in heartbeat.read(client)}
     except redis.RedisError as exc:

@@ -16,6 +16,7 @@ from pydantic import Field, field_validator
 from pydantic_settings import SettingsConfigDict
 
 from rtrl.config import Settings
+from rtrl.ops import redis_acl, stack_secrets
 
 
 class StackConfig(Settings):
@@ -113,6 +114,8 @@ class StackFile:
     state_dir: str
     kafka_bootstrap: str
     redis_url: str
+    """Where the stack's Redis listens, without credentials: every client of this file reads
+    it, so it names no password. A client connects as a Redis user (redis_url_as)."""
     clickhouse_url: str
     weight_sync_addr: str
     infra: dict[str, int]
@@ -132,14 +135,25 @@ class StackFile:
         return [f"http://127.0.0.1:{s.ports[env_var]}" for s in self.services if s.name == name]
 
     def env(self) -> dict[str, str]:
-        """Connection settings every service (and client) of this stack uses."""
+        """Connection settings every service (and client) of this stack uses; not Redis's,
+        which is each service's own user (stack_secrets.service_env)."""
         return {
             "RTRL_KAFKA_BOOTSTRAP": self.kafka_bootstrap,
-            "RTRL_REDIS_URL": self.redis_url,
             "RTRL_CLICKHOUSE_URL": self.clickhouse_url,
             "RTRL_WEIGHT_SYNC_ADDR": self.weight_sync_addr,
             "RTRL_STATE_DIR": self.state_dir,
         }
+
+    def redis_url_as(self, user: str) -> str:
+        """This stack's Redis as ``user`` (ops/redis_acl.py), with the password the state
+        directory's secrets hold for it: the operator's CLI and demo connect as ``operator``."""
+        secrets = stack_secrets.load(Path(self.state_dir))
+        if secrets is None:
+            raise RuntimeError(
+                f"no {stack_secrets.SECRETS_FILE} in {self.state_dir}: the stack's Redis takes no "
+                "client without its user's password"
+            )
+        return redis_acl.url(self.redis_url, user, secrets.redis_passwords()[user])
 
     def write(self, path: Path) -> None:
         tmp = path.with_suffix(".tmp")

@@ -3,9 +3,10 @@
 `rtrl up` generates them on the first start of a state directory (``secrets.json``,
 owner-only, 32 random bytes each) and keeps them across restarts; there is no default
 secret. Each service process is started with a fresh environment: the operating
-system's basics, the stack's non-secret settings, its own settings prefix, and only the
-secrets in SERVICE_SECRETS for it, never the operator's whole environment. The CLI
-reads the operator's query token from the same file.
+system's basics, the stack's non-secret settings, its own settings prefix, only the
+secrets in SERVICE_SECRETS for it, and RTRL_REDIS_URL as its own Redis user (a service
+runs as the user of its name: ops/redis_acl.py), never the operator's whole environment.
+The CLI reads the operator's query token and Redis password from the same file.
 """
 
 from __future__ import annotations
@@ -22,8 +23,11 @@ from pydantic import SecretStr
 from rtrl import signing
 from rtrl.api_keys import KeyAuthority
 from rtrl.config import StackSettings
+from rtrl.ops import redis_acl
 
 SECRETS_FILE = "secrets.json"
+_REDIS_PASSWORD = "redis_password_"
+"""The prefix of a Redis user's password field; the user's name follows it."""
 
 
 @dataclass(frozen=True)
@@ -34,8 +38,12 @@ class StackSecrets:
     """Publishes weight versions: the trainer (and weight_sync, which checks it)."""
     weight_sync_subscribe_token: str
     """Follows weight versions: inference workers (and weight_sync, which checks it)."""
-    reward_signing_key: str
-    """Signs rewards (Ed25519 private key): the joiner alone; the trainer holds its public key."""
+    reward_trainer_mac_key: str
+    """Authenticates rewards to the trainer (HMAC-SHA256 key): the joiner and the trainer
+    (rtrl/signing.py says why a key of their own is enough)."""
+    reward_analytics_mac_key: str
+    """Authenticates rewards and late records to the analytics sink (HMAC-SHA256 key): the
+    joiner and the sink."""
     manifest_signing_key: str
     """Signs weight manifests (Ed25519 private key): the trainer alone; workers hold its public key."""
     rollout_signing_key: str
@@ -46,6 +54,31 @@ class StackSecrets:
     event_mac_key: str
     """Authenticates telemetry events (HMAC-SHA256 key): the gateway, which writes them, and
     the joiner, which verifies them (rtrl/signing.py says why a shared key)."""
+    analytics_event_mac_key: str
+    """Authenticates telemetry events to the analytics sink (HMAC-SHA256 key): the gateway and
+    the sink. A key of its own, so the sink, which answers queries, cannot forge an event
+    the joiner would take."""
+    rollout_mac_key: str
+    """Authenticates rollout records to the joiner (HMAC-SHA256 key): inference workers and
+    the joiner, which verifies this cheap tag instead of the Ed25519 signature (it re-emits
+    every rollout it joins inside a reward it signs, so it could forge one anyway). The
+    trainer-side readers (the sink) check the signature."""
+    redis_password_operator: str
+    """Redis user ``operator`` (ops/redis_acl.py has each user's keys): the CLI and the demo.
+    Each Redis password below is held by the service of that name alone, inside its
+    RTRL_REDIS_URL; Redis itself keeps only their SHA-256 (redis/users.acl)."""
+    redis_password_ingest: str
+    """Redis user ``ingest``: the gateway."""
+    redis_password_inference: str
+    """Redis user ``inference``: the serving API (every worker)."""
+    redis_password_weight_sync: str
+    """Redis user ``weight_sync``: the weight registry."""
+    redis_password_trainer: str
+    """Redis user ``trainer``."""
+    redis_password_reward_stream: str
+    """Redis user ``reward_stream``: the joiner."""
+    redis_password_analytics: str
+    """Redis user ``analytics``: the sink."""
 
     @classmethod
     def generate(cls) -> StackSecrets:
@@ -60,15 +93,33 @@ class StackSecrets:
         macs = {
             f.name: signing.generate_mac_key() for f in fields(cls) if f.name.endswith("_mac_key")
         }
-        return cls(**tokens, **keys, **macs)
+        passwords = {
+            f.name: secrets.token_urlsafe(32)
+            for f in fields(cls)
+            if f.name.startswith(_REDIS_PASSWORD)
+        }
+        return cls(**tokens, **keys, **macs, **passwords)
 
     def values(self) -> list[str]:
         return list(asdict(self).values())
 
+    def redis_passwords(self) -> dict[str, str]:
+        """Redis user -> its password (what redis_acl.start needs)."""
+        return {
+            name.removeprefix(_REDIS_PASSWORD): value
+            for name, value in asdict(self).items()
+            if name.startswith(_REDIS_PASSWORD)
+        }
 
-# Service -> environment variable -> the secret it carries. A service not listed holds none.
+
+# Service -> environment variable -> the secret it carries. A service not listed holds none
+# of these; each service also holds its own Redis password, inside RTRL_REDIS_URL (held_by).
 SERVICE_SECRETS: dict[str, dict[str, str]] = {
-    "analytics": {"RTRL_ANALYTICS_QUERY_TOKEN": "analytics_query_token"},
+    "analytics": {
+        "RTRL_ANALYTICS_QUERY_TOKEN": "analytics_query_token",
+        "RTRL_ANALYTICS_EVENT_KEYS": "analytics_event_mac_key",
+        "RTRL_ANALYTICS_REWARD_MAC_KEYS": "reward_analytics_mac_key",
+    },
     "weight_sync": {
         "RTRL_WEIGHT_SYNC_TOKEN": "weight_sync_publish_token",
         "RTRL_WEIGHT_SYNC_SUBSCRIBE_TOKEN": "weight_sync_subscribe_token",
@@ -76,30 +127,37 @@ SERVICE_SECRETS: dict[str, dict[str, str]] = {
     "trainer": {
         "RTRL_WEIGHT_SYNC_TOKEN": "weight_sync_publish_token",
         "RTRL_TRAINER_MANIFEST_SIGNING_KEY": "manifest_signing_key",
+        "RTRL_TRAINER_REWARD_MAC_KEYS": "reward_trainer_mac_key",
     },
     "inference": {
         "RTRL_WEIGHT_SYNC_SUBSCRIBE_TOKEN": "weight_sync_subscribe_token",
         "RTRL_INFERENCE_ROLLOUT_SIGNING_KEY": "rollout_signing_key",
+        "RTRL_INFERENCE_ROLLOUT_MAC_KEY": "rollout_mac_key",
     },
-    "ingest": {"RTRL_INGEST_EVENT_KEY": "event_mac_key"},
+    "ingest": {
+        "RTRL_INGEST_EVENT_KEY": "event_mac_key",
+        "RTRL_INGEST_ANALYTICS_EVENT_KEY": "analytics_event_mac_key",
+    },
     "reward_stream": {
-        "RTRL_REWARD_SIGNING_KEY": "reward_signing_key",
+        "RTRL_REWARD_TRAINER_MAC_KEY": "reward_trainer_mac_key",
+        "RTRL_REWARD_ANALYTICS_MAC_KEY": "reward_analytics_mac_key",
         "RTRL_REWARD_EVENT_KEYS": "event_mac_key",
+        "RTRL_REWARD_ROLLOUT_MAC_KEYS": "rollout_mac_key",
     },
 }
 
 # Service -> environment variable -> the public half of a key pair it verifies with (not secret).
 SERVICE_PUBLIC_KEYS: dict[str, dict[str, str]] = {
-    "trainer": {
-        "RTRL_TRAINER_REWARD_PUBLIC_KEYS": "reward_signing_key",
-        "RTRL_MANIFEST_PUBLIC_KEYS": "manifest_signing_key",
-    },
+    "trainer": {"RTRL_MANIFEST_PUBLIC_KEYS": "manifest_signing_key"},
     "inference": {
         "RTRL_MANIFEST_PUBLIC_KEYS": "manifest_signing_key",
         "RTRL_API_KEY_PUBLIC_KEYS": "api_key_signing_key",
     },
     "ingest": {"RTRL_API_KEY_PUBLIC_KEYS": "api_key_signing_key"},
-    "reward_stream": {"RTRL_REWARD_ROLLOUT_PUBLIC_KEYS": "rollout_signing_key"},
+    "analytics": {
+        "RTRL_ANALYTICS_ROLLOUT_PUBLIC_KEYS": "rollout_signing_key",
+        "RTRL_MANIFEST_PUBLIC_KEYS": "manifest_signing_key",
+    },
 }
 
 API_KEY_SIGNING_VARIABLE = "RTRL_API_KEY_SIGNING_KEY"
@@ -199,6 +257,12 @@ def key_authority(state_dir: Path) -> KeyAuthority:
     return KeyAuthority(private)
 
 
+def held_by(service: str) -> set[str]:
+    """The StackSecrets fields a service's environment carries: its SERVICE_SECRETS and its
+    own Redis user's password."""
+    return set(SERVICE_SECRETS.get(service, {}).values()) | {_REDIS_PASSWORD + service}
+
+
 def _stack_variables() -> frozenset[str]:
     """The shared settings (StackSettings, prefix RTRL_) every service may be given: not the secrets."""
     return frozenset(
@@ -209,9 +273,10 @@ def _stack_variables() -> frozenset[str]:
 
 
 def service_env(
-    service: str, environ: Mapping[str, str], stack_secrets: StackSecrets
+    service: str, environ: Mapping[str, str], stack_secrets: StackSecrets, redis_address: str
 ) -> dict[str, str]:
-    """The whole environment a service process starts with (see the module docstring)."""
+    """The whole environment a service process starts with (see the module docstring);
+    ``redis_address`` is where the stack's Redis listens, without credentials."""
     shared = _stack_variables()
     prefix = SERVICE_PREFIX.get(service)
     own_secrets = SERVICE_SECRETS.get(service, {})
@@ -230,4 +295,8 @@ def service_env(
             for name, key in SERVICE_PUBLIC_KEYS.get(service, {}).items()
         }
     )
+    # Its own Redis user, over any RTRL_REDIS_URL of the operator's (another Redis, maybe
+    # one with no password): a service never reaches Redis as another, nor anonymously.
+    password = stack_secrets.redis_passwords()[service]
+    env["RTRL_REDIS_URL"] = redis_acl.url(redis_address, service, password)
     return env

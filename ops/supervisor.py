@@ -1,6 +1,7 @@
 """The embedded stack's supervisor: one detached process that owns every other one.
 
-It starts Tansu and a private redis-server on free ports, creates the topics, starts
+It starts Tansu and a private redis-server on free ports (Redis answering only the
+stack's users, each service as its own: ops/redis_acl.py), creates the topics, starts
 each service as its own process group, restarts services that crash, and on SIGTERM
 stops everything in reverse order. `rtrl up` starts it; `rtrl down` signals it.
 """
@@ -15,7 +16,7 @@ import time
 
 from rtrl import entrypoint, kafka, procs
 from rtrl.config import StackSettings
-from rtrl.ops import broker_record, stack_secrets
+from rtrl.ops import broker_record, redis_acl, stack_secrets
 from rtrl.ops.stack import (
     SERVICE_ORDER,
     ServiceSpec,
@@ -79,7 +80,7 @@ class Supervisor:
         self.secrets = stack_secrets.ensure(self.state_dir)
         logs = self.state_dir / "logs"
         tansu = procs.start_tansu(logs / "tansu.log")
-        redis = procs.start_redis(self.state_dir / "redis", logs / "redis.log", durable=True)
+        redis = redis_acl.start(self.state_dir, self.secrets.redis_passwords(), logs / "redis.log")
         self.infra = [tansu, redis]
         specs = plan(self.config)
         ws_port = next(s.ports["RTRL_WEIGHT_SYNC_PORT"] for s in specs if s.name == "weight_sync")
@@ -117,7 +118,9 @@ class Supervisor:
     def _spawn(self, spec: ServiceSpec) -> None:
         env = {
             # The operator's environment stops here: the service gets what it reads and its own secrets only.
-            **stack_secrets.service_env(spec.name, os.environ, self.secrets),
+            **stack_secrets.service_env(
+                spec.name, os.environ, self.secrets, self.started_stack.redis_url
+            ),
             **self.started_stack.env(),
             "RTRL_KAFKA_PARTITIONS": str(self.settings.kafka_partitions),
             "RTRL_INSTANCE": spec.instance,

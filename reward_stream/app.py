@@ -39,7 +39,7 @@ from faust.types import TP
 from opentelemetry import metrics
 from opentelemetry.metrics import Meter
 
-from rtrl import heartbeat, kafka, otel, signing, topics
+from rtrl import heartbeat, kafka, otel, topics
 from rtrl.config import StackSettings
 from rtrl.reward_stream import recovery
 from rtrl.reward_stream.acks import OrderedAcks, Ticket
@@ -112,8 +112,9 @@ def _joiner(settings: RewardStreamSettings) -> Joiner:
     return Joiner(
         settings.join_config(),
         settings.reward_fn_version,
-        signing.Signer(settings.signing_key.get_secret_value(), signing.Purpose.REWARD),
+        settings.reward_seal(),
         Authenticator.of(settings),
+        late_signer=settings.late_seal(),
     )
 
 

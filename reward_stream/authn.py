@@ -1,8 +1,8 @@
 """Who must have written each record the joiner reads, checked before anything decodes it.
 
-Rollout records are signed by the inference workers (Ed25519; the joiner holds only their
-public keys) and telemetry events are authenticated by the ingest gateway (HMAC-SHA256
-under the event key the gateway and the joiner share; rtrl/signing.py says why). A record
+Rollout records carry a MAC from the inference workers and telemetry events one from the
+ingest gateway (HMAC-SHA256, each under a key its writer shares with the joiner alone;
+rtrl/signing.py says why a MAC is enough where a signature costs fifty times more). A record
 that fails is never joined: the live joiner dead-letters it with the reason, a replay
 skips it. So nothing that merely reaches the broker (the embedded one has no ACLs) can
 put a rollout, or a user's signal about one, into a reward.
@@ -53,8 +53,9 @@ class Authenticator:
         """From the settings' keys; a ValueError if either set is empty (``python -m`` refuses
         that first, naming the variable: RewardStreamSettings.required_secrets)."""
         workers = Writer(
-            signing.Verifier(
-                signing.parse_public_keys(settings.rollout_public_keys), signing.Purpose.ROLLOUT
+            signing.MacVerifier(
+                signing.parse_mac_keys(settings.rollout_mac_keys.get_secret_value()),
+                signing.Purpose.ROLLOUT,
             ),
             "rollout not signed by an inference worker",
         )

@@ -52,8 +52,9 @@ def load_encoder() -> Encoder:
     from transformers import AutoModel, AutoTokenizer
 
     path = get_model_path()
-    model = AutoModel.from_pretrained(path, dtype=torch.float32).eval()
-    return Encoder(AutoTokenizer.from_pretrained(path), model)
+    # A packaged model, but no model's own code is ever run (rtrl/custom_code.py).
+    model = AutoModel.from_pretrained(path, dtype=torch.float32, trust_remote_code=False).eval()
+    return Encoder(AutoTokenizer.from_pretrained(path, trust_remote_code=False), model)
 
 
 @dataclass(frozen=True)

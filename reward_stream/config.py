@@ -5,7 +5,8 @@ from __future__ import annotations
 from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import SettingsConfigDict
 
-from rtrl.config import MacKeys, PublicKeys, RequiredSecret, Settings, SigningKey, StackSettings
+from rtrl import signing
+from rtrl.config import MacKey, MacKeys, RequiredSecret, Settings, StackSettings
 from rtrl.reward_stream.join import JoinConfig
 
 
@@ -53,17 +54,27 @@ class RewardStreamSettings(Settings):
     """Output records handed to the producer but not yet acked by the broker before the
     agent waits; their input records stay unacknowledged until then."""
 
-    signing_key: SigningKey = SecretStr("")
-    """The joiner's Ed25519 private key (base64url, rtrl/signing.py): every reward it writes is
-    signed with it, and the trainer trains only on rewards that verify. No default: the
-    joiner refuses to start without one (`rtrl up` generates it; `python -m rtrl.signing`
-    prints a pair)."""
+    trainer_mac_key: MacKey = SecretStr("")
+    """The key (base64url, 32 bytes; rtrl/signing.py) of the MAC every reward carries for the
+    trainer, which trains only on rewards that verify (RTRL_TRAINER_REWARD_MAC_KEYS). A MAC,
+    not a signature: the trainer trusts the joiner's rewards whole, and a key it shares with
+    the joiner alone lets it forge only to itself, for ~5 us a reward instead of Ed25519's
+    ~40 us to sign and ~110 us to verify. No default: the joiner refuses to start without one
+    (`rtrl up` generates it; `python -m rtrl.signing` prints one)."""
 
-    rollout_public_keys: PublicKeys = ""
-    """The inference workers' Ed25519 public key(s) for rollout records, comma-separated
-    (more than one while keys rotate): a rollout whose signature does not verify is never
-    joined: dead-lettered with the reason and counted as ``unauthenticated``. No default:
-    the joiner refuses to start without one (`rtrl up` derives it)."""
+    analytics_mac_key: MacKey = SecretStr("")
+    """The key of the MAC every reward and late record carries for the analytics sink
+    (RTRL_ANALYTICS_REWARD_MAC_KEYS), which stores only what verifies, so the A/B report
+    counts only the joiner's rewards. No default (`rtrl up` generates it)."""
+
+    rollout_mac_keys: MacKeys = SecretStr("")
+    """The key(s) of the MAC inference workers put on every rollout for the joiner
+    (base64url, 32 bytes each; rtrl/signing.py), comma-separated (more than one while keys
+    rotate): a rollout whose MAC does not verify is never joined: dead-lettered with the
+    reason and counted as ``unauthenticated``. A MAC, not the workers' signature: the joiner
+    re-emits every rollout it joins inside a reward it signs, so holding the key lets it
+    forge nothing it could not already. No default: the joiner refuses to start without one
+    (`rtrl up` generates it)."""
 
     event_keys: MacKeys = SecretStr("")
     """The ingest gateway's event key(s) (base64url, 32 bytes each; rtrl/signing.py),
@@ -94,14 +105,21 @@ class RewardStreamSettings(Settings):
         return [
             RequiredSecret(
                 self,
-                "signing_key",
-                "the joiner signs every reward, and a replay is signed as the joiner signs "
-                "(rtrl up generates it; python -m rtrl.signing prints a pair)",
+                "trainer_mac_key",
+                "the joiner authenticates every reward to the trainer, and a replay as the "
+                "joiner does (rtrl up generates it; python -m rtrl.signing prints one)",
             ),
             RequiredSecret(
                 self,
-                "rollout_public_keys",
-                "the joiner joins only rollouts an inference worker signed (rtrl up derives it)",
+                "analytics_mac_key",
+                "the joiner authenticates every reward to the analytics sink "
+                "(rtrl up generates it; python -m rtrl.signing prints one)",
+            ),
+            RequiredSecret(
+                self,
+                "rollout_mac_keys",
+                "the joiner joins only rollouts an inference worker authenticated "
+                "(rtrl up generates the key; python -m rtrl.signing prints one)",
             ),
             RequiredSecret(
                 self,
@@ -110,6 +128,21 @@ class RewardStreamSettings(Settings):
                 "(rtrl up generates the key; python -m rtrl.signing prints one)",
             ),
         ]
+
+    def reward_seal(self) -> signing.Seal:
+        """What authenticates a reward: a MAC for each of its readers, the trainer and the
+        analytics sink, each under a key the joiner shares with that reader alone."""
+        return signing.Seal(
+            signing.MacSigner(self.trainer_mac_key.get_secret_value(), signing.Purpose.REWARD),
+            signing.MacSigner(self.analytics_mac_key.get_secret_value(), signing.Purpose.REWARD),
+        )
+
+    def late_seal(self) -> signing.MacSigner:
+        """What authenticates a late record (read by the analytics sink alone): a purpose of
+        its own, so a late record never passes for a reward."""
+        return signing.MacSigner(
+            self.analytics_mac_key.get_secret_value(), signing.Purpose.REWARD_LATE
+        )
 
     def join_config(self) -> JoinConfig:
         return JoinConfig(

@@ -221,16 +221,14 @@ def publish(
     settings: StackSettings,
     result: Replay,
     timeout_s: float = 30.0,
-    signer: signing.Signer | None = None,
+    signer: signing.HeaderSigner | None = None,
 ) -> str:
-    """Write the replayed records to their own topic, signed as the joiner signs (a trainer
-    trains on nothing else); returns its name."""
+    """Write the replayed records to their own topic, authenticated as the joiner
+    authenticates its rewards (a trainer trains on nothing else); returns its name."""
     if signer is None:
         from rtrl.reward_stream.config import RewardStreamSettings
 
-        signer = signing.Signer(
-            RewardStreamSettings().signing_key.get_secret_value(), signing.Purpose.REWARD
-        )
+        signer = RewardStreamSettings().reward_seal()
     topic = topics.reward_replay(result.version)
     kafka.ensure_topics(settings, (topic,))
     producer = Producer(kafka.producer_config(settings))

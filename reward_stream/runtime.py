@@ -109,12 +109,17 @@ class Joiner:
         self,
         config: join.JoinConfig,
         reward_fn_version: str = reward.REWARD_FN_VERSION,
-        signer: signing.Signer | None = None,
+        signer: signing.HeaderSigner | None = None,
         authenticator: Authenticator | None = None,
+        late_signer: signing.HeaderSigner | None = None,
     ) -> None:
         self.config = config
         self.signer = signer
         """Signs every reward it writes (the service always has one; rtrl/signing.py)."""
+        self.late_signer = late_signer
+        """Signs every late record it writes, with the joiner's key for a purpose of its own:
+        a late record holds a rollout's or an event's bytes, never to pass for a reward
+        (the service always has one; the analytics sink stores only what verifies)."""
         self.authenticator = authenticator
         """Checks every record's writer before it is decoded (the service always has one):
         a reward is only ever built on a rollout a worker served and events the gateway
@@ -327,13 +332,11 @@ class Joiner:
                     topics.ROLLOUT if event.kind == "rollout" else topics.BY_PAYLOAD[event.kind]
                 )
                 headers = (("source_topic", source.encode()), ("kind", event.kind.encode()))
+                value = message_of(event).SerializeToString()
+                if self.late_signer is not None:
+                    headers += self.late_signer.headers(value)
                 records.append(
-                    OutRecord(
-                        topics.REWARD_LATE,
-                        event.rollout_id.encode(),
-                        message_of(event).SerializeToString(),
-                        headers,
-                    )
+                    OutRecord(topics.REWARD_LATE, event.rollout_id.encode(), value, headers)
                 )
             elif isinstance(output, join.Refused):
                 acks.append(output.event.handle)

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 import redis.asyncio as aioredis
 
 from rtrl import signing
+from rtrl.key_budgets import ONE_CLIENT
 
 log = logging.getLogger(__name__)
 
@@ -152,7 +153,9 @@ async def issue_key(
 ) -> str:
     """A new key for ``client_id``, signed by ``authority``; returned once, stored only as its hash.
 
-    ``rate_per_s`` counts events at the gateway and completions at the serving API."""
+    ``rate_per_s`` counts events at the gateway and completions at the serving API. A budget
+    not given here is none (unlimited): the operator's commands give each key its budgets
+    (`rtrl keys create` those of rtrl/key_budgets.py ONE_CLIENT unless told otherwise)."""
     if not client_id.strip():
         raise ValueError("client_id must be non-empty")
     wanted = frozenset(scopes) if scopes else frozenset({ALL_EVENTS})
@@ -240,12 +243,15 @@ async def revoke_key(redis: aioredis.Redis, authority: KeyAuthority, api_key_or_
 async def rotate_keys(
     redis: aioredis.Redis, authority: KeyAuthority, client_id: str, grace_s: float, **issue
 ) -> str:
-    """A new key for the client, with the scopes and budgets of its newest key unless
-    ``issue`` says otherwise; its existing keys expire after ``grace_s``."""
+    """A new key for the client, with the scopes and budgets of its newest key (one client's,
+    ONE_CLIENT, if it has none) unless ``issue`` says otherwise; its existing keys expire
+    after ``grace_s``."""
     old = await redis.smembers(CLIENT_PREFIX + client_id)
     current = [_text(await redis.hgetall(KEY_PREFIX + _str(d))) for d in old]
     newest = max((f for f in current if f), key=lambda f: int(f.get("created_ms", 0)), default=None)
-    if newest is not None:
+    if newest is None:
+        issue = {**ONE_CLIENT.issue_args(), **issue}
+    else:
         issue = {
             "scopes": set(newest["scopes"].split(",")),
             "rate_per_s": float(newest["rate_per_s"]),

@@ -12,6 +12,11 @@ What a service needs of it:
   tokenized once, at the door; from there on only token ids travel (the rollout record
   holds exactly the ids the model saw and sampled, and nothing re-tokenizes them);
 * ``load_model(dtype, device)``: the trainer's AutoModelForCausalLM.
+
+The directory is the user's input. Nothing it names as code is run (rtrl/custom_code.py:
+a model that needs its own code is refused, and every loader passes
+``trust_remote_code=False``), and its chat template renders under bounds
+(rtrl/chat_template.py): ``open`` probes it, and refuses a template that breaks one.
 """
 
 from __future__ import annotations
@@ -37,6 +42,15 @@ from transformers import (
 )
 
 from rtrl import policy
+from rtrl.chat_template import (
+    ChatRenderer,
+    ChatTemplateSettings,
+    TemplateFailed,
+    TemplateOverBound,
+    probes,
+    shared_renderer,
+)
+from rtrl.custom_code import CustomCodeRefused, refuse_custom_code
 from rtrl.policy import ModelSpec
 
 DTYPES: Mapping[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -63,13 +77,19 @@ class Checkpoint:
     on ``load_model`` / ``load_weights``)."""
 
     def __init__(
-        self, path: Path, config: PretrainedConfig, tokenizer: PreTrainedTokenizerFast
+        self,
+        path: Path,
+        config: PretrainedConfig,
+        tokenizer: PreTrainedTokenizerFast,
+        renderer: ChatRenderer | None = None,
     ) -> None:
         """Use ``Checkpoint.open(path)`` (or ``builtin_demo()``)."""
         self.path = path
         self.config = config
         self.spec = ModelSpec.from_hf_config(config)
         self.tokenizer = tokenizer
+        self.renderer = renderer or shared_renderer()
+        """Renders the chat template, bounded (the environment's RTRL_CHAT_TEMPLATE_*)."""
         if len(tokenizer) > self.spec.vocab_size:
             raise CheckpointError(
                 f"{path}: the tokenizer has {len(tokenizer)} tokens, "
@@ -77,17 +97,28 @@ class Checkpoint:
             )
 
     @classmethod
-    def open(cls, path: Path | str) -> Checkpoint:
+    def open(
+        cls, path: Path | str, template_settings: ChatTemplateSettings | None = None
+    ) -> Checkpoint:
+        """The checkpoint in ``path``, its chat template probed within ``template_settings``
+        (default: the environment's). CheckpointError says what makes it unusable."""
         path = Path(path)
         if not (path / "config.json").is_file():
             raise CheckpointError(f"{path} is not a model directory: it has no config.json")
         if not sorted(path.glob("*.safetensors")):
             raise CheckpointError(f"{path} holds no *.safetensors weights")
         try:
-            config = AutoConfig.from_pretrained(path)
+            refuse_custom_code(path)
+        except CustomCodeRefused as exc:
+            raise CheckpointError(str(exc)) from None
+        try:
+            config = AutoConfig.from_pretrained(path, trust_remote_code=False)
         except (ValueError, KeyError, OSError) as exc:
             raise CheckpointError(f"{path}/config.json: {exc}") from None
-        return cls(path, config, _load_tokenizer(path))
+        renderer = shared_renderer(template_settings)
+        checkpoint = cls(path, config, _load_tokenizer(path), renderer)
+        checkpoint._probe_chat_templates()
+        return checkpoint
 
     @classmethod
     def builtin_demo(cls) -> Checkpoint:
@@ -163,7 +194,7 @@ class Checkpoint:
         if dtype not in DTYPES:
             raise CheckpointError(f"dtype {dtype!r}: expected one of {sorted(DTYPES)}")
         model = AutoModelForCausalLM.from_pretrained(
-            self.path, dtype=DTYPES[dtype], attn_implementation="sdpa"
+            self.path, dtype=DTYPES[dtype], attn_implementation="sdpa", trust_remote_code=False
         )
         model.to(device)  # type: ignore[arg-type]  # transformers types .to as a decorator's
         model.eval()
@@ -180,26 +211,53 @@ class Checkpoint:
 
     def render_chat(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:
         """The ids of ``messages`` rendered by the checkpoint's chat template, ending with
-        the assistant's turn opened (add_generation_prompt)."""
+        the assistant's turn opened (add_generation_prompt): what
+        ``apply_chat_template(..., tokenize=True)`` gives, rendered within the bounds.
+        Blocks its thread for up to the time bound: call it off an event loop."""
         if not self.tokenizer.chat_template:
             raise ChatTemplateError(
                 f"the model in {self.path} has no chat template: use /v1/completions with a prompt"
             )
         try:
-            ids = self.tokenizer.apply_chat_template(
-                [dict(m) for m in messages],
+            text = self.renderer.render(
+                self.tokenizer.get_chat_template(),
+                messages,
                 add_generation_prompt=True,
-                tokenize=True,
-                return_dict=False,
+                variables=self.tokenizer.special_tokens_map,
             )
-        except Exception as exc:  # jinja raises its own errors, and templates raise_exception()
+        except ValueError as exc:  # TemplateFailed; or several templates, none the default
             raise ChatTemplateError(f"the chat template failed on these messages: {exc}") from None
+        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
         if not isinstance(ids, list) or not all(isinstance(i, int) for i in ids):
             raise ChatTemplateError(f"the chat template rendered {type(ids).__name__}, not ids")
         return [i for i in ids if isinstance(i, int)]
 
     def decode(self, token_ids: Sequence[int]) -> str:
         return str(self.tokenizer.decode(list(token_ids), skip_special_tokens=True))
+
+    def _probe_chat_templates(self) -> None:
+        """Render each of the tokenizer's chat templates on representative chats; raise
+        CheckpointError, naming the template's file and the bound, if one breaks a bound.
+        A template that raises on a probe (its own rules about roles) is left to requests."""
+        templates = self.tokenizer.chat_template or {}
+        named = templates if isinstance(templates, dict) else {None: templates}
+        for name, template in named.items():
+            for probe in probes(template):
+                try:
+                    self.renderer.render(
+                        template,
+                        probe.messages,
+                        add_generation_prompt=True,
+                        variables=self.tokenizer.special_tokens_map,
+                        tools=probe.tools,
+                    )
+                except TemplateOverBound as exc:
+                    raise CheckpointError(
+                        f"{_template_origin(self.path, name)}: on {probe.name}, {exc}: rtrl "
+                        "refuses a chat template it cannot render within its bounds"
+                    ) from None
+                except TemplateFailed:
+                    continue
 
     def _weight_files(self) -> list[Path]:
         return sorted(self.path.glob("*.safetensors"))
@@ -220,13 +278,22 @@ def _load_tokenizer(path: Path) -> PreTrainedTokenizerFast:
     if not (path / "tokenizer.json").is_file():
         raise CheckpointError(f"{path} has no tokenizer.json (a fast tokenizer is required)")
     try:
-        tokenizer = PreTrainedTokenizerFast.from_pretrained(path)
+        tokenizer = PreTrainedTokenizerFast.from_pretrained(path, trust_remote_code=False)
     except (ValueError, OSError, json.JSONDecodeError) as exc:
         raise CheckpointError(f"{path}: the tokenizer does not load: {exc}") from None
     template = path / "chat_template.jinja"
     if not tokenizer.chat_template and template.is_file():
         tokenizer.chat_template = template.read_text()
     return tokenizer
+
+
+def _template_origin(path: Path, name: str | None) -> str:
+    """Where the chat template called ``name`` (None: the only one) was read from."""
+    main = name in (None, "default")
+    file = path / ("chat_template.jinja" if main else f"additional_chat_templates/{name}.jinja")
+    if file.is_file():
+        return str(file)
+    return f"{path / 'tokenizer_config.json'} (chat_template{'' if name is None else ' ' + name})"
 
 
 # ---- the built-in demo policy as a checkpoint directory -------------------------------

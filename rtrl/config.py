@@ -213,6 +213,11 @@ class StackSettings(Settings):
     metrics_tls_key_file: Path | None = None
     """PEM private key of metrics_tls_cert_file."""
 
+    metrics_client_timeout_s: float = Field(10.0, gt=0, le=600)
+    """The Prometheus endpoint closes a connection whose TLS handshake or request headers
+    are not complete this long after it opened, or that stays idle this long after an answer
+    (rtrl/http_limits.py; a scrape is one small GET)."""
+
     @model_validator(mode="after")
     def _metrics_tls_pair(self) -> StackSettings:
         if (self.metrics_tls_cert_file is None) != (self.metrics_tls_key_file is None):

@@ -26,10 +26,10 @@ import atexit
 import dataclasses
 import json
 import logging
-import ssl
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
+from aiohttp import web
 from opentelemetry import context as otel_context
 from opentelemetry import metrics, trace
 from opentelemetry.metrics import CallbackOptions, Meter, Observation
@@ -72,14 +72,7 @@ def configure(service: str, stack: StackSettings) -> None:
             )
         )
     if stack.metrics_port:
-        readers.append(
-            _serve_prometheus(
-                stack.metrics_bind_host,
-                stack.metrics_port,
-                stack.metrics_tls_cert_file,
-                stack.metrics_tls_key_file,
-            )
-        )
+        readers.append(_serve_prometheus(stack))
     if exporters is None and not readers:
         return
     _install(resource, stack.otel_trace_sample_ratio, exporters, readers)
@@ -191,33 +184,44 @@ def span_line(span: ReadableSpan) -> str:
     )
 
 
-def _serve_prometheus(
-    host: str, port: int, cert_file: Path | None = None, key_file: Path | None = None
-) -> MetricReader:
+def _serve_prometheus(stack: StackSettings) -> MetricReader:
+    """The ``/metrics`` endpoint: an rtrl.http_limits listener on a thread of its own (the
+    process's main thread may run no asyncio loop), so it has the same deadlines as the
+    services' APIs; prometheus_client's own server has none."""
     from opentelemetry.exporter.prometheus import PrometheusMetricReader
-    from prometheus_client import start_http_server
 
+    from rtrl import http_limits, tls
+
+    host, port = stack.metrics_bind_host, stack.metrics_port
+    cert_file, key_file = stack.metrics_tls_cert_file, stack.metrics_tls_key_file
+    context = tls.server_context(cert_file, key_file) if cert_file and key_file else None
+    # A scrape is one small GET: one deadline for the handshake, the headers, a body and idling.
+    timeout_s = stack.metrics_client_timeout_s
+    limits = http_limits.HTTPLimits(timeout_s, timeout_s, timeout_s)
+    app = web.Application()
+    app.router.add_get("/metrics", _metrics_page)
     try:
-        if cert_file:
-            start_http_server(
-                port,
-                addr=host,
-                certfile=str(cert_file),
-                keyfile=str(key_file),
-                tls_min_version=ssl.TLSVersion.TLSv1_2,
-            )
-        else:
-            start_http_server(port, addr=host)
+        http_limits.serve_http_in_thread(app, host, port, limits, context)
     except OSError as exc:
         raise RuntimeError(
             f"cannot serve Prometheus metrics on {host}:{port} (RTRL_METRICS_PORT): {exc}"
         ) from exc
-    log.info(
-        "Prometheus metrics on %s://%s:%d/metrics", "https" if cert_file else "http", host, port
-    )
+    log.info("Prometheus metrics on %s://%s:%d/metrics", "https" if context else "http", host, port)
     # No "target_info" series and no otel_scope_* labels: the names already say which
     # service a series belongs to, and Prometheus's own job/instance labels which process.
     return PrometheusMetricReader(disable_target_info=True, scope_info_enabled=False)
+
+
+async def _metrics_page(request: web.Request) -> web.Response:
+    """The page prometheus_client's own server would answer: the text or the OpenMetrics
+    format, as the scraper's Accept header asks, compressed if it accepts that."""
+    from prometheus_client import REGISTRY
+    from prometheus_client.exposition import choose_encoder
+
+    encoder, content_type = choose_encoder(request.headers.get("Accept", ""))
+    response = web.Response(body=encoder(REGISTRY), headers={"Content-Type": content_type})
+    response.enable_compression()
+    return response
 
 
 # -- trace context -----------------------------------------------------------------

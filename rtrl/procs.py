@@ -173,11 +173,17 @@ def start_tansu(log_path: Path, port: int | None = None) -> Proc:
 
 
 def start_redis(
-    data_dir: Path, log_path: Path, port: int | None = None, *, durable: bool = False
+    data_dir: Path,
+    log_path: Path,
+    port: int | None = None,
+    *,
+    durable: bool = False,
+    acl_file: Path | None = None,
 ) -> Proc:
     """A private redis-server. ``durable`` (the embedded stack) keeps an append-only file
     in data_dir, fsynced every second, so the registry, API keys and applied versions
-    survive `rtrl down`/`up`; tests' throwaway servers keep nothing."""
+    survive `rtrl down`/`up`; tests' throwaway servers keep nothing. With ``acl_file``
+    it answers only the users that file names (the embedded stack's: ops/redis_acl.py)."""
     port = port or free_port()
     data_dir.mkdir(parents=True, exist_ok=True)
     argv = [
@@ -196,6 +202,7 @@ def start_redis(
         str(data_dir),
         "--daemonize",
         "no",
+        *(["--aclfile", str(acl_file)] if acl_file is not None else []),
     ]
     proc = spawn("redis", argv, log_path, port=port)
     wait_for_port(port)

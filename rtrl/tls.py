@@ -33,13 +33,10 @@ class TLSListener(BaseModel):
         return self
 
     def http_context(self) -> ssl.SSLContext | None:
-        """For aiohttp's TCPSite; None: plain HTTP."""
+        """For rtrl.http_limits.serve_http; None: plain HTTP."""
         if self.tls_cert_file is None or self.tls_key_file is None:
             return None
-        context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-        context.minimum_version = ssl.TLSVersion.TLSv1_2
-        context.load_cert_chain(self.tls_cert_file, self.tls_key_file)
-        return context
+        return server_context(self.tls_cert_file, self.tls_key_file)
 
     def grpc_credentials(self) -> grpc.ServerCredentials | None:
         """For a gRPC server's add_secure_port; None: plaintext."""
@@ -48,6 +45,14 @@ class TLSListener(BaseModel):
         return grpc.ssl_server_credentials(
             [(self.tls_key_file.read_bytes(), self.tls_cert_file.read_bytes())]
         )
+
+
+def server_context(cert_file: Path, key_file: Path) -> ssl.SSLContext:
+    """What an HTTPS listener serves with: this certificate, TLS 1.2 at least."""
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.minimum_version = ssl.TLSVersion.TLSv1_2
+    context.load_cert_chain(cert_file, key_file)
+    return context
 
 
 def client_credentials(ca_file: Path | None) -> grpc.ChannelCredentials | None:

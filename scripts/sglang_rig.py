@@ -95,12 +95,16 @@ SERVER_FLAGS = (
 
 def checkpoint_flags(model_dir: Path) -> tuple[str, ...]:
     """The flags read from the checkpoint's config.json: its context length, so SGLang
-    accepts exactly the prompts + completions the model has positions for."""
+    accepts exactly the prompts + completions the model has positions for. A model that
+    needs its own code is refused (CustomCodeRefused): SGLang is never given
+    --trust-remote-code, and nothing here runs that code either."""
     from transformers import AutoConfig
 
+    from rtrl.custom_code import refuse_custom_code
     from rtrl.policy import ModelSpec
 
-    spec = ModelSpec.from_hf_config(AutoConfig.from_pretrained(model_dir))
+    refuse_custom_code(model_dir)
+    spec = ModelSpec.from_hf_config(AutoConfig.from_pretrained(model_dir, trust_remote_code=False))
     return ("--context-length", str(spec.max_positions))
 
 

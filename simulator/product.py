@@ -28,6 +28,8 @@ from rtrl.v1 import ingest_pb2, telemetry_pb2
 
 ACCEPTED = ingest_pb2.EventResult.STATUS_ACCEPTED
 DUPLICATE = ingest_pb2.EventResult.STATUS_DUPLICATE
+DEFAULT_CLIENTS = 48
+"""Editors the product runs at once, each with one completion in flight at a time."""
 
 
 @dataclass
@@ -107,7 +109,7 @@ class Product:
         *,
         api_key: str | None = None,
         users: int = 400,
-        clients: int = 48,
+        clients: int = DEFAULT_CLIENTS,
         report_delay_s: float = 0.3,
         duplicate_share: float = 0.03,
         privacy_share: float = 0.03,

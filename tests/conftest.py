@@ -29,12 +29,13 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 # as subprocesses, which inherit this environment) share a pair made for this run.
 os.environ.setdefault("RTRL_WEIGHT_SYNC_TOKEN", secrets.token_urlsafe(24))
 os.environ.setdefault("RTRL_WEIGHT_SYNC_SUBSCRIBE_TOKEN", secrets.token_urlsafe(24))
-# Rewards are signed by the joiner and verified by the trainer (rtrl/signing.py): one pair
-# per run; support.trainer.produce signs the records tests write for a trainer with it.
-os.environ.setdefault("RTRL_REWARD_SIGNING_KEY", signing.generate_private_key())
-os.environ.setdefault(
-    "RTRL_TRAINER_REWARD_PUBLIC_KEYS", signing.public_key_of(os.environ["RTRL_REWARD_SIGNING_KEY"])
-)
+# Rewards carry a MAC for each reader, the trainer and the analytics sink, under a key the
+# joiner shares with that reader alone (rtrl/signing.py): one pair of keys per run;
+# support.trainer.produce seals the records tests write for a trainer as the joiner does.
+os.environ.setdefault("RTRL_REWARD_TRAINER_MAC_KEY", signing.generate_mac_key())
+os.environ.setdefault("RTRL_TRAINER_REWARD_MAC_KEYS", os.environ["RTRL_REWARD_TRAINER_MAC_KEY"])
+os.environ.setdefault("RTRL_REWARD_ANALYTICS_MAC_KEY", signing.generate_mac_key())
+os.environ.setdefault("RTRL_ANALYTICS_REWARD_MAC_KEYS", os.environ["RTRL_REWARD_ANALYTICS_MAC_KEY"])
 os.environ.setdefault("RTRL_TRAINER_MANIFEST_SIGNING_KEY", signing.generate_private_key())
 os.environ.setdefault(
     "RTRL_MANIFEST_PUBLIC_KEYS",
@@ -45,14 +46,21 @@ os.environ.setdefault("RTRL_API_KEY_SIGNING_KEY", signing.generate_private_key()
 os.environ.setdefault(
     "RTRL_API_KEY_PUBLIC_KEYS", signing.public_key_of(os.environ["RTRL_API_KEY_SIGNING_KEY"])
 )
+# The analytics sink verifies rollouts' signatures (it must not be able to forge one); the
+# joiner checks rollouts' MACs.
 os.environ.setdefault(
-    "RTRL_REWARD_ROLLOUT_PUBLIC_KEYS",
+    "RTRL_ANALYTICS_ROLLOUT_PUBLIC_KEYS",
     signing.public_key_of(os.environ["RTRL_INFERENCE_ROLLOUT_SIGNING_KEY"]),
 )
-# Telemetry events are authenticated by the gateway and verified by the joiner with one
-# shared key; support.signing.worker_headers adds it to events tests write straight to Kafka.
+# Telemetry events carry a MAC for each reader, each under a key the gateway shares with it
+# alone (the joiner, the sink), and rollouts one for the joiner;
+# support.signing.worker_headers adds them to records tests write straight to Kafka.
 os.environ.setdefault("RTRL_INGEST_EVENT_KEY", signing.generate_mac_key())
 os.environ.setdefault("RTRL_REWARD_EVENT_KEYS", os.environ["RTRL_INGEST_EVENT_KEY"])
+os.environ.setdefault("RTRL_INGEST_ANALYTICS_EVENT_KEY", signing.generate_mac_key())
+os.environ.setdefault("RTRL_ANALYTICS_EVENT_KEYS", os.environ["RTRL_INGEST_ANALYTICS_EVENT_KEY"])
+os.environ.setdefault("RTRL_INFERENCE_ROLLOUT_MAC_KEY", signing.generate_mac_key())
+os.environ.setdefault("RTRL_REWARD_ROLLOUT_MAC_KEYS", os.environ["RTRL_INFERENCE_ROLLOUT_MAC_KEY"])
 
 
 @pytest.fixture(scope="session")

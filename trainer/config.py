@@ -9,7 +9,7 @@ from typing import Literal
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import SettingsConfigDict
 
-from rtrl.config import PublicKeys, RequiredSecret, Settings, SigningKey, StackSettings
+from rtrl.config import MacKeys, RequiredSecret, Settings, SigningKey, StackSettings
 from rtrl.plugins import check_spec
 
 
@@ -113,11 +113,13 @@ class TrainerSettings(Settings):
     poll_timeout_s: float = Field(0.1, gt=0, le=5)
     """Longest a single Kafka poll blocks; bounds how late max_wait_s and shutdown are noticed."""
 
-    reward_public_keys: PublicKeys = ""
-    """The joiner's Ed25519 public key(s), comma-separated (more than one while keys rotate;
-    rtrl/signing.py): a reward whose signature does not verify against one is never trained
-    on: dropped as ``unsigned`` or ``forged``, counted and dead-lettered. No default: the
-    trainer refuses to start without one."""
+    reward_mac_keys: MacKeys = SecretStr("")
+    """The key(s) of the MAC the joiner puts on every reward for the trainer (base64url, 32
+    bytes each; rtrl/signing.py), comma-separated (more than one while keys rotate): a reward
+    whose MAC does not verify under one is never trained on: dropped as ``unsigned`` or
+    ``forged``, counted and dead-lettered. A key the joiner shares with the trainer alone,
+    so holding it lets the trainer forge rewards only to itself. No default: the trainer
+    refuses to start without one (`rtrl up` generates it)."""
 
     manifest_signing_key: SigningKey = SecretStr("")
     """The trainer's Ed25519 private key for weight manifests (base64url,
@@ -185,8 +187,9 @@ class TrainerSettings(Settings):
             ),
             RequiredSecret(
                 self,
-                "reward_public_keys",
-                "the trainer trains only on rewards the joiner signed (rtrl up derives it)",
+                "reward_mac_keys",
+                "the trainer trains only on rewards the joiner authenticated "
+                "(rtrl up generates the key; python -m rtrl.signing prints one)",
             ),
             RequiredSecret(
                 stack,

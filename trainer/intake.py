@@ -68,8 +68,9 @@ class Intake:
     ) -> None:
         self.settings = settings
         # Refuses to build without a key: a trainer that cannot check rewards trains on none.
-        self.verifier = signing.Verifier(
-            signing.parse_public_keys(settings.reward_public_keys), signing.Purpose.REWARD
+        self.verifier = signing.MacVerifier(
+            signing.parse_mac_keys(settings.reward_mac_keys.get_secret_value()),
+            signing.Purpose.REWARD,
         )
         self.consumer = consumer
         self.policy = policy

@@ -16,7 +16,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from confluent_kafka import Producer
 from opentelemetry import metrics
 
-from rtrl import topics
+from rtrl import kafka, signing, topics
 from rtrl.trainer.batch import TrainSample
 from rtrl.trainer.evaluation import Verdict
 from rtrl.trainer.step import StepMetrics
@@ -168,19 +168,29 @@ def record_instruments(record: trainer_pb2.TrainerStep, version: int) -> None:
 
 class StepExporter:
     """Sends each TrainerStep to Kafka (idempotent producer, keyed by lineage) and to
-    the OpenTelemetry instruments. Sends are asynchronous: a step never waits on them."""
+    the OpenTelemetry instruments. Sends are asynchronous: a step never waits on them.
 
-    def __init__(self, producer: Producer, topic: str = topics.TRAINER_STEPS) -> None:
+    Each record is signed (``signer``: the trainer's manifest key, purpose "trainer-step"),
+    since the analytics sink stores only steps that verify: the training report reads them."""
+
+    def __init__(
+        self, producer: Producer, signer: signing.Signer, topic: str = topics.TRAINER_STEPS
+    ) -> None:
+        if signer.purpose is not signing.Purpose.TRAINER_STEP:
+            raise ValueError(f"a trainer step is signed for its own purpose, not {signer.purpose}")
         self._producer = producer
+        self._signer = signer
         self._topic = topic
         self.failed = 0
 
     def __call__(self, record: trainer_pb2.TrainerStep, version: int) -> None:
         record_instruments(record, version)
+        value = record.SerializeToString()
         self._producer.produce(
             self._topic,
-            record.SerializeToString(),
+            value,
             key=record.lineage.encode(),
+            headers=kafka.kafka_headers(self._signer.headers(value)),
             on_delivery=self._delivered,
         )
         self._producer.poll(0)

@@ -111,7 +111,12 @@ async def serve(
     # The trainer subscribes itself: it seeks to its journal's positions on assignment.
     rewards = Consumer(consumer_config(stack, settings.consumer_group))
     otel.configure("trainer", stack)
-    exporter = StepExporter(Producer(producer_config(stack)))
+    exporter = StepExporter(
+        Producer(producer_config(stack)),
+        signing.Signer(
+            settings.manifest_signing_key.get_secret_value(), signing.Purpose.TRAINER_STEP
+        ),
+    )
     trainer = Trainer(
         settings,
         stack.state_dir,

@@ -271,7 +271,9 @@ class Broadcaster(weights_pb2_grpc.WeightSyncServicer):
             newest_keyframe = await self._source.newest_keyframe(arm, latest)
             first = newest_keyframe if newest_keyframe is not None else held + 1
             candidates = await self._source.manifests(arm, max(first, 0), latest)
-            available = {v: m for v, m in candidates.items() if v not in unusable}
+            available = {
+                v: m for v, m in candidates.items() if v not in unusable and _filed_under(arm, v, m)
+            }
             path = lineage.sync_path(held, latest, newest_keyframe, available)
             if path is None:
                 await abort(
@@ -347,6 +349,24 @@ class Broadcaster(weights_pb2_grpc.WeightSyncServicer):
                 grpc.StatusCode.UNAUTHENTICATED,
                 f"{doing} needs metadata 'authorization: Bearer <token>' with a valid token",
             )
+
+
+def _filed_under(arm: str, version: int, manifest: weights_pb2.Manifest) -> bool:
+    """Whether the manifest is the version its registry key names. weight_sync files each
+    manifest under its own arm and version; one found elsewhere was written by someone
+    else, and streamed it would tell the subscriber it now holds some other version, so
+    the stream would send it again and again."""
+    if manifest.arm == arm and manifest.version == version:
+        return True
+    log.error(
+        "the manifest filed as %s v%d is %s v%d: not streamed (the registry was written "
+        "by something other than weight_sync)",
+        arm,
+        version,
+        manifest.arm,
+        manifest.version,
+    )
+    return False
 
 
 async def valid_arm(arm: str, context) -> str:

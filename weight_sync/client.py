@@ -19,6 +19,8 @@ from rtrl import otel, tls
 from rtrl.v1 import weights_pb2, weights_pb2_grpc
 from rtrl.weight_sync import codec, lineage
 from rtrl.weight_sync.provenance import ManifestSigner, ManifestVerifier
+from rtrl.weight_sync.refusals import FORGED, ROLLED_BACK, UNDECODABLE, Refusals
+from rtrl.weight_sync.refusals import RefusalBackoff as RefusalBackoff  # for workers' followers
 from rtrl.weight_sync.stream import CHANNEL_OPTIONS, VersionStream, bearer
 
 log = logging.getLogger("rtrl.weight_sync.client")
@@ -190,6 +192,12 @@ class Subscriber:
     one by whoever can write the registry; the signed train_step only ever grows within a
     run). The yielded tensors are the subscriber's own copy of the weights it will apply
     the next delta to: read them, do not modify them in place.
+
+    A refused version is refused once (``refusals``, refusals.py): logged and counted the
+    first time, skipped while the subscription stays open, so it is not fetched again
+    however long the registry points at it; the subscriber keeps what it holds and takes
+    the next valid version as it comes. A worker's follower passes the same ``refusals``
+    to each subscriber it starts, so what one refused the next does not count again.
     """
 
     def __init__(
@@ -204,12 +212,10 @@ class Subscriber:
         max_backoff_s: float = 2.0,
         tls_ca_file: Path | None = None,
         newest_step: int = -1,
+        refusals: Refusals | None = None,
     ) -> None:
         self._verifier = ManifestVerifier(public_keys)
-        self.forged = 0
-        """Versions refused because their manifest was not signed by the trainer."""
-        self.rolled_back = 0
-        """Versions refused because they were trained to an earlier step than one taken."""
+        self.refusals = refusals if refusals is not None else Refusals()
         self.newest_step = newest_step
         """The highest train_step of a version taken (a worker's earlier subscriber's, too)."""
         self.arm = arm
@@ -223,6 +229,21 @@ class Subscriber:
             max_backoff_s=max_backoff_s,
             tls_ca_file=tls_ca_file,
         )
+
+    @property
+    def forged(self) -> int:
+        """Versions refused because their manifest is not the trainer's for this arm."""
+        return self.refusals.counts[FORGED]
+
+    @property
+    def rolled_back(self) -> int:
+        """Versions refused because they were trained to an earlier step than one taken."""
+        return self.refusals.counts[ROLLED_BACK]
+
+    @property
+    def undecodable(self) -> int:
+        """Versions refused because they cannot be decoded (refusals.UNDECODABLE)."""
+        return self.refusals.counts[UNDECODABLE]
 
     @property
     def resubscribes(self) -> int:
@@ -248,48 +269,73 @@ class Subscriber:
         held_version, held = (have_version, weights) if weights is not None else (-1, None)
         yielded = have_version
         for manifest, blob in self.stream.follow(held_version):
-            decoded = None
-            if not self._refused(manifest):
-                decoded = self._decode(manifest, blob, held_version, held)
+            if self._refused(manifest, yielded) or self._builds_on_refused(manifest, held_version):
+                self.stream.skip(manifest.version)
+                continue
+            decoded = self._decode(manifest, blob, held_version, held)
             if decoded is None:
-                self.stream.reject()
-                held_version, held = -1, None
+                if self.refusals.failed_to_decode(manifest):
+                    self.stream.reject(self.refusals.pause_s())
+                    held_version, held = -1, None
+                else:
+                    self._log_refused(manifest, "it failed to decode again, from a keyframe")
+                    self.stream.skip(manifest.version)
                 continue
             held_version, held = manifest.version, decoded
             self.newest_step = max(self.newest_step, manifest.train_step)
+            self.refusals.taken()
             self.stream.accept(held_version)
             if held_version > yielded:
                 yielded = held_version
                 yield manifest, held
 
-    def _refused(self, manifest: weights_pb2.Manifest) -> bool:
-        """Whether the version is not the trainer's or rolls it back (logged and counted)."""
+    def _refused(self, manifest: weights_pb2.Manifest, yielded: int) -> bool:
+        """Whether the version is not the trainer's for this arm, or would roll back what
+        was yielded, or was refused before. A version is logged and counted the first time
+        only. Versions up to ``yielded`` are never yielded again: on a fresh start from a
+        keyframe they are the chain to the next version, older by nature."""
+        if self.refusals.known(manifest):
+            return True
         problem = self._verifier.problem(manifest)
         if problem is not None:
-            # Whoever wrote this manifest is not the trainer: nothing of it is decoded.
-            log.error(
-                "%s: refusing %s v%d: its manifest does not verify (%s); re-subscribing from a keyframe",
-                self.worker_id,
-                self.arm,
-                manifest.version,
-                problem,
-            )
-            self.forged += 1
+            problem = f"its manifest does not verify ({problem})"
+        elif manifest.arm != self.arm:
+            problem = f"its manifest is the trainer's for arm {manifest.arm!r}"
+        if problem is not None:
+            # Not the trainer's version of this arm: nothing of it is decoded.
+            self.refusals.refuse(manifest, FORGED)
+            self._log_refused(manifest, problem)
             return True
-        if manifest.train_step < self.newest_step:
-            log.error(
-                "%s: refusing %s v%d: trained to step %d, before step %d of a version "
-                "already taken (an old version replayed: a rollback); re-subscribing from "
-                "a keyframe. A new run's versions need the worker restarted.",
-                self.worker_id,
-                self.arm,
-                manifest.version,
-                manifest.train_step,
-                self.newest_step,
+        if manifest.version > yielded and manifest.train_step < self.newest_step:
+            self.refusals.refuse(manifest, ROLLED_BACK)
+            self._log_refused(
+                manifest,
+                f"trained to step {manifest.train_step}, before step {self.newest_step} of a "
+                "version already taken (an old version replayed: a rollback; a new run's "
+                "versions need the worker restarted)",
             )
-            self.rolled_back += 1
             return True
         return False
+
+    def _builds_on_refused(self, manifest: weights_pb2.Manifest, held_version: int) -> bool:
+        """Whether the version is a delta on the version the stream skipped last: it can
+        never be decoded here, and starting over would only fetch the refused one again."""
+        skipped = self.stream.held
+        if manifest.keyframe or skipped == held_version or manifest.parent_version != skipped:
+            return False
+        self.refusals.refuse(manifest, UNDECODABLE)
+        self._log_refused(manifest, f"it is a delta on v{skipped}, which was refused")
+        return True
+
+    def _log_refused(self, manifest: weights_pb2.Manifest, why: str) -> None:
+        log.error(
+            "%s: refusing %s v%d: %s; keeping what it holds, and skipping this version "
+            "until a newer one comes",
+            self.worker_id,
+            self.arm,
+            manifest.version,
+            why,
+        )
 
     def _decode(
         self,
@@ -308,9 +354,9 @@ class Subscriber:
                 )
             return codec.decode(blob, manifest, held)
         except codec.DecodeError as exc:
-            # Our copy may be what is wrong, so start over from a keyframe.
+            # Our copy may be what is wrong, so the caller starts over from a keyframe (once).
             log.error(
-                "%s: discarding %s v%d: %s; re-subscribing from a keyframe",
+                "%s: discarding %s v%d: %s",
                 self.worker_id,
                 self.arm,
                 manifest.version,

@@ -38,6 +38,9 @@ CHANNEL_OPTIONS = [
     ("grpc.max_receive_message_length", 16 << 20),
     ("grpc.http2.lookahead_bytes", 16 << 20),
 ]
+# While a rejected stream pauses before starting over, the arm's latest is asked this
+# often: a new version ends the pause (refusals.py).
+LATEST_RECHECK_S = 1.0
 # Worth subscribing again after: the server went away, or cannot build a path yet
 # (DATA_LOSS until the next keyframe repairs a corrupt chain). Anything else is a bug or misconfiguration.
 RESUBSCRIBE = frozenset(
@@ -152,8 +155,9 @@ class AsyncVersionStream:
     use VersionStream, which drives one on a private loop.
 
     The caller says which version it holds (``follow(have_version)``) and, after each
-    yielded version, whether it accepted it (``accept``) or could not use it
-    (``reject``: the stream then starts over from a keyframe).
+    yielded version, whether it accepted it (``accept``), refused it (``skip``: the
+    stream goes on after it) or could not use it (``reject``: the stream then starts
+    over from a keyframe).
     """
 
     def __init__(
@@ -182,6 +186,7 @@ class AsyncVersionStream:
         self.held = -1
         self._assembler = Assembler()
         self._rejected = False
+        self._reject_pause_s: float | None = None
         # Times the stream was opened again, versions thrown away, and bytes received.
         self.resubscribes = 0
         self.discarded = 0
@@ -190,10 +195,20 @@ class AsyncVersionStream:
     def accept(self, version: int) -> None:
         self.held = version
 
-    def reject(self) -> None:
+    def skip(self, version: int) -> None:
+        """The caller refused ``version`` and keeps what it holds. The stream stays open
+        and goes on after it, and a later Subscribe starts after it too: weight_sync,
+        which sent it, does not send it again (refusals.py)."""
+        self.held = version
+
+    def reject(self, pause_s: float | None = None) -> None:
+        """The caller could not use the version: start over from a keyframe, after
+        ``pause_s`` (cut short when the arm's latest changes), or after the reconnect
+        backoff if None."""
         self.discarded += 1
         self.held = -1
         self._rejected = True
+        self._reject_pause_s = pause_s
 
     def stop(self) -> None:
         """End follow(); call it on the stream's event loop."""
@@ -226,7 +241,6 @@ class AsyncVersionStream:
                             yield version
                             if self._rejected:
                                 # The rest of this stream builds on what was rejected: start over from a keyframe.
-                                self._rejected = False
                                 break
                 except TornStream as exc:
                     log.error("%s: dropping a version of %s: %s", self.worker_id, self.arm, exc)
@@ -248,9 +262,48 @@ class AsyncVersionStream:
                 if self._stopped:
                     return
                 self.resubscribes += 1
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._wake.wait(), backoff_s)
+                await self._wait_to_resubscribe(stub, backoff_s)
                 backoff_s = min(backoff_s * 2, self._max_backoff_s)
+
+    async def _wait_to_resubscribe(
+        self, stub: weights_pb2_grpc.WeightSyncStub, backoff_s: float
+    ) -> None:
+        """The reconnect backoff; after a reject with a pause, that pause instead."""
+        pause_s = self._reject_pause_s if self._rejected else None
+        self._rejected, self._reject_pause_s = False, None
+        if pause_s is None:
+            await self._sleep(backoff_s)
+        else:
+            await self._pause(stub, pause_s)
+
+    async def _pause(self, stub: weights_pb2_grpc.WeightSyncStub, pause_s: float) -> None:
+        """Wait ``pause_s``, or until the arm's latest is no longer what it was when the
+        pause began: a new version is fetched at once, a refused one only after the pause."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + pause_s
+        seen = await self._latest(stub)
+        while not self._stopped and (left := deadline - loop.time()) > 0:
+            await self._sleep(min(left, LATEST_RECHECK_S))
+            if seen is None or loop.time() >= deadline:
+                continue  # the latest is unknown: only the pause's end can tell
+            latest = await self._latest(stub)
+            if latest is not None and latest != seen:
+                return
+
+    async def _sleep(self, seconds: float) -> None:
+        """Sleep, woken early by stop()."""
+        assert self._wake is not None  # set by follow() before any wait
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._wake.wait(), seconds)
+
+    async def _latest(self, stub: weights_pb2_grpc.WeightSyncStub) -> int | None:
+        """The arm's latest version, None if it cannot be read now."""
+        request = weights_pb2.LatestRequest(arm=self.arm)
+        try:
+            response = await stub.Latest(request, metadata=self._metadata, timeout=5.0)
+        except grpc.RpcError:
+            return None
+        return response.version
 
     def _request(self) -> weights_pb2.SubscribeRequest:
         """Subscribe from the version held, resuming the one being received if any."""
@@ -313,8 +366,11 @@ class VersionStream:
     def accept(self, version: int) -> None:
         self._stream.accept(version)
 
-    def reject(self) -> None:
-        self._stream.reject()
+    def skip(self, version: int) -> None:
+        self._stream.skip(version)
+
+    def reject(self, pause_s: float | None = None) -> None:
+        self._stream.reject(pause_s)
 
     def follow(self, have_version: int = -1) -> Iterator[tuple[weights_pb2.Manifest, bytes]]:
         with self._lock:

@@ -6,22 +6,20 @@ import os
 import secrets
 import signal
 import sys
-from typing import cast
 
 import pytest
 import redis
-from confluent_kafka import Consumer
 
-from rtrl import kafka, procs, topics
+from rtrl import kafka, procs, signing, topics
 from rtrl.analytics import report, schema
+from rtrl.analytics.authn import DEAD_LETTER
 from rtrl.analytics.query import client_query_fn, connect, http_query_fn
 from rtrl.analytics.rows import KafkaRecord
-from rtrl.analytics.sink import Sink
 from rtrl.config import StackSettings
 from rtrl.heartbeat import AnalyticsBeat
 from rtrl.ingest.client import make_event
 from rtrl.v1 import telemetry_pb2
-from support import wait
+from support import signed, wait
 from support.analytics import T0, RecordingConsumer, hand_made_records
 from support.beats import wait_for_beat
 
@@ -38,14 +36,14 @@ def test_ab_numbers_match_the_hand_computed_ones(tmp_path):
         schema.create_tables(client)
         consumer = RecordingConsumer()
         # The recording double stands in for the sink's confluent_kafka Consumer.
-        sink = Sink(cast(Consumer, consumer), client, batch_size=100, flush_interval_s=1.0)
+        sink = signed.checking_sink(client, consumer)
         rollouts, rewards = hand_made_records()
         offsets: dict[str, int] = {}
 
         def feed(topic, message, headers=()):
             offset = offsets[topic] = offsets.get(topic, -1) + 1
             sink.add(
-                KafkaRecord(
+                signed.record(
                     topic,
                     0,
                     offset,
@@ -85,7 +83,7 @@ def test_ab_numbers_match_the_hand_computed_ones(tmp_path):
             rollouts[2],
             (("source_topic", topics.ROLLOUT.encode()), ("kind", b"rollout")),
         )
-        sink.add(KafkaRecord(topics.EDIT, 3, 0, b"r9", b"\xff\xfe not protobuf"))
+        sink.add(signed.record(topics.EDIT, 3, 0, b"r9", b"\xff\xfe not protobuf"))
         sink.add(
             KafkaRecord(topics.REWARD_DLQ, 1, 5, b"r8", b"raw", (("reason", b"no rollout record"),))
         )
@@ -121,10 +119,12 @@ def test_ab_numbers_match_the_hand_computed_ones(tmp_path):
             },
         ]
         letters = query("SELECT topic, reason, headers_json FROM dead_letters FINAL ORDER BY topic")
-        assert [(d["topic"], json.loads(d["headers_json"])) for d in letters] == [
-            (topics.REWARD_DLQ, {"reason": "no rollout record"}),
-            (topics.EDIT, {}),
+        assert [(d["topic"], json.loads(d["headers_json"]).keys()) for d in letters] == [
+            (topics.REWARD_DLQ, {"reason"}),
+            (topics.EDIT, {signing.MAC_HEADER}),  # the gateway's MACs, kept as they came
         ]
+        assert json.loads(letters[0]["headers_json"]) == {"reason": "no rollout record"}
+        assert letters[0]["reason"] == DEAD_LETTER.reason, "a dead letter's own reason is a claim"
         assert "does not decode" in letters[1]["reason"]
         assert query(
             "SELECT policy_version_min AS lo, policy_version_max AS hi FROM rollouts FINAL WHERE rollout_id = 't4'"
@@ -220,18 +220,14 @@ def test_sink_deduplicates_replays_and_commits_after_insert(
     async def produce():
         producer = kafka.AsyncProducer(stack_settings)
         try:
-            sends = [
-                producer.send(topics.ROLLOUT, r.SerializeToString(), key=r.rollout_id)
-                for r in rollouts + rollouts[:4]
-            ]
-            sends += [
-                producer.send(topics.REWARD, r.SerializeToString(), key=r.rollout_id)
-                for r in rewards + rewards[2:5]
-            ]
-            sends += [
-                producer.send(topics.FOLLOWUP, e.SerializeToString(), key=e.rollout_id)
-                for e in events + events[:1]
-            ]
+            records = [(topics.ROLLOUT, r) for r in rollouts + rollouts[:4]]
+            records += [(topics.REWARD, r) for r in rewards + rewards[2:5]]
+            records += [(topics.FOLLOWUP, e) for e in events + events[:1]]
+            sends = []
+            for topic, message in records:
+                value = message.SerializeToString()
+                headers = list(signed.headers(topic, value))
+                sends.append(producer.send(topic, value, key=message.rollout_id, headers=headers))
             await asyncio.gather(*sends)
         finally:
             producer.close()

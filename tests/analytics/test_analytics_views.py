@@ -4,20 +4,17 @@ every row (the sink's at-least-once) leaves them unchanged."""
 
 from dataclasses import asdict
 from datetime import UTC, datetime, timedelta
-from typing import cast
 
 import pytest
-from confluent_kafka import Consumer
 
 from rtrl import topics
 from rtrl.analytics import report, schema
 from rtrl.analytics.query import client_query_fn, connect
-from rtrl.analytics.rows import KafkaRecord
-from rtrl.analytics.sink import Sink
 from rtrl.config import StackSettings
 from rtrl.reward_stream.monitors import is_clarifying_question
 from rtrl.v1 import reward_pb2, rollout_pb2, telemetry_pb2
-from support.analytics import T0, RecordingConsumer, reward, rollout
+from support import signed
+from support.analytics import T0, reward, rollout
 from support.reward_stream import QUESTION_CASES
 
 pytestmark = pytest.mark.integration
@@ -135,9 +132,7 @@ class Feeder:
 
     def __init__(self, client):
         # The recording double stands in for the sink's confluent_kafka Consumer.
-        self.sink = Sink(
-            cast(Consumer, RecordingConsumer()), client, batch_size=10_000, flush_interval_s=1.0
-        )
+        self.sink = signed.checking_sink(client, batch_size=10_000)
         self.offset = 0
 
     def insert(self, batch: list[tuple[str, Input]]) -> None:
@@ -149,7 +144,7 @@ class Feeder:
                 else ()
             )
             self.sink.add(
-                KafkaRecord(
+                signed.record(
                     topic,
                     0,
                     self.offset,

@@ -9,21 +9,18 @@ import json
 import re
 import shutil
 import subprocess
-from typing import cast
 
 import numpy as np
 import pytest
-from confluent_kafka import Consumer
 from matplotlib.image import imread
 
 from rtrl import topics
 from rtrl.analytics import report, schema
 from rtrl.analytics.query import client_query_fn, connect
-from rtrl.analytics.rows import KafkaRecord
-from rtrl.analytics.sink import Sink
 from rtrl.config import StackSettings
 from rtrl.v1 import trainer_pb2
-from support.analytics import RecordingConsumer, hand_made_records
+from support import signed
+from support.analytics import hand_made_records
 
 TAB_ORANGE = np.array([1.0, 127 / 255, 14 / 255])
 
@@ -65,7 +62,7 @@ def test_the_report_renders_every_plot_in_headless_chromium(tmp_path):
     client = connect(StackSettings(state_dir=tmp_path))
     schema.create_tables(client)
     # The recording double stands in for the sink's confluent_kafka Consumer.
-    sink = Sink(cast(Consumer, RecordingConsumer()), client, batch_size=100, flush_interval_s=1.0)
+    sink = signed.checking_sink(client)
     rollouts, rewards = hand_made_records()
     records = [(topics.ROLLOUT, r) for r in rollouts] + [(topics.REWARD, r) for r in rewards]
     records += [
@@ -73,7 +70,7 @@ def test_the_report_renders_every_plot_in_headless_chromium(tmp_path):
         for step in range(1, 7)
     ]
     for offset, (topic, message) in enumerate(records):
-        sink.add(KafkaRecord(topic, 0, offset, b"k", message.SerializeToString()))
+        sink.add(signed.record(topic, 0, offset, b"k", message.SerializeToString()))
     sink.flush()
     page = report.render(client_query_fn(client), tmp_path / "report.html")
     text = page.read_text()

@@ -3,18 +3,12 @@ older sink created gains the column at start-up, and the RolloutRecords fill it.
 
 from __future__ import annotations
 
-from typing import cast
-
-from confluent_kafka import Consumer
-
 from rtrl import topics
 from rtrl.analytics import schema
 from rtrl.analytics.query import client_query_fn, connect, project_tables
-from rtrl.analytics.rows import KafkaRecord
-from rtrl.analytics.sink import Sink
 from rtrl.config import StackSettings
 from rtrl.v1 import rollout_pb2
-from support.analytics import RecordingConsumer
+from support import signed
 
 ADDED = [name for name, _ in schema.ADDED_COLUMNS[schema.ROLLOUTS]]
 
@@ -34,7 +28,7 @@ def test_an_older_rollouts_table_gains_context_key_and_records_fill_it(tmp_path)
     schema.create_tables(client)  # idempotent
     assert "context_key" in project_tables(client)[schema.ROLLOUTS]
 
-    sink = Sink(cast(Consumer, RecordingConsumer()), client, batch_size=100, flush_interval_s=1.0)
+    sink = signed.checking_sink(client)
     rollouts = [
         rollout_pb2.RolloutRecord(
             rollout_id="r1", event_id="e1", client_ts_ms=1_700_000_000_000, context_key="repo:a/b"
@@ -44,7 +38,7 @@ def test_an_older_rollouts_table_gains_context_key_and_records_fill_it(tmp_path)
     ]
     for offset, rollout in enumerate(rollouts):
         value = rollout.SerializeToString()
-        sink.add(KafkaRecord(topics.ROLLOUT, 0, offset, rollout.rollout_id.encode(), value))
+        sink.add(signed.record(topics.ROLLOUT, 0, offset, rollout.rollout_id.encode(), value))
     sink.flush()
 
     rows = client_query_fn(client)(

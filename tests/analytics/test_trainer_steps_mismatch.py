@@ -5,22 +5,17 @@ through the /query guard the running stack's report goes through."""
 
 from __future__ import annotations
 
-from typing import cast
-
 import pytest
-from confluent_kafka import Consumer
 
 from rtrl import topics
 from rtrl.analytics import schema
 from rtrl.analytics.query import client_query_fn, connect, project_tables
-from rtrl.analytics.rows import KafkaRecord
-from rtrl.analytics.sink import Sink
 from rtrl.analytics.sql_guard import checked_sql
 from rtrl.analytics.training_report import MismatchSummary, mismatch_summary
 from rtrl.config import StackSettings
 from rtrl.ops.reporting import mismatch_line
 from rtrl.v1 import trainer_pb2
-from support.analytics import RecordingConsumer
+from support import signed
 
 ADDED = [name for name, _ in schema.ADDED_COLUMNS[schema.TRAINER_STEPS]]
 
@@ -55,14 +50,14 @@ def test_an_older_table_gains_the_columns_and_the_report_weighs_steps_by_tokens(
     schema.create_tables(client)  # idempotent
     assert set(ADDED) <= project_tables(client)[schema.TRAINER_STEPS]
 
-    sink = Sink(cast(Consumer, RecordingConsumer()), client, batch_size=100, flush_interval_s=1.0)
+    sink = signed.checking_sink(client)
     steps = [
         _step(1, 1e-6, 4e-6, 0.0, 100),
         _step(2, 0.0, 0.0, 0.0, 0),  # started from weights no worker sampled with
         _step(3, 0.1, 0.6, 0.5, 300),
     ]
     for offset, step in enumerate(steps + steps[:1]):  # and one replayed
-        sink.add(KafkaRecord(topics.TRAINER_STEPS, 0, offset, b"warm", step.SerializeToString()))
+        sink.add(signed.record(topics.TRAINER_STEPS, 0, offset, b"warm", step.SerializeToString()))
     sink.flush()
 
     tables = project_tables(client)

@@ -159,7 +159,7 @@ def test_status_json_is_the_same_typed_view_for_scripts(run):
     trainer = status["trainers"]["trainer:0"]
     # Beats are a second apart, so a worker may report a version the trainer's last beat did
     # not yet: both are bounded by what the registry holds once the status was read.
-    client = redis.Redis.from_url(run.stack.redis_url)
+    client = redis.Redis.from_url(run.stack.redis_url_as("operator"))
     published = int(_bytes(client.get(registry.latest_key("treatment")) or b"-1"))
     client.close()
     assert trainer["step"] >= 2 and 0 < trainer["version"] <= published
@@ -221,12 +221,12 @@ def test_loop_end_to_end(run):
     assert "telemetry.rollout.v1" in text and "rl.reward.v1" in text
 
     # At least two new versions were published and went live on every worker.
-    live = live_times(_applied(stack.redis_url))
+    live = live_times(_applied(stack.redis_url_as("operator")))
     workers = {s.key for s in stack.services if s.name == "inference"}
     assert len([v for v in live if v > 0]) >= 2, live
     assert all(
         len(per_worker) == len(workers)
-        for v, per_worker in _applied(stack.redis_url).items()
+        for v, per_worker in _applied(stack.redis_url_as("operator")).items()
         if v in live
     )
 
@@ -467,11 +467,9 @@ def test_each_secret_is_found_only_where_it_is_used(run):
     def found_in(blob: bytes) -> set[str]:
         return {name for value, name in names.items() if value.encode() in blob}
 
-    # Processes: each service holds exactly its own; the supervisor, the broker and Redis none.
-    expected_by_pid = {
-        spec.pid: set(stack_secrets.SERVICE_SECRETS.get(spec.name, {}).values())
-        for spec in run.stack.services
-    }
+    # Processes: each service holds exactly its own (its Redis password inside RTRL_REDIS_URL);
+    # the supervisor, the broker and Redis none (Redis's ACL file holds only hashes).
+    expected_by_pid = {spec.pid: stack_secrets.held_by(spec.name) for spec in run.stack.services}
     expected_by_pid |= {pid: set() for pid in (run.stack.supervisor_pid, *run.stack.infra.values())}
     for pid, expected in expected_by_pid.items():
         environ = Path(f"/proc/{pid}/environ").read_bytes()
@@ -498,8 +496,36 @@ def test_each_secret_is_found_only_where_it_is_used(run):
     ]
     assert not readable, f"readable by others than the owner: {readable[:10]}"
     # Heartbeats and every metrics page.
-    client = redis.Redis.from_url(run.stack.redis_url)
+    client = redis.Redis.from_url(run.stack.redis_url_as("operator"))
     beats = b"".join(_bytes(client.get(key) or b"") for key in client.scan_iter("rtrl:hb:*"))
     client.close()
     assert beats and not found_in(beats)
     assert run.metrics and not found_in("".join(run.metrics.values()).encode())
+
+
+@pytest.mark.guarantee(7)
+def test_the_stacks_redis_answers_only_its_own_users(run):
+    """Guarantee 7 for `rtrl up`'s Redis (issue 24): a local client without a password is
+    refused what would wipe the registry or list and reconfigure everything; stack.json says
+    where Redis listens but holds no password; each service runs as its own Redis user
+    (ops/redis_acl.py; tests/ops/test_redis_acl.py attacks each user's keys)."""
+    import urllib.parse
+
+    anonymous = redis.Redis.from_url(run.stack.redis_url)
+    try:
+        for command in (
+            ("DEL", "rtrl:ws:treatment:latest"),
+            ("KEYS", "*"),
+            ("CONFIG", "GET", "*"),
+            ("HSET", "rtrl:ingest:key:minted", "client_id", "attacker"),
+        ):
+            with pytest.raises(redis.exceptions.AuthenticationError):  # NOAUTH
+                anonymous.execute_command(*command)
+    finally:
+        anonymous.close()
+    written = json.loads((Path(run.stack.state_dir) / "stack.json").read_text())
+    assert urllib.parse.urlsplit(written["redis_url"]).password is None
+    for spec in run.stack.services:
+        environ = Path(f"/proc/{spec.pid}/environ").read_bytes().split(b"\0")
+        (url,) = [v.split(b"=", 1)[1].decode() for v in environ if v.startswith(b"RTRL_REDIS_URL=")]
+        assert urllib.parse.urlsplit(url).username == spec.name, f"{spec.key} runs as {url}"

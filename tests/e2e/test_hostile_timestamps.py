@@ -12,20 +12,18 @@ import sys
 import time
 import uuid
 from dataclasses import dataclass
-from typing import cast
 
 import aiohttp
 import pytest
 import redis
 import torch
-from confluent_kafka import Consumer, Producer
+from confluent_kafka import Producer
 from google.protobuf import json_format
 
 from rtrl import kafka, procs, topics
 from rtrl.analytics import schema
 from rtrl.analytics.query import client_query_fn, connect, http_query_fn
-from rtrl.analytics.rows import TS_MAX_MS, KafkaRecord
-from rtrl.analytics.sink import Sink
+from rtrl.analytics.rows import TS_MAX_MS
 from rtrl.config import StackSettings
 from rtrl.heartbeat import RewardStreamBeat
 from rtrl.inference.config import InferenceSettings
@@ -47,7 +45,7 @@ from rtrl.v1 import (
     telemetry_pb2,
     trainer_pb2,
 )
-from support import wait
+from support import signed, wait
 from support.analytics import RecordingConsumer, hand_made_records
 from support.beats import wait_for_beat
 from support.ingest import ingest_settings, read_topics, shown
@@ -565,12 +563,12 @@ def test_sink_stores_what_its_columns_hold_and_dead_letters_the_rest(tmp_path):
         schema.create_tables(client)
         consumer = RecordingConsumer()
         # The recording double stands in for the sink's confluent_kafka Consumer.
-        sink = Sink(cast(Consumer, consumer), client, batch_size=1000, flush_interval_s=1.0)
+        sink = signed.checking_sink(client, consumer, batch_size=1000)
         offset = 0
         expected_letters, next_offsets = set(), {}
         for name, (ts, storable) in BOUNDARY.items():
             for topic, value, headers in sink_records(name, ts):
-                sink.add(KafkaRecord(topic, 0, offset, f"sink-{name}".encode(), value, headers))
+                sink.add(signed.record(topic, 0, offset, f"sink-{name}".encode(), value, headers))
                 if not storable:
                     expected_letters.add((topic, offset))
                 offset += 1
@@ -631,7 +629,7 @@ def test_sink_process_dead_letters_an_unstorable_record_and_commits_past_it(
         *((topics.ROLLOUT, r) for r in rollouts),
         *((topics.REWARD, r) for r in rewards),
     ]:
-        producer.produce(topic, message.SerializeToString(), key=message.rollout_id)
+        signed.produce(producer, topic, message.SerializeToString(), message.rollout_id)
     assert producer.flush(10) == 0
     sink = procs.spawn(
         "analytics",

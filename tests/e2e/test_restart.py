@@ -109,7 +109,7 @@ def test_a_stopped_stack_resumes_its_lineage_weights_and_history(resumed):
     stack, first, beats = resumed.stack, resumed.first, resumed.beats_at_start
     assert first["last_version"] >= 1, f"the first run published nothing: {first}"
     # Before any traffic: the lineage, the trainer and every worker are where the first run stopped.
-    client = redis.Redis.from_url(stack.redis_url)
+    client = redis.Redis.from_url(stack.redis_url_as("operator"))
     assert int(_stored(client, f"rtrl:ws:{TREATMENT}:latest")) == first["last_version"]
     client.close()
     assert beats["trainer:0"].version == first["last_version"]
@@ -172,7 +172,7 @@ def test_flushall_mid_run_keeps_training_serving_and_versions_rising(resumed):
     from rtrl.ops.demo import run_product
 
     stack = resumed.stack
-    client = redis.Redis.from_url(stack.redis_url)
+    client = redis.Redis.from_url(stack.redis_url_as("operator"))
     before = int(_stored(client, f"rtrl:ws:{TREATMENT}:latest"))
     seen: list[dict[str, int]] = []
     stop = threading.Event()
@@ -226,7 +226,7 @@ def _trainer_caught_up(stack, client, timeout_s: float = 60.0) -> tuple[int, dic
 def _manifests(stack, arm: str):
     from rtrl.v1 import weights_pb2
 
-    client = redis.Redis.from_url(stack.redis_url)
+    client = redis.Redis.from_url(stack.redis_url_as("operator"))
     try:
         return [
             weights_pb2.Manifest.FromString(_stored(client, k))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import time
+import urllib.parse
 
 import pytest
 import redis
@@ -48,17 +49,35 @@ def _key_rows(client) -> list[dict]:
     return rows
 
 
-def test_keys_go_to_the_running_stacks_redis_even_when_rtrl_redis_url_points_elsewhere(
-    tmp_path, redis_url, monkeypatch
-):
+@pytest.fixture
+def embedded_redis(tmp_path):
+    """A state directory's secrets and its Redis, started as `rtrl up` starts it: the
+    stack's users only (ops/redis_acl.py). Yields the state directory and Redis's address."""
+    from rtrl.ops import redis_acl, stack_secrets
+
     state_dir = tmp_path / "state"
-    _pretend_stack(state_dir, redis_url)
+    state_dir.mkdir()
+    passwords = stack_secrets.ensure(state_dir).redis_passwords()
+    proc = redis_acl.start(state_dir, passwords, state_dir / "logs" / "redis.log")
+    yield state_dir, f"redis://127.0.0.1:{proc.port}/0"
+    proc.stop()
+
+
+def test_keys_go_to_the_running_stacks_redis_even_when_rtrl_redis_url_points_elsewhere(
+    embedded_redis, monkeypatch
+):
+    state_dir, address = embedded_redis
+    stack = _pretend_stack(state_dir, address)
     monkeypatch.setenv("RTRL_STATE_DIR", str(state_dir))
     monkeypatch.setenv("RTRL_REDIS_URL", "redis://127.0.0.1:1/0")  # nothing listens there
     result = CliRunner().invoke(app, ["keys", "create", "product-a"])
     assert result.exit_code == 0, result.output
     assert f"using the stack in {state_dir}" in " ".join(result.output.split())
-    assert "product-a" in _clients(redis_url)
+    # As the operator, whose password the CLI read from the state directory and never printed.
+    operator = stack.redis_url_as("operator")
+    assert "product-a" in _clients(operator)
+    password = urllib.parse.urlsplit(operator).password
+    assert password and password not in result.output
 
 
 def test_keys_without_a_running_stack_or_a_redis_url_is_a_clear_error(tmp_path, monkeypatch):

@@ -62,12 +62,21 @@ OPERATOR_ENV = {
     "RTRL_WEIGHT_SYNC_SUBSCRIBE_TOKEN": "subscribe-secret",
     "RTRL_ANALYTICS_QUERY_TOKEN": "query-secret",
     # Keys of the shape their settings check (rtrl/config.py), each its own value.
-    "RTRL_REWARD_SIGNING_KEY": signing.generate_private_key(),
+    # Each reward reader's MAC key: the joiner's copy and the reader's, two values here.
+    "RTRL_REWARD_TRAINER_MAC_KEY": signing.generate_mac_key(),
+    "RTRL_TRAINER_REWARD_MAC_KEYS": signing.generate_mac_key(),
+    "RTRL_REWARD_ANALYTICS_MAC_KEY": signing.generate_mac_key(),
+    "RTRL_ANALYTICS_REWARD_MAC_KEYS": signing.generate_mac_key(),
     "RTRL_TRAINER_MANIFEST_SIGNING_KEY": signing.generate_private_key(),
     "RTRL_INFERENCE_ROLLOUT_SIGNING_KEY": signing.generate_private_key(),
     # One key in truth (the gateway authenticates, the joiner verifies): two names, two values here.
     "RTRL_INGEST_EVENT_KEY": signing.generate_mac_key(),
     "RTRL_REWARD_EVENT_KEYS": signing.generate_mac_key(),
+    # So are the rollouts' MAC key (workers, joiner) and the sink's event key (gateway, sink).
+    "RTRL_INFERENCE_ROLLOUT_MAC_KEY": signing.generate_mac_key(),
+    "RTRL_REWARD_ROLLOUT_MAC_KEYS": signing.generate_mac_key(),
+    "RTRL_INGEST_ANALYTICS_EVENT_KEY": signing.generate_mac_key(),
+    "RTRL_ANALYTICS_EVENT_KEYS": signing.generate_mac_key(),
     "RTRL_SGLANG_API_KEY": "sglang-serving-secret",
     "RTRL_SGLANG_ADMIN_API_KEY": "sglang-admin-secret",
     **{f"RTRL_REDIS_PASSWORD_{user.upper()}": f"redis-{user}-secret" for user in REDIS_USERS},
@@ -75,8 +84,9 @@ OPERATOR_ENV = {
     "RTRL_CLICKHOUSE_QUERY_PASSWORD": "ch-reader-pw",
     **{f"RTRL_KAFKA_PASSWORD_{user.upper()}": f"kafka-{user}-pw" for user in KAFKA_USERS},
 }
-# Secrets only compose has (the embedded stack runs no SGLang, and one Redis user), by the
-# module that uses them: each service's Redis password is its own.
+# Secrets only compose has (the embedded stack runs no SGLang; its services' Redis passwords
+# reach them inside RTRL_REDIS_URL, not through SERVICE_SECRETS), by the module that uses
+# them: each service's Redis password is its own.
 COMPOSE_ONLY_SECRETS = {
     "inference": {"RTRL_SGLANG_API_KEY"},
     "inference.sglang_sidecar": {
@@ -93,16 +103,13 @@ COMPOSE_ONLY_SECRETS["analytics"] |= {
 }
 for _user in KAFKA_USERS[1:]:
     COMPOSE_ONLY_SECRETS[_user].add(f"RTRL_KAFKA_PASSWORD_{_user.upper()}")
-# Not secret, but required: the trainer verifies rewards with the joiner's public key,
-# workers verify manifests with the trainer's.
+# Not secret, but required: workers verify manifests with the trainer's public key, the
+# analytics sink rollouts with the workers'.
 OPERATOR_CONFIG = {
-    "RTRL_TRAINER_REWARD_PUBLIC_KEYS": signing.public_key_of(
-        OPERATOR_ENV["RTRL_REWARD_SIGNING_KEY"]
-    ),
     "RTRL_MANIFEST_PUBLIC_KEYS": signing.public_key_of(
         OPERATOR_ENV["RTRL_TRAINER_MANIFEST_SIGNING_KEY"]
     ),
-    "RTRL_REWARD_ROLLOUT_PUBLIC_KEYS": signing.public_key_of(
+    "RTRL_ANALYTICS_ROLLOUT_PUBLIC_KEYS": signing.public_key_of(
         OPERATOR_ENV["RTRL_INFERENCE_ROLLOUT_SIGNING_KEY"]
     ),
     "RTRL_API_KEY_PUBLIC_KEYS": signing.public_key_of(signing.generate_private_key()),
@@ -456,6 +463,19 @@ def test_the_query_user_is_granted_select_on_the_projects_tables_and_nothing_els
     analytics = load()["services"]["analytics"]["environment"]
     assert analytics["RTRL_ANALYTICS_QUERY_CLICKHOUSE_URL"].startswith("http://rtrl_query:")
     assert analytics["RTRL_CLICKHOUSE_URL"].startswith("http://rtrl_sink:")
+
+
+def test_the_redis_users_are_rendered_from_the_definition_both_stacks_use():
+    """compose/redis-acl.sh is `python -m rtrl.ops.redis_acl`: compose's Redis has the same
+    users, keys and commands as `rtrl up`'s (tests/ops/test_redis_acl.py attacks both), and
+    compose holds a password for each."""
+    from rtrl.ops import redis_acl
+
+    script = (COMPOSE.parent / "redis-acl.sh").read_text()
+    assert script == redis_acl.render(), (
+        "compose/redis-acl.sh is stale: python -m rtrl.ops.redis_acl > compose/redis-acl.sh"
+    )
+    assert REDIS_USERS == tuple(user.name for user in redis_acl.USERS)
 
 
 def test_the_kafka_acls_are_rendered_from_the_topic_contract_and_grant_no_more():

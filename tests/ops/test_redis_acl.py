@@ -1,11 +1,15 @@
-"""Compose's Redis gives each service a user of its own (compose/redis-acl.sh), and each
+"""The stack's Redis gives each service a user of its own (ops/redis_acl.py), and each
 user reaches only the keys its service uses (issue 17: one HSET minted an API key,
-rewriting a manifest pointed treatment at control's weights, with no credential at all).
+rewriting a manifest pointed treatment at control's weights, with no credential at all;
+issue 24: `rtrl up`'s own Redis took any local client).
 
-The script runs here against a real redis-server. Each service's own code paths work as
-its user (the gateway's claim script and writes, the serving API's key, rate and
-binding work, weight_sync's registry, pub/sub and a subscriber, every heartbeat); then
-each user attacks what belongs to another and is refused."""
+Both stacks' Redis run here, each a real redis-server: compose's, started by its script
+(compose/redis-acl.sh), and the embedded one, started as `rtrl up` starts it
+(redis_acl.start, passwords from a state directory's secrets). On each, every service's
+own code paths work as its user (the gateway's claim script and writes, the serving
+API's key, rate and binding work, weight_sync's registry, pub/sub and a subscriber,
+every heartbeat); then each user, and a client with no password, attacks what belongs to
+another and is refused."""
 
 from __future__ import annotations
 
@@ -31,8 +35,10 @@ from rtrl.api_keys import (
 from rtrl.ingest.client import make_event
 from rtrl.ingest.gateway import ACCEPTED, Gateway
 from rtrl.v1 import telemetry_pb2
+from rtrl.weight_sync import registry
 from rtrl.weight_sync.client import Publisher, Subscriber
 from rtrl.weight_sync.config import WeightSyncSettings
+from support import wait
 from support.signing import EVENT_SIGNER, KEY_AUTHORITY
 from support.weight_sync import (
     ARM,
@@ -49,38 +55,49 @@ SCRIPT = Path(__file__).resolve().parents[2] / "compose" / "redis-acl.sh"
 USERS = ("operator", "ingest", "inference", "weight_sync", "trainer", "reward_stream", "analytics")
 
 
-@pytest.fixture(scope="module")
-def acl_redis(tmp_path_factory):
-    """name -> redis URL of that user, on a redis-server started by compose's own script."""
-    where = tmp_path_factory.mktemp("redis-acl")
-    passwords = {user: secrets.token_urlsafe(16) for user in USERS}
+@pytest.fixture(scope="module", params=["compose", "embedded"])
+def acl_redis(request, tmp_path_factory):
+    """name -> redis URL of that user, on compose's Redis or on the embedded stack's."""
+    where = tmp_path_factory.mktemp(f"redis-acl-{request.param}")
+    passwords = _passwords(request.param, where)
+    proc, acl_file = _start(request.param, where, passwords)
+    assert acl_file.stat().st_mode & 0o077 == 0, "the ACL file proves every password: owner-only"
+    yield {
+        user: f"redis://{user}:{password}@127.0.0.1:{proc.port}/0"
+        for user, password in passwords.items()
+    } | {"anonymous": f"redis://127.0.0.1:{proc.port}/0"}
+    proc.stop()
+
+
+def _passwords(kind: str, where: Path) -> dict[str, str]:
+    """Compose's come from the operator's environment (random here); `rtrl up`'s from the
+    state directory's secrets."""
+    if kind == "compose":
+        return {user: secrets.token_urlsafe(16) for user in USERS}
+    from rtrl.ops import stack_secrets
+
+    passwords = stack_secrets.ensure(where).redis_passwords()
+    assert set(passwords) == set(USERS)
+    return passwords
+
+
+def _start(kind: str, where: Path, passwords: dict[str, str]) -> tuple[procs.Proc, Path]:
+    """A durable Redis in ``where``, started as its stack starts it; and its ACL file."""
+    if kind == "embedded":
+        from rtrl.ops import redis_acl
+
+        return redis_acl.start(where, passwords, where / "logs" / "redis.log"), where / (
+            redis_acl.ACL_FILE
+        )
     env = {f"RTRL_REDIS_PASSWORD_{user.upper()}": password for user, password in passwords.items()}
     env["RTRL_REDIS_ACL_FILE"] = str(where / "users.acl")
     port = procs.free_port()
-    argv = [
-        "sh",
-        str(SCRIPT),
-        "--port",
-        str(port),
-        "--bind",
-        "127.0.0.1",
-        "--save",
-        "",
-        "--dir",
-        str(where),
-        "--daemonize",
-        "no",
-    ]
+    # compose.yaml's command, on a free port in ``where``.
+    argv = ["sh", str(SCRIPT), "--appendonly", "yes", "--appendfsync", "everysec"]
+    argv += ["--port", str(port), "--bind", "127.0.0.1", "--save", "", "--dir", str(where)]
     proc = procs.spawn("redis-acl", argv, where / "redis.log", env=env, port=port)
     procs.wait_for_port(port)
-    assert (where / "users.acl").stat().st_mode & 0o077 == 0, (
-        "the ACL file holds every password: owner-only"
-    )
-    yield {
-        user: f"redis://{user}:{password}@127.0.0.1:{port}/0"
-        for user, password in passwords.items()
-    } | {"anonymous": f"redis://127.0.0.1:{port}/0"}
-    proc.stop()
+    return proc, where / "users.acl"
 
 
 def refused(url: str, *command) -> bool:
@@ -190,10 +207,31 @@ def test_each_service_does_its_work_as_its_own_user(
     try:
         assert publisher.publish(policy_weights) == 0
         assert following.next()[0].version == 0
+        # Its background loops (the pub/sub listener, beats, the registry watch) still run.
+        assert not [task for task in server.running.tasks if task.done()]
     finally:
         following.stop()
         publisher.close()
         server.close()
+
+
+def test_weight_sync_hears_every_publish_as_its_own_user(acl_redis):
+    """weight_sync's listener subscribes to the pattern of every arm's channel, and Redis
+    matches a pattern subscription literally against the user's channel rules: a rule that
+    only glob-matches the pattern refuses it, and the server stops."""
+    client = redis.Redis.from_url(acl_redis["weight_sync"])
+    pubsub = client.pubsub()
+    try:
+        pubsub.psubscribe(registry.PUBLISHED_PATTERN)
+        subscribed = pubsub.get_message(timeout=5)
+        assert subscribed is not None and subscribed["type"] == "psubscribe"
+        client.publish(registry.published_channel("treatment"), "7")
+        message = wait.until(lambda: pubsub.get_message(timeout=1), "the publish", timeout_s=10)
+        assert message["channel"] == registry.published_channel("treatment").encode()
+        assert message["data"] == b"7"
+    finally:
+        pubsub.close()
+        client.close()
 
 
 # (user, command): what each user must never do. Each line is an attack the trust issue
@@ -201,6 +239,10 @@ def test_each_service_does_its_work_as_its_own_user(
 # binding a rollout to another client, registering users private, wiping everything.
 ATTACKS = [
     ("anonymous", ("GET", "rtrl:ws:treatment:latest")),
+    ("anonymous", ("DEL", "rtrl:ws:treatment:latest")),
+    ("anonymous", ("HSET", "rtrl:ingest:key:minted", "client_id", "attacker")),
+    ("anonymous", ("KEYS", "*")),
+    ("anonymous", ("CONFIG", "GET", "*")),
     ("ingest", ("HSET", "rtrl:ingest:key:minted", "client_id", "attacker")),
     ("ingest", ("SET", "rtrl:ws:treatment:latest", "0")),
     ("ingest", ("SET", SERVED_PREFIX + "r-acl", "attacker")),
@@ -235,3 +277,36 @@ def test_the_refusals_are_not_a_broken_server(acl_redis):
     for _, command in ATTACKS:
         if command[0] not in ("FLUSHALL", "CONFIG"):
             assert not refused(acl_redis["operator"], *command), command
+
+
+@pytest.mark.parametrize("kind", ["compose", "embedded"])
+def test_transactions_outlive_a_restart(tmp_path, kind):
+    """Both stacks' Redis keep an append-only file and replay it when they start again
+    (`rtrl down` then `up`, a compose restart), the transactions in it too: the registry's
+    and the key records' writes. Redis replays them as its default user
+    (redis_acl.DEFAULT_USER says why that user, off, holds every permission)."""
+    passwords = _passwords(kind, tmp_path)
+    proc, _ = _start(kind, tmp_path, passwords)
+    try:
+        operator = redis.Redis.from_url(
+            f"redis://operator:{passwords['operator']}@127.0.0.1:{proc.port}/0"
+        )
+        with operator.pipeline(transaction=True) as pipe:
+            pipe.set("rtrl:ws:treatment:latest", "3")
+            pipe.hset("rtrl:ingest:key:k", "client_id", "c")
+            pipe.execute()
+        operator.set("rtrl:hb:plain", "1")
+        operator.close()
+    finally:
+        proc.stop()
+    proc, _ = _start(kind, tmp_path, passwords)
+    try:
+        operator = redis.Redis.from_url(
+            f"redis://operator:{passwords['operator']}@127.0.0.1:{proc.port}/0"
+        )
+        assert operator.get("rtrl:hb:plain") == b"1"
+        assert operator.get("rtrl:ws:treatment:latest") == b"3", "the transaction was lost"
+        assert operator.hget("rtrl:ingest:key:k", "client_id") == b"c"
+        operator.close()
+    finally:
+        proc.stop()

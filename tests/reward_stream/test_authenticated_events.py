@@ -13,6 +13,7 @@ counted, and every reward is what the honest events alone make it.
 
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
@@ -56,17 +57,22 @@ def _anger(rollout_id: str, ts_ms: int, n: int) -> telemetry_pb2.TelemetryEvent:
 def _forgeries(rollout_id: str, ts_ms: int) -> list[tuple[bytes, Headers, str]]:
     """(value, headers, the reason it is refused) of each kind of forged event."""
     stranger = signing.MacSigner(signing.generate_mac_key(), signing.Purpose.EVENT)
-    values = [_anger(rollout_id, ts_ms, n).SerializeToString() for n in range(4)]
+    values = [_anger(rollout_id, ts_ms, n).SerializeToString() for n in range(5)]
     # The gateway's MAC of an honest event, carried by another one.
     replayed = list(EVENT_SIGNER.headers(_kept(rollout_id, ts_ms).SerializeToString()))
-    # The gateway's key id, with a tag made for another purpose: nothing the key made.
-    wrong_purpose = signing.MacSigner(signing.generate_mac_key(), signing.Purpose.ROLLOUT)
-    tag, _ = wrong_purpose.headers(values[3])
+    # The joiner's key id, with a tag made under another key: nothing the key made.
+    joiners = signing.MacSigner(os.environ["RTRL_INGEST_EVENT_KEY"], signing.Purpose.EVENT)
+    borrowed = [(signing.MAC_HEADER, joiners.key_id.encode() + stranger.sign(values[3]))]
+    # The gateway's MAC for the analytics sink alone: the sink's key makes nothing the joiner takes.
+    for_the_sink = signing.MacSigner(
+        os.environ["RTRL_INGEST_ANALYTICS_EVENT_KEY"], signing.Purpose.EVENT
+    )
     return [
         (values[0], [], signing.UNSIGNED),
-        (values[1], list(stranger.headers(values[1])), "signed by an unknown key"),
+        (values[1], list(stranger.headers(values[1])), "no MAC under this reader's key"),
         (values[2], replayed, "bad signature"),
-        (values[3], [tag, (signing.SIGNER_HEADER, EVENT_SIGNER.key_id.encode())], "bad signature"),
+        (values[3], borrowed, "bad signature"),
+        (values[4], list(for_the_sink.headers(values[4])), "no MAC under this reader's key"),
     ]
 
 

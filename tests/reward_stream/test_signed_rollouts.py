@@ -11,6 +11,7 @@ dead-lettered with its reason and counted.
 
 from __future__ import annotations
 
+import os
 import time
 import uuid
 
@@ -50,8 +51,14 @@ def _kept(rollout_id: str, ts_ms: int) -> telemetry_pb2.TelemetryEvent:
 
 def _forgeries(ts_ms: int) -> dict[str, tuple[bytes, list[tuple[str, bytes]], str]]:
     """rollout_id -> (value, headers, the reason it is refused)."""
-    stranger = signing.Signer(signing.generate_private_key(), signing.Purpose.ROLLOUT)
-    reward_purpose = signing.Signer(signing.generate_private_key(), signing.Purpose.REWARD)
+    stranger = signing.MacSigner(signing.generate_mac_key(), signing.Purpose.ROLLOUT)
+    to_joiner = signing.MacSigner(
+        os.environ["RTRL_INFERENCE_ROLLOUT_MAC_KEY"], signing.Purpose.ROLLOUT
+    )
+    # The worker's own Ed25519 signature is for the analytics sink: it is no MAC the joiner holds.
+    worker_signature = signing.Signer(
+        os.environ["RTRL_INFERENCE_ROLLOUT_SIGNING_KEY"], signing.Purpose.ROLLOUT
+    )
     forged: dict[str, tuple[bytes, list[tuple[str, bytes]], str]] = {}
 
     def value(rollout_id: str) -> bytes:
@@ -61,6 +68,11 @@ def _forgeries(ts_ms: int) -> dict[str, tuple[bytes, list[tuple[str, bytes]], st
     forged["stranger"] = (
         value("stranger"),
         list(stranger.headers(value("stranger"))),
+        "no MAC under this reader's key",
+    )
+    forged["signature-only"] = (
+        value("signature-only"),
+        list(worker_signature.headers(value("signature-only"))),
         "signed by an unknown key",
     )
     # An honest signature, on other bytes: the tokens rewritten after signing.
@@ -74,11 +86,15 @@ def _forgeries(ts_ms: int) -> dict[str, tuple[bytes, list[tuple[str, bytes]], st
         list(ROLLOUT_SIGNER.headers(value("someone-else"))),
         "bad signature",
     )
-    # A worker's key id, but a signature made for another purpose (a reward) by another key.
-    signature, _ = reward_purpose.headers(value("purpose"))
-    forged["purpose"] = (
-        value("purpose"),
-        [signature, (signing.SIGNER_HEADER, ROLLOUT_SIGNER.key_id.encode())],
+    # The workers' key, but a MAC made for another purpose (a reward's).
+    as_reward = signing.MacSigner(
+        os.environ["RTRL_INFERENCE_ROLLOUT_MAC_KEY"], signing.Purpose.REWARD
+    ).headers(value("purpose"))
+    forged["purpose"] = (value("purpose"), list(as_reward), "bad signature")
+    # The workers' key id with a tag made under another key.
+    forged["borrowed-id"] = (
+        value("borrowed-id"),
+        [(signing.MAC_HEADER, to_joiner.key_id.encode() + stranger.sign(value("borrowed-id")))],
         "bad signature",
     )
     return forged

@@ -29,29 +29,42 @@ SIDECAR = {"RTRL_SGLANG_SIDECAR_MODEL_DIR": "/nonexistent/policy"}
 # Each service (and the replay, which signs as the joiner) and every secret it does not start
 # without, with its default settings (API keys required, weights followed).
 REQUIRED = {
-    "rtrl.ingest": ("RTRL_INGEST_EVENT_KEY", "RTRL_API_KEY_PUBLIC_KEYS"),
+    "rtrl.ingest": (
+        "RTRL_INGEST_EVENT_KEY",
+        "RTRL_INGEST_ANALYTICS_EVENT_KEY",
+        "RTRL_API_KEY_PUBLIC_KEYS",
+    ),
     "rtrl.reward_stream": (
-        "RTRL_REWARD_SIGNING_KEY",
-        "RTRL_REWARD_ROLLOUT_PUBLIC_KEYS",
+        "RTRL_REWARD_TRAINER_MAC_KEY",
+        "RTRL_REWARD_ANALYTICS_MAC_KEY",
+        "RTRL_REWARD_ROLLOUT_MAC_KEYS",
         "RTRL_REWARD_EVENT_KEYS",
     ),
     "rtrl.reward_stream.replay": (
-        "RTRL_REWARD_SIGNING_KEY",
-        "RTRL_REWARD_ROLLOUT_PUBLIC_KEYS",
+        "RTRL_REWARD_TRAINER_MAC_KEY",
+        "RTRL_REWARD_ANALYTICS_MAC_KEY",
+        "RTRL_REWARD_ROLLOUT_MAC_KEYS",
         "RTRL_REWARD_EVENT_KEYS",
     ),
     "rtrl.trainer": (
         "RTRL_TRAINER_MANIFEST_SIGNING_KEY",
-        "RTRL_TRAINER_REWARD_PUBLIC_KEYS",
+        "RTRL_TRAINER_REWARD_MAC_KEYS",
         "RTRL_WEIGHT_SYNC_TOKEN",
     ),
     "rtrl.inference": (
         "RTRL_INFERENCE_ROLLOUT_SIGNING_KEY",
+        "RTRL_INFERENCE_ROLLOUT_MAC_KEY",
         "RTRL_API_KEY_PUBLIC_KEYS",
         "RTRL_WEIGHT_SYNC_SUBSCRIBE_TOKEN",
         "RTRL_MANIFEST_PUBLIC_KEYS",
     ),
     "rtrl.weight_sync": ("RTRL_WEIGHT_SYNC_TOKEN", "RTRL_WEIGHT_SYNC_SUBSCRIBE_TOKEN"),
+    "rtrl.analytics": (
+        "RTRL_ANALYTICS_ROLLOUT_PUBLIC_KEYS",
+        "RTRL_ANALYTICS_REWARD_MAC_KEYS",
+        "RTRL_ANALYTICS_EVENT_KEYS",
+        "RTRL_MANIFEST_PUBLIC_KEYS",
+    ),
     "rtrl.weight_sync.relay": ("RTRL_WEIGHT_SYNC_SUBSCRIBE_TOKEN",),
     "rtrl.inference.sglang_sidecar": (
         "RTRL_WEIGHT_SYNC_SUBSCRIBE_TOKEN",
@@ -67,7 +80,7 @@ NOT_A_TOKEN = "two words"
 MALFORMED = [
     ("rtrl.ingest", "RTRL_INGEST_EVENT_KEY", NOT_A_KEY),
     ("rtrl.reward_stream", "RTRL_REWARD_EVENT_KEYS", NOT_A_KEY),
-    ("rtrl.reward_stream.replay", "RTRL_REWARD_ROLLOUT_PUBLIC_KEYS", NOT_A_KEY),
+    ("rtrl.reward_stream.replay", "RTRL_REWARD_ROLLOUT_MAC_KEYS", NOT_A_KEY),
     ("rtrl.trainer", "RTRL_TRAINER_MANIFEST_SIGNING_KEY", NOT_A_KEY),
     ("rtrl.inference", "RTRL_INFERENCE_ROLLOUT_SIGNING_KEY", NOT_A_KEY),
     ("rtrl.weight_sync", "RTRL_WEIGHT_SYNC_TOKEN", NOT_A_TOKEN),
@@ -143,13 +156,15 @@ def test_a_secret_is_required_only_where_the_service_uses_it():
     stack = StackSettings(api_key_public_keys="", manifest_public_keys="")
     lenient = InferenceSettings(auth_required=False, follow_weights=False)
     assert [s.variable for s in lenient.required_secrets(stack)] == [
-        "RTRL_INFERENCE_ROLLOUT_SIGNING_KEY"
+        "RTRL_INFERENCE_ROLLOUT_SIGNING_KEY",
+        "RTRL_INFERENCE_ROLLOUT_MAC_KEY",
     ]
     sglang = InferenceSettings(
         backend="sglang", sglang_urls="treatment=http://sglang:30000", auth_required=False
     )
     assert [s.variable for s in sglang.required_secrets(stack)] == [
-        "RTRL_INFERENCE_ROLLOUT_SIGNING_KEY"
+        "RTRL_INFERENCE_ROLLOUT_SIGNING_KEY",
+        "RTRL_INFERENCE_ROLLOUT_MAC_KEY",
     ], "SGLang's sidecars follow the weights, not the worker"
 
 

@@ -11,17 +11,22 @@ from confluent_kafka import Producer
 from rtrl import kafka, signing, topics
 from rtrl.api_keys import KeyAuthority
 
-ROLLOUT_SIGNER = signing.Signer(
-    os.environ["RTRL_INFERENCE_ROLLOUT_SIGNING_KEY"], signing.Purpose.ROLLOUT
+ROLLOUT_SIGNER = signing.Seal(
+    signing.Signer(os.environ["RTRL_INFERENCE_ROLLOUT_SIGNING_KEY"], signing.Purpose.ROLLOUT),
+    signing.MacSigner(os.environ["RTRL_INFERENCE_ROLLOUT_MAC_KEY"], signing.Purpose.ROLLOUT),
 )
+"""As a worker seals a rollout: its signature and the joiner's MAC."""
 
-
-EVENT_SIGNER = signing.MacSigner(os.environ["RTRL_INGEST_EVENT_KEY"], signing.Purpose.EVENT)
+EVENT_SIGNER = signing.Seal(
+    signing.MacSigner(os.environ["RTRL_INGEST_EVENT_KEY"], signing.Purpose.EVENT),
+    signing.MacSigner(os.environ["RTRL_INGEST_ANALYTICS_EVENT_KEY"], signing.Purpose.EVENT),
+)
+"""As the gateway seals an event: a MAC for the joiner and one for the analytics sink."""
 
 
 def worker_headers(topic: str, value: bytes) -> list[tuple[str, bytes]]:
-    """The headers its writer sends with ``value``: a worker's signature on a rollout, the
-    gateway's MAC on a telemetry event."""
+    """The headers its writer sends with ``value``: a worker's seal on a rollout, the
+    gateway's MACs on a telemetry event."""
     signer = ROLLOUT_SIGNER if topic == topics.ROLLOUT else EVENT_SIGNER
     return list(signer.headers(value))
 

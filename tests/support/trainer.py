@@ -3,7 +3,6 @@ sampled from it, and a way to put them on the reward topic."""
 
 from __future__ import annotations
 
-import os
 import random
 import shutil
 import uuid
@@ -13,9 +12,10 @@ import torch
 from confluent_kafka import Producer
 from transformers import LlamaForCausalLM
 
-from rtrl import signing, topics
+from rtrl import topics
 from rtrl.ops.stack import DEMO_POLICY_TRAINER
 from rtrl.policy import EOS, PolicyConfig, build_model, decode, load_weights
+from rtrl.reward_stream.config import RewardStreamSettings
 from rtrl.simulator.tasks import parse_style, random_task
 from rtrl.simulator.warmstart import cache_path, ensure_warm_start, load_warm_start
 from rtrl.trainer.sampling import prompt_ids, sample
@@ -116,9 +116,9 @@ def produce(
     *,
     signed: bool = True,
 ) -> None:
-    """Write reward records as the joiner would: signed with the run's joiner key (conftest.py)."""
+    """Write reward records as the joiner would: sealed with the run's joiner keys (conftest.py)."""
     producer = Producer({"bootstrap.servers": bootstrap, "enable.idempotence": True})
-    signer = signing.Signer(os.environ["RTRL_REWARD_SIGNING_KEY"], signing.Purpose.REWARD)
+    signer = RewardStreamSettings().reward_seal()
     for record in records:
         value = record.SerializeToString()
         producer.produce(

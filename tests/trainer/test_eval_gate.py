@@ -15,7 +15,6 @@ import copy
 import queue
 import threading
 import time
-from typing import cast
 
 import pytest
 import torch
@@ -26,8 +25,7 @@ from rtrl.policy import PolicyConfig, build_model, load_weights
 from rtrl.simulator.suite import DemoSuite
 from rtrl.trainer.evaluation import EvalGate, EvalScores
 from rtrl.trainer.journal import Journal
-from support import wait
-from support.analytics import RecordingConsumer
+from support import signed, wait
 from support.trainer import DEMO_PLUGINS
 from support.weight_sync import MANIFEST_KEY, MANIFEST_PUBLIC_KEYS, Following
 
@@ -82,9 +80,8 @@ def _trainer_steps_in_clickhouse(stack_settings, tmp_path) -> list[dict]:
     from rtrl.analytics import schema
     from rtrl.analytics.query import client_query_fn, connect
     from rtrl.analytics.rows import KafkaRecord
-    from rtrl.analytics.sink import Sink
     from rtrl.config import StackSettings
-    from rtrl.kafka import consumer_config, record_position
+    from rtrl.kafka import consumer_config, record_headers, record_position
 
     consumer = Consumer(consumer_config(stack_settings, "test-trainer-steps"))
     consumer.subscribe([topics.TRAINER_STEPS])
@@ -94,12 +91,21 @@ def _trainer_steps_in_clickhouse(stack_settings, tmp_path) -> list[dict]:
         for message in consumer.consume(10, timeout=0.5):
             assert message.error() is None, message.error()
             topic, partition, offset = record_position(message)
-            records.append(KafkaRecord(topic, partition, offset, message.key(), message.value()))
+            records.append(
+                KafkaRecord(
+                    topic,
+                    partition,
+                    offset,
+                    message.key(),
+                    message.value(),
+                    record_headers(message),
+                )
+            )
     consumer.close()
     client = connect(StackSettings(state_dir=tmp_path / "analytics"))
     schema.create_tables(client)
     # A stand-in for the consumer: the sink only commits through it here.
-    sink = Sink(cast(Consumer, RecordingConsumer()), client, batch_size=100, flush_interval_s=1.0)
+    sink = signed.checking_sink(client)
     for record in records:
         sink.add(record)
     sink.flush()
@@ -154,7 +160,7 @@ def test_a_harmful_update_is_refused_and_never_reaches_a_worker(
         {**DEMO_PLUGINS, "lr": 1e-3, "batch_size": 32, "min_batch": 32}
         | {"max_staleness": 100, "eval_tolerance": 0.1}
     )
-    exporter = StepExporter(Producer(producer_config(stack_settings)))
+    exporter = StepExporter(Producer(producer_config(stack_settings)), signed.STEP_SIGNER)
     spans, reader = otel_memory
     spans.clear()
     trainer = Trainer(

@@ -18,6 +18,7 @@ from confluent_kafka import Consumer, Message, Producer
 
 from rtrl import signing, topics
 from rtrl.kafka import consumer_config
+from rtrl.reward_stream.config import RewardStreamSettings
 from rtrl.trainer.batch import Drop
 from rtrl.trainer.config import TrainerSettings
 from rtrl.trainer.loop import Trainer
@@ -33,8 +34,13 @@ def _record(reward: float = 1.0):
 @pytest.mark.guarantee(7)
 @pytest.mark.integration
 def test_only_the_joiners_rewards_are_trained_on(stack_settings):
-    joiner = signing.Signer(os.environ["RTRL_REWARD_SIGNING_KEY"], signing.Purpose.REWARD)
-    stranger = signing.Signer(signing.generate_private_key(), signing.Purpose.REWARD)
+    joiner = RewardStreamSettings().reward_seal()
+    to_trainer = signing.MacSigner(
+        os.environ["RTRL_REWARD_TRAINER_MAC_KEY"], signing.Purpose.REWARD
+    )
+    to_sink = signing.MacSigner(os.environ["RTRL_REWARD_ANALYTICS_MAC_KEY"], signing.Purpose.REWARD)
+    stranger = signing.MacSigner(signing.generate_mac_key(), signing.Purpose.REWARD)
+    signer = signing.Signer(signing.generate_private_key(), signing.Purpose.REWARD)
     honest = [_record() for _ in range(HONEST)]
     # (key, value, headers, expected drop)
     forged: list[tuple[bytes, bytes, list[tuple[str, str | bytes | None]] | None, Drop]] = []
@@ -47,12 +53,13 @@ def test_only_the_joiners_rewards_are_trained_on(stack_settings):
     add(_record(), [("rtrl-sig", b"")], Drop.UNSIGNED)
     value = _record().SerializeToString()
     add(value, list(stranger.headers(value)), Drop.FORGED)  # a key the trainer does not know
+    # The sink's MAC alone: the key the sink holds cannot make a reward the trainer takes.
+    add(value, list(to_sink.headers(value)), Drop.FORGED)
+    add(value, list(signer.headers(value)), Drop.FORGED)  # an Ed25519 signature by anyone
+    # A MAC under the trainer's key id with a tag made under another key.
     add(
         value,
-        [
-            (signing.SIGNATURE_HEADER, stranger.sign(value)),
-            (signing.SIGNER_HEADER, joiner.key_id.encode()),
-        ],
+        [(signing.MAC_HEADER, to_trainer.key_id.encode() + stranger.sign(value))],
         Drop.FORGED,
     )
     tampered = _record(reward=0.0)
@@ -65,7 +72,10 @@ def test_only_the_joiners_rewards_are_trained_on(stack_settings):
     )  # another record's signature
     add(
         other,
-        [(signing.SIGNATURE_HEADER, b"\0" * 64), (signing.SIGNER_HEADER, joiner.key_id.encode())],
+        [
+            (signing.SIGNATURE_HEADER, b"\0" * 32),
+            (signing.SIGNER_HEADER, to_trainer.key_id.encode()),
+        ],
         Drop.FORGED,
     )
 
@@ -115,17 +125,35 @@ def test_only_the_joiners_rewards_are_trained_on(stack_settings):
         expected[drop] += 1
     assert dict(intake.drops) == expected
     assert sorted(value for value, _ in dead) == sorted(value for _, value, _, _ in forged)
-    assert {reason for _, reason in dead} >= {"unsigned", "bad signature"} and any(
-        "unknown key" in r for _, r in dead
-    )
+    reasons = {reason for _, reason in dead}
+    assert reasons >= {"unsigned", "bad signature"}
+    assert any("no MAC under this reader's key" in r for r in reasons)
+    assert any("unknown key" in r for r in reasons)
 
 
 def test_a_trainer_without_the_joiners_key_will_not_start(tmp_path, monkeypatch):
-    monkeypatch.delenv("RTRL_TRAINER_REWARD_PUBLIC_KEYS")
-    with pytest.raises(ValueError, match="at least one public key"):
+    monkeypatch.delenv("RTRL_TRAINER_REWARD_MAC_KEYS")
+    with pytest.raises(ValueError, match="at least one key"):
         Trainer(
             TrainerSettings(), tmp_path, consumer=None, publishers={}, fetch_weights=never_fetch
         )
+
+
+def test_mac_verifiers_take_both_keys_while_the_writers_key_rotates():
+    old, new = signing.generate_mac_key(), signing.generate_mac_key()
+    payload = b"a reward record"
+    both = signing.MacVerifier([old, new], signing.Purpose.REWARD)
+    for key in (old, new):
+        headers = signing.MacSigner(key, signing.Purpose.REWARD).headers(payload)
+        assert both.problem(payload, headers) is None
+    only_new = signing.MacVerifier([new], signing.Purpose.REWARD)
+    problem = only_new.problem(
+        payload, signing.MacSigner(old, signing.Purpose.REWARD).headers(payload)
+    )
+    assert problem is not None and "no MAC under this reader's key" in problem
+    # A MAC for another purpose (a rollout's) is no reward's.
+    as_rollout = signing.MacSigner(new, signing.Purpose.ROLLOUT).headers(payload)
+    assert only_new.problem(payload, as_rollout) == "bad signature"
 
 
 def test_verifiers_take_both_keys_while_the_signers_key_rotates():
