@@ -25,35 +25,15 @@ is unverified; nothing but an operator reads ``dead_letters``.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from types import MappingProxyType
 from typing import TYPE_CHECKING
 
 from rtrl import signing, topics
+from rtrl.authn import TopicWriters, Unverified, Writer
 
 if TYPE_CHECKING:
     from rtrl.analytics.config import AnalyticsSettings
     from rtrl.config import StackSettings
-
-Headers = Sequence[tuple[str, bytes | None]]
-
-
-@dataclass(frozen=True)
-class Writer:
-    """Who must have written a topic's records, and how that is checked."""
-
-    verifier: signing.Verifier | signing.MacVerifier
-    refusal: str
-    """Said of a record that fails, before the verifier's reason."""
-
-
-@dataclass(frozen=True)
-class Unverified:
-    """A topic whose writers sign nothing: every record of it is a dead letter, for this reason."""
-
-    reason: str
-
 
 DEAD_LETTER = Unverified(
     "on the dead-letter topic, unverified: its writers (the joiner, the trainer) do not sign "
@@ -61,22 +41,8 @@ DEAD_LETTER = Unverified(
 )
 
 
-@dataclass(frozen=True)
-class Authenticator:
-    writers: Mapping[str, Writer | Unverified]
-    """Topic -> its writer, for every topic the sink reads; there is no other."""
-
-    def problem(self, topic: str, value: bytes | None, headers: Headers) -> str | None:
-        """None if the record's writer is who must write ``topic``; else why it is not stored."""
-        writer = self.writers.get(topic)
-        if writer is None:
-            return f"no writer is known for topic {topic[:64]!r}: the sink reads {sorted(self.writers)}"
-        if isinstance(writer, Unverified):
-            return writer.reason
-        # A header without a value (Kafka allows it) carries nothing to verify.
-        present = [(name, data) for name, data in headers if data is not None]
-        problem = writer.verifier.problem(value or b"", present)
-        return problem and f"{writer.refusal}: {problem}"
+class Authenticator(TopicWriters):
+    reader = "the sink"
 
     @classmethod
     def of(cls, settings: AnalyticsSettings, stack: StackSettings) -> Authenticator:

@@ -13,40 +13,18 @@ any other topic is refused as having no known writer, never checked against a de
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from types import MappingProxyType
 from typing import TYPE_CHECKING
 
 from rtrl import signing, topics
+from rtrl.authn import TopicWriters, Writer
 
 if TYPE_CHECKING:
     from rtrl.reward_stream.config import RewardStreamSettings
 
 
-@dataclass(frozen=True)
-class Writer:
-    """Who must have written a topic's records, and how that is checked."""
-
-    verifier: signing.Verifier | signing.MacVerifier
-    refusal: str
-    """Said of a record that fails, before the verifier's reason."""
-
-
-@dataclass(frozen=True)
-class Authenticator:
-    writers: Mapping[str, Writer]
-    """Topic -> its writer, for every topic the join reads; there is no other."""
-
-    def problem(
-        self, topic: str, value: bytes, headers: Sequence[tuple[str, bytes]] | None
-    ) -> str | None:
-        """None if the record's writer is who must write ``topic``; else why not."""
-        writer = self.writers.get(topic)
-        if writer is None:
-            return f"no writer is known for topic {topic[:64]!r}: the joiner reads {sorted(self.writers)}"
-        problem = writer.verifier.problem(value, headers)
-        return problem and f"{writer.refusal}: {problem}"
+class Authenticator(TopicWriters):
+    reader = "the joiner"
 
     @classmethod
     def of(cls, settings: RewardStreamSettings) -> Authenticator:
