@@ -1,5 +1,6 @@
-"""The event MAC (rtrl/signing.py's MacSigner and MacVerifier): what the gateway puts on
-every telemetry event and the joiner checks."""
+"""MACs (rtrl/signing.py's MacSigner, Seal and MacVerifier): what the gateway puts on every
+telemetry event for each of its readers, the workers on every rollout for the joiner, the
+joiner on every reward for the trainer and the sink."""
 
 from __future__ import annotations
 
@@ -20,12 +21,45 @@ def test_a_mac_verifies_under_its_key_and_purpose_and_nothing_else():
     assert verifier.problem(EVENT, []) == verifier.problem(EVENT, None) == signing.UNSIGNED
     stranger = signing.MacSigner(signing.generate_mac_key(), signing.Purpose.EVENT)
     unknown = verifier.problem(EVENT, list(stranger.headers(EVENT)))
-    assert unknown is not None and unknown.startswith("signed by an unknown key")
+    assert unknown is not None and unknown.startswith("no MAC under this reader's key")
     # The same key for another purpose makes another tag.
     other_purpose = signing.MacVerifier([key], signing.Purpose.ROLLOUT)
     assert other_purpose.problem(EVENT, headers) == "bad signature"
     # The key id names the key without giving it away.
     assert signer.key_id == signing.mac_key_id(key) and signer.key_id not in key
+
+
+def test_each_reader_checks_its_own_mac_and_ignores_the_others():
+    joiner, sink = signing.generate_mac_key(), signing.generate_mac_key()
+    seal = signing.Seal(
+        signing.MacSigner(joiner, signing.Purpose.EVENT),
+        signing.MacSigner(sink, signing.Purpose.EVENT),
+    )
+    headers = list(seal.headers(EVENT))
+    assert [name for name, _ in headers] == [signing.MAC_HEADER, signing.MAC_HEADER]
+    for key in (joiner, sink):
+        assert signing.MacVerifier([key], signing.Purpose.EVENT).problem(EVENT, headers) is None
+    # The sink's MAC alone is nothing the joiner takes, and a tag moved under the joiner's
+    # key id is a bad one.
+    for_the_sink = [headers[1]]
+    checked_by_joiner = signing.MacVerifier([joiner], signing.Purpose.EVENT)
+    assert checked_by_joiner.problem(EVENT, for_the_sink).startswith("no MAC under this reader")
+    moved = [(signing.MAC_HEADER, headers[0][1][:16] + headers[1][1][16:])]
+    assert checked_by_joiner.problem(EVENT, moved) == "bad signature"
+
+
+def test_a_mac_written_before_macs_had_their_own_header_still_verifies():
+    # rtrl-sig holds the tag and rtrl-signer the key id: what a gateway wrote before the
+    # upgrade, still in a topic after it.
+    key = signing.generate_mac_key()
+    tag = signing.MacSigner(key, signing.Purpose.EVENT).sign(EVENT)
+    legacy = [
+        (signing.SIGNATURE_HEADER, tag),
+        (signing.SIGNER_HEADER, signing.mac_key_id(key).encode()),
+    ]
+    verifier = signing.MacVerifier([key], signing.Purpose.EVENT)
+    assert verifier.problem(EVENT, legacy) is None
+    assert verifier.problem(EVENT + b"!", legacy) == "bad signature"
 
 
 def test_keys_rotate_by_verifying_with_old_and_new_while_the_signer_switches():
