@@ -43,7 +43,8 @@ def test_each_reader_checks_its_own_mac_and_ignores_the_others():
     # key id is a bad one.
     for_the_sink = [headers[1]]
     checked_by_joiner = signing.MacVerifier([joiner], signing.Purpose.EVENT)
-    assert checked_by_joiner.problem(EVENT, for_the_sink).startswith("no MAC under this reader")
+    refused = checked_by_joiner.problem(EVENT, for_the_sink)
+    assert refused is not None and refused.startswith("no MAC under this reader")
     moved = [(signing.MAC_HEADER, headers[0][1][:16] + headers[1][1][16:])]
     assert checked_by_joiner.problem(EVENT, moved) == "bad signature"
 
