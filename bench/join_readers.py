@@ -83,21 +83,25 @@ def worker_env(stack: StackSettings, workdir: Path, app_id: str, instance: str) 
     }
 
 
-def faust_floor(stack: StackSettings, workdir: Path, expected: int, progress: Progress) -> Span:
-    out = workdir / "floor.json"
-    env = worker_env(stack, workdir, "bench-join-floor", "floor")
+def faust_floor(
+    stack: StackSettings, workdir: Path, expected: int, progress: Progress, round_: int = 0
+) -> Span:
+    """The bare faust agent through the load, in a fresh group of its own (one per round)."""
+    name = f"floor{round_}"
+    out, log_file = workdir / f"{name}.json", workdir / f"{name}.log"
+    env = worker_env(stack, workdir, f"bench-join-floor-{round_}", name)
     proc = procs.spawn(
-        "floor",
+        name,
         [sys.executable, "-m", "rtrl.bench.join_floor", str(out), str(expected)],
-        workdir / "floor.log",
+        log_file,
         env=env,
     )
-    task = progress.add_task("faust floor", total=expected)
+    task = progress.add_task(f"faust floor, round {round_ + 1}", total=expected)
     deadline = time.monotonic() + TIMEOUT_S
     try:
         while True:
-            assert proc.alive(), (workdir / "floor.log").read_text()[-3000:]
-            assert time.monotonic() < deadline, f"faust floor stuck; see {workdir / 'floor.log'}"
+            assert proc.alive(), log_file.read_text()[-3000:]
+            assert time.monotonic() < deadline, f"faust floor stuck; see {log_file}"
             counted = json.loads(out.read_text()) if out.exists() else {"events": 0}
             progress.update(task, completed=counted["events"])
             if counted["events"] >= expected:
@@ -179,17 +183,18 @@ def empty_reward_topics(stack: StackSettings) -> None:
 
 
 class Joiners:
-    """``n`` reward_stream workers in one fresh group, watched through their heartbeats."""
+    """``n`` reward_stream workers in one fresh group, watched through their heartbeats;
+    ``run`` names the group and the instances apart from an earlier run's."""
 
-    def __init__(self, stack: StackSettings, workdir: Path, n: int) -> None:
-        self.instances = [f"join{n}w-{i}" for i in range(n)]
+    def __init__(self, stack: StackSettings, workdir: Path, n: int, run: str = "") -> None:
+        self.instances = [f"join{n}w{run}-{i}" for i in range(n)]
         self.stack, self.workdir = stack, workdir
         self.procs = [
             procs.spawn(
                 i,
                 [sys.executable, "-m", "rtrl.reward_stream"],
                 workdir / f"{i}.log",
-                env=worker_env(stack, workdir, f"bench-join-{n}w", i),
+                env=worker_env(stack, workdir, f"bench-join-{n}w{run}", i),
             )
             for i in self.instances
         ]

@@ -264,6 +264,11 @@ def bench_join(
         2_000, help="Rollouts produced in real time for the settle latency."
     ),
     live_rate: float = typer.Option(250.0, help="Live rollouts per second."),
+    rounds: int = typer.Option(
+        3,
+        min=1,
+        help="Rounds of the faust floor and one worker, alternating; the best of each counts.",
+    ),
     out: Path = typer.Option(Path("bench/results/join.json")),
 ) -> None:
     """Reward-join events/s against a bare faust agent and a raw consumer, 2 workers vs 1, settle latency."""
@@ -276,6 +281,7 @@ def bench_join(
         spacing_ms=spacing_ms,
         live_rollouts=live_rollouts,
         live_rate_per_s=live_rate,
+        rounds=rounds,
     )
 
 

@@ -53,6 +53,10 @@ KEYS = {
     "sign_us_per_rollout",
     "verify_us_per_rollout",
     "rollout_bytes",
+    "rounds",
+    "faust_floor_rounds",
+    "events_per_s_rounds",
+    "exact_1_worker_rounds",
 }
 
 
@@ -66,6 +70,7 @@ def test_tiny_load_every_key_exact_counts(tmp_path):
         spacing_ms=20,
         live_rollouts=200,
         live_rate_per_s=50.0,
+        rounds=2,
     )
 
     assert json.loads(out.read_text()) == json.loads(json.dumps(report.as_json(results)))
@@ -79,6 +84,12 @@ def test_tiny_load_every_key_exact_counts(tmp_path):
     ):
         assert exact == Exactness(missing=0, doubled=0), run_
         assert (join.settled, join.defaulted, join.late, join.dropped) == (rollouts, 0, 0, 0), run_
+    assert (
+        results.rounds == len(results.faust_floor_rounds) == len(results.events_per_s_rounds) == 2
+    )
+    assert results.exact_1_worker_rounds == (Exactness(0, 0), results.exact_1_worker)
+    assert results.events_per_s == max(results.events_per_s_rounds)
+    assert results.faust_floor_events_per_s == max(results.faust_floor_rounds)
     for key in (
         "raw_consumer_events_per_s",
         "faust_floor_events_per_s",
