@@ -63,17 +63,20 @@ from rich.table import Table
 
 from rtrl import kafka
 from rtrl.bench import report
-from rtrl.bench.join_load import PARTITIONS, SENTINEL, produce_live, produce_load, signing_keys
+from rtrl.bench.join_load import PARTITIONS, SENTINEL, produce_load, signing_keys
 from rtrl.bench.join_readers import (
-    Joiners,
+    JoinCounts,
     SignatureCost,
     Span,
+    WorkersRun,
     empty_reward_topics,
     faust_floor,
     joiner_inprocess,
+    one_worker_and_live,
     raw_consume,
-    read_rewards,
     signature_costs,
+    throughput_round,
+    two_workers,
 )
 from rtrl.bench.report import code_version
 from rtrl.bench.stack import scratch_stack
@@ -123,29 +126,6 @@ def rewards_span(rewards: list[tuple[str, int]], main_ids: set[str]) -> Span:
     main load, from its first reward's broker timestamp to its last one's."""
     stamps = sorted(ts for rollout_id, ts in rewards if rollout_id in main_ids)
     return Span(3 * len(stamps) - 2, stamps[0] / 1000, stamps[-1] / 1000)
-
-
-# Produced from the workers' heartbeats, per joiner run (WorkersRun); part of JoinResult.
-@dataclass(frozen=True)
-class JoinCounts:
-    """The QUALITY counters of a run's workers, summed: on the bench's load all but settled are 0."""
-
-    settled: int
-    defaulted: int
-    late: int
-    dropped: int
-    duplicates: int
-
-    @classmethod
-    def of(cls, totals: dict[str, int]) -> JoinCounts:
-        """From Joiners.totals."""
-        return cls(
-            settled=totals["settled"],
-            defaulted=totals["defaulted"],
-            late=totals["late"],
-            dropped=totals["dropped"],
-            duplicates=totals["duplicates"],
-        )
 
 
 def settle_latencies(
@@ -233,19 +213,6 @@ class JoinResult:
     p99_settle_latency_s: float
 
 
-# Produced by _one_worker and _two_workers, per joiner run; read by _result.
-@dataclass(frozen=True)
-class WorkersRun:
-    """One joiner run: what the workers read, their counters, the rewards left on the broker."""
-
-    read: Span
-    counts: JoinCounts
-    rewards: list[tuple[str, int]]
-    """(rollout_id, broker timestamp ms) of every reward record after the run."""
-    partitions: tuple[tuple[int, ...], ...] = ()
-    """The partitions each worker held (recorded for the two-worker run)."""
-
-
 # Produced by _measure; read by _result.
 @dataclass(frozen=True)
 class Measured:
@@ -326,12 +293,14 @@ def _measure(
                 floors.append(faust_floor(stack, workdir, events, progress, r))
                 if r < rounds - 1:
                     earlier_ones.append(
-                        _throughput_round(stack, workdir, client, events, r, progress)
+                        throughput_round(stack, workdir, client, events, r, progress)
                     )
                     empty_reward_topics(stack)
-            one, opened = _one_worker(stack, workdir, client, events, load, progress)
+            one, opened = one_worker_and_live(
+                stack, workdir, client, events, load.live_rollouts, load.live_rate_per_s, progress
+            )
             empty_reward_topics(stack)
-            two = _two_workers(stack, workdir, client, events + 3 * load.live_rollouts, progress)
+            two = two_workers(stack, workdir, client, events + 3 * load.live_rollouts, progress)
     return Measured(
         ids=ids + list(opened),
         main_ids={i for i in ids if not i.startswith(SENTINEL)},
@@ -349,64 +318,12 @@ def _measure(
     )
 
 
-def _throughput_round(
-    stack: StackSettings,
-    workdir: Path,
-    client: redis.Redis,
-    events: int,
-    round_: int,
-    progress: Progress,
-) -> WorkersRun:
-    """One worker through the main load in a group of its own, then stopped."""
-    one = Joiners(stack, workdir, 1, run=f"r{round_}")
-    try:
-        read = one.read_until_idle(
-            client, events, progress, f"joiner, 1 worker, round {round_ + 1}"
-        )
-        time.sleep(1.1)  # one more heartbeat, so the counters are final
-        counts = JoinCounts.of(one.totals(client))
-    finally:
-        one.stop()
-    return WorkersRun(read, counts, read_rewards(stack))
-
-
-def _one_worker(
-    stack: StackSettings,
-    workdir: Path,
-    client: redis.Redis,
-    events: int,
-    load: Load,
-    progress: Progress,
-) -> tuple[WorkersRun, dict[str, int]]:
-    """One worker through the main load, then kept up while the live rollouts are produced;
-    returns its run and the live rollouts' opening times."""
-    one = Joiners(stack, workdir, 1)
-    try:
-        read = one.read_until_idle(client, events, progress, "joiner, 1 worker")
-        opened = produce_live(stack, load.live_rollouts, load.live_rate_per_s, progress)
-        one.read_until_idle(
-            client, events + 3 * load.live_rollouts, progress, "live rollouts settling"
-        )
-        time.sleep(1.1)  # one more heartbeat, so the counters are final
-        counts = JoinCounts.of(one.totals(client))
-    finally:
-        one.stop()
-    return WorkersRun(read, counts, read_rewards(stack)), opened
-
-
-def _two_workers(
-    stack: StackSettings, workdir: Path, client: redis.Redis, events: int, progress: Progress
-) -> WorkersRun:
-    """Two workers in one group through everything produced (the reward topics emptied)."""
-    two = Joiners(stack, workdir, 2)
-    try:
-        read = two.read_until_idle(client, events, progress, "joiner, 2 workers")
-        time.sleep(1.1)  # one more heartbeat, so the counters are final
-        counts = JoinCounts.of(two.totals(client))
-        partitions = tuple(tuple(beat.partitions) for beat in two.heartbeats(client))
-    finally:
-        two.stop()
-    return WorkersRun(read, counts, read_rewards(stack), partitions)
+def _exact_rounds(m: Measured) -> tuple[Exactness, ...]:
+    """Each one-worker round's rewards against the rollouts it read (the last round's
+    worker also read the live ones)."""
+    main_load = [i for i in m.ids if i in m.main_ids or i.startswith(SENTINEL)]
+    earlier = (exactness(r.rewards, main_load) for r in m.earlier_ones)
+    return (*earlier, exactness(m.one.rewards, m.ids))
 
 
 def _result(m: Measured, load: Load, join_settings: RewardStreamSettings, code: str) -> JoinResult:
@@ -417,7 +334,6 @@ def _result(m: Measured, load: Load, join_settings: RewardStreamSettings, code: 
     one_rates = [r.read.events_per_s for r in (*m.earlier_ones, m.one)]
     floor_rates = [f.events_per_s for f in m.floors]
     one_rate, two_rate, floor_rate = max(one_rates), m.two.read.events_per_s, max(floor_rates)
-    main_load = [i for i in m.ids if i in m.main_ids or i.startswith(SENTINEL)]
     reward, rollout = m.signatures["reward"], m.signatures["rollout"]
     return JoinResult(
         code=code,
@@ -445,10 +361,7 @@ def _result(m: Measured, load: Load, join_settings: RewardStreamSettings, code: 
         rollout_bytes=rollout.bytes,
         events_per_s=round(one_rate),
         events_per_s_rounds=tuple(round(rate) for rate in one_rates),
-        exact_1_worker_rounds=(
-            *(exactness(r.rewards, main_load) for r in m.earlier_ones),
-            exactness(m.one.rewards, m.ids),
-        ),
+        exact_1_worker_rounds=_exact_rounds(m),
         events_per_s_2_workers=round(two_rate),
         ratio_vs_floor=round(one_rate / floor_rate, 3),
         floor_vs_raw=round(floor_rate / m.raw.events_per_s, 3),

@@ -1,6 +1,7 @@
 """The readers `rtrl bench join` times on its load, each as a Span: a bare consumer, the
-faust floor, reward_stream workers watched through their heartbeats, and the Joiner in
-this process; and the reward topics read back to check the join was exact."""
+faust floor, reward_stream workers watched through their heartbeats (one round, one kept
+up for live rollouts, two in one group), and the Joiner in this process; and the reward
+topics read back to check the join was exact."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from rtrl.bench.join_load import (
     PARTITIONS,
     Headers,
     event_signer,
+    produce_live,
     rollout_records,
     rollout_signer,
     signed_records,
@@ -291,6 +293,102 @@ class Joiners:
     def stop(self) -> None:
         for proc in self.procs:
             proc.stop(timeout_s=20)
+
+
+# Produced from the workers' heartbeats, per joiner run (WorkersRun); part of bench/join.py's JoinResult.
+@dataclass(frozen=True)
+class JoinCounts:
+    """The QUALITY counters of a run's workers, summed: on the bench's load all but settled are 0."""
+
+    settled: int
+    defaulted: int
+    late: int
+    dropped: int
+    duplicates: int
+
+    @classmethod
+    def of(cls, totals: dict[str, int]) -> JoinCounts:
+        """From Joiners.totals."""
+        return cls(
+            settled=totals["settled"],
+            defaulted=totals["defaulted"],
+            late=totals["late"],
+            dropped=totals["dropped"],
+            duplicates=totals["duplicates"],
+        )
+
+
+# Produced by throughput_round, one_worker_and_live and two_workers, per joiner run;
+# read by bench/join.py's _result.
+@dataclass(frozen=True)
+class WorkersRun:
+    """One joiner run: what the workers read, their counters, the rewards left on the broker."""
+
+    read: Span
+    counts: JoinCounts
+    rewards: list[tuple[str, int]]
+    """(rollout_id, broker timestamp ms) of every reward record after the run."""
+    partitions: tuple[tuple[int, ...], ...] = ()
+    """The partitions each worker held (recorded for the two-worker run)."""
+
+
+def throughput_round(
+    stack: StackSettings,
+    workdir: Path,
+    client: redis.Redis,
+    events: int,
+    round_: int,
+    progress: Progress,
+) -> WorkersRun:
+    """One worker through the main load in a group of its own, then stopped."""
+    one = Joiners(stack, workdir, 1, run=f"r{round_}")
+    try:
+        read = one.read_until_idle(
+            client, events, progress, f"joiner, 1 worker, round {round_ + 1}"
+        )
+        time.sleep(1.1)  # one more heartbeat, so the counters are final
+        counts = JoinCounts.of(one.totals(client))
+    finally:
+        one.stop()
+    return WorkersRun(read, counts, read_rewards(stack))
+
+
+def one_worker_and_live(
+    stack: StackSettings,
+    workdir: Path,
+    client: redis.Redis,
+    events: int,
+    live_rollouts: int,
+    live_rate_per_s: float,
+    progress: Progress,
+) -> tuple[WorkersRun, dict[str, int]]:
+    """One worker through the main load, then kept up while the live rollouts are produced;
+    returns its run and the live rollouts' opening times."""
+    one = Joiners(stack, workdir, 1)
+    try:
+        read = one.read_until_idle(client, events, progress, "joiner, 1 worker")
+        opened = produce_live(stack, live_rollouts, live_rate_per_s, progress)
+        one.read_until_idle(client, events + 3 * live_rollouts, progress, "live rollouts settling")
+        time.sleep(1.1)  # one more heartbeat, so the counters are final
+        counts = JoinCounts.of(one.totals(client))
+    finally:
+        one.stop()
+    return WorkersRun(read, counts, read_rewards(stack)), opened
+
+
+def two_workers(
+    stack: StackSettings, workdir: Path, client: redis.Redis, events: int, progress: Progress
+) -> WorkersRun:
+    """Two workers in one group through everything produced (the reward topics emptied)."""
+    two = Joiners(stack, workdir, 2)
+    try:
+        read = two.read_until_idle(client, events, progress, "joiner, 2 workers")
+        time.sleep(1.1)  # one more heartbeat, so the counters are final
+        counts = JoinCounts.of(two.totals(client))
+        partitions = tuple(tuple(beat.partitions) for beat in two.heartbeats(client))
+    finally:
+        two.stop()
+    return WorkersRun(read, counts, read_rewards(stack), partitions)
 
 
 def joiner_inprocess(rollouts: int, spacing_ms: int, base_ms: int, checked: bool = False) -> Span:
