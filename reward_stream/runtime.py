@@ -31,7 +31,7 @@ from dataclasses import asdict, dataclass
 
 from opentelemetry import trace
 
-from rtrl import heartbeat, kafka, otel, signing, topics
+from rtrl import heartbeat, kafka, signing, spans, topics
 from rtrl.reward_stream import join, monitors, reward
 from rtrl.reward_stream.authn import Authenticator
 from rtrl.reward_stream.codec import (
@@ -45,7 +45,8 @@ from rtrl.reward_stream.codec import (
 )
 
 log = logging.getLogger(__name__)
-_tracer = trace.get_tracer("rtrl.reward_stream")
+_settle_spans = spans.InstantSpans("rtrl.reward_stream")
+"""Each reward's ``reward settle`` span: one per reward, on the hot path (rtrl/spans.py)."""
 _ARMS = {1: "control", 2: "treatment"}
 COMPONENTS = ("persisted_fraction", "dissatisfied", "tool_call_validity", "effort_penalty")
 
@@ -348,18 +349,18 @@ class Joiner:
     def _observe(self, record, rollout) -> None:
         """The reward's sums, and its ``reward settle`` span: a child of the rollout's
         serving span, the reward's place in the rollout's trace, which the training
-        step links to. On the hot path: about 25 us with an SDK recording spans."""
+        step links to. On the hot path: about 8 us with an SDK recording spans (rtrl/spans.py)."""
         arm = _ARMS.get(rollout.arm, "unspecified")
         self.settled[arm, record.defaulted] += 1
         self.reward_sums[arm, record.defaulted] += record.reward
         components = record.components
         for name in COMPONENTS:
             self.component_sums[arm, name] += getattr(components, name)
-        span = _tracer.start_span(
+        record.traceparent = _settle_spans.record(
             "reward settle",
-            context=otel.parent(rollout.traceparent),
-            kind=trace.SpanKind.PRODUCER,
-            attributes={
+            rollout.traceparent,
+            trace.SpanKind.PRODUCER,
+            {
                 "messaging.system": "kafka",
                 "messaging.operation.type": "publish",
                 "messaging.destination.name": topics.REWARD,
@@ -367,8 +368,6 @@ class Joiner:
                 "rtrl.reward": record.reward,
             },
         )
-        record.traceparent = otel.traceparent_of(span)
-        span.end()
 
     def _watch(self, record, rollout) -> None:
         """Feed a settled reward to the hacking monitor; log and keep what it raises."""
