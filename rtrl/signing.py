@@ -178,16 +178,27 @@ class MacSigner:
         self.purpose = purpose
         self.key_id = mac_key_id(key)
         self._prefix = self.key_id.encode()
-        self._domain = _domain(purpose)  # built once: this runs per record on the hot paths
+        self._keyed = _keyed(self._key, purpose)
 
     def sign(self, payload: bytes) -> bytes:
-        return hmac.digest(self._key, self._domain + payload, "sha256")
+        return _tag(self._keyed, payload)
 
     def headers(self, payload: bytes) -> tuple[tuple[str, bytes], ...]:
         """The Kafka header that carries the MAC of ``payload``."""
-        return (
-            (MAC_HEADER, self._prefix + hmac.digest(self._key, self._domain + payload, "sha256")),
-        )
+        return ((MAC_HEADER, self._prefix + _tag(self._keyed, payload)),)
+
+
+def _keyed(key: bytes, purpose: Purpose) -> hmac.HMAC:
+    """HMAC-SHA256 under ``key`` with the purpose's domain already absorbed, to copy per
+    record: the MAC of _message(purpose, payload) without keying HMAC again each time (a
+    quarter of a 1 KB record's MAC; this runs per record on the hot paths)."""
+    return hmac.new(key, _domain(purpose), "sha256")
+
+
+def _tag(keyed: hmac.HMAC, payload: bytes) -> bytes:
+    mac = keyed.copy()
+    mac.update(payload)
+    return mac.digest()
 
 
 class HeaderSigner(Protocol):
@@ -216,11 +227,12 @@ class MacVerifier:
     rotate); the MACs a record carries for other readers are ignored."""
 
     def __init__(self, keys: Iterable[str], purpose: Purpose) -> None:
-        self._keys = {mac_key_id(k): _raw_key(k, "a MAC") for k in keys if k.strip()}
+        self._keys = {
+            mac_key_id(k): _keyed(_raw_key(k, "a MAC"), purpose) for k in keys if k.strip()
+        }
         if not self._keys:
             raise ValueError(f"a {purpose} verifier needs at least one key")
         self.purpose = purpose
-        self._domain = _domain(purpose)
 
     def problem(self, payload: bytes, headers: Sequence[tuple[str, bytes]] | None) -> str | None:
         """None if ``payload`` carries a valid MAC under one of the keys; else why not."""
@@ -236,9 +248,8 @@ class MacVerifier:
             return f"no MAC under this reader's key ({carried} for other readers or unknown keys)"
         return self._legacy(payload, dict(headers or ()))
 
-    def _check(self, key: bytes, payload: bytes, tag: bytes) -> str | None:
-        expected = hmac.digest(key, self._domain + payload, "sha256")
-        return None if hmac.compare_digest(expected, tag) else "bad signature"
+    def _check(self, key: hmac.HMAC, payload: bytes, tag: bytes) -> str | None:
+        return None if hmac.compare_digest(_tag(key, payload), tag) else "bad signature"
 
     def _legacy(self, payload: bytes, found: dict[str, bytes]) -> str | None:
         """A record written before MACs had their own header (in rtrl-sig, its key id in

@@ -4,6 +4,10 @@ joiner on every reward for the trainer and the sink."""
 
 from __future__ import annotations
 
+import base64
+import hashlib
+import hmac
+
 import pytest
 
 from rtrl import signing
@@ -27,6 +31,18 @@ def test_a_mac_verifies_under_its_key_and_purpose_and_nothing_else():
     assert other_purpose.problem(EVENT, headers) == "bad signature"
     # The key id names the key without giving it away.
     assert signer.key_id == signing.mac_key_id(key) and signer.key_id not in key
+
+
+def test_the_tag_is_hmac_sha256_of_the_purpose_domain_and_the_payload():
+    """The wire format, spelled out: whoever reimplements a reader computes exactly this
+    (the signer keys HMAC once and copies it per record; the tags must not change)."""
+    key = signing.generate_mac_key()
+    raw = base64.urlsafe_b64decode(key + "=" * (-len(key) % 4))
+    expected = hmac.new(raw, b"rtrl/v1/event\0" + EVENT, hashlib.sha256).digest()
+    signer = signing.MacSigner(key, signing.Purpose.EVENT)
+    assert signer.sign(EVENT) == expected
+    assert list(signer.headers(EVENT)) == [(signing.MAC_HEADER, signer.key_id.encode() + expected)]
+    assert signer.sign(EVENT) == expected  # the keyed state is copied, never consumed
 
 
 def test_each_reader_checks_its_own_mac_and_ignores_the_others():

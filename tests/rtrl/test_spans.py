@@ -17,7 +17,11 @@ from rtrl import otel, spans
 
 SAMPLED_PARENT = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
 UNSAMPLED_PARENT = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-00"
-ATTRIBUTES: dict[str, str | float] = {"messaging.system": "kafka", "rtrl.rollout_id": "r-1", "rtrl.reward": 0.25}
+ATTRIBUTES: dict[str, str | float] = {
+    "messaging.system": "kafka",
+    "rtrl.rollout_id": "r-1",
+    "rtrl.reward": 0.25,
+}
 
 
 class Tracing:
