@@ -15,14 +15,8 @@ import torch
 
 from rtrl.moe import unpack_routes
 from rtrl.policy import PAD, VOCAB_SIZE
-from rtrl.trajectory import (
-    MalformedTrajectory,
-    Segment,
-    Summary,
-    TargetAlignment,
-    Trajectory,
-    targets,
-)
+from rtrl.trajectory import MalformedTrajectory, Segment, Summary, Trajectory
+from rtrl.trajectory_targets import TargetAlignment, targets
 from rtrl.v1 import common_pb2, reward_pb2, rollout_pb2
 
 

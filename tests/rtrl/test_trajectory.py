@@ -1,13 +1,17 @@
 """The trajectory (rtrl/trajectory.py): a flat rollout record read as its prompt and one
-generated segment, its training targets, and what every other reader counts of it."""
+generated segment, an agent's record as its segments, tool calls by turn and link, their
+training targets, and what every other reader counts of them."""
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import pytest
 
 from rtrl.trajectory import (
+    Link,
+    LinkReason,
     MalformedTrajectory,
     Segment,
     SegmentKind,
@@ -15,8 +19,8 @@ from rtrl.trajectory import (
     ToolCall,
     Trajectory,
     VersionSpan,
-    targets,
 )
+from rtrl.trajectory_targets import targets
 from rtrl.v1 import rollout_pb2
 
 PROMPT = [1, 40, 41]
@@ -193,22 +197,23 @@ def test_observed_tokens_are_context_and_never_targets():
     trajectory = Trajectory(
         prompt_ids=(1, 2),
         segments=(
-            Segment.generated((3, 4), (-0.3, -0.4), (7, 7)),
+            Segment.generated((3, 4), (-0.25, -0.5), (7, 7)),
             Segment.observed((5,)),
-            Segment.generated((6,), (-0.6,), (8,)),
+            Segment.generated((6,), (-0.625,), (8,)),
         ),
     )
     row = targets(trajectory)
     assert row.input_ids == (1, 2, 3, 4, 5, 6)
     assert [(run.start, run.end) for run in row.runs] == [(1, 3), (4, 5)]
     assert row.mask() == (0.0, 1.0, 1.0, 0.0, 1.0)
-    assert row.logprobs() == (0.0, -0.3, -0.4, 0.0, -0.6)
+    assert row.logprobs() == (0.0, -0.25, -0.5, 0.0, -0.625)
     assert row.versions() == (-1, 7, 7, -1, 8)
     assert trajectory.generated_ids == (3, 4, 6) and trajectory.oldest_version == 7
     assert trajectory.version_spans() == [VersionSpan(7, 0, 2), VersionSpan(8, 2, 3)]
-    # Today's record holds one generated segment: it cannot carry this one.
-    with pytest.raises(ValueError):
-        trajectory.write(rollout_pb2.RolloutRecord())
+    # Written as segments, it reads back as it was.
+    written = rollout_pb2.RolloutRecord()
+    trajectory.write(written)
+    assert Trajectory.of(written) == trajectory
 
 
 def test_the_summary_counts_tokens_per_version_and_invalid_tool_calls():
@@ -225,3 +230,108 @@ def test_the_summary_counts_tokens_per_version_and_invalid_tool_calls():
     assert summary.invalid_tool_calls == 1
     assert summary.tool_calls[1] == ToolCall("b", "{}", False, "no such file")
     assert Summary.of(rollout_pb2.RolloutRecord()).version_range() is None
+
+
+# -- an agent's trajectory: segments, tool calls by turn, links ------------------------------
+
+AGENT = Trajectory(
+    prompt_ids=(1, 2),
+    segments=(
+        Segment.generated((3, 4), (-0.25, -0.5), (7, 7)),  # turn 0: two calls in parallel
+        Segment.observed((5, 6), source="tool"),
+        Segment.generated((8,), (-0.125,), (8,)),  # turn 1, sampled after a swap: one call
+        Segment.observed((9,), source="tool"),
+        Segment.generated((10, 11), (-1.0, -2.0), (8, 9)),  # turn 2: swapped mid-turn
+    ),
+    final_text="done",
+    tool_calls=(
+        ToolCall("read", '{"path": "a.py"}', True, id="call_0", turn=0),
+        ToolCall("read", '{"path": "b.py"}', True, id="call_1", turn=0),
+        ToolCall("lint", "{oops", False, "arguments are not JSON", id="call_2", turn=1),
+    ),
+    prompt_text="fix it",
+    finish_reason="stop",
+    link=Link("traj-1", 1, True, LinkReason.NOT_AN_EXTENSION),
+)
+
+
+def agent_record() -> rollout_pb2.RolloutRecord:
+    written = rollout_pb2.RolloutRecord(rollout_id="r-1")
+    AGENT.write(written)
+    return written
+
+
+def test_an_agents_trajectory_round_trips_through_its_record():
+    written = agent_record()
+    assert [s.kind for s in written.segments] == [
+        rollout_pb2.Segment.KIND_GENERATED,
+        rollout_pb2.Segment.KIND_OBSERVED,
+    ] * 2 + [rollout_pb2.Segment.KIND_GENERATED]
+    # The flat completion is for a single turn only.
+    assert not (written.completion_token_ids or written.completion_logprobs)
+    assert not written.version_spans
+    assert [(s.policy_version, s.start, s.end) for s in written.segments[4].version_spans] == [
+        (8, 0, 1),
+        (9, 1, 2),
+    ]
+    assert (written.link.trajectory_id, written.link.position, written.link.final) == (
+        "traj-1",
+        1,
+        True,
+    )
+    # Through the wire and back: the same trajectory.
+    again = rollout_pb2.RolloutRecord.FromString(written.SerializeToString())
+    assert Trajectory.of(again) == AGENT
+    summary = Summary.of(again)
+    assert summary == AGENT.summary()
+    assert (summary.turns, summary.generated_tokens, summary.observed_tokens) == (3, 5, 3)
+    assert dict(summary.version_tokens) == {7: 2, 8: 2, 9: 1}
+    assert summary.invalid_tool_calls == 1 and summary.link == AGENT.link
+
+
+def test_an_agents_training_row_trains_on_what_the_policy_wrote_alone():
+    row = targets(Trajectory.of(agent_record()))
+    assert row.input_ids == (1, 2, 3, 4, 5, 6, 8, 9, 10, 11)
+    assert row.mask() == (0, 1, 1, 0, 0, 1, 0, 1, 1)
+    assert row.versions() == (-1, 7, 7, -1, -1, 8, -1, 8, 9)
+
+
+def _broken(change) -> rollout_pb2.RolloutRecord:
+    broken = agent_record()
+    change(broken)
+    return broken
+
+
+# Each case: what breaks a well-formed agent record; Trajectory.of refuses it, saying so.
+BROKEN_AGENT_CASES = {
+    "logprobs_short": (lambda r: r.segments[0].logprobs.pop(), "segment 0: 1 log-probs"),
+    "spans_short": (lambda r: r.segments[4].version_spans.pop(), "segment 4: version spans"),
+    "observed_with_logprobs": (
+        lambda r: r.segments[1].logprobs.append(-1.0),
+        "observed segment 1 carries",
+    ),
+    "unknown_kind": (
+        lambda r: setattr(r.segments[3], "kind", rollout_pb2.Segment.KIND_UNSPECIFIED),
+        "segment 3 has no known kind",
+    ),
+    "also_flat": (lambda r: r.completion_token_ids.append(3), "also holds a flat completion"),
+    "generated_with_a_source": (
+        lambda r: setattr(r.segments[0], "source", "tool"),
+        "a generated segment has no source",
+    ),
+    "link_without_reason": (
+        lambda r: setattr(r.link, "reason", rollout_pb2.TrajectoryLink.REASON_UNSPECIFIED),
+        "no known reason",
+    ),
+    "first_link_not_first": (lambda r: setattr(r.link, "position", 0), "link 0 of 'traj-1'"),
+    "tool_call_of_no_turn": (lambda r: setattr(r.tool_calls[2], "turn", 3), "names turn 3 of 3"),
+}
+
+
+@pytest.mark.parametrize("change, says", BROKEN_AGENT_CASES.values(), ids=BROKEN_AGENT_CASES.keys())
+def test_a_broken_agent_record_is_refused_and_still_counted(change, says):
+    broken = _broken(change)
+    with pytest.raises(MalformedTrajectory, match=re.escape(says)):
+        Trajectory.of(broken)
+    # The lenient reading counts what arrived (the reward and the analytics sink).
+    assert Summary.of(broken).prompt_tokens == 2
