@@ -23,6 +23,7 @@ from rtrl.admission import Admission, Refusal
 from rtrl.api_keys import COMPLETIONS, ApiKey, KeyCache, KeyVerifier, RateLimiter
 from rtrl.config import StackSettings
 from rtrl.inference.config import InferenceSettings
+from rtrl.inference.openai_errors import error_response
 
 
 def serving_door(
@@ -70,11 +71,11 @@ def _scope_refusal(door: Admission, key: ApiKey | None) -> Refusal | None:
 
 
 def refused(refusal: Refusal) -> web.Response:
-    """The HTTP answer to a refusal: its status, ``{"error": ...}`` and, where waiting
+    """The HTTP answer to a refusal: its status, OpenAI's error body and, where waiting
     helps, Retry-After in whole seconds (at least one)."""
     headers = (
         {"Retry-After": str(max(1, math.ceil(refusal.retry_after_s)))}
         if refusal.retry_after_s
         else None
     )
-    return web.json_response({"error": refusal.message}, status=refusal.status, headers=headers)
+    return error_response(refusal.status, refusal.message, headers=headers)

@@ -35,12 +35,15 @@ class FieldRefused(ValueError):
 
 class RequestBody(BaseModel):
     """What both endpoints take besides the prompt. Unknown fields (``model``, ``n``...)
-    are ignored."""
+    are ignored. Nothing beyond what an OpenAI client sends is required: the end user is
+    rtrl's ``user_id``, else OpenAI's ``user``, else the API key's client (``end_user``)."""
 
     model_config = ConfigDict(extra="ignore", frozen=True)
 
-    user_id: str = Field(min_length=1)
-    session_id: str = Field(min_length=1)
+    user_id: str | None = Field(None, min_length=1, max_length=256)
+    user: str | None = Field(None, min_length=1, max_length=256)
+    """OpenAI's name for the end user."""
+    session_id: str = Field("", max_length=256)
     max_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0, le=5)
     top_p: float | None = Field(None, gt=0, le=1)
@@ -71,6 +74,17 @@ class RequestBody(BaseModel):
             problem := window.problem(self.client_ts_ms, now_ms, "server clock")
         ):
             raise FieldRefused("client_ts_ms", problem)
+
+    def end_user(self, client_id: str | None) -> str:
+        """Who the completion is for (their arm, their privacy): ``user_id``, else ``user``,
+        else the API key's client. Raises FieldRefused when the request names nobody and
+        came without a key."""
+        user = self.user_id or self.user or client_id
+        if not user:
+            raise FieldRefused(
+                "user", "name the end user (OpenAI's user field), or send an API key"
+            )
+        return user
 
     def stop_strings(self) -> tuple[str, ...]:
         if self.stop is None:

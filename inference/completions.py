@@ -39,6 +39,7 @@ from rtrl.inference.api import (
 from rtrl.inference.arms import assign_arm
 from rtrl.inference.config import InferenceSettings
 from rtrl.inference.engine import ArmNotReady, Completion, Engine, EngineStopped
+from rtrl.inference.openai_errors import error_response, validation_param
 from rtrl.inference.recording import (
     KeptFromTraining,
     Private,
@@ -90,6 +91,8 @@ class Ask:
     chat: bool
     prompt_ids: list[int]
     max_tokens: int
+    user_id: str
+    """The end user (RequestBody.end_user)."""
     arm: str
     temperature: float
     top_p: float
@@ -124,6 +127,7 @@ class CompletionsApi:
         self.publisher = publisher
         self._redis = redis
         self._client_ts_window = settings.client_ts_window()
+        self._created = int(time.time())
         self.counters = RequestCounters()
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
@@ -144,6 +148,29 @@ class CompletionsApi:
             response = await self._admitted(request, span)
             span.set_attribute("http.response.status_code", response.status)
             return response
+
+    async def models(self, request: web.Request) -> web.Response:
+        """``GET /v1/models`` (and ``/v1/models/{model}``): the policy this worker serves,
+        behind the same door as its completions. A request may name any model: it is
+        served by this one."""
+        key, refusal = await admit(
+            self.door, request.headers.get("Authorization", ""), request.content_length
+        )
+        if refusal is not None:
+            return refused(refusal)
+        with self.door.serving(key):
+            model = {
+                "id": self.model_name,
+                "object": "model",
+                "created": self._created,
+                "owned_by": "rtrl",
+            }
+            asked = request.match_info.get("model")
+            if asked is None:
+                return web.json_response({"object": "list", "data": [model]})
+            if asked != self.model_name:
+                return error_response(404, f"this worker serves {self.model_name!r}", "model")
+            return web.json_response(model)
 
     async def _admitted(self, request: web.Request, span: trace.Span) -> web.StreamResponse:
         """Who is asking is settled from the headers, before the body is read."""
@@ -167,17 +194,17 @@ class CompletionsApi:
             return refused(raw)
         tokens: asyncio.Queue[SampledToken] = asyncio.Queue()
         try:
-            ask = await self._parse(request.path, raw, received_ms)
+            ask = await self._parse(request.path, raw, received_ms, key)
             if (refusal := self.door.tokens_refusal(key, ask.max_tokens)) is not None:
                 return refused(refusal)
             waiting = asyncio.wrap_future(self._submit(ask, tokens))
         except ValueError as exc:  # pydantic's ValidationError and FieldRefused are ValueErrors
             self.counters.rejected += 1
-            return web.json_response({"error": str(exc), "field": _field_of(exc)}, status=400)
+            return error_response(400, str(exc), _param_of(exc))
         except UNAVAILABLE as exc:
             return await self._unavailable(exc, None)
         # Asked while the completion is generated: it decides only what is recorded.
-        private_check = asyncio.ensure_future(is_private(self._redis, ask.body))
+        private_check = asyncio.ensure_future(is_private(self._redis, ask.body, ask.user_id))
         rollout_id = str(uuid.uuid4())
         traceparent = otel.traceparent_of(span) or request.headers.get("traceparent", "")
         span.set_attributes({"rtrl.rollout_id": rollout_id, "rtrl.arm": ask.arm})
@@ -209,7 +236,7 @@ class CompletionsApi:
         self.counters.unavailable += 1
         if stream is not None:
             return await stream.fail(str(exc))
-        return web.json_response({"error": str(exc)}, status=503)
+        return error_response(503, str(exc))
 
     async def _read_body(self, request: web.Request, key: ApiKey | None) -> bytes | Refusal:
         """The whole body, read no further than this request may send (a chunked body has no
@@ -224,11 +251,12 @@ class CompletionsApi:
                 return refusal
         return bytes(raw)
 
-    async def _parse(self, path: str, raw: bytes, received_ms: int) -> Ask:
+    async def _parse(self, path: str, raw: bytes, received_ms: int, key: ApiKey | None) -> Ask:
         """The request as the engine will run it. Raises ValueError (pydantic's
         ValidationError, FieldRefused naming the field) for a body the server refuses."""
         chat = path.endswith("/chat/completions")
         body: RequestBody = (ChatBody if chat else CompletionBody).model_validate_json(raw)
+        user_id = body.end_user(key.client_id if key is not None else None)
         prompt_ids = await self._prompt_ids(body)
         body.check_client_ts(received_ms, self._client_ts_window)
         s = self.settings
@@ -239,7 +267,8 @@ class CompletionsApi:
             chat=chat,
             prompt_ids=prompt_ids,
             max_tokens=body.max_tokens or s.max_tokens,
-            arm=body.arm or assign_arm(body.user_id, s.treatment_fraction),
+            user_id=user_id,
+            arm=body.arm or assign_arm(user_id, s.treatment_fraction),
             temperature=temperature,
             top_p=top_p,
             client_ts_ms=received_ms if body.client_ts_ms is None else body.client_ts_ms,
@@ -306,7 +335,7 @@ class CompletionsApi:
         context = RolloutContext(
             rollout_id=rollout_id,
             session_id=body.session_id,
-            user_id=body.user_id,
+            user_id=ask.user_id,
             client_ts_ms=ask.client_ts_ms,
             worker_id=self.worker_id,
             model_name=self.model_name,
@@ -339,10 +368,10 @@ class CompletionsApi:
         return answer
 
 
-def _field_of(exc: ValueError) -> str:
-    """The request field a 400 is about ("" when it is not about one field)."""
+def _param_of(exc: ValueError) -> str | None:
+    """The request field a 400 is about, as OpenAI names it (None: not one field)."""
     if isinstance(exc, FieldRefused):
         return exc.field
-    if isinstance(exc, ValidationError) and exc.errors():
-        return ".".join(str(part) for part in exc.errors()[0]["loc"])
-    return ""
+    if isinstance(exc, ValidationError):
+        return validation_param(exc)
+    return None

@@ -54,12 +54,10 @@ class KeptFromTraining:
 Recording = Record | Private | KeptFromTraining
 
 
-async def is_private(redis: aioredis.Redis, body: RequestBody) -> bool:
-    """One privacy policy at every door: the request's flag, or the user registered as
+async def is_private(redis: aioredis.Redis, body: RequestBody, user_id: str) -> bool:
+    """One privacy policy at every door: the request's flag, or its end user registered as
     private (the same set the ingest gateway reads)."""
-    return body.privacy_mode or bool(
-        body.user_id and await redis.sismember(PRIVATE_USERS, body.user_id)
-    )
+    return body.privacy_mode or bool(await redis.sismember(PRIVATE_USERS, user_id))
 
 
 def kept_from_training(

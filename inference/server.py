@@ -203,6 +203,8 @@ async def _listen(settings: InferenceSettings, api: CompletionsApi) -> tuple[web
     app = web.Application()
     app.router.add_post("/v1/completions", api.handle)
     app.router.add_post("/v1/chat/completions", api.handle)
+    app.router.add_get("/v1/models", api.models)
+    app.router.add_get("/v1/models/{model}", api.models)
     app.router.add_get("/healthz", functools.partial(_healthz, api.engine, api.worker_id))
     runner = await serve_http(
         app,

@@ -10,6 +10,8 @@ from typing import Any, NamedTuple
 
 from aiohttp import web
 
+from rtrl.inference.openai_errors import error_body
+
 
 class SampledToken(NamedTuple):
     """One token as the engine sampled it, handed from the engine thread to the stream."""
@@ -86,8 +88,9 @@ class TokenStream:
         return self.response
 
     async def fail(self, error: str) -> web.StreamResponse:
-        """An error event ends a stream whose status line (200) has already gone."""
-        await self.response.write(event({"error": error}))
+        """An error event ends a stream whose status line (200) has already gone, in
+        OpenAI's shape: its SDKs raise it as the stream's error."""
+        await self.response.write(event(error_body(503, error)))
         return self.response
 
 

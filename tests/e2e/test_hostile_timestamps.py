@@ -338,8 +338,8 @@ def test_serving_api_refuses_hostile_client_ts_and_records_an_honest_one(stack_s
     for name, (code, body) in refused.items():
         assert (
             code == 400
-            and body["field"] == "client_ts_ms"
-            and CASES[name].inference in body["error"]
+            and body["error"]["param"] == "client_ts_ms"
+            and CASES[name].inference in body["error"]["message"]
         ), (name, body)
     assert status == 200, answer
     assert (

@@ -88,7 +88,7 @@ def test_a_chat_record_holds_the_templates_ids_and_the_sampled_ids(stack_setting
     assert chat["choices"][0]["message"]["content"] == policy.decode(chat["token_ids"])
     assert plain["prompt_token_ids"] == [5, 6, 7]
     assert [status for status, _ in refused] == [400, 400, 400]
-    assert [body["field"].split(".")[0] for _, body in refused] == [
+    assert [body["error"]["param"].split("[")[0].split(".")[0] for _, body in refused] == [
         "messages",
         "messages",
         "prompt",
@@ -153,7 +153,7 @@ def test_the_chat_route_is_behind_the_same_door_as_completions(stack_settings, q
                 for what, key, body in attempts:
                     headers = {"Authorization": f"Bearer {key}"} if key else {}
                     async with http.post(url, json=body, headers=headers) as resp:
-                        seen.append((what, resp.status, (await resp.json())["error"]))
+                        seen.append((what, resp.status, (await resp.json())["error"]["message"]))
 
                 async def chunked():
                     yield json.dumps(oversize).encode()

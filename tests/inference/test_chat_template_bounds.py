@@ -80,8 +80,8 @@ def test_a_render_that_spins_is_bounded_and_the_worker_answers_meanwhile(
     (other_status, other), (spin_status, spun) = asyncio.run(scenario())
     assert other_status == 200, other
     assert spin_status == 400, spun
-    assert spun["field"] == "messages"
-    assert "RTRL_CHAT_TEMPLATE_TIMEOUT_S" in spun["error"]
+    assert spun["error"]["param"] == "messages"
+    assert "RTRL_CHAT_TEMPLATE_TIMEOUT_S" in spun["error"]["message"]
 
 
 @pytest.mark.guarantee(7)

@@ -67,9 +67,9 @@ def test_context_key_is_recorded_and_a_hostile_one_refused(stack_settings):
             await server.stop()
 
     answers, refused = asyncio.run(scenario())
-    assert [(status, body["field"]) for status, body in refused] == [(400, "context_key")] * (
-        len(ACCEPTED) * len(HOSTILE)
-    )
+    assert [(status, body["error"]["param"]) for status, body in refused] == [
+        (400, "context_key")
+    ] * (len(ACCEPTED) * len(HOSTILE))
     records = {r.rollout_id: r for r in read_rollouts(stack_settings)}
     assert {
         path: records[answer["rollout_id"]].context_key for path, answer in answers.items()

@@ -137,8 +137,9 @@ def test_completions_produce_one_rollout_record_each(stack_settings):
                 answers = await asyncio.gather(*public, *private)
                 assert [status for status, _ in answers] == [200] * len(answers), answers
                 bad = await send(http, server.port, prompt="é", user_id="u", session_id="s")
-                assert bad[0] == 400 and "vocabulary" in bad[1]["error"]
-                assert (await send(http, server.port, prompt="x", session_id="s"))[0] == 400
+                assert bad[0] == 400 and "vocabulary" in bad[1]["error"]["message"]
+                nobody = await send(http, server.port, prompt="x", user="")
+                assert (nobody[0], nobody[1]["error"]["param"]) == (400, "user")
                 async with http.get(f"http://127.0.0.1:{server.port}/healthz") as resp:
                     health = await resp.json()
                 assert health == {
@@ -310,7 +311,7 @@ def test_arm_without_weights_answers_503(stack_settings):
             await server.stop()
 
     status, answer = asyncio.run(scenario())
-    assert status == 503 and "no weights" in answer["error"]
+    assert status == 503 and "no weights" in answer["error"]["message"]
     assert read_rollouts(stack_settings, timeout_s=1) == []
 
 
@@ -486,7 +487,9 @@ def test_the_serving_api_takes_only_completion_keys_and_holds_each_to_its_budget
                     lambda: sum(server.door.in_flight.values()), "the first completion in flight"
                 )
                 status, answer = await post(http, server.port, keys["one-at-a-time"], **ask)
-                assert status == 429 and "1 completions in flight" in answer["error"], answer
+                assert status == 429 and "1 completions in flight" in answer["error"]["message"], (
+                    answer
+                )
                 engine.stage("control", 0, state_dict_fp32(build_model(seed=1)))
                 engine.stage("treatment", 0, state_dict_fp32(build_model(seed=1)))
                 assert (await waiting)[0] == 200
@@ -499,7 +502,7 @@ def test_the_serving_api_takes_only_completion_keys_and_holds_each_to_its_budget
                     (keys["revoked"], 401, "revoked"), (keys["events-only"], 403, "may not ask for completions"),
                 ):  # fmt: skip
                     got = await post(http, server.port, key, **ask)
-                    assert got[0] == status and reason in got[1]["error"], (key, got)
+                    assert got[0] == status and reason in got[1]["error"]["message"], (key, got)
 
                 assert [
                     (await post(http, server.port, keys["slow"], **ask))[0] for _ in range(2)
@@ -507,12 +510,15 @@ def test_the_serving_api_takes_only_completion_keys_and_holds_each_to_its_budget
                 async with http.post(
                     url, json=ask, headers={"Authorization": f"Bearer {keys['slow']}"}
                 ) as resp:
-                    assert resp.status == 429 and "completions/s" in (await resp.json())["error"]
+                    assert (
+                        resp.status == 429
+                        and "completions/s" in (await resp.json())["error"]["message"]
+                    )
                     assert int(resp.headers["Retry-After"]) >= 1
 
                 assert (await post(http, server.port, keys["short"], **ask, max_tokens=4))[0] == 200
                 got = await post(http, server.port, keys["short"], **ask, max_tokens=8)
-                assert got[0] == 429 and "budget of 4 tokens" in got[1]["error"]
+                assert got[0] == 429 and "budget of 4 tokens" in got[1]["error"]["message"]
                 got = await post(
                     http, server.port, keys["short"], **ask
                 )  # the server's default (8) is over it too
@@ -520,12 +526,14 @@ def test_the_serving_api_takes_only_completion_keys_and_holds_each_to_its_budget
 
                 long_ask = {**ask, "session_id": "s" * 300}
                 got = await post(http, server.port, keys["small"], **long_ask)
-                assert got[0] == 429 and "budget of 200 bytes" in got[1]["error"]
+                assert got[0] == 429 and "budget of 200 bytes" in got[1]["error"]["message"]
                 assert (await post(http, server.port, keys["small"], **ask))[0] == 200
                 got = await post(
                     http, server.port, keys["plain"], **{**ask, "session_id": "s" * 3000}
                 )
-                assert got[0] == 413 and "server's bound of 2048 bytes" in got[1]["error"]
+                assert (
+                    got[0] == 413 and "server's bound of 2048 bytes" in got[1]["error"]["message"]
+                )
 
                 # A chunked body (no Content-Length) is held to the same bounds as it is read.
                 async def chunks():

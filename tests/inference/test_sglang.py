@@ -520,8 +520,11 @@ def test_the_serving_api_fronts_sglang(sglang, stack_settings):
 
     answers, control, stop = asyncio.run(scenario())
     assert [status for status, _ in answers] == [200] * 3, answers
-    assert control[0] == 400 and "no SGLang server serves arm 'control'" in control[1]["error"]
-    assert stop[0] == 400 and "stop strings" in stop[1]["error"]
+    assert (
+        control[0] == 400
+        and "no SGLang server serves arm 'control'" in control[1]["error"]["message"]
+    )
+    assert stop[0] == 400 and "stop strings" in stop[1]["error"]["message"]
     records = {r.rollout_id: r for r in read_rollouts(stack_settings)}
     for _, answer in answers:
         record = records[answer["rollout_id"]]
