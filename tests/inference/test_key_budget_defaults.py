@@ -33,7 +33,11 @@ async def ask(http: aiohttp.ClientSession, port: int, key: str) -> tuple[int, st
         headers={"Authorization": f"Bearer {key}"},
     ) as resp:
         answer = await resp.json()
-        return resp.status, answer.get("error", ""), resp.headers.get("Retry-After")
+        return (
+            resp.status,
+            answer.get("error", {}).get("message", ""),
+            resp.headers.get("Retry-After"),
+        )
 
 
 @pytest.mark.guarantee(7)
