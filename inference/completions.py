@@ -211,7 +211,12 @@ class CompletionsApi:
         stream = None
         if ask.body.stream:
             stream = await TokenStream.open(
-                request, self.policy.decode, rollout_id, ask.body.stop_strings()
+                request,
+                self.policy.decode,
+                rollout_id,
+                self.model_name,
+                ask.chat,
+                ask.body.stop_strings(),
             )
             await stream.relay(tokens, waiting)
         try:

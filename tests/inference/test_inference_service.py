@@ -240,8 +240,8 @@ def test_completions_produce_one_rollout_record_each(stack_settings):
 
 
 def test_streamed_completion_matches_its_answer_and_record(stack_settings):
-    # stream=true: one server-sent event per token as sampled, text held back so no part
-    # of a stop string is ever sent, then the whole answer; the rollout record is the same.
+    # stream=true: one chunk per token as sampled, text held back so no part of a stop
+    # string is ever sent, then the last chunk; the rollout record is the same.
     settings = InferenceSettings(
         http_port=0, follow_weights=False, max_tokens=40, auth_required=False
     )
@@ -268,26 +268,26 @@ def test_streamed_completion_matches_its_answer_and_record(stack_settings):
 
     base = {"prompt": "@p1 say hi\n", "user_id": "u", "session_id": "s", "seed": 5}
     free = asyncio.run(scenario({**base, "stream": True}))
-    *tokens, answer = free
-    assert [t["token_id"] for t in tokens] == list(
-        next(
-            r for r in read_rollouts(stack_settings) if r.rollout_id == answer["rollout_id"]
-        ).completion_token_ids
-    )
-    assert (
-        "".join(t["delta"] for t in free) == answer["text"]
-        and len(tokens) == answer["usage"]["completion_tokens"]
-    )
-    assert {t["rollout_id"] for t in tokens} == {answer["rollout_id"]} and all(
-        t["policy_version"] == 0 for t in tokens
-    )
+    *tokens, last = free
+    record = next(r for r in read_rollouts(stack_settings) if r.rollout_id == last["rollout_id"])
+    # OpenAI's text_completion chunks, each with the token it was sent for; the last one ends
+    # the choice and carries the answer's own fields.
+    assert {(c["id"], c["object"]) for c in free} == {(record.rollout_id, "text_completion")}
+    assert [t["token_id"] for t in tokens] == list(record.completion_token_ids)
+    assert last["token_ids"] == list(record.completion_token_ids)
+    assert all(t["policy_version"] == 0 for t in tokens)
+    assert [c["choices"][0]["finish_reason"] for c in free] == [None] * len(tokens) + [
+        record.finish_reason
+    ]
+    text = "".join(c["choices"][0]["text"] for c in free)
+    assert text == record.completion_text and len(tokens) == last["usage"]["completion_tokens"]
 
-    stop = answer["text"][5:8]
-    cut = answer["text"].find(stop)
+    stop = text[5:8]
+    cut = text.find(stop)
     stopped = asyncio.run(scenario({**base, "stream": True, "stop": stop}))
-    assert stopped[-1]["text"] == answer["text"][:cut] and stopped[-1]["finish_reason"] == "stop"
-    assert "".join(t["delta"] for t in stopped) == answer["text"][:cut]
-    assert all(stop not in "".join(t["delta"] for t in stopped[:i]) for i in range(len(stopped)))
+    pieces = [c["choices"][0]["text"] for c in stopped]
+    assert "".join(pieces) == text[:cut] and stopped[-1]["choices"][0]["finish_reason"] == "stop"
+    assert all(stop not in "".join(pieces[:i]) for i in range(len(pieces)))
 
 
 def test_arm_without_weights_answers_503(stack_settings):

@@ -60,6 +60,17 @@ def test_an_openai_client_is_served_as_it_is(stack_settings, qwen3_dir):
             for_alice = await client.chat.completions.create(
                 model=models[0].id, messages=MESSAGES, seed=7, user="alice"
             )
+            streamed = await client.chat.completions.create(
+                model=models[0].id, messages=MESSAGES, seed=7, stream=True
+            )
+            chunks = [chunk async for chunk in streamed]
+            async with client.chat.completions.stream(
+                model=models[0].id, messages=MESSAGES, seed=7
+            ) as helper:
+                try:
+                    accumulated = await helper.get_final_completion()
+                except openai.LengthFinishReasonError as exc:  # at max_tokens: still whole
+                    accumulated = exc.completion  # type: ignore[assignment]
             errors: list[openai.APIStatusError] = []
             wizard = [{"role": "wizard", "content": "hi"}]
             for bad in (
@@ -75,11 +86,14 @@ def test_an_openai_client_is_served_as_it_is(stack_settings, qwen3_dir):
                 await stranger.chat.completions.create(model="m", messages=MESSAGES)
             except openai.AuthenticationError as exc:
                 errors.append(exc)
-            return models, retrieved, plain, for_alice, errors, server.api.model_name
+            streams = (chunks, accumulated)
+            return models, retrieved, plain, for_alice, streams, errors, server.api.model_name
         finally:
             await server.stop()
 
-    models, retrieved, plain, for_alice, errors, served = asyncio.run(scenario())
+    models, retrieved, plain, for_alice, (chunks, accumulated), errors, served = asyncio.run(
+        scenario()
+    )
     assert [(m.id, m.object, m.owned_by) for m in models] == [(served, "model", "rtrl")]
     assert retrieved.id == served
     for answer in (plain, for_alice):
@@ -88,6 +102,18 @@ def test_an_openai_client_is_served_as_it_is(stack_settings, qwen3_dir):
         assert choice.message.role == "assistant" and choice.finish_reason in ("stop", "length")
         assert choice.message.content == policy.decode(answer.model_extra["token_ids"])
         assert answer.usage.completion_tokens == len(answer.model_extra["token_ids"])
+    # Streamed: chat.completion.chunk deltas, the role once, each chunk with its token; the
+    # SDK's own accumulating helper reads the same turn.
+    assert {(c.id, c.object) for c in chunks} == {(chunks[0].id, "chat.completion.chunk")}
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert all(c.choices[0].delta.role is None for c in chunks[1:])
+    token_ids = chunks[-1].model_extra["token_ids"]
+    assert [c.model_extra["token_id"] for c in chunks[:-1]] == token_ids
+    content = "".join(c.choices[0].delta.content or "" for c in chunks)
+    assert content == policy.decode(token_ids)
+    assert chunks[-1].choices[0].finish_reason in ("stop", "length")
+    # The same request again (the same seed, user and weights: the same tokens).
+    assert accumulated.choices[0].message.content == content
     # Each error as the SDK raises it, the field at fault in OpenAI's notation.
     assert [(type(e).__name__, e.status_code, e.type, e.param, e.code) for e in errors] == [
         ("BadRequestError", 400, "invalid_request_error", "messages[0].role", None),
