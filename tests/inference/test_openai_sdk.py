@@ -82,10 +82,14 @@ def test_an_openai_client_is_served_as_it_is(stack_settings, qwen3_dir):
                 except openai.BadRequestError as exc:
                     errors.append(exc)
             stranger = openai.AsyncOpenAI(api_key="not-a-key", base_url=base_url, max_retries=0)
-            try:
-                await stranger.chat.completions.create(model="m", messages=MESSAGES)
-            except openai.AuthenticationError as exc:
-                errors.append(exc)
+            for refused in (
+                stranger.chat.completions.create(model="m", messages=MESSAGES),
+                stranger.models.list(),  # the model list is behind the same door
+            ):
+                try:
+                    await refused
+                except openai.AuthenticationError as exc:
+                    errors.append(exc)
             streams = (chunks, accumulated)
             return models, retrieved, plain, for_alice, streams, errors, server.api.model_name
         finally:
@@ -118,6 +122,7 @@ def test_an_openai_client_is_served_as_it_is(stack_settings, qwen3_dir):
     assert [(type(e).__name__, e.status_code, e.type, e.param, e.code) for e in errors] == [
         ("BadRequestError", 400, "invalid_request_error", "messages[0].role", None),
         ("BadRequestError", 400, "invalid_request_error", "max_tokens", None),
+        ("AuthenticationError", 401, "authentication_error", None, "invalid_api_key"),
         ("AuthenticationError", 401, "authentication_error", None, "invalid_api_key"),
     ]
     # Recorded: the chat template's ids and the sampled ones; the end user is OpenAI's
