@@ -153,9 +153,7 @@ class CompletionsApi:
         """``GET /v1/models`` (and ``/v1/models/{model}``): the policy this worker serves,
         behind the same door as its completions. A request may name any model: it is
         served by this one."""
-        key, refusal = await admit(
-            self.door, request.headers.get("Authorization", ""), request.content_length
-        )
+        key, refusal = await self._admit(request)
         if refusal is not None:
             return refused(refusal)
         with self.door.serving(key):
@@ -174,15 +172,18 @@ class CompletionsApi:
 
     async def _admitted(self, request: web.Request, span: trace.Span) -> web.StreamResponse:
         """Who is asking is settled from the headers, before the body is read."""
-        key, refusal = await admit(
-            self.door, request.headers.get("Authorization", ""), request.content_length
-        )
+        key, refusal = await self._admit(request)
         if refusal is not None:
             return refused(refusal)
         if key is not None:
             span.set_attribute("rtrl.client_id", key.client_id)
         with self.door.serving(key):
             return await self._serve(request, span, key)
+
+    async def _admit(self, request: web.Request) -> tuple[ApiKey | None, Refusal | None]:
+        return await admit(
+            self.door, request.headers.get("Authorization", ""), request.content_length
+        )
 
     async def _serve(
         self, request: web.Request, span: trace.Span, key: ApiKey | None

@@ -205,7 +205,9 @@ class Trajectory:
             )
         return cls.single_turn(
             tuple(record.prompt_token_ids),
-            Segment.generated(completion, logprobs, _span_versions(record, len(completion))),
+            Segment.generated(
+                completion, logprobs, _tiled_versions(record.version_spans, len(completion))
+            ),
             final_text=str(record.completion_text),
             finish_reason=str(record.finish_reason),
             prompt_text=str(record.prompt_text),
@@ -324,11 +326,6 @@ class Trajectory:
 def _joined(parts: list[tuple[_Value, ...]]) -> tuple[_Value, ...]:
     # One segment (every record today) is returned as it is: no copy per token.
     return parts[0] if len(parts) == 1 else tuple(v for part in parts for v in part)
-
-
-def _span_versions(record: rollout_pb2.RolloutRecord, tokens: int) -> tuple[int, ...]:
-    """The version of each completion token, from spans that must tile [0, tokens)."""
-    return _tiled_versions(record.version_spans, tokens)
 
 
 def _tiled_versions(spans: Iterable[rollout_pb2.VersionSpan], tokens: int) -> tuple[int, ...]:
