@@ -22,8 +22,9 @@ umask 077
   # the gateway holds that set too (Redis ACLs cannot grant SADD without SREM).
   echo "user ingest on >${RTRL_REDIS_PASSWORD_INGEST:?} resetkeys resetchannels -@all +@read +@write +@scripting +@transaction +@connection -@dangerous ~rtrl:hb:* ~rtrl:ingest:event:* ~rtrl:ingest:inflight ~rtrl:ingest:bucket:* ~rtrl:privacy:* ~rtrl:ingest:private-users %R~rtrl:ingest:key:* %R~rtrl:ingest:client:* %R~rtrl:served:*"
   # The serving API: reads key records and the private-users set, spends rate buckets,
-  # records which client each rollout was served to and which versions it applied.
-  echo "user inference on >${RTRL_REDIS_PASSWORD_INFERENCE:?} resetkeys resetchannels -@all +@read +@write +@scripting +@transaction +@connection -@dangerous ~rtrl:hb:* ~rtrl:ingest:bucket:* %W~rtrl:served:* ~rtrl:applied:* %R~rtrl:ingest:key:* %R~rtrl:ingest:private-users"
+  # records which client each rollout was served to, which versions it applied and
+  # which worker serves each agent's open trajectory.
+  echo "user inference on >${RTRL_REDIS_PASSWORD_INFERENCE:?} resetkeys resetchannels -@all +@read +@write +@scripting +@transaction +@connection -@dangerous ~rtrl:hb:* ~rtrl:ingest:bucket:* %W~rtrl:served:* ~rtrl:applied:* ~rtrl:trajectory:* %R~rtrl:ingest:key:* %R~rtrl:ingest:private-users"
   # The weight registry, and the channels that announce its versions. Redis matches
   # a pattern subscription literally against channel rules, so the rule is the very
   # pattern the servers subscribe to (which also matches each arm's channel).

@@ -12,17 +12,22 @@ from __future__ import annotations
 
 import re
 import time
+from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from rtrl.event_time import EventTimeWindow
+from rtrl.inference.chat_messages import ChatMessage, NamedToolChoice, Tool
 from rtrl.inference.engine import Completion
 from rtrl.inference.records import trajectory_of
 
 CONTEXT_KEY = re.compile(r"[A-Za-z0-9._:/@-]{0,128}")
 """What a request's context_key may hold: ASCII letters, digits and ``._:/@-``, at most 128
 of them. It becomes a key of the trainer's running means and an analytics column."""
+
+TRAJECTORY_ID = r"^[A-Za-z0-9._:@-]{1,128}$"
+"""What a trajectory id may be: it is part of a path and a Redis key."""
 
 
 class FieldRefused(ValueError):
@@ -99,30 +104,63 @@ class CompletionBody(RequestBody):
     prompt: str | list[Annotated[int, Field(ge=0)]]
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    role: Literal["system", "user", "assistant", "tool"]
-    content: str
-
-
 class ChatBody(RequestBody):
-    """``POST /v1/chat/completions``: messages for the checkpoint's chat template."""
+    """``POST /v1/chat/completions``: messages for the checkpoint's chat template, the tools
+    the policy may call, and the agent's trajectory when the turn continues one."""
 
-    messages: list[ChatMessage] = Field(min_length=1, max_length=1024)
+    messages: list[ChatMessage] = Field(min_length=1, max_length=4096)
+    tools: list[Tool] | None = Field(None, max_length=512)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
+    trajectory_id: str | None = Field(None, pattern=TRAJECTORY_ID)
+    """Ties this turn to the earlier turns of one agent's trajectory (inference/sessions.py);
+    also taken from the path (``/v1/trajectories/{id}/chat/completions``)."""
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _policy_chooses(cls, value: object) -> object:
+        if value not in (None, "none", "auto"):
+            raise ValueError(
+                "rtrl serves tool_choice auto and none: the policy decides whether to call a "
+                "tool (a forced call would not be the policy's own rollout to train on)"
+            )
+        return value
+
+    def offered_tools(self) -> list[Tool]:
+        """The tools the policy is shown and may call: none under tool_choice "none"."""
+        return [] if self.tool_choice == "none" else list(self.tools or ())
+
+
+@dataclass(frozen=True)
+class Turn:
+    """An assistant turn as answered: its text outside the calls and the calls, in
+    OpenAI's shape (ids included)."""
+
+    content: str
+    tool_calls: list[dict[str, Any]]
+    finish_reason: str
+
+    def message(self) -> dict[str, Any]:
+        message: dict[str, Any] = {"role": "assistant", "content": self.content}
+        if self.tool_calls:
+            message["content"] = self.content or None
+            message["tool_calls"] = self.tool_calls
+        return message
 
 
 def chat_response(
-    rollout_id: str, model_name: str, completion: Completion, latency_s: float
+    rollout_id: str, model_name: str, completion: Completion, latency_s: float, turn: Turn
 ) -> dict[str, Any]:
-    """The chat answer: the completion's fields, the text as the assistant's message."""
+    """The chat answer: the completion's fields, the turn as the assistant's message."""
     answer = completion_response(rollout_id, model_name, completion, latency_s)
     answer["object"] = "chat.completion"
+    answer["text"] = turn.content
+    answer["finish_reason"] = turn.finish_reason
     answer["choices"] = [
         {
             "index": 0,
-            "message": {"role": "assistant", "content": answer["text"]},
-            "finish_reason": answer["finish_reason"],
+            "message": turn.message(),
+            "finish_reason": turn.finish_reason,
             "logprobs": None,
         }
     ]

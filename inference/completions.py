@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-import uuid
 from concurrent.futures import Future
 from dataclasses import dataclass
 
@@ -26,32 +25,35 @@ from pydantic import ValidationError
 from rtrl import otel
 from rtrl.admission import Admission, Refusal
 from rtrl.api_keys import ApiKey
-from rtrl.checkpoint import ChatTemplateError, Checkpoint
+from rtrl.checkpoint import Checkpoint
 from rtrl.inference.access import admit, refused
 from rtrl.inference.api import (
     ChatBody,
-    CompletionBody,
     FieldRefused,
-    RequestBody,
+    Turn,
     chat_response,
     completion_response,
 )
-from rtrl.inference.arms import assign_arm
+from rtrl.inference.asks import Ask, Asks, client_of
 from rtrl.inference.config import InferenceSettings
 from rtrl.inference.engine import ArmNotReady, Completion, Engine, EngineStopped
 from rtrl.inference.openai_errors import error_response, validation_param
 from rtrl.inference.recording import (
+    InTrajectory,
     KeptFromTraining,
     Private,
     Record,
     Recording,
     RolloutPublisher,
     is_private,
-    kept_from_training,
 )
-from rtrl.inference.records import RolloutContext, rollout_record
+from rtrl.inference.records import RolloutContext, rollout_record, trajectory_of
+from rtrl.inference.sessions import Sessions, TrajectoryConflict
 from rtrl.inference.sglang_adapter import SGLangEngine, SGLangGenerationError
 from rtrl.inference.streaming import SampledToken, TokenStream
+from rtrl.inference.tool_calls import family_of
+from rtrl.inference.turns import answered_turn
+from rtrl.trajectory import ToolCall
 
 _tracer = trace.get_tracer("rtrl.inference")
 
@@ -72,6 +74,8 @@ class RequestCounters:
     """Answered 503."""
     unrecorded: int = 0
     """Served but kept from training (recording.KeptFromTraining)."""
+    trajectory_turns: int = 0
+    """Turns of agents' trajectories (recorded with their links)."""
 
     def count(self, recording: Recording) -> None:
         match recording:
@@ -81,25 +85,8 @@ class RequestCounters:
                 self.private += 1
             case KeptFromTraining():
                 self.unrecorded += 1
-
-
-@dataclass(frozen=True)
-class Ask:
-    """A request's body, checked, with the server's defaults filled in and the arm assigned."""
-
-    body: RequestBody
-    chat: bool
-    prompt_ids: list[int]
-    max_tokens: int
-    user_id: str
-    """The end user (RequestBody.end_user)."""
-    arm: str
-    temperature: float
-    top_p: float
-    client_ts_ms: int
-    """The body's, or the server's clock when it arrived."""
-    kept: KeptFromTraining | None
-    """Why its completion will not be recorded, when that is known before it is generated."""
+            case InTrajectory():
+                self.trajectory_turns += 1
 
 
 class CompletionsApi:
@@ -126,7 +113,18 @@ class CompletionsApi:
         self.door = door
         self.publisher = publisher
         self._redis = redis
-        self._client_ts_window = settings.client_ts_window()
+        self.sessions = Sessions(
+            settings,
+            policy=policy,
+            publisher=publisher,
+            redis=redis,
+            worker_id=worker_id,
+            model_name=model_name,
+        )
+        template = policy.tokenizer.chat_template
+        self.tool_family = family_of(template) if isinstance(template, str) else None
+        """The checkpoint's tool-call syntax (None: its turns are text alone)."""
+        self.asks = Asks(settings, policy, self.sessions)
         self._created = int(time.time())
         self.counters = RequestCounters()
 
@@ -194,48 +192,104 @@ class CompletionsApi:
         if isinstance(raw, Refusal):
             return refused(raw)
         tokens: asyncio.Queue[SampledToken] = asyncio.Queue()
+        traceparent = otel.traceparent_of(span) or request.headers.get("traceparent", "")
         try:
-            ask = await self._parse(request.path, raw, received_ms, key)
+            ask = await self.asks.parse(request, raw, received_ms, key, traceparent)
             if (refusal := self.door.tokens_refusal(key, ask.max_tokens)) is not None:
+                self._abandon(ask)
                 return refused(refusal)
             waiting = asyncio.wrap_future(self._submit(ask, tokens))
         except ValueError as exc:  # pydantic's ValidationError and FieldRefused are ValueErrors
             self.counters.rejected += 1
             return error_response(400, str(exc), _param_of(exc))
+        except TrajectoryConflict as exc:
+            self.counters.rejected += 1
+            return error_response(409, str(exc), "trajectory_id")
         except UNAVAILABLE as exc:
             return await self._unavailable(exc, None)
         # Asked while the completion is generated: it decides only what is recorded.
         private_check = asyncio.ensure_future(is_private(self._redis, ask.body, ask.user_id))
-        rollout_id = str(uuid.uuid4())
-        traceparent = otel.traceparent_of(span) or request.headers.get("traceparent", "")
-        span.set_attributes({"rtrl.rollout_id": rollout_id, "rtrl.arm": ask.arm})
+        span.set_attributes({"rtrl.rollout_id": ask.rollout_id, "rtrl.arm": ask.arm})
         stream = None
         if ask.body.stream:
-            stream = await TokenStream.open(
-                request,
-                self.policy.decode,
-                rollout_id,
-                self.model_name,
-                ask.chat,
-                ask.body.stop_strings(),
-            )
+            stream = await TokenStream.open(request, self.policy.decode, self._head(ask), ask.body)
+            if ask.tools is not None and self.tool_family is not None:
+                parallel = isinstance(ask.body, ChatBody) and ask.body.parallel_tool_calls
+                stream.parse_calls(ask.tools, self._turn_index(ask), parallel)
             await stream.relay(tokens, waiting)
         try:
             completion = await waiting
         except UNAVAILABLE as exc:
             private_check.cancel()
+            self._abandon(ask)
             return await self._unavailable(exc, stream)
-        recording = await self._decide(ask, rollout_id, traceparent, key, completion, private_check)
+        turn, calls = self._turn(ask, completion)
+        recording = await self._decide(
+            ask, traceparent, key, completion, turn, calls, private_check
+        )
         if isinstance(recording, Record):
-            await self.publisher.publish(rollout_id, recording, key, traceparent)
+            await self.publisher.publish(ask.rollout_id, recording, key, traceparent)
         self.counters.count(recording)
-        answer = self._answer(ask, rollout_id, traceparent, completion, recording, received)
+        answer = self._answer(ask, traceparent, completion, turn, recording, received)
         span.set_attribute(
             "rtrl.policy.versions", [s["version"] for s in answer["policy_versions"]]
         )
         if stream is None:
             return web.json_response(answer)
         return await stream.finish(answer, completion.result.text)
+
+    async def end_trajectory(self, request: web.Request) -> web.Response:
+        """``DELETE /v1/trajectories/{trajectory_id}``: the agent is done; its record is
+        written now rather than after trajectory_idle_s."""
+        key, refusal = await self._admit(request)
+        if refusal is not None:
+            return refused(refusal)
+        trajectory_id = request.match_info["trajectory_id"]
+        with self.door.serving(key):
+            session = await self.sessions.end(client_of(key), trajectory_id)
+        if session is None:
+            return error_response(
+                404, f"no open trajectory {trajectory_id!r} on this worker", "trajectory_id"
+            )
+        body = {
+            "id": trajectory_id,
+            "object": "trajectory",
+            "rollout_id": session.opening.rollout_id,
+            "links": session.position + 1,
+            "turns": session.turns,
+            "recorded": not session.private and session.kept is None,
+        }
+        if session.kept is not None:
+            body["not_recorded"] = session.kept.reason
+        return web.json_response(body)
+
+    def _abandon(self, ask: Ask) -> None:
+        if ask.plan is not None:
+            self.sessions.abandon(ask.plan.session)
+
+    def _head(self, ask: Ask) -> dict:
+        return {
+            "id": ask.rollout_id,
+            "object": "chat.completion.chunk" if ask.chat else "text_completion",
+            "created": int(time.time()),
+            "model": self.model_name,
+            "rollout_id": ask.rollout_id,
+        }
+
+    def _turn_index(self, ask: Ask) -> int:
+        return 0 if ask.plan is None else self.sessions.turn_of(ask.plan)
+
+    def _turn(self, ask: Ask, completion: Completion) -> tuple[Turn, tuple[ToolCall, ...]]:
+        result = completion.result
+        return answered_turn(
+            result.text,
+            result.finish_reason,
+            tools=ask.tools,
+            family=self.tool_family,
+            parallel=isinstance(ask.body, ChatBody) and ask.body.parallel_tool_calls,
+            rollout_id=ask.rollout_id,
+            turn=self._turn_index(ask),
+        )
 
     async def _unavailable(self, exc: Exception, stream: TokenStream | None) -> web.StreamResponse:
         """503, or an error event on a stream whose 200 has already gone."""
@@ -256,52 +310,6 @@ class CompletionsApi:
                 assert refusal is not None  # over the limit the door itself gave
                 return refusal
         return bytes(raw)
-
-    async def _parse(self, path: str, raw: bytes, received_ms: int, key: ApiKey | None) -> Ask:
-        """The request as the engine will run it. Raises ValueError (pydantic's
-        ValidationError, FieldRefused naming the field) for a body the server refuses."""
-        chat = path.endswith("/chat/completions")
-        body: RequestBody = (ChatBody if chat else CompletionBody).model_validate_json(raw)
-        user_id = body.end_user(key.client_id if key is not None else None)
-        prompt_ids = await self._prompt_ids(body)
-        body.check_client_ts(received_ms, self._client_ts_window)
-        s = self.settings
-        temperature = s.temperature if body.temperature is None else body.temperature
-        top_p = body.top_p or s.top_p
-        return Ask(
-            body=body,
-            chat=chat,
-            prompt_ids=prompt_ids,
-            max_tokens=body.max_tokens or s.max_tokens,
-            user_id=user_id,
-            arm=body.arm or assign_arm(user_id, s.treatment_fraction),
-            temperature=temperature,
-            top_p=top_p,
-            client_ts_ms=received_ms if body.client_ts_ms is None else body.client_ts_ms,
-            kept=kept_from_training(s, body, temperature, top_p),
-        )
-
-    async def _prompt_ids(self, body: RequestBody) -> list[int]:
-        """The token ids the model sees: the chat template's rendering of the messages, the
-        prompt's tokens, or the prompt's ids as given (checked against the vocabulary).
-        Raises FieldRefused naming the field. The template renders in a thread, within its
-        bounds (rtrl/chat_template.py): the event loop goes on serving meanwhile."""
-        if isinstance(body, ChatBody):
-            messages = [m.model_dump() for m in body.messages]
-            try:
-                return await asyncio.to_thread(self.policy.render_chat, messages)
-            except ChatTemplateError as exc:
-                raise FieldRefused("messages", str(exc)) from None
-        assert isinstance(body, CompletionBody)
-        if isinstance(body.prompt, list):
-            vocab = self.policy.spec.vocab_size
-            if any(i >= vocab for i in body.prompt):
-                raise FieldRefused("prompt", f"token ids must be below the vocabulary's {vocab}")
-            return list(body.prompt)
-        try:
-            return self.policy.encode(body.prompt)
-        except ValueError as exc:
-            raise FieldRefused("prompt", str(exc)) from None
 
     def _submit(self, ask: Ask, tokens: asyncio.Queue[SampledToken]) -> Future:
         """Queue the completion on the engine; a streamed one puts each token on ``tokens``
@@ -325,21 +333,32 @@ class CompletionsApi:
     async def _decide(
         self,
         ask: Ask,
-        rollout_id: str,
         traceparent: str,
         key: ApiKey | None,
         completion: Completion,
+        turn: Turn,
+        calls: tuple[ToolCall, ...],
         private_check: asyncio.Future[bool],
     ) -> Recording:
         """What is recorded of a generated completion: nothing of a private one; nothing,
-        with the reason, of one kept from training or too large to write; else its record."""
+        with the reason, of one kept from training or too large to write; else its record.
+        An agent's turn joins its trajectory, recorded when the link ends."""
+        if ask.plan is not None:
+            self.sessions.note(ask.plan, private=await private_check, kept=ask.kept)
+            session = ask.plan.session
+            ended = self.sessions.complete(
+                ask.plan, completion, turn.content, turn.tool_calls, calls, turn.finish_reason
+            )
+            if ended:
+                await self.sessions.end(session.opening.client_id, session.trajectory_id)
+            return InTrajectory()
         if await private_check:
             return Private()
         if ask.kept is not None:
             return ask.kept
         body = ask.body
         context = RolloutContext(
-            rollout_id=rollout_id,
+            rollout_id=ask.rollout_id,
             session_id=body.session_id,
             user_id=ask.user_id,
             client_ts_ms=ask.client_ts_ms,
@@ -351,26 +370,43 @@ class CompletionsApi:
             traceparent=traceparent,
             client_id=key.client_id if key is not None else "",
         )
-        value = rollout_record(context, completion).SerializeToString()
-        return self.publisher.fits(rollout_id, value)
+        trajectory = None
+        if calls:
+            trajectory = trajectory_of(
+                completion,
+                context.prompt_text,
+                final_text=turn.content,
+                finish_reason=turn.finish_reason,
+                tool_calls=calls,
+            )
+        value = rollout_record(context, completion, trajectory).SerializeToString()
+        return self.publisher.fits(ask.rollout_id, value)
 
     def _answer(
         self,
         ask: Ask,
-        rollout_id: str,
         traceparent: str,
         completion: Completion,
+        turn: Turn,
         recording: Recording,
         received: float,
     ) -> dict:
         """The answer's body (the final event of a stream)."""
-        respond = chat_response if ask.chat else completion_response
-        answer = {
-            **respond(rollout_id, self.model_name, completion, time.monotonic() - received),
-            "traceparent": traceparent,
-        }
+        latency = time.monotonic() - received
+        if ask.chat:
+            answer = chat_response(ask.rollout_id, self.model_name, completion, latency, turn)
+        else:
+            answer = completion_response(ask.rollout_id, self.model_name, completion, latency)
+        answer["traceparent"] = traceparent
         if isinstance(recording, KeptFromTraining):
             answer["not_recorded"] = recording.reason
+        if ask.plan is not None:
+            session = ask.plan.session
+            answer["trajectory"] = {
+                "id": session.trajectory_id,
+                "link": session.position,
+                "turn": session.turns - 1,
+            }
         return answer
 
 

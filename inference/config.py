@@ -83,6 +83,19 @@ class InferenceSettings(Settings, HTTPListener, TLSListener):
     """What in-flight sequences do when new weights go live between decode steps: keep
     the KV cache computed under the old version, or re-prefill it under the new one."""
 
+    trajectory_idle_s: float = Field(300.0, gt=0, le=24 * 3600)
+    """An agent's trajectory with no turn for this long ends, and its record is written
+    (inference/sessions.py); its next turn starts a new trajectory."""
+
+    trajectory_max_turns: int = Field(512, ge=1, le=100_000)
+    """A trajectory ends after this many assistant turns."""
+
+    trajectory_max_tokens: int = Field(0, ge=0)
+    """A trajectory ends once it holds this many tokens; 0: the policy's context length."""
+
+    max_trajectories: int = Field(1024, ge=1, le=1_000_000)
+    """Open trajectories one worker keeps; past it the least recently used one ends."""
+
     ready_timeout_s: float = Field(30.0, gt=0, le=3600)
     """How long a request waits for its arm's first weights before failing with 503."""
 

@@ -3,7 +3,7 @@ engine, the request counters and the weight followers when metrics are collected
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Sequence, Sized
 
 from opentelemetry import metrics
 from opentelemetry.metrics import Meter
@@ -19,7 +19,9 @@ def observe(
     engine: Engine | SGLangEngine,
     counters: RequestCounters,
     followers: Sequence[WeightFollower],
+    sessions: Sized = (),
 ) -> None:
+    """``sessions``: the worker's open trajectories (inference/sessions.py)."""
     meter = metrics.get_meter("rtrl.inference")
     _observe_engine(meter, engine)
     otel.observe(
@@ -32,10 +34,20 @@ def observe(
             (counters.rejected, {"outcome": "rejected"}),
             (counters.unavailable, {"outcome": "unavailable"}),
             (counters.unrecorded, {"outcome": "unrecorded"}),
+            (counters.trajectory_turns, {"outcome": "trajectory_turn"}),
         ],
         unit="{request}",
         description="Completion requests by outcome "
-        "(rejected: 400, unavailable: 503, unrecorded: served, kept from training)",
+        "(rejected: 400, unavailable: 503, unrecorded: served, kept from training; "
+        "trajectory_turn: an agent's turn, recorded with its trajectory)",
+    )
+    otel.observe(
+        meter,
+        "rtrl.inference.trajectories.open",
+        "gauge",
+        lambda: [(len(sessions), {})],
+        unit="{trajectory}",
+        description="Agents' trajectories this worker holds open (their records unwritten)",
     )
     otel.observe(
         meter,

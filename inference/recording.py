@@ -8,6 +8,7 @@ one of three, each with its reason in its type:
                     an arm the caller chose (a caller that picks one would also pick what
                     trains it), sampling outside the trained band, or a record too large
                     for the broker to carry with the reward built on it
+An agent's turn (InTrajectory) is decided with its trajectory's link, when that ends.
 
 Produced by the completions handler (inference/completions.py) once the completion is
 generated; consumed by its publish and answer steps and by its request counters.
@@ -51,7 +52,13 @@ class KeptFromTraining:
     """Why, as the answer's ``not_recorded`` tells the caller."""
 
 
-Recording = Record | Private | KeptFromTraining
+@dataclass(frozen=True)
+class InTrajectory:
+    """A turn of an agent's trajectory: recorded with its link when that ends
+    (inference/sessions.py), by the same three rules."""
+
+
+Recording = Record | Private | KeptFromTraining | InTrajectory
 
 
 async def is_private(redis: aioredis.Redis, body: RequestBody, user_id: str) -> bool:
@@ -119,9 +126,7 @@ class RolloutPublisher:
         self, rollout_id: str, record: Record, key: ApiKey | None, traceparent: str
     ) -> None:
         """Remember which client was served the rollout, then publish it and wait for the ack."""
-        if key is not None:
-            # Before the answer: the client's telemetry about it may arrive right after.
-            await self._redis.set(SERVED_PREFIX + rollout_id, key.client_id, ex=self._served_ttl_s)
+        await self.mark_served(rollout_id, key)
         attributes = otel.kafka_attributes("publish", topics.ROLLOUT, key=rollout_id)
         with _tracer.start_as_current_span(
             f"publish {topics.ROLLOUT}", kind=trace.SpanKind.PRODUCER, attributes=attributes
@@ -131,3 +136,9 @@ class RolloutPublisher:
                 *self._signer.headers(record.value),
             ]
             await self.producer.send(topics.ROLLOUT, record.value, key=rollout_id, headers=headers)
+
+    async def mark_served(self, rollout_id: str, key: ApiKey | None) -> None:
+        """Which client was served the rollout: before its answer, as the client's
+        telemetry about it may arrive right after (an agent's: at its first turn)."""
+        if key is not None:
+            await self._redis.set(SERVED_PREFIX + rollout_id, key.client_id, ex=self._served_ttl_s)

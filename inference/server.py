@@ -67,6 +67,8 @@ class InferenceServer:
     runner: web.AppRunner
     port: int
     heartbeat_task: asyncio.Task
+    sweeper: asyncio.Task
+    """Ends agents' idle trajectories (inference/sessions.py)."""
 
     @property
     def door(self) -> Admission:
@@ -85,6 +87,8 @@ class InferenceServer:
         # step is bounded, so a stuck one is logged by name and the stop still ends.
         grace_s = self.settings.shutdown_grace_s
         await bounded("HTTP drain", self.runner.cleanup(), grace_s + 5)
+        self.sweeper.cancel()
+        await bounded("open trajectories", self.api.sessions.close_all(), grace_s + 5)
         self.heartbeat_task.cancel()
         await bounded("heartbeat", asyncio.gather(self.heartbeat_task, return_exceptions=True), 2)
         await bounded(
@@ -142,13 +146,14 @@ async def start(
         redis=redis,
     )
     runner, port = await _listen(settings, api)
-    observe(engine, api.counters, followers)
+    observe(engine, api.counters, followers, api.sessions)
     status = functools.partial(_status, worker_id, port, engine, api.counters, followers)
     beats = asyncio.create_task(_beat_forever(stack, settings, redis, engine, status))
+    sweeper = asyncio.create_task(api.sessions.sweep())
     log.info("%s listening on http://%s:%d", worker_id, settings.bind_host, port)
     return InferenceServer(
         stack, settings, worker_id, engine, api, followers, applied, producer, redis, runner,
-        port, beats,
+        port, beats, sweeper,
     )  # fmt: skip
 
 
@@ -205,6 +210,12 @@ async def _listen(settings: InferenceSettings, api: CompletionsApi) -> tuple[web
     app.router.add_post("/v1/chat/completions", api.handle)
     app.router.add_get("/v1/models", api.models)
     app.router.add_get("/v1/models/{model}", api.models)
+    # An agent whose base URL is all it lets you set: /v1/trajectories/{id} ties its turns.
+    trajectory = "/v1/trajectories/{trajectory_id}"
+    app.router.add_post(f"{trajectory}/chat/completions", api.handle)
+    app.router.add_get(f"{trajectory}/models", api.models)
+    app.router.add_get(f"{trajectory}/models/{{model}}", api.models)
+    app.router.add_delete(trajectory, api.end_trajectory)
     app.router.add_get("/healthz", functools.partial(_healthz, api.engine, api.worker_id))
     runner = await serve_http(
         app,

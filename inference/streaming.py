@@ -7,20 +7,24 @@ Every chunk also carries the token it was sent for, at the top level where OpenA
 keep unknown fields (``token_id``, ``logprob``, ``policy_version``): token out. The text
 is released as soon as it decodes whole (inference/detokenize.py), less its last
 characters, as many as the longest stop string: they could still turn out to be part of
-one."""
+one. When the request offered tools, the text goes through the tool-call parser: the text
+around the calls as content, each call as a ``tool_calls`` delta when its block closes."""
 
 from __future__ import annotations
 
 import asyncio
 import json
-import time
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 from aiohttp import web
 
+from rtrl.inference.api import RequestBody
+from rtrl.inference.chat_messages import Tool
 from rtrl.inference.detokenize import IncrementalText
 from rtrl.inference.openai_errors import error_body
+from rtrl.inference.tool_calls import StreamingParser, Text
+from rtrl.inference.turns import call_id
 
 
 class SampledToken(NamedTuple):
@@ -39,42 +43,40 @@ class TokenStream:
         response: web.StreamResponse,
         decode: Callable[[Sequence[int]], str],
         head: dict[str, Any],
-        chat: bool,
         holdback: int,
     ) -> None:
         self.response = response
         self._text = IncrementalText(decode)
         self._head = head
         """What every chunk starts with: id, object, created, model, rollout_id."""
-        self._chat = chat
+        self._chat = head["object"] == "chat.completion.chunk"
         self._holdback = holdback
         self._decoded = ""
         self._role_sent = False
+        self._calls: _Calls | None = None
         self.sent = 0
-        """Characters of text sent so far."""
+        """Characters of text sent so far (to the tool-call parser, when there is one)."""
 
     @classmethod
     async def open(
         cls,
         request: web.Request,
         decode: Callable[[Sequence[int]], str],
-        rollout_id: str,
-        model: str,
-        chat: bool,
-        stop: Sequence[str],
+        head: dict[str, Any],
+        body: RequestBody,
     ) -> TokenStream:
         response = web.StreamResponse(
             headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
         )
         await response.prepare(request)
-        head = {
-            "id": rollout_id,
-            "object": "chat.completion.chunk" if chat else "text_completion",
-            "created": int(time.time()),
-            "model": model,
-            "rollout_id": rollout_id,
-        }
-        return cls(response, decode, head, chat, max((len(s) for s in stop), default=0))
+        holdback = max((len(s) for s in body.stop_strings()), default=0)
+        return cls(response, decode, head, holdback)
+
+    def parse_calls(self, tools: Sequence[Tool], turn: int, parallel: bool) -> None:
+        """Send the tool calls the policy writes as OpenAI's ``tool_calls`` deltas (each
+        whole, when its block closes), and only the text around them as content."""
+        names = {t.function.name for t in tools}
+        self._calls = _Calls(StreamingParser(names), self._head["rollout_id"], turn, parallel)
 
     async def relay(self, tokens: asyncio.Queue[SampledToken], waiting: asyncio.Future) -> None:
         """Send a chunk per token until the completion is done (or has failed)."""
@@ -101,9 +103,8 @@ class TokenStream:
         own fields (token ids, versions, usage...); then the end of the stream."""
         skip = {"id", "object", "created", "model", "choices", "text"}
         extra = {k: v for k, v in answer.items() if k not in skip}
-        await self.response.write(
-            event(self._chunk(text[self.sent :], answer["finish_reason"], extra))
-        )
+        chunk = self._chunk(text[self.sent :], answer["finish_reason"], extra, final=True)
+        await self.response.write(event(chunk))
         await self.response.write(b"data: [DONE]\n\n")
         return self.response
 
@@ -113,10 +114,20 @@ class TokenStream:
         await self.response.write(event(error_body(503, error)))
         return self.response
 
-    def _chunk(self, text: str, finish_reason: str | None, extra: dict[str, Any]) -> dict:
+    def _chunk(
+        self, text: str, finish_reason: str | None, extra: dict[str, Any], final: bool = False
+    ) -> dict:
         choice: dict[str, Any] = {"index": 0, "finish_reason": finish_reason, "logprobs": None}
         if self._chat:
-            delta = {"content": text}
+            delta: dict[str, Any] = {}
+            if self._calls is None:
+                delta["content"] = text
+            else:
+                content, calls = self._calls.feed(text, final)
+                if content or not calls:
+                    delta["content"] = content
+                if calls:
+                    delta["tool_calls"] = calls
             if not self._role_sent:  # once, first: OpenAI's SDKs concatenate repeated strings
                 delta = {"role": "assistant", **delta}
                 self._role_sent = True
@@ -124,6 +135,36 @@ class TokenStream:
         else:
             choice["text"] = text
         return {**self._head, "choices": [choice], **extra}
+
+
+class _Calls:
+    """A turn's text through the tool-call parser, as content and ``tool_calls`` deltas:
+    the calls answered (inference/turns.py), with the answer's ids and indices."""
+
+    def __init__(self, parser: StreamingParser, rollout_id: str, turn: int, parallel: bool) -> None:
+        self._parser = parser
+        self._parallel = parallel
+        self._rollout_id = rollout_id
+        self._turn = turn
+        self._answered = 0
+
+    def feed(self, text: str, final: bool) -> tuple[str, list[dict[str, Any]]]:
+        events = self._parser.feed(text) + (self._parser.finish() if final else [])
+        content, calls = "", []
+        for e in events:
+            if isinstance(e, Text):
+                content += e.text
+            elif e.call.valid and not (self._answered and not self._parallel):
+                calls.append(
+                    {
+                        "index": self._answered,
+                        "id": call_id(self._rollout_id, self._turn, e.index),
+                        "type": "function",
+                        "function": {"name": e.call.name, "arguments": e.call.arguments_json},
+                    }
+                )
+                self._answered += 1
+        return content, calls
 
 
 def event(payload: dict[str, Any]) -> bytes:

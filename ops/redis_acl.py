@@ -63,10 +63,11 @@ USERS: tuple[RedisUser, ...] = (
     RedisUser(
         "inference",
         f"{SERVICE} {BEAT} ~rtrl:ingest:bucket:* %W~rtrl:served:* ~rtrl:applied:* "
-        "%R~rtrl:ingest:key:* %R~rtrl:ingest:private-users",
+        "~rtrl:trajectory:* %R~rtrl:ingest:key:* %R~rtrl:ingest:private-users",
         (
             "The serving API: reads key records and the private-users set, spends rate buckets,",
-            "records which client each rollout was served to and which versions it applied.",
+            "records which client each rollout was served to, which versions it applied and",
+            "which worker serves each agent's open trajectory.",
         ),
     ),
     RedisUser(

@@ -60,7 +60,11 @@ def decode(
     # on the wrong partition and would be joined with nothing.
     if key is not None and key != message.rollout_id.encode():
         raise MalformedEvent(f"key {key!r} differs from rollout_id {message.rollout_id!r}")
-    raw = value if kind == "rollout" else None
+    raw, link = None, None
+    if isinstance(message, rollout_pb2.RolloutRecord):
+        raw = value
+        if message.HasField("link"):
+            link = (message.link.position, message.link.final)
     return Event(
         kind,
         message.event_id,
@@ -70,6 +74,7 @@ def decode(
         handle,
         caught_up,
         raw,
+        link,
     )
 
 

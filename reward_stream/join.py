@@ -48,6 +48,13 @@ whose window closed without a RolloutRecord wait apart (``incomplete``) in heaps
 their two max-wait expiries. Each event costs O(log n) plus what it settles.
 Outputs of one call come out in first-arrival order, as a scan would give them.
 
+Chains. An agent's trajectory may be written as several RolloutRecords under one
+rollout_id, the links of its chain (each names its position, the last says it is final:
+rtrl/trajectory.py's Link). The rollout is complete once the final link and every link
+before it are in; it settles then as one rollout, the final link as its ``rollout`` and
+the others as its ``links``, so one reward reaches every link. A link seen twice is a
+duplicate, as a second record of a single rollout is.
+
 Memory. A settled (or dropped) rollout's id and event ids are remembered for
 settled_ttl_ms of wall clock, to tell a late event from a redelivered duplicate;
 after that its id is forgotten, and an event for it opens a new pending rollout
@@ -145,6 +152,8 @@ class Event:
     raw: bytes | None = field(default=None, compare=False, repr=False)
     """The record's value as read, kept for RolloutRecords so their reward can carry
     the rollout without encoding it again (reward.encode_with_rollout)."""
+    link: tuple[int, bool] | None = None
+    """A RolloutRecord that is one link of an agent's chain: (position, final)."""
 
 
 @dataclass(slots=True)
@@ -159,6 +168,9 @@ class Pending:
     event_ids: set[str]
     seq: int = 0
     """Order of first arrival within the partition."""
+    chain: dict[int, Event] = field(default_factory=dict)
+    """An agent's chain: its link records by position, until the final one and every one
+    before it are in (then ``rollout`` is the final link)."""
 
 
 @dataclass(frozen=True)
@@ -209,6 +221,9 @@ class Settled:
     """Telemetry events joined, in arrival order (the RolloutRecord is ``rollout``)."""
     settled_ts_ms: int
     trigger: SettleTrigger
+    links: tuple[Event, ...] = ()
+    """An agent's chain: its links before the final one (``rollout``), in order; each
+    gets the reward too."""
 
 
 @dataclass(slots=True)
@@ -263,43 +278,46 @@ def step(state: JoinState, event: Event, now_ms: int) -> tuple[JoinState, list[O
         if event.event_id in incomplete.event_ids:
             outputs.append(Duplicate(event))
         elif event.kind == "rollout":
-            # Its window closed while it waited for this: it settles now.
-            del state.incomplete[rollout_id]
-            closed = (
-                state.stream_time_ms >= incomplete.open_ts_ms + config.window_ms + config.grace_ms
-            )
-            trigger: SettleTrigger = "stream_time" if closed else "deadline"
-            outputs.append(Settled(rollout_id, event, tuple(incomplete.events), now_ms, trigger))
-            incomplete.event_ids.add(event.event_id)
-            state.settled[rollout_id] = SettledMark(
-                now_ms + state.config.settled_ttl_ms, incomplete.event_ids
-            )
+            if not _take_rollout(incomplete, event):
+                outputs.append(Duplicate(event))
+            elif incomplete.rollout is not None:
+                # Its window closed while it waited for this: it settles now.
+                del state.incomplete[rollout_id]
+                closed = (
+                    state.stream_time_ms
+                    >= incomplete.open_ts_ms + config.window_ms + config.grace_ms
+                )
+                trigger: SettleTrigger = "stream_time" if closed else "deadline"
+                outputs.append(_settled(incomplete, now_ms, trigger))
+                state.settled[rollout_id] = SettledMark(
+                    now_ms + state.config.settled_ttl_ms, incomplete.event_ids
+                )
         else:
             incomplete.events.append(event)
             incomplete.event_ids.add(event.event_id)
     elif pending is None:
         seq = next(state.arrivals)
-        state.pending[rollout_id] = Pending(
+        pending = state.pending[rollout_id] = Pending(
             open_ts_ms=event.client_ts_ms,
             first_arrival_ms=now_ms,
-            rollout=event if event.kind == "rollout" else None,
+            rollout=None,
             events=[] if event.kind == "rollout" else [event],
             event_ids={event.event_id},
             seq=seq,
         )
+        if event.kind == "rollout":
+            _take_rollout(pending, event)
         heapq.heappush(
             state.close_heap,
             (event.client_ts_ms + config.window_ms + config.grace_ms, seq, rollout_id),
         )
-    elif event.event_id in pending.event_ids or (
-        event.kind == "rollout" and pending.rollout is not None
-    ):
-        # A second RolloutRecord under a new event_id is a producer retry with a fresh
-        # id; the first one holds the tokens the trainer will use.
+    elif event.event_id in pending.event_ids:
         outputs.append(Duplicate(event))
     elif event.kind == "rollout":
-        pending.rollout = event
-        pending.event_ids.add(event.event_id)
+        # A second RolloutRecord under a new event_id is a producer retry with a fresh
+        # id; the first one holds the tokens the trainer will use.
+        if not _take_rollout(pending, event):
+            outputs.append(Duplicate(event))
     else:
         pending.events.append(event)
         pending.event_ids.add(event.event_id)
@@ -373,12 +391,7 @@ def _settle_ready(state: JoinState, now_ms: int) -> list[Output]:
     for rollout_id, trigger in closing.items():
         pending = state.pending.pop(rollout_id)
         if pending.rollout is not None:
-            outputs.append(
-                (
-                    pending.seq,
-                    Settled(rollout_id, pending.rollout, tuple(pending.events), now_ms, trigger),
-                )
-            )
+            outputs.append((pending.seq, _settled(pending, now_ms, trigger)))
             state.settled[rollout_id] = SettledMark(
                 now_ms + config.settled_ttl_ms, pending.event_ids
             )
@@ -400,12 +413,41 @@ def _settle_ready(state: JoinState, now_ms: int) -> list[Output]:
             incomplete = state.incomplete.get(rollout_id)
             if incomplete is not None and incomplete.seq == seq:
                 del state.incomplete[rollout_id]
-                outputs.append((seq, Dropped(rollout_id, tuple(incomplete.events))))
+                links = tuple(incomplete.chain.values())  # acknowledged with the events
+                outputs.append((seq, Dropped(rollout_id, (*incomplete.events, *links))))
                 state.settled[rollout_id] = SettledMark(
                     now_ms + config.settled_ttl_ms, incomplete.event_ids
                 )
     outputs.sort(key=lambda pair: pair[0])
     return [output for _, output in outputs]
+
+
+def _take_rollout(pending: Pending, event: Event) -> bool:
+    """Add a RolloutRecord to ``pending``; False when it is a duplicate (one record per
+    rollout, one per position of a chain). A chain's rollout is its final link, once
+    every link up to it is in."""
+    if pending.rollout is not None:
+        return False
+    if event.link is not None:
+        position, _ = event.link
+        if position in pending.chain:
+            return False
+        pending.chain[position] = event
+        final = next((p for p, e in pending.chain.items() if e.link and e.link[1]), None)
+        if final is None or any(p not in pending.chain for p in range(final + 1)):
+            pending.event_ids.add(event.event_id)
+            return True
+        event = pending.chain.pop(final)
+    pending.rollout = event
+    pending.event_ids.add(event.event_id)
+    return True
+
+
+def _settled(pending: Pending, now_ms: int, trigger: SettleTrigger) -> Settled:
+    assert pending.rollout is not None
+    links = tuple(pending.chain[p] for p in sorted(pending.chain))
+    rollout_id = pending.rollout.rollout_id
+    return Settled(rollout_id, pending.rollout, tuple(pending.events), now_ms, trigger, links)
 
 
 def _forget_expired(state: JoinState, now_ms: int) -> None:

@@ -147,9 +147,14 @@ def rejoin(
         for output in _join_partition(admitted.by_partition[partition], config):
             if isinstance(output, join.Settled):
                 rollout, telemetry = rollout_of(output.rollout), telemetry_of(output.events)
-                records.append(
-                    reward.reward_record(rollout, telemetry, output.settled_ts_ms, version)
+                links = [rollout_of(link) for link in output.links]
+                record = reward.reward_record(
+                    rollout, telemetry, output.settled_ts_ms, version, links=links
                 )
+                records.append(record)
+                for each, link in zip(reward.link_rewards(record, links), links, strict=True):
+                    each.rollout.CopyFrom(link)
+                    records.append(each)
             dropped += isinstance(output, join.Dropped)
             late += isinstance(output, join.Late)
     return Replay(

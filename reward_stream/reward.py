@@ -350,15 +350,20 @@ def reward_record(
     version: str = REWARD_FN_VERSION,
     *,
     with_rollout: bool = True,
+    links: Sequence[rollout_pb2.RolloutRecord] = (),
 ) -> reward_pb2.RewardRecord:
     """The RewardRecord for a settled rollout; ``telemetry`` excludes the RolloutRecord.
+    An agent's chain: ``rollout`` is its final link, scored; ``links`` the others, whose
+    events count among the reward's (link_rewards gives each its own record).
 
     ``with_rollout=False`` leaves the rollout field empty, for a caller that splices
     the rollout's original bytes in (encode_with_rollout)."""
     function = FUNCTIONS[version]
     telemetry = from_its_client(rollout, telemetry)
     parts = function.components(rollout, telemetry)
-    event_ids = sorted({rollout.event_id, *(e.event_id for e in telemetry)})
+    event_ids = sorted(
+        {rollout.event_id, *(link.event_id for link in links), *(e.event_id for e in telemetry)}
+    )
     record = reward_pb2.RewardRecord(
         reward_id=reward_id(rollout.rollout_id, event_ids, version),
         rollout_id=rollout.rollout_id,
@@ -373,6 +378,22 @@ def reward_record(
     if with_rollout:
         record.rollout.CopyFrom(rollout)
     return record
+
+
+def link_rewards(
+    record: reward_pb2.RewardRecord, links: Sequence[rollout_pb2.RolloutRecord]
+) -> list[reward_pb2.RewardRecord]:
+    """The reward of an agent's chain (``record``, of its final link, built without its
+    rollout) for each of its other ``links``: the same reward, each under its own id."""
+    out = []
+    for link in links:
+        each = reward_pb2.RewardRecord()
+        each.CopyFrom(record)
+        each.reward_id = reward_id(
+            f"{record.rollout_id}#{link.link.position}", record.event_ids, record.reward_fn_version
+        )
+        out.append(each)
+    return out
 
 
 _ROLLOUT_KEY = bytes([reward_pb2.RewardRecord.ROLLOUT_FIELD_NUMBER << 3 | 2])  # length-delimited

@@ -298,14 +298,16 @@ class Joiner:
         acks: list[object] = []
         for output in outputs:
             if isinstance(output, join.Settled):
-                acks.extend(e.handle for e in (output.rollout, *output.events))
+                acks.extend(e.handle for e in (output.rollout, *output.links, *output.events))
                 rollout, telemetry = rollout_of(output.rollout), telemetry_of(output.events)
+                links = [rollout_of(link) for link in output.links]
                 record = reward.reward_record(
                     rollout,
                     telemetry,
                     output.settled_ts_ms,
                     self.reward_fn_version,
                     with_rollout=False,
+                    links=links,
                 )
                 self.counters.settled += 1
                 self.counters.defaulted += record.defaulted
@@ -314,13 +316,18 @@ class Joiner:
                 )
                 self._watch(record, rollout)
                 self._observe(record, rollout)
-                raw = output.rollout.raw
-                assert raw is not None  # decode() keeps the bytes of every rollout it decodes
-                value = reward.encode_with_rollout(record, raw)
-                headers = tuple(kafka.traceparent_headers(record.traceparent))
-                if self.signer is not None:
-                    headers += self.signer.headers(value)
-                records.append(OutRecord(topics.REWARD, output.rollout_id.encode(), value, headers))
+                rewards = [
+                    (record, output.rollout),
+                    *zip(reward.link_rewards(record, links), output.links, strict=True),
+                ]
+                for each, event in rewards:
+                    assert event.raw is not None  # decode() keeps every rollout's bytes
+                    value = reward.encode_with_rollout(each, event.raw)
+                    headers = tuple(kafka.traceparent_headers(each.traceparent))
+                    if self.signer is not None:
+                        headers += self.signer.headers(value)
+                    key = output.rollout_id.encode()
+                    records.append(OutRecord(topics.REWARD, key, value, headers))
             elif isinstance(output, join.Dropped):
                 acks.extend(e.handle for e in output.events)
                 self.counters.dropped += 1

@@ -209,24 +209,43 @@ class Checkpoint:
         _check_covered(text, encoding.offsets)
         return [int(i) for i in encoding.ids]
 
-    def render_chat(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:
+    def render_chat(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        tools: Sequence[Mapping[str, Any]] | None = None,
+    ) -> list[int]:
         """The ids of ``messages`` rendered by the checkpoint's chat template, ending with
         the assistant's turn opened (add_generation_prompt): what
-        ``apply_chat_template(..., tokenize=True)`` gives, rendered within the bounds.
-        Blocks its thread for up to the time bound: call it off an event loop."""
+        ``apply_chat_template(..., tools=tools, tokenize=True)`` gives, rendered within the
+        bounds. Blocks its thread for up to the time bound: call it off an event loop."""
+        return self.tokenize(self.render_text(messages, tools))
+
+    def render_text(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        *,
+        add_generation_prompt: bool = True,
+    ) -> str:
+        """The chat template's text for ``messages`` (render_chat before tokenizing).
+        Raises ChatTemplateError."""
         if not self.tokenizer.chat_template:
             raise ChatTemplateError(
                 f"the model in {self.path} has no chat template: use /v1/completions with a prompt"
             )
         try:
-            text = self.renderer.render(
+            return self.renderer.render(
                 self.tokenizer.get_chat_template(),
                 messages,
-                add_generation_prompt=True,
+                add_generation_prompt=add_generation_prompt,
                 variables=self.tokenizer.special_tokens_map,
+                tools=tools or None,
             )
         except ValueError as exc:  # TemplateFailed; or several templates, none the default
             raise ChatTemplateError(f"the chat template failed on these messages: {exc}") from None
+
+    def tokenize(self, text: str) -> list[int]:
+        """Rendered chat text as ids: its special tokens' own ids, nothing added."""
         ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
         if not isinstance(ids, list) or not all(isinstance(i, int) for i in ids):
             raise ChatTemplateError(f"the chat template rendered {type(ids).__name__}, not ids")

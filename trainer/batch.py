@@ -62,11 +62,17 @@ class TrainSample:
     """A MoE policy's sampled routes, kept packed (a byte per expert id) until collate."""
     token_versions: tuple[int, ...] = ()
     """The version that sampled each completion token (from the record's version spans)."""
+    segments: tuple[Segment, ...] = ()
+    """An agent's trajectory: its segments, generated and observed, in order (the
+    completion is then their generated tokens); () for a single turn."""
 
     @property
     def trajectory(self) -> Trajectory:
-        """The prompt and the completion as one generated segment. Built without per-token
-        versions (benches, tests), every token takes the oldest version."""
+        """The prompt and the completion as one generated segment (an agent's: its
+        segments). Built without per-token versions (benches, tests), every token takes
+        the oldest version."""
+        if self.segments:
+            return Trajectory(self.prompt_ids, self.segments)
         versions = self.token_versions
         if len(versions) != len(self.completion_ids):
             versions = (self.oldest_version,) * len(self.completion_ids)
@@ -94,10 +100,10 @@ def to_sample(
     if rollout.sampling.temperature <= 0:
         return Drop.GREEDY
     prompt, completion = trajectory.prompt_ids, trajectory.generated_ids
-    if len(prompt) + len(completion) > max_positions:
+    if len(prompt) + sum(len(s.token_ids) for s in trajectory.segments) > max_positions:
         return Drop.TOO_LONG
     return TrainSample(
-        rollout_id=record.rollout_id or rollout.rollout_id,
+        rollout_id=sample_id(record),
         group=rollout.prompt_group_id or trajectory.prompt_text or ",".join(map(str, prompt)),
         prompt_ids=prompt,
         completion_ids=completion,
@@ -110,7 +116,16 @@ def to_sample(
         traceparent=record.traceparent or rollout.traceparent,
         context=context_of(rollout) if context_of is not None else "",
         router_choices=rollout.router_choices if rollout.HasField("router_choices") else None,
+        segments=() if trajectory.is_flat else trajectory.segments,
     )
+
+
+def sample_id(record: reward_pb2.RewardRecord) -> str:
+    """What the trainer trains once: the rollout, or one link of an agent's chain (its
+    links share the rollout's id, and each is trained)."""
+    rollout_id = record.rollout_id or record.rollout.rollout_id
+    position = record.rollout.link.position if record.rollout.HasField("link") else 0
+    return f"{rollout_id}#{position}" if position else rollout_id
 
 
 def _trainable(rollout: rollout_pb2.RolloutRecord, vocab_size: int) -> Trajectory | None:

@@ -36,6 +36,8 @@ class E:
     payload: str = ""
     caught_up: bool = True
     """False: the runtime knew of later records on this event's source (a backlog)."""
+    link: tuple[int, bool] | None = None
+    """A rollout record that is a link of an agent's chain: (position, final)."""
 
 
 @dataclass(frozen=True)
@@ -77,13 +79,15 @@ def summarize(output: join.Output) -> tuple:
             [cast(telemetry_pb2.TelemetryEvent, e.message) for e in output.events]
         )
         event_ids = tuple(sorted([output.rollout.event_id, *(e.event_id for e in output.events)]))
-        return (
+        settled = (
             "settled",
             output.rollout_id,
             output.trigger,
             "defaulted" if defaulted else "observed",
             event_ids,
         )
+        links = tuple(e.event_id for e in output.links)
+        return (*settled, links) if links else settled
     if isinstance(output, join.Dropped):
         return ("dropped", output.rollout_id)
     if isinstance(output, join.Late):
@@ -192,6 +196,36 @@ CASES = {
         [E("edit_shown", "a1", "r1", 1000, now=0), E("rollout", "b1", "r2", 6000, now=10)],
         [(1, ("dropped", "r1"))],
     ),
+    # An agent's chain: links under one rollout_id. It settles once the final link and
+    # every link before it are in, whichever order they come in; a link seen twice is a
+    # duplicate; the earlier links ride along with the final one.
+    "chain_settles_when_complete": (
+        [
+            E("rollout", "l2", "r1", 1000, now=0, link=(2, True)),
+            E("rollout", "l0", "r1", 1001, now=10, link=(0, False)),
+            E("followup", "f1", "r1", 1002, now=20, payload="thanks"),
+            T(1600),  # the deadline passes: link 1 is still missing
+            E("rollout", "l0", "r1", 1001, now=1700, link=(0, False)),
+            E("rollout", "l0b", "r1", 1001, now=1800, link=(0, False)),
+            E("rollout", "l1", "r1", 1003, now=1900, link=(1, False)),
+        ],
+        [
+            (4, ("duplicate", "l0")),
+            (5, ("duplicate", "l0b")),
+            (6, ("settled", "r1", "deadline", "observed", ("f1", "l2"), ("l0", "l1"))),
+        ],
+    ),
+    # A chain whose final link never comes is dropped at max wait, like a rollout whose
+    # record never came (its links are acknowledged with it).
+    "chain_without_final_link_dropped": (
+        [E("rollout", "l0", "r1", 1000, now=0, link=(0, False)), T(5000)],
+        [(1, ("dropped", "r1"))],
+    ),
+    # A one-link chain is final at once: it settles as a single rollout does.
+    "one_link_chain": (
+        [E("rollout", "l0", "r1", 1000, now=0, link=(0, True)), T(1500)],
+        [(1, ("settled", "r1", "deadline", "defaulted", ("l0",)))],
+    ),
     # Settled ids are remembered for the TTL only: at settle time + 10000 the id is
     # forgotten and a new event opens a fresh pending rollout (which has no record).
     "settled_ids_forgotten_after_ttl": (
@@ -241,6 +275,7 @@ def run_case(steps, behind=()) -> list[tuple]:
                 item.ts,
                 message(item),
                 caught_up=item.caught_up,
+                link=item.link,
             )
             state, outputs = join.step(state, event, item.now)
         got.extend((index, summarize(o)) for o in outputs)
