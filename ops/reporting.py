@@ -122,12 +122,13 @@ def mismatch_line(summary: MismatchSummary | None) -> str:
     """The run's train–inference mismatch (analytics.training_report.MismatchSummary) in one line."""
     if summary is None:
         return (
-            "train–inference mismatch: not measured (no step had tokens sampled by the "
-            "weights it started from)"
+            "train–inference mismatch: not measured (no step had tokens sampled by a "
+            "version whose weights the trainer held)"
         )
     over = "/".join(f"{t:g}" for t in summary.thresholds)
     return (
-        f"train–inference mismatch |Δ log p| (trainer vs sampler, on-policy tokens): "
+        f"train–inference mismatch |Δ log p| (trainer vs sampler, each token under the "
+        f"version that sampled it): "
         f"mean {summary.mean:.2e}, max {summary.max:.2e}, "
         f"{100 * summary.over_threshold_share:.2f} % over {over} nats; "
         f"{summary.tokens} tokens in {summary.measured_steps} of {summary.steps} steps"

@@ -31,6 +31,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Mapping
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -50,9 +51,10 @@ from rtrl.trainer.distributed import World
 from rtrl.trainer.evaluation import EvalGate, Suite, Verdict
 from rtrl.trainer.intake import Intake
 from rtrl.trainer.journal import Journal
+from rtrl.trainer.kept_versions import KeptVersions
 from rtrl.trainer.label_free import LabelFreeSuite
 from rtrl.trainer.learner import Learner, LocalLearner, ShardedLearner
-from rtrl.trainer.mismatch import Probe, token_versions
+from rtrl.trainer.mismatch import Probe, merge, token_versions
 from rtrl.trainer.prompt_suite import PromptFileSuite
 from rtrl.trainer.publishing import CONTROL, TREATMENT, FetchWeights, WeightPublisher
 from rtrl.trainer.report import Progress, Reporter, StepReport, step_span
@@ -102,6 +104,10 @@ class Trainer:
         self.learner_version: int | None = None
         """The published version the learner's weights equal, None once an optimizer step moved
         them past it: only a step from there measures the train–inference mismatch."""
+        self.kept = KeptVersions(
+            settings.mismatch_kept_versions, self._load_policy, router_replay=settings.router_replay
+        )
+        """Published versions' weights, to measure the mismatch on the tokens each sampled."""
         self.learner_candidate: int | None = None
         """The step of the candidate whose weights the learner holds untouched (they become
         learner_version when it is published)."""
@@ -125,6 +131,8 @@ class Trainer:
         self._join_registry(warm, name)
         self.learner.remember()
         self.learner_version = self.version
+        if self.settings.mismatch_kept_versions:
+            self.kept.keep(self.version, self.learner.weights())
         published = control if self.version == 0 else suite.score(self.learner.eval_model())
         self.gate = EvalGate(
             suite, self.settings.eval_tolerance, control=control, published=published
@@ -293,10 +301,13 @@ class Trainer:
         while True:
             results = []
             for batch in batches:
-                probe = Probe(
-                    token_versions(batch), self.learner_version, self.settings.mismatch_threshold
+                versions, threshold = token_versions(batch), self.settings.mismatch_threshold
+                collated = self.baseline.collate(batch)
+                kept = self.kept.measure(collated, versions, threshold, skip=self.learner_version)
+                metrics = self.learner.step(
+                    collated, Probe(versions, self.learner_version, threshold)
                 )
-                results.append(self.learner.step(self.baseline.collate(batch), probe))
+                results.append(replace(metrics, mismatch=merge([metrics.mismatch, kept])))
                 self.learner_version = self.learner_candidate = None
                 if self._settle(block=False) is Settled.REFUSED:
                     break
@@ -357,6 +368,7 @@ class Trainer:
             train_step=candidate.step,
         )
         self.journal.published(candidate.step, self.version)
+        self.kept.keep(self.version, candidate.weights)
         self.rollouts_trained += len(fresh)
         self.gate.accept(verdict)
         if self.learner_candidate == candidate.step:

@@ -68,7 +68,8 @@ def test_an_older_table_gains_the_columns_and_the_report_weighs_steps_by_tokens(
     assert summary.mean == pytest.approx((1e-6 * 100 + 0.1 * 300) / 400)
     assert (summary.max, summary.over_threshold_share, summary.thresholds) == (0.6, 0.375, (0.05,))
     assert mismatch_line(summary) == (
-        "train–inference mismatch |Δ log p| (trainer vs sampler, on-policy tokens): "
+        "train–inference mismatch |Δ log p| (trainer vs sampler, each token under the "
+        "version that sampled it): "
         "mean 7.50e-02, max 6.00e-01, 37.50 % over 0.05 nats; 400 tokens in 2 of 3 steps"
     )
 

@@ -20,6 +20,7 @@ from rtrl.trainer.batch import TrainSample, collate, to_sample
 from rtrl.trainer.config import TrainerSettings
 from rtrl.trainer.distributed import World, local_objective, shard, sharded_rl_step
 from rtrl.trainer.evaluation import EvalScores, Verdict
+from rtrl.trainer.kept_versions import KeptVersions
 from rtrl.trainer.learner import LocalLearner
 from rtrl.trainer.loop import Trainer
 from rtrl.trainer.mismatch import Mismatch, Probe, measure, merge, row_versions, token_versions
@@ -252,16 +253,7 @@ def test_the_loop_measures_only_the_first_step_from_the_published_weights(served
     """Two optimizer steps in one candidate: the second starts from weights the first moved,
     so only the first is measured; a refusal puts the learner back on the published version."""
     weights, samples = served
-    trainer = Trainer(
-        TrainerSettings(mismatch_threshold=THRESHOLD),
-        Path(tmp_path),
-        consumer=None,
-        publishers={},
-        fetch_weights=never_fetch,
-    )
-    trainer.learner = _learner(weights)
-    trainer.learner.remember()
-    trainer.version = trainer.learner_version = VERSION
+    trainer = _trainer(weights, tmp_path, kept=0)
     first, second = samples[:8], samples[8:]
 
     metrics, _ = trainer._train([first, second])
@@ -283,6 +275,46 @@ def test_the_loop_measures_only_the_first_step_from_the_published_weights(served
     back, _ = trainer._train([second])
     assert back.mismatch.tokens == sum(len(s.completion_ids) for s in second)
     assert back.mismatch.max < 1e-4
+
+
+def _trainer(weights, tmp_path, *, kept: int) -> Trainer:
+    trainer = Trainer(
+        TrainerSettings(mismatch_threshold=THRESHOLD, mismatch_kept_versions=kept),
+        Path(tmp_path),
+        consumer=None,
+        publishers={},
+        fetch_weights=never_fetch,
+    )
+    trainer.learner = _learner(weights)
+    trainer.learner.remember()
+    trainer.version = trainer.learner_version = VERSION
+    trainer.kept = KeptVersions(kept, lambda: _model(weights))
+    return trainer
+
+
+def test_kept_versions_measure_every_step_against_the_version_that_sampled(served, tmp_path):
+    """With the published versions' weights kept, a step whose learner has moved on still
+    measures its batch: under the version each token names, the gap is the serving stack's
+    alone. Weights that are not the ones a worker served show, as they should."""
+    weights, samples = served
+    trainer = _trainer(weights, tmp_path, kept=2)
+    trainer.kept.keep(VERSION, weights)
+    first, second = samples[:8], samples[8:]
+    metrics, _ = trainer._train([first, second])
+    assert trainer.learner_version is None  # the learner moved past VERSION
+    # The first step measures on its own forward (the kept forward skips the learner's
+    # version), the second on the kept one: every token once.
+    assert metrics.mismatch.tokens == sum(len(s.completion_ids) for s in samples)
+    assert metrics.mismatch.max < 1e-4
+    again, _ = trainer._train([second])
+    assert again.mismatch.tokens == sum(len(s.completion_ids) for s in second)
+    assert again.mismatch.max < 1e-4
+    # The kept weights must be the served ones: other weights under VERSION's name show.
+    other = _trainer(weights, tmp_path, kept=2)
+    other.learner_version = None
+    other.kept.keep(VERSION, state_dict_fp32(build_model(seed=9)))
+    wrong, _ = other._train([second])
+    assert wrong.mismatch.tokens > 0 and wrong.mismatch.over_threshold_share > 0.5
 
 
 def test_the_step_record_and_gauges_carry_it(otel_memory):
