@@ -57,6 +57,29 @@ COLUMNS: dict[str, tuple[str, ...]] = {
         "traceparent",
         "context_key",
     ),
+    schema.TRAJECTORY_LINKS: (
+        "rollout_id",
+        "trajectory_id",
+        "link_position",
+        "final",
+        "link_reason",
+        "arm",
+        "model_name",
+        "ts",
+        "policy_version_min",
+        "policy_version_max",
+        "versions_spanned",
+        "turns",
+        "tool_calls",
+        "invalid_tool_calls",
+        "parallel_turns",
+        "tool_names",
+        "tool_valid",
+        "prompt_tokens",
+        "generated_tokens",
+        "observed_tokens",
+        "finish_reason",
+    ),
     schema.TELEMETRY: (
         "event_id",
         "rollout_id",
@@ -175,6 +198,22 @@ def arm_name(arm: int) -> str:
     return ARM_NAMES.get(arm, "unspecified")
 
 
+def convert_all(record: KafkaRecord, now_ms: int) -> list[Row]:
+    """The record's rows: its table's, and an agent's rollout's link in trajectory_links."""
+    if record.topic == topics.ROLLOUT:
+        try:
+            rollout = rollout_pb2.RolloutRecord.FromString(record.value or b"")
+            rows = [rollout_row(rollout)]
+            if rollout.HasField("link"):
+                rows.append(trajectory_row(rollout))
+            return rows
+        except DecodeError as exc:
+            return [dead_letter(record, f"does not decode as the topic's message: {exc}", now_ms)]
+        except Unstorable as exc:
+            return [dead_letter(record, str(exc), now_ms)]
+    return [convert(record, now_ms)]
+
+
 def convert(record: KafkaRecord, now_ms: int) -> Row:
     if record.topic == topics.REWARD_DLQ:
         return dead_letter(record, "on the dead-letter topic (see headers)", now_ms)
@@ -257,6 +296,45 @@ def rollout_row(r: rollout_pb2.RolloutRecord) -> Row:
             summary.finish_reason,
             r.traceparent,
             r.context_key,
+        ),
+    )
+
+
+def trajectory_row(r: rollout_pb2.RolloutRecord) -> Row:
+    """An agent's link: its turns, its tool calls by name and validity, the share of turns
+    that called tools in parallel, generated against observed tokens, versions spanned."""
+    summary = Summary.of(r)
+    low, high = version_range(summary)
+    calls = summary.tool_calls
+    per_turn: dict[int, int] = {}
+    for call in calls:
+        per_turn[call.turn] = per_turn.get(call.turn, 0) + 1
+    link = summary.link
+    assert link is not None  # convert_all asks for this row only for a linked record
+    return Row(
+        schema.TRAJECTORY_LINKS,
+        (
+            r.rollout_id,
+            link.trajectory_id,
+            link.position,
+            link.final,
+            str(link.reason),
+            arm_name(r.arm),
+            r.model_name,
+            ts(r.client_ts_ms, "client_ts_ms"),
+            low,
+            high,
+            len(summary.version_tokens),
+            summary.turns,
+            len(calls),
+            summary.invalid_tool_calls,
+            sum(n >= 2 for n in per_turn.values()),
+            [c.name for c in calls],
+            [int(c.valid) for c in calls],
+            summary.prompt_tokens,
+            summary.generated_tokens,
+            summary.observed_tokens,
+            summary.finish_reason,
         ),
     )
 

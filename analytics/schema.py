@@ -51,6 +51,8 @@ REWARDS = "rewards"
 DEAD_LETTERS = "dead_letters"
 LATE = "late_records"
 TRAINER_STEPS = "trainer_steps"
+TRAJECTORY_LINKS = "trajectory_links"
+"""An agent's trajectory, one row per link of its chain (its RolloutRecord's Link)."""
 AB_REWARDS = "ab_rewards_hourly"
 AB_ROLLOUTS = "ab_rollouts_hourly"
 
@@ -222,6 +224,31 @@ CREATE TABLE IF NOT EXISTS {TRAINER_STEPS} (
     publish_s Float64,
     traceparent String{_added(TRAINER_STEPS)}
 ) ENGINE = ReplacingMergeTree ORDER BY step_id
+""",
+    f"""
+CREATE TABLE IF NOT EXISTS {TRAJECTORY_LINKS} (
+    rollout_id String,
+    trajectory_id String,
+    link_position UInt32,
+    final Bool,
+    link_reason LowCardinality(String),
+    arm LowCardinality(String),
+    model_name LowCardinality(String),
+    ts DateTime64(3, 'UTC'),
+    policy_version_min Int64,
+    policy_version_max Int64,
+    versions_spanned UInt32,
+    turns UInt32,
+    tool_calls UInt32,
+    invalid_tool_calls UInt32,
+    parallel_turns UInt32,
+    tool_names Array(String),
+    tool_valid Array(UInt8),
+    prompt_tokens UInt32,
+    generated_tokens UInt32,
+    observed_tokens UInt32,
+    finish_reason LowCardinality(String)
+) ENGINE = ReplacingMergeTree ORDER BY (rollout_id, link_position)
 """,
 )
 

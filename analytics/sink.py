@@ -18,7 +18,7 @@ from confluent_kafka import Consumer, KafkaException, TopicPartition
 
 from rtrl import otel
 from rtrl.analytics.authn import Authenticator
-from rtrl.analytics.rows import COLUMNS, KafkaRecord, convert, dead_letter
+from rtrl.analytics.rows import COLUMNS, KafkaRecord, convert_all, dead_letter
 from rtrl.analytics.schema import DEAD_LETTERS
 from rtrl.heartbeat import AnalyticsBeat
 from rtrl.kafka import record_headers, record_position
@@ -104,21 +104,22 @@ class Sink:
         now_ms = self._now_ms()
         problem = self._authenticator.problem(record.topic, record.value, record.headers)
         if problem is None:
-            row = convert(record, now_ms)
+            rows = convert_all(record, now_ms)
         else:
-            row = dead_letter(record, problem, now_ms)
+            rows = [dead_letter(record, problem, now_ms)]
             self.refused[record.topic] += 1
-        if row.table == DEAD_LETTERS:
-            log.warning(
-                "dead letter %s[%d]@%d: %s",
-                record.topic,
-                record.partition,
-                record.offset,
-                row.values[4],
-            )
+        for row in rows:
+            if row.table == DEAD_LETTERS:
+                log.warning(
+                    "dead letter %s[%d]@%d: %s",
+                    record.topic,
+                    record.partition,
+                    record.offset,
+                    row.values[4],
+                )
+            self._rows[row.table].append(row.values)
         if not self._pending:
             self._oldest_pending_at = self._clock()
-        self._rows[row.table].append(row.values)
         self._next_offsets[(record.topic, record.partition)] = record.offset + 1
         self._pending += 1
         self.consumed += 1

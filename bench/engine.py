@@ -15,6 +15,9 @@ policy's shape), the same prompts (the simulator's task prompts) and the same le
   ``swap_every_s`` (staged from another thread, as the weight subscriber does, with
   the default "keep" policy), divided by its throughput without swaps (target >= 0.9).
   ``swap_slowdown_recompute`` is the same with the "recompute" policy.
+* ``turns``: an agent's turns with its keys and values kept between them against
+  re-sending and re-prefilling its whole history every turn (bench/engine_turns.py):
+  ``turns.ratio`` = seconds per re-prefilled turn / seconds per kept turn.
 
 Phases alternate (no swaps, swaps, no swaps, ...) so a drift in the machine's speed
 hits both sides; each rate is tokens over the span from the phase's start to its
@@ -27,7 +30,7 @@ import random
 import threading
 import time
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -36,6 +39,8 @@ from rich.progress import Progress
 from rich.table import Table
 
 from rtrl.bench import report
+from rtrl.bench.engine_turns import TurnsResult
+from rtrl.bench.engine_turns import measure as measure_turns
 from rtrl.bench.report import code_version
 from rtrl.inference.batch import SwapPolicy
 from rtrl.inference.engine import Engine, EngineConfig, prompt_token_ids
@@ -90,6 +95,8 @@ class EngineResult:
     """The same with the recompute swap policy."""
     swaps: int
     phases: tuple[PhaseResult, ...]
+    turns: TurnsResult | None = None
+    """The multi-turn workload (None: not run)."""
 
 
 def task_prompts(n: int, seed: int = 0) -> list[list[int]]:
@@ -275,7 +282,10 @@ def run(
     phase_s: float = 10.0,
     rounds: int = 2,
     swap_every_s: float = 2.0,
+    turns: tuple[int, int, int, int] | None = (3, 20, 50, 200),
 ) -> EngineResult:
+    """``turns``: the multi-turn workload's (agents, turns, observed, max_tokens), None to
+    skip it."""
     torch.set_num_threads(1)
     model = build_model(seed=1)
     sets = [state_dict_fp32(build_model(seed=s)) for s in (1, 2)]
@@ -286,7 +296,12 @@ def run(
             phases |= policy_phases(
                 policy, model, sets, load, phase_s, rounds, swap_every_s, progress
             )
-    result = _result(phases, load, phase_s, swap_every_s)
+        multi_turn = None
+        if turns is not None:
+            task = progress.add_task(f"{turns[0]} agents x {turns[1]} turns, kept vs re-sent")
+            multi_turn = measure_turns(*turns)
+            progress.update(task, completed=100)
+    result = replace(_result(phases, load, phase_s, swap_every_s), turns=multi_turn)
     report.write(out, result)
     _print(result, out, console)
     return result
@@ -334,6 +349,14 @@ def _print(r: EngineResult, out: Path, console: Console) -> None:
     for name, value in (("HF generate()", hf), ("engine", r.tokens_per_s)):
         table.add_row(name, f"{value:,.0f}", f"{value / hf:.2f}")
     console.print(table)
+    if r.turns is not None:
+        t = r.turns
+        console.print(
+            f"multi-turn ({t.agents} agents x {t.turns} turns of {t.observed} observed + "
+            f"{t.max_tokens} generated): {t.kept_turn_s * 1000:.0f} ms a turn kept, "
+            f"{t.resent_turn_s * 1000:.0f} ms re-sent: ratio {t.ratio:.2f} "
+            f"(last turn {t.last_turn_ratio:.2f})"
+        )
     console.print(
         f"ratio {r.ratio:.2f} (target >= 2), swap_slowdown {r.swap_slowdown:.3f} (target >= 0.9; a version every "
         f"{r.swap_every_s:g} s, {r.swaps} swaps), recompute policy {r.swap_slowdown_recompute:.3f}"

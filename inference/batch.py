@@ -27,14 +27,16 @@ forward, the re-prefill's.
 
 from __future__ import annotations
 
+import secrets
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Generic, Literal, TypeVar
 
 import torch
 
-from rtrl.inference.model import Routes, Weights, new_cache
+from rtrl.inference.model import Routes, SlotCache, Weights, new_cache
 from rtrl.inference.sampling import sample
+from rtrl.inference.session_kv import MIXED, Parked, SessionKV
 from rtrl.policy import ModelSpec
 
 SwapPolicy = Literal["keep", "recompute"]
@@ -55,6 +57,45 @@ class SequenceParams:
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
     """Generate exactly max_tokens (benchmarks that must match another generator's lengths)."""
+    session: str = ""
+    """An agent's trajectory link: its keys and values are kept for its next turn
+    (inference/session_kv.py); "" keeps nothing."""
+
+
+def sequence_params(
+    prompt_ids: Sequence[int],
+    max_positions: int,
+    *,
+    max_tokens: int,
+    temperature: float,
+    top_p: float,
+    seed: int | None,
+    stop: tuple[str, ...],
+    ignore_eos: bool,
+    session: str = "",
+) -> SequenceParams:
+    """A request's checked parameters (ValueError names what is wrong), with
+    ``max_tokens`` cut to the context left after the prompt and a random seed if none
+    was given. Shared by both backends (inference.sglang_adapter.SGLangEngine)."""
+    if not 0 < len(prompt_ids) < max_positions:
+        raise ValueError(f"prompt is {len(prompt_ids)} tokens; it must be 1..{max_positions - 1}")
+    if max_tokens < 1 or temperature < 0 or not 0 < top_p <= 1:
+        raise ValueError(
+            f"bad sampling params: max_tokens={max_tokens} temperature={temperature} top_p={top_p}"
+        )
+    params = SequenceParams(
+        prompt_ids=tuple(prompt_ids),
+        max_tokens=min(max_tokens, max_positions - len(prompt_ids)),
+        temperature=float(temperature),
+        top_p=float(top_p),
+        seed=secrets.randbits(63) if seed is None else seed,
+        stop=tuple(stop),
+        ignore_eos=ignore_eos,
+        session=session,
+    )
+    if not 0 <= params.seed < 2**63:
+        raise ValueError(f"seed must be in [0, 2**63), got {params.seed}")
+    return params
 
 
 @dataclass(frozen=True)
@@ -81,14 +122,24 @@ class Row(Generic[Owner]):
     versions: list[int] = field(default_factory=list)
     position: int = 0
     """Tokens in the cache: the prompt and every generated token but the last."""
+    kv_version: int = MIXED
+    """The version that computed the row's keys and values (MIXED across a swap)."""
 
 
 class RunningBatch(Generic[Owner]):
     """Not thread-safe: owned by the engine thread. Call under torch.inference_mode()."""
 
-    def __init__(self, spec: ModelSpec, slots: int, decode: Callable[[Sequence[int]], str]) -> None:
-        """``decode`` turns generated ids into text, for stop strings and results."""
+    def __init__(
+        self,
+        spec: ModelSpec,
+        slots: int,
+        decode: Callable[[Sequence[int]], str],
+        sessions: SessionKV | None = None,
+    ) -> None:
+        """``decode`` turns generated ids into text, for stop strings and results;
+        ``sessions`` keeps agents' keys and values between turns (fast path only)."""
         self.cache = new_cache(spec, slots)
+        self.sessions = sessions if isinstance(self.cache, SlotCache) else None
         self.slots = slots
         self.eos = frozenset(spec.eos_token_ids)
         self.decode = decode
@@ -114,11 +165,31 @@ class RunningBatch(Generic[Owner]):
         if len(requests) > self.free():
             raise ValueError(f"{len(requests)} requests for {self.free()} free rows")
         first = len(self.rows)
-        new = [Row(seq, owner, position=len(seq.prompt_ids)) for seq, owner in requests]
-        self.rows.extend(new)
+        kept = [self._kept(seq, version) for seq, _ in requests]
+        # Rows prefilled whole first (one forward), then those resuming a session.
+        order = sorted(range(len(requests)), key=lambda i: kept[i] is not None)
+        self.rows.extend(
+            Row(seq, owner, position=len(seq.prompt_ids), kv_version=version)
+            for seq, owner in (requests[i] for i in order)
+        )
         self._sampling = None
-        logits = self.cache.prefill(params, first, [list(seq.prompt_ids) for seq, _ in requests])
-        return self._sample(logits, range(first, len(self.rows)), version)
+        whole = [list(requests[i][0].prompt_ids) for i in order if kept[i] is None]
+        logits = [self.cache.prefill(params, first, whole)] if whole else []
+        for row, i in enumerate(order[len(whole) :], first + len(whole)):
+            parked = kept[i]
+            assert parked is not None and isinstance(self.cache, SlotCache)
+            n = len(parked.ids)
+            self.cache.k[:, row, :, :, :n] = parked.k
+            self.cache.v[:, row, :, :n] = parked.v
+            self.rows[row].kv_version = parked.version if parked.version == version else MIXED
+            rest = list(requests[i][0].prompt_ids[n:])
+            logits.append(self.cache.prefill(params, row, [rest], start=n))
+        return self._sample(torch.cat(logits), range(first, len(self.rows)), version)
+
+    def _kept(self, seq: SequenceParams, version: int) -> Parked | None:
+        if not seq.session or self.sessions is None:
+            return None
+        return self.sessions.take(seq.session, seq.prompt_ids, version)
 
     def step(self, params: Weights, version: int) -> list[tuple[Owner, SequenceResult]]:
         """One token for every row under ``version``; returns the rows that finished."""
@@ -129,14 +200,18 @@ class RunningBatch(Generic[Owner]):
         )
         for r in self.rows:
             r.position += 1
+            if r.kv_version != version:
+                r.kv_version = MIXED  # "keep": a new version over an older one's context
         return self._sample(logits, range(len(self.rows)), version)
 
-    def recompute(self, params: Weights) -> None:
+    def recompute(self, params: Weights, version: int) -> None:
         """Rebuild every row's cache under ``params`` (the "recompute" swap policy)."""
         if self.rows:
             self.cache.prefill(
                 params, 0, [[*r.params.prompt_ids, *r.tokens[:-1]] for r in self.rows]
             )
+        for r in self.rows:
+            r.kv_version = version
 
     def _sample(
         self, logits: torch.Tensor, indices: range, version: int
@@ -168,6 +243,8 @@ class RunningBatch(Generic[Owner]):
             if result is not None:
                 finished.append((i, result))
         done = [(self.rows[i].owner, result) for i, result in finished]
+        for i, _ in finished:
+            self._park(i)
         for i, _ in reversed(finished):  # highest row first: a removal moves the last row
             self._remove(i)
         return done
@@ -201,6 +278,17 @@ class RunningBatch(Generic[Owner]):
                 f"routes of {routes.expert_ids.shape[0]} positions for a row that ran {row.position}"
             )
         return routes
+
+    def _park(self, i: int) -> None:
+        """Keep a finished session row's keys and values for its next turn."""
+        row = self.rows[i]
+        if not row.params.session or self.sessions is None:
+            return
+        assert isinstance(self.cache, SlotCache)
+        n = row.position
+        ids = (*row.params.prompt_ids, *row.tokens[:-1])
+        k, v = self.cache.k[:, i, :, :, :n].clone(), self.cache.v[:, i, :, :n].clone()
+        self.sessions.park(row.params.session, Parked(ids, k, v, row.kv_version))
 
     def _remove(self, i: int) -> None:
         self._sampling = None

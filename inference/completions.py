@@ -120,6 +120,7 @@ class CompletionsApi:
             redis=redis,
             worker_id=worker_id,
             model_name=model_name,
+            forget=engine.forget_session,
         )
         template = policy.tokenizer.chat_template
         self.tool_family = family_of(template) if isinstance(template, str) else None
@@ -328,6 +329,7 @@ class CompletionsApi:
             seed=ask.body.seed,
             stop=ask.body.stop_strings(),
             on_token=stream_token if ask.body.stream else None,
+            session="" if ask.plan is None else self.sessions.engine_session(ask.plan),
         )
 
     async def _decide(

@@ -93,6 +93,11 @@ class InferenceSettings(Settings, HTTPListener, TLSListener):
     trajectory_max_tokens: int = Field(0, ge=0)
     """A trajectory ends once it holds this many tokens; 0: the policy's context length."""
 
+    session_kv_tokens: int = Field(262_144, ge=0)
+    """Positions of agents' keys and values the embedded engine keeps between their turns,
+    per arm (inference/session_kv.py): a kept turn prefills only its new tokens. The least
+    recently used go first; 0 keeps none (every turn prefills its whole history)."""
+
     max_trajectories: int = Field(1024, ge=1, le=1_000_000)
     """Open trajectories one worker keeps; past it the least recently used one ends."""
 

@@ -16,7 +16,6 @@ at the swap keep or recompute their cache (EngineConfig.swap_policy).
 from __future__ import annotations
 
 import logging
-import secrets
 import threading
 import time
 from collections import deque
@@ -27,9 +26,16 @@ from dataclasses import dataclass, field
 import torch
 from transformers import PretrainedConfig
 
-from rtrl.inference.batch import RunningBatch, SequenceParams, SequenceResult, SwapPolicy
+from rtrl.inference.batch import (
+    RunningBatch,
+    SequenceParams,
+    SequenceResult,
+    SwapPolicy,
+    sequence_params,
+)
 from rtrl.inference.layout import TensorLayout
 from rtrl.inference.model import Weights, servable
+from rtrl.inference.session_kv import SessionKV
 from rtrl.policy import BOS, ModelSpec, decode, demo_hf_config, encode, weights_digest
 
 log = logging.getLogger(__name__)
@@ -78,6 +84,8 @@ class EngineConfig:
     the trainer's). None: the built-in demo policy's (rtrl.policy.demo_hf_config)."""
     decode: Callable[[Sequence[int]], str] = demo_decode
     """Generated ids to text, for stop strings and results: the model's tokenizer's."""
+    session_kv_tokens: int = 0
+    """Positions of agents' keys and values kept between turns, per arm (session_kv.py)."""
 
     def __post_init__(self) -> None:
         if self.max_batch < 1:
@@ -133,40 +141,6 @@ class EngineStats:
     """Time decoding stood still for swaps (the rows' re-prefill included, under "recompute")."""
 
 
-def sequence_params(
-    prompt_ids: Sequence[int],
-    max_positions: int,
-    *,
-    max_tokens: int,
-    temperature: float,
-    top_p: float,
-    seed: int | None,
-    stop: tuple[str, ...],
-    ignore_eos: bool,
-) -> SequenceParams:
-    """A request's checked parameters (ValueError names what is wrong), with
-    ``max_tokens`` cut to the context left after the prompt and a random seed if none
-    was given. Shared by both backends (inference.sglang_adapter.SGLangEngine)."""
-    if not 0 < len(prompt_ids) < max_positions:
-        raise ValueError(f"prompt is {len(prompt_ids)} tokens; it must be 1..{max_positions - 1}")
-    if max_tokens < 1 or temperature < 0 or not 0 < top_p <= 1:
-        raise ValueError(
-            f"bad sampling params: max_tokens={max_tokens} temperature={temperature} top_p={top_p}"
-        )
-    params = SequenceParams(
-        prompt_ids=tuple(prompt_ids),
-        max_tokens=min(max_tokens, max_positions - len(prompt_ids)),
-        temperature=float(temperature),
-        top_p=float(top_p),
-        seed=secrets.randbits(63) if seed is None else seed,
-        stop=tuple(stop),
-        ignore_eos=ignore_eos,
-    )
-    if not 0 <= params.seed < 2**63:
-        raise ValueError(f"seed must be in [0, 2**63), got {params.seed}")
-    return params
-
-
 class Engine:
     def __init__(
         self,
@@ -188,7 +162,8 @@ class Engine:
         self._layout = TensorLayout(self.hf_config, self.spec.model_type)
         self._params: dict[str, Weights | None] = {arm: None for arm in ARMS}
         self._batches: dict[str, RunningBatch[_Pending]] = {
-            arm: RunningBatch(self.spec, config.max_batch, config.decode) for arm in ARMS
+            arm: RunningBatch(self.spec, config.max_batch, config.decode, self._session_kv())
+            for arm in ARMS
         }
         self._versions = {arm: -1 for arm in ARMS}
         self._staged: dict[str, tuple[int, Weights, str]] = {}
@@ -242,6 +217,23 @@ class Engine:
         params = self._params[arm]
         return {} if params is None else params.state_dict()
 
+    def _session_kv(self) -> SessionKV | None:
+        keep = self.config.swap_policy == "keep"
+        tokens = self.config.session_kv_tokens
+        return SessionKV(tokens, reuse_across_versions=keep) if tokens else None
+
+    def sessions_resumed(self) -> tuple[int, int]:
+        """(turns that resumed their session's keys and values, positions not prefilled
+        again), over both arms."""
+        kept = [b.sessions for b in self._batches.values() if b.sessions is not None]
+        return sum(k.hits for k in kept), sum(k.reused for k in kept)
+
+    def forget_session(self, session: str) -> None:
+        """The session ended: drop the keys and values kept for it (any thread)."""
+        for batch in self._batches.values():
+            if batch.sessions is not None:
+                batch.sessions.forget(session)
+
     def ready(self) -> bool:
         return self.failure is None and all(v >= 0 for v in self.versions().values())
 
@@ -281,12 +273,14 @@ class Engine:
         stop: tuple[str, ...] = (),
         ignore_eos: bool = False,
         on_token: Callable[[int, float, int], None] | None = None,
+        session: str = "",
     ) -> Future:
         """Queue a request; the future resolves to a Completion, or fails with ArmNotReady,
         EngineStopped or EngineCrashed. Bad parameters raise ValueError here.
 
         ``on_token(token_id, logprob, version)`` streams each token as it is sampled,
-        on the engine thread (keep it short: it holds up every request)."""
+        on the engine thread (keep it short: it holds up every request). ``session``
+        keeps the request's keys and values for the session's next turn."""
         self._check_arm(arm)
         params = sequence_params(
             prompt_ids,
@@ -297,6 +291,7 @@ class Engine:
             seed=seed,
             stop=stop,
             ignore_eos=ignore_eos,
+            session=session,
         )
         pending = _Pending(params, arm, time.monotonic(), on_token=on_token)
         with self._cond:
@@ -354,7 +349,7 @@ class Engine:
             paused = time.perf_counter()
             self._params[arm] = params
             if self.config.swap_policy == "recompute":
-                self._batches[arm].recompute(params)
+                self._batches[arm].recompute(params, version)
             with self._cond:
                 self._versions[arm] = version
                 self._digests[arm] = digest

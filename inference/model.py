@@ -182,8 +182,10 @@ class SlotCache:
         self.k = torch.zeros((*shape, spec.head_dim, spec.max_positions))
         self.v = torch.zeros((*shape, spec.max_positions, spec.head_dim))
 
-    def prefill(self, params: Weights, first_row: int, sequences: list[list[int]]) -> torch.Tensor:
-        return prefill(_lean(params), self, first_row, sequences)
+    def prefill(
+        self, params: Weights, first_row: int, sequences: list[list[int]], start: int = 0
+    ) -> torch.Tensor:
+        return prefill(_lean(params), self, first_row, sequences, start)
 
     def decode(self, params: Weights, tokens: list[int], positions: list[int]) -> torch.Tensor:
         return decode_step(
@@ -275,10 +277,12 @@ def decode_step(
 
 
 def prefill(
-    params: Params, cache: SlotCache, first_row: int, sequences: list[list[int]]
+    params: Params, cache: SlotCache, first_row: int, sequences: list[list[int]], start: int = 0
 ) -> torch.Tensor:
-    """Run whole sequences into rows first_row.. of the cache (positions 0..len-1);
-    returns the logits after each sequence's last token [len(sequences), vocab]."""
+    """Run whole sequences into rows first_row.. of the cache (positions start..); returns
+    the logits after each sequence's last token [len(sequences), vocab]. With ``start``,
+    the rows' first ``start`` positions already hold keys and values (a session's earlier
+    turns) and the sequences attend to them."""
     spec = params.spec
     m = len(sequences)
     lengths = torch.tensor([len(s) for s in sequences])
@@ -286,18 +290,22 @@ def prefill(
     ids = torch.zeros((m, width), dtype=torch.long)
     for row, seq in enumerate(sequences):
         ids[row, : len(seq)] = torch.tensor(seq)
-    positions = torch.arange(width)
+    positions = torch.arange(start, start + width)
+    keys = torch.arange(start + width)
     # Causal, and blind to the right padding of shorter sequences.
-    mask = (positions[None, :] <= positions[:, None])[None, None] & (
-        positions[None, :] < lengths[:, None]
+    mask = (keys[None, :] <= positions[:, None])[None, None] & (
+        keys[None, :] < start + lengths[:, None]
     )[:, None, None, :]
-    cos, sin = params.cos[:width][None, :, None, :], params.sin[:width][None, :, None, :]
+    cos, sin = params.cos[positions][None, :, None, :], params.sin[positions][None, :, None, :]
     x = params.embed[ids]
     rows = slice(first_row, first_row + m)
+    end = start + width
     for i, layer in enumerate(params.layers):
         q, k, v = (t.transpose(1, 2) for t in _attention_inputs(params, layer, x, cos, sin))
-        cache.k[i, rows, :, :, :width] = k.transpose(-1, -2)
-        cache.v[i, rows, :, :width] = v
+        cache.k[i, rows, :, :, start:end] = k.transpose(-1, -2)
+        cache.v[i, rows, :, start:end] = v
+        if start:
+            k, v = cache.k[i, rows, :, :, :end].transpose(-1, -2), cache.v[i, rows, :, :end]
         attn = F.scaled_dot_product_attention(
             q,
             k,

@@ -174,6 +174,7 @@ def _engine(settings: InferenceSettings, policy: Checkpoint) -> Engine | SGLangE
             ready_timeout_s=settings.ready_timeout_s,
             hf_config=policy.config,
             decode=policy.decode,
+            session_kv_tokens=settings.session_kv_tokens,
         )
     )
 

@@ -35,7 +35,7 @@ import logging
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -134,8 +134,11 @@ class Sessions:
         redis: aioredis.Redis,
         worker_id: str,
         model_name: str,
+        forget: Callable[[str], None] = lambda session: None,
     ) -> None:
+        """``forget(session)``: a link ended, the engine may drop what it kept for it."""
         self.settings = settings
+        self._forget = forget
         self.policy = policy
         self.publisher = publisher
         self._redis = redis
@@ -236,6 +239,10 @@ class Sessions:
         if not session.ids and not session.segments:
             self._open.pop(self._key_of(session), None)
 
+    def engine_session(self, plan: Plan) -> str:
+        """The key the engine keeps the link's keys and values under, between turns."""
+        return _engine_key(plan.session)
+
     def turn_of(self, plan: Plan) -> int:
         """The index of the turn being served among its link's assistant turns."""
         return sum(s.kind is SegmentKind.GENERATED for s in plan.session.segments)
@@ -302,6 +309,7 @@ class Sessions:
 
     async def _next_link(self, session: Session, tools_json: str) -> None:
         """The request does not extend the link: write it, and start the next."""
+        self._forget(_engine_key(session))
         await self._write(session, final=False)
         session.position += 1
         session.reason = LinkReason.NOT_AN_EXTENSION
@@ -326,6 +334,7 @@ class Sessions:
             return
         del self._open[key]
         self.ended += 1
+        self._forget(_engine_key(session))
         await self._redis.delete(_owner_key(key))
         await self._write(session, final=True)
 
@@ -411,6 +420,10 @@ def _extends(session: Session, messages: tuple[Canonical, ...], tools_json: str)
         and len(messages) > n
         and messages[:n] == tuple(session.messages)
     )
+
+
+def _engine_key(session: Session) -> str:
+    return f"{session.opening.client_id}/{session.trajectory_id}/{session.position}"
 
 
 def _owner_key(key: tuple[str, str]) -> str:

@@ -30,8 +30,8 @@ from pathlib import Path
 from typing import Any
 
 from rtrl.checkpoint import Checkpoint
-from rtrl.inference.batch import SequenceParams, SequenceResult
-from rtrl.inference.engine import Completion, EngineStats, sequence_params
+from rtrl.inference.batch import SequenceParams, SequenceResult, sequence_params
+from rtrl.inference.engine import Completion, EngineStats
 from rtrl.inference.sglang_weight_protocol import SGLangWeights
 
 log = logging.getLogger(__name__)
@@ -298,6 +298,9 @@ class SGLangEngine:
     def ready(self) -> bool:
         return all(v >= 0 for v in self.versions().values())
 
+    def forget_session(self, session: str) -> None:
+        """Nothing is kept per session here (SGLang's radix cache evicts on its own)."""
+
     def versions(self) -> dict[str, int]:
         with self._lock:
             return dict(self._versions)
@@ -323,9 +326,12 @@ class SGLangEngine:
         stop: tuple[str, ...] = (),
         ignore_eos: bool = False,
         on_token: Callable[[int, float, int], None] | None = None,
+        session: str = "",
     ) -> Future:
         """Queue a request; the future resolves to a Completion or raises
-        SGLangGenerationError (the API answers 503). Bad requests raise ValueError here."""
+        SGLangGenerationError (the API answers 503). Bad requests raise ValueError here.
+        ``session`` is the embedded engine's: SGLang's radix cache finds a turn's prefix
+        by itself."""
         if arm not in self.urls:
             raise ValueError(
                 f"no SGLang server serves arm {arm!r} (RTRL_INFERENCE_SGLANG_URLS names {', '.join(sorted(self.urls))})"

@@ -292,12 +292,18 @@ def bench_engine(
     ),
     max_tokens: int = typer.Option(48, help="Tokens per completion, on both sides."),
     phase_s: float = typer.Option(10.0, help="Seconds per measured phase."),
+    turns: int = typer.Option(20, help="Turns per agent in the multi-turn workload (0: skip it)."),
     out: Path = typer.Option(Path("bench/results/engine.json")),
 ) -> None:
-    """Engine tokens/s against HF generate() on the same model and prompts, and the slowdown while versions arrive."""
+    """Engine tokens/s against HF generate() on the same model and prompts, the slowdown while
+    versions arrive, and an agent's turns with its keys and values kept against re-sent."""
     from rtrl.bench.engine import run
 
-    run(out, console, concurrency=concurrency, max_tokens=max_tokens, phase_s=phase_s)
+    multi_turn = (3, turns, 50, 200) if turns else None
+    run(
+        out, console, concurrency=concurrency, max_tokens=max_tokens, phase_s=phase_s,
+        turns=multi_turn,
+    )  # fmt: skip
 
 
 @bench_app.command("trainer")

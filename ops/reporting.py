@@ -118,6 +118,25 @@ def ab_rich_table(rows, window: str, title: str) -> Table:
     return table
 
 
+def agents_table(rows: list) -> Table:
+    """analytics.agents_report.agents_by_version as a table: an agent's trajectories per
+    policy version."""
+    table = Table(title="agents' trajectories by policy version")
+    for column in (
+        "version", "arm", "trajectories", "links", "turns", "calls/turn", "broken calls",
+        "parallel turns", "generated tokens", "versions spanned",
+    ):  # fmt: skip
+        table.add_column(column, justify="right")
+    for r in rows:
+        table.add_row(
+            f"v{r.policy_version}", r.arm, str(r.trajectories), str(r.links),
+            f"{r.turns_per_trajectory:.1f}", f"{r.tool_calls_per_turn:.2f}",
+            f"{100 * r.invalid_share:.1f} %", f"{100 * r.parallel_share:.1f} %",
+            f"{100 * r.generated_share:.1f} %", f"{r.versions_spanned:.2f}",
+        )  # fmt: skip
+    return table
+
+
 def mismatch_line(summary: MismatchSummary | None) -> str:
     """The run's train–inference mismatch (analytics.training_report.MismatchSummary) in one line."""
     if summary is None:
@@ -141,6 +160,7 @@ def print_report(
     html: Path = Path("reports/report.html"),
     state_dir: Path | None = None,
 ) -> list:
+    from rtrl.analytics.agents_report import agents_by_version
     from rtrl.analytics.report import ab_table, by_version, write_html
     from rtrl.analytics.training_report import figures, mismatch_summary
 
@@ -156,6 +176,9 @@ def print_report(
     )
     console.print(ab_rich_table(rows, "last_half", "A/B, second half of the run"))
     console.print(mismatch_line(mismatch_summary(query)))
+    agents = agents_by_version(query)
+    if agents:
+        console.print(agents_table(agents))
     path = write_html(html, rows, by_version(query), extra_figures=figures(query).items)
     console.print(f"HTML report with plots against policy version: {path.resolve()}")
     return rows

@@ -6,6 +6,7 @@ judged again when the batch is cut, since the trainer's version moves meanwhile.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -65,6 +66,9 @@ class TrainSample:
     segments: tuple[Segment, ...] = ()
     """An agent's trajectory: its segments, generated and observed, in order (the
     completion is then their generated tokens); () for a single turn."""
+    min_version: int = 0
+    """Tokens sampled by an older version carry no loss (drop_stale: too stale), while the
+    rest of the trajectory trains."""
 
     @property
     def trajectory(self) -> Trajectory:
@@ -180,10 +184,18 @@ def shed_oldest(samples: Sequence[TrainSample], keep: int) -> tuple[list[TrainSa
 def drop_stale(
     samples: Sequence[TrainSample], current_version: int, max_staleness: int
 ) -> tuple[list[TrainSample], int]:
-    """Keep samples whose oldest token version is within max_staleness of current;
-    returns (kept, how many were dropped)."""
-    fresh = [s for s in samples if s.oldest_version >= current_version - max_staleness]
-    return fresh, len(samples) - len(fresh)
+    """Staleness judged per token: a sample whose every token came from a version more
+    than max_staleness behind current is dropped; one whose oldest tokens did is kept
+    with those tokens masked (``min_version``: a long trajectory spanning versions still
+    trains on its fresh tokens). Returns (kept, how many were dropped)."""
+    floor = current_version - max_staleness
+    kept: list[TrainSample] = []
+    for sample in samples:
+        if sample.oldest_version >= floor:
+            kept.append(sample)
+        elif max(sample.trajectory.generated_versions, default=-1) >= floor:
+            kept.append(dataclasses.replace(sample, min_version=floor))
+    return kept, len(samples) - len(kept)
 
 
 class SeenRollouts:
@@ -243,8 +255,13 @@ def collate(samples: Sequence[TrainSample]) -> TrainBatch:
     behaviour = torch.zeros(len(samples), width - 1)
     for index, row in enumerate(rows):
         input_ids[index, : len(row.input_ids)] = torch.tensor(row.input_ids)
+        floor = samples[index].min_version
         for run in row.runs:
-            target_mask[index, run.start : run.end] = 1.0
+            if floor:
+                fresh = [1.0 if v >= floor else 0.0 for v in run.segment.versions]
+                target_mask[index, run.start : run.end] = torch.tensor(fresh)
+            else:
+                target_mask[index, run.start : run.end] = 1.0
             behaviour[index, run.start : run.end] = torch.tensor(run.segment.logprobs)
     return TrainBatch(
         input_ids=input_ids,

@@ -73,12 +73,15 @@ class TrainerSettings(Settings):
     rounding moves a log-prob by about 1e-3 to 1e-2, so a healthy stack puts few tokens over
     it; a top-p nucleus below 0.95 (which the trainer does not apply) or wrong weights put many."""
 
-    mismatch_kept_versions: int = Field(2, ge=0, le=16)
+    mismatch_kept_versions: int = Field(9, ge=0, le=64)
     """Published versions whose weights the trainer keeps to measure the mismatch on the
-    tokens each sampled (trainer/kept_versions.py): one forward without gradient per kept
-    version a batch has tokens of, and a copy of the weights each. 0: only a step that
-    starts from a published version's weights measures it (rarely, once training runs
-    ahead of the workers)."""
+    tokens each sampled (trainer/kept_versions.py): before each step, one forward without
+    gradient under the kept version that sampled most of its batch. max_staleness + 1
+    covers every version a trained token may come from. 0: only a step that starts from a
+    published version's weights measures it (rarely, once training runs ahead)."""
+
+    mismatch_kept_mb: int = Field(1024, ge=0)
+    """At most this much memory (MiB) of kept weights: fewer versions of a larger model."""
 
     kl_coef: float = Field(0.01, ge=0)
     """Weight of the per-token k1 penalty toward the warm start (the control policy)."""

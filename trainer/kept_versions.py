@@ -4,12 +4,12 @@ A step measures the mismatch for free on its first forward, but only on tokens s
 the very weights it starts from (trainer/mismatch.py), and an asynchronous trainer is
 almost always ahead of every version a worker sampled with: this week's demo measured it
 on 2 of 229 steps. So the trainer keeps the weights of the last few published versions
-and, before a step, runs one forward without gradient under each kept version its batch
-has tokens of, and measures those tokens against what the sampler recorded: kernels,
+and, before a step, runs one forward without gradient under the kept version that sampled
+most of its batch, and measures those tokens against what the sampler recorded: kernels,
 dtypes, sampling conventions and weights, on most steps.
 
-Cost: ``capacity`` copies of the weights, one more model to run them in, and one forward
-(no backward) per kept version present in a batch, about a third of a step each.
+Cost: up to ``capacity`` copies of the weights (within ``max_bytes``), one more model to
+run them in, and one forward (no backward) a step, about a third of a step.
 """
 
 from __future__ import annotations
@@ -21,18 +21,25 @@ import torch
 
 from rtrl.policy import load_weights
 from rtrl.trainer.batch import TrainBatch
-from rtrl.trainer.mismatch import Mismatch, measure, merge
+from rtrl.trainer.mismatch import Mismatch, measure
 from rtrl.trainer.router_replay import replaying
 from rtrl.trainer.step import token_logprobs
 
 
 class KeptVersions:
-    """The weights of the ``capacity`` most recently published versions."""
+    """The weights of the most recently published versions: ``capacity`` of them at most,
+    fewer if they would take more than ``max_bytes``."""
 
     def __init__(
-        self, capacity: int, model: Callable[[], torch.nn.Module], *, router_replay: bool = True
+        self,
+        capacity: int,
+        model: Callable[[], torch.nn.Module],
+        *,
+        max_bytes: int = 1 << 62,
+        router_replay: bool = True,
     ) -> None:
         self.capacity = capacity
+        self.max_bytes = max_bytes
         self._router_replay = router_replay
         self._weights: OrderedDict[int, dict[str, torch.Tensor]] = OrderedDict()
         self._make_model = model
@@ -46,7 +53,9 @@ class KeptVersions:
             return
         self._weights[version] = weights
         self._weights.move_to_end(version)
-        while len(self._weights) > self.capacity:
+        each = max(sum(t.nbytes for t in weights.values()), 1)
+        keep = min(self.capacity, max(1, self.max_bytes // each))
+        while len(self._weights) > keep:
             self._weights.popitem(last=False)
 
     def versions(self) -> tuple[int, ...]:
@@ -59,28 +68,24 @@ class KeptVersions:
         threshold: float,
         skip: int | None = None,
     ) -> Mismatch:
-        """The mismatch on ``batch``'s tokens sampled by kept versions (``token_versions``:
-        [B, L-1], -1 off the completions), but ``skip``'s: the step itself measures the
-        version its weights equal."""
-        present = set(torch.unique(token_versions).tolist())
-        parts = []
-        for version, weights in self._weights.items():
-            if version not in present or version == skip:
-                continue
-            model = self._model_with(version, weights)
-            with torch.no_grad(), replaying(batch, (model,), enabled=self._router_replay):
-                logp, _ = token_logprobs(model, batch)
-            parts.append(
-                measure(
-                    logp,
-                    batch.behaviour_logprobs,
-                    token_versions,
-                    version,
-                    batch.target_mask,
-                    threshold,
-                )  # fmt: skip
-            )
-        return merge(parts)
+        """The mismatch on ``batch``'s tokens of the kept version that sampled most of them
+        (``token_versions``: [B, L-1], -1 off the completions), but ``skip``'s: the step
+        itself measures the version its weights equal. One version a step: one forward."""
+        versions, counts = torch.unique(token_versions, return_counts=True)
+        candidates = [
+            (n, v)
+            for v, n in zip(versions.tolist(), counts.tolist(), strict=True)
+            if v in self._weights and v != skip
+        ]
+        if not candidates:
+            return Mismatch()
+        _, version = max(candidates)
+        model = self._model_with(version, self._weights[version])
+        with torch.no_grad(), replaying(batch, (model,), enabled=self._router_replay):
+            logp, _ = token_logprobs(model, batch)
+        return measure(
+            logp, batch.behaviour_logprobs, token_versions, version, batch.target_mask, threshold
+        )
 
     def _model_with(self, version: int, weights: dict[str, torch.Tensor]) -> torch.nn.Module:
         if self._model is None:

@@ -105,7 +105,10 @@ class Trainer:
         """The published version the learner's weights equal, None once an optimizer step moved
         them past it: only a step from there measures the train–inference mismatch."""
         self.kept = KeptVersions(
-            settings.mismatch_kept_versions, self._load_policy, router_replay=settings.router_replay
+            settings.mismatch_kept_versions,
+            self._load_policy,
+            max_bytes=settings.mismatch_kept_mb << 20,
+            router_replay=settings.router_replay,
         )
         """Published versions' weights, to measure the mismatch on the tokens each sampled."""
         self.learner_candidate: int | None = None

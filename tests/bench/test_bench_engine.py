@@ -21,6 +21,7 @@ def test_bench_engine_writes_consistent_results(tmp_path):
         phase_s=0.5,
         rounds=1,
         swap_every_s=0.1,
+        turns=(1, 3, 8, 8),
     )
     assert json.loads(out.read_text()) == json.loads(json.dumps(report.as_json(results)))
     phases = {p.name: p for p in results.phases}
@@ -39,3 +40,8 @@ def test_bench_engine_writes_consistent_results(tmp_path):
     assert (
         abs(results.swap_slowdown - rate["engine_keep_swaps"] / rate["engine_keep_steady"]) < 0.01
     )
+    turns = results.turns
+    assert turns is not None and turns.turns == 3
+    assert abs(turns.ratio - turns.resent_turn_s / turns.kept_turn_s) < 0.01
+    # Every turn after the first resumed: its whole history but the last sampled token.
+    assert turns.reused_positions == sum((t + 1) * 16 - 1 for t in range(2))

@@ -1,7 +1,12 @@
-"""`rtrl up --model DIR` with a Hugging Face checkpoint of the user's (a tiny random Qwen3
-with a byte-level BPE tokenizer and ChatML), then real HTTP traffic: chat requests to
-every worker and their telemetry through ingest. The trainer trains on it and publishes
+"""`rtrl up --model DIR` with a Hugging Face checkpoint of the user's (a tiny Qwen3 with a
+byte-level BPE tokenizer and a Qwen3-style tool template, taught on the spot to play an
+agent script: rtrl/ops/tiny_agent.py), then real HTTP traffic: chat requests to every
+worker and their telemetry through ingest. The trainer trains on it and publishes
 versions, every worker serves them, and `rtrl status` shows the train–inference mismatch.
+
+First, an agent: OpenAI's SDK runs its tool-calling loop against a worker under one
+trajectory id, and its telemetry follows; the trajectory's record goes through the
+joiner to the trainer, which trains it, and to ClickHouse.
 
 The simulated editor keeps an edit when its first sampled token is even (a preference
 hinging on one token, which the policy can learn), and rewrites it otherwise.
@@ -19,6 +24,7 @@ import time
 from dataclasses import dataclass, field
 
 import aiohttp
+import openai
 import pytest
 from rich.console import Console
 
@@ -28,8 +34,11 @@ from rtrl.ingest.gateway import ACCEPTED
 from rtrl.ops import health
 from rtrl.ops.demo import simulator_key
 from rtrl.ops.lifecycle import down, up
+from rtrl.ops.reporting import query_function
+from rtrl.ops.tiny_agent import write_tiny_agent
 from rtrl.ops.tiny_model import write_tiny_checkpoint
 from rtrl.v1 import telemetry_pb2
+from support.agent import ANSWER, SCRIPT, TREATED, agent_loop
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -46,7 +55,19 @@ class Traffic:
 
 
 @dataclass(frozen=True)
+class Agent:
+    run: dict
+    """support.agent.agent_loop's result: the answers of each turn."""
+    rollout_id: str
+    trained: bool
+    """A trainer candidate's journal entry names the trajectory."""
+    rows: dict[str, int]
+    """ClickHouse rows of the trajectory: its rollout, its rewards."""
+
+
+@dataclass(frozen=True)
 class Run:
+    agent: Agent
     traffic: Traffic
     trainer: TrainerBeat
     workers: list[InferenceBeat]
@@ -127,9 +148,73 @@ async def _drive(stack, key: str) -> Traffic:
     return traffic
 
 
+async def _agent(stack, key: str) -> tuple[dict, str]:
+    """The agent's loop against the first worker, then the product's telemetry about it:
+    the edit shown, and kept."""
+    url = stack.urls("inference", "RTRL_INFERENCE_HTTP_PORT")[0]
+    client = openai.AsyncOpenAI(
+        api_key=key, base_url=f"{url}/v1/trajectories/e2e-agent", max_retries=0
+    )
+    run = await agent_loop(client, "tiny-agent", user=TREATED)
+    async with aiohttp.ClientSession() as http:
+        headers = {"Authorization": f"Bearer {key}"}
+        async with http.delete(f"{url}/v1/trajectories/e2e-agent", headers=headers) as resp:
+            assert resp.status == 200, await resp.text()
+    rollout_id = run["answers"][0].id
+    ingest = IngestClient(stack.urls("ingest", "RTRL_INGEST_HTTP_PORT")[0], api_key=key)
+    common = (rollout_id, "agent-session", TREATED)
+    now = int(time.time() * 1000)
+    answer = run["answers"][-1].choices[0].message.content
+    await ingest.publish(
+        [
+            make_event(
+                *common,
+                edit_shown=telemetry_pb2.EditShown(file_path="a.py", edit_text=answer),
+                client_ts_ms=now,
+            ),
+            make_event(
+                *common,
+                persistence=telemetry_pb2.PersistenceSnapshot(
+                    seconds_after_edit=1.0, region_text=answer
+                ),
+                client_ts_ms=now + 1,
+            ),
+        ]
+    )
+    await ingest.close()
+    return run, rollout_id
+
+
+def _agent_landed(stack, state_dir, run: dict, rollout_id: str, timeout_s: float = 120) -> Agent:
+    """Wait for the trajectory in ClickHouse (its rollout, its reward) and in the trainer's
+    journal (a candidate that trained it)."""
+    query = query_function(stack)
+    journal = state_dir / "trainer" / "journal.jsonl"
+    deadline = time.monotonic() + timeout_s
+    while True:
+        rows = {
+            table: int(
+                list(
+                    query(f"SELECT count() FROM {table} WHERE rollout_id = '{rollout_id}'")[
+                        0
+                    ].values()
+                )[0]
+            )
+            for table in ("rollouts", "rewards")
+        }
+        trained = journal.exists() and any(
+            rollout_id in json.loads(line).get("ids", ())
+            for line in journal.read_text().splitlines()
+        )
+        if (trained and all(rows.values())) or time.monotonic() > deadline:
+            return Agent(run, rollout_id, trained, rows)
+        time.sleep(1.0)
+
+
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
-    model_dir = write_tiny_checkpoint(tmp_path_factory.mktemp("model") / "tiny-qwen3", "qwen3")
+    model_dir = tmp_path_factory.mktemp("model") / "tiny-agent"
+    write_tiny_agent(model_dir, [SCRIPT])
     state_dir = tmp_path_factory.mktemp("stack")
     with pytest.MonkeyPatch.context() as env:
         env.setenv("RTRL_STATE_DIR", str(state_dir))
@@ -138,7 +223,10 @@ def run(tmp_path_factory):
         console = Console(file=open(os.devnull, "w"))
         stack = up(state_dir, console, model_dir=model_dir)
         try:
-            traffic = asyncio.run(_drive(stack, simulator_key(stack)))
+            key = simulator_key(stack)
+            agent_run, rollout_id = asyncio.run(_agent(stack, key))
+            traffic = asyncio.run(_drive(stack, key))
+            agent = _agent_landed(stack, state_dir, agent_run, rollout_id)
             trainer, workers = _beats(stack)
             assert trainer is not None
             status = [sys.executable, "-m", "rtrl", "status"]
@@ -154,6 +242,7 @@ def run(tmp_path_factory):
                 env={**os.environ, "COLUMNS": "200"},
             ).stdout
             yield Run(
+                agent,
                 traffic,
                 trainer,
                 workers,
@@ -179,6 +268,19 @@ def test_the_trainer_publishes_versions_of_your_model_and_every_worker_serves_th
     assert run.traffic.accepted_events >= 2 * len(run.traffic.answers) * 0.9
     # The model's bytes were hashed once and the digest kept for the next start.
     assert len(run.fingerprints) == 1, run.fingerprints
+
+
+def test_an_agents_trajectory_is_served_joined_trained_and_in_clickhouse(run):
+    """An unmodified OpenAI agent, pointed at a worker: its three turns (two calls in
+    parallel, a streamed turn, the answer) are one trajectory whose record the joiner
+    rewards with the agent's telemetry, the trainer trains, and ClickHouse holds."""
+    first, second, last = run.agent.run["answers"]
+    assert [c.function.name for c in first.choices[0].message.tool_calls] == ["read_file"] * 2
+    assert [c.function.name for c in second.choices[0].message.tool_calls] == ["search"]
+    assert last.choices[0].message.content == ANSWER
+    assert {a.id for a in run.agent.run["answers"]} == {run.agent.rollout_id}
+    assert run.agent.rows == {"rollouts": 1, "rewards": 1}, run.agent
+    assert run.agent.trained, run.agent
 
 
 def test_status_shows_the_train_inference_mismatch(run):

@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import json
 from typing import Any
 
 import httpx
@@ -28,11 +27,10 @@ from transformers import AutoModelForCausalLM
 from rtrl import topics
 from rtrl.api_keys import COMPLETIONS, issue_key
 from rtrl.checkpoint import Checkpoint
-from rtrl.inference.arms import assign_arm
 from rtrl.inference.config import InferenceSettings
 from rtrl.inference.engine import Engine
 from rtrl.inference.server import start
-from rtrl.ops.tiny_agent import Script, function_tool, write_tiny_agent
+from rtrl.ops.tiny_agent import Script, write_tiny_agent
 from rtrl.policy import state_dict_fp32
 from rtrl.reward_stream.config import RewardStreamSettings
 from rtrl.reward_stream.runtime import Joiner
@@ -41,48 +39,20 @@ from rtrl.trainer.step import rl_step, token_logprobs
 from rtrl.trajectory import LinkReason, SegmentKind, Trajectory
 from rtrl.trajectory_targets import targets
 from rtrl.v1 import reward_pb2
+from support.agent import (
+    ANSWER,
+    OPENING,
+    SCRIPT,
+    TOOL_PARAMS,
+    TREATED,
+    agent_loop,
+)
 from support.inference import read_rollouts
 from support.signing import KEY_AUTHORITY
 
 pytestmark = pytest.mark.integration
 
 torch.set_num_threads(1)
-
-TOOLS = (
-    function_tool("read_file", "Read a file of the repository", path="the file's path"),
-    function_tool("search", "Search the repository", query="what to find"),
-)
-TOOL_PARAMS: list[Any] = list(TOOLS)
-"""The tools as the SDK's create() takes them."""
-OPENING = (
-    {"role": "system", "content": "You are a coding agent."},
-    {"role": "user", "content": "Fix the bug in a.py and b.py."},
-)
-FILES = {"a.py": "def add(a, b):\n    return a - b\n", "b.py": "print(add(1, 2))\n"}
-SEARCH = "a.py:1 b.py:1"
-ANSWER = "The bug is in a.py: add returns a - b. Change it to a + b."
-
-
-def _call(name: str, **arguments: str) -> str:
-    return "<tool_call>\n" + json.dumps({"name": name, "arguments": arguments}) + "\n</tool_call>"
-
-
-SCRIPT = Script(
-    opening=OPENING,
-    turns=(
-        (
-            _call("read_file", path="a.py") + "\n" + _call("read_file", path="b.py"),
-            tuple({"role": "tool", "tool_call_id": p, "content": c} for p, c in FILES.items()),
-        ),
-        (
-            "Let me search.\n" + _call("search", query="add("),
-            ({"role": "tool", "tool_call_id": "s", "content": SEARCH},),
-        ),
-        (ANSWER, ()),
-    ),
-    tools=TOOLS,
-)
-
 
 THINKER = Script(
     opening=({"role": "user", "content": "Add two numbers."},),
@@ -129,43 +99,6 @@ def agent_server(stack_settings, agent_dir):
     return serving
 
 
-TREATED = next(u for u in (f"user-{i}" for i in range(100)) if assign_arm(u, 0.5) == "treatment")
-"""An end user the treatment arm serves: the trainer trains only the treatment's rollouts."""
-
-
-def _run_tool(call) -> str:
-    arguments = json.loads(call.function.arguments)
-    if call.function.name == "read_file":
-        return FILES[arguments["path"]]
-    return SEARCH
-
-
-async def _agent(client: openai.AsyncOpenAI, model: str, **extra) -> dict:
-    """OpenAI's loop until the model answers without calling a tool; the second turn
-    streamed through the SDK's accumulating helper."""
-    messages: list = [dict(m) for m in OPENING]
-    answers, streamed_ids = [], []
-    for turn in range(4):
-        ask = dict(model=model, messages=messages, tools=TOOL_PARAMS, seed=turn, **extra)
-        if turn == 1:
-            async with client.chat.completions.stream(**ask) as stream:
-                async for event in stream:
-                    fields = event.chunk.model_extra or {} if event.type == "chunk" else {}
-                    if "token_id" in fields:
-                        streamed_ids.append(fields["token_id"])
-                answer = await stream.get_final_completion()
-        else:
-            answer = await client.chat.completions.create(**ask)
-        answers.append(answer)
-        message = answer.choices[0].message
-        messages.append(message)  # as the SDK returned it
-        if not message.tool_calls:
-            return {"answers": answers, "streamed_ids": streamed_ids, "messages": messages}
-        for call in message.tool_calls:
-            messages.append({"role": "tool", "tool_call_id": call.id, "content": _run_tool(call)})
-    raise AssertionError("the agent never answered")
-
-
 def test_an_openai_agent_loop_is_one_trajectory_of_exactly_the_ids_served(
     stack_settings, agent_server
 ):
@@ -177,8 +110,8 @@ def test_an_openai_agent_loop_is_one_trajectory_of_exactly_the_ids_served(
             by_body = openai.AsyncOpenAI(api_key=key, base_url=f"{root}/v1", max_retries=0)
             model = (await by_path.models.list()).data[0].id
             runs = [
-                await _agent(by_path, model),
-                await _agent(by_body, model, extra_body={"trajectory_id": "run-2"}),
+                await agent_loop(by_path, model),
+                await agent_loop(by_body, model, extra_body={"trajectory_id": "run-2"}),
             ]
             async with httpx.AsyncClient(headers={"Authorization": f"Bearer {key}"}) as http:
                 ended = [
@@ -435,10 +368,14 @@ def test_each_token_of_a_trajectory_across_versions_is_its_versions_full_forward
                 ]
             async with httpx.AsyncClient(headers={"Authorization": f"Bearer {key}"}) as http:
                 await http.delete(f"http://127.0.0.1:{server.port}/v1/trajectories/versions-1")
+            return engine.sessions_resumed()
         finally:
             await server.stop()
 
-    asyncio.run(scenario())
+    resumed, _ = asyncio.run(scenario())
+    # The third turn resumed the second's keys and values (the same version); the second
+    # could not (recompute: a new version since the first).
+    assert resumed == 1
     (record,) = read_rollouts(stack_settings)
     trajectory = Trajectory.of(record)
     assert len(trajectory.generated) == 3

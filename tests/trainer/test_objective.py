@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any
 
@@ -17,6 +18,7 @@ from rtrl.trainer.batch import (
     to_sample,
 )
 from rtrl.trainer.objective import leave_one_out_advantages, policy_gradient_loss
+from rtrl.trajectory import Segment
 from rtrl.v1 import common_pb2, reward_pb2, rollout_pb2
 
 
@@ -119,6 +121,28 @@ def test_staleness_drop_counting():
     fresh, dropped = drop_stale(samples, current_version=10, max_staleness=8)
     assert [s.rollout_id for s in fresh] == ["a", "b", "d"] and dropped == 1
     assert drop_stale(samples, current_version=10, max_staleness=0) == ([samples[0]], 3)
+
+
+def test_staleness_is_judged_per_token():
+    """A trajectory whose first turn an old version sampled and whose last a fresh one
+    did: the old tokens are masked (no loss), the fresh ones train; all stale: dropped."""
+    mixed = dataclasses.replace(
+        _sample("mixed", 1),
+        segments=(
+            Segment.generated((7, 2), (-0.1, -0.2), (1, 1)),
+            Segment.observed((3,), "tool"),
+            Segment.generated((4, 6), (-0.3, -0.4), (9, 10)),
+        ),
+        completion_ids=(7, 2, 4, 6),
+        behaviour_logprobs=(-0.1, -0.2, -0.3, -0.4),
+        token_versions=(1, 1, 9, 10),
+    )
+    old = dataclasses.replace(_sample("old", 1), token_versions=(1, 1))
+    fresh, dropped = drop_stale([mixed, old], current_version=10, max_staleness=2)
+    assert [s.rollout_id for s in fresh] == ["mixed"] and dropped == 1
+    batch = collate(fresh)
+    # prompt (1, 5), then 7 2 | 3 | 4 6: targets 7 2 3 4 6, of which 4 and 6 train.
+    assert batch.target_mask[0].tolist() == [0.0, 0.0, 0.0, 0.0, 1.0, 1.0]
 
 
 def _record(**rollout_fields) -> reward_pb2.RewardRecord:
