@@ -270,6 +270,7 @@ def test_the_ddl_is_idempotent(client):
         schema.DEAD_LETTERS,
         schema.LATE,
         schema.TRAINER_STEPS,
+        schema.TRAJECTORY_LINKS,
     } | {name for view in schema.VIEWS for name in (view.name, view.target)}
 
     Feeder(client).insert(records())
