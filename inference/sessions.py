@@ -236,7 +236,7 @@ class Sessions:
     def abandon(self, session: Session) -> None:
         """A turn that was not served: the trajectory is as it was."""
         session.busy = False
-        if not session.ids and not session.segments:
+        if session.turns == 0:  # a trajectory never served: it was not opened
             self._open.pop(self._key_of(session), None)
 
     def engine_session(self, plan: Plan) -> str:
