@@ -76,7 +76,8 @@ class TrainerSettings(Settings):
     mismatch_kept_versions: int = Field(9, ge=0, le=64)
     """Published versions whose weights the trainer keeps to measure the mismatch on the
     tokens each sampled (trainer/kept_versions.py): before each step, one forward without
-    gradient under the kept version that sampled most of its batch. max_staleness + 1
+    gradient under the kept version that sampled most of its batch, over up to 8 of the
+    rows it sampled. max_staleness + 1
     covers every version a trained token may come from. 0: only a step that starts from a
     published version's weights measures it (rarely, once training runs ahead)."""
 

@@ -9,11 +9,13 @@ most of its batch, and measures those tokens against what the sampler recorded: 
 dtypes, sampling conventions and weights, on most steps.
 
 Cost: up to ``capacity`` copies of the weights (within ``max_bytes``), one more model to
-run them in, and one forward (no backward) a step, about a third of a step.
+run them in, and one forward (no backward) a step over at most ``max_rows`` of its rows
+that the version sampled: a sample of the batch, an eighth of it at the demo's 64.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections import OrderedDict
 from collections.abc import Callable
 
@@ -36,10 +38,13 @@ class KeptVersions:
         model: Callable[[], torch.nn.Module],
         *,
         max_bytes: int = 1 << 62,
+        max_rows: int = 8,
         router_replay: bool = True,
     ) -> None:
         self.capacity = capacity
         self.max_bytes = max_bytes
+        self.max_rows = max_rows
+        """Rows of a batch measured at most: a sample of it, so the forward stays cheap."""
         self._router_replay = router_replay
         self._weights: OrderedDict[int, dict[str, torch.Tensor]] = OrderedDict()
         self._make_model = model
@@ -80,11 +85,13 @@ class KeptVersions:
         if not candidates:
             return Mismatch()
         _, version = max(candidates)
+        rows = (token_versions == version).any(dim=1).nonzero()[:, 0][: self.max_rows]
+        sub = _rows(batch, rows)
         model = self._model_with(version, self._weights[version])
-        with torch.no_grad(), replaying(batch, (model,), enabled=self._router_replay):
-            logp, _ = token_logprobs(model, batch)
+        with torch.no_grad(), replaying(sub, (model,), enabled=self._router_replay):
+            logp, _ = token_logprobs(model, sub)
         return measure(
-            logp, batch.behaviour_logprobs, token_versions, version, batch.target_mask, threshold
+            logp, sub.behaviour_logprobs, token_versions[rows], version, sub.target_mask, threshold
         )
 
     def _model_with(self, version: int, weights: dict[str, torch.Tensor]) -> torch.nn.Module:
@@ -96,3 +103,20 @@ class KeptVersions:
             load_weights(self._model, weights)
             self._loaded = version
         return self._model
+
+
+def _rows(batch: TrainBatch, rows: torch.Tensor) -> TrainBatch:
+    """The batch's ``rows`` alone, as token_logprobs reads a batch."""
+    picked = rows.tolist()
+    routes = batch.router_choices
+    return dataclasses.replace(
+        batch,
+        input_ids=batch.input_ids[rows],
+        target_mask=batch.target_mask[rows],
+        behaviour_logprobs=batch.behaviour_logprobs[rows],
+        temperature=batch.temperature[rows],
+        rewards=tuple(batch.rewards[i] for i in picked),
+        groups=tuple(batch.groups[i] for i in picked),
+        advantages=None if batch.advantages is None else tuple(batch.advantages[i] for i in picked),
+        router_choices=None if routes is None else routes[rows],
+    )
