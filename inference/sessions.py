@@ -256,12 +256,16 @@ class Sessions:
         return session
 
     async def sweep(self) -> None:
-        """End idle trajectories, every second, until cancelled."""
+        """End idle trajectories, every second, until cancelled. A trajectory whose end
+        fails (Redis unreachable) is logged and the sweep goes on."""
         while True:
             await asyncio.sleep(1.0)
             idle = time.monotonic() - self.settings.trajectory_idle_s
             for session in [s for s in self._open.values() if s.last_used < idle and not s.busy]:
-                await self._close(session)
+                try:
+                    await self._close(session)
+                except Exception:
+                    log.exception("trajectory %s: its idle end failed", session.trajectory_id)
 
     async def close_all(self) -> None:
         """The worker is stopping: every open trajectory ends and is written."""
@@ -335,8 +339,8 @@ class Sessions:
         del self._open[key]
         self.ended += 1
         self._forget(_engine_key(session))
+        await self._write(session, final=True)  # first: the record does not wait on Redis
         await self._redis.delete(_owner_key(key))
-        await self._write(session, final=True)
 
     async def _write(self, session: Session, *, final: bool) -> None:
         """The link's record, unless it holds no turn or is private or kept from training."""
