@@ -275,26 +275,7 @@ def step(state: JoinState, event: Event, now_ms: int) -> tuple[JoinState, list[O
     if mark is not None:
         outputs.append(Duplicate(event) if event.event_id in mark.event_ids else Late(event))
     elif incomplete is not None:
-        if event.event_id in incomplete.event_ids:
-            outputs.append(Duplicate(event))
-        elif event.kind == "rollout":
-            if not _take_rollout(incomplete, event):
-                outputs.append(Duplicate(event))
-            elif incomplete.rollout is not None:
-                # Its window closed while it waited for this: it settles now.
-                del state.incomplete[rollout_id]
-                closed = (
-                    state.stream_time_ms
-                    >= incomplete.open_ts_ms + config.window_ms + config.grace_ms
-                )
-                trigger: SettleTrigger = "stream_time" if closed else "deadline"
-                outputs.append(_settled(incomplete, now_ms, trigger))
-                state.settled[rollout_id] = SettledMark(
-                    now_ms + state.config.settled_ttl_ms, incomplete.event_ids
-                )
-        else:
-            incomplete.events.append(event)
-            incomplete.event_ids.add(event.event_id)
+        outputs.extend(_into_incomplete(state, incomplete, event, now_ms))
     elif pending is None:
         seq = next(state.arrivals)
         pending = state.pending[rollout_id] = Pending(
@@ -323,6 +304,32 @@ def step(state: JoinState, event: Event, now_ms: int) -> tuple[JoinState, list[O
         pending.event_ids.add(event.event_id)
     outputs.extend(_settle_ready(state, now_ms))
     return state, outputs
+
+
+def _into_incomplete(
+    state: JoinState, incomplete: Pending, event: Event, now_ms: int
+) -> list[Output]:
+    """An event for a rollout whose window closed while it waited for its RolloutRecord
+    (or, for a chain, its final link and every one before it): it settles at once when
+    the record completes it."""
+    if event.event_id in incomplete.event_ids:
+        return [Duplicate(event)]
+    if event.kind != "rollout":
+        incomplete.events.append(event)
+        incomplete.event_ids.add(event.event_id)
+        return []
+    if not _take_rollout(incomplete, event):
+        return [Duplicate(event)]
+    if incomplete.rollout is None:
+        return []
+    config = state.config
+    del state.incomplete[event.rollout_id]
+    closed = state.stream_time_ms >= incomplete.open_ts_ms + config.window_ms + config.grace_ms
+    trigger: SettleTrigger = "stream_time" if closed else "deadline"
+    state.settled[event.rollout_id] = SettledMark(
+        now_ms + config.settled_ttl_ms, incomplete.event_ids
+    )
+    return [_settled(incomplete, now_ms, trigger)]
 
 
 def _refuse(state: JoinState, event: Event, now_ms: int) -> tuple[JoinState, list[Output]]:

@@ -19,13 +19,7 @@ FUNCTION_LINES = 60
 MODULE_LINES = 500
 MAX_LISTED_FUNCTIONS = 12
 
-LISTED_FUNCTIONS: dict[str, str] = {
-    "reward_stream/join.py:step": (
-        "the pure join's one transition: a table of event kinds against the rollout's "
-        "state, read top to bottom against its docstring and the case tables; split, the "
-        "order of its checks (late, duplicate, forged, settle) would hide across helpers"
-    ),
-}
+LISTED_FUNCTIONS: dict[str, str] = {}
 """``path:qualified name`` -> why it stays whole."""
 
 LISTED_MODULES: dict[str, str] = {
