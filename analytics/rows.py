@@ -17,7 +17,7 @@ from google.protobuf.message import DecodeError
 
 from rtrl import topics
 from rtrl.analytics import schema
-from rtrl.trajectory import Summary
+from rtrl.trajectory_summary import Summary
 from rtrl.v1 import reward_pb2, rollout_pb2, telemetry_pb2, trainer_pb2
 
 ARM_NAMES = {1: "control", 2: "treatment"}
@@ -74,11 +74,12 @@ COLUMNS: dict[str, tuple[str, ...]] = {
         "invalid_tool_calls",
         "parallel_turns",
         "tool_names",
-        "tool_valid",
         "prompt_tokens",
         "generated_tokens",
         "observed_tokens",
         "finish_reason",
+        "tool_name_calls",
+        "tool_name_invalid",
     ),
     schema.TELEMETRY: (
         "event_id",
@@ -289,7 +290,7 @@ def rollout_row(r: rollout_pb2.RolloutRecord) -> Row:
             summary.generated_tokens,
             r.latency_s,
             r.time_to_first_token_s,
-            len(summary.tool_calls),
+            summary.tool_call_count,
             summary.invalid_tool_calls,
             summary.prompt_text,
             summary.final_text,
@@ -301,14 +302,10 @@ def rollout_row(r: rollout_pb2.RolloutRecord) -> Row:
 
 
 def trajectory_row(r: rollout_pb2.RolloutRecord) -> Row:
-    """An agent's link: its turns, its tool calls by name and validity, the share of turns
-    that called tools in parallel, generated against observed tokens, versions spanned."""
+    """An agent's link: its turns, its tool calls by name and validity, the turns that
+    called tools in parallel, generated against observed tokens, versions spanned."""
     summary = Summary.of(r)
     low, high = version_range(summary)
-    calls = summary.tool_calls
-    per_turn: dict[int, int] = {}
-    for call in calls:
-        per_turn[call.turn] = per_turn.get(call.turn, 0) + 1
     link = summary.link
     assert link is not None  # convert_all asks for this row only for a linked record
     return Row(
@@ -326,15 +323,16 @@ def trajectory_row(r: rollout_pb2.RolloutRecord) -> Row:
             high,
             len(summary.version_tokens),
             summary.turns,
-            len(calls),
+            summary.tool_call_count,
             summary.invalid_tool_calls,
-            sum(n >= 2 for n in per_turn.values()),
-            [c.name for c in calls],
-            [int(c.valid) for c in calls],
+            summary.parallel_turns,
+            [c.name for c in summary.tool_counts],
             summary.prompt_tokens,
             summary.generated_tokens,
             summary.observed_tokens,
             summary.finish_reason,
+            [c.calls for c in summary.tool_counts],
+            [c.invalid for c in summary.tool_counts],
         ),
     )
 

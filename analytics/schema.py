@@ -89,6 +89,12 @@ ROLLOUT_VALUES = {
 # like the proto fields they hold.
 ADDED_COLUMNS: dict[str, tuple[tuple[str, str], ...]] = {
     ROLLOUTS: (("context_key", "String"),),
+    # tool_names became each name once (it was every call's, beside tool_valid, which is
+    # no longer written): a record whose bulk is out of band carries counts per name.
+    TRAJECTORY_LINKS: (
+        ("tool_name_calls", "Array(UInt32)"),
+        ("tool_name_invalid", "Array(UInt32)"),
+    ),
     TRAINER_STEPS: (
         ("mismatch_mean", "Float64"),
         ("mismatch_max", "Float64"),
@@ -247,7 +253,7 @@ CREATE TABLE IF NOT EXISTS {TRAJECTORY_LINKS} (
     prompt_tokens UInt32,
     generated_tokens UInt32,
     observed_tokens UInt32,
-    finish_reason LowCardinality(String)
+    finish_reason LowCardinality(String){_added(TRAJECTORY_LINKS)}
 ) ENGINE = ReplacingMergeTree ORDER BY (rollout_id, link_position)
 """,
 )

@@ -35,6 +35,11 @@ beginning with a fresh consumer group:
   instant. Only rollouts closed by later traffic count (open <= last live event
   - window - grace); the last ones close by the wall-clock deadline instead.
 
+Agent trajectories of 4k and 32k tokens go beside the single-turn load
+(bench/join_trajectories.py): as a worker writes them, their bulk out of band, joined
+in-process with every check on and every record delivered twice, with the joiner's memory
+per pending rollout and for a 10-minute window at the demo's rate.
+
 Join quality is reported, not assumed: per joiner run, rewards against rollouts
 (``exact_*``: missing, doubled) and the workers' counters (settled, defaulted, late,
 dropped, duplicates). A backlog is the hard case: a worker reads the four topics
@@ -62,7 +67,7 @@ from rich.progress import Progress
 from rich.table import Table
 
 from rtrl import kafka
-from rtrl.bench import report
+from rtrl.bench import join_trajectories, report
 from rtrl.bench.join_load import PARTITIONS, SENTINEL, produce_load, signing_keys
 from rtrl.bench.join_readers import (
     JoinCounts,
@@ -78,6 +83,7 @@ from rtrl.bench.join_readers import (
     throughput_round,
     two_workers,
 )
+from rtrl.bench.join_trajectories import TrajectoryLoad
 from rtrl.bench.report import code_version
 from rtrl.bench.stack import scratch_stack
 from rtrl.config import StackSettings
@@ -211,6 +217,9 @@ class JoinResult:
     """Live rollouts closed by later traffic: those p50/p99_settle_latency_s are over."""
     p50_settle_latency_s: float
     p99_settle_latency_s: float
+    trajectories: tuple[TrajectoryLoad, ...] = ()
+    """Agent trajectories of 4k and 32k tokens beside the single-turn rollout, joined
+    in-process as the service joins them (bench/join_trajectories.py)."""
 
 
 # Produced by _measure; read by _result.
@@ -234,6 +243,7 @@ class Measured:
     one: WorkersRun
     two: WorkersRun
     latencies: list[float]
+    trajectories: tuple[TrajectoryLoad, ...]
 
 
 def run(
@@ -244,6 +254,7 @@ def run(
     live_rollouts: int = 2_000,
     live_rate_per_s: float = 250.0,
     rounds: int = 3,
+    trajectory_rollouts: int = 500,
 ) -> JoinResult:
     signing_keys()
     join_settings = RewardStreamSettings()
@@ -258,7 +269,7 @@ def run(
     with tempfile.TemporaryDirectory(prefix="rtrl-bench-join-") as tmp:
         workdir = Path(tmp)
         with scratch_stack(workdir, kafka_partitions=PARTITIONS) as stack:
-            measured = _measure(stack, workdir, load, console, rounds)
+            measured = _measure(stack, workdir, load, console, rounds, trajectory_rollouts)
     result = _result(measured, load, join_settings, code)
     report.write(out, result)
     _print(result, out, console)
@@ -266,7 +277,12 @@ def run(
 
 
 def _measure(
-    stack: StackSettings, workdir: Path, load: Load, console: Console, rounds: int
+    stack: StackSettings,
+    workdir: Path,
+    load: Load,
+    console: Console,
+    rounds: int,
+    trajectory_rollouts: int,
 ) -> Measured:
     """Produce the load, then time each reader on it, the joiners last: the floor and one
     worker alternate for ``rounds`` rounds, the last worker kept up for the live rollouts."""
@@ -287,6 +303,8 @@ def _measure(
                     load.rollouts, load.spacing_ms, base_ms, checked=True
                 )
                 signatures = signature_costs()
+            with console.status("agent trajectories of 4k and 32k tokens, in-process"):
+                trajectories = join_trajectories.measure(trajectory_rollouts)
             raw = raw_consume(stack, events, progress)
             floors, earlier_ones = [], []
             for r in range(rounds):
@@ -315,6 +333,7 @@ def _measure(
         one=one,
         two=two,
         latencies=settle_latencies(one.rewards, opened, load.close_after_ms),
+        trajectories=trajectories,
     )
 
 
@@ -381,6 +400,7 @@ def _result(m: Measured, load: Load, join_settings: RewardStreamSettings, code: 
         latency_samples=len(m.latencies),
         p50_settle_latency_s=round(statistics.median(m.latencies), 4),
         p99_settle_latency_s=round(percentile(m.latencies, 0.99), 4),
+        trajectories=m.trajectories,
     )
 
 
@@ -425,6 +445,7 @@ def _print(r: JoinResult, out: Path, console: Console) -> None:
         f"signature and the joiner's MAC), {r.verify_us_per_rollout} us to check it (the joiner: "
         f"its MAC); checked/unchecked in-process {r.signed_vs_unsigned_inprocess}"
     )
+    _print_trajectories(r.trajectories, console)
     console.print(
         f"ratio_vs_floor {r.ratio_vs_floor:.2f} (target >= 0.6 with every check on), "
         f"scaleout_2_vs_1 {r.scaleout_2_vs_1:.2f} (target >= 1.6), "
@@ -432,3 +453,31 @@ def _print(r: JoinResult, out: Path, console: Console) -> None:
         f"p99 {r.p99_settle_latency_s * 1000:.0f} ms "
         f"over {r.latency_samples} live rollouts at {r.live_rate_per_s:g}/s"
     )
+
+
+def _print_trajectories(loads: tuple[TrajectoryLoad, ...], console: Console) -> None:
+    table = Table(
+        title="agent trajectories, joined in-process as the service joins them",
+        title_justify="left",
+    )
+    for column in (
+        "load",
+        "record B (whole)",
+        "reward B",
+        "events/s",
+        "missing/doubled",
+        "B per pending (whole)",
+        "10-min window",
+    ):
+        table.add_column(column, justify="right")
+    for t in loads:
+        table.add_row(
+            f"{t.tokens:,} tokens" if t.tokens else "single turn",
+            f"{t.record_bytes:,} ({t.whole_record_bytes:,})",
+            f"{t.reward_bytes:,}",
+            f"{t.events_per_s:,}",
+            f"{t.missing}/{t.doubled}",
+            f"{t.pending_bytes:,} ({t.pending_bytes_inline:,})",
+            f"{t.window_mb:,} MB",
+        )
+    console.print(table)

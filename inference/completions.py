@@ -381,8 +381,7 @@ class CompletionsApi:
                 finish_reason=turn.finish_reason,
                 tool_calls=calls,
             )
-        value = rollout_record(context, completion, trajectory).SerializeToString()
-        return self.publisher.fits(ask.rollout_id, value)
+        return await self.publisher.seal(rollout_record(context, completion, trajectory))
 
     def _answer(
         self,

@@ -64,6 +64,13 @@ class InferenceSettings(Settings, HTTPListener, TLSListener):
     """How long the gateway remembers which client a rollout was served to (telemetry from
     another client's key is refused; the joiner checks it regardless)."""
 
+    rollout_inline_bytes: int = Field(8 * 1024, ge=1024, le=8 << 20)
+    """A rollout record larger than this travels without its bulk (tokens, log-probs,
+    segments, texts, routes), which goes to the rollout bulk store first (rtrl/bulk.py;
+    RTRL_ROLLOUT_BULK_URL): the joiner then holds, and the reward copies, a record of about
+    the same size however long the trajectory. A single-turn completion of a dense model
+    stays well under it."""
+
     rollout_signing_key: SigningKey = SecretStr("")
     """The workers' Ed25519 private key for rollout records (base64url, rtrl/signing.py):
     every rollout is signed with it, for the readers that must not be able to forge one
@@ -86,6 +93,11 @@ class InferenceSettings(Settings, HTTPListener, TLSListener):
     trajectory_idle_s: float = Field(300.0, gt=0, le=24 * 3600)
     """An agent's trajectory with no turn for this long ends, and its record is written
     (inference/sessions.py); its next turn starts a new trajectory."""
+
+    trajectory_max_s: float = Field(3600.0, gt=0, le=7 * 24 * 3600)
+    """A trajectory ends this long after its first turn (at its next idle moment), and its
+    record is written: its telemetry may arrive before the record, and the joiner waits
+    RTRL_REWARD_MAX_WAIT_S for a record, which must cover this plus trajectory_idle_s."""
 
     trajectory_max_turns: int = Field(512, ge=1, le=100_000)
     """A trajectory ends after this many assistant turns."""

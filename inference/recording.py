@@ -6,8 +6,9 @@ one of three, each with its reason in its type:
   Private           privacy mode, or a user registered as private: nothing is written
   KeptFromTraining  served, not recorded, and the caller is told why (``not_recorded``):
                     an arm the caller chose (a caller that picks one would also pick what
-                    trains it), sampling outside the trained band, or a record too large
-                    for the broker to carry with the reward built on it
+                    trains it), sampling outside the trained band, or a record whose
+                    metadata alone is too large for the broker to carry with the reward
+                    built on it (a long record's bulk travels out of band)
 An agent's turn (InTrajectory) is decided with its trajectory's link, when that ends.
 
 Produced by the completions handler (inference/completions.py) once the completion is
@@ -16,16 +17,18 @@ generated; consumed by its publish and answer steps and by its request counters.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from dataclasses import dataclass
 
 import redis.asyncio as aioredis
 from opentelemetry import trace
 
-from rtrl import kafka, otel, signing, topics
+from rtrl import bulk, kafka, otel, signing, topics
 from rtrl.api_keys import PRIVATE_USERS, SERVED_PREFIX, ApiKey
 from rtrl.inference.api import RequestBody
 from rtrl.inference.config import InferenceSettings
+from rtrl.v1 import rollout_pb2
 
 log = logging.getLogger("inference")
 _tracer = trace.get_tracer("rtrl.inference")
@@ -89,38 +92,62 @@ def kept_from_training(
 
 
 class RolloutPublisher:
-    """Writes recorded rollouts: sealed for their readers (the workers' signature, the
-    joiner's MAC), traced as a child of the serving span, and acked by the broker before the
-    request is answered (so a product event never refers to an unknown rollout)."""
+    """Writes recorded rollouts: a long one's bulk out of band first (rtrl/bulk.py), then
+    the record, sealed for its readers (the workers' signature, the joiner's MAC), traced as
+    a child of the serving span, and acked by the broker before the request is answered (so
+    a product event never refers to an unknown rollout)."""
 
     def __init__(
         self,
         producer: kafka.AsyncProducer,
         signer: signing.Seal,
         redis: aioredis.Redis,
+        store: bulk.BulkStore,
         *,
         max_record_bytes: int,
+        inline_bytes: int,
         served_ttl_s: int,
     ) -> None:
         self.producer = producer
         self._signer = signer
         self._redis = redis
+        self._store = store
         self._max_rollout_bytes = kafka.max_rollout_bytes(max_record_bytes)
+        self._inline_bytes = inline_bytes
         self._served_ttl_s = served_ttl_s
+        self.out_of_band = 0
+        """Records written with their bulk in the store."""
 
-    def fits(self, rollout_id: str, value: bytes) -> Record | KeptFromTraining:
-        """``value`` as a Record, or kept from training if it is too large to write: the
-        reward built on it carries it, and must fit the broker's record limit too."""
+    async def seal(self, record: rollout_pb2.RolloutRecord) -> Record | KeptFromTraining:
+        """``record`` as it is written: whole up to the inline limit, else its bulk stored
+        first and the record naming it. Kept from training only when the bulk cannot be
+        stored, or what travels is still over the broker's limit (metadata alone: a
+        prompt group id, a context key), with room for the reward that carries it."""
+        value = record.SerializeToString()
         limit = self._max_rollout_bytes
-        if len(value) <= limit:
-            return Record(value)
-        log.warning(
-            "rollout %s served but not recorded: %d bytes, over %d", rollout_id, len(value), limit
-        )
-        return KeptFromTraining(
-            f"its rollout record is {len(value):,} bytes, over the {limit:,} that leave room "
-            f"for the reward carrying it (RTRL_KAFKA_MAX_RECORD_BYTES)"
-        )
+        blob = b""
+        if len(value) > min(self._inline_bytes, limit):
+            slim, blob = bulk.split(record)
+            value = slim.SerializeToString()
+        if len(value) > limit:
+            log.warning(
+                "rollout %s served but not recorded: %d bytes, over %d",
+                record.rollout_id,
+                len(value),
+                limit,
+            )
+            return KeptFromTraining(
+                f"its rollout record is {len(value):,} bytes without its bulk, over the "
+                f"{limit:,} that leave room for the reward carrying it (RTRL_KAFKA_MAX_RECORD_BYTES)"
+            )
+        if blob:
+            try:
+                await asyncio.to_thread(self._store.put, blob)
+            except OSError as exc:
+                log.exception("rollout %s: its bulk was not stored", record.rollout_id)
+                return KeptFromTraining(f"its bulk of {len(blob):,} bytes was not stored: {exc}")
+            self.out_of_band += 1
+        return Record(value)
 
     async def publish(
         self, rollout_id: str, record: Record, key: ApiKey | None, traceparent: str

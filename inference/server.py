@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import redis.asyncio as aioredis
 from aiohttp import web
 
-from rtrl import heartbeat, kafka, signing
+from rtrl import bulk, heartbeat, kafka, signing
 from rtrl.admission import Admission
 from rtrl.checkpoint import Checkpoint
 from rtrl.config import StackSettings
@@ -140,7 +140,9 @@ async def start(
             producer,
             signer,
             redis,
+            bulk.BulkStore(stack.resolved_rollout_bulk_dir()),
             max_record_bytes=stack.kafka_max_record_bytes,
+            inline_bytes=settings.rollout_inline_bytes,
             served_ttl_s=settings.served_ttl_s,
         ),
         redis=redis,

@@ -107,6 +107,7 @@ class Session:
     private: bool = False
     busy: bool = False
     last_used: float = field(default_factory=time.monotonic)
+    opened: float = field(default_factory=time.monotonic)
 
 
 @dataclass(frozen=True)
@@ -256,12 +257,18 @@ class Sessions:
         return session
 
     async def sweep(self) -> None:
-        """End idle trajectories, every second, until cancelled. A trajectory whose end
-        fails (Redis unreachable) is logged and the sweep goes on."""
+        """End idle trajectories, and those open for trajectory_max_s, every second, until
+        cancelled. A trajectory whose end fails (Redis unreachable) is logged and the sweep
+        goes on."""
         while True:
             await asyncio.sleep(1.0)
-            idle = time.monotonic() - self.settings.trajectory_idle_s
-            for session in [s for s in self._open.values() if s.last_used < idle and not s.busy]:
+            now = time.monotonic()
+            idle, old = now - self.settings.trajectory_idle_s, now - self.settings.trajectory_max_s
+            for session in [
+                s
+                for s in self._open.values()
+                if (s.last_used < idle or s.opened < old) and not s.busy
+            ]:
                 try:
                     await self._close(session)
                 except Exception:
@@ -370,15 +377,15 @@ class Sessions:
             traceparent=o.traceparent,
             client_id=o.client_id,
         )
-        value = trajectory_record(
+        record = trajectory_record(
             context,
             trajectory,
             arm=o.arm,
             params=session.params,
             latency_s=session.latency_s,
             ttft_s=session.ttft_s,
-        ).SerializeToString()
-        recording = self.publisher.fits(o.rollout_id, value)
+        )
+        recording = await self.publisher.seal(record)
         if isinstance(recording, Record):
             try:
                 await self.publisher.publish(o.rollout_id, recording, o.key, o.traceparent)

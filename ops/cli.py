@@ -269,9 +269,10 @@ def bench_join(
         min=1,
         help="Rounds of the faust floor and one worker, alternating; the best of each counts.",
     ),
+    trajectory_rollouts: int = typer.Option(500, help="Rollouts of each agent load (4k, 32k)."),
     out: Path = typer.Option(Path("bench/results/join.json")),
 ) -> None:
-    """Reward-join events/s against a bare faust agent and a raw consumer, 2 workers vs 1, settle latency."""
+    """Reward-join events/s against a faust floor, 2 workers vs 1, settle latency; 4k/32k agents."""
     from rtrl.bench.join import run
 
     run(
@@ -282,6 +283,7 @@ def bench_join(
         live_rollouts=live_rollouts,
         live_rate_per_s=live_rate,
         rounds=rounds,
+        trajectory_rollouts=trajectory_rollouts,
     )
 
 
@@ -316,6 +318,16 @@ def bench_trainer(
     from rtrl.bench.trainer import run
 
     run(out, console, batch_size=batch, steps=steps)
+
+
+@bench_app.command("trainer-memory")
+def bench_trainer_memory(
+    out: Path = typer.Option(Path("bench/results/trainer_memory.json")),
+) -> None:
+    """The trainer's peak memory on 4k and 32k-token trajectories, and what micro-batches save."""
+    from rtrl.bench.trainer_memory import run
+
+    run(out, console)
 
 
 @bench_app.command("ingest")

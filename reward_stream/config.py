@@ -27,8 +27,12 @@ class RewardStreamSettings(Settings):
     tick_interval_s: float = Field(0.25, gt=0, le=10)
     """How often the wall-clock deadline is checked."""
 
-    max_wait_s: float = Field(30.0, gt=0)
-    """How long to wait for a missing RolloutRecord before dropping the rollout."""
+    max_wait_s: float = Field(3960.0, gt=0)
+    """How long to wait for a missing RolloutRecord before dropping the rollout. An agent's
+    record is written when its trajectory ends, and the product's telemetry about it (an
+    edit shown at its third turn) may arrive long before: at least the workers'
+    RTRL_INFERENCE_TRAJECTORY_MAX_S plus RTRL_INFERENCE_TRAJECTORY_IDLE_S (3600 + 300 by
+    default) and a minute. A rollout waiting holds only its telemetry."""
 
     settled_ttl_s: float = Field(600.0, ge=0)
     """How long settled rollout ids are remembered to route late events to the .late topic."""

@@ -70,7 +70,7 @@ from dataclasses import dataclass, field
 from rtrl.heartbeat import RewardAlert as Alert
 from rtrl.heartbeat import RewardByVersion
 from rtrl.reward_stream.signals import has_code
-from rtrl.trajectory import Summary
+from rtrl.trajectory_summary import Summary
 from rtrl.v1 import reward_pb2, rollout_pb2
 
 RATES = ("edit", "clarifying_question", "broken_tool_call", "dissatisfied")

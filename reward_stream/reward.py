@@ -103,7 +103,7 @@ from rtrl.reward_stream.signals import (
     is_dissatisfied,
     persisted_fraction,
 )
-from rtrl.trajectory import Summary
+from rtrl.trajectory_summary import Summary
 from rtrl.v1 import reward_pb2, rollout_pb2, telemetry_pb2
 
 REWARD_FN_VERSION = "r3"
@@ -233,7 +233,7 @@ def components_r2(
         persisted_fraction=persisted,
         persistence_observed=snapshot is not None,
         dissatisfied=max(dissatisfaction(followups)) if followups else 0.0,
-        effort_penalty=effort_penalty_r2(summary.generated_tokens, len(summary.tool_calls)),
+        effort_penalty=effort_penalty_r2(summary.generated_tokens, summary.tool_call_count),
     )
 
 
@@ -279,10 +279,10 @@ def _user_components(
 ) -> reward_pb2.RewardComponents:
     """The components every version computes the same way, plus the ones each version
     computes its own way (the keyword arguments)."""
-    calls = summary.tool_calls
+    calls = summary.tool_call_count
     return reward_pb2.RewardComponents(
         followup_observed=bool(followups),
-        tool_call_validity=sum(call.valid for call in calls) / len(calls) if calls else 1.0,
+        tool_call_validity=1.0 - summary.invalid_tool_calls / calls if calls else 1.0,
         latency_s=rollout.latency_s,
         persisted_fraction=persisted_fraction,
         persistence_observed=persistence_observed,

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Annotated, Literal
+from urllib.parse import unquote, urlparse
 
 from pydantic import AfterValidator, Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -180,6 +181,11 @@ class StackSettings(Settings):
     state_dir: Path = Path(".rtrl")
     """Where the embedded stack keeps blobs, checkpoints, chdb data and logs."""
 
+    rollout_bulk_url: str = ""
+    """Where rollout records too large to travel inline keep their bulk (rtrl/bulk.py):
+    ``""`` for ``<state_dir>/rollout-bulk``, or ``file:///absolute/path`` (a directory every
+    inference worker writes and every trainer reads: a shared volume on a cluster)."""
+
     instance: str = "0"
     """Instance name of this process (several workers of one service differ here)."""
 
@@ -234,6 +240,26 @@ class StackSettings(Settings):
                 "needs kafka_sasl_username and kafka_sasl_password"
             )
         return self
+
+    @model_validator(mode="after")
+    def _rollout_bulk_is_a_directory(self) -> StackSettings:
+        url = urlparse(self.rollout_bulk_url)
+        if self.rollout_bulk_url and not (
+            url.scheme == "file"
+            and url.netloc in ("", "localhost")
+            and PurePosixPath(unquote(url.path)).is_absolute()
+            and not (url.params or url.query or url.fragment)
+        ):
+            raise ValueError(
+                f"rollout_bulk_url {self.rollout_bulk_url!r} must be '' "
+                "(<state_dir>/rollout-bulk) or file:///absolute/path"
+            )
+        return self
+
+    def resolved_rollout_bulk_dir(self) -> Path:
+        if not self.rollout_bulk_url:
+            return self.state_dir / "rollout-bulk"
+        return Path(unquote(urlparse(self.rollout_bulk_url).path))
 
     def resolved_clickhouse_url(self) -> str:
         return self.clickhouse_url or f"chdb://{(self.state_dir / 'chdb').resolve()}"

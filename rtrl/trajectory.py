@@ -15,9 +15,9 @@ Two readings of a record:
 
 * ``Trajectory.of``: strict, for what aligns tokens (the trainer): a record whose
   log-probs or version spans do not fit its tokens is refused (MalformedTrajectory).
-* ``Summary.of``: counts, texts, tool calls and the tokens each version sampled, read
-  from any record as it is (the reward, its monitors and the analytics sink store and
-  count what arrived, well-formed or not).
+* ``Summary.of`` (rtrl/trajectory_summary.py): counts, texts, tool calls and the tokens
+  each version sampled, read from any record as it is (the reward, its monitors and the
+  analytics sink store and count what arrived, well-formed or not).
 
 rtrl/trajectory_targets.py lays a trajectory out as one training row.
 """
@@ -195,6 +195,8 @@ class Trajectory:
         generated segment). Raises MalformedTrajectory when a generated run's log-probs are
         not one per token, or its version spans do not cover its tokens once each, in
         order, or the record holds both segments and a flat completion."""
+        if record.HasField("bulk"):
+            raise MalformedTrajectory("its bulk is out of band: inflate it first (rtrl/bulk.py)")
         if record.segments:
             return cls._of_segments(record)
         completion: tuple[int, ...] = tuple(record.completion_token_ids)
@@ -211,8 +213,8 @@ class Trajectory:
             final_text=str(record.completion_text),
             finish_reason=str(record.finish_reason),
             prompt_text=str(record.prompt_text),
-            tool_calls=_tool_calls(record),
-            link=_link(record),
+            tool_calls=tool_calls_of(record),
+            link=link_of(record),
         )
 
     @classmethod
@@ -223,10 +225,10 @@ class Trajectory:
             prompt_ids=tuple(record.prompt_token_ids),
             segments=tuple(_segment(s, i) for i, s in enumerate(record.segments)),
             final_text=str(record.completion_text),
-            tool_calls=_tool_calls(record),
+            tool_calls=tool_calls_of(record),
             prompt_text=str(record.prompt_text),
             finish_reason=str(record.finish_reason),
-            link=_link(record),
+            link=link_of(record),
         )
 
     def write(self, record: rollout_pb2.RolloutRecord) -> None:
@@ -305,23 +307,6 @@ class Trajectory:
         """Runs of equal versions over the generated tokens, indexed among them."""
         return version_spans(self.generated_versions)
 
-    def summary(self) -> Summary:
-        counts: dict[int, int] = {}
-        for version in self.generated_versions:
-            counts[version] = counts.get(version, 0) + 1
-        return Summary(
-            prompt_tokens=len(self.prompt_ids),
-            generated_tokens=len(self.generated_ids),
-            version_tokens=tuple(counts.items()),
-            tool_calls=self.tool_calls,
-            final_text=self.final_text,
-            prompt_text=self.prompt_text,
-            finish_reason=self.finish_reason,
-            observed_tokens=self.observed_tokens,
-            turns=len(self.generated),
-            link=self.link,
-        )
-
 
 def _joined(parts: list[tuple[_Value, ...]]) -> tuple[_Value, ...]:
     # One segment (every record today) is returned as it is: no copy per token.
@@ -343,7 +328,7 @@ def _tiled_versions(spans: Iterable[rollout_pb2.VersionSpan], tokens: int) -> tu
     return tuple(versions)
 
 
-def _tool_calls(record: rollout_pb2.RolloutRecord) -> tuple[ToolCall, ...]:
+def tool_calls_of(record: rollout_pb2.RolloutRecord) -> tuple[ToolCall, ...]:
     return tuple(
         ToolCall(
             str(c.name), str(c.arguments_json), bool(c.valid), str(c.error), str(c.id), int(c.turn)
@@ -403,7 +388,7 @@ def _wire_spans(spans: Iterable[VersionSpan]) -> list[rollout_pb2.VersionSpan]:
     ]
 
 
-def _link(record: rollout_pb2.RolloutRecord) -> Link | None:
+def link_of(record: rollout_pb2.RolloutRecord) -> Link | None:
     if not record.HasField("link"):
         return None
     reason = _REASONS.get(record.link.reason)
@@ -412,73 +397,3 @@ def _link(record: rollout_pb2.RolloutRecord) -> Link | None:
     return Link(
         str(record.link.trajectory_id), int(record.link.position), bool(record.link.final), reason
     )
-
-
-# Produced by Summary.of (or Trajectory.summary); consumed by the reward functions,
-# the reward-hacking monitors and the analytics sink's rows.
-@dataclass(frozen=True)
-class Summary:
-    """What is counted of a rollout, read from any record (well-formed or not)."""
-
-    prompt_tokens: int
-    generated_tokens: int
-    version_tokens: tuple[tuple[int, int], ...]
-    """(version, generated tokens it sampled), each version once, in the order first seen;
-    a record's version span that covers no token still names its version."""
-    tool_calls: tuple[ToolCall, ...]
-    final_text: str
-    prompt_text: str
-    finish_reason: str
-    observed_tokens: int = 0
-    """Tokens between the turns that the policy did not write (tool output, user messages)."""
-    turns: int = 1
-    """Assistant turns (generated runs): 1 for a single-turn completion, 0 for an empty one."""
-    link: Link | None = None
-
-    @classmethod
-    def of(cls, record: rollout_pb2.RolloutRecord) -> Summary:
-        counts: dict[int, int] = {}
-        generated = observed = turns = 0
-        runs = [s for s in record.segments if s.kind == rollout_pb2.Segment.KIND_GENERATED]
-        for spans in [record.version_spans, *(s.version_spans for s in runs)]:
-            for span in spans:
-                version = int(span.policy_version)
-                counts[version] = counts.get(version, 0) + int(span.end) - int(span.start)
-        if record.segments:
-            generated = sum(len(s.token_ids) for s in runs)
-            observed = sum(len(s.token_ids) for s in record.segments) - generated
-            turns = len(runs)
-        else:
-            generated = len(record.completion_token_ids)
-            turns = 1 if generated else 0
-        try:
-            link = _link(record)
-        except MalformedTrajectory:
-            link = None  # counted as it arrived: a link this version cannot read is no link
-        return cls(
-            prompt_tokens=len(record.prompt_token_ids),
-            generated_tokens=generated,
-            version_tokens=tuple(counts.items()),
-            tool_calls=_tool_calls(record),
-            final_text=str(record.completion_text),
-            prompt_text=str(record.prompt_text),
-            finish_reason=str(record.finish_reason),
-            observed_tokens=observed,
-            turns=turns,
-            link=link,
-        )
-
-    @property
-    def invalid_tool_calls(self) -> int:
-        return sum(not call.valid for call in self.tool_calls)
-
-    def version_range(self) -> tuple[int, int] | None:
-        """(oldest, newest) version that sampled the rollout; None when none is named."""
-        versions = [version for version, _ in self.version_tokens]
-        return (min(versions), max(versions)) if versions else None
-
-    def majority_version(self) -> int | None:
-        """The version that sampled most tokens (the newer one on a tie); None without one."""
-        if not self.version_tokens:
-            return None
-        return max(self.version_tokens, key=lambda pair: (pair[1], pair[0]))[0]

@@ -16,7 +16,8 @@ import torch
 
 from rtrl.moe import unpack_routes
 from rtrl.policy import PAD, VOCAB_SIZE
-from rtrl.trajectory import MalformedTrajectory, Segment, Summary, Trajectory
+from rtrl.trajectory import MalformedTrajectory, Segment, Trajectory
+from rtrl.trajectory_summary import Summary
 from rtrl.trajectory_targets import TargetAlignment, targets
 from rtrl.v1 import common_pb2, reward_pb2, rollout_pb2
 
@@ -34,6 +35,8 @@ class Drop(enum.StrEnum):
     SHED = "shed"  # the trainer was behind and fresher rollouts took its place (when_behind=shed)
     UNSIGNED = "unsigned"  # no joiner's signature: not written by the joiner (dead-lettered)
     FORGED = "forged"  # a signature that does not verify, or by an unknown key (dead-lettered)
+    BULK_UNAVAILABLE = "bulk_unavailable"  # its bulk is not in the rollout store (rtrl/bulk.py)
+    BULK_CORRUPT = "bulk_corrupt"  # the stored bulk is not the one its record names
 
 
 # Produced by to_sample from a consumed RewardRecord; consumed by collate.
@@ -238,6 +241,50 @@ class TrainBatch:
     router_choices: torch.Tensor | None = None
     """[B, L, layers, top_k] experts the sampler chose at each position, replayed by the
     trainer's forwards (trainer/router_replay.py); None: re-routed."""
+
+    def select(self, rows: Sequence[int], width: int | None = None) -> TrainBatch:
+        """The batch's ``rows`` alone, cut to the first ``width`` positions (by default all):
+        what token_logprobs reads of a micro-batch."""
+        index = torch.tensor(list(rows), dtype=torch.long)
+        end = self.input_ids.shape[1] if width is None else width
+        routes = self.router_choices
+        return dataclasses.replace(
+            self,
+            input_ids=self.input_ids[index, :end],
+            target_mask=self.target_mask[index, : end - 1],
+            behaviour_logprobs=self.behaviour_logprobs[index, : end - 1],
+            temperature=self.temperature[index],
+            rewards=tuple(self.rewards[i] for i in rows),
+            groups=tuple(self.groups[i] for i in rows),
+            advantages=None if self.advantages is None else tuple(self.advantages[i] for i in rows),
+            router_choices=None if routes is None else routes[index, :end],
+        )
+
+    def scored_widths(self) -> list[int]:
+        """Each row's positions up to its last scored target (the rest reaches no loss
+        under causal attention): at least 1."""
+        scored = self.target_mask > 0
+        last = torch.where(
+            scored.any(dim=1),
+            scored.shape[1] - 1 - scored.flip(1).int().argmax(dim=1),
+            torch.full((scored.shape[0],), -1),
+        )
+        return [int(v) + 2 for v in last.tolist()]
+
+
+def micro_batches(batch: TrainBatch, token_budget: int) -> list[tuple[list[int], int]]:
+    """The batch's rows in groups whose padded positions (rows × the group's widest row)
+    stay within ``token_budget``: (rows, width) each, longest rows first. A row wider than
+    the budget is a group of its own, so memory is bounded by the longest rollout, not by
+    the batch."""
+    widths = batch.scored_widths()
+    groups: list[tuple[list[int], int]] = []
+    for row in sorted(range(len(widths)), key=lambda i: -widths[i]):
+        if groups and (len(groups[-1][0]) + 1) * groups[-1][1] <= token_budget:
+            groups[-1][0].append(row)
+        else:
+            groups.append(([row], widths[row]))
+    return [(sorted(rows), width) for rows, width in groups]
 
 
 def alignments(samples: Sequence[TrainSample]) -> list[TargetAlignment]:

@@ -27,6 +27,13 @@ class TrainerSettings(Settings):
     batch_size: int = Field(64, ge=1, le=4096)
     """Rollouts per step when traffic is plentiful."""
 
+    micro_batch_tokens: int = Field(32768, ge=256)
+    """Most padded positions in one forward and backward: a step's batch is split into
+    micro-batches of at most this many (its longest rollouts first; one longer than this
+    is a micro-batch of its own) and their gradients added up, the same step as one forward
+    would take. It bounds the activations and logits a step holds: a batch of long agent
+    trajectories trains in the memory of its longest one (a one-process trainer)."""
+
     steps_per_candidate: int = Field(1, ge=1, le=64)
     """Most optimizer steps, of at most batch_size rollouts each, in one candidate. The eval gate judges and
     weight_sync ships once per candidate, so when more than a batch is pending (traffic outran the trainer)

@@ -90,19 +90,6 @@ def row_range(rows: int, world: World) -> tuple[int, int]:
     return start, start + base + (world.rank < extra)
 
 
-def slice_rows(batch: TrainBatch, start: int, stop: int) -> TrainBatch:
-    return TrainBatch(
-        input_ids=batch.input_ids[start:stop],
-        target_mask=batch.target_mask[start:stop],
-        behaviour_logprobs=batch.behaviour_logprobs[start:stop],
-        temperature=batch.temperature[start:stop],
-        rewards=batch.rewards[start:stop],
-        groups=batch.groups[start:stop],
-        advantages=None if batch.advantages is None else batch.advantages[start:stop],
-        router_choices=None if batch.router_choices is None else batch.router_choices[start:stop],
-    )
-
-
 def broadcast_batch(batch: TrainBatch | None, world: World) -> TrainBatch:
     """Rank 0's batch on every rank (the others pass None)."""
     box = [batch if world.rank == 0 else None]
@@ -142,7 +129,7 @@ def local_rows(batch: TrainBatch, world: World, device: torch.device) -> LocalRo
     tokens = batch.target_mask[start:stop].sum().item()
     if tokens == 0:
         start, stop = 0, 1
-    rows = slice_rows(batch, start, stop)
+    rows = batch.select(range(start, stop))
     rows = dataclasses.replace(
         rows,
         input_ids=rows.input_ids.to(device),

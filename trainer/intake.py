@@ -25,7 +25,7 @@ from dataclasses import dataclass, replace
 from confluent_kafka import KafkaError, KafkaException, TopicPartition
 from google.protobuf.message import DecodeError
 
-from rtrl import otel, signing
+from rtrl import bulk, otel, signing
 from rtrl.checkpoint import Checkpoint
 from rtrl.trainer.batch import Drop, SeenRollouts, TrainSample, drop_stale, shed_oldest, to_sample
 from rtrl.trainer.config import TrainerSettings
@@ -65,8 +65,11 @@ class Intake:
         policy: Checkpoint,
         context_of: Callable[[rollout_pb2.RolloutRecord], str] | None,
         dead_letter: Callable[[object, str], None] | None = None,
+        bulk_store: bulk.BulkStore | None = None,
     ) -> None:
         self.settings = settings
+        self.bulk_store = bulk_store
+        """Where a long rollout's bulk is read (rtrl/bulk.py); None: such rollouts are dropped."""
         # Refuses to build without a key: a trainer that cannot check rewards trains on none.
         self.verifier = signing.MacVerifier(
             signing.parse_mac_keys(settings.reward_mac_keys.get_secret_value()),
@@ -191,6 +194,11 @@ class Intake:
             record = reward_pb2.RewardRecord.FromString(message.value())
         except DecodeError:
             return Drop.MALFORMED
+        if record.rollout.HasField("bulk"):
+            inflated = self._inflated(record.rollout)
+            if isinstance(inflated, Drop):
+                return inflated
+            record.rollout.CopyFrom(inflated)
         sample = to_sample(
             record,
             self.policy.max_positions,
@@ -200,6 +208,20 @@ class Intake:
         if isinstance(sample, TrainSample) and not self.seen.admit(sample.rollout_id):
             return Drop.DUPLICATE
         return sample
+
+    def _inflated(self, rollout: rollout_pb2.RolloutRecord) -> rollout_pb2.RolloutRecord | Drop:
+        """The rollout with its bulk read back from the store, or why not: gone from the
+        store, or not the bulk the (verified) record names."""
+        if self.bulk_store is None:
+            return Drop.BULK_UNAVAILABLE
+        try:
+            return bulk.inflate(rollout, self.bulk_store)
+        except bulk.BulkUnavailable as exc:
+            log.warning("not trained on: %s", exc)
+            return Drop.BULK_UNAVAILABLE
+        except bulk.BulkCorrupt as exc:
+            log.error("not trained on: %s", exc)
+            return Drop.BULK_CORRUPT
 
     def due(self, now: float) -> bool:
         """Whether pending makes a candidate: a full batch, or min_batch waited on max_wait_s."""

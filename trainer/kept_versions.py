@@ -15,7 +15,6 @@ that the version sampled: a sample of the batch, an eighth of it at the demo's 6
 
 from __future__ import annotations
 
-import dataclasses
 from collections import OrderedDict
 from collections.abc import Callable
 
@@ -86,7 +85,7 @@ class KeptVersions:
             return Mismatch()
         _, version = max(candidates)
         rows = (token_versions == version).any(dim=1).nonzero()[:, 0][: self.max_rows]
-        sub = _rows(batch, rows)
+        sub = batch.select(rows.tolist())
         model = self._model_with(version, self._weights[version])
         with torch.no_grad(), replaying(sub, (model,), enabled=self._router_replay):
             logp, _ = token_logprobs(model, sub)
@@ -103,20 +102,3 @@ class KeptVersions:
             load_weights(self._model, weights)
             self._loaded = version
         return self._model
-
-
-def _rows(batch: TrainBatch, rows: torch.Tensor) -> TrainBatch:
-    """The batch's ``rows`` alone, as token_logprobs reads a batch."""
-    picked = rows.tolist()
-    routes = batch.router_choices
-    return dataclasses.replace(
-        batch,
-        input_ids=batch.input_ids[rows],
-        target_mask=batch.target_mask[rows],
-        behaviour_logprobs=batch.behaviour_logprobs[rows],
-        temperature=batch.temperature[rows],
-        rewards=tuple(batch.rewards[i] for i in picked),
-        groups=tuple(batch.groups[i] for i in picked),
-        advantages=None if batch.advantages is None else tuple(batch.advantages[i] for i in picked),
-        router_choices=None if routes is None else routes[rows],
-    )

@@ -22,7 +22,6 @@ from rtrl.policy import load_weights, state_dict_fp32
 from rtrl.trainer.batch import TrainBatch
 from rtrl.trainer.config import TrainerSettings
 from rtrl.trainer.mismatch import Probe
-from rtrl.trainer.router_replay import replaying
 from rtrl.trainer.step import StepMetrics, build_optimizer, rl_step
 
 if TYPE_CHECKING:
@@ -46,18 +45,19 @@ class LocalLearner:
     def step(self, batch: TrainBatch, probe: Probe | None = None) -> StepMetrics:
         """probe: what the train–inference mismatch is measured on (trainer.mismatch)."""
         s = self.settings
-        with replaying(batch, (self.model, self.ref_model), enabled=s.router_replay):
-            return rl_step(
-                self.model,
-                self.optimizer,
-                batch,
-                ref_model=self.ref_model,
-                is_cap=s.is_cap,
-                kl_coef=s.kl_coef,
-                grad_clip=s.grad_clip,
-                std_normalize=s.std_normalize,
-                probe=probe,
-            )
+        return rl_step(
+            self.model,
+            self.optimizer,
+            batch,
+            ref_model=self.ref_model,
+            is_cap=s.is_cap,
+            kl_coef=s.kl_coef,
+            grad_clip=s.grad_clip,
+            std_normalize=s.std_normalize,
+            probe=probe,
+            token_budget=s.micro_batch_tokens,
+            router_replay=s.router_replay,
+        )
 
     def weights(self) -> dict[str, torch.Tensor]:
         return state_dict_fp32(self.model)

@@ -38,7 +38,7 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel
 
-from rtrl import otel
+from rtrl import bulk, otel
 from rtrl.checkpoint import Checkpoint
 from rtrl.heartbeat import TrainerBeat
 from rtrl.policy import PolicyConfig, state_dict_fp32
@@ -78,9 +78,11 @@ class Trainer:
         on_step: Callable[[trainer_pb2.TrainerStep, int], None] | None = None,
         world: World | None = None,
         dead_letter: Callable[[object, str], None] | None = None,
+        bulk_store: bulk.BulkStore | None = None,
     ) -> None:
         """dead_letter: where refused records go, with the reason (the reward DLQ); None:
-        counted only. on_step: where each judged candidate's step record goes."""
+        counted only. on_step: where each judged candidate's step record goes. bulk_store:
+        where long rollouts' bulk is read (by default ``<state_dir>/rollout-bulk``)."""
         self.settings = settings
         self.state_dir = Path(state_dir)
         self.checkpoint_dir = self.state_dir / "trainer"
@@ -93,7 +95,14 @@ class Trainer:
         """The policy's checkpoint (its tokenizer, its shape); start() opens the one it loads."""
         self.world = world
         self.baseline = baseline_for(settings)
-        self.intake = Intake(settings, consumer, self.policy, self.baseline.context_of, dead_letter)
+        self.intake = Intake(
+            settings,
+            consumer,
+            self.policy,
+            self.baseline.context_of,
+            dead_letter,
+            bulk_store or bulk.BulkStore(self.state_dir / "rollout-bulk"),
+        )
         self.reporter = Reporter(settings, on_step)
         self.journal = Journal(self.checkpoint_dir)
         self.step = 0

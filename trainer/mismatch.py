@@ -12,6 +12,7 @@ reports ``tokens == 0`` instead of a number.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -47,6 +48,13 @@ class Probe:
     optimizer step has moved them past every published version."""
     threshold: float
     """|Δ log p| above which a token counts as over (TrainerSettings.mismatch_threshold)."""
+
+    def select(self, rows: Sequence[int], width: int) -> Probe:
+        """The probe of a micro-batch: ``rows``, their targets cut to ``width`` positions."""
+        versions = self.token_versions[torch.tensor(list(rows), dtype=torch.long)]
+        if versions.shape[1] > 1:
+            versions = versions[:, : width - 1]
+        return dataclasses.replace(self, token_versions=versions)
 
 
 def measure(

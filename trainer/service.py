@@ -23,7 +23,7 @@ import torch
 from confluent_kafka import Consumer, Producer
 from opentelemetry import metrics
 
-from rtrl import otel, signing
+from rtrl import bulk, otel, signing
 from rtrl.checkpoint import Checkpoint
 from rtrl.config import StackSettings
 from rtrl.heartbeat import beat_forever
@@ -127,6 +127,7 @@ async def serve(
         on_step=exporter,
         world=world,
         dead_letter=exporter.dead_letter,
+        bulk_store=bulk.BulkStore(stack.resolved_rollout_bulk_dir()),
     )
     otel.observe_lag(
         metrics.get_meter("rtrl.trainer"), settings.consumer_group, trainer.intake.lag.readings

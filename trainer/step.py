@@ -8,9 +8,10 @@ from dataclasses import dataclass
 
 import torch
 
-from rtrl.trainer.batch import TrainBatch
+from rtrl.trainer.batch import TrainBatch, micro_batches
 from rtrl.trainer.mismatch import Mismatch, Probe, measure, merge
-from rtrl.trainer.objective import leave_one_out_advantages, policy_gradient_loss
+from rtrl.trainer.objective import LossTerms, leave_one_out_advantages, policy_gradient_loss
+from rtrl.trainer.router_replay import replaying
 
 
 def token_logprobs(model: torch.nn.Module, batch: TrainBatch) -> tuple[torch.Tensor, torch.Tensor]:
@@ -89,49 +90,116 @@ def rl_step(
     grad_clip: float = 1.0,
     std_normalize: bool = False,
     probe: Probe | None = None,
+    token_budget: int | None = None,
+    router_replay: bool = True,
 ) -> StepMetrics:
-    """probe: the versions that sampled the batch and the one the model holds; without it
-    no mismatch is measured."""
+    """One optimizer step on the batch, its gradient accumulated over micro-batches of at
+    most ``token_budget`` padded positions each (micro_batches; None: one forward over the
+    whole batch). Each micro-batch's loss is its share of the whole batch's token sum, so
+    the step is the same whatever the budget. probe: the versions that sampled the batch
+    and the one the model holds; without it no mismatch is measured. router_replay: a MoE
+    policy's forwards take the experts its sampler chose (trainer/router_replay.py)."""
     advantages = torch.tensor(
         leave_one_out_advantages(batch.rewards, batch.groups, std_normalize=std_normalize)
         if batch.advantages is None
         else batch.advantages
     )
+    total = batch.target_mask.sum().item()
+    if total == 0:
+        raise ValueError("no completion tokens in the batch")
+    model.train()
+    optimizer.zero_grad(set_to_none=True)
+    loss, sums, gaps = _accumulate(
+        model,
+        batch,
+        advantages,
+        ref_model,
+        probe,
+        token_budget or batch.input_ids.numel(),
+        is_cap=is_cap,
+        kl_coef=kl_coef,
+        router_replay=router_replay,
+    )
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+    optimizer.step()
+    model.eval()
+    kl, clipped, ratio, entropy = sums.tolist()
+    return StepMetrics(
+        loss=loss,
+        kl=kl,
+        entropy=entropy,
+        grad_norm=float(grad_norm),
+        reward_mean=sum(batch.rewards) / len(batch.rewards),
+        advantage_abs_mean=advantages.abs().mean().item(),
+        clipped_fraction=clipped,
+        ratio_mean=ratio,
+        rollouts=len(batch.rewards),
+        tokens=int(total),
+        mismatch=merge(gaps),
+    )
+
+
+def _accumulate(
+    model: torch.nn.Module,
+    batch: TrainBatch,
+    advantages: torch.Tensor,
+    ref_model: torch.nn.Module | None,
+    probe: Probe | None,
+    budget: int,
+    *,
+    is_cap: float,
+    kl_coef: float,
+    router_replay: bool,
+) -> tuple[float, torch.Tensor, list[Mismatch]]:
+    """Each micro-batch's forward and backward, its loss scaled to its share of the batch's
+    tokens: (the batch's loss; its token means of kl, clipped share, ratio and entropy; each
+    micro-batch's mismatch)."""
+    total = batch.target_mask.sum().item()
+    sums = torch.zeros(4, dtype=torch.float64)
+    loss, gaps = 0.0, []
+    for rows, width in micro_batches(batch, budget):
+        part = batch.select(rows, width)
+        share = part.target_mask.sum().item() / total
+        if share == 0:
+            continue
+        with replaying(part, (model, ref_model), enabled=router_replay):
+            terms, entropy, logp = _micro_objective(
+                model, part, advantages[rows], ref_model, is_cap=is_cap, kl_coef=kl_coef
+            )
+            (terms.loss * share).backward()
+        loss += terms.loss.item() * share
+        means = [terms.kl, terms.clipped_fraction, terms.ratio_mean, entropy]
+        sums += torch.tensor(means, dtype=torch.float64) * share
+        gaps.append(measure_probe(logp, part, None if probe is None else probe.select(rows, width)))
+    return loss, sums, gaps
+
+
+def _micro_objective(
+    model: torch.nn.Module,
+    part: TrainBatch,
+    advantages: torch.Tensor,
+    ref_model: torch.nn.Module | None,
+    *,
+    is_cap: float,
+    kl_coef: float,
+) -> tuple[LossTerms, float, torch.Tensor]:
+    """A micro-batch's loss terms (its own token mean), its token-mean entropy, its log-probs."""
     ref_logp = None
     if ref_model is not None:
         with torch.no_grad():
-            ref_logp, _ = token_logprobs(ref_model, batch)
-    model.train()
-    logp, entropy = token_logprobs(model, batch)
+            ref_logp, _ = token_logprobs(ref_model, part)
+    logp, entropy = token_logprobs(model, part)
     terms = policy_gradient_loss(
         logp,
-        batch.behaviour_logprobs,
+        part.behaviour_logprobs,
         advantages,
-        batch.target_mask,
+        part.target_mask,
         ref_logp=ref_logp,
         is_cap=is_cap,
         kl_coef=kl_coef,
     )
-    gap = measure_probe(logp, batch, probe)
-    optimizer.zero_grad(set_to_none=True)
-    terms.loss.backward()
-    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
-    optimizer.step()
-    model.eval()
-    mask = batch.target_mask
-    return StepMetrics(
-        loss=terms.loss.item(),
-        kl=terms.kl,
-        entropy=((entropy * mask).sum() / mask.sum()).item(),
-        grad_norm=float(grad_norm),
-        reward_mean=sum(batch.rewards) / len(batch.rewards),
-        advantage_abs_mean=advantages.abs().mean().item(),
-        clipped_fraction=terms.clipped_fraction,
-        ratio_mean=terms.ratio_mean,
-        rollouts=len(batch.rewards),
-        tokens=terms.tokens,
-        mismatch=gap,
-    )
+    mask = part.target_mask
+    return terms, ((entropy * mask).sum() / mask.sum()).item(), logp
 
 
 def measure_probe(logp: torch.Tensor, batch: TrainBatch, probe: Probe | None) -> Mismatch:

@@ -12,15 +12,14 @@ gone, so a collected or lost blob takes the same repair path on either store.
 
 from __future__ import annotations
 
-import os
 import re
-import tempfile
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import unquote, urlparse
 
 from rtrl.config import StackSettings
+from rtrl.durable import write_durably
 from rtrl.weight_sync.config import WeightSyncSettings
 
 # Arm names become directory names and key segments: no separators, no leading dot.
@@ -145,11 +144,11 @@ class LocalBlobStore(BlobStore):
 
     def write(self, arm: str, version: int, blob: bytes) -> str:
         final = self.path(arm, version)
-        _write_durably(final, blob)
+        write_durably(final, blob)
         return final.as_uri()
 
     def write_manifest(self, arm: str, version: int, manifest: bytes) -> None:
-        _write_durably(self.root / manifest_name(arm, version), manifest)
+        write_durably(self.root / manifest_name(arm, version), manifest)
 
     def read_manifest(self, arm: str, version: int) -> bytes:
         return (self.root / manifest_name(arm, version)).read_bytes()
@@ -190,27 +189,6 @@ class LocalBlobStore(BlobStore):
             raise ValueError(f"blob URI {blob_uri!r} points outside the store at {self.root}")
         parse_blob_name(path.relative_to(self.root).as_posix(), blob_uri)
         return path
-
-
-def _write_durably(final: Path, data: bytes) -> None:
-    """Write to a temporary file, fsync, rename into place and fsync the directory, so
-    the file is whole or absent for readers and survives a power cut once this returns."""
-    final.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=final.parent, prefix=f".{final.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as out:
-            out.write(data)
-            out.flush()
-            os.fsync(out.fileno())
-        os.replace(tmp, final)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    directory = os.open(final.parent, os.O_RDONLY)
-    try:
-        os.fsync(directory)
-    finally:
-        os.close(directory)
 
 
 def open_store(settings: WeightSyncSettings, stack: StackSettings) -> BlobStore:

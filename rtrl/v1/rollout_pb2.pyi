@@ -100,8 +100,48 @@ class RouterChoices(_message.Message):
     expert_ids: bytes
     def __init__(self, layers: _Optional[int] = ..., top_k: _Optional[int] = ..., num_experts: _Optional[int] = ..., expert_ids: _Optional[bytes] = ...) -> None: ...
 
+class VersionTokens(_message.Message):
+    __slots__ = ("policy_version", "tokens")
+    POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    policy_version: int
+    tokens: int
+    def __init__(self, policy_version: _Optional[int] = ..., tokens: _Optional[int] = ...) -> None: ...
+
+class ToolCounts(_message.Message):
+    __slots__ = ("name", "calls", "invalid")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    CALLS_FIELD_NUMBER: _ClassVar[int]
+    INVALID_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    calls: int
+    invalid: int
+    def __init__(self, name: _Optional[str] = ..., calls: _Optional[int] = ..., invalid: _Optional[int] = ...) -> None: ...
+
+class Bulk(_message.Message):
+    __slots__ = ("checksum", "size", "prompt_tokens", "generated_tokens", "observed_tokens", "turns", "version_tokens", "tool_calls", "parallel_turns")
+    CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    GENERATED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    OBSERVED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TURNS_FIELD_NUMBER: _ClassVar[int]
+    VERSION_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TOOL_CALLS_FIELD_NUMBER: _ClassVar[int]
+    PARALLEL_TURNS_FIELD_NUMBER: _ClassVar[int]
+    checksum: str
+    size: int
+    prompt_tokens: int
+    generated_tokens: int
+    observed_tokens: int
+    turns: int
+    version_tokens: _containers.RepeatedCompositeFieldContainer[VersionTokens]
+    tool_calls: _containers.RepeatedCompositeFieldContainer[ToolCounts]
+    parallel_turns: int
+    def __init__(self, checksum: _Optional[str] = ..., size: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., observed_tokens: _Optional[int] = ..., turns: _Optional[int] = ..., version_tokens: _Optional[_Iterable[_Union[VersionTokens, _Mapping]]] = ..., tool_calls: _Optional[_Iterable[_Union[ToolCounts, _Mapping]]] = ..., parallel_turns: _Optional[int] = ...) -> None: ...
+
 class RolloutRecord(_message.Message):
-    __slots__ = ("event_id", "rollout_id", "session_id", "client_ts_ms", "schema_version", "user_id", "worker_id", "arm", "model_name", "prompt_group_id", "prompt_token_ids", "completion_token_ids", "completion_logprobs", "version_spans", "sampling", "latency_s", "time_to_first_token_s", "tool_calls", "prompt_text", "completion_text", "finish_reason", "traceparent", "client_id", "router_choices", "context_key", "segments", "link")
+    __slots__ = ("event_id", "rollout_id", "session_id", "client_ts_ms", "schema_version", "user_id", "worker_id", "arm", "model_name", "prompt_group_id", "prompt_token_ids", "completion_token_ids", "completion_logprobs", "version_spans", "sampling", "latency_s", "time_to_first_token_s", "tool_calls", "prompt_text", "completion_text", "finish_reason", "traceparent", "client_id", "router_choices", "context_key", "segments", "link", "bulk")
     EVENT_ID_FIELD_NUMBER: _ClassVar[int]
     ROLLOUT_ID_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
@@ -129,6 +169,7 @@ class RolloutRecord(_message.Message):
     CONTEXT_KEY_FIELD_NUMBER: _ClassVar[int]
     SEGMENTS_FIELD_NUMBER: _ClassVar[int]
     LINK_FIELD_NUMBER: _ClassVar[int]
+    BULK_FIELD_NUMBER: _ClassVar[int]
     event_id: str
     rollout_id: str
     session_id: str
@@ -156,4 +197,5 @@ class RolloutRecord(_message.Message):
     context_key: str
     segments: _containers.RepeatedCompositeFieldContainer[Segment]
     link: TrajectoryLink
-    def __init__(self, event_id: _Optional[str] = ..., rollout_id: _Optional[str] = ..., session_id: _Optional[str] = ..., client_ts_ms: _Optional[int] = ..., schema_version: _Optional[int] = ..., user_id: _Optional[str] = ..., worker_id: _Optional[str] = ..., arm: _Optional[_Union[_common_pb2.Arm, str]] = ..., model_name: _Optional[str] = ..., prompt_group_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., completion_token_ids: _Optional[_Iterable[int]] = ..., completion_logprobs: _Optional[_Iterable[float]] = ..., version_spans: _Optional[_Iterable[_Union[VersionSpan, _Mapping]]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., latency_s: _Optional[float] = ..., time_to_first_token_s: _Optional[float] = ..., tool_calls: _Optional[_Iterable[_Union[ToolCall, _Mapping]]] = ..., prompt_text: _Optional[str] = ..., completion_text: _Optional[str] = ..., finish_reason: _Optional[str] = ..., traceparent: _Optional[str] = ..., client_id: _Optional[str] = ..., router_choices: _Optional[_Union[RouterChoices, _Mapping]] = ..., context_key: _Optional[str] = ..., segments: _Optional[_Iterable[_Union[Segment, _Mapping]]] = ..., link: _Optional[_Union[TrajectoryLink, _Mapping]] = ...) -> None: ...
+    bulk: Bulk
+    def __init__(self, event_id: _Optional[str] = ..., rollout_id: _Optional[str] = ..., session_id: _Optional[str] = ..., client_ts_ms: _Optional[int] = ..., schema_version: _Optional[int] = ..., user_id: _Optional[str] = ..., worker_id: _Optional[str] = ..., arm: _Optional[_Union[_common_pb2.Arm, str]] = ..., model_name: _Optional[str] = ..., prompt_group_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., completion_token_ids: _Optional[_Iterable[int]] = ..., completion_logprobs: _Optional[_Iterable[float]] = ..., version_spans: _Optional[_Iterable[_Union[VersionSpan, _Mapping]]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., latency_s: _Optional[float] = ..., time_to_first_token_s: _Optional[float] = ..., tool_calls: _Optional[_Iterable[_Union[ToolCall, _Mapping]]] = ..., prompt_text: _Optional[str] = ..., completion_text: _Optional[str] = ..., finish_reason: _Optional[str] = ..., traceparent: _Optional[str] = ..., client_id: _Optional[str] = ..., router_choices: _Optional[_Union[RouterChoices, _Mapping]] = ..., context_key: _Optional[str] = ..., segments: _Optional[_Iterable[_Union[Segment, _Mapping]]] = ..., link: _Optional[_Union[TrajectoryLink, _Mapping]] = ..., bulk: _Optional[_Union[Bulk, _Mapping]] = ...) -> None: ...

@@ -67,7 +67,8 @@ def test_each_link_is_a_row_and_the_report_reads_them_per_version(tmp_path):
 
     rows = client.query(
         "SELECT link_position, final, link_reason, turns, tool_calls, invalid_tool_calls, "
-        "parallel_turns, tool_names, tool_valid, generated_tokens, observed_tokens, "
+        "parallel_turns, tool_names, tool_name_calls, tool_name_invalid, generated_tokens, "
+        "observed_tokens, "
         "versions_spanned, policy_version_max FROM trajectory_links FINAL ORDER BY link_position"
     ).result_rows
     assert rows == [
@@ -79,8 +80,9 @@ def test_each_link_is_a_row_and_the_report_reads_them_per_version(tmp_path):
             3,
             1,
             1,
-            ["read_file", "read_file", "search"],
-            [1, 1, 0],
+            ["read_file", "search"],
+            [2, 1],
+            [0, 1],
             5,
             3,
             2,
@@ -94,8 +96,9 @@ def test_each_link_is_a_row_and_the_report_reads_them_per_version(tmp_path):
             3,
             1,
             1,
-            ["read_file", "read_file", "search"],
-            [1, 1, 0],
+            ["read_file", "search"],
+            [2, 1],
+            [0, 1],
             5,
             3,
             1,

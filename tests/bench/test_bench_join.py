@@ -57,6 +57,7 @@ KEYS = {
     "faust_floor_rounds",
     "events_per_s_rounds",
     "exact_1_worker_rounds",
+    "trajectories",
 }
 
 
@@ -71,6 +72,7 @@ def test_tiny_load_every_key_exact_counts(tmp_path):
         live_rollouts=200,
         live_rate_per_s=50.0,
         rounds=2,
+        trajectory_rollouts=40,
     )
 
     assert json.loads(out.read_text()) == json.loads(json.dumps(report.as_json(results)))
@@ -110,3 +112,12 @@ def test_tiny_load_every_key_exact_counts(tmp_path):
     ):
         assert getattr(results, key) > 0, key
     assert results.latency_samples > 0
+    single, *agents = results.trajectories
+    assert [t.tokens for t in results.trajectories] == [0, 4096, 32768]
+    for t in results.trajectories:
+        assert (t.missing, t.doubled, t.rollouts) == (0, 0, 40), t
+        assert t.events_per_s > 0 and t.pending_bytes > 0
+    for t in agents:  # out of band: the joiner holds and forwards a small record
+        assert t.record_bytes < 2_000 < 20 * t.record_bytes < t.whole_record_bytes
+        assert t.reward_bytes < 2 * single.reward_bytes
+        assert t.pending_bytes_inline > 2 * t.pending_bytes

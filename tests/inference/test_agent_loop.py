@@ -25,6 +25,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from rtrl import topics
+from rtrl.analytics import schema
+from rtrl.analytics.query import connect
 from rtrl.api_keys import COMPLETIONS, issue_key
 from rtrl.checkpoint import Checkpoint
 from rtrl.inference.config import InferenceSettings
@@ -37,8 +39,10 @@ from rtrl.reward_stream.runtime import Joiner
 from rtrl.trainer.batch import SeenRollouts, TrainSample, collate, to_sample
 from rtrl.trainer.step import rl_step, token_logprobs
 from rtrl.trajectory import LinkReason, SegmentKind, Trajectory
+from rtrl.trajectory_summary import Summary
 from rtrl.trajectory_targets import targets
 from rtrl.v1 import reward_pb2
+from support import signed
 from support.agent import (
     ANSWER,
     OPENING,
@@ -341,7 +345,7 @@ def test_each_token_of_a_trajectory_across_versions_is_its_versions_full_forward
                 max_retries=0,
             )
             messages: list = [{"role": "user", "content": "Rename x to total."}]
-            ask: dict[str, Any] = dict(model="m", max_tokens=24)
+            ask: dict[str, Any] = dict(model="m", max_tokens=24, user=TREATED)
             stream = await client.chat.completions.create(
                 messages=messages, seed=0, stream=True, **ask
             )
@@ -403,6 +407,42 @@ def test_each_token_of_a_trajectory_across_versions_is_its_versions_full_forward
         assert logprob == pytest.approx(expected, abs=1e-5), (t, version)
     assert generated == len(trajectory.generated_ids)
     assert trajectory.observed_tokens > 0 and sum(mask) == generated
+    round_trip(stack_settings, record, policy, row)
+
+
+def round_trip(stack_settings, record, policy: Checkpoint, row) -> None:
+    """The record through the joiner (one reward), the trainer (exactly its tokens, log-probs
+    and versions) and ClickHouse (its link's row)."""
+    joiner = Joiner(RewardStreamSettings(window_s=1, grace_s=0).join_config())
+    now = record.client_ts_ms + 5_000
+    value = record.SerializeToString()
+    joiner.feed_record(topics.ROLLOUT, 0, 0, record.rollout_id.encode(), value, now)
+    (reward,) = [
+        reward_pb2.RewardRecord.FromString(r.value)
+        for r in joiner.tick(now + 60_000)
+        if r.topic == topics.REWARD
+    ]
+    assert reward.rollout == record
+    sample = to_sample(reward, policy.max_positions, vocab_size=policy.spec.vocab_size)
+    assert isinstance(sample, TrainSample), sample
+    batch = collate([sample])
+    assert batch.input_ids[0].tolist() == list(row.input_ids)
+    assert batch.target_mask[0].tolist() == list(row.mask())
+    assert batch.behaviour_logprobs[0].tolist() == pytest.approx(
+        [lp if m else 0.0 for lp, m in zip(row.logprobs(), row.mask(), strict=True)]
+    )
+    assert sample.token_versions == Trajectory.of(record).generated_versions
+    client = connect(stack_settings)
+    schema.create_tables(client)
+    sink = signed.checking_sink(client)
+    sink.add(signed.record(topics.ROLLOUT, 0, 0, record.rollout_id.encode(), value))
+    sink.flush()
+    rows = client.query(
+        "SELECT turns, versions_spanned, policy_version_min, policy_version_max, "
+        "generated_tokens, observed_tokens FROM trajectory_links FINAL"
+    ).result_rows
+    summary = Summary.of(record)
+    assert rows == [(3, 3, 0, 2, summary.generated_tokens, summary.observed_tokens)]
 
 
 def test_a_trajectory_is_its_clients_and_a_lost_one_is_named(agent_server):
@@ -484,3 +524,30 @@ def test_an_idle_trajectory_ends_and_is_written_once(stack_settings, agent_serve
     # The idle one, once; the second was still open at the stop, and the stop wrote it.
     assert sorted(r.rollout_id for r in records) == sorted([first.id, again.id])
     assert all(r.link.final and r.link.trajectory_id == "idle-1" for r in records)
+
+
+def test_a_long_trajectory_ends_at_its_age_limit_which_the_joiners_wait_covers(
+    stack_settings, agent_server
+):
+    """An agent that keeps working is not idle, yet its record must be written before the
+    joiner stops waiting for it (the product's telemetry may already be there): the
+    trajectory ends trajectory_max_s after its first turn, and by default the joiner waits
+    longer than that plus the idle timeout."""
+    defaults = InferenceSettings()
+    assert RewardStreamSettings().max_wait_s >= (
+        defaults.trajectory_max_s + defaults.trajectory_idle_s + 60
+    )
+
+    async def scenario():
+        async with agent_server(trajectory_max_s=2.0, trajectory_idle_s=600) as (server, key, root):
+            client = openai.AsyncOpenAI(
+                api_key=key, base_url=f"{root}/v1/trajectories/old-1", max_retries=0
+            )
+            ask: dict[str, Any] = dict(model="m", messages=list(OPENING), max_tokens=4)
+            first = await client.chat.completions.create(**ask)
+            await asyncio.sleep(3.5)
+            return first, len(server.api.sessions), read_rollouts(stack_settings)
+
+    first, still_open, records = asyncio.run(scenario())
+    assert still_open == 0
+    assert [(r.rollout_id, r.link.final) for r in records] == [(first.id, True)]

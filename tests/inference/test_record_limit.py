@@ -1,11 +1,12 @@
-"""A rollout too large for the broker is served, not lost, and not recorded.
+"""A rollout too large for the broker is recorded with its bulk out of band, and one
+whose metadata alone is too large is served, not lost, and not recorded.
 
-Kafka refuses records over its limit (about 1 MB by default), and a long mixture-of-experts
-rollout carries its routes (hundreds of bytes per token). Producing one would fail after
-the completion was computed; instead the worker answers it with ``not_recorded`` naming
-the limit, counts it, and writes every rollout that fits. The limit leaves room for the
-reward that carries the rollout: a rollout of the largest size recorded makes a reward
-that fits too.
+Kafka refuses records over its limit (about 1 MB by default), and a long agent trajectory
+or a mixture-of-experts rollout (hundreds of bytes of routes per token) is larger. Its
+bulk goes to the rollout store (rtrl/bulk.py) and the record that travels names it; what
+still does not fit (a prompt group id of a megabyte) is answered with ``not_recorded``
+naming the limit, counted, and never produced. The limit leaves room for the reward that
+carries the rollout: a rollout of the largest size recorded makes a reward that fits too.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import aiohttp
 import pytest
 import torch
 
-from rtrl import kafka, topics
+from rtrl import bulk, kafka, topics
 from rtrl.inference.config import InferenceSettings
 from rtrl.inference.engine import Engine, EngineConfig
 from rtrl.inference.server import start
@@ -29,11 +30,13 @@ from support.inference import read_rollouts
 torch.set_num_threads(1)
 
 LIMIT = 64 * 1024 + 1500
-"""kafka_max_record_bytes: rollouts of up to 1,500 bytes are recorded."""
+"""kafka_max_record_bytes: rollout records of up to 1,500 bytes travel."""
 
 
 @pytest.mark.integration
-def test_a_rollout_over_the_record_limit_is_served_and_not_recorded(stack_settings):
+def test_a_rollout_over_the_record_limit_goes_out_of_band_unless_its_metadata_is_over(
+    stack_settings,
+):
     stack = stack_settings.model_copy(update={"kafka_max_record_bytes": LIMIT})
     engine = Engine(EngineConfig(batch_wait_s=0.01))
     settings = InferenceSettings(http_port=0, follow_weights=False, auth_required=False)
@@ -46,22 +49,34 @@ def test_a_rollout_over_the_record_limit_is_served_and_not_recorded(stack_settin
             url = f"http://127.0.0.1:{server.port}/v1/completions"
             answers = []
             async with aiohttp.ClientSession() as http:
-                for prompt, max_tokens in (("@p1 hi\n", 4), ("@p1 " + "x" * 100 + "\n", 24)):
+                for prompt, max_tokens, group in (
+                    ("@p1 hi\n", 4, 1200),
+                    ("@p1 " + "x" * 100 + "\n", 24, 1200),
+                    ("@p1 hi\n", 4, 1600),
+                ):
                     body = {"prompt": prompt, "user_id": "u", "session_id": "s", "seed": 1}
-                    body |= {"max_tokens": max_tokens, "prompt_group_id": "g" * 1200}
+                    body |= {"max_tokens": max_tokens, "prompt_group_id": "g" * group}
                     async with http.post(url, json=body) as resp:
                         answers.append((resp.status, await resp.json()))
-            assert server.counters.unrecorded == 1 and server.counters.records == 1
+            counters = server.api.counters
+            assert (counters.unrecorded, counters.records) == (1, 2)
+            assert server.api.publisher.out_of_band == 1
             return answers
         finally:
             await server.stop()
 
-    (small_status, small), (large_status, large) = asyncio.run(scenario())
-    assert (small_status, large_status) == (200, 200), (small, large)
-    assert "not_recorded" not in small
-    assert large["usage"]["completion_tokens"] > 0  # served in full
-    assert "over the 1,500 that leave room for the reward" in large["not_recorded"]
-    assert [r.rollout_id for r in read_rollouts(stack_settings)] == [small["rollout_id"]]
+    (small_status, small), (large_status, large), (meta_status, meta) = asyncio.run(scenario())
+    assert (small_status, large_status, meta_status) == (200, 200, 200), (small, large, meta)
+    assert "not_recorded" not in small and "not_recorded" not in large
+    assert meta["usage"]["completion_tokens"] > 0  # served in full
+    assert "without its bulk, over the 1,500 that leave room" in meta["not_recorded"]
+    records = {r.rollout_id: r for r in read_rollouts(stack_settings)}
+    assert set(records) == {small["rollout_id"], large["rollout_id"]}
+    inline, out_of_band = records[small["rollout_id"]], records[large["rollout_id"]]
+    assert not inline.HasField("bulk") and list(inline.completion_token_ids) == small["token_ids"]
+    whole = bulk.inflate(out_of_band, bulk.BulkStore(stack.resolved_rollout_bulk_dir()))
+    assert list(whole.completion_token_ids) == large["token_ids"]
+    assert out_of_band.ByteSize() <= 1500 < whole.ByteSize()
 
 
 def test_a_rollout_of_the_largest_recorded_size_makes_a_reward_under_the_limit():

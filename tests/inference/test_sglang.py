@@ -12,12 +12,7 @@ swapped the same way, with the trainer's log-probs."""
 from __future__ import annotations
 
 import importlib.util
-import json
-import sys
 import threading
-import urllib.request
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -41,6 +36,7 @@ from rtrl.ops.tiny_model import write_tiny_checkpoint
 from rtrl.policy import BOS, build_model, encode, load_weights, state_dict_fp32
 from rtrl.v1 import common_pb2, rollout_pb2
 from support import wait
+from support.sglang import installed, post, push, rig, slowed
 
 # A fresh SGLang install downloads ~11 GB inside the first test's setup; every wait in
 # the tests themselves has its own, much shorter, timeout.
@@ -52,32 +48,9 @@ ARM = "treatment"
 PROMPT = (BOS, *encode("def add(a, b):"))
 
 
-def _load_rig():
-    path = Path(__file__).resolve().parents[2] / "scripts" / "sglang_rig.py"
-    spec = importlib.util.spec_from_file_location("sglang_rig", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["sglang_rig"] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-rig = _load_rig()
-
-
-def _installed() -> None:
-    try:
-        rig.ensure_installed()
-    except Exception as exc:
-        pytest.fail(
-            f"SGLang {rig.SGLANG_VERSION} is not installed in {rig.sglang_home()} and installing it failed: {exc}\n"
-            f"run `python scripts/sglang_rig.py install` to see the whole error"
-        )
-
-
 @pytest.fixture(scope="module")
 def sglang(tmp_path_factory):
-    _installed()
+    installed()
     workdir = tmp_path_factory.mktemp("sglang")
     model_dir = rig.write_tiny_model(workdir / "model", seed=0)
     server = rig.start_server(model_dir, workdir / "sglang.log")
@@ -96,7 +69,7 @@ def qwen3_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def qwen3(qwen3_dir):
-    _installed()
+    installed()
     server = rig.start_server(qwen3_dir, qwen3_dir.parent / "sglang.log")
     print(
         f"\nSGLang (Qwen3) ready in {server.startup_s:.1f} s, RSS {server.rss_bytes() / 2**20:.0f} MiB"
@@ -135,23 +108,6 @@ def dominant_weights(char: str) -> dict[str, torch.Tensor]:
     embed[:, 0] = 1.0
     embed[encode(char)[0], 0] = 10.0
     return weights
-
-
-def push(sidecar: SGLangSidecar, weights: dict[str, torch.Tensor]) -> int:
-    version = sidecar.applied_version + 1
-    assert sidecar.stage(version, weights)
-    assert sidecar.apply_pending() == version
-    return version
-
-
-def post(server, path: str, body: dict) -> None:
-    request = urllib.request.Request(
-        f"{server.url}{path}",
-        data=json.dumps(body).encode(),
-        headers={"Content-Type": "application/json"},
-    )
-    with urllib.request.urlopen(request, timeout=30):
-        pass
 
 
 def greedy(max_tokens: int) -> SequenceParams:
@@ -210,16 +166,6 @@ class Generation:
         if self.error is not None:
             raise self.error
         return self.completion
-
-
-@contextmanager
-def slowed(server) -> Iterator[None]:
-    """~25 ms per decode step, so a swap reliably lands mid-generation on a busy machine."""
-    post(server, "/slow_down", {"forward_sleep_time": 0.025})
-    try:
-        yield
-    finally:
-        post(server, "/slow_down", {"forward_sleep_time": None})
 
 
 @pytest.fixture

@@ -10,18 +10,17 @@ from typing import Any
 import pytest
 
 from rtrl.trajectory import (
-    Link,
-    LinkReason,
     MalformedTrajectory,
     Segment,
     SegmentKind,
-    Summary,
     ToolCall,
     Trajectory,
     VersionSpan,
 )
+from rtrl.trajectory_summary import Summary
 from rtrl.trajectory_targets import targets
 from rtrl.v1 import rollout_pb2
+from support.trajectories import AGENT
 
 PROMPT = [1, 40, 41]
 
@@ -112,7 +111,7 @@ def test_a_flat_record_reads_as_its_prompt_and_one_generated_segment(
     assert row.input_ids == tuple(PROMPT) + generated and row.targets == len(row.input_ids) - 1
     assert (row.mask(), row.logprobs(), row.versions()) == (mask, logprobs, target_versions)
     # The lenient reading agrees with the strict one on every well-formed record.
-    assert Summary.of(rollout) == trajectory.summary()
+    assert Summary.of(rollout) == Summary.of_trajectory(trajectory)
 
 
 @pytest.mark.parametrize("fields", [c[0] for c in READ_CASES.values()], ids=READ_CASES.keys())
@@ -234,26 +233,6 @@ def test_the_summary_counts_tokens_per_version_and_invalid_tool_calls():
 
 # -- an agent's trajectory: segments, tool calls by turn, links ------------------------------
 
-AGENT = Trajectory(
-    prompt_ids=(1, 2),
-    segments=(
-        Segment.generated((3, 4), (-0.25, -0.5), (7, 7)),  # turn 0: two calls in parallel
-        Segment.observed((5, 6), source="tool"),
-        Segment.generated((8,), (-0.125,), (8,)),  # turn 1, sampled after a swap: one call
-        Segment.observed((9,), source="tool"),
-        Segment.generated((10, 11), (-1.0, -2.0), (8, 9)),  # turn 2: swapped mid-turn
-    ),
-    final_text="done",
-    tool_calls=(
-        ToolCall("read", '{"path": "a.py"}', True, id="call_0", turn=0),
-        ToolCall("read", '{"path": "b.py"}', True, id="call_1", turn=0),
-        ToolCall("lint", "{oops", False, "arguments are not JSON", id="call_2", turn=1),
-    ),
-    prompt_text="fix it",
-    finish_reason="stop",
-    link=Link("traj-1", 1, True, LinkReason.NOT_AN_EXTENSION),
-)
-
 
 def agent_record() -> rollout_pb2.RolloutRecord:
     written = rollout_pb2.RolloutRecord(rollout_id="r-1")
@@ -283,7 +262,7 @@ def test_an_agents_trajectory_round_trips_through_its_record():
     again = rollout_pb2.RolloutRecord.FromString(written.SerializeToString())
     assert Trajectory.of(again) == AGENT
     summary = Summary.of(again)
-    assert summary == AGENT.summary()
+    assert summary == Summary.of_trajectory(AGENT)
     assert (summary.turns, summary.generated_tokens, summary.observed_tokens) == (3, 5, 3)
     assert dict(summary.version_tokens) == {7: 2, 8: 2, 9: 1}
     assert summary.invalid_tool_calls == 1 and summary.link == AGENT.link

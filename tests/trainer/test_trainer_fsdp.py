@@ -26,7 +26,7 @@ from safetensors.torch import load_file
 
 from rtrl.policy import build_model, state_dict_fp32
 from rtrl.simulator.sharded_run import GRAD_CLIP, IS_CAP, KL_COEF, synthetic_batches
-from rtrl.trainer.distributed import World, local_objective, row_range, slice_rows
+from rtrl.trainer.distributed import World, local_objective, row_range
 from rtrl.trainer.objective import leave_one_out_advantages, policy_gradient_loss
 from rtrl.trainer.step import rl_step, token_logprobs
 
@@ -118,7 +118,7 @@ def test_per_rank_normalization_would_be_caught(batches):
     advantages = torch.tensor(leave_one_out_advantages(batch.rewards, batch.groups))
     for rank in range(2):
         start, stop = row_range(len(batch.rewards), World(rank, 2))
-        rows = slice_rows(batch, start, stop)
+        rows = batch.select(range(start, stop))
         logp, _ = token_logprobs(model, rows)
         with torch.no_grad():
             ref_logp, _ = token_logprobs(ref, rows)
