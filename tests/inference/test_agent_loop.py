@@ -448,6 +448,7 @@ def round_trip(stack_settings, record, policy: Checkpoint, row) -> None:
 def test_a_trajectory_is_its_clients_and_a_lost_one_is_named(agent_server):
     """Attacks and failures on the trajectory routes: another client naming the same
     trajectory id gets a trajectory of its own (it cannot extend, read or end another's);
+    ending one takes a valid key;
     a second turn while one is served is a 409; an id that is not an id is a 400; and a
     trajectory another run of the worker was serving (killed: its sessions gone) is a
     409 naming that worker, once, after which the id starts anew."""
@@ -470,6 +471,10 @@ def test_a_trajectory_is_its_clients_and_a_lost_one_is_named(agent_server):
                     f"{root}/v1/trajectories/t-1", headers={"Authorization": f"Bearer {other}"}
                 )
                 out["their_end"] = ending.json()
+                out["ends_without_key"] = [
+                    (await http.delete(f"{root}/v1/trajectories/t-1", headers=h)).status_code
+                    for h in ({}, {"Authorization": "Bearer rtrl_not-a-key"})
+                ]
                 both = await asyncio.gather(
                     ask(key, "/v1/trajectories/t-2/chat/completions"),
                     ask(key, "/v1/trajectories/t-2/chat/completions"),
@@ -489,6 +494,7 @@ def test_a_trajectory_is_its_clients_and_a_lost_one_is_named(agent_server):
     mine, theirs = out["ids"]
     assert mine != theirs  # the intruder's turn started its own trajectory
     assert out["their_end"]["rollout_id"] == theirs  # and ended only that one
+    assert out["ends_without_key"] == [401, 401]  # no key, a forged key: nothing ends
     assert out["concurrent"] == [200, 409]
     assert out["bad_id"]["error"]["param"] == "trajectory_id"
     assert out["long_id"]["error"]["param"] == "trajectory_id"

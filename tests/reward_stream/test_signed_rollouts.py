@@ -147,7 +147,9 @@ def test_the_join_refuses_every_forged_rollout_and_settles_the_honest_one():
 def test_the_joiner_service_builds_no_reward_on_a_rollout_produced_straight_to_the_broker(
     stack_settings, stack_env, redis_url, tmp_path
 ):
-    service = spawn_joiner(stack_env, tmp_path)
+    # The forger's telemetry waits max_wait_s for a rollout that never comes: 5 s here,
+    # not the hour an agent's record may take to be written.
+    service = spawn_joiner(stack_env, tmp_path, max_wait_s="5")
     try:
         ts = int(time.time() * 1000)
         forged = _forgeries(ts)
