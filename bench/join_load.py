@@ -13,6 +13,7 @@ from rich.progress import Progress
 
 from rtrl import kafka, signing, topics
 from rtrl.config import StackSettings
+from rtrl.inference.config import InferenceSettings
 from rtrl.v1 import rollout_pb2, telemetry_pb2
 
 PARTITIONS = 4
@@ -42,10 +43,7 @@ def signing_keys() -> None:
 def rollout_signer() -> signing.Seal:
     """The inference workers' rollout seal: their signature and the joiner's MAC, which the
     joiners verify on every rollout (run() makes the keys unless the environment holds them)."""
-    return signing.Seal(
-        signing.Signer(os.environ["RTRL_INFERENCE_ROLLOUT_SIGNING_KEY"], signing.Purpose.ROLLOUT),
-        signing.MacSigner(os.environ["RTRL_INFERENCE_ROLLOUT_MAC_KEY"], signing.Purpose.ROLLOUT),
-    )
+    return InferenceSettings().rollout_seal()
 
 
 def event_signer() -> signing.Seal:

@@ -10,6 +10,7 @@ from typing import Literal
 from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import SettingsConfigDict
 
+from rtrl import signing
 from rtrl.config import MacKey, RequiredSecret, Settings, SigningKey, StackSettings
 from rtrl.event_time import EventTimeWindow
 from rtrl.http_limits import HTTPListener
@@ -159,6 +160,14 @@ class InferenceSettings(Settings, HTTPListener, TLSListener):
 
     def client_ts_window(self) -> EventTimeWindow:
         return EventTimeWindow.of_seconds(self.client_ts_max_future_s, self.client_ts_max_age_s)
+
+    def rollout_seal(self) -> signing.Seal:
+        """What authenticates a rollout: the workers' signature (for every reader that must
+        not be able to forge one) and the joiner's MAC."""
+        return signing.Seal(
+            signing.Signer(self.rollout_signing_key.get_secret_value(), signing.Purpose.ROLLOUT),
+            signing.MacSigner(self.rollout_mac_key.get_secret_value(), signing.Purpose.ROLLOUT),
+        )
 
     def required_secrets(self, stack: StackSettings) -> list[RequiredSecret]:
         """What ``python -m rtrl.inference`` does not start without."""

@@ -110,10 +110,7 @@ async def start(
 ) -> InferenceServer:
     """A worker serving on ``settings.http_port`` (0: any free port, see ``port``).
     ``engine`` replaces the one built from ``settings`` (tests attach hooks to it)."""
-    signer = signing.Seal(
-        signing.Signer(settings.rollout_signing_key.get_secret_value(), signing.Purpose.ROLLOUT),
-        signing.MacSigner(settings.rollout_mac_key.get_secret_value(), signing.Purpose.ROLLOUT),
-    )
+    signer = settings.rollout_seal()
     if not settings.auth_required:
         log.warning("RTRL_INFERENCE_AUTH_REQUIRED=false: serving completions without an API key")
     policy = (

@@ -21,7 +21,7 @@ import pytest
 import redis.asyncio as aioredis
 import torch
 
-from rtrl import bulk, kafka, signing, topics
+from rtrl import bulk, kafka, topics
 from rtrl.checkpoint import Checkpoint
 from rtrl.inference.batch import SequenceParams
 from rtrl.inference.config import InferenceSettings
@@ -118,10 +118,7 @@ def long_trajectory(policy: Checkpoint) -> Trajectory:
 def publish(stack, record) -> Record:
     """The worker's write: sealed (out of band past the inline limit), acked by the broker."""
     settings = InferenceSettings()
-    seal = signing.Seal(
-        signing.Signer(settings.rollout_signing_key.get_secret_value(), signing.Purpose.ROLLOUT),
-        signing.MacSigner(settings.rollout_mac_key.get_secret_value(), signing.Purpose.ROLLOUT),
-    )
+    seal = settings.rollout_seal()
 
     async def write() -> Record:
         producer = kafka.AsyncProducer(stack)
