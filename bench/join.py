@@ -35,8 +35,9 @@ beginning with a fresh consumer group:
   instant. Only rollouts closed by later traffic count (open <= last live event
   - window - grace); the last ones close by the wall-clock deadline instead.
 
-Agent trajectories of 4k and 32k tokens go beside the single-turn load
-(bench/join_trajectories.py): as a worker writes them, their bulk out of band, joined
+One rollout in twenty of the main load is an agent's trajectory, of 4k or 32k tokens, as
+its worker writes it (bulk out of band: bench/agent_load.py), so every exactness count
+below covers them. Each kind is also measured alone (bench/join_trajectories.py): joined
 in-process with every check on and every record delivered twice, with the joiner's memory
 per pending rollout and for a 10-minute window at the demo's rate.
 

@@ -12,6 +12,7 @@ from confluent_kafka import Producer
 from rich.progress import Progress
 
 from rtrl import kafka, signing, topics
+from rtrl.bench.agent_load import agent_rollout
 from rtrl.config import StackSettings
 from rtrl.inference.config import InferenceSettings
 from rtrl.v1 import rollout_pb2, telemetry_pb2
@@ -55,19 +56,28 @@ def event_signer() -> signing.Seal:
     )
 
 
+def agent_tokens(index: int) -> int:
+    """The trajectory tokens of the main load's rollout ``index``: one in twenty is an
+    agent's, of 4k or 32k tokens (bench/agent_load.py); the rest are single turns (0)."""
+    return {7: 4096, 27: 32768}.get(index % 40, 0)
+
+
 def signed_records(
-    rollout_id: str, ts_ms: int, signer: signing.Seal, events: signing.Seal
+    rollout_id: str, ts_ms: int, signer: signing.Seal, events: signing.Seal, tokens: int = 0
 ) -> list[tuple[str, bytes, Headers]]:
     """rollout_records with the headers their writers send: the rollout sealed as a worker
     seals it, each event authenticated as the gateway does."""
     return [
         (topic, value, list((signer if topic == topics.ROLLOUT else events).headers(value)))
-        for topic, value in rollout_records(rollout_id, ts_ms)
+        for topic, value in rollout_records(rollout_id, ts_ms, tokens)
     ]
 
 
-def rollout_records(rollout_id: str, ts_ms: int) -> list[tuple[str, bytes]]:
-    """The three records of one rollout, as (topic, value)."""
+def rollout_records(
+    rollout_id: str, ts_ms: int, tokens: int = 0, inline: bool = False
+) -> list[tuple[str, bytes]]:
+    """The three records of one rollout, as (topic, value): a single turn, or with
+    ``tokens`` an agent's trajectory as its worker writes it (out of band unless ``inline``)."""
     record = rollout_pb2.RolloutRecord(
         event_id=str(uuid.uuid4()),
         rollout_id=rollout_id,
@@ -93,8 +103,11 @@ def rollout_records(rollout_id: str, ts_ms: int) -> list[tuple[str, bytes]]:
         client_ts_ms=ts_ms + 2,
         persistence=telemetry_pb2.PersistenceSnapshot(seconds_after_edit=30, region_text=EDIT_TEXT),
     )
+    rollout = record.SerializeToString()
+    if tokens:
+        rollout = agent_rollout(tokens, rollout_id, ts_ms, inline)
     return [
-        (topics.ROLLOUT, record.SerializeToString()),
+        (topics.ROLLOUT, rollout),
         (topics.EDIT, shown.SerializeToString()),
         (topics.PERSISTENCE, kept.SerializeToString()),
     ]
@@ -118,7 +131,7 @@ def produce_load(
     for i in range(rollouts):
         rollout_id = f"r{i:06d}"
         for topic, value, headers in signed_records(
-            rollout_id, base_ms + spacing_ms * i, signer, events
+            rollout_id, base_ms + spacing_ms * i, signer, events, agent_tokens(i)
         ):
             producer.produce(topic, value, key=rollout_id, headers=kafka.kafka_headers(headers))
             size += len(value)

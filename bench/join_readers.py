@@ -23,6 +23,7 @@ from rtrl import heartbeat, kafka, procs, signing, topics
 from rtrl.bench.join_load import (
     PARTITIONS,
     Headers,
+    agent_tokens,
     event_signer,
     produce_live,
     rollout_records,
@@ -409,7 +410,7 @@ def joiner_inprocess(rollouts: int, spacing_ms: int, base_ms: int, checked: bool
         rollout_id = f"r{i:06d}"
         partition = zlib.crc32(rollout_id.encode()) % PARTITIONS
         signed = signed_records(
-            rollout_id, base_ms + spacing_ms * i, rollouts_signer, events_signer
+            rollout_id, base_ms + spacing_ms * i, rollouts_signer, events_signer, agent_tokens(i)
         )
         records.extend(
             (topic, partition, rollout_id.encode(), value, headers)

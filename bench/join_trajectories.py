@@ -22,77 +22,21 @@ import json
 import subprocess
 import sys
 import time
-import uuid
 from dataclasses import dataclass
 
-from rtrl import bulk, topics
+from rtrl import topics
 from rtrl.bench.join_load import event_signer, rollout_records, rollout_signer, signing_keys
 from rtrl.reward_stream.authn import Authenticator
 from rtrl.reward_stream.config import RewardStreamSettings
 from rtrl.reward_stream.runtime import Joiner
-from rtrl.trajectory import Link, LinkReason, Segment, ToolCall, Trajectory
-from rtrl.v1 import common_pb2, reward_pb2, rollout_pb2
+from rtrl.v1 import reward_pb2
 
 SIZES = (0, 4096, 32768)
 """Trajectory tokens of each load; 0 is today's single-turn rollout (bench/join_load.py)."""
-INLINE_BYTES = 8 * 1024
-"""The workers' default RTRL_INFERENCE_ROLLOUT_INLINE_BYTES."""
-DEMO_ROLLOUTS_PER_S = 20.0
-"""The demo's rollout rate: `rtrl demo` serves about this many completions a second."""
+DEMO_ROLLOUTS_PER_S = 78.0
+"""The demo's rollout rate: `rtrl demo` at 5e84b50 recorded 28,034 rollouts in its 6 minutes
+(two workers, both arms) on this 2-core machine."""
 WINDOW_S = 600
-PROMPT, GENERATED, OBSERVED = 512, 48, 208
-"""An agent's turn: a tool call of GENERATED tokens, then OBSERVED tokens of its result."""
-
-
-def trajectory(tokens: int) -> Trajectory:
-    """A trajectory of about ``tokens`` tokens: a prompt, then turns that each call a tool
-    and observe its result, over two policy versions."""
-    turns = max(1, (tokens - PROMPT) // (GENERATED + OBSERVED))
-    segments: list[Segment] = []
-    for turn in range(turns):
-        ids = [(7919 * (turn * GENERATED + i)) % 150_000 for i in range(GENERATED)]
-        logprobs = [-0.01 * (i % 97) for i in range(GENERATED)]
-        segments.append(Segment.generated(ids, logprobs, [7 + turn * 2 // turns] * GENERATED))
-        if turn < turns - 1:
-            segments.append(Segment.observed([(31 * i) % 150_000 for i in range(OBSERVED)], "tool"))
-    return Trajectory(
-        prompt_ids=tuple(range(1, PROMPT + 1)),
-        segments=tuple(segments),
-        final_text="Done: every file read.",
-        tool_calls=tuple(
-            ToolCall("read_file", f'{{"path": "f{t}.py"}}', True, id=f"call_{t}", turn=t)
-            for t in range(turns)
-        ),
-        prompt_text="Read every file.",
-        finish_reason="stop",
-        link=Link("bench", 0, True, LinkReason.FIRST),
-    )
-
-
-def worker_records(
-    tokens: int, rollout_id: str, ts_ms: int, inline: bool
-) -> list[tuple[str, bytes]]:
-    """The rollout's three records, the rollout as a worker writes it (out of band past the
-    inline limit, unless ``inline``); a load of 0 tokens is today's single-turn one."""
-    records = rollout_records(rollout_id, ts_ms)
-    if not tokens:
-        return records
-    record = rollout_pb2.RolloutRecord(
-        event_id=str(uuid.uuid4()),
-        rollout_id=rollout_id,
-        session_id="bench",
-        client_ts_ms=ts_ms,
-        model_name="bench-policy",
-        arm=common_pb2.ARM_TREATMENT,
-        latency_s=30.0,
-    )
-    _TRAJECTORIES.setdefault(tokens, trajectory(tokens)).write(record)
-    if not inline and record.ByteSize() > INLINE_BYTES:
-        record, _ = bulk.split(record)
-    return [(topics.ROLLOUT, record.SerializeToString()), *records[1:]]
-
-
-_TRAJECTORIES: dict[int, Trajectory] = {}
 
 
 # Produced by measure, one per load; part of JoinResult.
@@ -124,11 +68,11 @@ def _load(tokens: int, rollouts: int, pending: int) -> TrajectoryLoad:
     rate, rewards = _throughput(tokens, rollouts)
     ids = [r.rollout_id for r in rewards]
     per_pending = _pending_in_child(tokens, pending, inline=False)
-    whole = worker_records(tokens, "x", 0, inline=True)[0][1]
+    whole = rollout_records("x", 0, tokens, inline=True)[0][1]
     return TrajectoryLoad(
         tokens=tokens,
         rollouts=rollouts,
-        record_bytes=len(worker_records(tokens, "x", 0, inline=False)[0][1]),
+        record_bytes=len(rollout_records("x", 0, tokens)[0][1]),
         whole_record_bytes=len(whole),
         reward_bytes=max(r.ByteSize() for r in rewards),
         events_per_s=round(rate),
@@ -154,7 +98,7 @@ def _throughput(tokens: int, rollouts: int) -> tuple[float, list[reward_pb2.Rewa
     fed = []
     for i in range(rollouts):
         rollout_id = f"t{tokens}-{i:05d}"
-        for topic, value in worker_records(tokens, rollout_id, base_ms + 5 * i, inline=False):
+        for topic, value in rollout_records(rollout_id, base_ms + 5 * i, tokens):
             headers = list(seals.get(topic, events).headers(value))
             fed.append((topic, i % 4, rollout_id.encode(), value, headers))
     now_ms = int(time.time() * 1000)
@@ -204,13 +148,13 @@ def pending_bytes(tokens: int, rollouts: int, inline: bool) -> float:
     three records built, fed and dropped one rollout at a time, so only the joiner keeps them."""
     settings = RewardStreamSettings(window_s=WINDOW_S, grace_s=30, max_wait_s=2 * WINDOW_S)
     joiner = Joiner(settings.join_config())
-    worker_records(tokens, "warm", 0, inline)  # the trajectory template, outside the count
+    rollout_records("warm", 0, tokens, inline)  # the trajectory template, outside the count
     ts_ms = int(time.time() * 1000)
     gc.collect()
     before = _resident_bytes()
     for i in range(rollouts):
         rollout_id = f"p{i:06d}"
-        for offset, (topic, value) in enumerate(worker_records(tokens, rollout_id, ts_ms, inline)):
+        for offset, (topic, value) in enumerate(rollout_records(rollout_id, ts_ms, tokens, inline)):
             joiner.feed_record(topic, i % 4, 3 * i + offset, rollout_id.encode(), value, ts_ms)
     gc.collect()
     pending = sum(len(state.pending) for state in joiner.states.values())

@@ -2,7 +2,7 @@
 
 Each case runs in a fresh interpreter: a tiny Qwen3 (rtrl/ops/tiny_model.py, 40k
 positions) and a batch of agent trajectories as the trainer reads them (a reward record
-through trainer.batch.to_sample and collate; bench/join_trajectories.trajectory: a
+through trainer.batch.to_sample and collate; bench/agent_load.trajectory: a
 512-token prompt, then turns of a 48-token tool call and a 208-token result), then one
 rl_step. ``peak_mb`` is the process's peak resident memory during the step above what it
 held before it (model, optimizer, batch); ``step_s`` the step's time.
@@ -30,7 +30,7 @@ from rich.table import Table
 from transformers import AutoModelForCausalLM
 
 from rtrl.bench import report
-from rtrl.bench.join_trajectories import trajectory
+from rtrl.bench.agent_load import trajectory
 from rtrl.bench.report import code_version
 from rtrl.ops.tiny_model import tiny_config
 from rtrl.trainer.batch import TrainSample, collate, to_sample

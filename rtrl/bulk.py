@@ -76,10 +76,10 @@ class BulkStore:
         self.root = Path(root).resolve()
 
     def path(self, checksum: str) -> Path:
-        """Where the blob of ``checksum`` lies; ValueError for anything but a checksum."""
+        """Where the blob of ``checksum`` lies; BulkCorrupt for anything but a checksum."""
         matched = _CHECKSUM.fullmatch(checksum)
         if matched is None:
-            raise ValueError(f"{checksum!r} is not sha256: and 64 lowercase hex digits")
+            raise BulkCorrupt(f"{checksum!r} is not sha256: and 64 lowercase hex digits")
         digest = matched.group(1)
         return self.root / digest[:2] / digest
 

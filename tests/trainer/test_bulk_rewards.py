@@ -82,4 +82,7 @@ def test_a_bulk_gone_or_rewritten_or_renamed_is_never_trained_on(store):
     renamed.rollout.bulk.checksum = "sha256:" + "0" * 64
     message.payload = renamed.SerializeToString()  # after the joiner sealed it
     assert intake(store)._sample(message) is Drop.FORGED
+    # The joiner's own MAC on a record naming no checksum at all: refused, not a crash.
+    renamed.rollout.bulk.checksum = "sha256:../../../etc/passwd"
+    assert intake(store)._sample(sealed(renamed)) is Drop.BULK_CORRUPT
     assert isinstance(intake(store)._sample(sealed(slim)), TrainSample)
