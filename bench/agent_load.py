@@ -4,6 +4,7 @@ record a worker writes for it, its bulk out of band past the inline limit (rtrl/
 
 from __future__ import annotations
 
+import functools
 import uuid
 
 from rtrl import bulk
@@ -16,6 +17,7 @@ PROMPT, GENERATED, OBSERVED = 512, 48, 208
 """An agent's turn: a tool call of GENERATED tokens, then OBSERVED tokens of its result."""
 
 
+@functools.cache
 def trajectory(tokens: int) -> Trajectory:
     """A trajectory of about ``tokens`` tokens: a prompt, then turns that each call a tool
     and observe its result, over two policy versions."""
@@ -53,10 +55,7 @@ def agent_rollout(tokens: int, rollout_id: str, ts_ms: int, inline: bool = False
         arm=common_pb2.ARM_TREATMENT,
         latency_s=30.0,
     )
-    _TRAJECTORIES.setdefault(tokens, trajectory(tokens)).write(record)
+    trajectory(tokens).write(record)
     if not inline and record.ByteSize() > INLINE_BYTES:
         record, _ = bulk.split(record)
     return record.SerializeToString()
-
-
-_TRAJECTORIES: dict[int, Trajectory] = {}

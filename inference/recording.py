@@ -123,12 +123,13 @@ class RolloutPublisher:
         first and the record naming it. Kept from training only when the bulk cannot be
         stored, or what travels is still over the broker's limit (metadata alone: a
         prompt group id, a context key), with room for the reward that carries it."""
-        value = record.SerializeToString()
         limit = self._max_rollout_bytes
         blob = b""
-        if len(value) > min(self._inline_bytes, limit):
+        if record.ByteSize() > min(self._inline_bytes, limit):
             slim, blob = bulk.split(record)
             value = slim.SerializeToString()
+        else:
+            value = record.SerializeToString()
         if len(value) > limit:
             log.warning(
                 "rollout %s served but not recorded: %d bytes, over %d",

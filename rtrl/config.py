@@ -99,6 +99,23 @@ class RequiredSecret:
         return bool(text.strip())
 
 
+def local_directory(url: str) -> Path:
+    """The directory a ``file:///absolute/path`` URL names; ValueError for any other URL
+    (another host, a relative path, a query or fragment)."""
+    parsed = urlparse(url)
+    path = PurePosixPath(unquote(parsed.path))
+    if (
+        parsed.scheme != "file"
+        or parsed.netloc not in ("", "localhost")
+        or not path.is_absolute()
+        or parsed.params
+        or parsed.query
+        or parsed.fragment
+    ):
+        raise ValueError(f"{url!r} is not file:///absolute/path")
+    return Path(path)
+
+
 class StackSettings(Settings):
     """Connection settings shared by all services (env prefix ``RTRL_``)."""
 
@@ -243,23 +260,20 @@ class StackSettings(Settings):
 
     @model_validator(mode="after")
     def _rollout_bulk_is_a_directory(self) -> StackSettings:
-        url = urlparse(self.rollout_bulk_url)
-        if self.rollout_bulk_url and not (
-            url.scheme == "file"
-            and url.netloc in ("", "localhost")
-            and PurePosixPath(unquote(url.path)).is_absolute()
-            and not (url.params or url.query or url.fragment)
-        ):
-            raise ValueError(
-                f"rollout_bulk_url {self.rollout_bulk_url!r} must be '' "
-                "(<state_dir>/rollout-bulk) or file:///absolute/path"
-            )
+        if self.rollout_bulk_url:
+            try:
+                local_directory(self.rollout_bulk_url)
+            except ValueError:
+                raise ValueError(
+                    f"rollout_bulk_url {self.rollout_bulk_url!r} must be '' "
+                    "(<state_dir>/rollout-bulk) or file:///absolute/path"
+                ) from None
         return self
 
     def resolved_rollout_bulk_dir(self) -> Path:
         if not self.rollout_bulk_url:
             return self.state_dir / "rollout-bulk"
-        return Path(unquote(urlparse(self.rollout_bulk_url).path))
+        return local_directory(self.rollout_bulk_url)
 
     def resolved_clickhouse_url(self) -> str:
         return self.clickhouse_url or f"chdb://{(self.state_dir / 'chdb').resolve()}"

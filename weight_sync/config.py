@@ -6,13 +6,12 @@ Connections (Redis, state_dir, the publish token) come from rtrl.config.StackSet
 from __future__ import annotations
 
 import re
-from pathlib import PurePosixPath
-from urllib.parse import unquote, urlparse
+from urllib.parse import urlparse
 
 from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import SettingsConfigDict
 
-from rtrl.config import RequiredSecret, Settings, StackSettings
+from rtrl.config import RequiredSecret, Settings, StackSettings, local_directory
 from rtrl.tls import TLSListener
 
 # S3's bucket naming rules, less the rarely used ones (no "..", no IP-address names).
@@ -124,14 +123,12 @@ class WeightSyncSettings(Settings, TLSListener):
         if scheme == "s3":
             split_s3_url(self.blob_url)
         elif scheme == "file":
-            parsed = urlparse(self.blob_url)
-            if (
-                parsed.netloc not in ("", "localhost")
-                or not PurePosixPath(unquote(parsed.path)).is_absolute()
-            ):
+            try:
+                local_directory(self.blob_url)
+            except ValueError:
                 raise ValueError(
                     f"blob_url {self.blob_url!r} must be file:///absolute/path (a local directory)"
-                )
+                ) from None
         elif self.blob_url:
             raise ValueError(
                 f"blob_url {self.blob_url!r} must be '' (<state_dir>/blobs), file:///absolute/path or s3://bucket/prefix"

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import unquote, urlparse
 
-from rtrl.config import StackSettings
+from rtrl.config import StackSettings, local_directory
 from rtrl.durable import write_durably
 from rtrl.weight_sync.config import WeightSyncSettings
 
@@ -196,7 +196,7 @@ def open_store(settings: WeightSyncSettings, stack: StackSettings) -> BlobStore:
     if not settings.blob_url:
         return LocalBlobStore(stack.state_dir / "blobs")
     if settings.blob_url.startswith("file:"):
-        return LocalBlobStore(Path(unquote(urlparse(settings.blob_url).path)))
+        return LocalBlobStore(local_directory(settings.blob_url))
     # Imported here so that the embedded stack, which never uses S3, does not load boto3.
     from rtrl.weight_sync.store_s3 import S3BlobStore
 
