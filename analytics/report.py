@@ -8,7 +8,9 @@ keep one value per id):
                      window closed without a persistence snapshot counts as not persisted.
   dissatisfied_rate  share of rewards with ``dissatisfied > 0`` (a follow-up classified as dissatisfied).
   reward_mean        mean scalar reward.
-  latency_p50_s      exact median of the rollouts' serving latency (rollouts table).
+  latency_p50_s      exact median of what the users waited (rollouts.wall_s: a completion's
+                     serving latency; an agent's trajectory from its first request to its
+                     last answer, tool time included).
   policy version     the highest version among a rollout's spans (it may span a swap).
   relative_change    (treatment - control) / control; None for counts or a zero control.
 ``last_half`` keeps rollouts whose event time is in the later half of the run's span
@@ -127,7 +129,7 @@ def arm_metrics(query_fn: QueryFn, since_ms: int | None = None) -> dict[str, Arm
         r["arm"]: r
         for r in query_fn(
             "SELECT arm, count() AS rollouts, "
-            "quantileExactInclusive(0.5)(latency_s) AS latency_p50_s "
+            "quantileExactInclusive(0.5)(wall_s) AS latency_p50_s "
             f"FROM rollouts FINAL{rollout_filter} GROUP BY arm"
         )
     }

@@ -56,6 +56,7 @@ COLUMNS: dict[str, tuple[str, ...]] = {
         "finish_reason",
         "traceparent",
         "context_key",
+        "wall_s",
     ),
     schema.TRAJECTORY_LINKS: (
         "rollout_id",
@@ -297,6 +298,7 @@ def rollout_row(r: rollout_pb2.RolloutRecord) -> Row:
             summary.finish_reason,
             r.traceparent,
             r.context_key,
+            r.wall_s or r.latency_s,
         ),
     )
 

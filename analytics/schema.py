@@ -80,7 +80,7 @@ REWARD_VALUES = {
 }
 ROLLOUT_VALUES = {
     "clarifying_question_rate": CLARIFYING_QUESTION,
-    "latency_s": "latency_s",
+    "latency_s": "wall_s",
 }
 
 # Columns a table gained after it was first created. CREATE TABLE IF NOT EXISTS leaves a
@@ -88,7 +88,9 @@ ROLLOUT_VALUES = {
 # adds these to it, which is a no-op where the CREATE already made them. Only ever appended,
 # like the proto fields they hold.
 ADDED_COLUMNS: dict[str, tuple[tuple[str, str], ...]] = {
-    ROLLOUTS: (("context_key", "String"),),
+    # wall_s: what the user waited (a trajectory's tool time included; latency_s for a record
+    # older than the field). The A/B latency is read from it.
+    ROLLOUTS: (("context_key", "String"), ("wall_s", "Float64")),
     # tool_names became each name once (it was every call's, beside tool_valid, which is
     # no longer written): a record whose bulk is out of band carries counts per name.
     TRAJECTORY_LINKS: (

@@ -216,7 +216,7 @@ class CompletionsApi:
             stream = await TokenStream.open(request, self.policy.decode, self._head(ask), ask.body)
             if ask.tools is not None and self.tool_family is not None:
                 parallel = isinstance(ask.body, ChatBody) and ask.body.parallel_tool_calls
-                stream.parse_calls(ask.tools, self._turn_index(ask), parallel)
+                stream.parse_calls(ask.tools, self.tool_family, self._turn_index(ask), parallel)
             await stream.relay(tokens, waiting)
         try:
             completion = await waiting

@@ -89,8 +89,11 @@ def trajectory_record(
     params: SequenceParams,
     latency_s: float,
     ttft_s: float,
+    wall_s: float | None = None,
 ) -> rollout_pb2.RolloutRecord:
-    """The record of ``trajectory`` (one turn, or an agent's link of several)."""
+    """The record of ``trajectory`` (one turn, or an agent's link of several). ``wall_s``:
+    what the user waited, when more than ``latency_s`` (a link's first request to its last
+    answer)."""
     record = rollout_pb2.RolloutRecord(
         event_id=str(uuid.uuid4()),
         rollout_id=context.rollout_id,
@@ -110,6 +113,7 @@ def trajectory_record(
             seed=params.seed,
         ),
         latency_s=latency_s,
+        wall_s=latency_s if wall_s is None else wall_s,
         time_to_first_token_s=ttft_s,
         traceparent=context.traceparent,
         client_id=context.client_id,

@@ -108,6 +108,10 @@ class Session:
     busy: bool = False
     last_used: float = field(default_factory=time.monotonic)
     opened: float = field(default_factory=time.monotonic)
+    link_opened: float = field(default_factory=time.monotonic)
+    """When the link's first request arrived (its wall time runs from here)."""
+    answered: float = 0.0
+    """When its last turn was answered."""
 
 
 @dataclass(frozen=True)
@@ -224,7 +228,7 @@ class Sessions:
         session.latency_s += completion.latency_s
         session.turns += 1
         session.busy = False
-        session.last_used = time.monotonic()
+        session.last_used = session.answered = time.monotonic()
         full = len(session.ids) >= self.max_tokens
         return full or session.turns >= self.settings.trajectory_max_turns
 
@@ -328,6 +332,7 @@ class Sessions:
         session.messages, session.ids, session.prompt_ids = [], [], ()
         session.segments, session.tool_calls = [], []
         session.kept, session.private, session.latency_s = None, False, 0.0
+        session.link_opened = time.monotonic()
 
     def _continuation(
         self, session: Session, new: Sequence[ChatMessage], tools: Sequence[Tool]
@@ -384,6 +389,7 @@ class Sessions:
             params=session.params,
             latency_s=session.latency_s,
             ttft_s=session.ttft_s,
+            wall_s=session.answered - session.link_opened,
         )
         recording = await self.publisher.seal(record)
         if isinstance(recording, Record):

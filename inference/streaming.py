@@ -23,7 +23,7 @@ from rtrl.inference.api import RequestBody
 from rtrl.inference.chat_messages import Tool
 from rtrl.inference.detokenize import IncrementalText
 from rtrl.inference.openai_errors import error_body
-from rtrl.inference.tool_calls import StreamingParser, Text
+from rtrl.inference.tool_calls import BangParser, StreamingParser, Text, parser
 from rtrl.inference.turns import call_id
 
 
@@ -72,11 +72,12 @@ class TokenStream:
         holdback = max((len(s) for s in body.stop_strings()), default=0)
         return cls(response, decode, head, holdback)
 
-    def parse_calls(self, tools: Sequence[Tool], turn: int, parallel: bool) -> None:
-        """Send the tool calls the policy writes as OpenAI's ``tool_calls`` deltas (each
-        whole, when its block closes), and only the text around them as content."""
+    def parse_calls(self, tools: Sequence[Tool], family: str, turn: int, parallel: bool) -> None:
+        """Send the tool calls the policy writes (in ``family``'s syntax) as OpenAI's
+        ``tool_calls`` deltas (each whole, when it closes), and only the text around them as
+        content."""
         names = {t.function.name for t in tools}
-        self._calls = _Calls(StreamingParser(names), self._head["rollout_id"], turn, parallel)
+        self._calls = _Calls(parser(family, names), self._head["rollout_id"], turn, parallel)
 
     async def relay(self, tokens: asyncio.Queue[SampledToken], waiting: asyncio.Future) -> None:
         """Send a chunk per token until the completion is done (or has failed)."""
@@ -141,7 +142,9 @@ class _Calls:
     """A turn's text through the tool-call parser, as content and ``tool_calls`` deltas:
     the calls answered (inference/turns.py), with the answer's ids and indices."""
 
-    def __init__(self, parser: StreamingParser, rollout_id: str, turn: int, parallel: bool) -> None:
+    def __init__(
+        self, parser: StreamingParser | BangParser, rollout_id: str, turn: int, parallel: bool
+    ) -> None:
         self._parser = parser
         self._parallel = parallel
         self._rollout_id = rollout_id

@@ -17,21 +17,33 @@ a JSON object, text after the object, a block the generation ended inside: each 
 call, marked invalid with the reason. A broken call that vanished would be the reward hack
 Cursor met: it would end the rollout without the negative reward a broken call earns.
 
-``StreamingParser`` gives the same calls and text whatever pieces the text arrives in
-(tests/inference/test_tool_calls.py splits every case at every point); ``parse`` is it fed
-the whole text at once. A block closes at the first ``</tool_call>`` after which its JSON
-is complete, so a literal ``</tool_call>`` inside an argument's string does not cut the
-call short; a block whose JSON is broken before its end closes at its first tag.
+The demo agent's template teaches a terser syntax, the "bang" family (BANG_MARK in the
+template selects it): a call is a line of its own, ``!name`` or ``!name {"arg": ...}``,
+and several such lines are parallel calls. A line that begins with ``!`` is always a call,
+valid or not; ``!`` anywhere else is text.
+
+``parser`` gives each family's streaming parser. Either gives the same calls and text
+whatever pieces the text arrives in (tests/inference/test_tool_calls.py splits every case
+at every point); ``parse`` is one fed the whole text at once.
+
+A Hermes block closes at the first ``</tool_call>`` after which its JSON is complete, so
+a literal ``</tool_call>`` inside an argument's string does not cut the call short; a block
+whose JSON is broken before its end closes at its first tag.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Collection
 from dataclasses import dataclass
+from typing import Any
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
+BANG_MARK = "rtrl-tool-calls: bang"
+"""A chat template holding this text (in a comment) teaches the bang family."""
 _DECODER = json.JSONDecoder()
+_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_.-]{0,63}")
 
 
 @dataclass(frozen=True)
@@ -72,16 +84,27 @@ class Parsed:
 
 
 def family_of(chat_template: str) -> str | None:
-    """The tool-call syntax a chat template teaches: "hermes", or None when it teaches none
-    this module parses (its turns are then text alone)."""
+    """The tool-call syntax a chat template teaches: "bang" or "hermes", or None when it
+    teaches none this module parses (its turns are then text alone)."""
+    if BANG_MARK in chat_template:
+        return "bang"
     return "hermes" if OPEN in chat_template and CLOSE in chat_template else None
 
 
-def parse(text: str, tools: Collection[str] | None) -> Parsed:
+def parser(family: str, tools: Collection[str] | None) -> StreamingParser | BangParser:
+    """A streaming parser of ``family``'s syntax (family_of)."""
+    if family == "bang":
+        return BangParser(tools)
+    if family == "hermes":
+        return StreamingParser(tools)
+    raise ValueError(f"no tool-call family {family!r}")
+
+
+def parse(text: str, tools: Collection[str] | None, family: str = "hermes") -> Parsed:
     """A whole turn's text: its content and its calls. ``tools``: the names the request
     offered (None: it offered none, and any call is invalid)."""
-    parser = StreamingParser(tools)
-    events = parser.feed(text) + parser.finish()
+    stream = parser(family, tools)
+    events = stream.feed(text) + stream.finish()
     return Parsed(
         content="".join(e.text for e in events if isinstance(e, Text)),
         calls=tuple(e.call for e in events if isinstance(e, Call)),
@@ -89,7 +112,8 @@ def parse(text: str, tools: Collection[str] | None) -> Parsed:
 
 
 class StreamingParser:
-    """One turn's text, piece by piece: ``feed`` each piece, then ``finish`` once."""
+    """One turn's text in the Hermes syntax, piece by piece: ``feed`` each piece, then
+    ``finish`` once."""
 
     def __init__(self, tools: Collection[str] | None) -> None:
         self._tools = tools
@@ -171,13 +195,75 @@ class StreamingParser:
                 pass
         if not isinstance(arguments, dict):
             return ParsedCall(name, block, False, "the arguments are not a JSON object")
-        arguments_json = json.dumps(arguments, ensure_ascii=False)
-        if self._tools is None:
-            return ParsedCall(name, arguments_json, False, "the request offered no tools")
-        if name not in self._tools:
-            offered = ", ".join(sorted(self._tools)) or "none"
-            return ParsedCall(name, arguments_json, False, f"no tool {name!r} (offered: {offered})")
-        return ParsedCall(name, arguments_json, True)
+        return _offered(name, arguments, self._tools)
+
+
+def _offered(name: str, arguments: dict[str, Any], tools: Collection[str] | None) -> ParsedCall:
+    """A well-formed call: valid when the request offered its tool."""
+    arguments_json = json.dumps(arguments, ensure_ascii=False)
+    if tools is None:
+        return ParsedCall(name, arguments_json, False, "the request offered no tools")
+    if name not in tools:
+        offered = ", ".join(sorted(tools)) or "none"
+        return ParsedCall(name, arguments_json, False, f"no tool {name!r} (offered: {offered})")
+    return ParsedCall(name, arguments_json, True)
+
+
+class BangParser:
+    """One turn's text in the bang syntax (the module's docstring), piece by piece: ``feed``
+    each piece, then ``finish`` once. Text is passed on as soon as its line cannot be a call;
+    a line that begins with ``!`` is held until its newline (or the generation's end)."""
+
+    def __init__(self, tools: Collection[str] | None) -> None:
+        self._tools = tools
+        self._line = ""
+        """The current line, while it may be a call (it begins with ``!``, or is empty)."""
+        self._text_line = False
+        """The current line is text: it began with something else."""
+        self._calls = 0
+
+    def feed(self, text: str) -> list[Event]:
+        events: list[Event] = []
+        while text:
+            cut = text.find("\n")
+            piece, text = (text, "") if cut < 0 else (text[: cut + 1], text[cut + 1 :])
+            if self._text_line:
+                StreamingParser._emit_text(piece, events)
+            else:
+                self._line += piece
+                if not self._line.startswith("!"):
+                    StreamingParser._emit_text(self._line, events)
+                    self._text_line, self._line = True, ""
+                elif self._line.endswith("\n"):
+                    self._close(self._line[:-1], events)
+            if piece.endswith("\n"):
+                self._text_line = False
+        return events
+
+    def finish(self) -> list[Event]:
+        events: list[Event] = []
+        if self._line:
+            self._close(self._line, events)
+        return events
+
+    def _close(self, line: str, events: list[Event]) -> None:
+        events.append(Call(self._calls, self._call(line[1:])))
+        self._calls += 1
+        self._line = ""
+
+    def _call(self, body: str) -> ParsedCall:
+        head, _, rest = body.partition(" ")
+        if _NAME.fullmatch(head) is None:
+            return ParsedCall("", body, False, "the call names no tool")
+        if not rest.strip():
+            return _offered(head, {}, self._tools)
+        try:
+            arguments = json.loads(rest)
+        except json.JSONDecodeError as exc:
+            return ParsedCall(head, rest, False, f"the arguments are not JSON: {exc}")
+        if not isinstance(arguments, dict):
+            return ParsedCall(head, rest, False, "the arguments are not a JSON object")
+        return _offered(head, arguments, self._tools)
 
 
 def _partial_tag(text: str) -> int:

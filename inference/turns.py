@@ -42,7 +42,7 @@ def answered_turn(
     ``family``: the checkpoint's tool-call syntax (tool_calls.family_of)."""
     if tools is None or family is None:
         return Turn(text, [], finish_reason), ()
-    parsed = parse(text, {t.function.name for t in tools})
+    parsed = parse(text, {t.function.name for t in tools}, family)
     recorded = []
     answered: list[dict[str, Any]] = []
     for index, call in enumerate(parsed.calls):

@@ -162,52 +162,42 @@ def status(
 def demo(
     minutes: float = typer.Option(6.0, help="How long the simulated product runs."),
     keep_running: bool = typer.Option(False, help="Leave the stack up afterwards."),
+    product: str = typer.Option(
+        "agent",
+        help="agent: an agent harness calling tools over several turns (reward a1); edits: "
+        "the single-turn product (reward r3).",
+    ),
     reward_fn: str | None = typer.Option(
         None,
-        help="Reward function to settle with (sets RTRL_STACK_REWARD_FN_VERSION; default r3). "
-        "r1 pays for asking instead of editing.",
+        help="Reward function to settle with (sets RTRL_STACK_REWARD_FN_VERSION). r1 pays for "
+        "asking instead of editing; a1h lets a broken tool call discard a rollout.",
     ),
     unique_prompts: bool = typer.Option(
         False,
-        help="No prompt is ever asked twice (a serial in every task), as in real traffic; the "
-        "trainer uses the context baseline (RTRL_TRAINER_BASELINE=context). Implies --fresh.",
+        help="edits: no prompt is ever asked twice (a serial in every task), as in real "
+        "traffic (the agent's prompts always are); the trainer uses the context baseline "
+        "(RTRL_TRAINER_BASELINE=context). Implies --fresh.",
     ),
     fresh: bool = FRESH,
 ) -> None:
     """Start the stack, run the simulated product with live progress, print the A/B table
     and the reward-hacking alerts."""
-    import os
+    from rtrl.ops.demo import run_demo
 
-    from rtrl.ops.demo import prepare_unique_prompts, print_hacking_report, run_product
-    from rtrl.ops.lifecycle import StackError
-    from rtrl.ops.lifecycle import down as stop
-    from rtrl.ops.lifecycle import up as start
-    from rtrl.ops.stack import StackConfig
-
-    if reward_fn is not None:
-        os.environ["RTRL_STACK_REWARD_FN_VERSION"] = reward_fn
-    console.print(f"reward function: {StackConfig().reward_fn_version}")
-    if unique_prompts:
-        prepare_unique_prompts(_state_dir(), console)
-    try:
-        stack = start(_state_dir(), console, fresh=fresh or unique_prompts)
-    except StackError as exc:
-        console.print(f"[red]{exc}[/]")
-        raise typer.Exit(1) from None
-    try:
-        stats = run_product(stack, minutes * 60, console, unique_prompts=unique_prompts)
-        _finish_report(stack, stats)
-        print_hacking_report(stack, stats, console)
-    finally:
-        if not keep_running:
-            stop(_state_dir(), console)
-
-
-def _finish_report(stack, stats) -> None:
-    from rtrl.ops.reporting import drain, print_report
-
-    drain(stack, stats, console)
-    print_report(stack, console)
+    if product not in ("agent", "edits"):
+        raise typer.BadParameter("agent or edits", param_hint="--product")
+    code = run_demo(
+        _state_dir(),
+        console,
+        product=product,
+        minutes=minutes,
+        keep_running=keep_running,
+        reward_fn=reward_fn,
+        unique_prompts=unique_prompts,
+        fresh=fresh,
+    )
+    if code:
+        raise typer.Exit(code)
 
 
 @app.command()

@@ -8,11 +8,12 @@ import statistics
 import time
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import redis
 from rich.console import Console, Group
 from rich.live import Live
-from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
 from rtrl import heartbeat
@@ -22,6 +23,7 @@ from rtrl.ops.reporting import landed, query_function
 from rtrl.ops.stack import StackFile
 from rtrl.ops.status_view import alerts_table, hacking_alerts
 from rtrl.reward_stream.monitors import DRIFT
+from rtrl.simulator.agent_product import AgentProduct
 from rtrl.simulator.product import DEFAULT_CLIENTS, Product, ProductStats
 
 
@@ -171,11 +173,94 @@ def simulator_key(stack: StackFile, clients: int = DEFAULT_CLIENTS) -> str:
     )  # fmt: skip
 
 
+AGENT_TRAINER: dict[str, str] = {
+    "RTRL_TRAINER_BASELINE": "context",
+    "RTRL_TRAINER_EVAL_SUITE": "rtrl.simulator.agent_suite:agent_suite",
+}
+"""The trainer's settings for the agentic demo wherever the environment sets none: its
+prompts are unique, so the context baseline (the product's context_key: the project); its eval
+suite plays held-out tasks as the agent (simulator/agent_suite.py)."""
+
+
+def prepare_agent(state_dir: Path, console: Console) -> Path:
+    """Set the agentic demo's trainer settings and reward (a1 unless one is set) for the stack
+    about to start, and warm-start its policy here (cached): the model directory to serve."""
+    from rtrl.simulator.agent_warmstart import AGENT_POLICY, AgentRecipe
+    from rtrl.simulator.warmstart import ensure_warm_start
+    from rtrl.trainer.config import TrainerSettings
+
+    os.environ.update({k: os.environ.get(k, v) for k, v in AGENT_TRAINER.items()})
+    os.environ.setdefault("RTRL_STACK_REWARD_FN_VERSION", "a1")
+    recipe = AgentRecipe(seed=TrainerSettings().seed)
+    with Progress(
+        TextColumn("[bold]warm start[/] of the agent {task.description}"),
+        BarColumn(),
+        TextColumn("{task.completed}/{task.total}"),
+        TimeElapsedColumn(),
+        console=console,
+    ) as progress:
+        task = progress.add_task("(cached after the first run)", total=recipe.max_steps)
+
+        def on_step(step: int, total: int, loss: float) -> None:
+            progress.update(task, completed=step, total=total, description=f"loss {loss:.3f}")
+
+        return ensure_warm_start(
+            state_dir.resolve(), on_step, policy_config=AGENT_POLICY, recipe=recipe
+        )
+
+
+def run_demo(
+    state_dir: Path,
+    console: Console,
+    *,
+    product: str,
+    minutes: float,
+    keep_running: bool,
+    reward_fn: str | None,
+    unique_prompts: bool,
+    fresh: bool,
+) -> int:
+    """``rtrl demo``: the stack up, the product run, the A/B table and the reward-hacking
+    alerts; the exit code (1 when the stack did not start)."""
+    from rtrl.ops.lifecycle import StackError
+    from rtrl.ops.lifecycle import down as stop
+    from rtrl.ops.lifecycle import up as start
+    from rtrl.ops.reporting import drain, print_report
+    from rtrl.ops.stack import StackConfig
+
+    if reward_fn is not None:
+        os.environ["RTRL_STACK_REWARD_FN_VERSION"] = reward_fn
+    agent = product == "agent"
+    model_dir = prepare_agent(state_dir, console) if agent else None
+    console.print(f"product: {product}, reward function: {StackConfig().reward_fn_version}")
+    if unique_prompts and not agent:
+        prepare_unique_prompts(state_dir, console)
+    try:
+        stack = start(
+            state_dir, console, fresh=fresh or unique_prompts or agent, model_dir=model_dir
+        )
+    except StackError as exc:
+        console.print(f"[red]{exc}[/]")
+        return 1
+    try:
+        options: dict[str, Any] = {"unique_prompts": unique_prompts}
+        stats = run_product(stack, minutes * 60, console, agent=agent, **options)
+        drain(stack, stats, console)
+        print_report(stack, console)
+        print_hacking_report(stack, stats, console)
+    finally:
+        if not keep_running:
+            stop(state_dir, console)
+    return 0
+
+
 def run_product(
-    stack: StackFile, duration_s: float, console: Console, **product_options
+    stack: StackFile, duration_s: float, console: Console, *, agent: bool = False, **product_options
 ) -> ProductStats:
     clients = product_options.setdefault("clients", DEFAULT_CLIENTS)
-    product = Product(
+    if agent:
+        product_options.pop("unique_prompts", None)
+    product = (AgentProduct if agent else Product)(
         stack.urls("inference", "RTRL_INFERENCE_HTTP_PORT"),
         stack.urls("ingest", "RTRL_INGEST_HTTP_PORT")[0],
         api_key=simulator_key(stack, clients),

@@ -111,7 +111,7 @@ def create_app(settings: RewardStreamSettings, stack: StackSettings) -> faust.Ap
 def _joiner(settings: RewardStreamSettings) -> Joiner:
     return Joiner(
         settings.join_config(),
-        settings.reward_fn_version,
+        settings.settled_version(),
         settings.reward_seal(),
         Authenticator.of(settings),
         late_signer=settings.late_seal(),

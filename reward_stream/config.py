@@ -7,6 +7,7 @@ from pydantic_settings import SettingsConfigDict
 
 from rtrl import signing
 from rtrl.config import MacKey, MacKeys, RequiredSecret, Settings, StackSettings
+from rtrl.reward_stream.effort import EffortCurve
 from rtrl.reward_stream.join import JoinConfig
 
 
@@ -87,8 +88,20 @@ class RewardStreamSettings(Settings):
     the joiner refuses to start without one (`rtrl up` generates it)."""
 
     reward_fn_version: str = "r3"
-    """Reward function the live stream settles with (reward_stream/reward.py: r1, r2, r3).
-    Changing it changes every reward_id; recompute history with reward_stream.replay."""
+    """Reward function the live stream settles with (reward_stream/reward.py: r1, r2, r3, and
+    a1, a1h for an agent). Changing it changes every reward_id; recompute history with
+    reward_stream.replay."""
+
+    effort_curve: EffortCurve | None = None
+    """The effort penalty's curve for a1 and a1h, as JSON (reward_stream/effort.py's fields,
+    e.g. ``{"weight": 0.02, "turns": 1}``); unset: a1's own. A curve of its own makes a version
+    of its own: rewards name it ``a1@<digest>`` (settled_version)."""
+
+    def settled_version(self) -> str:
+        """The version the joiner writes on every reward: reward_fn_version over effort_curve."""
+        from rtrl.reward_stream.reward import with_curve
+
+        return with_curve(self.reward_fn_version, self.effort_curve)
 
     @model_validator(mode="after")
     def _check(self) -> RewardStreamSettings:
@@ -101,6 +114,8 @@ class RewardStreamSettings(Settings):
             raise ValueError(
                 f"reward_fn_version {self.reward_fn_version!r} is not one of {sorted(FUNCTIONS)}"
             )
+        if self.effort_curve is not None and self.reward_fn_version not in ("a1", "a1h"):
+            raise ValueError(f"effort_curve shapes a1 and a1h only, not {self.reward_fn_version!r}")
         return self
 
     def required_secrets(self, stack: StackSettings) -> list[RequiredSecret]:

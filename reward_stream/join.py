@@ -151,7 +151,7 @@ class Event:
     False while the runtime knows of later records still to come (a backlog)."""
     raw: bytes | None = field(default=None, compare=False, repr=False)
     """The record's value as read, kept for RolloutRecords so their reward can carry
-    the rollout without encoding it again (reward.encode_with_rollout)."""
+    the rollout without encoding it again (reward_wire.encode_with_rollout)."""
     link: tuple[int, bool] | None = None
     """A RolloutRecord that is one link of an agent's chain: (position, final)."""
 

@@ -84,19 +84,34 @@ scores persisted_fraction 0.0 instead of the neutral default.
 * An edit whose telemetry was lost still has code in its completion, so it keeps
   r1's neutral 0.5 and is pushed neither up nor down, as in r1.
 
-So r2 lies in [-2.5, 1.0] and r1, r3 in [-1.05, 1.0]. A reward is ``defaulted`` when no user signal
-(persistence snapshot, follow-up or edit outcome) was joined, i.e. it rests only on
-the defaults above.
+Reward functions a1 (the agentic product's default) and a1h (hackable):
+
+    reward = persisted_fraction (as r3: nothing persists without an edit)
+             - 0.5 * dissatisfied
+             - 1.25 * (1 - tool_call_validity)
+             - effort_penalty_a1
+
+* effort_penalty_a1: reward_stream/effort.py, a square over generated tokens, tool calls,
+  turns and tool I/O (A1_EFFORT; a configured curve is a version of its own: with_curve).
+* A broken tool call is a negative example: its weight is r2's, so breaking a call never
+  beats an honest edit.
+* a1h scores the same, but a rollout with a broken call is ``discarded``: kept from training
+  instead of scored, as Cursor's first agent reward did. A policy then learns to break a
+  call where an honest attempt would be scored badly (the monitors' broken-call alert).
+
+So r2 lies in [-2.5, 1.0], r1, r3 in [-1.05, 1.0] and a1, a1h in [-2.25, 1.0]. A reward is
+``defaulted`` when no user signal (persistence snapshot, follow-up or edit outcome) was
+joined, i.e. it rests only on the defaults above.
 """
 
 from __future__ import annotations
 
-import hashlib
 import math
-import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from rtrl.reward_stream.effort import A1_EFFORT, EffortCurve
+from rtrl.reward_stream.reward_wire import reward_id
 from rtrl.reward_stream.signals import (
     dissatisfaction,
     has_code,
@@ -107,6 +122,7 @@ from rtrl.trajectory_summary import Summary
 from rtrl.v1 import reward_pb2, rollout_pb2, telemetry_pb2
 
 REWARD_FN_VERSION = "r3"
+_REJECTED = telemetry_pb2.EditOutcome.OUTCOME_REJECTED
 PERSISTENCE_DEFAULT = 0.5
 DISSATISFIED_WEIGHT = 0.5
 INVALID_TOOL_WEIGHT = 0.5
@@ -122,12 +138,6 @@ EFFORT_CAP_R2 = 0.5
 LATENCY_BUDGET_S = 2.0
 LATENCY_WEIGHT = 0.05
 LATENCY_CAP = 0.25
-
-# Fixed namespace so reward ids are stable across processes and releases.
-REWARD_ID_NAMESPACE = uuid.uuid5(uuid.NAMESPACE_URL, "https://rtrl/reward_id")
-_NAMESPACE_BYTES = REWARD_ID_NAMESPACE.bytes
-
-_REJECTED = telemetry_pb2.EditOutcome.OUTCOME_REJECTED
 
 
 def _newest(
@@ -283,12 +293,45 @@ def _user_components(
     return reward_pb2.RewardComponents(
         followup_observed=bool(followups),
         tool_call_validity=1.0 - summary.invalid_tool_calls / calls if calls else 1.0,
-        latency_s=rollout.latency_s,
+        latency_s=rollout.wall_s or rollout.latency_s,
         persisted_fraction=persisted_fraction,
         persistence_observed=persistence_observed,
         dissatisfied=dissatisfied,
         effort_penalty=effort_penalty,
     )
+
+
+def components_a1(
+    curve: EffortCurve,
+) -> Callable[
+    [rollout_pb2.RolloutRecord, Sequence[telemetry_pb2.TelemetryEvent]],
+    reward_pb2.RewardComponents,
+]:
+    """The a1 components over ``curve``: r3's, with the curve's effort penalty."""
+
+    def parts(
+        rollout: rollout_pb2.RolloutRecord, telemetry: Sequence[telemetry_pb2.TelemetryEvent]
+    ) -> reward_pb2.RewardComponents:
+        out = components_r3(rollout, telemetry)
+        out.effort_penalty = curve.penalty(Summary.of(rollout))
+        return out
+
+    return parts
+
+
+def reward_a1(c: reward_pb2.RewardComponents) -> float:
+    """The a1 scalar (see the module docstring); in [-2.25, 1.0]."""
+    return (
+        c.persisted_fraction
+        - DISSATISFIED_WEIGHT * c.dissatisfied
+        - INVALID_TOOL_WEIGHT_R2 * (1.0 - c.tool_call_validity)
+        - c.effort_penalty
+    )
+
+
+def broken_call(c: reward_pb2.RewardComponents) -> bool:
+    """A rollout a1h discards: it made a broken tool call."""
+    return c.tool_call_validity < 1.0
 
 
 @dataclass(frozen=True)
@@ -301,6 +344,17 @@ class RewardFunction:
         reward_pb2.RewardComponents,
     ]
     scalar: Callable[[reward_pb2.RewardComponents], float]
+    discards: Callable[[reward_pb2.RewardComponents], bool] | None = None
+    """Which rollouts it keeps from training instead of scoring (None: none)."""
+
+
+def _agentic(version: str, curve: EffortCurve) -> tuple[RewardFunction, RewardFunction]:
+    """a1 and its hackable twin a1h over ``curve``, named ``version`` and ``version`` + h."""
+    parts = components_a1(curve)
+    return (
+        RewardFunction(version, parts, reward_a1),
+        RewardFunction(version.replace("a1", "a1h", 1), parts, reward_a1, broken_call),
+    )
 
 
 FUNCTIONS = {
@@ -309,22 +363,29 @@ FUNCTIONS = {
         RewardFunction("r1", components, reward),
         RewardFunction("r2", components_r2, reward_r2),
         RewardFunction("r3", components_r3, reward),
+        *_agentic("a1", A1_EFFORT),
     )
 }
 
 
-def reward_id(rollout_id: str, event_ids: Sequence[str], version: str = REWARD_FN_VERSION) -> str:
-    """Same rollout, same contributing events, same reward function => same id.
+_CONFIGURED: dict[str, RewardFunction] = {}
+"""Versions over a configured effort curve (with_curve), beside the built-in FUNCTIONS."""
 
-    The RFC 4122 version-5 UUID of the name in REWARD_ID_NAMESPACE, exactly as
-    ``str(uuid.uuid5(...))`` gives it, without building a UUID object (a third of
-    the cost of a reward record on the joiner's hot path)."""
-    name = "\x1f".join((version, rollout_id, *sorted(event_ids)))
-    digest = bytearray(hashlib.sha1(_NAMESPACE_BYTES + name.encode()).digest()[:16])
-    digest[6] = (digest[6] & 0x0F) | 0x50  # version 5
-    digest[8] = (digest[8] & 0x3F) | 0x80  # RFC 4122 variant
-    h = digest.hex()
-    return f"{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}"
+
+def with_curve(version: str, curve: EffortCurve | None) -> str:
+    """The version that settles as ``version`` over ``curve``: itself for a function without a
+    curve or with the default one, else ``a1@<curve digest>`` (or a1h's), known from now on to
+    function_of."""
+    if curve is None or curve == A1_EFFORT or version not in ("a1", "a1h"):
+        return version
+    for function in _agentic(f"a1@{curve.digest()}", curve):
+        _CONFIGURED.setdefault(function.version, function)
+    return f"{version}@{curve.digest()}"
+
+
+def function_of(version: str) -> RewardFunction:
+    """The reward function a version names (KeyError for one never built here)."""
+    return FUNCTIONS.get(version) or _CONFIGURED[version]
 
 
 def is_defaulted(telemetry: Sequence[telemetry_pb2.TelemetryEvent]) -> bool:
@@ -358,7 +419,7 @@ def reward_record(
 
     ``with_rollout=False`` leaves the rollout field empty, for a caller that splices
     the rollout's original bytes in (encode_with_rollout)."""
-    function = FUNCTIONS[version]
+    function = function_of(version)
     telemetry = from_its_client(rollout, telemetry)
     parts = function.components(rollout, telemetry)
     event_ids = sorted(
@@ -370,6 +431,7 @@ def reward_record(
         components=parts,
         reward=function.scalar(parts),
         reward_fn_version=version,
+        discarded=function.discards is not None and function.discards(parts),
         defaulted=is_defaulted(telemetry),
         last_event_ts_ms=max((rollout.client_ts_ms, *(e.client_ts_ms for e in telemetry))),
         settled_ts_ms=settled_ts_ms,
@@ -394,30 +456,3 @@ def link_rewards(
         )
         out.append(each)
     return out
-
-
-_ROLLOUT_KEY = bytes([reward_pb2.RewardRecord.ROLLOUT_FIELD_NUMBER << 3 | 2])  # length-delimited
-
-
-def encode_with_rollout(record: reward_pb2.RewardRecord, rollout_bytes: bytes) -> bytes:
-    """``record`` (built with_rollout=False) serialized with ``rollout_bytes`` as its rollout.
-
-    The same message as setting the field and serializing, since a protobuf parser
-    accepts fields in any order, but without copying the rollout (its token ids and
-    log-probs are most of a reward's bytes) and encoding it again: on the joiner's hot
-    path that was a fifth of a reward's cost. The rollout also keeps exactly the bytes
-    the inference worker wrote, fields this version does not know included."""
-    if record.HasField("rollout"):
-        raise ValueError("record already holds a rollout; build it with with_rollout=False")
-    return b"".join(
-        (record.SerializeToString(), _ROLLOUT_KEY, _varint(len(rollout_bytes)), rollout_bytes)
-    )
-
-
-def _varint(n: int) -> bytes:
-    out = bytearray()
-    while n > 0x7F:
-        out.append(n & 0x7F | 0x80)
-        n >>= 7
-    out.append(n)
-    return bytes(out)

@@ -32,7 +32,7 @@ from dataclasses import asdict, dataclass
 from opentelemetry import trace
 
 from rtrl import heartbeat, kafka, signing, spans, topics
-from rtrl.reward_stream import join, monitors, reward
+from rtrl.reward_stream import join, monitors, reward, reward_wire
 from rtrl.reward_stream.authn import Authenticator
 from rtrl.reward_stream.codec import (
     MalformedEvent,
@@ -322,7 +322,7 @@ class Joiner:
                 ]
                 for each, event in rewards:
                     assert event.raw is not None  # decode() keeps every rollout's bytes
-                    value = reward.encode_with_rollout(each, event.raw)
+                    value = reward_wire.encode_with_rollout(each, event.raw)
                     headers = tuple(kafka.traceparent_headers(each.traceparent))
                     if self.signer is not None:
                         headers += self.signer.headers(value)

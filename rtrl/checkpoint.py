@@ -322,8 +322,32 @@ DEMO_CHAT_TEMPLATE = (
 )
 """The demo policy knows no roles: a chat is its messages' text, after BOS."""
 
+AGENT_CHAT_TEMPLATE = (
+    "{#- rtrl-tool-calls: bang -#}"
+    "{{- bos_token -}}"
+    "{%- for message in messages -%}"
+    "{%- if message['role'] == 'assistant' -%}"
+    "{{- message['content'] or '' -}}"
+    "{%- for call in message.get('tool_calls') or [] -%}"
+    "!{{ call['function']['name'] }}"
+    "{%- if call['function']['arguments'] %} {{ call['function']['arguments'] | tojson }}"
+    "{%- endif %}{{ '\\n' }}"
+    "{%- endfor -%}"
+    "{{- eos_token -}}"
+    "{%- elif message['role'] == 'tool' -%}"
+    "={{ message['content'] }}{{ '\\n' }}"
+    "{%- else -%}"
+    "{{- message['content'] -}}"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+)
+"""The demo agent's template (simulator/agent.py): a user's message as its text, an assistant
+turn as its text, then a line ``!name`` (with any arguments as JSON) per tool call, then the
+end token; a tool's answer as ``=`` and its text on a line. BANG_MARK
+(inference/tool_calls.py) tells the serving API to parse calls in that syntax."""
 
-def demo_tokenizer() -> PreTrainedTokenizerFast:
+
+def demo_tokenizer(chat_template: str = DEMO_CHAT_TEMPLATE) -> PreTrainedTokenizerFast:
     """The demo policy's character vocabulary (rtrl.policy.encode) as a tokenizer: a BPE
     model without merges is one token per character; BOS is added in front."""
     vocab = {"<pad>": policy.PAD, "<s>": policy.BOS, "</s>": policy.EOS}
@@ -336,17 +360,20 @@ def demo_tokenizer() -> PreTrainedTokenizerFast:
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>", pad_token="<pad>"
     )
-    fast.chat_template = DEMO_CHAT_TEMPLATE
+    fast.chat_template = chat_template
     return fast
 
 
 def write_demo_checkpoint(
-    out_dir: Path, weights: Mapping[str, torch.Tensor], config: policy.PolicyConfig
+    out_dir: Path,
+    weights: Mapping[str, torch.Tensor],
+    config: policy.PolicyConfig,
+    chat_template: str = DEMO_CHAT_TEMPLATE,
 ) -> Path:
     """Save the demo policy with ``weights`` as a model directory at ``out_dir``."""
     model = policy.build_model(config)
     policy.load_weights(model, dict(weights))
     out_dir.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out_dir, safe_serialization=True)
-    demo_tokenizer().save_pretrained(out_dir)
+    demo_tokenizer(chat_template).save_pretrained(out_dir)
     return out_dir

@@ -123,7 +123,7 @@ def faust_credentials(settings: StackSettings):
     return SSLCredentials(context) if context is not None else None
 
 
-# A reward record carries its rollout's bytes (reward_stream.reward.encode_with_rollout) plus
+# A reward record carries its rollout's bytes (reward_stream.reward_wire.encode_with_rollout) plus
 # its own fields: a rollout is recorded only if this much room is left for them under the
 # stack's kafka_max_record_bytes, so the reward built on it can be written too.
 REWARD_ROOM_BYTES = 64 * 1024

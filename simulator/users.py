@@ -81,6 +81,16 @@ class User:
     privacy_mode: bool = False
     own_style: Style | None = None
     """The style a user of the mixed project insists on (None elsewhere)."""
+    writes_style_down: bool = False
+    """A mixed-project user whose editor configuration and files show their style, so an
+    agent that reads them can tell it (the agentic product: simulator/agent.py); half of
+    them do."""
+
+    @property
+    def written_style(self) -> Style | None:
+        """What reading this user's configuration and files tells: their style if they write
+        it down, else nothing (the projects with a house style leave it unwritten)."""
+        return self.own_style if self.writes_style_down else None
 
     @property
     def house_style(self) -> Style:
@@ -115,11 +125,18 @@ def population(size: int, seed: int = 7, privacy_share: float = 0.0) -> list[Use
         )
         private = rng.random() < privacy_share
         if project == MIXED_PROJECT:
-            own = PROJECT_STYLES[
-                sum(u.project == MIXED_PROJECT for u in users) % len(PROJECT_STYLES)
-            ]
+            mixed = sum(u.project == MIXED_PROJECT for u in users)
+            own = PROJECT_STYLES[mixed % len(PROJECT_STYLES)]
+            written = mixed // len(PROJECT_STYLES) % 2 == 0
             users.append(
-                User(f"user-{seed}-{i:04d}", project, frozenset(PEEVES), private, own_style=own)
+                User(
+                    f"user-{seed}-{i:04d}",
+                    project,
+                    frozenset(PEEVES),
+                    private,
+                    own_style=own,
+                    writes_style_down=written,
+                )
             )
         else:
             users.append(User(f"user-{seed}-{i:04d}", project, peeves, private))

@@ -47,6 +47,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -55,7 +56,7 @@ from safetensors.torch import load_file
 import rtrl.policy
 import rtrl.simulator.tasks
 import rtrl.trainer.sampling
-from rtrl.checkpoint import write_demo_checkpoint
+from rtrl.checkpoint import DEMO_CHAT_TEMPLATE, write_demo_checkpoint
 from rtrl.policy import EOS, PAD, PolicyConfig, build_model, decode, encode, state_dict_fp32
 from rtrl.simulator.tasks import (
     MIXED_PROJECT,
@@ -106,6 +107,54 @@ class WarmStartRecipe:
                 f"is not a positive multiple of {len(PROJECT_STYLES)} styles"
             )
 
+    chat_template = DEMO_CHAT_TEMPLATE
+
+    def batch(self, rng: random.Random) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return _batch(rng, self)
+
+    def ready(self, model: torch.nn.Module, step: int) -> bool:
+        return _well_formed(model, self, step)
+
+    def quality(self, model: torch.nn.Module) -> PolicyQuality:
+        return measure(model, unique_prompts=self.unique_prompts)
+
+    def sources(self) -> list[Path]:
+        modules = (rtrl.simulator.tasks, rtrl.policy, rtrl.trainer.sampling)
+        return [Path(inspect.getfile(m)) for m in modules] + [Path(__file__)]
+
+
+class Curriculum(Protocol):
+    """What a warm start trains on (WarmStartRecipe; the agent's: simulator/agent_warmstart.py)."""
+
+    @property
+    def lr(self) -> float: ...
+    @property
+    def warmup_steps(self) -> int: ...
+    @property
+    def max_steps(self) -> int: ...
+    @property
+    def context_aux_weight(self) -> float: ...
+    @property
+    def seed(self) -> int: ...
+    @property
+    def chat_template(self) -> str: ...
+
+    def batch(self, rng: random.Random) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Token ids [B, L], completion-target mask [B, L-1], project of each row [B]."""
+        ...
+
+    def ready(self, model: torch.nn.Module, step: int) -> bool:
+        """Whether training may stop after ``step``."""
+        ...
+
+    def quality(self, model: torch.nn.Module) -> Any:
+        """How the trained policy does (a dataclass, kept in warmstart.json)."""
+        ...
+
+    def sources(self) -> list[Path]:
+        """The files whose code defines what it trains (part of the cache key)."""
+        ...
+
 
 @dataclass(frozen=True)
 class PolicyQuality:
@@ -125,31 +174,24 @@ class WarmStartStats:
     steps: int
     seconds: float
     final_loss: float
-    quality: PolicyQuality
+    quality: Any
 
 
-def _sources_digest() -> str:
-    digest = hashlib.sha256()
-    for module in (rtrl.simulator.tasks, rtrl.policy, rtrl.trainer.sampling):
-        digest.update(Path(inspect.getfile(module)).read_bytes())
-    digest.update(Path(__file__).read_bytes())
-    return digest.hexdigest()
-
-
-def cache_key(policy_config: PolicyConfig, recipe: WarmStartRecipe) -> str:
+def cache_key(policy_config: PolicyConfig, recipe: Curriculum) -> str:
     """Changes with the model shape, the recipe (seed included) and the code that
     defines the task, the model, the sampler used for stopping, and this file."""
     digest = hashlib.sha256()
     digest.update(policy_config.fingerprint().encode())
     digest.update(repr(recipe).encode())
-    digest.update(_sources_digest().encode())
+    for source in recipe.sources():
+        digest.update(hashlib.sha256(source.read_bytes()).digest())
     return digest.hexdigest()[:16]
 
 
 def cache_path(
     state_dir: Path,
     policy_config: PolicyConfig = PolicyConfig(),
-    recipe: WarmStartRecipe = WarmStartRecipe(),
+    recipe: Curriculum = WarmStartRecipe(),
 ) -> Path:
     """The warm start's model directory (rtrl.checkpoint: config, weights, tokenizer)."""
     return Path(state_dir) / "cache" / f"warmstart-{cache_key(policy_config, recipe)}"
@@ -242,7 +284,7 @@ def _batch(
 
 def train(
     policy_config: PolicyConfig = PolicyConfig(),
-    recipe: WarmStartRecipe = WarmStartRecipe(),
+    recipe: Curriculum = WarmStartRecipe(),
     progress: Progress | None = None,
 ) -> tuple[torch.nn.Module, WarmStartStats]:
     """Teacher-forced cross-entropy on completion tokens (and EOS) only."""
@@ -257,7 +299,7 @@ def train(
     while step < recipe.max_steps:
         for group in optimizer.param_groups:
             group["lr"] = recipe.lr * min(1.0, (step + 1) / recipe.warmup_steps)
-        loss, total = _losses(model, project_head, *_batch(rng, recipe), recipe.context_aux_weight)
+        loss, total = _losses(model, project_head, *recipe.batch(rng), recipe.context_aux_weight)
         optimizer.zero_grad(set_to_none=True)
         total.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -266,7 +308,7 @@ def train(
         loss_value = loss.item()
         if progress is not None:
             progress(step, recipe.max_steps, loss_value)
-        if _well_formed(model, recipe, step):
+        if recipe.ready(model, step):
             break
     if progress is not None and step < recipe.max_steps:
         progress(recipe.max_steps, recipe.max_steps, loss_value)
@@ -276,7 +318,7 @@ def train(
         steps=step,
         seconds=seconds,
         final_loss=loss_value,
-        quality=measure(model, unique_prompts=recipe.unique_prompts),
+        quality=recipe.quality(model),
     )
 
 
@@ -325,7 +367,7 @@ def ensure_warm_start(
     progress: Progress | None = None,
     *,
     policy_config: PolicyConfig = PolicyConfig(),
-    recipe: WarmStartRecipe = WarmStartRecipe(),
+    recipe: Curriculum = WarmStartRecipe(),
     threads: int = 2,
 ) -> Path:
     """The cached warm-start policy as a model directory, trained first if missing.
@@ -350,7 +392,7 @@ def ensure_warm_start(
             torch.set_num_threads(previous_threads)
         tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
         shutil.rmtree(tmp, ignore_errors=True)
-        write_demo_checkpoint(tmp, state_dict_fp32(model), policy_config)
+        write_demo_checkpoint(tmp, state_dict_fp32(model), policy_config, recipe.chat_template)
         metadata = {"cache_key": cache_key(policy_config, recipe), "stats": asdict(stats)}
         (tmp / "warmstart.json").write_text(json.dumps(metadata, indent=1))
         os.replace(tmp, path)

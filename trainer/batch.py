@@ -37,6 +37,7 @@ class Drop(enum.StrEnum):
     FORGED = "forged"  # a signature that does not verify, or by an unknown key (dead-lettered)
     BULK_UNAVAILABLE = "bulk_unavailable"  # its bulk is not in the rollout store (rtrl/bulk.py)
     BULK_CORRUPT = "bulk_corrupt"  # the stored bulk is not the one its record names
+    DISCARDED = "discarded"  # its reward function keeps it from training (a1h: a broken call)
 
 
 # Produced by to_sample from a consumed RewardRecord; consumed by collate.
@@ -99,6 +100,8 @@ def to_sample(
     rollout = record.rollout
     if rollout.arm != common_pb2.ARM_TREATMENT:
         return Drop.CONTROL_ARM
+    if record.discarded:
+        return Drop.DISCARDED
     if Summary.of(rollout).generated_tokens == 0:
         return Drop.EMPTY
     trajectory = _trainable(rollout, vocab_size)

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from rtrl.v1 import rollout_pb2 as rtrl_dot_v1_dot_rollout__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14rtrl/v1/reward.proto\x12\x07rtrl.v1\x1a\x15rtrl/v1/rollout.proto\"\xc4\x01\n\x10RewardComponents\x12\x1a\n\x12persisted_fraction\x18\x01 \x01(\x01\x12\x1c\n\x14persistence_observed\x18\x02 \x01(\x08\x12\x14\n\x0c\x64issatisfied\x18\x03 \x01(\x01\x12\x19\n\x11\x66ollowup_observed\x18\x04 \x01(\x08\x12\x1a\n\x12tool_call_validity\x18\x05 \x01(\x01\x12\x16\n\x0e\x65\x66\x66ort_penalty\x18\x06 \x01(\x01\x12\x11\n\tlatency_s\x18\x07 \x01(\x01\"\xa4\x02\n\x0cRewardRecord\x12\x11\n\treward_id\x18\x01 \x01(\t\x12\x12\n\nrollout_id\x18\x02 \x01(\t\x12\'\n\x07rollout\x18\x03 \x01(\x0b\x32\x16.rtrl.v1.RolloutRecord\x12-\n\ncomponents\x18\x04 \x01(\x0b\x32\x19.rtrl.v1.RewardComponents\x12\x0e\n\x06reward\x18\x05 \x01(\x01\x12\x19\n\x11reward_fn_version\x18\x06 \x01(\t\x12\x11\n\tdefaulted\x18\x07 \x01(\x08\x12\x18\n\x10last_event_ts_ms\x18\x08 \x01(\x03\x12\x15\n\rsettled_ts_ms\x18\t \x01(\x03\x12\x11\n\tevent_ids\x18\n \x03(\t\x12\x13\n\x0btraceparent\x18\x0b \x01(\tb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14rtrl/v1/reward.proto\x12\x07rtrl.v1\x1a\x15rtrl/v1/rollout.proto\"\xc4\x01\n\x10RewardComponents\x12\x1a\n\x12persisted_fraction\x18\x01 \x01(\x01\x12\x1c\n\x14persistence_observed\x18\x02 \x01(\x08\x12\x14\n\x0c\x64issatisfied\x18\x03 \x01(\x01\x12\x19\n\x11\x66ollowup_observed\x18\x04 \x01(\x08\x12\x1a\n\x12tool_call_validity\x18\x05 \x01(\x01\x12\x16\n\x0e\x65\x66\x66ort_penalty\x18\x06 \x01(\x01\x12\x11\n\tlatency_s\x18\x07 \x01(\x01\"\xb7\x02\n\x0cRewardRecord\x12\x11\n\treward_id\x18\x01 \x01(\t\x12\x12\n\nrollout_id\x18\x02 \x01(\t\x12\'\n\x07rollout\x18\x03 \x01(\x0b\x32\x16.rtrl.v1.RolloutRecord\x12-\n\ncomponents\x18\x04 \x01(\x0b\x32\x19.rtrl.v1.RewardComponents\x12\x0e\n\x06reward\x18\x05 \x01(\x01\x12\x19\n\x11reward_fn_version\x18\x06 \x01(\t\x12\x11\n\tdefaulted\x18\x07 \x01(\x08\x12\x18\n\x10last_event_ts_ms\x18\x08 \x01(\x03\x12\x15\n\rsettled_ts_ms\x18\t \x01(\x03\x12\x11\n\tevent_ids\x18\n \x03(\t\x12\x13\n\x0btraceparent\x18\x0b \x01(\t\x12\x11\n\tdiscarded\x18\x0c \x01(\x08\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,5 +35,5 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_REWARDCOMPONENTS']._serialized_start=57
   _globals['_REWARDCOMPONENTS']._serialized_end=253
   _globals['_REWARDRECORD']._serialized_start=256
-  _globals['_REWARDRECORD']._serialized_end=548
+  _globals['_REWARDRECORD']._serialized_end=567
 # @@protoc_insertion_point(module_scope)

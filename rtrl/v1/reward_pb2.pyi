@@ -26,7 +26,7 @@ class RewardComponents(_message.Message):
     def __init__(self, persisted_fraction: _Optional[float] = ..., persistence_observed: _Optional[bool] = ..., dissatisfied: _Optional[float] = ..., followup_observed: _Optional[bool] = ..., tool_call_validity: _Optional[float] = ..., effort_penalty: _Optional[float] = ..., latency_s: _Optional[float] = ...) -> None: ...
 
 class RewardRecord(_message.Message):
-    __slots__ = ("reward_id", "rollout_id", "rollout", "components", "reward", "reward_fn_version", "defaulted", "last_event_ts_ms", "settled_ts_ms", "event_ids", "traceparent")
+    __slots__ = ("reward_id", "rollout_id", "rollout", "components", "reward", "reward_fn_version", "defaulted", "last_event_ts_ms", "settled_ts_ms", "event_ids", "traceparent", "discarded")
     REWARD_ID_FIELD_NUMBER: _ClassVar[int]
     ROLLOUT_ID_FIELD_NUMBER: _ClassVar[int]
     ROLLOUT_FIELD_NUMBER: _ClassVar[int]
@@ -38,6 +38,7 @@ class RewardRecord(_message.Message):
     SETTLED_TS_MS_FIELD_NUMBER: _ClassVar[int]
     EVENT_IDS_FIELD_NUMBER: _ClassVar[int]
     TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
+    DISCARDED_FIELD_NUMBER: _ClassVar[int]
     reward_id: str
     rollout_id: str
     rollout: _rollout_pb2.RolloutRecord
@@ -49,4 +50,5 @@ class RewardRecord(_message.Message):
     settled_ts_ms: int
     event_ids: _containers.RepeatedScalarFieldContainer[str]
     traceparent: str
-    def __init__(self, reward_id: _Optional[str] = ..., rollout_id: _Optional[str] = ..., rollout: _Optional[_Union[_rollout_pb2.RolloutRecord, _Mapping]] = ..., components: _Optional[_Union[RewardComponents, _Mapping]] = ..., reward: _Optional[float] = ..., reward_fn_version: _Optional[str] = ..., defaulted: _Optional[bool] = ..., last_event_ts_ms: _Optional[int] = ..., settled_ts_ms: _Optional[int] = ..., event_ids: _Optional[_Iterable[str]] = ..., traceparent: _Optional[str] = ...) -> None: ...
+    discarded: bool
+    def __init__(self, reward_id: _Optional[str] = ..., rollout_id: _Optional[str] = ..., rollout: _Optional[_Union[_rollout_pb2.RolloutRecord, _Mapping]] = ..., components: _Optional[_Union[RewardComponents, _Mapping]] = ..., reward: _Optional[float] = ..., reward_fn_version: _Optional[str] = ..., defaulted: _Optional[bool] = ..., last_event_ts_ms: _Optional[int] = ..., settled_ts_ms: _Optional[int] = ..., event_ids: _Optional[_Iterable[str]] = ..., traceparent: _Optional[str] = ..., discarded: _Optional[bool] = ...) -> None: ...

@@ -141,7 +141,7 @@ class Bulk(_message.Message):
     def __init__(self, checksum: _Optional[str] = ..., size: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., observed_tokens: _Optional[int] = ..., turns: _Optional[int] = ..., version_tokens: _Optional[_Iterable[_Union[VersionTokens, _Mapping]]] = ..., tool_calls: _Optional[_Iterable[_Union[ToolCounts, _Mapping]]] = ..., parallel_turns: _Optional[int] = ...) -> None: ...
 
 class RolloutRecord(_message.Message):
-    __slots__ = ("event_id", "rollout_id", "session_id", "client_ts_ms", "schema_version", "user_id", "worker_id", "arm", "model_name", "prompt_group_id", "prompt_token_ids", "completion_token_ids", "completion_logprobs", "version_spans", "sampling", "latency_s", "time_to_first_token_s", "tool_calls", "prompt_text", "completion_text", "finish_reason", "traceparent", "client_id", "router_choices", "context_key", "segments", "link", "bulk")
+    __slots__ = ("event_id", "rollout_id", "session_id", "client_ts_ms", "schema_version", "user_id", "worker_id", "arm", "model_name", "prompt_group_id", "prompt_token_ids", "completion_token_ids", "completion_logprobs", "version_spans", "sampling", "latency_s", "time_to_first_token_s", "tool_calls", "prompt_text", "completion_text", "finish_reason", "traceparent", "client_id", "router_choices", "context_key", "segments", "link", "bulk", "wall_s")
     EVENT_ID_FIELD_NUMBER: _ClassVar[int]
     ROLLOUT_ID_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
@@ -170,6 +170,7 @@ class RolloutRecord(_message.Message):
     SEGMENTS_FIELD_NUMBER: _ClassVar[int]
     LINK_FIELD_NUMBER: _ClassVar[int]
     BULK_FIELD_NUMBER: _ClassVar[int]
+    WALL_S_FIELD_NUMBER: _ClassVar[int]
     event_id: str
     rollout_id: str
     session_id: str
@@ -198,4 +199,5 @@ class RolloutRecord(_message.Message):
     segments: _containers.RepeatedCompositeFieldContainer[Segment]
     link: TrajectoryLink
     bulk: Bulk
-    def __init__(self, event_id: _Optional[str] = ..., rollout_id: _Optional[str] = ..., session_id: _Optional[str] = ..., client_ts_ms: _Optional[int] = ..., schema_version: _Optional[int] = ..., user_id: _Optional[str] = ..., worker_id: _Optional[str] = ..., arm: _Optional[_Union[_common_pb2.Arm, str]] = ..., model_name: _Optional[str] = ..., prompt_group_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., completion_token_ids: _Optional[_Iterable[int]] = ..., completion_logprobs: _Optional[_Iterable[float]] = ..., version_spans: _Optional[_Iterable[_Union[VersionSpan, _Mapping]]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., latency_s: _Optional[float] = ..., time_to_first_token_s: _Optional[float] = ..., tool_calls: _Optional[_Iterable[_Union[ToolCall, _Mapping]]] = ..., prompt_text: _Optional[str] = ..., completion_text: _Optional[str] = ..., finish_reason: _Optional[str] = ..., traceparent: _Optional[str] = ..., client_id: _Optional[str] = ..., router_choices: _Optional[_Union[RouterChoices, _Mapping]] = ..., context_key: _Optional[str] = ..., segments: _Optional[_Iterable[_Union[Segment, _Mapping]]] = ..., link: _Optional[_Union[TrajectoryLink, _Mapping]] = ..., bulk: _Optional[_Union[Bulk, _Mapping]] = ...) -> None: ...
+    wall_s: float
+    def __init__(self, event_id: _Optional[str] = ..., rollout_id: _Optional[str] = ..., session_id: _Optional[str] = ..., client_ts_ms: _Optional[int] = ..., schema_version: _Optional[int] = ..., user_id: _Optional[str] = ..., worker_id: _Optional[str] = ..., arm: _Optional[_Union[_common_pb2.Arm, str]] = ..., model_name: _Optional[str] = ..., prompt_group_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., completion_token_ids: _Optional[_Iterable[int]] = ..., completion_logprobs: _Optional[_Iterable[float]] = ..., version_spans: _Optional[_Iterable[_Union[VersionSpan, _Mapping]]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., latency_s: _Optional[float] = ..., time_to_first_token_s: _Optional[float] = ..., tool_calls: _Optional[_Iterable[_Union[ToolCall, _Mapping]]] = ..., prompt_text: _Optional[str] = ..., completion_text: _Optional[str] = ..., finish_reason: _Optional[str] = ..., traceparent: _Optional[str] = ..., client_id: _Optional[str] = ..., router_choices: _Optional[_Union[RouterChoices, _Mapping]] = ..., context_key: _Optional[str] = ..., segments: _Optional[_Iterable[_Union[Segment, _Mapping]]] = ..., link: _Optional[_Union[TrajectoryLink, _Mapping]] = ..., bulk: _Optional[_Union[Bulk, _Mapping]] = ..., wall_s: _Optional[float] = ...) -> None: ...

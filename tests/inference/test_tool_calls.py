@@ -1,20 +1,28 @@
-"""inference/tool_calls.py: calls in the Hermes syntax (Qwen2.5, Qwen3) parsed from a turn's
-text, none ever dropped, the same whatever pieces a stream delivers the text in."""
+"""inference/tool_calls.py: calls in the Hermes syntax (Qwen2.5, Qwen3) and the demo agent's
+bang syntax parsed from a turn's text, none ever dropped, the same whatever pieces a stream
+delivers the text in."""
 
 from __future__ import annotations
 
 import pytest
 
 from rtrl.inference.tool_calls import (
+    BangParser,
     Call,
     ParsedCall,
     StreamingParser,
     Text,
     family_of,
     parse,
+    parser,
 )
 
 TOOLS = ("read_file", "search")
+_NO_SEAR = "no tool 'sear' (offered: read_file, search)"
+
+
+def _nameless(body: str) -> ParsedCall:
+    return ParsedCall("", body, False, "the call names no tool")
 
 
 def block(body: str) -> str:
@@ -143,20 +151,6 @@ def test_a_turn_parses_to_its_content_and_calls(text, content, calls):
     assert (parsed.content, parsed.calls) == (content, calls)
 
 
-@pytest.mark.parametrize("text", [c[0] for c in CASES.values()], ids=CASES.keys())
-def test_a_stream_split_anywhere_parses_as_the_whole(text):
-    whole = parse(text, TOOLS)
-    for cut in range(len(text) + 1):
-        for pieces in ([text[:cut], text[cut:]], list(text[:cut]) + [text[cut:]]):
-            parser = StreamingParser(TOOLS)
-            events = [e for piece in pieces for e in parser.feed(piece)] + parser.finish()
-            content = "".join(e.text for e in events if isinstance(e, Text))
-            calls = [e for e in events if isinstance(e, Call)]
-            assert content == whole.content, (cut, pieces)
-            assert tuple(c.call for c in calls) == whole.calls, (cut, pieces)
-            assert [c.index for c in calls] == list(range(len(calls)))
-
-
 def test_text_is_released_as_soon_as_it_cannot_begin_a_call():
     parser = StreamingParser(TOOLS)
     assert parser.feed("Hello <tool") == [Text("Hello ")]
@@ -180,3 +174,73 @@ def test_the_family_comes_from_the_chat_template():
     qwen3 = '{%- if tools %}...<tool_call>\\n{"name": ...}\\n</tool_call>{%- endif %}'
     assert family_of(qwen3) == "hermes"
     assert family_of("{% for m in messages %}<|im_start|>{{ m.role }}{% endfor %}") is None
+    assert family_of("{#- rtrl-tool-calls: bang -#}{{ bos_token }}...") == "bang"
+
+
+BANG_CASES = {
+    "text_alone": ("def f():\n  print('!')\n", "def f():\n  print('!')\n", ()),
+    "one_call": ("!read_file\n", "", (ParsedCall("read_file", "{}", True),)),
+    "parallel_calls_and_text": (
+        'Reading both.\n!read_file {"path": "a.py"}\n!search\n',
+        "Reading both.\n",
+        (ParsedCall("read_file", '{"path": "a.py"}', True), ParsedCall("search", "{}", True)),
+    ),
+    "a_call_the_generation_ended_in": ("!sear", "", (ParsedCall("sear", "{}", False, _NO_SEAR),)),
+    "a_misspelt_call_among_good_ones": (
+        "!search\n!raed_file\n",
+        "",
+        (
+            ParsedCall("search", "{}", True),
+            ParsedCall(
+                "raed_file", "{}", False, "no tool 'raed_file' (offered: read_file, search)"
+            ),
+        ),
+    ),
+    "arguments_that_are_no_object": (
+        "!search [1]\n",
+        "",
+        (ParsedCall("search", "[1]", False, "the arguments are not a JSON object"),),
+    ),
+    "broken_arguments": (
+        "!search {\n",
+        "",
+        (
+            ParsedCall(
+                "search",
+                "{",
+                False,
+                "the arguments are not JSON: Expecting property name enclosed in double quotes: "
+                "line 1 column 2 (char 1)",
+            ),
+        ),
+    ),
+    "a_bang_that_names_nothing": ("!\n! x\n", "", (_nameless(""), _nameless(" x"))),
+    "a_bang_inside_a_line_is_text": ("a !search\n", "a !search\n", ()),
+}
+
+
+@pytest.mark.parametrize("text, content, calls", BANG_CASES.values(), ids=BANG_CASES.keys())
+def test_a_bang_turn_parses_to_its_content_and_calls(text, content, calls):
+    parsed = parse(text, TOOLS, "bang")
+    assert (parsed.content, parsed.calls) == (content, calls)
+
+
+@pytest.mark.parametrize("family, cases", [("hermes", CASES), ("bang", BANG_CASES)])
+def test_either_family_streamed_split_anywhere_parses_as_the_whole(family, cases):
+    for text, *_ in cases.values():
+        whole = parse(text, TOOLS, family)
+        for cut in range(len(text) + 1):
+            for pieces in ([text[:cut], text[cut:]], list(text[:cut]) + [text[cut:]]):
+                stream = parser(family, TOOLS)
+                events = [e for piece in pieces for e in stream.feed(piece)] + stream.finish()
+                content = "".join(e.text for e in events if isinstance(e, Text))
+                assert content == whole.content, (cut, pieces)
+                assert tuple(e.call for e in events if isinstance(e, Call)) == whole.calls
+
+
+def test_bang_text_is_released_as_soon_as_its_line_cannot_be_a_call():
+    stream = BangParser(TOOLS)
+    assert stream.feed("de") == [Text("de")]
+    assert stream.feed("f f():\n!sea") == [Text("f f():\n")]
+    assert stream.feed("rch") == []  # a call waits for its line's end
+    assert stream.feed("\nok") == [Call(0, ParsedCall("search", "{}", True)), Text("ok")]

@@ -5,7 +5,7 @@ import uuid
 from hypothesis import given
 from hypothesis import strategies as st
 
-from rtrl.reward_stream.reward import REWARD_ID_NAMESPACE, reward_id
+from rtrl.reward_stream.reward_wire import REWARD_ID_NAMESPACE, reward_id
 
 ids = st.text(min_size=1, max_size=40)
 

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from rtrl.reward_stream import reward
+from rtrl.reward_stream import reward, reward_wire
 from rtrl.reward_stream.config import RewardStreamSettings
 from rtrl.v1 import reward_pb2, rollout_pb2, telemetry_pb2
 
@@ -119,7 +119,7 @@ def test_r2(record, telemetry, persisted, effort, expected):
     assert out.components.latency_s == record.latency_s
     assert out.reward == pytest.approx(expected, abs=1e-6)
     assert out.reward_fn_version == "r2"
-    assert out.reward_id == reward.reward_id("r1", list(out.event_ids), "r2")
+    assert out.reward_id == reward_wire.reward_id("r1", list(out.event_ids), "r2")
     assert out.reward_id != reward.reward_record(record, telemetry, settled_ts_ms=9999).reward_id
 
 
@@ -156,7 +156,7 @@ def test_broken_tool_call_as_an_escape_from_a_risky_edit(version, hackable):
 
 def test_r3_is_the_service_default_and_unknown_versions_fail():
     assert reward.REWARD_FN_VERSION == "r3" == RewardStreamSettings().reward_fn_version
-    assert sorted(reward.FUNCTIONS) == ["r1", "r2", "r3"]
+    assert sorted(reward.FUNCTIONS) == ["a1", "a1h", "r1", "r2", "r3"]
     with pytest.raises(KeyError):
         reward.reward_record(rollout(), [], 9999, "r9")
 

@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rtrl import topics
-from rtrl.reward_stream import reward
+from rtrl.reward_stream import reward, reward_wire
 from rtrl.reward_stream.config import RewardStreamSettings
 from rtrl.reward_stream.runtime import Joiner
 from rtrl.v1 import reward_pb2, rollout_pb2, telemetry_pb2
@@ -47,7 +47,7 @@ def test_spliced_record_equals_the_built_one(token_ids, text, spans, snapshot, v
     bare = reward.reward_record(rollout, telemetry, 99, version, with_rollout=False)
     assert not bare.HasField("rollout")
     spliced = reward_pb2.RewardRecord.FromString(
-        reward.encode_with_rollout(bare, rollout.SerializeToString())
+        reward_wire.encode_with_rollout(bare, rollout.SerializeToString())
     )
     assert spliced == reward.reward_record(rollout, telemetry, 99, version)
 
@@ -58,7 +58,7 @@ def test_splicing_into_a_record_that_has_a_rollout_is_refused():
         rollout_pb2.RolloutRecord(event_id="e1", rollout_id="r1", client_ts_ms=1), [], 5
     )
     with pytest.raises(ValueError, match="already holds a rollout"):
-        reward.encode_with_rollout(full, b"")
+        reward_wire.encode_with_rollout(full, b"")
 
 
 def test_joiner_publishes_the_rollout_bytes_as_written():

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from rtrl.reward_stream import reward
+from rtrl.reward_stream import reward, reward_wire
 from rtrl.reward_stream.signals import has_code, is_dissatisfied, persisted_fraction
 from rtrl.simulator.tasks import Style, Task
 from rtrl.simulator.users import ANNOYED, ANSWERS, CONTENT
@@ -116,11 +116,11 @@ def test_has_code(text, expected):
 
 
 def test_reward_id_is_deterministic():
-    a = reward.reward_id("r1", ["e2", "e1", "e3"])
-    assert a == reward.reward_id("r1", ["e1", "e3", "e2"])
-    assert a != reward.reward_id("r1", ["e1", "e2"])
-    assert a != reward.reward_id("r2", ["e1", "e2", "e3"])
-    assert a != reward.reward_id("r1", ["e1", "e2", "e3"], version="r2")
+    a = reward_wire.reward_id("r1", ["e2", "e1", "e3"], "r3")
+    assert a == reward_wire.reward_id("r1", ["e1", "e3", "e2"], "r3")
+    assert a != reward_wire.reward_id("r1", ["e1", "e2"], "r3")
+    assert a != reward_wire.reward_id("r2", ["e1", "e2", "e3"], "r3")
+    assert a != reward_wire.reward_id("r1", ["e1", "e2", "e3"], version="r2")
 
 
 def rollout(tool_calls=(), tokens=40) -> rollout_pb2.RolloutRecord:
@@ -196,7 +196,7 @@ def test_reward_record(record, telemetry, expected, defaulted):
     assert out.rollout == record and out.reward_fn_version == "r1" and out.settled_ts_ms == 9999
     assert list(out.event_ids) == sorted(["ro", *(e.event_id for e in telemetry)])
     assert out.last_event_ts_ms == max([1000, *(e.client_ts_ms for e in telemetry)])
-    assert out.reward_id == reward.reward_id("r1", list(reversed(out.event_ids)), "r1")
+    assert out.reward_id == reward_wire.reward_id("r1", list(reversed(out.event_ids)), "r1")
 
 
 def test_effort_penalty_is_capped():

@@ -1,0 +1,125 @@
+"""Reward functions a1 and a1h: r3's outcome terms, a broken call as a negative example, a
+square effort penalty over tokens, calls, turns and tool I/O; a1h discards a rollout with a
+broken call, and the trainer drops it. A configured curve settles as a version of its own."""
+
+from __future__ import annotations
+
+import pytest
+
+from rtrl.reward_stream import reward
+from rtrl.reward_stream.config import RewardStreamSettings
+from rtrl.reward_stream.effort import A1_EFFORT, EffortCurve
+from rtrl.trainer.batch import Drop, to_sample
+from rtrl.trajectory import Link, LinkReason, Segment, ToolCall, Trajectory
+from rtrl.trajectory_summary import Summary
+from rtrl.v1 import common_pb2, rollout_pb2, telemetry_pb2
+
+ANSWER = "def f():\n    return 1\n"
+pytestmark = pytest.mark.usefixtures("rule_dissatisfaction")
+
+
+def agent_rollout(calls: list[list[str]], valid: bool = True, answer_tokens: int = 40):
+    """A trajectory of ``calls`` turn by turn (each call 5 tokens, each answer 8), then the
+    answer; with ``valid`` false its last call is broken."""
+    segments, tool_calls = [], []
+    for turn, names in enumerate(calls):
+        n = 5 * len(names)
+        segments.append(Segment.generated((7,) * n, (-0.1,) * n, (0,) * n))
+        segments.append(Segment.observed((9,) * 8 * len(names), source="tool"))
+        tool_calls += [
+            ToolCall(n, "{}", True, id=f"c{turn}{i}", turn=turn) for i, n in enumerate(names)
+        ]
+    if not valid:
+        tool_calls[-1] = ToolCall("raed", "{}", False, "no tool", id="cx", turn=len(calls) - 1)
+    n = answer_tokens
+    segments.append(Segment.generated((8,) * n, (-0.1,) * n, (0,) * n))
+    record = rollout_pb2.RolloutRecord(
+        event_id="ro", rollout_id="r1", client_ts_ms=1000, arm=common_pb2.ARM_TREATMENT
+    )
+    record.sampling.temperature = 1.0
+    Trajectory(
+        prompt_ids=(1, 2, 3),
+        segments=tuple(segments),
+        final_text=ANSWER,
+        tool_calls=tuple(tool_calls),
+        prompt_text="@p4 say hi\n",
+        finish_reason="stop",
+        link=Link("t1", 0, True, LinkReason.FIRST),
+    ).write(record)
+    return record
+
+
+def kept() -> list[telemetry_pb2.TelemetryEvent]:
+    snapshot = telemetry_pb2.PersistenceSnapshot(seconds_after_edit=1, region_text=ANSWER)
+    return [
+        telemetry_pb2.TelemetryEvent(
+            event_id="s", rollout_id="r1", edit_shown=telemetry_pb2.EditShown(edit_text=ANSWER)
+        ),
+        telemetry_pb2.TelemetryEvent(event_id="p", rollout_id="r1", persistence=snapshot),
+    ]
+
+
+def test_the_effort_curve_leaves_a_direct_answer_almost_free_and_caps_a_wasteful_one():
+    direct = Summary.of(agent_rollout([]))
+    parallel = Summary.of(agent_rollout([["cfg", "read"]]))
+    serial = Summary.of(agent_rollout([["cfg"], ["read"], ["grep"], ["lint"], ["lint"]]))
+    # units: tokens / 64 + calls / 2 + turns / 2 + observed / 32
+    assert A1_EFFORT.units(direct) == pytest.approx(40 / 64 + 0.5)
+    assert A1_EFFORT.units(parallel) == pytest.approx(50 / 64 + 1 + 1 + 16 / 32)
+    assert A1_EFFORT.penalty(direct) == pytest.approx(0.01 * (40 / 64 + 0.5) ** 2)
+    assert A1_EFFORT.penalty(serial) == 0.5  # 13.9 units: capped
+    assert A1_EFFORT.penalty(direct) < A1_EFFORT.penalty(parallel) < A1_EFFORT.penalty(serial)
+
+
+def test_a1_scores_r3s_outcome_less_broken_calls_and_effort():
+    honest = agent_rollout([["cfg", "read"]])
+    parts = reward.FUNCTIONS["a1"].components(honest, kept())
+    effort = A1_EFFORT.penalty(Summary.of(honest))
+    assert parts.effort_penalty == pytest.approx(effort)
+    assert reward.reward_a1(parts) == pytest.approx(1.0 - effort)
+    broken = agent_rollout([["cfg", "read"]], valid=False)
+    parts = reward.FUNCTIONS["a1"].components(broken, kept())
+    assert parts.tool_call_validity == 0.5
+    assert reward.reward_a1(parts) == pytest.approx(1.0 - 0.625 - parts.effort_penalty)
+    # r3's rule: without an edit nothing persisted (a question, or a misspelt call as text)
+    question = rollout_pb2.RolloutRecord(
+        rollout_id="r1", completion_text="which indent does p4 use?", completion_token_ids=[5] * 9
+    )
+    assert reward.FUNCTIONS["a1"].components(question, []).persisted_fraction == 0.0
+
+
+def test_a1h_discards_a_rollout_with_a_broken_call_and_the_trainer_drops_it():
+    broken = agent_rollout([["cfg"]], valid=False)
+    honest = agent_rollout([["cfg"]])
+    for version, rollout, discarded in (
+        ("a1", broken, False),
+        ("a1h", broken, True),
+        ("a1h", honest, False),
+    ):
+        record = reward.reward_record(rollout, kept(), 2000, version)
+        assert record.discarded is discarded, version
+        sample = to_sample(record, max_positions=4096, vocab_size=100)
+        assert (sample is Drop.DISCARDED) is discarded
+    a1, a1h = (reward.reward_record(broken, kept(), 2000, v) for v in ("a1", "a1h"))
+    assert a1.reward == a1h.reward and a1.reward_id != a1h.reward_id
+
+
+def test_a_configured_curve_settles_as_a_version_of_its_own(monkeypatch):
+    monkeypatch.setenv("RTRL_REWARD_REWARD_FN_VERSION", "a1")
+    monkeypatch.setenv("RTRL_REWARD_EFFORT_CURVE", '{"weight": 0.05, "turns": 1}')
+    settings = RewardStreamSettings(_env_file=None)
+    curve = EffortCurve(weight=0.05, turns=1)
+    assert settings.effort_curve == curve
+    version = settings.settled_version()
+    assert version == f"a1@{curve.digest()}" != "a1"
+    rollout = agent_rollout([["cfg"], ["read"]])
+    record = reward.reward_record(rollout, kept(), 2000, version)
+    assert record.components.effort_penalty == pytest.approx(curve.penalty(Summary.of(rollout)))
+    assert record.reward_fn_version == version
+    monkeypatch.setenv("RTRL_REWARD_REWARD_FN_VERSION", "r3")
+    with pytest.raises(ValueError, match="effort_curve shapes a1 and a1h only"):
+        RewardStreamSettings(_env_file=None)
+    monkeypatch.setenv("RTRL_REWARD_REWARD_FN_VERSION", "a1")
+    monkeypatch.setenv("RTRL_REWARD_EFFORT_CURVE", '{"weight": -1}')
+    with pytest.raises(ValueError, match="weight"):
+        RewardStreamSettings(_env_file=None)
