@@ -176,6 +176,34 @@ def ab_table(query_fn: QueryFn) -> list[ABRow]:
     return rows
 
 
+AB_JSON_METRICS = {
+    "edits_persisted": ("persisted_rate", 1.0),
+    "dissatisfied_followups": ("dissatisfied_rate", 1.0),
+    "latency_p50_ms": ("latency_p50_s", 1000.0),
+    "rollouts": ("rollouts", 1.0),
+}
+"""reports/ab.json's names for the A/B metrics: (ab_table's metric, scale)."""
+
+
+def ab_json(rows: list[ABRow]) -> dict[str, dict[str, dict[str, float | None]]]:
+    """The A/B tables as ``{"whole_run": {"control": {"edits_persisted": ...,
+    "dissatisfied_followups": ..., "latency_p50_ms": ..., "rollouts": ...}, "treatment":
+    {...}}, "second_half": {...}}``; a metric an arm has no data for is null."""
+    values = {(r.window, r.metric): (r.control, r.treatment) for r in rows}
+    out: dict[str, dict[str, dict[str, float | None]]] = {}
+    for window, name in (("all", "whole_run"), ("last_half", "second_half")):
+        if not any(w == window for w, _ in values):
+            continue
+        out[name] = {}
+        for index, arm in enumerate(("control", "treatment")):
+            arm_values: dict[str, float | None] = {}
+            for key, (metric, scale) in AB_JSON_METRICS.items():
+                value = values.get((window, metric), (None, None))[index]
+                arm_values[key] = None if value is None else value * scale
+            out[name][arm] = arm_values
+    return out
+
+
 def by_version(
     query_fn: QueryFn, bucket_size: int | None = None, max_buckets: int = 20
 ) -> list[VersionRow]:

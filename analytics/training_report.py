@@ -100,7 +100,19 @@ def mismatch_summary(query_fn: QueryFn) -> MismatchSummary | None:
 
 
 def figures(query_fn: QueryFn) -> Figures:
+    from rtrl.analytics.agents_report import agents_by_version, agents_png
+
     items = []
+    agents = agents_by_version(query_fn)
+    if agents:
+        items.append(
+            (
+                "Agents by policy version",
+                "how the policy works per arm: tool calls, broken calls, parallel turns, turns, "
+                "clarifying questions and the users' wait (trajectory_links, rollouts.wall_s)",
+                agents_png(agents),
+            )
+        )
     components = reward_components(query_fn)
     if components:
         items.append(

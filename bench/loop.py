@@ -208,18 +208,26 @@ def trainer_run() -> TrainerRun:
     )
 
 
-def run(state_dir: Path, duration_s: float, out: Path, console: Console) -> LoopResult:
-    from rtrl.ops.demo import run_product
+def run(
+    state_dir: Path, duration_s: float, out: Path, console: Console, product: str = "edits"
+) -> LoopResult:
+    """``product``: "edits" (the single-turn product) or "agent" (the agentic one, on a fresh
+    run of the agent's warm start: ops.demo.prepare_agent)."""
+    from rtrl.ops.demo import prepare_agent, run_product
     from rtrl.ops.health import running_stack
     from rtrl.ops.lifecycle import down, up
     from rtrl.reward_stream.config import RewardStreamSettings
 
+    agent = product == "agent"
     started_here = running_stack(state_dir) is None
-    stack = up(state_dir, console)
+    if agent and not started_here:
+        raise RuntimeError("bench loop --product agent starts a fresh run: `rtrl down` first")
+    model_dir = prepare_agent(state_dir, console) if agent else None
+    stack = up(state_dir, console, fresh=agent, model_dir=model_dir)
     load_before = os.getloadavg()
     try:
         since_ms = int(time.time() * 1000)
-        run_product(stack, duration_s, console)
+        run_product(stack, duration_s, console, agent=agent)
         time.sleep(3)  # let the last versions reach every worker
         load_after = os.getloadavg()
         seen = observe(stack.redis_url_as("operator"), stack.kafka_bootstrap, since_ms)
@@ -235,7 +243,7 @@ def run(state_dir: Path, duration_s: float, out: Path, console: Console) -> Loop
         intake=intake(seen.records),
         latest_version=seen.latest_version,
         minutes=round(duration_s / 60, 2),
-        command=f"rtrl bench loop --minutes {duration_s / 60:g}",
+        command=f"rtrl bench loop --minutes {duration_s / 60:g} --product {product}",
         commit=commit,
         tree_dirty=tree_dirty,
         load_avg_1_5_15_before=tuple(round(x, 2) for x in load_before),
@@ -332,6 +340,11 @@ def _print(
         f"trainer: {taken.rollouts_trained} rollouts trained ({share} of the treatment arm's), "
         f"dropped {taken.dropped}; settings {dataclasses.asdict(result.trainer)}"
     )
+    if taken.token_staleness:
+        console.print(
+            f"tokens trained, by versions behind the candidate's base: {taken.token_staleness} "
+            f"({taken.newest_token_share} sampled by the newest version)"
+        )
     if result.trend is not None:
         t = result.trend
         rising = "RISING" if t.rising else "no upward trend"

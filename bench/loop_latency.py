@@ -6,6 +6,7 @@ the trainer did with the rewards it read. bench/loop.py reads the records and ru
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import statistics
 from collections import Counter
@@ -296,6 +297,11 @@ class Intake:
     """Rollouts read but not trained, by reason (control_arm, shed, duplicate...)."""
     trained_share_of_treatment: float | None
     """rollouts_trained over the treatment arm's rollouts read; None when there were none."""
+    token_staleness: dict[int, int] = dataclasses.field(default_factory=dict)
+    """Generated tokens trained on, by versions between the candidate's base and the version
+    that sampled each (published and refused candidates alike)."""
+    newest_token_share: float | None = None
+    """Of those tokens, the share sampled by the version the candidate was trained from."""
 
 
 def intake(records: Sequence[trainer_pb2.TrainerStep]) -> Intake:
@@ -307,8 +313,14 @@ def intake(records: Sequence[trainer_pb2.TrainerStep]) -> Intake:
         dropped.update(dict(record.dropped))
     trained = sum(record.rollouts for record in records)
     treatment = trained + sum(n for reason, n in dropped.items() if reason != "control_arm")
+    tokens: Counter[int] = Counter()
+    for record in records:
+        tokens.update({bucket.staleness: bucket.tokens for bucket in record.token_staleness})
+    total = sum(tokens.values())
     return Intake(
         rollouts_trained=trained,
         dropped=dict(sorted(dropped.items())),
         trained_share_of_treatment=round(trained / treatment, 3) if treatment else None,
+        token_staleness=dict(sorted(tokens.items())),
+        newest_token_share=round(tokens[0] / total, 3) if total else None,
     )

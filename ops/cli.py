@@ -219,12 +219,18 @@ def report(
 @bench_app.command("loop")
 def bench_loop(
     minutes: float = typer.Option(2.0, help="How long the product drives the loop."),
-    out: Path = typer.Option(Path("bench/results/loop.json")),
+    product: str = typer.Option("edits", help="edits (single-turn) or agent (trajectories)."),
+    out: Path | None = typer.Option(None, help="Default: bench/results/loop[-agent].json."),
 ) -> None:
     """Event-to-live latency: last event of a version's newest rollout until every worker serves it."""
     from rtrl.bench.loop import run
 
-    run(_state_dir(), minutes * 60, out, console)
+    if product not in ("agent", "edits"):
+        raise typer.BadParameter("agent or edits", param_hint="--product")
+    default = Path(
+        "bench/results/loop.json" if product == "edits" else "bench/results/loop-agent.json"
+    )
+    run(_state_dir(), minutes * 60, out or default, console, product)
 
 
 @bench_app.command("codec")

@@ -23,7 +23,7 @@ from rtrl.ops.reporting import landed, query_function
 from rtrl.ops.stack import StackFile
 from rtrl.ops.status_view import alerts_table, hacking_alerts
 from rtrl.reward_stream.monitors import DRIFT
-from rtrl.simulator.agent_product import AgentProduct
+from rtrl.simulator.agent_product import AgentArmStats, AgentProduct
 from rtrl.simulator.product import DEFAULT_CLIENTS, Product, ProductStats
 
 
@@ -34,21 +34,24 @@ def _arm_table(stats: ProductStats, trainer: heartbeat.Beat | None) -> Table:
         else "trainer starting"
     )
     table = Table(title_justify="left", title=title)
-    columns = (
+    agent = all(isinstance(arm, AgentArmStats) for arm in stats.arms.values())
+    columns = [
         "arm",
-        "completions",
+        "completions" if not agent else "trajectories",
         "persisted (last 400)",
         "dissatisfied (last 400)",
         "questions (last 400)",
         "latency p50",
         "newest version",
-    )
+    ]
+    if agent:
+        columns[6:6] = ["tool calls (last 400)", "turns (last 400)"]
     for column in columns:
         table.add_column(column, justify="left" if column == "arm" else "right")
     for name, arm in stats.arms.items():
         persisted, dissatisfied, asked = arm.recent_rates()
         p50 = statistics.median(arm.latency_s[-400:]) if arm.latency_s else float("nan")
-        table.add_row(
+        cells = [
             name,
             str(arm.completions),
             f"{persisted:.3f}",
@@ -56,8 +59,15 @@ def _arm_table(stats: ProductStats, trainer: heartbeat.Beat | None) -> Table:
             f"{asked:.3f}",
             f"{p50:.3f} s",
             str(arm.max_version),
-        )
+        ]
+        if isinstance(arm, AgentArmStats):
+            cells[6:6] = [_recent_mean(arm.tool_calls), _recent_mean(arm.turns)]
+        table.add_row(*cells)
     return table
+
+
+def _recent_mean(values: list[int]) -> str:
+    return f"{statistics.mean(values[-400:]):.2f}" if values else "–"
 
 
 def _statuses(client: redis.Redis) -> dict[str, heartbeat.Beat]:
@@ -303,4 +313,28 @@ def print_hacking_report(
         return alerts
     console.print(f"[bold red]{title}: {len(alerts)} reward-hacking alert(s)[/]")
     console.print(alerts_table(alerts, examples=3))
+    console.print(example_trajectories(stack, alerts))
     return alerts
+
+
+def example_trajectories(stack: StackFile, alerts: list[heartbeat.RewardAlert]) -> Table:
+    """The newest alert's example rollouts of each metric, as trajectories from ClickHouse."""
+    from rtrl.analytics.agents_report import transcripts
+
+    newest = {alert.metric: alert for alert in alerts}
+    table = Table(title="example trajectories of the alerts", title_justify="left")
+    for column in ("metric", "rollout", "prompt", "turns", "calls (broken)", "tools", "final text"):
+        table.add_column(column, overflow="fold")
+    query = query_function(stack)
+    for metric, alert in newest.items():
+        for t in transcripts(query, alert.examples[:3]):
+            table.add_row(
+                metric,
+                t.rollout_id[:8],
+                t.prompt.strip(),
+                str(t.turns),
+                f"{t.tool_calls} ({t.broken_calls})",
+                " ".join(t.tools),
+                t.final_text.strip()[:80],
+            )
+    return table

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -161,7 +162,7 @@ def print_report(
     state_dir: Path | None = None,
 ) -> list:
     from rtrl.analytics.agents_report import agents_by_version
-    from rtrl.analytics.report import ab_table, by_version, write_html
+    from rtrl.analytics.report import ab_json, ab_table, by_version, write_html
     from rtrl.analytics.training_report import figures, mismatch_summary
 
     query = query_function(stack, state_dir)
@@ -181,4 +182,7 @@ def print_report(
         console.print(agents_table(agents))
     path = write_html(html, rows, by_version(query), extra_figures=figures(query).items)
     console.print(f"HTML report with plots against policy version: {path.resolve()}")
+    tables = html.with_name("ab.json")
+    tables.write_text(json.dumps(ab_json(rows), indent=1) + "\n")
+    console.print(f"A/B tables as JSON: {tables.resolve()}")
     return rows

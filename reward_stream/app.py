@@ -307,6 +307,25 @@ def _observe_rewards(meter: Meter, joiner: Joiner) -> None:
         ],
         description="Sum of each reward component over the rewards settled, by arm: over rtrl.reward.settled, its mean",
     )
+    otel.observe(
+        meter,
+        "rtrl.reward.behaviour",
+        "counter",
+        lambda: [
+            (n, {"arm": arm, "behaviour": b}) for (arm, b), n in list(joiner.behaviour_sums.items())
+        ],
+        description="What the settled rollouts did, by arm (reward_stream.monitors.agent_counts): "
+        "trajectories, turns, tool calls, broken calls, parallel turns, clarifying questions, "
+        "edits, truncations; over behaviour=trajectories, a rate or a mean",
+    )
+    otel.observe(
+        meter,
+        "rtrl.reward.hacking_alerts",
+        "counter",
+        lambda: [(n, {"metric": m, "kind": k}) for (m, k), n in list(joiner.alert_counts.items())],
+        unit="{alert}",
+        description="Reward-hacking alerts raised (reward_stream/monitors.py), by metric and kind",
+    )
 
 
 def run(settings: RewardStreamSettings, stack: StackSettings) -> None:

@@ -155,6 +155,39 @@ def behaviours(
     }
 
 
+AGENT_COUNTS = (
+    "trajectories",
+    "turns",
+    "tool_calls",
+    "broken_calls",
+    "parallel_turns",
+    "clarifying_questions",
+    "edits",
+    "truncations",
+)
+"""What rtrl.reward.behaviour counts per arm (agent_counts): over "trajectories", each a
+rate or a mean per rollout."""
+
+
+def agent_counts(
+    record: reward_pb2.RewardRecord, rollout: rollout_pb2.RolloutRecord
+) -> dict[str, int]:
+    """One settled rollout's share of AGENT_COUNTS (a single-turn completion is a trajectory
+    of one turn)."""
+    summary = Summary.of(rollout)
+    flags = behaviours(record, rollout)
+    return {
+        "trajectories": 1,
+        "turns": summary.turns,
+        "tool_calls": summary.tool_call_count,
+        "broken_calls": summary.invalid_tool_calls,
+        "parallel_turns": summary.parallel_turns,
+        "clarifying_questions": int(flags["clarifying_question"]),
+        "edits": int(flags["edit"]),
+        "truncations": int(summary.finish_reason == "length"),
+    }
+
+
 def values(record: reward_pb2.RewardRecord) -> dict[str, float]:
     c = record.components
     return {

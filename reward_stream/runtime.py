@@ -130,6 +130,10 @@ class Joiner:
         sums per (arm, component): plain sums on the hot path, read as metrics (app.py)."""
         self.reward_sums: defaultdict[tuple[str, bool], float] = defaultdict(float)
         self.component_sums: defaultdict[tuple[str, str], float] = defaultdict(float)
+        self.behaviour_sums: Counter[tuple[str, str]] = Counter()
+        """(arm, monitors.AGENT_COUNTS name) -> its sum over the rewards settled."""
+        self.alert_counts: Counter[tuple[str, str]] = Counter()
+        """(metric, kind) -> reward-hacking alerts raised."""
         self.reward_fn_version = reward_fn_version
         self.states: dict[int, join.JoinState] = {}
         self.start_ends: dict[tuple[str, int], int] = {}
@@ -363,6 +367,8 @@ class Joiner:
         components = record.components
         for name in COMPONENTS:
             self.component_sums[arm, name] += getattr(components, name)
+        for name, n in monitors.agent_counts(record, rollout).items():
+            self.behaviour_sums[arm, name] += n
         record.traceparent = _settle_spans.record(
             "reward settle",
             rollout.traceparent,
@@ -391,3 +397,4 @@ class Joiner:
                 ", ".join(alert.examples),
             )
         self.alerts.extend(alerts)
+        self.alert_counts.update((alert.metric, alert.kind) for alert in alerts)

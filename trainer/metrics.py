@@ -76,6 +76,15 @@ _mismatch_tokens = _meter.create_gauge(
 )
 
 
+def token_staleness(
+    samples: Iterable[TrainSample], base_version: int
+) -> list[trainer_pb2.TokenStaleness]:
+    """The samples' generated tokens by versions between ``base_version`` and the one that
+    sampled each."""
+    counts = Counter(base_version - v for sample in samples for v in sample.token_versions)
+    return [trainer_pb2.TokenStaleness(staleness=s, tokens=n) for s, n in sorted(counts.items())]
+
+
 def staleness_buckets(staleness: Iterable[int]) -> list[trainer_pb2.StalenessBucket]:
     counts = Counter(staleness)
     return [trainer_pb2.StalenessBucket(staleness=s, rollouts=n) for s, n in sorted(counts.items())]
@@ -95,6 +104,7 @@ def step_record(
     timings: Mapping[str, float],
     traceparent: str = "",
     newest: TrainSample | None = None,
+    samples: Sequence[TrainSample] = (),
     started_ts_ms: int = 0,
     optimizer_steps: int = 1,
     mismatch_threshold: float = 0.0,
@@ -121,6 +131,7 @@ def step_record(
         grad_norm=metrics.grad_norm,
         advantage_abs_mean=metrics.advantage_abs_mean,
         staleness=staleness_buckets(staleness),
+        token_staleness=token_staleness(samples, base_version),
         dropped=dict(dropped),
         eval_candidate=verdict.candidate.as_dict(),
         eval_published=verdict.published.as_dict(),

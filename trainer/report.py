@@ -125,6 +125,7 @@ class StepReport:
             timings=self.timings(),
             traceparent=self.traceparent,
             newest=self.newest,
+            samples=candidate.samples,
             started_ts_ms=candidate.started_ns // 1_000_000,
             optimizer_steps=candidate.optimizer_steps,
             mismatch_threshold=mismatch_threshold,

@@ -14,8 +14,16 @@ class StalenessBucket(_message.Message):
     rollouts: int
     def __init__(self, staleness: _Optional[int] = ..., rollouts: _Optional[int] = ...) -> None: ...
 
+class TokenStaleness(_message.Message):
+    __slots__ = ("staleness", "tokens")
+    STALENESS_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    staleness: int
+    tokens: int
+    def __init__(self, staleness: _Optional[int] = ..., tokens: _Optional[int] = ...) -> None: ...
+
 class TrainerStep(_message.Message):
-    __slots__ = ("step_id", "lineage", "step", "base_version", "version", "published", "ts_ms", "rollouts", "tokens", "reward_mean", "loss", "kl", "entropy", "clipped_fraction", "ratio_mean", "grad_norm", "advantage_abs_mean", "staleness", "dropped", "eval_candidate", "eval_published", "eval_regressions", "batch_wait_s", "step_s", "eval_s", "publish_s", "traceparent", "trained_through_event_ts_ms", "newest_reward_ts_ms", "newest_read_ts_ms", "started_ts_ms", "optimizer_steps", "gate_wait_s", "mismatch_mean", "mismatch_max", "mismatch_over_threshold_share", "mismatch_tokens", "mismatch_threshold")
+    __slots__ = ("step_id", "lineage", "step", "base_version", "version", "published", "ts_ms", "rollouts", "tokens", "reward_mean", "loss", "kl", "entropy", "clipped_fraction", "ratio_mean", "grad_norm", "advantage_abs_mean", "staleness", "dropped", "eval_candidate", "eval_published", "eval_regressions", "batch_wait_s", "step_s", "eval_s", "publish_s", "traceparent", "trained_through_event_ts_ms", "newest_reward_ts_ms", "newest_read_ts_ms", "started_ts_ms", "optimizer_steps", "gate_wait_s", "mismatch_mean", "mismatch_max", "mismatch_over_threshold_share", "mismatch_tokens", "mismatch_threshold", "token_staleness")
     class DroppedEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -75,6 +83,7 @@ class TrainerStep(_message.Message):
     MISMATCH_OVER_THRESHOLD_SHARE_FIELD_NUMBER: _ClassVar[int]
     MISMATCH_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MISMATCH_THRESHOLD_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_STALENESS_FIELD_NUMBER: _ClassVar[int]
     step_id: str
     lineage: str
     step: int
@@ -113,4 +122,5 @@ class TrainerStep(_message.Message):
     mismatch_over_threshold_share: float
     mismatch_tokens: int
     mismatch_threshold: float
-    def __init__(self, step_id: _Optional[str] = ..., lineage: _Optional[str] = ..., step: _Optional[int] = ..., base_version: _Optional[int] = ..., version: _Optional[int] = ..., published: _Optional[bool] = ..., ts_ms: _Optional[int] = ..., rollouts: _Optional[int] = ..., tokens: _Optional[int] = ..., reward_mean: _Optional[float] = ..., loss: _Optional[float] = ..., kl: _Optional[float] = ..., entropy: _Optional[float] = ..., clipped_fraction: _Optional[float] = ..., ratio_mean: _Optional[float] = ..., grad_norm: _Optional[float] = ..., advantage_abs_mean: _Optional[float] = ..., staleness: _Optional[_Iterable[_Union[StalenessBucket, _Mapping]]] = ..., dropped: _Optional[_Mapping[str, int]] = ..., eval_candidate: _Optional[_Mapping[str, float]] = ..., eval_published: _Optional[_Mapping[str, float]] = ..., eval_regressions: _Optional[_Iterable[str]] = ..., batch_wait_s: _Optional[float] = ..., step_s: _Optional[float] = ..., eval_s: _Optional[float] = ..., publish_s: _Optional[float] = ..., traceparent: _Optional[str] = ..., trained_through_event_ts_ms: _Optional[int] = ..., newest_reward_ts_ms: _Optional[int] = ..., newest_read_ts_ms: _Optional[int] = ..., started_ts_ms: _Optional[int] = ..., optimizer_steps: _Optional[int] = ..., gate_wait_s: _Optional[float] = ..., mismatch_mean: _Optional[float] = ..., mismatch_max: _Optional[float] = ..., mismatch_over_threshold_share: _Optional[float] = ..., mismatch_tokens: _Optional[int] = ..., mismatch_threshold: _Optional[float] = ...) -> None: ...
+    token_staleness: _containers.RepeatedCompositeFieldContainer[TokenStaleness]
+    def __init__(self, step_id: _Optional[str] = ..., lineage: _Optional[str] = ..., step: _Optional[int] = ..., base_version: _Optional[int] = ..., version: _Optional[int] = ..., published: _Optional[bool] = ..., ts_ms: _Optional[int] = ..., rollouts: _Optional[int] = ..., tokens: _Optional[int] = ..., reward_mean: _Optional[float] = ..., loss: _Optional[float] = ..., kl: _Optional[float] = ..., entropy: _Optional[float] = ..., clipped_fraction: _Optional[float] = ..., ratio_mean: _Optional[float] = ..., grad_norm: _Optional[float] = ..., advantage_abs_mean: _Optional[float] = ..., staleness: _Optional[_Iterable[_Union[StalenessBucket, _Mapping]]] = ..., dropped: _Optional[_Mapping[str, int]] = ..., eval_candidate: _Optional[_Mapping[str, float]] = ..., eval_published: _Optional[_Mapping[str, float]] = ..., eval_regressions: _Optional[_Iterable[str]] = ..., batch_wait_s: _Optional[float] = ..., step_s: _Optional[float] = ..., eval_s: _Optional[float] = ..., publish_s: _Optional[float] = ..., traceparent: _Optional[str] = ..., trained_through_event_ts_ms: _Optional[int] = ..., newest_reward_ts_ms: _Optional[int] = ..., newest_read_ts_ms: _Optional[int] = ..., started_ts_ms: _Optional[int] = ..., optimizer_steps: _Optional[int] = ..., gate_wait_s: _Optional[float] = ..., mismatch_mean: _Optional[float] = ..., mismatch_max: _Optional[float] = ..., mismatch_over_threshold_share: _Optional[float] = ..., mismatch_tokens: _Optional[int] = ..., mismatch_threshold: _Optional[float] = ..., token_staleness: _Optional[_Iterable[_Union[TokenStaleness, _Mapping]]] = ...) -> None: ...

@@ -165,6 +165,24 @@ def test_ab_numbers_match_the_hand_computed_ones(tmp_path):
                 metric
             )
 
+        tables = report.ab_json(rows)  # reports/ab.json
+        assert tables["whole_run"]["control"] == pytest.approx(
+            {
+                "edits_persisted": 0.5,
+                "dissatisfied_followups": 0.25,
+                "latency_p50_ms": 250.0,
+                "rollouts": 4,
+            }
+        )
+        assert tables["second_half"]["treatment"] == pytest.approx(
+            {
+                "edits_persisted": 2 / 3,
+                "dissatisfied_followups": 1 / 3,
+                "latency_p50_ms": 300.0,
+                "rollouts": 3,
+            }
+        )
+
         versions = [
             (v.arm, v.policy_version, v.rewards, v.persisted_rate, v.dissatisfied_rate)
             for v in report.by_version(query, bucket_size=1)

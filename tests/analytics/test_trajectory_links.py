@@ -9,7 +9,7 @@ import pytest
 
 from rtrl import topics
 from rtrl.analytics import schema
-from rtrl.analytics.agents_report import agents_by_version
+from rtrl.analytics.agents_report import agents_by_version, agents_png, transcripts
 from rtrl.analytics.query import client_query_fn, connect, project_tables
 from rtrl.analytics.sql_guard import checked_sql
 from rtrl.config import StackSettings
@@ -109,7 +109,10 @@ def test_each_link_is_a_row_and_the_report_reads_them_per_version(tmp_path):
     assert client.query("SELECT count() FROM rollouts FINAL").result_rows == [(2,)]
 
     tables = project_tables(client)
-    (at_v4,) = agents_by_version(lambda sql: client_query_fn(client)(checked_sql(sql, tables)))
+    def query(sql):
+        return client_query_fn(client)(checked_sql(sql, tables))
+
+    (at_v4,) = agents_by_version(query)
     assert (at_v4.policy_version, at_v4.arm, at_v4.trajectories, at_v4.links) == (
         4,
         "treatment",
@@ -122,3 +125,21 @@ def test_each_link_is_a_row_and_the_report_reads_them_per_version(tmp_path):
     assert at_v4.parallel_share == pytest.approx(0.5)
     assert at_v4.generated_share == pytest.approx(10 / 16)
     assert at_v4.versions_spanned == pytest.approx(1.5)
+    assert (at_v4.tool_calls_per_trajectory, at_v4.truncated_share, at_v4.question_share) == (
+        6.0,
+        0.0,
+        0.0,
+    )
+    assert agents_png([at_v4]).startswith(b"\x89PNG")
+    (example,) = transcripts(query, ["r1", "x' OR 1=1 --"])  # an id that is no id is skipped
+    assert (example.rollout_id, example.arm, example.turns, example.tool_calls) == (
+        "r1",
+        "treatment",
+        2,
+        3,
+    )
+    assert (example.broken_calls, example.tools, example.final_text) == (
+        1,
+        ("read_file", "search"),
+        "done",
+    )

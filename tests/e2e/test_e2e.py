@@ -274,6 +274,7 @@ def test_every_service_serves_prometheus_metrics(run):
             "rtrl_reward_settled_total",
             "rtrl_reward_accumulated",
             'rtrl_reward_component_total{arm="treatment",component="persisted_fraction"}',
+            'rtrl_reward_behaviour_total{arm="treatment",behaviour="trajectories"}',
             'rtrl_consumer_lag{group="rtrl-reward-stream"',
         ],
         "trainer": [

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from rtrl.reward_stream import reward
+from rtrl.reward_stream import monitors, reward
 from rtrl.reward_stream.config import RewardStreamSettings
 from rtrl.reward_stream.effort import A1_EFFORT, EffortCurve
 from rtrl.trainer.batch import Drop, to_sample
@@ -123,3 +123,19 @@ def test_a_configured_curve_settles_as_a_version_of_its_own(monkeypatch):
     monkeypatch.setenv("RTRL_REWARD_EFFORT_CURVE", '{"weight": -1}')
     with pytest.raises(ValueError, match="weight"):
         RewardStreamSettings(_env_file=None)
+
+
+def test_the_joiners_behaviour_counts_of_a_trajectory():
+    """What rtrl.reward.behaviour adds per settled rollout (reward_stream/monitors.py)."""
+    rollout = agent_rollout([["cfg", "read"], ["lint"]], valid=False)
+    record = reward.reward_record(rollout, kept(), 2000, "a1")
+    assert monitors.agent_counts(record, rollout) == {
+        "trajectories": 1,
+        "turns": 3,
+        "tool_calls": 3,
+        "broken_calls": 1,
+        "parallel_turns": 1,
+        "clarifying_questions": 0,
+        "edits": 1,
+        "truncations": 0,
+    }
