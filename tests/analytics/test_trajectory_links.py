@@ -109,6 +109,7 @@ def test_each_link_is_a_row_and_the_report_reads_them_per_version(tmp_path):
     assert client.query("SELECT count() FROM rollouts FINAL").result_rows == [(2,)]
 
     tables = project_tables(client)
+
     def query(sql):
         return client_query_fn(client)(checked_sql(sql, tables))
 
