@@ -39,13 +39,19 @@ class AgentsAtVersion:
     """Median wall time of the trajectories (rollouts.wall_s)."""
 
 
-def agents_by_version(query_fn: QueryFn) -> list[AgentsAtVersion]:
+def agents_by_version(query_fn: QueryFn, buckets: int | None = None) -> list[AgentsAtVersion]:
     """Per (version, arm): trajectory_links' counts, with the rollouts' questions and wall
-    time at the same version."""
+    time at the same version. With ``buckets``, versions are pooled into at most that many
+    runs of equal width, each named by its first version."""
+    width = 1
+    if buckets:
+        (top,) = query_fn(f"SELECT max(policy_version_max) AS v FROM {TRAJECTORY_LINKS}")
+        width = max(1, -(-(int(top["v"] or 0) + 1) // buckets))
+    version = f"intDiv(policy_version_max, {width}) * {width}"
     outcomes = {
         (int(r["version"]), str(r["arm"])): r
         for r in query_fn(
-            "SELECT policy_version_max AS version, arm, count() AS n, "
+            f"SELECT {version} AS version, arm, count() AS n, "
             f"countIf({CLARIFYING_QUESTION}) AS questions, "
             "quantileExactInclusive(0.5)(wall_s) AS latency_p50_s "
             f"FROM rollouts FINAL WHERE rollout_id IN (SELECT rollout_id FROM {TRAJECTORY_LINKS}) "
@@ -53,7 +59,7 @@ def agents_by_version(query_fn: QueryFn) -> list[AgentsAtVersion]:
         )
     }
     rows = query_fn(
-        "SELECT policy_version_max AS version, arm, uniqExact(rollout_id) AS trajectories, "
+        f"SELECT {version} AS version, arm, uniqExact(rollout_id) AS trajectories, "
         "count() AS links, sum(turns) AS turns, sum(tool_calls) AS calls, "
         "sum(invalid_tool_calls) AS invalid, sum(parallel_turns) AS parallel, "
         "sum(generated_tokens) AS generated, sum(observed_tokens) AS observed, "

@@ -122,18 +122,19 @@ def ab_rich_table(rows, window: str, title: str) -> Table:
 def agents_table(rows: list) -> Table:
     """analytics.agents_report.agents_by_version as a table: an agent's trajectories per
     policy version."""
-    table = Table(title="agents' trajectories by policy version")
+    table = Table(title="agents' trajectories by policy version (from the version shown)")
     for column in (
-        "version", "arm", "trajectories", "links", "turns", "calls/turn", "broken calls",
-        "parallel turns", "generated tokens", "versions spanned",
+        "version", "arm", "trajectories", "turns", "calls", "broken calls", "parallel turns",
+        "questions", "latency p50", "versions spanned",
     ):  # fmt: skip
         table.add_column(column, justify="right")
     for r in rows:
+        latency = "–" if r.latency_p50_s is None else f"{1000 * r.latency_p50_s:.0f} ms"
         table.add_row(
-            f"v{r.policy_version}", r.arm, str(r.trajectories), str(r.links),
-            f"{r.turns_per_trajectory:.1f}", f"{r.tool_calls_per_turn:.2f}",
+            f"v{r.policy_version}", r.arm, str(r.trajectories),
+            f"{r.turns_per_trajectory:.2f}", f"{r.tool_calls_per_trajectory:.2f}",
             f"{100 * r.invalid_share:.1f} %", f"{100 * r.parallel_share:.1f} %",
-            f"{100 * r.generated_share:.1f} %", f"{r.versions_spanned:.2f}",
+            f"{100 * r.question_share:.1f} %", latency, f"{r.versions_spanned:.2f}",
         )  # fmt: skip
     return table
 
@@ -177,7 +178,7 @@ def print_report(
     )
     console.print(ab_rich_table(rows, "last_half", "A/B, second half of the run"))
     console.print(mismatch_line(mismatch_summary(query)))
-    agents = agents_by_version(query)
+    agents = agents_by_version(query, buckets=12)
     if agents:
         console.print(agents_table(agents))
     path = write_html(html, rows, by_version(query), extra_figures=figures(query).items)

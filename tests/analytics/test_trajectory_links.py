@@ -132,6 +132,8 @@ def test_each_link_is_a_row_and_the_report_reads_them_per_version(tmp_path):
         0.0,
     )
     assert agents_png([at_v4]).startswith(b"\x89PNG")
+    (pooled,) = agents_by_version(query, buckets=1)  # versions 0-4 in one bucket, named v0
+    assert (pooled.policy_version, pooled.links, pooled.tool_calls_per_trajectory) == (0, 2, 6.0)
     (example,) = transcripts(query, ["r1", "x' OR 1=1 --"])  # an id that is no id is skipped
     assert (example.rollout_id, example.arm, example.turns, example.tool_calls) == (
         "r1",
