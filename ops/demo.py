@@ -190,8 +190,9 @@ AGENT_TRAINER: dict[str, str] = {
     "RTRL_TRAINER_STEPS_PER_CANDIDATE": "3",
 }
 """The trainer's settings for the agentic demo wherever the environment sets none: its
-prompts are unique, so the context baseline (the product's context_key: the project); its eval
-suite plays held-out tasks as the agent (simulator/agent_suite.py). Playing 128 trajectories
+prompts are unique, so the context baseline, one running mean as the product sends no
+context_key (simulator/agent_product.py says why); its eval suite plays held-out tasks as the
+agent (simulator/agent_suite.py). Playing 128 trajectories
 took the gate 4-6 s a candidate against 1 s of training, so the gate plays 48 and a candidate
 takes three optimizer steps: about three times the steps in the demo's minutes."""
 

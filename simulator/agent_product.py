@@ -12,8 +12,11 @@ reached) and the editor reports it against the trajectory's rollout id, as the
 single-turn product does. Latency is what the user waited: from the first request to the
 final answer, tool time included.
 
-Prompts are unique (simulator/tasks.py's serials), and each request names its project as
-``context_key``, the trainer's context baseline.
+Prompts are unique (simulator/tasks.py's serials). The requests name no ``context_key``, so
+the trainer's context baseline is one running mean over every trajectory (ops/demo.py,
+AGENT_TRAINER): a task the policy is likely to fail (p4 without a written style) then scores
+below it whatever the policy does there, the pressure a hackable reward (a1h) turns into
+broken calls. A mean per project would hide that pressure, and the hack with it.
 """
 
 from __future__ import annotations
@@ -128,7 +131,6 @@ class AgentProduct(Product):
             "user_id": user.user_id,
             "session_id": session_id,
             "privacy_mode": user.privacy_mode,
-            "context_key": f"p{task.project}",
             "max_tokens": AGENT_MAX_TOKENS,
         }
         played: Played | None = None
