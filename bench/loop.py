@@ -192,10 +192,16 @@ def trainer_run() -> TrainerRun:
     from rtrl.ops.stack import embedded_trainer_env
     from rtrl.trainer.config import TrainerSettings
 
-    # Field values go in as the environment's strings, for pydantic to parse (hence Any).
+    # Field values go in as the environment's strings, for pydantic to parse (hence Any):
+    # the embedded defaults, then whatever else the environment sets (the agent's settings).
+    env = {
+        **embedded_trainer_env(os.environ),
+        **{k: v for k, v in os.environ.items() if k.startswith("RTRL_TRAINER_")},
+    }
     fields: dict[str, Any] = {
         name.removeprefix("RTRL_TRAINER_").lower(): value
-        for name, value in embedded_trainer_env(os.environ).items()
+        for name, value in env.items()
+        if name.removeprefix("RTRL_TRAINER_").lower() in TrainerSettings.model_fields
     }
     trainer = TrainerSettings(**fields)
     return TrainerRun(
