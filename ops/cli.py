@@ -160,7 +160,7 @@ def status(
 
 @app.command()
 def demo(
-    minutes: float = typer.Option(6.0, help="How long the simulated product runs."),
+    minutes: float = typer.Option(5.0, help="How long the simulated product runs."),
     keep_running: bool = typer.Option(False, help="Leave the stack up afterwards."),
     product: str = typer.Option(
         "agent",

@@ -171,7 +171,17 @@ def test_intake_counts_every_candidate_and_the_share_of_treatment_trained():
             published=True, rollouts=32, dropped={"control_arm": 40, "shed": 10}
         ),
         trainer_pb2.TrainerStep(published=False, rollouts=32, dropped={"shed": 22, "duplicate": 1}),
-        trainer_pb2.TrainerStep(published=True, rollouts=16),
+        trainer_pb2.TrainerStep(
+            published=True,
+            rollouts=16,
+            token_staleness=[
+                trainer_pb2.TokenStaleness(staleness=0, tokens=30),
+                trainer_pb2.TokenStaleness(staleness=2, tokens=10),
+            ],
+        ),
+        trainer_pb2.TrainerStep(
+            published=True, token_staleness=[trainer_pb2.TokenStaleness(staleness=2, tokens=60)]
+        ),
     ]
     assert intake(records) == Intake(
         rollouts_trained=80,
@@ -179,5 +189,7 @@ def test_intake_counts_every_candidate_and_the_share_of_treatment_trained():
         trained_share_of_treatment=round(
             80 / 113, 3
         ),  # control's rollouts are not the trainer's to take
+        token_staleness={0: 30, 2: 70},
+        newest_token_share=0.3,
     )
     assert intake([]).trained_share_of_treatment is None

@@ -71,3 +71,20 @@ def test_a_step_in_micro_batches_is_the_step_of_one_forward(budget):
     assert micro.tokens == whole.tokens == int(batch().target_mask.sum())
     assert micro.mismatch.tokens == whole.mismatch.tokens > 0
     assert micro.mismatch.mean == pytest.approx(whole.mismatch.mean, rel=1e-5)
+
+
+def test_the_step_record_counts_tokens_by_the_versions_behind_that_sampled_them():
+    """trainer.metrics.token_staleness: a trajectory's own swaps split its tokens."""
+    from rtrl.trainer.batch import TrainSample
+    from rtrl.trainer.metrics import token_staleness
+
+    def sample(versions):
+        n = len(versions)
+        return TrainSample(
+            rollout_id="r", group="g", prompt_ids=(1,), completion_ids=(2,) * n,
+            behaviour_logprobs=(-0.1,) * n, temperature=1.0, reward=1.0,
+            oldest_version=min(versions), last_event_ts_ms=0, token_versions=tuple(versions),
+        )  # fmt: skip
+
+    buckets = token_staleness([sample((4, 4, 5)), sample((5, 5))], base_version=5)
+    assert [(b.staleness, b.tokens) for b in buckets] == [(0, 3), (1, 2)]
