@@ -199,7 +199,9 @@ def ab_json(rows: list[ABRow]) -> dict[str, dict[str, dict[str, float | None]]]:
             arm_values: dict[str, float | None] = {}
             for key, (metric, scale) in AB_JSON_METRICS.items():
                 value = values.get((window, metric), (None, None))[index]
-                arm_values[key] = None if value is None else value * scale
+                if value is not None:
+                    value = int(value) if metric == "rollouts" else value * scale
+                arm_values[key] = value
             out[name][arm] = arm_values
     return out
 
