@@ -171,14 +171,19 @@ def components(
     )
 
 
-def reward(c: reward_pb2.RewardComponents) -> float:
-    """The r1 scalar (see the module docstring); in [-1.05, 1.0]."""
+def _scalar(c: reward_pb2.RewardComponents, invalid_tool_weight: float) -> float:
+    """Persisted, less dissatisfaction, broken calls at ``invalid_tool_weight``, and effort."""
     return (
         c.persisted_fraction
         - DISSATISFIED_WEIGHT * c.dissatisfied
-        - INVALID_TOOL_WEIGHT * (1.0 - c.tool_call_validity)
+        - invalid_tool_weight * (1.0 - c.tool_call_validity)
         - c.effort_penalty
     )
+
+
+def reward(c: reward_pb2.RewardComponents) -> float:
+    """The r1 scalar (see the module docstring); in [-1.05, 1.0]."""
+    return _scalar(c, INVALID_TOOL_WEIGHT)
 
 
 def made_no_edit(
@@ -249,13 +254,7 @@ def components_r2(
 
 def reward_r2(c: reward_pb2.RewardComponents) -> float:
     """The r2 scalar (see the module docstring); in [-2.5, 1.0]."""
-    return (
-        c.persisted_fraction
-        - DISSATISFIED_WEIGHT * c.dissatisfied
-        - INVALID_TOOL_WEIGHT_R2 * (1.0 - c.tool_call_validity)
-        - c.effort_penalty
-        - latency_penalty(c.latency_s)
-    )
+    return _scalar(c, INVALID_TOOL_WEIGHT_R2) - latency_penalty(c.latency_s)
 
 
 def _snapshot_fraction(
@@ -321,12 +320,7 @@ def components_a1(
 
 def reward_a1(c: reward_pb2.RewardComponents) -> float:
     """The a1 scalar (see the module docstring); in [-2.25, 1.0]."""
-    return (
-        c.persisted_fraction
-        - DISSATISFIED_WEIGHT * c.dissatisfied
-        - INVALID_TOOL_WEIGHT_R2 * (1.0 - c.tool_call_validity)
-        - c.effort_penalty
-    )
+    return _scalar(c, INVALID_TOOL_WEIGHT_R2)
 
 
 def broken_call(c: reward_pb2.RewardComponents) -> bool:

@@ -97,7 +97,7 @@ class AgentProduct(Product):
         shown = None
         if reaction.region_text is not None:
             shown = self._shown(user, played, session_id, shown_ms)
-        report = asyncio.create_task(
+        self._later(
             self._report(
                 user,
                 played.rollout_id,
@@ -108,8 +108,6 @@ class AgentProduct(Product):
                 rng.random(),
             )
         )
-        self._reports.add(report)
-        report.add_done_callback(self._reports.discard)
 
     def _shown(
         self, user: User, played: Played, session_id: str, shown_ms: int
@@ -136,7 +134,9 @@ class AgentProduct(Product):
         played: Played | None = None
         try:
             for _ in range(MAX_TURNS):
-                answer = await self._ask(http, url, {**body, "messages": messages})
+                answer = await self._serve(
+                    http, f"{url}/v1/chat/completions", {**body, "messages": messages}
+                )
                 message = answer["choices"][0]["message"]
                 if played is None:
                     played = Played(
@@ -168,14 +168,6 @@ class AgentProduct(Product):
             return played
         finally:
             await self._end(http, url, trajectory_id)
-
-    async def _ask(self, http: aiohttp.ClientSession, url: str, body: dict) -> dict:
-        async with http.post(
-            f"{url}/v1/chat/completions", json=body, headers=self._serving_headers
-        ) as resp:
-            if resp.status != 200:
-                raise RuntimeError(f"inference answered {resp.status}: {(await resp.text())[:200]}")
-            return await resp.json()
 
     async def _end(self, http: aiohttp.ClientSession, url: str, trajectory_id: str) -> None:
         """End the trajectory: its record is written now, not after the idle timeout."""

@@ -17,7 +17,9 @@ import asyncio
 import random
 import time
 from collections import deque
+from collections.abc import Coroutine
 from dataclasses import dataclass, field
+from typing import Any
 
 import aiohttp
 
@@ -180,7 +182,7 @@ class Product:
                     file_path=f"p{user.project}/helpers.py", edit_text=completion["text"]
                 ),
             )
-        report = asyncio.create_task(
+        self._later(
             self._report(
                 user,
                 rollout_id,
@@ -191,8 +193,13 @@ class Product:
                 rng.random(),
             )
         )
-        self._reports.add(report)
-        report.add_done_callback(self._reports.discard)
+
+    def _later(self, report: Coroutine[Any, Any, None]) -> None:
+        """Send a report once its delay has passed, without holding up the next edit (the run
+        waits for every report before it ends)."""
+        task = asyncio.create_task(report)
+        self._reports.add(task)
+        task.add_done_callback(self._reports.discard)
 
     async def _complete(
         self, http: aiohttp.ClientSession, url: str, user: User, task: Task, session_id: str
@@ -206,9 +213,11 @@ class Product:
         }
         if task.serial:
             body["max_tokens"] = UNIQUE_MAX_TOKENS
-        async with http.post(
-            f"{url}/v1/completions", json=body, headers=self._serving_headers
-        ) as resp:
+        return await self._serve(http, f"{url}/v1/completions", body)
+
+    async def _serve(self, http: aiohttp.ClientSession, url: str, body: dict) -> dict:
+        """The serving API's JSON answer to ``body`` (RuntimeError for any other status)."""
+        async with http.post(url, json=body, headers=self._serving_headers) as resp:
             if resp.status != 200:
                 raise RuntimeError(f"inference answered {resp.status}: {(await resp.text())[:200]}")
             return await resp.json()
