@@ -33,6 +33,8 @@ class AgentsAtVersion:
     tool_calls_per_trajectory: float = 0.0
     truncated_share: float = 0.0
     """Of the links, those whose generation ran out of tokens."""
+    broken_share: float = 0.0
+    """Of the links, those with a broken call (the rate a broken-call hack moves)."""
     question_share: float = 0.0
     """Of the trajectories, those whose final text is a clarifying question."""
     latency_p50_s: float | None = None
@@ -63,7 +65,8 @@ def agents_by_version(query_fn: QueryFn, buckets: int | None = None) -> list[Age
         "count() AS links, sum(turns) AS turns, sum(tool_calls) AS calls, "
         "sum(invalid_tool_calls) AS invalid, sum(parallel_turns) AS parallel, "
         "sum(generated_tokens) AS generated, sum(observed_tokens) AS observed, "
-        "avg(versions_spanned) AS spanned, countIf(finish_reason = 'length') AS truncated "
+        "avg(versions_spanned) AS spanned, countIf(finish_reason = 'length') AS truncated, "
+        "countIf(invalid_tool_calls > 0) AS broken_links "
         f"FROM {TRAJECTORY_LINKS} FINAL GROUP BY version, arm ORDER BY version, arm"
     )
     return [
@@ -80,6 +83,7 @@ def agents_by_version(query_fn: QueryFn, buckets: int | None = None) -> list[Age
             versions_spanned=float(r["spanned"]),
             tool_calls_per_trajectory=_ratio(r["calls"], r["trajectories"]),
             truncated_share=_ratio(r["truncated"], r["links"]),
+            broken_share=_ratio(r["broken_links"], r["links"]),
             question_share=_ratio(
                 outcomes.get((int(r["version"]), str(r["arm"])), {}).get("questions", 0),
                 outcomes.get((int(r["version"]), str(r["arm"])), {}).get("n", 0),
@@ -98,7 +102,7 @@ def _number(value: object) -> float | None:
 
 AGENT_PANELS = (
     ("tool_calls_per_trajectory", "tool calls per trajectory"),
-    ("invalid_share", "broken share of calls"),
+    ("broken_share", "trajectories with a broken call"),
     ("parallel_share", "parallel share of turns"),
     ("turns_per_trajectory", "turns per trajectory"),
     ("question_share", "clarifying questions"),

@@ -124,7 +124,7 @@ def agents_table(rows: list) -> Table:
     policy version."""
     table = Table(title="agents' trajectories by policy version (from the version shown)")
     for column in (
-        "version", "arm", "trajectories", "turns", "calls", "broken calls", "parallel turns",
+        "version", "arm", "trajectories", "turns", "calls", "with a broken call", "parallel turns",
         "questions", "latency p50", "versions spanned",
     ):  # fmt: skip
         table.add_column(column, justify="right")
@@ -133,7 +133,7 @@ def agents_table(rows: list) -> Table:
         table.add_row(
             f"v{r.policy_version}", r.arm, str(r.trajectories),
             f"{r.turns_per_trajectory:.2f}", f"{r.tool_calls_per_trajectory:.2f}",
-            f"{100 * r.invalid_share:.1f} %", f"{100 * r.parallel_share:.1f} %",
+            f"{100 * r.broken_share:.1f} %", f"{100 * r.parallel_share:.1f} %",
             f"{100 * r.question_share:.1f} %", latency, f"{r.versions_spanned:.2f}",
         )  # fmt: skip
     return table

@@ -131,6 +131,7 @@ def test_each_link_is_a_row_and_the_report_reads_them_per_version(tmp_path):
         0.0,
         0.0,
     )
+    assert at_v4.broken_share == 1.0  # each link made a broken call
     assert agents_png([at_v4]).startswith(b"\x89PNG")
     (pooled,) = agents_by_version(query, buckets=1)  # versions 0-4 in one bucket, named v0
     assert (pooled.policy_version, pooled.links, pooled.tool_calls_per_trajectory) == (0, 2, 6.0)
