@@ -62,9 +62,14 @@ class Played:
     calls: int = 0
     parallel_turns: int = 0
     truncated: bool = False
+    answered: float = 0.0
+    """When the final answer came (monotonic): the user's wait ends there, not at the
+    trajectory's DELETE."""
 
 
 class AgentProduct(Product):
+    """The simulated product with an agent harness in every editor (the module's docstring)."""
+
     def __init__(self, inference_urls: list[str], ingest_url: str, **options: Any) -> None:
         options["unique_prompts"] = True
         super().__init__(inference_urls, ingest_url, **options)
@@ -78,7 +83,7 @@ class AgentProduct(Product):
         session_id = f"s-{user.user_id}"
         started = time.monotonic()
         played = await self._play(http, url, user, task, session_id)
-        wall_s = time.monotonic() - started
+        wall_s = played.answered - started
         reaction = react(user, task, played.text, rng)
         shown_ms = int(time.time() * 1000)
         answer = {
@@ -147,6 +152,7 @@ class AgentProduct(Product):
                 calls = message.get("tool_calls") or []
                 if not calls:
                     played.text = message.get("content") or ""
+                    played.answered = time.monotonic()
                     return played
                 played.calls += len(calls)
                 played.parallel_turns += len(calls) > 1
@@ -165,6 +171,7 @@ class AgentProduct(Product):
                 ]
             assert played is not None
             played.truncated = True  # the harness gives up: nothing to show
+            played.answered = time.monotonic()
             return played
         finally:
             await self._end(http, url, trajectory_id)
