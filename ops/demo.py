@@ -246,7 +246,9 @@ def run_demo(
     if reward_fn is not None:
         os.environ["RTRL_STACK_REWARD_FN_VERSION"] = reward_fn
     agent = product == "agent"
-    model_dir = prepare_agent(state_dir, console) if agent else None
+    foreign = not statedir.is_state_dir(state_dir) and statedir.foreign_entries(state_dir)
+    # Nothing is written into a directory rtrl may not take: `rtrl up` says why below.
+    model_dir = prepare_agent(state_dir, console) if agent and not foreign else None
     console.print(f"product: {product}, reward function: {StackConfig().reward_fn_version}")
     if unique_prompts and not agent:
         prepare_unique_prompts(state_dir, console)

@@ -72,8 +72,8 @@ class Resumed:
 
 @pytest.fixture(scope="module")
 def resumed(tmp_path_factory):
-    """`rtrl demo --minutes 1` (the real CLI, which ends with `rtrl down`), then `rtrl up`
-    on its state directory; the stack stays up for the module."""
+    """`rtrl demo --minutes 1 --product edits` (the real CLI, which ends with `rtrl down`),
+    then `rtrl up` on its state directory; the stack stays up for the module."""
     from support.trainer import install_warm_start
 
     tmp_path = tmp_path_factory.mktemp("restart")
@@ -82,7 +82,7 @@ def resumed(tmp_path_factory):
     env = {**os.environ, "RTRL_STATE_DIR": str(state_dir), "RTRL_STACK_INFERENCE_WORKERS": "2"}
     with open(tmp_path / "demo.log", "wb") as log:
         subprocess.run(
-            [sys.executable, "-m", "rtrl", "demo", "--minutes", "1"],
+            [sys.executable, "-m", "rtrl", "demo", "--minutes", "1", "--product", "edits"],
             env=env,
             stdout=log,
             stderr=subprocess.STDOUT,
