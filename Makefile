@@ -6,12 +6,14 @@ STAMP := $(VENV)/.installed
 
 .PHONY: install demo test test-fast lint format typecheck check proto proto-check bench-loop up down status report clean
 
-$(STAMP): pyproject.toml constraints.txt scripts/bootstrap.sh
+$(STAMP): pyproject.toml clients/python/pyproject.toml constraints.txt scripts/bootstrap.sh
 	bash scripts/bootstrap.sh
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	# torch first, pinned, so nothing pulls a CUDA build
 	$(BIN)/python -m pip install -q -c constraints.txt torch==2.13.0
+	# the product-side client first: the server depends on it (clients/python)
+	$(BIN)/python -m pip install -q -c constraints.txt -e clients/python
 	$(BIN)/python -m pip install -q -c constraints.txt -e '.[dev]'
 	touch $(STAMP)
 
@@ -47,7 +49,7 @@ proto: install
 
 # Generated code is never edited by hand: regenerating must change nothing.
 proto-check: proto
-	git diff --exit-code -- rtrl/v1
+	git diff --exit-code -- rtrl/v1 clients/python/src/rtrl_client/v1
 
 bench-loop: install
 	$(BIN)/rtrl bench loop

@@ -18,7 +18,8 @@ from google.protobuf.message import DecodeError
 from rtrl import topics
 from rtrl.analytics import schema
 from rtrl.trajectory_summary import Summary
-from rtrl.v1 import reward_pb2, rollout_pb2, telemetry_pb2, trainer_pb2
+from rtrl.v1 import reward_pb2, rollout_pb2, trainer_pb2
+from rtrl_client.v1 import telemetry_pb2
 
 ARM_NAMES = {1: "control", 2: "treatment"}
 _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)

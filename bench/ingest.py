@@ -140,8 +140,8 @@ def signature_costs(repeats: int = 2_000) -> SignatureCosts:
 
 def make_events(n: int, seed: int = 0) -> list:
     """Edit-shown events of about EVENT_BYTES serialized, over many rollouts."""
-    from rtrl.ingest.client import make_event
-    from rtrl.v1 import telemetry_pb2
+    from rtrl_client.client import make_event
+    from rtrl_client.v1 import telemetry_pb2
 
     now_ms = time.time_ns() // 1_000_000
     body = ("    return helper(value)  # keep the house style\n" * 40)[: EVENT_BYTES - 190]
@@ -191,7 +191,7 @@ async def gateway_round(
     that resends what the gateway asked it to retry."""
     import grpc
 
-    from rtrl.v1 import ingest_pb2
+    from rtrl_client.v1 import ingest_pb2
 
     queue: asyncio.Queue[tuple[list, bytes]] = asyncio.Queue()
     for start in range(0, len(events), batch):
@@ -232,7 +232,7 @@ async def _client(
     has answered every event of it with something other than RETRY."""
     import grpc
 
-    from rtrl.v1 import ingest_pb2
+    from rtrl_client.v1 import ingest_pb2
 
     retry = ingest_pb2.EventResult.STATUS_RETRY
     while not queue.empty():

@@ -15,7 +15,8 @@ from rtrl import kafka, signing, topics
 from rtrl.bench.agent_load import agent_rollout
 from rtrl.config import StackSettings
 from rtrl.inference.config import InferenceSettings
-from rtrl.v1 import rollout_pb2, telemetry_pb2
+from rtrl.v1 import rollout_pb2
+from rtrl_client.v1 import telemetry_pb2
 
 PARTITIONS = 4
 TOKENS = 200

@@ -41,7 +41,7 @@ from rtrl.admission import Admission, Refusal
 from rtrl.api_keys import PRIVATE_USERS, SERVED_PREFIX, ApiKey
 from rtrl.event_time import EventTimeWindow
 from rtrl.ingest.validation import CLIENT_TS_WINDOW, validate
-from rtrl.v1 import ingest_pb2, telemetry_pb2
+from rtrl_client.v1 import ingest_pb2, telemetry_pb2
 
 DEDUP_PREFIX = "rtrl:ingest:event:"
 PRIVACY_PREFIX = "rtrl:privacy:"

@@ -15,7 +15,7 @@ from google.protobuf.message import DecodeError
 from rtrl.admission import Admission, Refusal
 from rtrl.ingest.config import IngestSettings
 from rtrl.ingest.gateway import REJECTED, RETRY, Gateway, batch_refusal
-from rtrl.v1 import ingest_pb2
+from rtrl_client.v1 import ingest_pb2
 
 GRPC_CODE = {
     401: grpc.StatusCode.UNAUTHENTICATED,

@@ -19,7 +19,7 @@ from google.protobuf import json_format
 from rtrl.admission import Admission, Refusal
 from rtrl.ingest.config import IngestSettings
 from rtrl.ingest.gateway import REJECTED, RETRY, Gateway, batch_refusal
-from rtrl.v1 import ingest_pb2
+from rtrl_client.v1 import ingest_pb2
 
 _GATEWAY = web.AppKey("gateway", Gateway)
 _SETTINGS = web.AppKey("settings", IngestSettings)

@@ -25,7 +25,7 @@ from confluent_kafka import Consumer, KafkaError, TopicPartition
 from rtrl import kafka, topics
 from rtrl.config import StackSettings
 from rtrl.ingest.gateway import INFLIGHT, PAYLOADS
-from rtrl.v1 import telemetry_pb2
+from rtrl_client.v1 import telemetry_pb2
 
 log = logging.getLogger("rtrl.ingest.recovery")
 

@@ -8,7 +8,7 @@ import uuid
 from dataclasses import dataclass
 
 from rtrl.event_time import EventTimeWindow
-from rtrl.v1 import telemetry_pb2
+from rtrl_client.v1 import telemetry_pb2
 
 SCHEMA_VERSION = 1
 MAX_ID_CHARS = 128

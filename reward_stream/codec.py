@@ -9,7 +9,8 @@ from google.protobuf.message import DecodeError
 
 from rtrl import topics
 from rtrl.reward_stream.join import TELEMETRY_KINDS, Event, EventKind, TelemetryKind
-from rtrl.v1 import rollout_pb2, telemetry_pb2
+from rtrl.v1 import rollout_pb2
+from rtrl_client.v1 import telemetry_pb2
 
 
 class MalformedEvent(ValueError):

@@ -17,7 +17,8 @@ from google.protobuf.message import DecodeError
 
 from rtrl import kafka, topics
 from rtrl.config import StackSettings
-from rtrl.v1 import reward_pb2, rollout_pb2, telemetry_pb2
+from rtrl.v1 import reward_pb2, rollout_pb2
+from rtrl_client.v1 import telemetry_pb2
 
 
 def settled_rollouts(

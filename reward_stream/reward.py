@@ -119,7 +119,8 @@ from rtrl.reward_stream.signals import (
     persisted_fraction,
 )
 from rtrl.trajectory_summary import Summary
-from rtrl.v1 import reward_pb2, rollout_pb2, telemetry_pb2
+from rtrl.v1 import reward_pb2, rollout_pb2
+from rtrl_client.v1 import telemetry_pb2
 
 REWARD_FN_VERSION = "r3"
 _REJECTED = telemetry_pb2.EditOutcome.OUTCOME_REJECTED

@@ -34,7 +34,7 @@ from rtrl.simulator.agent import AGENT_MAX_TOKENS, MAX_TURNS, TOOLS, observe, tu
 from rtrl.simulator.product import ArmStats, Product, _event
 from rtrl.simulator.tasks import Task
 from rtrl.simulator.users import User, react
-from rtrl.v1 import telemetry_pb2
+from rtrl_client.v1 import telemetry_pb2
 
 OFFERED = [tool.openai() for tool in TOOLS]
 

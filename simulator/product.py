@@ -23,10 +23,10 @@ from typing import Any
 
 import aiohttp
 
-from rtrl.ingest.client import IngestClient, make_event
 from rtrl.simulator.tasks import UNIQUE_MAX_TOKENS, Task, UniqueTasks, random_task
 from rtrl.simulator.users import Reaction, User, population, react
-from rtrl.v1 import ingest_pb2, telemetry_pb2
+from rtrl_client.client import IngestClient, make_event
+from rtrl_client.v1 import ingest_pb2, telemetry_pb2
 
 ACCEPTED = ingest_pb2.EventResult.STATUS_ACCEPTED
 DUPLICATE = ingest_pb2.EventResult.STATUS_DUPLICATE

@@ -17,8 +17,8 @@ from rtrl.analytics.query import client_query_fn, connect, http_query_fn
 from rtrl.analytics.rows import KafkaRecord
 from rtrl.config import StackSettings
 from rtrl.heartbeat import AnalyticsBeat
-from rtrl.ingest.client import make_event
-from rtrl.v1 import telemetry_pb2
+from rtrl_client.client import make_event
+from rtrl_client.v1 import telemetry_pb2
 from support import signed, wait
 from support.analytics import T0, RecordingConsumer, hand_made_records
 from support.beats import wait_for_beat

@@ -12,7 +12,8 @@ from rtrl.analytics import report, schema
 from rtrl.analytics.query import client_query_fn, connect
 from rtrl.config import StackSettings
 from rtrl.reward_stream.monitors import is_clarifying_question
-from rtrl.v1 import reward_pb2, rollout_pb2, telemetry_pb2
+from rtrl.v1 import reward_pb2, rollout_pb2
+from rtrl_client.v1 import telemetry_pb2
 from support import signed
 from support.analytics import T0, reward, rollout
 from support.reward_stream import QUESTION_CASES

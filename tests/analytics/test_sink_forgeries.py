@@ -20,8 +20,9 @@ from confluent_kafka import Producer
 from rtrl import kafka, procs, signing, topics
 from rtrl.analytics import report, training_report
 from rtrl.analytics.query import QueryFn, http_query_fn
-from rtrl.ingest.client import make_event
-from rtrl.v1 import telemetry_pb2, trainer_pb2
+from rtrl.v1 import trainer_pb2
+from rtrl_client.client import make_event
+from rtrl_client.v1 import telemetry_pb2
 from support import signed, wait
 from support.analytics import hand_made_records, reward, rollout
 

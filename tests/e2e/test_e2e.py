@@ -29,6 +29,7 @@ from rtrl.ops.lifecycle import down, up
 from rtrl.ops.reporting import drain, query_function
 from rtrl.weight_sync import registry
 from support import wait
+from support.monitoring import expressions, metric_names, promtool
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -318,6 +319,39 @@ def test_every_scrape_answers_under_load_and_idle(run):
         assert answered == services, f"{phase}: no answer from {sorted(services - answered)}"
     failed = [s for s in run.scrapes if s.error]
     assert not failed, failed
+
+
+# Metrics the alert rules or dashboards read that no process of the embedded stack exports.
+EXPORTED_ELSEWHERE = {
+    "up": "Prometheus writes it itself, for every target it scrapes",
+    "rtrl_sglang_sidecar_policy_version": "the SGLang sidecar's (compose, on GPUs); "
+    "the embedded stack serves with the torch engine and runs no sidecar",
+    "rtrl_sdk_spool_events": "the Python SDK's, in the product process that embeds it",
+    "rtrl_sdk_spool_bytes": "the Python SDK's, in the product process that embeds it",
+    "rtrl_sdk_rejected_events_total": "the Python SDK's, in the product process that embeds it",
+}
+
+
+def test_every_metric_the_alerts_and_dashboards_read_is_exported_and_lints_clean(run):
+    """promtool's linter passes every service's page, and each metric named in an alert rule
+    (deploy/prometheus) or a dashboard query (deploy/grafana) is a series some service of the
+    stack exports, or is listed above with who exports it instead."""
+    for key, page in run.metrics.items():
+        linted = subprocess.run(
+            [promtool(), "check", "metrics"], input=page, capture_output=True, text=True, timeout=60
+        )
+        assert linted.returncode == 0, f"{key}: {linted.stdout}{linted.stderr}"
+    exported = {series.split("{")[0] for page in run.metrics.values() for series in _samples(page)}
+    read = {where: metric_names(expr) for where, expr in expressions().items()}
+    missing = {
+        where: sorted(names - exported - set(EXPORTED_ELSEWHERE)) for where, names in read.items()
+    }
+    assert not {where: names for where, names in missing.items() if names}
+    assert not set(EXPORTED_ELSEWHERE) & exported, "exported by the stack after all: unlist it"
+    assert set(EXPORTED_ELSEWHERE) <= set().union(*read.values()), "listed but read by nothing"
+    assert len(set().union(*read.values()) & exported) >= 40, (
+        "too few names found: the parser broke"
+    )
 
 
 def _samples(page: str) -> dict[str, float]:

@@ -37,14 +37,8 @@ from rtrl.reward_stream import replay
 from rtrl.reward_stream.config import RewardStreamSettings
 from rtrl.reward_stream.runtime import Joiner
 from rtrl.trainer.batch import TrainSample, collate, to_sample
-from rtrl.v1 import (
-    common_pb2,
-    ingest_pb2,
-    reward_pb2,
-    rollout_pb2,
-    telemetry_pb2,
-    trainer_pb2,
-)
+from rtrl.v1 import common_pb2, reward_pb2, rollout_pb2, trainer_pb2
+from rtrl_client.v1 import ingest_pb2, telemetry_pb2
 from support import signed, wait
 from support.analytics import RecordingConsumer, hand_made_records
 from support.beats import wait_for_beat

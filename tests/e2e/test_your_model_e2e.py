@@ -29,7 +29,6 @@ import pytest
 from rich.console import Console
 
 from rtrl.heartbeat import InferenceBeat, TrainerBeat
-from rtrl.ingest.client import IngestClient, make_event
 from rtrl.ingest.gateway import ACCEPTED
 from rtrl.ops import health
 from rtrl.ops.demo import simulator_key
@@ -37,7 +36,8 @@ from rtrl.ops.lifecycle import down, up
 from rtrl.ops.reporting import query_function
 from rtrl.ops.tiny_agent import write_tiny_agent
 from rtrl.ops.tiny_model import write_tiny_checkpoint
-from rtrl.v1 import telemetry_pb2
+from rtrl_client.client import IngestClient, make_event
+from rtrl_client.v1 import telemetry_pb2
 from support.agent import ANSWER, SCRIPT, TREATED, agent_loop
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]

@@ -28,10 +28,10 @@ from rtrl.api_keys import (
     revoke_key,
     rotate_keys,
 )
-from rtrl.ingest.client import make_event
 from rtrl.ingest.gateway import ACCEPTED, REJECTED
 from rtrl.ingest.server import start
-from rtrl.v1 import ingest_pb2, ingest_pb2_grpc, telemetry_pb2
+from rtrl_client.client import make_event
+from rtrl_client.v1 import ingest_pb2, ingest_pb2_grpc, telemetry_pb2
 from support.ingest import followup, ingest_settings, persisted, read_topics, shown
 from support.signing import KEY_AUTHORITY
 

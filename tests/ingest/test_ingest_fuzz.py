@@ -40,7 +40,7 @@ from rtrl.ingest.gateway import ACCEPTED, DUPLICATE, REJECTED
 from rtrl.ingest.server import start
 from rtrl.ingest.validation import MAX_PATH_BYTES, MAX_TEXT_BYTES, validate
 from rtrl.procs import free_port
-from rtrl.v1 import ingest_pb2, telemetry_pb2
+from rtrl_client.v1 import ingest_pb2, telemetry_pb2
 from support.ingest import read_topics
 from support.signing import KEY_AUTHORITY
 

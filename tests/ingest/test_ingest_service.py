@@ -19,11 +19,11 @@ from google.protobuf import json_format
 
 from rtrl import procs, runtime, topics
 from rtrl.heartbeat import IngestBeat
-from rtrl.ingest.client import IngestClient, make_event
 from rtrl.ingest.gateway import ACCEPTED, DUPLICATE, REJECTED, RETRY, Gateway, dedup_key
 from rtrl.ingest.server import start
 from rtrl.procs import free_port
-from rtrl.v1 import ingest_pb2, ingest_pb2_grpc, telemetry_pb2
+from rtrl_client.client import IngestClient, make_event
+from rtrl_client.v1 import ingest_pb2, ingest_pb2_grpc, telemetry_pb2
 from support import wait
 from support.beats import beat_of, wait_for_beat
 from support.ingest import followup, ingest_settings, persisted, read_topics, shown

@@ -2,9 +2,9 @@
 
 import pytest
 
-from rtrl.ingest.client import make_event
 from rtrl.ingest.validation import MAX_TEXT_BYTES, validate
-from rtrl.v1 import telemetry_pb2
+from rtrl_client.client import make_event
+from rtrl_client.v1 import telemetry_pb2
 
 NOW_MS = 1_800_000_000_000
 DAY_MS = 24 * 3600 * 1000

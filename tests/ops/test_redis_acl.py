@@ -32,12 +32,12 @@ from rtrl.api_keys import (
     RateLimiter,
     issue_key,
 )
-from rtrl.ingest.client import make_event
 from rtrl.ingest.gateway import ACCEPTED, Gateway
-from rtrl.v1 import telemetry_pb2
 from rtrl.weight_sync import registry
 from rtrl.weight_sync.client import Publisher, Subscriber
 from rtrl.weight_sync.config import WeightSyncSettings
+from rtrl_client.client import make_event
+from rtrl_client.v1 import telemetry_pb2
 from support import wait
 from support.signing import EVENT_SIGNER, KEY_AUTHORITY
 from support.weight_sync import (

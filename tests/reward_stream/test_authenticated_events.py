@@ -24,7 +24,8 @@ from rtrl.reward_stream import replay
 from rtrl.reward_stream.authn import Authenticator
 from rtrl.reward_stream.config import RewardStreamSettings
 from rtrl.reward_stream.runtime import Joiner
-from rtrl.v1 import common_pb2, reward_pb2, rollout_pb2, telemetry_pb2
+from rtrl.v1 import common_pb2, reward_pb2, rollout_pb2
+from rtrl_client.v1 import telemetry_pb2
 from support.beats import wait_for_settled
 from support.reward_stream import spawn_joiner
 from support.signing import EVENT_SIGNER, worker_headers

@@ -11,7 +11,8 @@ from rtrl import topics
 from rtrl.reward_stream.authn import Authenticator
 from rtrl.reward_stream.config import RewardStreamSettings
 from rtrl.reward_stream.runtime import Joiner
-from rtrl.v1 import common_pb2, reward_pb2, rollout_pb2, telemetry_pb2
+from rtrl.v1 import common_pb2, reward_pb2, rollout_pb2
+from rtrl_client.v1 import telemetry_pb2
 from support.signing import EVENT_SIGNER, ROLLOUT_SIGNER, worker_headers
 
 TS = 1_800_000_000_000

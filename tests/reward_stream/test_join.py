@@ -17,7 +17,8 @@ import pytest
 from rtrl import topics
 from rtrl.reward_stream import join, reward
 from rtrl.reward_stream.runtime import Joiner
-from rtrl.v1 import reward_pb2, rollout_pb2, telemetry_pb2
+from rtrl.v1 import reward_pb2, rollout_pb2
+from rtrl_client.v1 import telemetry_pb2
 
 CONFIG = join.JoinConfig(
     window_ms=1000, grace_ms=200, deadline_slack_ms=500, max_wait_ms=5000, settled_ttl_ms=10000

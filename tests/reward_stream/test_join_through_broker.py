@@ -23,7 +23,8 @@ from rtrl.bench.join import produce_load
 from rtrl.heartbeat import RewardStreamBeat
 from rtrl.reward_stream.config import RewardStreamSettings
 from rtrl.reward_stream.runtime import Joiner
-from rtrl.v1 import reward_pb2, rollout_pb2, telemetry_pb2
+from rtrl.v1 import reward_pb2, rollout_pb2
+from rtrl_client.v1 import telemetry_pb2
 from support.beats import wait_for_beat
 from support.reward_stream import read_all, spawn_joiner
 from support.signing import produce_as_its_writer

@@ -7,7 +7,8 @@ from __future__ import annotations
 from rtrl import signing, topics
 from rtrl.reward_stream.app import _joiner
 from rtrl.reward_stream.config import RewardStreamSettings
-from rtrl.v1 import rollout_pb2, telemetry_pb2
+from rtrl.v1 import rollout_pb2
+from rtrl_client.v1 import telemetry_pb2
 from support.signing import worker_headers
 
 NOW = 1_800_000_000_000

@@ -7,7 +7,8 @@ import random
 import pytest
 
 from rtrl.reward_stream import monitors, reward
-from rtrl.v1 import reward_pb2, rollout_pb2, telemetry_pb2
+from rtrl.v1 import reward_pb2, rollout_pb2
+from rtrl_client.v1 import telemetry_pb2
 from support.reward_stream import QUESTION_CASES
 
 EDIT_TEXT = "def f():\n    return 1\n"

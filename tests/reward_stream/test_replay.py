@@ -13,7 +13,8 @@ from rtrl import kafka, signing, topics
 from rtrl.reward_stream import replay, reward
 from rtrl.reward_stream.authn import Authenticator
 from rtrl.reward_stream.config import RewardStreamSettings
-from rtrl.v1 import reward_pb2, rollout_pb2, telemetry_pb2
+from rtrl.v1 import reward_pb2, rollout_pb2
+from rtrl_client.v1 import telemetry_pb2
 from support.signing import produce_as_its_writer
 
 N_ROLLOUTS = 12

@@ -12,7 +12,8 @@ from rtrl.reward_stream.effort import A1_EFFORT, EffortCurve
 from rtrl.trainer.batch import Drop, to_sample
 from rtrl.trajectory import Link, LinkReason, Segment, ToolCall, Trajectory
 from rtrl.trajectory_summary import Summary
-from rtrl.v1 import common_pb2, rollout_pb2, telemetry_pb2
+from rtrl.v1 import common_pb2, rollout_pb2
+from rtrl_client.v1 import telemetry_pb2
 
 ANSWER = "def f():\n    return 1\n"
 pytestmark = pytest.mark.usefixtures("rule_dissatisfaction")

@@ -8,7 +8,8 @@ import pytest
 
 from rtrl.reward_stream import reward, reward_wire
 from rtrl.reward_stream.config import RewardStreamSettings
-from rtrl.v1 import reward_pb2, rollout_pb2, telemetry_pb2
+from rtrl.v1 import reward_pb2, rollout_pb2
+from rtrl_client.v1 import telemetry_pb2
 
 AGENT = "def f():\n    return 1\n"
 KEPT = telemetry_pb2.PersistenceSnapshot

@@ -9,7 +9,8 @@ import pytest
 from rtrl.reward_stream import reward
 from rtrl.simulator.tasks import MIXED_PROJECT, PROJECT_STYLES, Task
 from rtrl.simulator.users import User, react
-from rtrl.v1 import rollout_pb2, telemetry_pb2
+from rtrl.v1 import rollout_pb2
+from rtrl_client.v1 import telemetry_pb2
 
 TASK = Task(project=2, verb="say", word="hi")
 HELPER = TASK.render(PROJECT_STYLES[2])  # 2-space indent: no 4-space line anywhere

@@ -9,7 +9,8 @@ from rtrl import topics
 from rtrl.reward_stream import reward, reward_wire
 from rtrl.reward_stream.config import RewardStreamSettings
 from rtrl.reward_stream.runtime import Joiner
-from rtrl.v1 import reward_pb2, rollout_pb2, telemetry_pb2
+from rtrl.v1 import reward_pb2, rollout_pb2
+from rtrl_client.v1 import telemetry_pb2
 
 tokens = st.lists(st.integers(min_value=0, max_value=200_000), max_size=300)
 

@@ -26,7 +26,8 @@ from confluent_kafka import Producer, TopicPartition
 
 from rtrl import kafka, procs, topics
 from rtrl.analytics.query import http_query_fn
-from rtrl.v1 import reward_pb2, rollout_pb2, telemetry_pb2
+from rtrl.v1 import reward_pb2, rollout_pb2
+from rtrl_client.v1 import telemetry_pb2
 from support import wait
 from support.reward_stream import read_all
 from support.signing import produce_as_its_writer

@@ -11,7 +11,8 @@ from confluent_kafka import Producer
 
 from rtrl import kafka, topics
 from rtrl.heartbeat import RewardStreamBeat
-from rtrl.v1 import reward_pb2, telemetry_pb2
+from rtrl.v1 import reward_pb2
+from rtrl_client.v1 import telemetry_pb2
 from support.beats import wait_for_beat
 from support.reward_stream import read_all, scenario, spawn_joiner
 from support.signing import produce_as_its_writer, worker_headers

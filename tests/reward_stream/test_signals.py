@@ -8,7 +8,8 @@ from rtrl.reward_stream import reward, reward_wire
 from rtrl.reward_stream.signals import has_code, is_dissatisfied, persisted_fraction
 from rtrl.simulator.tasks import Style, Task
 from rtrl.simulator.users import ANNOYED, ANSWERS, CONTENT
-from rtrl.v1 import rollout_pb2, telemetry_pb2
+from rtrl.v1 import rollout_pb2
+from rtrl_client.v1 import telemetry_pb2
 
 TASK = Task(project=0, verb="say", word="hi")
 AGENT = TASK.render(Style(2, "'"))  # def say_hi():\n  print('hi')\n

@@ -1,5 +1,7 @@
 """The layers of ARCHITECTURE.md hold: every import points down, inside one namespace.
 
+0. the client: ``rtrl_client`` (clients/python), its own distribution, which products
+   install without the server: it imports nothing of ``rtrl``;
 1. foundation: ``rtrl`` (its own modules: config, topics, trajectory...);
 2. services: rtrl.ingest, .reward_stream, .trainer, .inference, .weight_sync, .analytics,
    and .kernels (their hot loops); a service reaches another only through that service's
@@ -28,7 +30,9 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 
-FOUNDATION, SERVICE, SHELL = 1, 2, 3
+CLIENT, FOUNDATION, SERVICE, SHELL = 0, 1, 2, 3
+CLIENT_SRC = Path("clients/python/src")
+"""Where the client distribution keeps ``rtrl_client``."""
 FOLDERS = {
     "ingest": SERVICE,
     "reward_stream": SERVICE,
@@ -43,6 +47,7 @@ FOLDERS = {
 }
 """The repository's top-level packages besides rtrl/, each installed as rtrl.<folder>."""
 PACKAGES = {
+    "rtrl_client": CLIENT,
     "rtrl": FOUNDATION,
     "rtrl.__main__": SHELL,
     **{f"rtrl.{folder}": layer for folder, layer in FOLDERS.items()},
@@ -100,12 +105,20 @@ def imports(path: Path, module: str) -> list[tuple[str, int, str]]:
 
 
 def modules(root: Path) -> dict[str, Path]:
-    """Every module of the namespace by its installed name, read through rtrl/'s symlinks."""
+    """Every module of the namespace by its installed name, read through rtrl/'s symlinks,
+    and of the client distribution."""
+    found: dict[str, Path] = {}
+    for base, top in ((root, "rtrl"), (root / CLIENT_SRC, "rtrl_client")):
+        found |= _modules_under(base, top)
+    return found
+
+
+def _modules_under(base: Path, top: str) -> dict[str, Path]:
     found = {}
-    for directory, _, files in os.walk(root / "rtrl", followlinks=True):
+    for directory, _, files in os.walk(base / top, followlinks=True):
         for name in sorted(f for f in files if f.endswith(".py")):
             path = Path(directory) / name
-            relative = path.relative_to(root).with_suffix("")
+            relative = path.relative_to(base).with_suffix("")
             parts = relative.parts[:-1] if relative.name == "__init__" else relative.parts
             found[".".join(parts)] = path
     return found
@@ -202,6 +215,21 @@ PLANTED = {
         "from rtrl.weight_sync.client import Subscriber\n",
         None,
     ),
+    "the client importing the foundation": (
+        "clients/python/src/rtrl_client/planted.py",
+        "from rtrl import topics\n",
+        "rtrl.topics",
+    ),
+    "the client importing a service lazily": (
+        "clients/python/src/rtrl_client/planted.py",
+        "def f():\n    import rtrl.ingest.gateway\n",
+        "rtrl.ingest.gateway",
+    ),
+    "a service using the client": (
+        "ingest/planted.py",
+        "from rtrl_client.v1 import telemetry_pb2\n",
+        None,
+    ),
     "service using kernels": ("weight_sync/planted.py", "from rtrl.kernels import delta\n", None),
     "service naming its own plug-in": (
         "trainer/planted.py",
@@ -226,6 +254,8 @@ def test_a_planted_upward_import_or_plugin_string_is_caught(tmp_path):
             (root / folder).mkdir()
             (root / folder / "__init__.py").write_text("")
             (root / "rtrl" / folder).symlink_to(f"../{folder}")
+        (root / CLIENT_SRC / "rtrl_client").mkdir(parents=True)
+        (root / CLIENT_SRC / "rtrl_client" / "__init__.py").write_text("")
         (root / planted).write_text(source)
         found = [edge.imported for edge in forbidden_edges(root)]
         assert found == ([expected] if expected else []), case

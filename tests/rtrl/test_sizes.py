@@ -32,14 +32,15 @@ LISTED_MODULES: dict[str, str] = {
 
 
 def sources(root: Path) -> list[Path]:
-    """Every Python file of the namespace (through rtrl/'s symlinks) and of scripts/, by
-    its path in the repository."""
+    """Every Python file of the namespace (through rtrl/'s symlinks), of the Python client
+    (clients/python) and of scripts/, by its path in the repository; generated code (v1/)
+    aside."""
     found = set()
-    for top in (root / "rtrl", root / "scripts"):
+    for top in (root / "rtrl", root / "clients" / "python", root / "scripts"):
         for directory, _, files in os.walk(top, followlinks=True):
             for name in files:
                 path = Path(directory) / name
-                if name.endswith(".py") and "v1" not in path.relative_to(root).parts[:2]:
+                if name.endswith(".py") and "v1" not in path.relative_to(root).parts[:-1]:
                     found.add(path.resolve().relative_to(root.resolve()))
     return sorted(found)
 

@@ -7,10 +7,10 @@ from __future__ import annotations
 from confluent_kafka import OFFSET_BEGINNING, Consumer, TopicPartition
 
 from rtrl import kafka, topics
-from rtrl.ingest.client import make_event
 from rtrl.ingest.config import IngestSettings
 from rtrl.procs import free_port
-from rtrl.v1 import telemetry_pb2
+from rtrl_client.client import make_event
+from rtrl_client.v1 import telemetry_pb2
 
 INGEST_TOPICS = (topics.EDIT, topics.PERSISTENCE, topics.FOLLOWUP)
 

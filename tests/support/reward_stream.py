@@ -14,7 +14,8 @@ from confluent_kafka import OFFSET_BEGINNING, Consumer, TopicPartition
 
 from rtrl import kafka, procs, topics
 from rtrl.simulator.tasks import Style, Task
-from rtrl.v1 import rollout_pb2, telemetry_pb2
+from rtrl.v1 import rollout_pb2
+from rtrl_client.v1 import telemetry_pb2
 
 ACCEPTED = telemetry_pb2.EditOutcome(outcome=telemetry_pb2.EditOutcome.OUTCOME_ACCEPTED)
 

@@ -5,7 +5,7 @@
 least the ``Retry-After`` of a 429. Resending is safe because the gateway deduplicates
 by event_id. A refused API key (401/403) raises ``IngestAuthError`` at once.
 
-``ingest.sdk`` builds the durable, batching client for product code on top of this.
+``rtrl_client.sdk`` builds the durable, batching client for product code on top of this.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import aiohttp
 import aiohttp.abc
 from google.protobuf import json_format
 
-from rtrl.v1 import ingest_pb2, telemetry_pb2
+from rtrl_client.v1 import ingest_pb2, telemetry_pb2
 
 RETRY = ingest_pb2.EventResult.STATUS_RETRY
 SCHEMA_VERSION = 1

@@ -1,6 +1,6 @@
 """The SDK's background sender: one thread that delivers what a ``Spool`` holds.
 
-``Telemetry`` (ingest/sdk.py) appends events to the spool and wakes the sender; the
+``Telemetry`` (sdk.py) appends events to the spool and wakes the sender; the
 sender takes the oldest events in batches (once ``linger_s`` has passed, a batch is full,
 or a flush is waiting), sends them through ``IngestClient``'s retries on an event loop of
 its own, and acks in the spool every event the gateway answered finally (ACCEPTED,
@@ -24,11 +24,11 @@ from dataclasses import dataclass
 import aiohttp.abc
 from aiohttp.abc import ResolveResult
 
-from rtrl.ingest.client import IngestClient, IngestError
-from rtrl.ingest.spool import Spool, SpooledEvent
-from rtrl.v1 import ingest_pb2, telemetry_pb2
+from rtrl_client.client import IngestClient, IngestError
+from rtrl_client.spool import Spool, SpooledEvent
+from rtrl_client.v1 import ingest_pb2, telemetry_pb2
 
-log = logging.getLogger("rtrl.ingest.sdk")
+log = logging.getLogger("rtrl_client")
 
 ACCEPTED = ingest_pb2.EventResult.STATUS_ACCEPTED
 DUPLICATE = ingest_pb2.EventResult.STATUS_DUPLICATE

@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from rtrl.v1 import ingest_pb2 as rtrl_dot_v1_dot_ingest__pb2
+from rtrl_client.v1 import ingest_pb2 as rtrl_dot_v1_dot_ingest__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__

@@ -22,7 +22,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-log = logging.getLogger("rtrl.ingest.sdk")
+log = logging.getLogger("rtrl_client")
 
 _RECORD_HEADER = struct.Struct(">II")
 _ACK = struct.Struct(">Q")

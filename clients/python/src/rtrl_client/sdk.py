@@ -3,17 +3,17 @@
 Product code reports an event and moves on; the event must still reach the gateway if
 the gateway is down, the network drops or the product process is killed. So
 ``Telemetry`` appends every event to an on-disk ``Spool`` (fsynced) before the call
-returns, and a background thread (ingest/sender.py) sends what the spool holds, oldest
+returns, and a background thread (sender.py) sends what the spool holds, oldest
 first, through ``IngestClient``'s retries. An event leaves the spool only once the gateway gave a final
 answer: ACCEPTED, DUPLICATE, or REJECTED (reported, never resent). Anything may thus be
 sent twice (after a crash, a cut connection, a lost answer); the gateway deduplicates
 by event_id, so the second copy is answered DUPLICATE and written nowhere, even when
-the gateway was killed while producing it (ingest/gateway.py, ingest/recovery.py).
+the gateway was killed while producing it (the server's ingest/gateway.py and ingest/recovery.py).
 
     with Telemetry("http://ingest:8081", api_key=key, spool_dir="/var/lib/app/telemetry") as t:
         t.edit_shown(rollout_id=r, session_id=s, user_id=u, file_path="a.py", edit_text=text)
 
-The spool's layout is described in ingest/spool.py.
+The spool's layout is described in spool.py.
 """
 
 from __future__ import annotations
@@ -21,17 +21,18 @@ from __future__ import annotations
 import atexit
 import logging
 import os
+import time
 import urllib.parse
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Self
 
-from rtrl.ingest.client import IngestError, make_event
-from rtrl.ingest.sender import DeliveryStats, RejectedEvent, Sender, TelemetrySettings
-from rtrl.ingest.spool import Spool, SpoolFull, SpoolLocked  # noqa: F401 - SpoolFull and SpoolLocked are raised to SDK users
-from rtrl.v1 import telemetry_pb2
+from rtrl_client.client import IngestError, make_event
+from rtrl_client.sender import DeliveryStats, RejectedEvent, Sender, TelemetrySettings
+from rtrl_client.spool import Spool, SpoolFull, SpoolLocked  # noqa: F401 - SpoolFull and SpoolLocked are raised to SDK users
+from rtrl_client.v1 import telemetry_pb2
 
-log = logging.getLogger("rtrl.ingest.sdk")
+log = logging.getLogger("rtrl_client")
 
 
 # ---- typed helpers: one per payload, keyword arguments named as in telemetry.proto ----
@@ -280,6 +281,21 @@ class Telemetry:
     def pending(self) -> int:
         """Events spooled and not answered yet."""
         return len(self._spool)
+
+    @property
+    def spool_bytes(self) -> int:
+        """Disk the spool uses, counted against settings.max_spool_bytes."""
+        return self._spool.bytes
+
+    @property
+    def oldest_pending_age_s(self) -> float:
+        """How long the oldest unanswered event has waited in the spool (0 when none)."""
+        spooled_at = self._spool.oldest_spooled_at()
+        return 0.0 if spooled_at is None else max(0.0, time.monotonic() - spooled_at)
+
+    @property
+    def spool_dir(self) -> str:
+        return str(self._spool.directory)
 
     @property
     def last_error(self) -> BaseException | None:

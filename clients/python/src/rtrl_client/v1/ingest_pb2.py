@@ -22,7 +22,7 @@ _runtime_version.ValidateProtobufRuntimeVersion(
 _sym_db = _symbol_database.Default()
 
 
-from rtrl.v1 import telemetry_pb2 as rtrl_dot_v1_dot_telemetry__pb2
+from rtrl_client.v1 import telemetry_pb2 as rtrl_dot_v1_dot_telemetry__pb2
 
 
 DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14rtrl/v1/ingest.proto\x12\x07rtrl.v1\x1a\x17rtrl/v1/telemetry.proto\"?\n\x14PublishEventsRequest\x12\'\n\x06\x65vents\x18\x01 \x03(\x0b\x32\x17.rtrl.v1.TelemetryEvent\"\xde\x01\n\x0b\x45ventResult\x12\x10\n\x08\x65vent_id\x18\x01 \x01(\t\x12+\n\x06status\x18\x02 \x01(\x0e\x32\x1b.rtrl.v1.EventResult.Status\x12\r\n\x05\x66ield\x18\x03 \x01(\t\x12\r\n\x05\x65rror\x18\x04 \x01(\t\"r\n\x06Status\x12\x16\n\x12STATUS_UNSPECIFIED\x10\x00\x12\x13\n\x0fSTATUS_ACCEPTED\x10\x01\x12\x14\n\x10STATUS_DUPLICATE\x10\x02\x12\x13\n\x0fSTATUS_REJECTED\x10\x03\x12\x10\n\x0cSTATUS_RETRY\x10\x04\">\n\x15PublishEventsResponse\x12%\n\x07results\x18\x01 \x03(\x0b\x32\x14.rtrl.v1.EventResult2X\n\x06Ingest\x12N\n\rPublishEvents\x12\x1d.rtrl.v1.PublishEventsRequest\x1a\x1e.rtrl.v1.PublishEventsResponseb\x06proto3')
