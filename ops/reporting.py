@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import time
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -156,28 +157,57 @@ def mismatch_line(summary: MismatchSummary | None) -> str:
     )
 
 
+@dataclass(frozen=True)
+class Report:
+    """What `rtrl report` found, and where it wrote the HTML and JSON."""
+
+    rows: list
+    """The A/B rows (analytics.report.ABRow); empty when ClickHouse has no data yet."""
+    agents: list = field(default_factory=list)
+    """analytics.agents_report.AgentsAtVersion, pooled into at most 12 runs of versions."""
+    mismatch: MismatchSummary | None = None
+    html: Path | None = None
+    ab_json: Path | None = None
+
+    def as_json(self) -> dict:
+        """`rtrl report --json`: the A/B tables (as reports/ab.json), the agents table, the
+        train-inference mismatch, and the files written."""
+        from rtrl.analytics.report import ab_json
+
+        return {
+            "ab": ab_json(self.rows),
+            "agents": [asdict(row) for row in self.agents],
+            "mismatch": asdict(self.mismatch) if self.mismatch else None,
+            "html": str(self.html.resolve()) if self.html else None,
+            "ab_json": str(self.ab_json.resolve()) if self.ab_json else None,
+        }
+
+
 def print_report(
     stack: StackFile | None,
     console: Console,
     html: Path = Path("reports/report.html"),
     state_dir: Path | None = None,
-) -> list:
+) -> Report:
     from rtrl.analytics.agents_report import agents_by_version
     from rtrl.analytics.report import ab_json, ab_table, by_version, write_html
     from rtrl.analytics.training_report import figures, mismatch_summary
 
     query = query_function(stack, state_dir)
-    rows = ab_table(query)
+    # A running stack's sink made its tables; a state directory no stack has run in has none.
+    has_tables = stack is not None or int(list(query("EXISTS TABLE rollouts")[0].values())[0])
+    rows = ab_table(query) if has_tables else []
     if not rows or all(r.control is None and r.treatment is None for r in rows):
         console.print("[yellow]no data in ClickHouse yet: run `rtrl demo` first[/]")
-        return rows
+        return Report([])
     console.print(
         ab_rich_table(
             rows, "all", "A/B: control (frozen policy) vs treatment (real-time RL), whole run"
         )
     )
     console.print(ab_rich_table(rows, "last_half", "A/B, second half of the run"))
-    console.print(mismatch_line(mismatch_summary(query)))
+    mismatch = mismatch_summary(query)
+    console.print(mismatch_line(mismatch))
     agents = agents_by_version(query, buckets=12)
     if agents:
         console.print(agents_table(agents))
@@ -186,4 +216,4 @@ def print_report(
     tables = html.with_name("ab.json")
     tables.write_text(json.dumps(ab_json(rows), indent=1) + "\n")
     console.print(f"A/B tables as JSON: {tables.resolve()}")
-    return rows
+    return Report(rows, agents, mismatch, path, tables)

@@ -269,11 +269,20 @@ async def rotate_keys(
     return new_key
 
 
-async def list_keys(redis: aioredis.Redis, client_id: str) -> list[dict[str, str]]:
+async def list_keys(redis: aioredis.Redis, client_id: str | None = None) -> list[dict[str, str]]:
+    """The records of a client's keys, or of every client's (None), by client then hash."""
+    if client_id is None:
+        clients = sorted(
+            [_str(name).removeprefix(CLIENT_PREFIX) async for name in redis.scan_iter(CLIENT_PREFIX + "*")]
+        )
+    else:
+        clients = [client_id]
     out = []
-    for digest in sorted(await redis.smembers(CLIENT_PREFIX + client_id)):
-        fields = await redis.hgetall(KEY_PREFIX + _str(digest))
-        out.append({"key_hash": _str(digest), **_text(fields)})
+    for client in clients:
+        for digest in sorted(_str(d) for d in await redis.smembers(CLIENT_PREFIX + client)):
+            fields = await redis.hgetall(KEY_PREFIX + digest)
+            if fields:
+                out.append({"key_hash": digest, **_text(fields)})
     return out
 
 

@@ -1,7 +1,8 @@
 """The generated reference docs: ``docs/configuration.md`` from the pydantic-settings
-classes and ``docs/topics.md`` from rtrl/topics.py and the code that creates topics.
+classes, ``docs/topics.md`` from rtrl/topics.py and the code that creates topics, and
+``docs/cli.md`` from the `rtrl` command line's typer app.
 
-    python -m rtrl.ops.docgen           # write both files
+    python -m rtrl.ops.docgen           # write the three files
     python -m rtrl.ops.docgen --check   # exit 1 naming each stale file (CI, tests/ops/test_docs.py)
 
 Nothing is listed by hand except the order and titles of the sections: settings
@@ -30,6 +31,7 @@ from ._common import (
     module_name,
     service_sources,
 )
+from .cli import render_cli
 from .configuration import (
     SECTIONS,
     FieldDoc,
@@ -41,6 +43,7 @@ from .configuration import (
 from .topics import render_tables, render_topics
 
 __all__ = [
+    "CLI",
     "CONFIGURATION",
     "GENERATED",
     "REPO",
@@ -54,6 +57,7 @@ __all__ = [
     "main",
     "module_name",
     "render",
+    "render_cli",
     "render_configuration",
     "render_tables",
     "render_topics",
@@ -65,12 +69,17 @@ __all__ = [
 
 CONFIGURATION = Path("docs/configuration.md")
 TOPICS = Path("docs/topics.md")
+CLI = Path("docs/cli.md")
 
 
 def render() -> dict[Path, str]:
     """Repository-relative path -> the file's generated text."""
     docs = settings_docs()
-    return {CONFIGURATION: render_configuration(docs), TOPICS: render_topics(docs)}
+    return {
+        CONFIGURATION: render_configuration(docs),
+        TOPICS: render_topics(docs),
+        CLI: render_cli(),
+    }
 
 
 def stale(generated: dict[Path, str]) -> list[Path]:

@@ -10,8 +10,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-# Not service code: tests, generated protobuf, benchmarks, scripts and this generator.
-SKIPPED = ("tests/*", "rtrl/v1/*", "bench/*", "rtrl/bench_*", "scripts/*", "ops/docgen/*")
+# Not service code: tests, generated protobuf, benchmarks, scripts, this generator, the clients.
+SKIPPED = (
+    "tests/*", "rtrl/v1/*", "bench/*", "rtrl/bench_*", "scripts/*", "ops/docgen/*",
+    # The clients are their own distributions; deploy/ holds manifests and dashboards.
+    "clients/*", "deploy/*",
+)  # fmt: skip
 
 
 # ---- the service code ------------------------------------------------------------------

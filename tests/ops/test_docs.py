@@ -27,6 +27,7 @@ NOT_SETTINGS = {
     "RTRL_SGLANG_IMAGE": "compose/compose.yaml",
     "RTRL_KAFKA_CLUSTER_ID": "compose/compose.yaml",
     "RTRL_SGLANG_HOME": "scripts/sglang_rig.py",
+    "RTRL_GRAFANA_ADMIN_PASSWORD": "compose/compose.yaml",
     "RTRL_API_KEY_SIGNING_KEY": "ops/stack_secrets.py",  # the operator's, read by rtrl keys; no service setting
 }
 
@@ -78,7 +79,7 @@ def generated() -> dict[Path, str]:
     return docgen.render()
 
 
-@pytest.mark.parametrize("path", [docgen.CONFIGURATION, docgen.TOPICS], ids=str)
+@pytest.mark.parametrize("path", [docgen.CONFIGURATION, docgen.TOPICS, docgen.CLI], ids=str)
 def test_generated_docs_are_current(generated, path):
     assert (REPO / path).read_text(encoding="utf-8") == generated[path], (
         f"{path} is stale: run `python -m rtrl.ops.docgen`"
