@@ -19,6 +19,14 @@ $(STAMP): pyproject.toml clients/python/pyproject.toml constraints.txt scripts/b
 
 install: $(STAMP)
 
+# The TypeScript SDK's compiler, generators and test tools, exactly as locked (clients/typescript;
+# tests/clients/test_typescript_sdk.py runs its suite). --ignore-scripts: esbuild and buf ship
+# their binaries as optional packages, no install script is needed.
+TS_DEPS := clients/typescript/node_modules/.package-lock.json
+install: $(TS_DEPS)
+$(TS_DEPS): clients/typescript/package-lock.json
+	npm ci --prefix clients/typescript --ignore-scripts --no-audit --no-fund --loglevel=error
+
 ## The demo: the whole loop on the embedded stack, ending with the A/B table.
 demo: install
 	$(BIN)/rtrl demo
@@ -50,6 +58,21 @@ proto: install
 # Generated code is never edited by hand: regenerating must change nothing.
 proto-check: proto
 	git diff --exit-code -- rtrl/v1 clients/python/src/rtrl_client/v1
+
+## Monitoring: the alert rules and their unit tests (promtool), the Grafana dashboards
+## against Grafana's own schema (deploy/grafana, its npm packages installed by `make install`).
+.PHONY: check-alerts check-dashboards
+GRAFANA_DEPS := deploy/grafana/node_modules/.package-lock.json
+install: $(GRAFANA_DEPS)
+$(GRAFANA_DEPS): deploy/grafana/package-lock.json
+	npm ci --prefix deploy/grafana --no-audit --no-fund --loglevel=error
+
+check-alerts:
+	promtool check rules deploy/prometheus/alerts.yml
+	promtool test rules deploy/prometheus/alerts_test.yml
+
+check-dashboards: $(GRAFANA_DEPS)
+	npm run --prefix deploy/grafana --silent check
 
 bench-loop: install
 	$(BIN)/rtrl bench loop

@@ -69,31 +69,29 @@ def agents_by_version(query_fn: QueryFn, buckets: int | None = None) -> list[Age
         "countIf(invalid_tool_calls > 0) AS broken_links "
         f"FROM {TRAJECTORY_LINKS} FINAL GROUP BY version, arm ORDER BY version, arm"
     )
-    return [
-        AgentsAtVersion(
-            policy_version=int(r["version"]),
-            arm=str(r["arm"]),
-            trajectories=int(r["trajectories"]),
-            links=int(r["links"]),
-            turns_per_trajectory=_ratio(r["turns"], r["trajectories"]),
-            tool_calls_per_turn=_ratio(r["calls"], r["turns"]),
-            invalid_share=_ratio(r["invalid"], r["calls"]),
-            parallel_share=_ratio(r["parallel"], r["turns"]),
-            generated_share=_ratio(r["generated"], int(r["generated"]) + int(r["observed"])),
-            versions_spanned=float(r["spanned"]),
-            tool_calls_per_trajectory=_ratio(r["calls"], r["trajectories"]),
-            truncated_share=_ratio(r["truncated"], r["links"]),
-            broken_share=_ratio(r["broken_links"], r["links"]),
-            question_share=_ratio(
-                outcomes.get((int(r["version"]), str(r["arm"])), {}).get("questions", 0),
-                outcomes.get((int(r["version"]), str(r["arm"])), {}).get("n", 0),
-            ),
-            latency_p50_s=_number(
-                outcomes.get((int(r["version"]), str(r["arm"])), {}).get("latency_p50_s")
-            ),
+    out = []
+    for r in rows:
+        outcome = outcomes.get((int(r["version"]), str(r["arm"])), {})
+        out.append(
+            AgentsAtVersion(
+                policy_version=int(r["version"]),
+                arm=str(r["arm"]),
+                trajectories=int(r["trajectories"]),
+                links=int(r["links"]),
+                turns_per_trajectory=_ratio(r["turns"], r["trajectories"]),
+                tool_calls_per_turn=_ratio(r["calls"], r["turns"]),
+                invalid_share=_ratio(r["invalid"], r["calls"]),
+                parallel_share=_ratio(r["parallel"], r["turns"]),
+                generated_share=_ratio(r["generated"], int(r["generated"]) + int(r["observed"])),
+                versions_spanned=float(r["spanned"]),
+                tool_calls_per_trajectory=_ratio(r["calls"], r["trajectories"]),
+                truncated_share=_ratio(r["truncated"], r["links"]),
+                broken_share=_ratio(r["broken_links"], r["links"]),
+                question_share=_ratio(outcome.get("questions", 0), outcome.get("n", 0)),
+                latency_p50_s=_number(outcome.get("latency_p50_s")),
+            )
         )
-        for r in rows
-    ]
+    return out
 
 
 def _number(value: object) -> float | None:

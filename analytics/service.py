@@ -49,7 +49,11 @@ def _observe(sink: Sink, group: str) -> None:
         meter,
         "rtrl.analytics.refused",
         "counter",
-        lambda: [(n, {"topic": topic}) for topic, n in sink.refused.items()],
+        # Every topic from the start, at 0: a rule's increase() sees the first refusal.
+        lambda: [
+            (sink.refused.get(topic, 0), {"topic": topic})
+            for topic in dict.fromkeys([*topics.ALL, *list(sink.refused)])
+        ],
         unit="{record}",
         description="Records kept only as dead letters: their writer did not verify (analytics/authn.py)",
     )

@@ -36,7 +36,7 @@ from aiohttp import web
 from opentelemetry import metrics
 
 from rtrl import entrypoint, heartbeat, kafka, otel, signing
-from rtrl.admission import Admission
+from rtrl.admission import REFUSAL_STATUSES, Admission
 from rtrl.api_keys import KeyCache, KeyVerifier, RateLimiter
 from rtrl.config import StackSettings
 from rtrl.http_limits import serve_http
@@ -186,7 +186,10 @@ def _observe(gateway: Gateway, admission: Admission) -> None:
         meter,
         "rtrl.ingest.refused_requests",
         "counter",
-        lambda: [(n, {"http_status": str(status)}) for status, n in admission.refused.items()],
+        lambda: [
+            (admission.refused.get(status, 0), {"http_status": str(status)})
+            for status in dict.fromkeys([*REFUSAL_STATUSES, *list(admission.refused)])
+        ],
         unit="{request}",
         description="Requests refused before any event was looked at: 401 key, 403 scope, 429 rate limit",
     )

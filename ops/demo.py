@@ -13,7 +13,7 @@ from typing import Any
 import redis
 from rich.console import Console, Group
 from rich.live import Live
-from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
 from rtrl import heartbeat
@@ -200,28 +200,14 @@ takes three optimizer steps: about three times the steps in the demo's minutes."
 def prepare_agent(state_dir: Path, console: Console) -> Path:
     """Set the agentic demo's trainer settings and reward (a1 unless one is set) for the stack
     about to start, and warm-start its policy here (cached): the model directory to serve."""
+    from rtrl.ops.lifecycle import warm_start
     from rtrl.simulator.agent_warmstart import AGENT_POLICY, AgentRecipe
-    from rtrl.simulator.warmstart import ensure_warm_start
     from rtrl.trainer.config import TrainerSettings
 
     os.environ.update({k: os.environ.get(k, v) for k, v in AGENT_TRAINER.items()})
     os.environ.setdefault("RTRL_STACK_REWARD_FN_VERSION", "a1")
     recipe = AgentRecipe(seed=TrainerSettings().seed)
-    with Progress(
-        TextColumn("[bold]warm start[/] of the agent {task.description}"),
-        BarColumn(),
-        TextColumn("{task.completed}/{task.total}"),
-        TimeElapsedColumn(),
-        console=console,
-    ) as progress:
-        task = progress.add_task("(cached after the first run)", total=recipe.max_steps)
-
-        def on_step(step: int, total: int, loss: float) -> None:
-            progress.update(task, completed=step, total=total, description=f"loss {loss:.3f}")
-
-        return ensure_warm_start(
-            state_dir.resolve(), on_step, policy_config=AGENT_POLICY, recipe=recipe
-        )
+    return warm_start(state_dir.resolve(), console, policy_config=AGENT_POLICY, recipe=recipe)
 
 
 def run_demo(

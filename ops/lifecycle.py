@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from rich.console import Console
 from rich.live import Live
@@ -23,8 +24,9 @@ class StackError(RuntimeError):
     pass
 
 
-def warm_start(state_dir: Path, console: Console) -> Path:
-    """Train (or find cached) the warm-start policy, with a progress bar."""
+def warm_start(state_dir: Path, console: Console, **recipe: Any) -> Path:
+    """Train (or find cached) the warm-start policy, with a progress bar. ``recipe``: what
+    simulator.warmstart.ensure_warm_start takes besides (the agent's shape and curriculum)."""
     from rtrl.simulator.warmstart import ensure_warm_start  # torch import: only when needed
 
     with Progress(
@@ -40,7 +42,7 @@ def warm_start(state_dir: Path, console: Console) -> Path:
         def on_step(step: int, total: int, loss: float) -> None:
             progress.update(task, completed=step, total=total, description=f"loss {loss:.3f}")
 
-        path = ensure_warm_start(state_dir, progress=on_step)
+        path = ensure_warm_start(state_dir, progress=on_step, **recipe)
         progress.update(task, description=f"cached at {path.name}")
     return path
 

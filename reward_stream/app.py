@@ -45,6 +45,7 @@ from rtrl.reward_stream import recovery
 from rtrl.reward_stream.acks import OrderedAcks, Ticket
 from rtrl.reward_stream.authn import Authenticator
 from rtrl.reward_stream.config import RewardStreamSettings
+from rtrl.reward_stream.monitors import ALERT_KEYS
 from rtrl.reward_stream.publisher import OutputPublisher
 from rtrl.reward_stream.runtime import Counters, Joiner
 
@@ -322,7 +323,10 @@ def _observe_rewards(meter: Meter, joiner: Joiner) -> None:
         meter,
         "rtrl.reward.hacking_alerts",
         "counter",
-        lambda: [(n, {"metric": m, "kind": k}) for (m, k), n in list(joiner.alert_counts.items())],
+        lambda: [
+            (joiner.alert_counts.get(key, 0), {"metric": key[0], "kind": key[1]})
+            for key in dict.fromkeys([*ALERT_KEYS, *list(joiner.alert_counts)])
+        ],
         unit="{alert}",
         description="Reward-hacking alerts raised (reward_stream/monitors.py), by metric and kind",
     )

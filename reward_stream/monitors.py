@@ -77,6 +77,13 @@ RATES = ("edit", "clarifying_question", "broken_tool_call", "dissatisfied")
 # Behaviours watched for drift, with the direction a hack moves them (+1 up, -1 down).
 DRIFT = {"clarifying_question": 1, "broken_tool_call": 1, "edit": -1}
 MEANS = ("persisted_fraction", "tool_call_validity", "effort_penalty", "reward")
+ALERT_KEYS: tuple[tuple[str, str], ...] = (
+    *((metric, "step") for metric in RATES),
+    *((f"mean_{metric}", "step") for metric in MEANS),
+    *((metric, "drift") for metric in DRIFT),
+)
+"""Every (metric, kind) an alert can carry: the joiner exports a count for each from the
+start, at 0, so a rule's increase() sees the first alert (a series born at 1 has none)."""
 # Newest versions whose mean reward the heartbeat carries (the reward trend in rtrl status).
 REWARD_VERSIONS_SHOWN = 60
 

@@ -31,6 +31,11 @@ class Refusal:
     retry_after_s: float = 0.0
 
 
+REFUSAL_STATUSES = (401, 403, 413, 429)
+"""Every status the door refuses with: a missing or bad key, a scope, a body over the key's
+bound, a budget. The front ends count each from the start, at 0 (rtrl_*_refused_requests)."""
+
+
 class Admission:
     """API keys and budgets for one listener.
 

@@ -273,7 +273,10 @@ async def list_keys(redis: aioredis.Redis, client_id: str | None = None) -> list
     """The records of a client's keys, or of every client's (None), by client then hash."""
     if client_id is None:
         clients = sorted(
-            [_str(name).removeprefix(CLIENT_PREFIX) async for name in redis.scan_iter(CLIENT_PREFIX + "*")]
+            [
+                _str(name).removeprefix(CLIENT_PREFIX)
+                async for name in redis.scan_iter(CLIENT_PREFIX + "*")
+            ]
         )
     else:
         clients = [client_id]

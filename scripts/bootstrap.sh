@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# System prerequisites: Python 3.11 and redis-server (the embedded stack), chromium (the report test).
+# System prerequisites: Python 3.11 and redis-server (the embedded stack), chromium (the report test),
+# promtool and npm (the alert rules and dashboards checks).
 # Installs redis-server with apt-get where it is missing, or says exactly what to do.
 set -euo pipefail
 
@@ -28,3 +29,18 @@ if ! command -v chromium >/dev/null 2>&1 && ! command -v chromium-browser >/dev/
     echo "note: chromium is not installed; tests/analytics/test_report_render.py will fail until it is (apt-get install chromium)" >&2
   fi
 fi
+
+# promtool (Debian's prometheus package) checks and unit-tests the alert rules (make check-alerts);
+# npm installs the dashboards' schema check (deploy/grafana, make check-dashboards).
+for tool in promtool:prometheus npm:npm; do
+  if ! command -v "${tool%%:*}" >/dev/null 2>&1; then
+    if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+      echo "installing ${tool#*:} with apt-get (for ${tool%%:*})"
+      apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${tool#*:}" >/dev/null
+    else
+      echo "${tool%%:*} is not installed and cannot be installed automatically here." >&2
+      echo "Install it (Debian/Ubuntu: sudo apt-get install ${tool#*:}) and re-run." >&2
+      exit 1
+    fi
+  fi
+done

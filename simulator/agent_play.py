@@ -15,10 +15,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from rtrl.inference.tool_calls import parse
 from rtrl.policy import BOS, EOS, decode, encode
 from rtrl.simulator.agent import (
     AGENT_MAX_TOKENS,
-    CALL_MARK,
     MAX_TURNS,
     TOOL_NAMES,
     observe,
@@ -89,11 +89,6 @@ def held_out(count: int, seed: int) -> list[Case]:
     return cases
 
 
-def calls_of(text: str) -> list[str]:
-    """The names a turn's call lines give (simulator/agent.py's syntax)."""
-    return [line[len(CALL_MARK) :] for line in text.split("\n") if line.startswith(CALL_MARK)]
-
-
 @torch.no_grad()
 def play(
     model: torch.nn.Module,
@@ -139,9 +134,10 @@ def _turn(
     run.turns += 1
     text = decode(ids)
     ended = ids[-1] == EOS
-    calls = calls_of(text) if ended else []
-    valid = [name for name in calls if name in TOOL_NAMES]
-    run.calls += calls
+    # The serving API's own parser of the demo agent's syntax (inference/tool_calls.py).
+    calls = parse(text, TOOL_NAMES, "bang").calls if ended else ()
+    valid = [call.name for call in calls if call.valid]
+    run.calls += [call.name for call in calls]
     run.broken += len(calls) - len(valid)
     run.parallel_turns += len(calls) > 1
     if not valid:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import importlib
 import importlib.util
+import json
 import re
 import shutil
 import subprocess
@@ -80,6 +81,7 @@ OPERATOR_ENV = {
     "RTRL_SGLANG_API_KEY": "sglang-serving-secret",
     "RTRL_SGLANG_ADMIN_API_KEY": "sglang-admin-secret",
     **{f"RTRL_REDIS_PASSWORD_{user.upper()}": f"redis-{user}-secret" for user in REDIS_USERS},
+    "RTRL_GRAFANA_ADMIN_PASSWORD": "grafana-admin-secret",
     "RTRL_CLICKHOUSE_SINK_PASSWORD": "ch-writer-pw",
     "RTRL_CLICKHOUSE_QUERY_PASSWORD": "ch-reader-pw",
     **{f"RTRL_KAFKA_PASSWORD_{user.upper()}": f"kafka-{user}-pw" for user in KAFKA_USERS},
@@ -239,10 +241,13 @@ def test_each_secret_reaches_only_the_services_that_use_it():
     assert held(compose["services"]["redis"]["environment"]) == {
         f"RTRL_REDIS_PASSWORD_{u.upper()}" for u in REDIS_USERS
     }
+    # Grafana's admin password reaches Grafana alone.
+    assert held(compose["services"]["grafana"]["environment"]) == {"RTRL_GRAFANA_ADMIN_PASSWORD"}
     # The operator's Redis password reaches Redis and the operator's one-off containers only.
     assert set(holders) == set(OPERATOR_ENV) - {
         "RTRL_REDIS_PASSWORD_OPERATOR",
         "RTRL_KAFKA_PASSWORD_ADMIN",
+        "RTRL_GRAFANA_ADMIN_PASSWORD",
     }
 
 
@@ -343,6 +348,50 @@ def test_prometheus_scrapes_every_rtrl_service_on_its_metrics_port():
         )
         assert stack.otel_exporter == "otlp" and stack.otlp_endpoint == "http://otel-collector:4317"
     assert "otel-collector" in compose["services"] and "prometheus" in compose["services"]
+
+
+def test_prometheus_loads_the_alert_rules_and_grafana_the_dashboards():
+    """compose's Prometheus reads deploy/prometheus/alerts.yml; its Grafana, signed in only
+    with the operator's password, is provisioned with that Prometheus and every dashboard of
+    deploy/grafana/dashboards, and runs the release whose schema CI checks them against."""
+    services = load()["services"]
+
+    def mounts(service: str) -> dict[str, Path]:
+        return {
+            target: (COMPOSE.parent / source).resolve()
+            for source, target, *_ in (v.split(":") for v in services[service]["volumes"])
+            if source.startswith(".")
+        }
+
+    deploy = REPO / "deploy"
+    scrape = yaml.safe_load((COMPOSE.parent / "prometheus.yml").read_text())
+    assert {target: mounts("prometheus").get(target) for target in scrape["rule_files"]} == {
+        "/etc/prometheus/alerts.yml": deploy / "prometheus" / "alerts.yml"
+    }
+    grafana = services["grafana"]
+    provisioned = mounts("grafana")
+    provider = yaml.safe_load((deploy / "grafana/provisioning/dashboards/rtrl.yml").read_text())
+    (dashboards,) = provider["providers"]
+    assert provisioned[dashboards["options"]["path"]] == deploy / "grafana" / "dashboards"
+    assert (
+        provisioned["/etc/grafana/provisioning/dashboards/rtrl.yml"]
+        == deploy / "grafana/provisioning/dashboards/rtrl.yml"
+    )
+    datasources = yaml.safe_load((deploy / "grafana/provisioning/datasources/rtrl.yml").read_text())
+    (prometheus,) = datasources["datasources"]
+    assert prometheus["url"] == "http://prometheus:9090" and "prometheus" in grafana["depends_on"]
+    assert (
+        provisioned["/etc/grafana/provisioning/datasources/rtrl.yml"]
+        == deploy / "grafana/provisioning/datasources/rtrl.yml"
+    )
+    home = Path(grafana["environment"]["GF_DASHBOARDS_DEFAULT_HOME_DASHBOARD_PATH"])
+    assert provisioned[str(home.parent)] / home.name == deploy / "grafana/dashboards/loop.json"
+    environment = grafana["environment"]
+    assert environment["GF_SECURITY_ADMIN_PASSWORD"] == OPERATOR_ENV["RTRL_GRAFANA_ADMIN_PASSWORD"]
+    assert environment["GF_AUTH_ANONYMOUS_ENABLED"] == "false"
+    lock = json.loads((deploy / "grafana" / "package-lock.json").read_text())
+    schema = lock["packages"]["node_modules/@grafana/schema"]["version"]
+    assert grafana["image"] == f"grafana/grafana:{schema}"
 
 
 def test_topics_get_enough_replicas_for_the_brokers_min_insync():

@@ -18,6 +18,7 @@ REPO = TESTS.parent
 NOT_PACKAGES = {
     "e2e": None,  # whole-stack tests, across every service
     "support": None,  # helpers shared across directories
+    "clients": None,  # the client distributions of clients/ (rtrl_client, the TypeScript SDK)
 }
 
 
