@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from pydantic import Field, SecretStr, model_validator
+import urllib.parse
+
+from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import SettingsConfigDict
 
 from rtrl.config import MacKey, RequiredSecret, Settings, StackSettings
@@ -75,6 +77,19 @@ class IngestSettings(Settings, HTTPListener, TLSListener):
     """An event's ``client_ts_ms`` may be at most this far behind the gateway's clock; an
     older one (or 0, or negative) is REJECTED (field ``client_ts_ms``)."""
 
+    cors_origins: list[str] = []
+    """Web origins (``https://app.example.com``: scheme, host, port) whose pages may send
+    events from a browser, with the TypeScript SDK's browser build: the gateway answers their
+    preflight and lets them read its answers. Exact origins only, no wildcard; a JSON list
+    (``RTRL_INGEST_CORS_ORIGINS='["https://app.example.com"]'``). Empty (the default): no
+    preflight is answered, and browsers refuse every cross-origin send. A key shipped to a
+    browser is public: scope it to the events the page sends and give it a rate."""
+
+    @field_validator("cors_origins")
+    @classmethod
+    def _exact_origins(cls, origins: list[str]) -> list[str]:
+        return [web_origin(origin) for origin in origins]
+
     def client_ts_window(self) -> EventTimeWindow:
         return EventTimeWindow.of_seconds(self.client_ts_max_future_s, self.client_ts_max_age_s)
 
@@ -115,3 +130,34 @@ class IngestSettings(Settings, HTTPListener, TLSListener):
         if self.http_port == self.grpc_port:
             raise ValueError(f"http_port and grpc_port must differ, both are {self.http_port}")
         return self
+
+
+DEFAULT_PORTS = {"http": 80, "https": 443}
+
+
+def web_origin(text: str) -> str:
+    """``text`` as the exact Origin a browser sends (lowercase scheme and host, no default
+    port), or ValueError when it is not one origin: a path, a query, credentials, a wildcard
+    or another scheme than http(s)."""
+    parts = urllib.parse.urlsplit(text.strip())
+    if (
+        parts.scheme not in DEFAULT_PORTS
+        or not parts.hostname
+        or parts.username is not None
+        or parts.password is not None
+        or parts.path not in ("", "/")
+        or parts.query
+        or parts.fragment
+        or "*" in parts.netloc
+    ):
+        raise ValueError(
+            f"{text!r} is not a web origin: give scheme://host[:port], e.g. https://app.example.com"
+        )
+    try:
+        port = parts.port
+    except ValueError as exc:
+        raise ValueError(f"{text!r} is not a web origin: {exc}") from None
+    host = parts.hostname if ":" not in parts.hostname else f"[{parts.hostname}]"
+    if port is None or port == DEFAULT_PORTS[parts.scheme]:
+        return f"{parts.scheme}://{host}"
+    return f"{parts.scheme}://{host}:{port}"

@@ -26,6 +26,9 @@ _SETTINGS = web.AppKey("settings", IngestSettings)
 _ADMISSION = web.AppKey("admission", Admission)
 
 ACCEPTED_ENCODINGS = ("identity", "gzip", "deflate")
+CORS_REQUEST_HEADERS = ("authorization", "content-type", "content-encoding", "traceparent")
+"""What a browser page of an allowed origin may send with its events (the preflight's
+Access-Control-Request-Headers must be among them)."""
 
 
 def http_status(results: list[ingest_pb2.EventResult]) -> int:
@@ -41,11 +44,12 @@ def build_http_app(
     gateway: Gateway, settings: IngestSettings, admission: Admission | None = None
 ) -> web.Application:
     """``admission`` None is an open door (no API keys)."""
-    app = web.Application(client_max_size=settings.max_body_bytes)
+    app = web.Application(client_max_size=settings.max_body_bytes, middlewares=[_cors])
     app[_GATEWAY] = gateway
     app[_SETTINGS] = settings
     app[_ADMISSION] = admission or Admission(None, None)
     app.router.add_post("/v1/events", _post_events)
+    app.router.add_route("OPTIONS", "/v1/events", _preflight)
     app.router.add_get("/healthz", _healthz)
     return app
 
@@ -74,6 +78,51 @@ async def _post_events(request: web.Request) -> web.Response:
     headers = {"Retry-After": str(settings.retry_after_s)} if status == 429 else None
     body = json_format.MessageToJson(ingest_pb2.PublishEventsResponse(results=results), indent=None)
     return web.Response(status=status, text=body, content_type="application/json", headers=headers)
+
+
+@web.middleware
+async def _cors(request: web.Request, handler) -> web.StreamResponse:
+    """A page of an allowed origin (RTRL_INGEST_CORS_ORIGINS) may read every answer, the
+    refusals and the Retry-After included; any other origin gets no CORS header at all."""
+    response = await handler(request)
+    if request.app[_SETTINGS].cors_origins:
+        response.headers.add("Vary", "Origin")
+        origin = request.headers.get("Origin", "")
+        refused_preflight = request.method == "OPTIONS" and response.status != 204
+        if origin in request.app[_SETTINGS].cors_origins and not refused_preflight:
+            response.headers["Access-Control-Allow-Origin"] = origin
+            response.headers["Access-Control-Expose-Headers"] = "Retry-After"
+    return response
+
+
+async def _preflight(request: web.Request) -> web.Response:
+    """A browser asks whether a page may POST events: yes only for an allowed origin, the
+    POST method and the headers an SDK sends. No key is asked for (a preflight carries none)."""
+    origin = request.headers.get("Origin", "")
+    if origin not in request.app[_SETTINGS].cors_origins:
+        return _error(
+            403, f"origin {origin!r} may not send events from a browser (RTRL_INGEST_CORS_ORIGINS)"
+        )
+    method = request.headers.get("Access-Control-Request-Method", "")
+    asked = {
+        name.strip().lower()
+        for name in request.headers.get("Access-Control-Request-Headers", "").split(",")
+        if name.strip()
+    }
+    if method != "POST" or not asked <= set(CORS_REQUEST_HEADERS):
+        return _error(
+            403,
+            f"a page may POST events with the headers {', '.join(CORS_REQUEST_HEADERS)} only, "
+            f"not {method} with {', '.join(sorted(asked)) or 'none'}",
+        )
+    return web.Response(
+        status=204,
+        headers={
+            "Access-Control-Allow-Methods": "POST",
+            "Access-Control-Allow-Headers": ", ".join(CORS_REQUEST_HEADERS),
+            "Access-Control-Max-Age": "600",
+        },
+    )
 
 
 def _parse_batch(

@@ -1,6 +1,6 @@
 """A real ingest gateway for the client SDKs' tests (clients/typescript), driven over stdin/stdout.
 
-    .venv/bin/python scripts/ingest_rig.py
+    .venv/bin/python scripts/ingest_rig.py [--cors-origin http://127.0.0.1:PORT ...]
 
 Starts, on free ports and in a private temporary directory: a memory-only Tansu broker, a
 redis-server, the topics, an API key signed by a throwaway operator key, and the gateway
@@ -17,11 +17,13 @@ line on stdout per JSON line on stdin:
 A failed command answers {"ok": false, "error": "..."}. The first line is
 {"ready": true, "url": ..., "api_key": ..., "log": ...}; logs stay in that directory.
 The gateway's claims expire after 3 s (RTRL_INGEST_CLAIM_TTL_S), so events a killed gateway
-was producing are taken again 3 s later.
+was producing are taken again 3 s later. ``--cors-origin`` lets pages of that origin send
+events from a browser (RTRL_INGEST_CORS_ORIGINS).
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import collections
 import json
@@ -45,7 +47,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
 class Rig:
-    def __init__(self, workdir: Path) -> None:
+    def __init__(self, workdir: Path, cors_origins: list[str]) -> None:
         self.workdir = workdir
         self.tansu = procs.start_tansu(workdir / "tansu.log")
         self.redis = procs.start_redis(workdir / "redis", workdir / "redis.log")
@@ -75,6 +77,7 @@ class Rig:
             "RTRL_INGEST_CLAIM_TTL_S": "3",
             "RTRL_INGEST_PRODUCE_TIMEOUT_MS": "2000",
             "RTRL_INGEST_KEY_CACHE_TTL_S": "0.5",
+            "RTRL_INGEST_CORS_ORIGINS": json.dumps(cors_origins),
         }
         self.gateway: procs.Proc | None = None
         self.start()
@@ -165,8 +168,11 @@ def say(document: dict) -> None:
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--cors-origin", action="append", default=[], help="repeatable")
+    args = parser.parse_args()
     workdir = Path(tempfile.mkdtemp(prefix="rtrl-ingest-rig-"))
-    rig = Rig(workdir)
+    rig = Rig(workdir, args.cors_origin)
     # SIGTERM (a test runner tearing down) stops the children like EOF does.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     try:

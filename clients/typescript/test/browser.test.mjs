@@ -11,6 +11,7 @@ import { test } from "node:test";
 import { fileURLToPath } from "node:url";
 import { promisify } from "node:util";
 import { build } from "esbuild";
+import { startRig } from "./support/rig.mjs";
 import { EVENTS } from "./support/vectors.mjs";
 
 const PACKAGE = fileURLToPath(new URL("..", import.meta.url));
@@ -107,6 +108,60 @@ test("headless chromium loads the bundle, builds an event and encodes it to the 
     assert.match(got.freshId, /^[0-9a-f]{8}-[0-9a-f]{4}-4[0-9a-f]{3}-[89ab][0-9a-f]{3}-[0-9a-f]{12}$/);
     assert.equal(got.hasSpool, false);
   } finally {
+    server.close();
+  }
+});
+
+test("a page of an allowed origin sends events to the real gateway: each lands once", { timeout: 120_000 }, async () => {
+  assert.ok(existsSync(CHROMIUM), `no chromium at ${CHROMIUM} (set CHROMIUM)`);
+  let page = "";
+  const server = createServer((req, res) => {
+    if (req.url === "/rtrl-client.browser.js") {
+      res.writeHead(200, { "Content-Type": "text/javascript" });
+      res.end(readFileSync(BUNDLE));
+    } else {
+      res.writeHead(200, { "Content-Type": "text/html" });
+      res.end(page);
+    }
+  });
+  await new Promise((r) => server.listen(0, "127.0.0.1", r));
+  const origin = `http://127.0.0.1:${server.address().port}`;
+  // The gateway answers this page's preflight (RTRL_INGEST_CORS_ORIGINS) and no other's.
+  const rig = await startRig({ corsOrigins: [origin] });
+  try {
+    page = `<!doctype html><html><body><pre id="out">not run</pre><script type="module">
+      import * as sdk from "/rtrl-client.browser.js";
+      const out = document.getElementById("out");
+      try {
+        const t = new sdk.Telemetry(${JSON.stringify(rig.url)}, { apiKey: ${JSON.stringify(rig.apiKey)} });
+        const who = { rolloutId: "r-browser", sessionId: "s", userId: "u" };
+        const ids = [
+          t.editShown({ ...who, filePath: "app.ts", editText: "let x = 1;\\n" }).eventId,
+          t.editOutcome({ ...who, outcome: "accepted" }).eventId,
+          t.followup({ ...who, secondsAfterEdit: 5, message: "thanks" }).eventId,
+        ];
+        const delivered = await t.flush(20000);
+        out.textContent = JSON.stringify({ ids, delivered, stats: t.stats });
+      } catch (error) {
+        out.textContent = "error: " + error.stack;
+      }
+    </script></body></html>`;
+    const { stdout } = await promisify(execFile)(
+      CHROMIUM,
+      ["--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--virtual-time-budget=30000",
+        "--dump-dom", `${origin}/`],
+      { timeout: 60_000, maxBuffer: 1 << 24 },
+    );
+    const text = /<pre id="out">([\s\S]*?)<\/pre>/.exec(stdout)?.[1] ?? stdout;
+    const decoded = text.replaceAll("&quot;", '"').replaceAll("&lt;", "<").replaceAll("&gt;", ">").replaceAll("&amp;", "&");
+    assert.ok(decoded.startsWith("{"), decoded.slice(0, 500));
+    const got = JSON.parse(decoded);
+    assert.equal(got.delivered, true, decoded);
+    assert.equal(got.stats.accepted, 3, decoded);
+    const counts = await rig.count();
+    assert.deepEqual(got.ids.map((id) => counts[id]), [1, 1, 1]);
+  } finally {
+    await rig.quit();
     server.close();
   }
 });

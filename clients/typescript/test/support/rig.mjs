@@ -7,8 +7,10 @@ import { fileURLToPath } from "node:url";
 export const REPO = fileURLToPath(new URL("../../../../", import.meta.url));
 export const PYTHON = process.env.RTRL_PYTHON ?? `${REPO}.venv/bin/python`;
 
-export async function startRig() {
-  const child = spawn(PYTHON, [`${REPO}scripts/ingest_rig.py`], {
+/** corsOrigins: origins whose pages may send from a browser (RTRL_INGEST_CORS_ORIGINS). */
+export async function startRig({ corsOrigins = [] } = {}) {
+  const origins = corsOrigins.flatMap((origin) => ["--cors-origin", origin]);
+  const child = spawn(PYTHON, [`${REPO}scripts/ingest_rig.py`, ...origins], {
     cwd: REPO,
     stdio: ["pipe", "pipe", "inherit"],
   });
