@@ -321,6 +321,28 @@ def test_references_resolve_and_long_running_services_have_health_checks():
     ).stat().st_mode & 0o111
 
 
+def test_heartbeat_checks_run_as_the_service_and_variables_are_expanded_by_a_shell():
+    """Docker runs a health check without the image's entrypoint, which names the replica
+    (RTRL_INSTANCE, its hostname): the check must go through it or it looks for a heartbeat
+    nobody beats. And compose runs a command without a shell: a $VAR in it reaches the
+    program as text unless a shell expands it."""
+    services = load()["services"]
+    for name, service in services.items():
+        test = service.get("healthcheck", {}).get("test", [])
+        if "rtrl.ops.health" in test:
+            assert test[:2] == ["CMD", "rtrl-entrypoint"], f"{name}: {test}"
+        command = service.get("command", [])
+        words = command.split() if isinstance(command, str) else command
+        if any("$" in word for word in words):
+            assert words[:2] == ["sh", "-c"], (
+                f"{name} passes a variable to a command without a shell"
+            )
+    assert (
+        'ENTRYPOINT ["/usr/local/bin/rtrl-entrypoint"]'
+        in (COMPOSE.parent / "Dockerfile").read_text()
+    )
+
+
 def test_prometheus_scrapes_every_rtrl_service_on_its_metrics_port():
     from rtrl.config import StackSettings
 

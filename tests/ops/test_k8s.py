@@ -274,7 +274,9 @@ def test_probes_ask_what_each_service_actually_serves():
                 served.add(("httpGet", (int(env[port_variable][1]), "/healthz")))
             check = compose["services"].get(name, {}).get("healthcheck", {}).get("test")
             if check:
-                served.add(("exec", (ENTRYPOINT, *check[1:])))
+                # compose names the entrypoint by its name on PATH, k8s by its path
+                assert check[1] == "rtrl-entrypoint", check
+                served.add(("exec", (ENTRYPOINT, *check[2:])))
         else:
             url = urlparse(compose["services"][name]["healthcheck"]["test"][1].split()[-1])
             served.add(("httpGet", (url.port, url.path)))
