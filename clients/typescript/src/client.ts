@@ -1,4 +1,4 @@
-// One request's worth of delivery: POST /v1/events with retries, as ingest/client.py.
+// One request's worth of delivery: POST /v1/events with retries, as the Python SDK's rtrl_client/client.py.
 //
 // publish() resends only what the gateway could not take (RETRY results, 429/5xx answers,
 // network errors and timeouts) with exponential backoff and jitter, waiting at least the

@@ -1,4 +1,4 @@
-// Typed TelemetryEvents: one helper per payload, named and shaped as in ingest/sdk.py
+// Typed TelemetryEvents: one helper per payload, named and shaped as in the Python SDK (rtrl_client/sdk.py)
 // (edit_shown, edit_outcome, persistence_snapshot, followup), camelCase as in the generated types.
 import { create, fromBinary, toBinary, toJson, type JsonValue } from "@bufbuild/protobuf";
 import {

@@ -1,5 +1,5 @@
 // The durable spool of the Node SDK: events stay on disk until the gateway answered them.
-// Same record layout as ingest/spool.py:
+// Same record layout as the Python SDK's spool (clients/python/src/rtrl_client/spool.py):
 //   <n>.seg   records `u32 length | u32 crc32 | serialized TelemetryEvent` (big-endian), appended
 //   <n>.acks  u64 offsets of that segment's records that got a final answer
 // A segment is deleted once every record in it is answered. A record torn by a crash mid-append

@@ -1,5 +1,5 @@
 // Telemetry: report events and move on; a background loop delivers them in batches, as
-// ingest/sdk.py + ingest/sender.py. Browser-safe: the store is given (a MemoryStore here,
+// rtrl_client/sdk.py + sender.py. Browser-safe: the store is given (a MemoryStore here,
 // the durable Spool in the Node entry point).
 //
 // An event leaves the store only once the gateway gave a final answer: ACCEPTED, DUPLICATE
