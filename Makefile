@@ -19,23 +19,28 @@ $(STAMP): pyproject.toml clients/python/pyproject.toml constraints.txt scripts/b
 
 install: $(STAMP)
 
-# The TypeScript SDK's compiler, generators and test tools, exactly as locked (clients/typescript;
-# tests/clients/test_typescript_sdk.py runs its suite). --ignore-scripts: esbuild and buf ship
-# their binaries as optional packages, no install script is needed.
+# Node packages, exactly as locked, for the tests and checks (the demo needs none): the
+# TypeScript SDK's compiler, generators and test tools (clients/typescript;
+# tests/clients/test_typescript_sdk.py runs its suite; --ignore-scripts: esbuild and buf ship
+# their binaries as optional packages), and the dashboards' schema check (deploy/grafana).
 TS_DEPS := clients/typescript/node_modules/.package-lock.json
-install: $(TS_DEPS)
+GRAFANA_DEPS := deploy/grafana/node_modules/.package-lock.json
+.PHONY: install-node
+install-node: $(TS_DEPS) $(GRAFANA_DEPS)
 $(TS_DEPS): clients/typescript/package-lock.json
 	npm ci --prefix clients/typescript --ignore-scripts --no-audit --no-fund --loglevel=error
+$(GRAFANA_DEPS): deploy/grafana/package-lock.json
+	npm ci --prefix deploy/grafana --no-audit --no-fund --loglevel=error
 
 ## The demo: the whole loop on the embedded stack, ending with the A/B table.
 demo: install
 	$(BIN)/rtrl demo
 
 ## The tests: unit, integration (real Tansu, Redis, chdb, gRPC) and end-to-end.
-test: install
+test: install install-node
 	$(BIN)/python -m pytest -q
 
-test-fast: install
+test-fast: install install-node
 	$(BIN)/python -m pytest -q -m "not slow"
 
 ## The habits CI holds every change to, before the tests (ruff and mypy: pyproject.toml).
@@ -60,12 +65,8 @@ proto-check: proto
 	git diff --exit-code -- rtrl/v1 clients/python/src/rtrl_client/v1
 
 ## Monitoring: the alert rules and their unit tests (promtool), the Grafana dashboards
-## against Grafana's own schema (deploy/grafana, its npm packages installed by `make install`).
+## against Grafana's own schema (deploy/grafana).
 .PHONY: check-alerts check-dashboards
-GRAFANA_DEPS := deploy/grafana/node_modules/.package-lock.json
-install: $(GRAFANA_DEPS)
-$(GRAFANA_DEPS): deploy/grafana/package-lock.json
-	npm ci --prefix deploy/grafana --no-audit --no-fund --loglevel=error
 
 check-alerts:
 	promtool check rules deploy/prometheus/alerts.yml
