@@ -84,18 +84,20 @@ def draw_panel(ax, panel: dict, prometheus: str, start: float, end: float) -> No
         ax.text(0.5, 0.5, "no data", ha="center", va="center", color="grey", transform=ax.transAxes)
 
 
-def render(dashboard: dict, prometheus: str, out: Path, minutes: float) -> Path:
+def render(
+    dashboard: dict, prometheus: str, out: Path, minutes: float, end: float | None = None
+) -> Path:
     panels = dashboard["panels"]
     height = max(p["gridPos"]["y"] + p["gridPos"]["h"] for p in panels)
     figure = plt.figure(figsize=(16, height * 0.28))
-    grid = figure.add_gridspec(height, COLUMNS, hspace=1.2, wspace=1.2)
-    end = time.time()
+    grid = figure.add_gridspec(height, COLUMNS, hspace=1.2, wspace=1.2, top=0.965, bottom=0.03)
+    end = time.time() if end is None else end
     for panel in panels:
         pos = panel["gridPos"]
         if panel["type"] == "row":
             ax = figure.add_subplot(grid[pos["y"], :])
             ax.axis("off")
-            ax.text(0, 0.5, panel.get("title", ""), fontsize=10, weight="bold", va="center")
+            ax.text(0, 1.0, panel.get("title", ""), fontsize=10, weight="bold", va="bottom")
             continue
         ax = figure.add_subplot(
             grid[pos["y"] : pos["y"] + pos["h"], pos["x"] : pos["x"] + pos["w"]]
@@ -114,9 +116,10 @@ def main() -> None:
     parser.add_argument("prometheus", help="base URL of a Prometheus, e.g. http://127.0.0.1:9090")
     parser.add_argument("out", type=Path)
     parser.add_argument("--minutes", type=float, default=10.0)
+    parser.add_argument("--end", type=float, help="unix time the window ends (default: now)")
     args = parser.parse_args()
     dashboard = json.loads(args.dashboard.read_text())
-    print(render(dashboard, args.prometheus, args.out, args.minutes))
+    print(render(dashboard, args.prometheus, args.out, args.minutes, args.end))
 
 
 if __name__ == "__main__":
