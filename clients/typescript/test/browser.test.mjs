@@ -22,6 +22,36 @@ const IMPORT = /(?:^|[\s;])(?:import|export)\s[^"'`]*?from\s*["']([^"']+)["']|im
 
 const specifiers = (source) => [...source.matchAll(IMPORT)].map((m) => m[1] ?? m[2] ?? m[3]);
 
+/** Serves the bundle and whatever page() returns; resolves to the server and its origin. */
+async function servePage(page) {
+  const server = createServer((req, res) => {
+    if (req.url === "/rtrl-client.browser.js") {
+      res.writeHead(200, { "Content-Type": "text/javascript" });
+      res.end(readFileSync(BUNDLE));
+    } else {
+      res.writeHead(200, { "Content-Type": "text/html" });
+      res.end(page());
+    }
+  });
+  await new Promise((r) => server.listen(0, "127.0.0.1", r));
+  return { server, origin: `http://127.0.0.1:${server.address().port}` };
+}
+
+/** Headless chromium loads origin/ and runs it for up to budgetMs of virtual time; the JSON
+ * the page wrote into <pre id="out">, parsed. */
+async function runPage(origin, budgetMs) {
+  const { stdout } = await promisify(execFile)(
+    CHROMIUM,
+    ["--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
+      `--virtual-time-budget=${budgetMs}`, "--dump-dom", `${origin}/`],
+    { timeout: budgetMs + 30_000, maxBuffer: 1 << 24 },
+  );
+  const text = /<pre id="out">([\s\S]*?)<\/pre>/.exec(stdout)?.[1] ?? stdout;
+  const decoded = text.replaceAll("&quot;", '"').replaceAll("&lt;", "<").replaceAll("&gt;", ">").replaceAll("&amp;", "&");
+  assert.ok(decoded.startsWith("{"), decoded.slice(0, 500));
+  return JSON.parse(decoded);
+}
+
 test("the browser entry's module graph imports no node: module", () => {
   const pkg = JSON.parse(readFileSync(join(PACKAGE, "package.json"), "utf8"));
   const entry = resolve(PACKAGE, pkg.exports["."].browser.default);
@@ -81,27 +111,9 @@ test("headless chromium loads the bundle, builds an event and encodes it to the 
       out.textContent = "error: " + error.stack;
     }
   </script></body></html>`;
-  const server = createServer((req, res) => {
-    if (req.url === "/rtrl-client.browser.js") {
-      res.writeHead(200, { "Content-Type": "text/javascript" });
-      res.end(readFileSync(BUNDLE));
-    } else {
-      res.writeHead(200, { "Content-Type": "text/html" });
-      res.end(page);
-    }
-  });
-  await new Promise((r) => server.listen(0, "127.0.0.1", r));
+  const { server, origin } = await servePage(() => page);
   try {
-    const { stdout } = await promisify(execFile)(
-      CHROMIUM,
-      ["--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--virtual-time-budget=5000",
-        "--dump-dom", `http://127.0.0.1:${server.address().port}/`],
-      { timeout: 45_000, maxBuffer: 1 << 24 },
-    );
-    const text = /<pre id="out">([\s\S]*?)<\/pre>/.exec(stdout)?.[1] ?? stdout;
-    const decoded = text.replaceAll("&quot;", '"').replaceAll("&lt;", "<").replaceAll("&gt;", ">").replaceAll("&amp;", "&");
-    assert.ok(decoded.startsWith("{"), decoded.slice(0, 500));
-    const got = JSON.parse(decoded);
+    const got = await runPage(origin, 5000);
     assert.equal(got.hex, vector.wire_hex);
     assert.deepEqual(got.json, vector.json);
     assert.equal(got.pending, 1);
@@ -115,17 +127,7 @@ test("headless chromium loads the bundle, builds an event and encodes it to the 
 test("a page of an allowed origin sends events to the real gateway: each lands once", { timeout: 120_000 }, async () => {
   assert.ok(existsSync(CHROMIUM), `no chromium at ${CHROMIUM} (set CHROMIUM)`);
   let page = "";
-  const server = createServer((req, res) => {
-    if (req.url === "/rtrl-client.browser.js") {
-      res.writeHead(200, { "Content-Type": "text/javascript" });
-      res.end(readFileSync(BUNDLE));
-    } else {
-      res.writeHead(200, { "Content-Type": "text/html" });
-      res.end(page);
-    }
-  });
-  await new Promise((r) => server.listen(0, "127.0.0.1", r));
-  const origin = `http://127.0.0.1:${server.address().port}`;
+  const { server, origin } = await servePage(() => page);
   // The gateway answers this page's preflight (RTRL_INGEST_CORS_ORIGINS) and no other's.
   const rig = await startRig({ corsOrigins: [origin] });
   try {
@@ -146,18 +148,9 @@ test("a page of an allowed origin sends events to the real gateway: each lands o
         out.textContent = "error: " + error.stack;
       }
     </script></body></html>`;
-    const { stdout } = await promisify(execFile)(
-      CHROMIUM,
-      ["--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--virtual-time-budget=30000",
-        "--dump-dom", `${origin}/`],
-      { timeout: 60_000, maxBuffer: 1 << 24 },
-    );
-    const text = /<pre id="out">([\s\S]*?)<\/pre>/.exec(stdout)?.[1] ?? stdout;
-    const decoded = text.replaceAll("&quot;", '"').replaceAll("&lt;", "<").replaceAll("&gt;", ">").replaceAll("&amp;", "&");
-    assert.ok(decoded.startsWith("{"), decoded.slice(0, 500));
-    const got = JSON.parse(decoded);
-    assert.equal(got.delivered, true, decoded);
-    assert.equal(got.stats.accepted, 3, decoded);
+    const got = await runPage(origin, 30000);
+    assert.equal(got.delivered, true, JSON.stringify(got));
+    assert.equal(got.stats.accepted, 3, JSON.stringify(got));
     const counts = await rig.count();
     assert.deepEqual(got.ids.map((id) => counts[id]), [1, 1, 1]);
   } finally {
