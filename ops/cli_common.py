@@ -40,32 +40,24 @@ def make_console(stream: TextIO, **kwargs: Any) -> Console:
     return Console(file=stream, width=width, **kwargs)
 
 
-class _Stdout:
-    """sys.stdout looked up at each write, so a test's captured stdout is used."""
+class _Stream:
+    """sys.stdout or sys.stderr looked up at each write, so a test's captured stream is used."""
+
+    def __init__(self, name: str) -> None:
+        self._name = name
 
     def write(self, text: str) -> int:
-        return sys.stdout.write(text)
+        return getattr(sys, self._name).write(text)
 
     def flush(self) -> None:
-        sys.stdout.flush()
+        getattr(sys, self._name).flush()
 
     def isatty(self) -> bool:
-        return sys.stdout.isatty()
+        return getattr(sys, self._name).isatty()
 
 
-class _Stderr(_Stdout):
-    def write(self, text: str) -> int:
-        return sys.stderr.write(text)
-
-    def flush(self) -> None:
-        sys.stderr.flush()
-
-    def isatty(self) -> bool:
-        return sys.stderr.isatty()
-
-
-console = make_console(_Stdout())  # type: ignore[arg-type]
-err_console = make_console(_Stderr(), soft_wrap=True)  # type: ignore[arg-type]
+console = make_console(_Stream("stdout"))  # type: ignore[arg-type]
+err_console = make_console(_Stream("stderr"), soft_wrap=True)  # type: ignore[arg-type]
 
 JSON_OPTION = typer.Option(
     False, "--json", help="Print one JSON document on stdout instead of tables (for scripts)."
