@@ -23,8 +23,10 @@ from rtrl_client.sdk import (
     followup,
     persistence_snapshot,
 )
+from rtrl_client.version import __version__
 
 __all__ = [
+    "__version__",
     "DeliveryStats",
     "IngestAuthError",
     "IngestClient",

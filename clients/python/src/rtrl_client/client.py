@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import platform
 import random
 import time
 import uuid
@@ -22,9 +23,15 @@ import aiohttp.abc
 from google.protobuf import json_format
 
 from rtrl_client.v1 import ingest_pb2, telemetry_pb2
+from rtrl_client.version import SDK, SDK_HEADER
 
 RETRY = ingest_pb2.EventResult.STATUS_RETRY
 SCHEMA_VERSION = 1
+USER_AGENT = (
+    f"{SDK} {platform.python_implementation()}/{platform.python_version()} "
+    f"aiohttp/{aiohttp.__version__}"
+)
+"""Every request's User-Agent: the SDK first, then what it runs on."""
 
 
 class IngestError(RuntimeError):
@@ -65,7 +72,11 @@ class IngestClient:
         self._max_delay_s = max_delay_s
         self._timeout = aiohttp.ClientTimeout(total=timeout_s)
         self._max_batch = max_batch
-        self._headers = {"Content-Type": "application/json"}
+        self._headers = {
+            "Content-Type": "application/json",
+            "User-Agent": USER_AGENT,
+            SDK_HEADER: SDK,
+        }
         if api_key is not None:
             self._headers["Authorization"] = f"Bearer {api_key}"
         self._rng = rng or random.Random()
@@ -113,7 +124,8 @@ class IngestClient:
                 last_error, retry_after_s = str(exc), exc.retry_after_s
                 continue
             except (
-                TimeoutError,
+                # Not the builtin TimeoutError before Python 3.11, and aiohttp raises this one.
+                asyncio.TimeoutError,
                 aiohttp.ClientConnectionError,
                 aiohttp.ClientPayloadError,
                 _ServerError,

@@ -25,7 +25,7 @@ import time
 import urllib.parse
 import weakref
 from collections.abc import Callable, Sequence
-from typing import Self
+from typing import TypeVar
 
 from rtrl_client.client import IngestError, make_event
 from rtrl_client.sender import DeliveryStats, RejectedEvent, Sender, TelemetrySettings
@@ -134,6 +134,7 @@ def followup(
 
 
 _open_clients: weakref.WeakSet[Telemetry] = weakref.WeakSet()
+_T = TypeVar("_T", bound="Telemetry")  # typing.Self is Python 3.11's; the client runs on 3.10
 
 
 class Telemetry:
@@ -336,7 +337,7 @@ class Telemetry:
             )
         return delivered
 
-    def __enter__(self) -> Self:
+    def __enter__(self: _T) -> _T:
         return self
 
     def __exit__(self, *exc_info) -> None:
