@@ -18,7 +18,7 @@ from rich.table import Table
 
 from rtrl import heartbeat
 from rtrl.key_budgets import Budgets
-from rtrl.ops import health, stack_secrets, statedir
+from rtrl.ops import health, run_pin, stack_secrets, statedir
 from rtrl.ops.reporting import landed, query_function
 from rtrl.ops.stack import StackFile
 from rtrl.ops.status_view import alerts_table, hacking_alerts
@@ -238,6 +238,13 @@ def run_demo(
     console.print(f"product: {product}, reward function: {StackConfig().reward_fn_version}")
     if unique_prompts and not agent:
         prepare_unique_prompts(state_dir, console)
+    resumed = run_pin.read(state_dir) if not (fresh or unique_prompts or agent) else None
+    if resumed is not None and resumed.model_dir is not None:
+        console.print(
+            f"[red]the run in {state_dir} trains {resumed.describe()}, not the demo policy:[/] "
+            "`rtrl up` resumes it; `rtrl demo --product edits --fresh` starts this demo over"
+        )
+        return 1
     try:
         stack = start(
             state_dir, console, fresh=fresh or unique_prompts or agent, model_dir=model_dir

@@ -16,7 +16,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from rtrl import procs
-from rtrl.ops import health, statedir
+from rtrl.ops import health, run_pin, statedir
 from rtrl.ops.stack import StackConfig, StackFile, stack_path
 
 
@@ -47,15 +47,9 @@ def warm_start(state_dir: Path, console: Console, **recipe: Any) -> Path:
     return path
 
 
-MODEL_FILE = "model.json"
-"""In the state directory: the model directory the run trains (absent: the demo policy)."""
-
-
-def _pin_model(state_dir: Path, model_dir: Path | None) -> str | None:
-    """The model directory this run serves and trains, checked to open as a checkpoint,
-    and the same one the run began with (its versions fit no other model)."""
-    import json
-
+def _pinned_run(state_dir: Path, model_dir: Path | None) -> run_pin.RunPin:
+    """The run state_dir holds (run_pin.py): pinned now to ``model_dir`` on its first start,
+    otherwise resumed whatever it trains; its model checked to open as a checkpoint."""
     from rtrl.checkpoint import Checkpoint, CheckpointError
 
     chosen = str(model_dir.resolve()) if model_dir is not None else None
@@ -64,20 +58,16 @@ def _pin_model(state_dir: Path, model_dir: Path | None) -> str | None:
             Checkpoint.open(chosen)
         except CheckpointError as exc:
             raise StackError(f"--model: {exc}") from None
-    pinned = state_dir / MODEL_FILE
-    if pinned.exists():
-        began_with = json.loads(pinned.read_text())["model_dir"]
-        if began_with != chosen:
-            raise StackError(
-                f"the run in {state_dir} trains {began_with or 'the demo policy'}, not "
-                f"{chosen or 'the demo policy'}: `rtrl up --fresh` starts a new run"
-            )
-    else:
-        # Owner-only, like everything else in the state directory (it names a path).
-        fd = os.open(pinned, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(fd, "w") as f:
-            f.write(json.dumps({"model_dir": chosen}))
-    return chosen
+    try:
+        run = run_pin.pin(state_dir, chosen, os.environ)
+    except run_pin.PinMismatch as exc:
+        raise StackError(str(exc)) from None
+    if run.model_dir is not None and run.model_dir != chosen:
+        try:
+            Checkpoint.open(run.model_dir)
+        except CheckpointError as exc:
+            raise StackError(f"the run's model {run.model_dir}: {exc}") from None
+    return run
 
 
 def health_table(rows: list[health.ComponentHealth]) -> Table:
@@ -134,17 +124,25 @@ def _prepare(state_dir: Path, console: Console, fresh: bool) -> None:
 
 
 def _policy_env(state_dir: Path, console: Console, model_dir: Path | None) -> dict[str, str]:
-    """The supervisor's environment: this environment, the state directory and the model
-    the run is pinned to; the warm start trained (or found) when that is the demo policy."""
-    env = {**os.environ, "RTRL_STATE_DIR": str(state_dir)}
-    model_dir = model_dir or (Path(env["RTRL_MODEL_DIR"]) if env.get("RTRL_MODEL_DIR") else None)
-    model = _pin_model(state_dir, model_dir)
-    if model is None:
+    """The supervisor's environment: this environment, the state directory, and the model and
+    settings of the run it holds; the warm start trained (or found) when that is the demo
+    policy."""
+    model_dir = model_dir or (
+        Path(os.environ["RTRL_MODEL_DIR"]) if os.environ.get("RTRL_MODEL_DIR") else None
+    )
+    run = _pinned_run(state_dir, model_dir)
+    env = {**run_pin.resumed_environment(run, os.environ), "RTRL_STATE_DIR": str(state_dir)}
+    restored = sorted(set(run.settings) - set(os.environ))
+    if restored:
+        console.print(
+            "the run's settings: " + ", ".join(f"{k}={run.settings[k]}" for k in restored)
+        )
+    if run.model_dir is None:
         env.pop("RTRL_MODEL_DIR", None)
         warm_start(state_dir, console)
     else:
-        env["RTRL_MODEL_DIR"] = model
-        console.print(f"policy: {model}")
+        env["RTRL_MODEL_DIR"] = run.model_dir
+        console.print(f"policy: {run.model_dir}")
     return env
 
 

@@ -294,20 +294,23 @@ def test_status_shows_the_train_inference_mismatch(run):
 
 
 def test_a_run_keeps_the_model_it_began_with(tmp_path, monkeypatch):
-    """The run's model is pinned (owner-only, like the rest of the state directory):
-    resuming it with another model, or with none, is refused before anything starts."""
+    """The run's model is pinned (owner-only, like the rest of the state directory): resuming
+    it with no model resumes that model; naming another is refused before anything starts,
+    with the command that resumes the run and the one that starts a new run."""
     from rtrl.ops import statedir
-    from rtrl.ops.lifecycle import MODEL_FILE, StackError, _pin_model
+    from rtrl.ops.lifecycle import StackError, _pinned_run
+    from rtrl.ops.run_pin import PIN_FILE
 
+    monkeypatch.delenv("RTRL_MODEL_DIR", raising=False)
     model = write_tiny_checkpoint(tmp_path / "model", "llama")
     other = write_tiny_checkpoint(tmp_path / "other", "qwen2")
     state_dir = tmp_path / "state"
     statedir.prepare(state_dir, fresh=False)
-    assert _pin_model(state_dir, model) == str(model.resolve())
-    assert (state_dir / MODEL_FILE).stat().st_mode & 0o777 == 0o600
-    assert _pin_model(state_dir, model) == str(model.resolve())
-    for wrong in (other, None):
-        with pytest.raises(StackError, match="rtrl up --fresh"):
-            _pin_model(state_dir, wrong)
+    assert _pinned_run(state_dir, model).model_dir == str(model.resolve())
+    assert (state_dir / PIN_FILE).stat().st_mode & 0o777 == 0o600
+    assert _pinned_run(state_dir, model).model_dir == str(model.resolve())
+    assert _pinned_run(state_dir, None).model_dir == str(model.resolve())
+    with pytest.raises(StackError, match=r"`rtrl up` resumes it; `rtrl up --fresh --model .*other"):
+        _pinned_run(state_dir, other)
     with pytest.raises(StackError, match="no config.json"):
-        _pin_model(tmp_path / "fresh-state", tmp_path)
+        _pinned_run(tmp_path / "fresh-state", tmp_path)

@@ -83,14 +83,14 @@ def test_a_chat_template_over_its_bounds_is_refused_where_the_model_is_opened(
 def test_rtrl_up_refuses_a_model_whose_template_loops_before_starting_anything(
     qwen3, tmp_path, tight_bounds
 ):
-    from rtrl.ops.lifecycle import StackError, _pin_model
+    from rtrl.ops.lifecycle import StackError, _pinned_run
 
     looping = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
     hostile = with_template(qwen3, tmp_path / "hostile", looping + CHATML_TAIL)
     state = tmp_path / "state"
     state.mkdir()
     with pytest.raises(StackError, match="--model: .*RTRL_CHAT_TEMPLATE_TIMEOUT_S"):
-        _pin_model(state, hostile)
+        _pinned_run(state, hostile)
     assert list(state.iterdir()) == []  # the run is not pinned to it
 
 
