@@ -43,10 +43,12 @@ test: install install-node
 test-fast: install install-node
 	$(BIN)/python -m pytest -q -m "not slow"
 
-## The habits CI holds every change to, before the tests (ruff and mypy: pyproject.toml).
+## The habits CI holds every change to, before the tests (ruff, deptry and mypy: pyproject.toml).
+## deptry: every import of the shipped code is a declared dependency of the wheel.
 lint: install
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	$(BIN)/deptry .
 
 format: install
 	$(BIN)/ruff check --fix .
