@@ -87,7 +87,7 @@ class TopologyResult:
     """The server's egress during the topology's run, in copies of the arm's versions."""
 
 
-# Produced by run; written to bench/results/broadcast.json; read by its test and the README.
+# Produced by run; written to bench/results/broadcast.json; read by its test and docs/benchmarks.md.
 # The fanout_* fields are for FANOUTS = (1, 2, 4, 8); a figure FANOUTS leaves out is None.
 @dataclass(frozen=True)
 class BroadcastResult:

@@ -221,7 +221,7 @@ class DeltaResult:
     """That median copy time."""
 
 
-# Produced by run; written to bench/results/codec.json; read by the README.
+# Produced by run; written to bench/results/codec.json; read by docs/benchmarks.md.
 @dataclass(frozen=True)
 class CodecResult:
     minilm: DeltaResult

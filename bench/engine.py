@@ -73,7 +73,7 @@ class PhaseResult:
     swaps: int
 
 
-# Produced by run; written to bench/results/engine.json; read by its test and the README.
+# Produced by run; written to bench/results/engine.json; read by its test and docs/benchmarks.md.
 @dataclass(frozen=True)
 class EngineResult:
     code: str

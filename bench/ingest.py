@@ -37,7 +37,7 @@ from rtrl.config import StackSettings
 EVENT_BYTES = 1024
 
 
-# Produced by run; written to bench/results/ingest.json; read by its test and the README.
+# Produced by run; written to bench/results/ingest.json; read by its test and docs/benchmarks.md.
 @dataclass(frozen=True)
 class IngestBench:
     events_per_s: float

@@ -150,7 +150,7 @@ def percentile(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, round(q * (len(values) - 1)))]
 
 
-# Produced by run; written to bench/results/join.json; read by its test and the README.
+# Produced by run; written to bench/results/join.json; read by its test and docs/benchmarks.md.
 # Rates are events per second as the module docstring defines them.
 @dataclass(frozen=True)
 class JoinResult:

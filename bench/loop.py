@@ -139,7 +139,7 @@ class TrainerRun:
     when_behind: str
 
 
-# Produced by run; written to bench/results/loop.json; read by plot_png, _print and the README.
+# Produced by run; written to bench/results/loop.json; read by plot_png, _print and docs/benchmarks.md.
 @dataclass(frozen=True)
 class LoopResult(LoopSummary):
     intake: Intake

@@ -116,7 +116,7 @@ def plain_step(
     model.eval()
 
 
-# Produced by run; written to bench/results/trainer.json; read by its test and the README.
+# Produced by run; written to bench/results/trainer.json; read by its test and docs/benchmarks.md.
 @dataclass(frozen=True)
 class TrainerResult:
     code: str

@@ -60,7 +60,7 @@ every candidate, and its CPU share is fixed by the scheduler, not by its threads
 beside training only splits that share (each candidate then waits for the previous
 verdict and is judged at half speed), and catching up trains on ever staler rollouts. So
 the trainer judges inline, steps on 32 rollouts and sheds what it cannot take, keeping
-event -> live a few seconds (`rtrl bench loop` measures it; README)."""
+event -> live a few seconds (`rtrl bench loop` measures it; docs/benchmarks.md)."""
 
 
 DEMO_POLICY_TRAINER: dict[str, str] = {

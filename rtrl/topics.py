@@ -1,4 +1,4 @@
-"""Topic names: the wire contract between services (see ARCHITECTURE.md)."""
+"""Topic names: the wire contract between services (see docs/architecture.md)."""
 
 from __future__ import annotations
 

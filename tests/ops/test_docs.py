@@ -1,14 +1,15 @@
 """The operator docs stay true to the code: the generated reference is current, it
-names every setting, what the hand-written guides cite (tests, variables, topics,
-links) exists, and every guarantee of ARCHITECTURE.md has tests marked guarantee(n)
-that the troubleshooting guide lists. No services; about as fast as importing the
-settings classes."""
+names every setting, what the hand-written docs cite (tests, variables, topics) exists,
+and every guarantee of docs/architecture.md has tests marked guarantee(n), listed there
+under it. No services; about as fast as importing the settings classes. Links are checked
+in test_links.py."""
 
 from __future__ import annotations
 
 import ast
 import importlib
 import re
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -19,8 +20,19 @@ from rtrl.ops import docgen
 
 REPO = Path(__file__).resolve().parents[2]
 DOCS = REPO / "docs"
-GUIDES = ("operations.md", "troubleshooting.md")
-# RTRL_* variables that belong to no settings class: compose/ and scripts/ read them
+GUIDES = (
+    "operations.md",
+    "troubleshooting.md",
+    "architecture.md",
+    "security.md",
+    "benchmarks.md",
+    "your-model.md",
+    "agents.md",
+    "demo.md",
+    "telemetry.md",
+)
+"""The hand-written docs whose cited tests and variables must exist."""
+# RTRL_* variables that belong to no settings class: compose/, scripts/ and examples read them
 # themselves. Each must still be used where it says (checked below), so the list cannot rot.
 NOT_SETTINGS = {
     "RTRL_IMAGE": "compose/compose.yaml",
@@ -29,6 +41,8 @@ NOT_SETTINGS = {
     "RTRL_SGLANG_HOME": "scripts/sglang_rig.py",
     "RTRL_GRAFANA_ADMIN_PASSWORD": "compose/compose.yaml",
     "RTRL_API_KEY_SIGNING_KEY": "ops/stack_secrets.py",  # the operator's, read by rtrl keys; no service setting
+    "RTRL_INGEST_URL": "clients/python/examples/send_events.py",  # the SDK example's
+    "RTRL_API_KEY": "clients/python/examples/send_events.py",
 }
 
 
@@ -153,39 +167,45 @@ def test_the_guide_says_who_produces_and_consumes_every_topic():
         assert named in topics.ALL or named == topics.reward_replay("<version>"), named
 
 
-def anchors(path: Path) -> set[str]:
-    text = re.sub(r"```.*?```", "", path.read_text(encoding="utf-8"), flags=re.DOTALL)
-    return {
-        docgen.anchor(heading.replace("`", ""))
-        for heading in re.findall(r"^#+ (.+)$", text, flags=re.MULTILINE)
-    }
-
-
-def test_relative_links_and_anchors_resolve():
-    broken = []
-    for path in sorted(DOCS.glob("*.md")) + [REPO / "README.md"]:
-        for target, fragment in re.findall(
-            r"\]\(([^)#\s]*)(?:#([^)\s]*))?\)", path.read_text(encoding="utf-8")
-        ):
-            if "://" in target:
-                continue
-            resolved = (path.parent / target).resolve() if target else path
-            # Links out of the repository (README's ../shared/) are not the docs' to keep.
-            if not resolved.is_relative_to(REPO):
-                continue
-            if not resolved.exists():
-                broken.append(f"{path.relative_to(REPO)} -> {target}")
-            elif fragment and resolved.suffix == ".md" and fragment not in anchors(resolved):
-                broken.append(f"{path.relative_to(REPO)} -> {target}#{fragment}")
-    assert not broken, broken
-
-
-# ---- every guarantee of ARCHITECTURE.md has a test that breaks something to prove it ----
+# ---- every guarantee of docs/architecture.md has a test that breaks something to prove it ----
 
 TESTS = REPO / "tests"
-GUARANTEES = range(1, 9)
-"""ARCHITECTURE.md's guarantees, by number."""
-PROOFS_HEADING = "## Which test proves each guarantee"
+GUARANTEES_PAGE = DOCS / "architecture.md"
+GUARANTEES_HEADING = "## Guarantees"
+NO_TEST_YET = "- No test yet:"
+"""How a guarantee says it has no test: the check then fails once one is marked, until it
+is listed."""
+
+
+@dataclass(frozen=True)
+class Documented:
+    """One guarantee as docs/architecture.md states it."""
+
+    proofs: frozenset[str]
+    """The node ids listed under it."""
+    untested: bool
+    """It says it has no test yet."""
+
+
+def documented_guarantees(text: str) -> dict[int, Documented]:
+    """The guarantees the "## Guarantees" section of ``text`` numbers, each with the node ids
+    listed under it and whether it says it has no test yet."""
+    section = text.split(f"\n{GUARANTEES_HEADING}\n", 1)[1].split("\n## ", 1)[0]
+    proofs: dict[int, set[str]] = {}
+    untested: set[int] = set()
+    number = None
+    for line in section.splitlines():
+        if start := re.match(r"(\d+)\. ", line):
+            number = int(start.group(1))
+            assert number not in proofs, f"guarantee {number} is listed twice"
+            proofs[number] = set()
+        elif line.strip().startswith(NO_TEST_YET):
+            assert number is not None, "a guarantee without a test, under no guarantee"
+            untested.add(number)
+        for node_id in re.findall(r"`(tests/[\w/]+\.py::\w+)`", line):
+            assert number is not None, f"{node_id} is listed under no guarantee"
+            proofs[number].add(node_id)
+    return {n: Documented(frozenset(ids), n in untested) for n, ids in proofs.items()}
 
 
 def guarantee_numbers(node: ast.AST) -> list[int]:
@@ -239,54 +259,50 @@ def marked_tests(root: Path) -> dict[int, set[str]]:
     return marked
 
 
-def guarantee_problems(marked: dict[int, set[str]]) -> list[str]:
-    problems = [
-        f"guarantee {n}: no test is marked guarantee({n})" for n in GUARANTEES if n not in marked
-    ]
+def guarantee_problems(marked: dict[int, set[str]], documented: dict[int, Documented]) -> list[str]:
+    """What differs between the markers and the page: a guarantee without a test that does
+    not say so, a test marked but not listed or listed but not marked, a number that is no
+    guarantee, and a guarantee that says it has no test while one is marked."""
+    count = len(documented)
+    problems = []
+    if sorted(documented) != list(range(1, count + 1)):
+        problems.append(f"the guarantees are numbered {sorted(documented)}, not 1..{count}")
+    for n, doc in sorted(documented.items()):
+        tests = marked.get(n, set())
+        if doc.untested and tests:
+            problems.append(
+                f"guarantee {n} says it has no test yet, but {sorted(tests)} are marked"
+            )
+        elif not doc.untested and not tests:
+            problems.append(f"guarantee {n}: no test is marked guarantee({n})")
+        if not doc.untested:
+            problems += [
+                f"guarantee {n}: {t} is marked, not listed" for t in sorted(tests - doc.proofs)
+            ]
+        problems += [
+            f"guarantee {n}: {t} is listed, not marked" for t in sorted(doc.proofs - tests)
+        ]
     problems += [
-        f"guarantee({n}) on {sorted(marked[n])}: ARCHITECTURE.md has guarantees 1..8"
-        for n in sorted(set(marked) - set(GUARANTEES))
+        f"guarantee({n}) on {sorted(marked[n])}: docs/architecture.md has guarantees 1..{count}"
+        for n in sorted(set(marked) - set(documented))
     ]
     return problems
 
 
-def listed_proofs() -> dict[int, set[str]]:
-    """The node ids troubleshooting.md lists under each guarantee's number."""
-    section = (
-        guide_text("troubleshooting.md").split(f"\n{PROOFS_HEADING}\n", 1)[1].split("\n## ", 1)[0]
+def test_the_architecture_states_ten_guarantees():
+    assert sorted(documented_guarantees(GUARANTEES_PAGE.read_text(encoding="utf-8"))) == list(
+        range(1, 11)
     )
-    listed: dict[int, set[str]] = {}
-    number = None
-    for line in section.splitlines():
-        if start := re.match(r"(\d+)\. ", line):
-            number = int(start.group(1))
-            assert number not in listed, f"guarantee {number} is listed twice"
-            listed[number] = set()
-        for node_id in re.findall(r"`(tests/[\w/]+\.py::\w+)`", line):
-            assert number is not None, f"{node_id} is listed under no guarantee"
-            listed[number].add(node_id)
-    return listed
 
 
-def test_every_guarantee_has_a_test_that_breaks_something():
-    assert guarantee_problems(marked_tests(TESTS)) == []
+def test_every_guarantee_has_tests_that_break_something_and_the_page_lists_exactly_them():
+    documented = documented_guarantees(GUARANTEES_PAGE.read_text(encoding="utf-8"))
+    assert guarantee_problems(marked_tests(TESTS), documented) == [], (
+        f"update {GUARANTEES_HEADING!r} in docs/architecture.md"
+    )
 
 
-def test_the_guide_lists_exactly_the_tests_marked_for_each_guarantee():
-    listed, marked = listed_proofs(), marked_tests(TESTS)
-    assert sorted(listed) == list(GUARANTEES)
-    differences = {
-        n: {
-            "marked, not listed": sorted(marked.get(n, set()) - listed[n]),
-            "listed, not marked": sorted(listed[n] - marked.get(n, set())),
-        }
-        for n in listed
-        if listed[n] != marked.get(n, set())
-    }
-    assert differences == {}, f"update {PROOFS_HEADING!r} in docs/troubleshooting.md"
-
-
-def test_the_marker_walker_reads_decorators_and_pytestmark_and_refuses_unknown_guarantees(tmp_path):
+def test_the_marker_walker_reads_decorators_and_pytestmark_and_refuses_hidden_markers(tmp_path):
     tests = tmp_path / "tests"
     (tests / "trainer").mkdir(parents=True)
     (tests / "trainer" / "test_a.py").write_text(
@@ -296,18 +312,13 @@ def test_the_marker_walker_reads_decorators_and_pytestmark_and_refuses_unknown_g
         "def test_two(): pass\n"
     )
     (tests / "trainer" / "test_b.py").write_text(
-        "import pytest\n@pytest.mark.guarantee(9)\ndef test_three(): pass\n"
+        "import pytest\n@pytest.mark.guarantee(11)\ndef test_three(): pass\n"
     )
-    marked = marked_tests(tests)
-    assert marked == {
+    assert marked_tests(tests) == {
         8: {"tests/trainer/test_a.py::test_one", "tests/trainer/test_a.py::test_two"},
         1: {"tests/trainer/test_a.py::test_one"},
-        9: {"tests/trainer/test_b.py::test_three"},
+        11: {"tests/trainer/test_b.py::test_three"},
     }
-    assert guarantee_problems(marked) == [
-        *(f"guarantee {n}: no test is marked guarantee({n})" for n in range(2, 8)),
-        "guarantee(9) on ['tests/trainer/test_b.py::test_three']: ARCHITECTURE.md has guarantees 1..8",
-    ]
     (tests / "trainer" / "test_b.py").write_text(
         "import pytest\nclass TestC:\n    @pytest.mark.guarantee(2)\n    def test_four(self): pass\n"
     )
@@ -318,3 +329,46 @@ def test_the_marker_walker_reads_decorators_and_pytestmark_and_refuses_unknown_g
     )
     with pytest.raises(AssertionError, match="must be a literal int"):
         marked_tests(tests)
+
+
+PLANTED_PAGE = """# Architecture
+
+## Guarantees
+
+Each guarantee lists its tests.
+
+1. Events are counted once.
+   - `tests/trainer/test_a.py::test_one` (a kill)
+   - `tests/trainer/test_a.py::test_gone` (a test deleted since)
+2. A bad event stops nothing.
+3. Nothing is lost on restart.
+   - No test yet: not built.
+4. Erased users leave nothing.
+   - No test yet: being written.
+
+## Two ways to run the same code
+
+5. Not a guarantee: another section.
+"""
+
+
+def test_the_page_and_the_markers_are_compared_both_ways():
+    documented = documented_guarantees(PLANTED_PAGE)
+    assert sorted(documented) == [1, 2, 3, 4]
+    assert documented[3] == Documented(proofs=frozenset(), untested=True)
+    marked = {
+        1: {"tests/trainer/test_a.py::test_one", "tests/trainer/test_a.py::test_two"},
+        4: {"tests/trainer/test_b.py::test_three"},
+        5: {"tests/trainer/test_b.py::test_four"},
+    }
+    assert guarantee_problems(marked, documented) == [
+        "guarantee 1: tests/trainer/test_a.py::test_two is marked, not listed",
+        "guarantee 1: tests/trainer/test_a.py::test_gone is listed, not marked",
+        "guarantee 2: no test is marked guarantee(2)",
+        "guarantee 4 says it has no test yet, but ['tests/trainer/test_b.py::test_three'] are marked",
+        "guarantee(5) on ['tests/trainer/test_b.py::test_four']: docs/architecture.md has guarantees 1..4",
+    ]
+    gap = {**documented, 6: Documented(proofs=frozenset(), untested=True)}
+    assert guarantee_problems({}, gap)[0] == "the guarantees are numbered [1, 2, 3, 4, 6], not 1..5"
+    with pytest.raises(AssertionError, match="listed twice"):
+        documented_guarantees(PLANTED_PAGE.replace("2. A bad", "1. A bad"))

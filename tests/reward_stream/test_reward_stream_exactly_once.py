@@ -4,7 +4,7 @@ the consumer group ends committed at the end of every input partition (acks do
 advance the offsets). The analytics sink consumes the reward topic meanwhile and is
 itself killed -9 once mid-stream and restarted.
 
-Guarantee 1 of ARCHITECTURE.md, for the reward stream and its ClickHouse sink,
+Guarantee 1 of docs/architecture.md, for the reward stream and its ClickHouse sink,
 against a real Tansu and chdb.
 """
 

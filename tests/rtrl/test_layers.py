@@ -1,4 +1,4 @@
-"""The layers of ARCHITECTURE.md hold: every import points down, inside one namespace.
+"""The layers of docs/architecture.md hold: every import points down, inside one namespace.
 
 0. the client: ``rtrl_client`` (clients/python), its own distribution, which products
    install without the server: it imports nothing of ``rtrl``;

@@ -1,4 +1,4 @@
-"""Losing the weight registry (ARCHITECTURE.md, guarantee 8): Redis is flushed, and
+"""Losing the weight registry (docs/architecture.md, guarantee 8): Redis is flushed, and
 weight_sync rebuilds the registry from the blob store, never from the warm start.
 
 First a table of stores with holes, torn manifests and rotten blobs, and the version

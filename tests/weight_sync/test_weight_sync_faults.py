@@ -1,4 +1,4 @@
-"""Breaking weight_sync on purpose (ARCHITECTURE.md, guarantee 4).
+"""Breaking weight_sync on purpose (docs/architecture.md, guarantee 4).
 
 Connections cut in the middle of a version, streams that end early or skip a chunk,
 a delta whose blob is lost, a subscriber process killed mid-version, a blob that rots
