@@ -40,6 +40,7 @@ from rtrl import heartbeat, kafka, otel, signing, topics
 from rtrl.admission import Admission, Refusal
 from rtrl.api_keys import PRIVATE_USERS, SERVED_PREFIX, ApiKey
 from rtrl.event_time import EventTimeWindow
+from rtrl.ingest.sdk_counts import SdkCounts
 from rtrl.ingest.validation import CLIENT_TS_WINDOW, validate
 from rtrl_client.v1 import ingest_pb2, telemetry_pb2
 
@@ -178,6 +179,8 @@ class Gateway:
         self._settle = redis.register_script(_SETTLE_SCRIPT)
         self.inflight = 0
         self.counters = GatewayCounters()
+        self.by_sdk = SdkCounts()
+        """The same answers by the SDK (name and version) that sent them."""
 
     def status(self) -> heartbeat.IngestBeat:
         return heartbeat.IngestBeat(**asdict(self.counters), inflight=self.inflight)
@@ -188,10 +191,12 @@ class Gateway:
         *,
         key: ApiKey | None = None,
         traceparent: str = "",
+        sdk: str = "",
     ) -> list[ingest_pb2.EventResult]:
         """One result per event, in order. Good events are written even when others in the
         batch are rejected; only RETRY results are worth sending again. ``key`` limits
-        the event types (None: the gateway runs without authentication)."""
+        the event types (None: the gateway runs without authentication); ``sdk`` is the
+        request's ``X-Rtrl-Sdk`` (ingest/sdk_counts.py), counted, never trusted."""
         with _tracer.start_as_current_span(
             "ingest publish", context=otel.parent(traceparent), kind=trace.SpanKind.PRODUCER
         ) as span:
@@ -205,7 +210,9 @@ class Gateway:
             if key is not None:
                 span.set_attribute("rtrl.client_id", key.client_id)
             headers = kafka.traceparent_headers(otel.traceparent_of(span) or traceparent)
-            return await self._publish(events, key, headers)
+            results = await self._publish(events, key, headers)
+            self.by_sdk.count(sdk, results)
+            return results
 
     async def _publish(
         self,

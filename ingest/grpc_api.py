@@ -13,6 +13,7 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from rtrl.admission import Admission, Refusal
+from rtrl.ingest import sdk_counts
 from rtrl.ingest.config import IngestSettings
 from rtrl.ingest.gateway import REJECTED, RETRY, Gateway, batch_refusal
 from rtrl_client.v1 import ingest_pb2
@@ -68,8 +69,12 @@ class IngestServicer:
         refusal = await batch_refusal(self._admission, key, events)
         if refusal is not None:
             await _abort(context, refusal)
+        # gRPC's own user-agent names grpc-python or grpc-node: the SDK names itself apart.
         results = await self._gateway.publish(
-            events, key=key, traceparent=metadata.get("traceparent", "")
+            events,
+            key=key,
+            traceparent=metadata.get("traceparent", ""),
+            sdk=metadata.get(sdk_counts.HEADER.lower(), ""),
         )
         await self._abort_if_none_taken(results, context)
         return ingest_pb2.PublishEventsResponse(results=results)

@@ -17,6 +17,7 @@ from aiohttp import web
 from google.protobuf import json_format
 
 from rtrl.admission import Admission, Refusal
+from rtrl.ingest import sdk_counts
 from rtrl.ingest.config import IngestSettings
 from rtrl.ingest.gateway import REJECTED, RETRY, Gateway, batch_refusal
 from rtrl_client.v1 import ingest_pb2
@@ -26,9 +27,16 @@ _SETTINGS = web.AppKey("settings", IngestSettings)
 _ADMISSION = web.AppKey("admission", Admission)
 
 ACCEPTED_ENCODINGS = ("identity", "gzip", "deflate")
-CORS_REQUEST_HEADERS = ("authorization", "content-type", "content-encoding", "traceparent")
+CORS_REQUEST_HEADERS = (
+    "authorization",
+    "content-type",
+    "content-encoding",
+    "traceparent",
+    sdk_counts.HEADER.lower(),
+)
 """What a browser page of an allowed origin may send with its events (the preflight's
-Access-Control-Request-Headers must be among them)."""
+Access-Control-Request-Headers must be among them): the TypeScript SDK's browser build sends
+X-Rtrl-Sdk, as a browser's fetch may not set User-Agent."""
 
 
 def http_status(results: list[ingest_pb2.EventResult]) -> int:
@@ -72,7 +80,10 @@ async def _post_events(request: web.Request) -> web.Response:
     if refusal is not None:
         return _refused(refusal)
     results = await gateway.publish(
-        batch.events, key=key, traceparent=request.headers.get("traceparent", "")
+        batch.events,
+        key=key,
+        traceparent=request.headers.get("traceparent", ""),
+        sdk=request.headers.get(sdk_counts.HEADER, ""),
     )
     status = http_status(results)
     headers = {"Retry-After": str(settings.retry_after_s)} if status == 429 else None

@@ -195,6 +195,15 @@ def _observe(gateway: Gateway, admission: Admission) -> None:
     )
     otel.observe(
         meter,
+        "rtrl.ingest.sdk_events",
+        "counter",
+        gateway.by_sdk.readings,
+        unit="{event}",
+        description="Events answered, by the SDK and version that sent them (X-Rtrl-Sdk) and "
+        "outcome; unknown senders are sdk=other, versions past the first 32 sdk_version=other",
+    )
+    otel.observe(
+        meter,
         "rtrl.ingest.inflight",
         "gauge",
         lambda: [(gateway.inflight, {})],

@@ -52,12 +52,23 @@ def test_only_an_allowed_origin_passes_the_preflight_and_reads_the_answers(
                 assert status == 204 and headers[ALLOW] == APP
                 assert headers["Access-Control-Allow-Methods"] == "POST"
                 assert "authorization" in headers["Access-Control-Allow-Headers"]
+                # What the TypeScript SDK's browser build sends: its name in X-Rtrl-Sdk (a
+                # browser's fetch may not set User-Agent).
+                sdk_headers = "content-type, authorization, X-Rtrl-Sdk"
+                status, headers = await _preflight(http, url, APP, "POST", sdk_headers)
+                assert status == 204 and headers[ALLOW] == APP
+                allowed = headers["Access-Control-Allow-Headers"].split(", ")
+                assert "x-rtrl-sdk" in allowed
                 for origin, method, asked in (
                     ("http://127.0.0.1:5174", "POST", "content-type"),  # another port
                     ("https://127.0.0.1:5173", "POST", "content-type"),  # another scheme
                     ("null", "POST", "content-type"),  # a sandboxed page
                     (APP, "DELETE", "content-type"),
                     (APP, "POST", "content-type, x-forwarded-for"),
+                    # The SDK's name is let through exactly, not as a prefix or a pattern.
+                    (APP, "POST", "content-type, x-rtrl-sdk-debug"),
+                    (APP, "POST", "content-type, x-rtrl"),
+                    (APP, "POST", "content-type, user-agent"),
                 ):
                     status, headers = await _preflight(http, url, origin, method, asked)
                     assert status == 403 and ALLOW not in headers, (origin, method, asked)
