@@ -9,16 +9,24 @@ its own, so it can be SIGKILLed and started again on the same ports. Then answer
 line on stdout per JSON line on stdin:
 
   {"cmd": "kill"}                    SIGKILL the gateway (nothing drained)  {"ok": true}
-  {"cmd": "start"}                   start it again on the same ports       {"ok": true}
+  {"cmd": "start"}                   start it again on the same ports, once listening
+                                     ("wait": false: at once)               {"ok": true}
   {"cmd": "count"}                   {"ok": true, "counts": {event_id: times on the telemetry topics}}
-  {"cmd": "key", "client_id": "c"}   a new API key                          {"ok": true, "key": "rtrl_..."}
+  {"cmd": "key", "client_id": "c"}   a new API key ("rate_per_s", "burst": its rate limit)
+                                                                            {"ok": true, "key": "rtrl_..."}
+  {"cmd": "claims"}                  event ids claimed and not settled: what a killed gateway
+                                     may have produced unanswered           {"ok": true, "claims": [...]}
   {"cmd": "quit"}                    stop everything (so does EOF on stdin)  {"ok": true}
 
 A failed command answers {"ok": false, "error": "..."}. The first line is
-{"ready": true, "url": ..., "api_key": ..., "log": ...}; logs stay in that directory.
+{"ready": true, "url": ..., "metrics_url": ..., "api_key": ..., "log": ...}; logs stay in
+that directory; metrics_url is the gateway's Prometheus page (RTRL_METRICS_PORT).
 The gateway's claims expire after 3 s (RTRL_INGEST_CLAIM_TTL_S), so events a killed gateway
 was producing are taken again 3 s later. ``--cors-origin`` lets pages of that origin send
 events from a browser (RTRL_INGEST_CORS_ORIGINS).
+
+The rig runs on the server's interpreter (``.venv/bin/python``); the SDK under test may run
+on any other and reaches it over HTTP only (tests/clients, clients/typescript/test).
 """
 
 from __future__ import annotations
@@ -40,6 +48,7 @@ from confluent_kafka import OFFSET_BEGINNING, Consumer, TopicPartition
 from rtrl import kafka, procs, signing, topics
 from rtrl.api_keys import KeyAuthority, issue_key
 from rtrl.config import StackSettings
+from rtrl.ingest.gateway import DEDUP_PREFIX
 from rtrl_client.v1 import telemetry_pb2
 
 TELEMETRY_TOPICS = (topics.EDIT, topics.PERSISTENCE, topics.FOLLOWUP)
@@ -60,8 +69,9 @@ class Rig:
         kafka.ensure_topics(self.stack)
         operator_key = signing.generate_private_key()
         self.authority = KeyAuthority(operator_key)
-        self.http_port, grpc_port = procs.free_ports(2)
+        self.http_port, grpc_port, metrics_port = procs.free_ports(3)
         self.url = f"http://127.0.0.1:{self.http_port}"
+        self.metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
         self.env = {
             "PYTHONPATH": str(REPO_ROOT),
             "RTRL_KAFKA_BOOTSTRAP": self.stack.kafka_bootstrap,
@@ -78,11 +88,12 @@ class Rig:
             "RTRL_INGEST_PRODUCE_TIMEOUT_MS": "2000",
             "RTRL_INGEST_KEY_CACHE_TTL_S": "0.5",
             "RTRL_INGEST_CORS_ORIGINS": json.dumps(cors_origins),
+            "RTRL_METRICS_PORT": str(metrics_port),
         }
         self.gateway: procs.Proc | None = None
         self.start()
 
-    def start(self) -> None:
+    def start(self, wait: bool = True) -> None:
         if self.gateway is not None and self.gateway.alive():
             raise RuntimeError("the gateway is running")
         self.gateway = procs.spawn(
@@ -92,7 +103,8 @@ class Rig:
             env=self.env,
             port=self.http_port,
         )
-        procs.wait_for_port(self.http_port, timeout_s=30)
+        if wait:
+            procs.wait_for_port(self.http_port, timeout_s=30)
 
     def kill(self) -> None:
         if self.gateway is None or not self.gateway.alive():
@@ -100,15 +112,37 @@ class Rig:
         os.killpg(self.gateway.pid, signal.SIGKILL)
         self.gateway.popen.wait()
 
-    def key(self, client_id: str) -> str:
+    def key(
+        self, client_id: str, rate_per_s: float | None = None, burst: float | None = None
+    ) -> str:
         async def issue() -> str:
             client = aioredis.Redis.from_url(self.stack.redis_url)
             try:
-                return await issue_key(client, self.authority, client_id)
+                return await issue_key(
+                    client, self.authority, client_id, rate_per_s=rate_per_s, burst=burst
+                )
             finally:
                 await client.aclose()
 
         return asyncio.run(issue())
+
+    def claims(self) -> list[str]:
+        """Event ids whose dedup key still says pending (ingest/gateway.py's protocol)."""
+
+        async def read() -> list[str]:
+            client = aioredis.Redis.from_url(self.stack.redis_url)
+            try:
+                keys = [key async for key in client.scan_iter(match=DEDUP_PREFIX + "*", count=1000)]
+                values = await client.mget(keys) if keys else []
+            finally:
+                await client.aclose()
+            return [
+                key.decode().removeprefix(DEDUP_PREFIX)
+                for key, value in zip(keys, values, strict=True)
+                if value == b"pending"
+            ]
+
+        return asyncio.run(read())
 
     def count(self, timeout_s: float = 30.0) -> dict[str, int]:
         """How many times each event_id is on the telemetry topics, read from the beginning
@@ -153,12 +187,18 @@ def answer(rig: Rig, command: dict) -> dict:
         rig.kill()
         return {"ok": True}
     if cmd == "start":
-        rig.start()
+        rig.start(wait=bool(command.get("wait", True)))
         return {"ok": True}
     if cmd == "count":
         return {"ok": True, "counts": rig.count()}
+    if cmd == "claims":
+        return {"ok": True, "claims": rig.claims()}
     if cmd == "key":
-        return {"ok": True, "key": rig.key(str(command.get("client_id", "rig-client")))}
+        client_id = str(command.get("client_id", "rig-client"))
+        return {
+            "ok": True,
+            "key": rig.key(client_id, command.get("rate_per_s"), command.get("burst")),
+        }
     raise ValueError(f"unknown command {cmd!r}")
 
 
@@ -180,6 +220,7 @@ def main() -> None:
             {
                 "ready": True,
                 "url": rig.url,
+                "metrics_url": rig.metrics_url,
                 "api_key": rig.key("rig-client"),
                 "log": str(workdir / "ingest.log"),
             }

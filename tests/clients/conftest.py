@@ -1,21 +1,22 @@
-"""Fixtures of the client tests: the real gateway as a process of its own, and a key for it."""
+"""Fixtures of the client SDK tests: the real gateway, started through scripts/ingest_rig.py.
+
+The Python SDK's tests here (test_python_sdk.py, test_conformance.py, test_client_package.py)
+also run under Python 3.10-3.13 in virtualenvs that hold rtrl-client and no rtrl
+(test_client_pythons.py), so nothing they load imports the server: the rig runs on the
+server's interpreter and is reached over HTTP."""
 
 import pytest
 
-from support.gateway import GatewayProcess, issue
+from support.ingest_rig import IngestRig
 
 
 @pytest.fixture
-def gateway(stack_env, repo_root, tmp_path):
-    # A killed gateway's claims expire after claim_ttl_s; 3 s keeps the fault tests short.
-    process = GatewayProcess(
-        stack_env, repo_root, tmp_path / "ingest.log", claim_ttl_s=3, produce_timeout_ms=2000
-    )
-    process.start()
-    yield process
-    process.stop()
+def gateway():
+    rig = IngestRig()
+    yield rig
+    rig.stop()
 
 
 @pytest.fixture
-def api_key(redis_url) -> str:
-    return issue(redis_url, "sdk-test")
+def api_key(gateway: IngestRig) -> str:
+    return gateway.api_key

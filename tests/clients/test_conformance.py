@@ -2,30 +2,24 @@
 files the TypeScript SDK's tests read (clients/typescript/test/conformance.test.mjs).
 
 events.json: each helper call encodes to the expected protobuf wire bytes and JSON mapping.
-statuses.json: the real gateway (Tansu, Redis, API keys) answers each case's event with the
-expected status and rejected field, lands it on a topic exactly once or never, and refuses
-bad keys with IngestAuthError."""
+statuses.json: the real gateway (Tansu, Redis, API keys; scripts/ingest_rig.py) answers each
+case's event with the expected status and rejected field, lands it on a topic exactly once or
+never, and refuses bad keys with IngestAuthError. Runs under every Python the client supports
+(test_client_pythons.py)."""
 
 from __future__ import annotations
 
 import asyncio
-import collections
-import gc
 import json
 from pathlib import Path
 from typing import Any
 
 import pytest
-import redis.asyncio as aioredis
 from google.protobuf import json_format
 
-from rtrl.api_keys import issue_key
-from rtrl.ingest.server import start
 from rtrl_client import sdk
 from rtrl_client.client import IngestAuthError, IngestClient
 from rtrl_client.v1 import ingest_pb2, telemetry_pb2
-from support.ingest import ingest_settings, read_topics
-from support.signing import KEY_AUTHORITY
 
 CONFORMANCE = Path(__file__).resolve().parents[2] / "clients" / "conformance"
 EVENTS = json.loads((CONFORMANCE / "events.json").read_text())["cases"]
@@ -95,25 +89,11 @@ async def _refused_keys(url: str) -> list[int | None]:
 
 
 @pytest.mark.integration
-def test_the_gateway_answers_each_case_as_the_vectors_say(stack_settings):
-    settings = ingest_settings(auth_required=True)
-
-    async def scenario():
-        server = await start(stack_settings, settings)
-        redis = aioredis.Redis.from_url(stack_settings.redis_url)
-        url = f"http://127.0.0.1:{settings.http_port}"
-        try:
-            key = await issue_key(redis, KEY_AUTHORITY, "conformance")
-            return await _publish_cases(url, key), await _refused_keys(url)
-        finally:
-            await redis.aclose()
-            await server.stop()
-
-    answered, refused = asyncio.run(scenario())
-    gc.collect()  # the stopped producer's broker connection, before Tansu stops
-    landed = collections.Counter(
-        event.event_id for records in read_topics(stack_settings).values() for _, event in records
-    )
+def test_the_gateway_answers_each_case_as_the_vectors_say(gateway):
+    key = gateway.key("conformance")
+    answered = asyncio.run(_publish_cases(gateway.url, key))
+    refused = asyncio.run(_refused_keys(gateway.url))
+    landed = gateway.count()
     for case, (event, results) in zip(STATUSES["cases"], answered, strict=True):
         got = [
             {"status": ingest_pb2.EventResult.Status.Name(r.status).removeprefix("STATUS_")}

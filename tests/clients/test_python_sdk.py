@@ -1,9 +1,13 @@
-"""The client SDK: its on-disk spool, and delivery of every event exactly once through
-killed gateways, cut connections and a killed product process."""
+"""The client SDK: its on-disk spool, the name it gives on the wire, and delivery of every
+event exactly once through killed gateways, cut connections and a killed product process.
 
+Runs under every Python the client supports (test_client_pythons.py): nothing here imports
+the server; the gateway is scripts/ingest_rig.py's (the ``gateway`` fixture)."""
+
+import asyncio
 import collections
 import logging
-import os
+import platform
 import signal
 import subprocess
 import sys
@@ -11,17 +15,18 @@ import time
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import pytest
-import redis
+from aiohttp import web
 
-from rtrl.ingest.gateway import dedup_key
+import rtrl_client
 from rtrl_client import sdk
-from rtrl_client.client import IngestAuthError
+from rtrl_client.client import IngestAuthError, IngestClient
 from rtrl_client.sdk import RejectedEvent, Telemetry, TelemetrySettings
 from rtrl_client.spool import Spool, SpoolFull, SpoolLocked
 from rtrl_client.v1 import telemetry_pb2
 from support import wait
-from support.gateway import event_ids_on_topics, issue
+from support.ingest_rig import IngestRig
 from support.netfault import FaultProxy
 
 # ---- the spool ----
@@ -186,10 +191,49 @@ def test_helpers_fill_the_envelope_and_exactly_one_payload():
     assert events[2].client_ts_ms == 123 and events[3].followup.message == "no, that broke it"
 
 
-# ---- against the real gateway process ----
-
-
 WHO: dict[str, Any] = {"session_id": "s1", "user_id": "u1"}
+
+
+# ---- the name on the wire ----
+
+
+def test_every_request_names_the_sdk_and_its_version():
+    """User-Agent for people reading logs, X-Rtrl-Sdk for the gateway's count (the header
+    the TypeScript SDK sends too, as a browser's fetch may not set User-Agent)."""
+    seen: list[dict[str, str]] = []
+
+    async def answer(request: web.Request) -> web.Response:
+        seen.append(dict(request.headers))
+        body = await request.json()
+        results = [{"eventId": e["eventId"], "status": "STATUS_ACCEPTED"} for e in body["events"]]
+        return web.json_response({"results": results})
+
+    async def scenario() -> None:
+        app = web.Application()
+        app.router.add_post("/v1/events", answer)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = runner.addresses[0][1]
+        try:
+            async with IngestClient(f"http://127.0.0.1:{port}", api_key="k") as client:
+                event = sdk.followup(rollout_id="r", **WHO, seconds_after_edit=1.0, message="m")
+                await client.publish([event])
+                await client.publish([event], traceparent="00-" + "1" * 32 + "-" + "2" * 16 + "-01")
+        finally:
+            await runner.cleanup()
+
+    asyncio.run(scenario())
+    version = rtrl_client.__version__
+    python = f"{platform.python_implementation()}/{platform.python_version()}"
+    assert [headers["User-Agent"] for headers in seen] == 2 * [
+        f"rtrl-client-python/{version} {python} aiohttp/{aiohttp.__version__}"
+    ]
+    assert [headers["X-Rtrl-Sdk"] for headers in seen] == 2 * [f"rtrl-client-python/{version}"]
+
+
+# ---- against the real gateway process ----
 
 
 def report(telemetry: Telemetry, i: int) -> telemetry_pb2.TelemetryEvent:
@@ -213,7 +257,7 @@ def report(telemetry: Telemetry, i: int) -> telemetry_pb2.TelemetryEvent:
 
 @pytest.mark.integration
 def test_rejected_events_are_final_a_refused_key_keeps_events_spooled_and_a_rate_limit_only_slows(
-    gateway, api_key, redis_url, stack_settings, tmp_path, caplog
+    gateway, api_key, tmp_path, caplog
 ):
     spool_dir = tmp_path / "spool"
     small = TelemetrySettings(max_spool_bytes=4096, segment_bytes=1024)
@@ -253,7 +297,7 @@ def test_rejected_events_are_final_a_refused_key_keeps_events_spooled_and_a_rate
 
     # 120 events for a key limited to 40/s: the gateway answers 429 + Retry-After until the
     # bucket refills; delivery slows down, nothing is lost or refused for good.
-    limited = issue(redis_url, "sdk-limited", rate_per_s=40, burst=20)
+    limited = gateway.key("sdk-limited", rate_per_s=40, burst=20)
     settings = TelemetrySettings(max_batch=20, linger_s=0)
     with Telemetry(
         gateway.url, api_key=limited, spool_dir=tmp_path / "limited", settings=settings
@@ -261,32 +305,14 @@ def test_rejected_events_are_final_a_refused_key_keeps_events_spooled_and_a_rate
         throttled = [report(telemetry, i) for i in range(100, 220)]
         assert telemetry.flush(timeout_s=60)
 
-    counts = event_ids_on_topics(stack_settings)
+    counts = gateway.count()
     assert counts == collections.Counter(e.event_id for e in early + [late] + throttled)
-
-
-def claims_in_flight(redis_url: str) -> set[str]:
-    """Event ids a gateway claimed and had not marked done: what a killed gateway may
-    have produced without answering. The recovery sweep (ingest/recovery.py) settles
-    them from the topic, so even these must land exactly once."""
-    client = redis.Redis.from_url(redis_url)
-    try:
-        keys = list(client.scan_iter(match=dedup_key("*"), count=1000))
-        values = client.mget(keys) if keys else []
-    finally:
-        client.close()
-    prefix = len(dedup_key(""))
-    return {
-        key.decode()[prefix:]
-        for key, value in zip(keys, values, strict=True)
-        if value == b"pending"
-    }
 
 
 @pytest.mark.guarantee(1)
 @pytest.mark.integration
 def test_ten_thousand_events_arrive_once_through_gateway_kills_and_cut_connections(
-    gateway, api_key, redis_url, stack_settings, tmp_path
+    gateway, api_key, tmp_path
 ):
     total = 10_000
     # At these counts of reported events: reset every connection ("cut"), reset the one
@@ -329,7 +355,9 @@ def test_ten_thousand_events_arrive_once_through_gateway_kills_and_cut_connectio
                     lost_answers.append(proxy.cut_after(2_000))  # a 200-event answer is ~20 kB
                 else:
                     gateway.kill()
-                    in_doubt |= claims_in_flight(redis_url)
+                    # What the killed gateway may have produced unanswered: the recovery
+                    # sweep (ingest/recovery.py) settles it from the topic, once.
+                    in_doubt |= gateway.claims()
                     gateway.start(wait=False)
             reported.append(report(telemetry, i).event_id)
         assert telemetry.flush(timeout_s=90), (
@@ -340,7 +368,7 @@ def test_ten_thousand_events_arrive_once_through_gateway_kills_and_cut_connectio
         connections = proxy.connections
     elapsed = time.monotonic() - started
 
-    counts = event_ids_on_topics(stack_settings)
+    counts = gateway.count()
     stats = telemetry.stats
     doubled = {event_id for event_id, n in counts.items() if n > 1}
     print(
@@ -386,10 +414,9 @@ for i in range(int(first), int(first) + int(count)):
 @pytest.mark.guarantee(1)
 @pytest.mark.integration
 def test_a_product_killed_mid_stream_resends_its_spool_on_restart_and_nothing_is_lost_or_doubled(
-    gateway, api_key, stack_settings, repo_root, tmp_path
+    gateway, api_key, tmp_path
 ):
     spool_dir = tmp_path / "spool"
-    env = {**os.environ, "PYTHONPATH": str(repo_root)}
     promised: list[str] = []
     # Answers trickle back slowly, so the product reports faster than the gateway's answers
     # arrive: the kill finds events in the spool and an answer half received. Once this
@@ -412,7 +439,6 @@ def test_a_product_killed_mid_stream_resends_its_spool_on_restart_and_nothing_is
             ],
             stdout=subprocess.PIPE,
             stderr=log,
-            env=env,
             text=True,
         )
         assert product.stdout is not None  # stdout=PIPE
@@ -451,7 +477,6 @@ def test_a_product_killed_mid_stream_resends_its_spool_on_restart_and_nothing_is
             "0.01",
         ],
         capture_output=True,
-        env=env,
         text=True,
         timeout=120,
     )
@@ -459,7 +484,7 @@ def test_a_product_killed_mid_stream_resends_its_spool_on_restart_and_nothing_is
     assert "will be resent" in restarted.stderr
     promised += restarted.stdout.split()
 
-    counts = event_ids_on_topics(stack_settings)
+    counts = gateway.count()
     answers = gateway.counters()
     print(
         f"\nproduct killed after {len(promised) - 500} promised events "
@@ -474,9 +499,7 @@ def test_a_product_killed_mid_stream_resends_its_spool_on_restart_and_nothing_is
 
 
 @pytest.mark.integration
-def test_the_exit_hook_delivers_what_a_product_never_closed(
-    gateway, api_key, stack_settings, repo_root, tmp_path
-):
+def test_the_exit_hook_delivers_what_a_product_never_closed(gateway, api_key, tmp_path):
     # linger_s=60: nothing is sent before the interpreter exits, so even the host name is
     # first resolved in the exit hook (where aiohttp's default threaded resolver fails).
     product = subprocess.run(
@@ -492,10 +515,26 @@ def test_the_exit_hook_delivers_what_a_product_never_closed(
             "60",
         ],
         capture_output=True,
-        env={**os.environ, "PYTHONPATH": str(repo_root)},
         text=True,
         timeout=60,
     )
     assert product.returncode == 0, product.stderr
-    assert event_ids_on_topics(stack_settings) == collections.Counter(product.stdout.split())
+    assert gateway.count() == collections.Counter(product.stdout.split())
     assert len(product.stdout.split()) == 50 and not list((tmp_path / "spool").glob("*.seg"))
+
+
+@pytest.mark.integration
+def test_the_gateway_counts_the_events_this_sdk_sent_under_its_name_and_version(
+    gateway: IngestRig, api_key, tmp_path
+):
+    bad = sdk.followup(rollout_id="r1", **WHO, seconds_after_edit=5.0, message="no")
+    bad.schema_version = 2
+    with Telemetry(gateway.url, api_key=api_key, spool_dir=tmp_path / "spool") as telemetry:
+        for i in range(3):
+            report(telemetry, i)
+        telemetry.send([bad])
+        assert telemetry.flush(timeout_s=30)
+    name = ("rtrl-client-python", rtrl_client.__version__)
+    counted = gateway.sdk_events()
+    assert (counted[(*name, "accepted")], counted[(*name, "rejected")]) == (3, 1), counted
+    assert {labels[:2] for labels in counted} == {name}

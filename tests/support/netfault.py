@@ -27,7 +27,10 @@ import struct
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Self
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # typing.Self is 3.11's: the client SDK's tests use this under 3.10 too
+    from typing import Self
 
 _READ_BYTES = 64 * 1024
 

@@ -14,9 +14,10 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
-from rtrl import procs
+if TYPE_CHECKING:  # the client SDK's tests wait too, in virtualenvs without rtrl
+    from rtrl import procs
 
 T = TypeVar("T")
 
