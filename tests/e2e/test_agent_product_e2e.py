@@ -12,37 +12,26 @@ all the loop needs to carry.
 from __future__ import annotations
 
 import os
-from dataclasses import replace
 
 import pytest
 from rich.console import Console
 
 from rtrl.analytics.agents_report import agents_by_version
 from rtrl.analytics.report import ab_json, ab_table
-from rtrl.checkpoint import write_demo_checkpoint
 from rtrl.heartbeat import TrainerBeat
 from rtrl.ops import health
 from rtrl.ops.demo import AGENT_TRAINER, run_product
 from rtrl.ops.lifecycle import down, up
 from rtrl.ops.reporting import drain, query_function
-from rtrl.policy import PolicyConfig, state_dict_fp32
 from rtrl.simulator.agent_product import AgentArmStats
-from rtrl.simulator.agent_warmstart import AgentRecipe
-from rtrl.simulator.warmstart import train
+from support.trainer import tiny_agent_warm_start
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
-
-TINY_AGENT = PolicyConfig(
-    hidden_size=64, num_layers=2, num_heads=2, intermediate_size=128, max_positions=256
-)
 
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
-    recipe = AgentRecipe(batch_size=16, min_steps=250, max_steps=250, lr=3e-3, seed=0)
-    model, _ = train(TINY_AGENT, replace(recipe, warmup_steps=20))
-    model_dir = tmp_path_factory.mktemp("model") / "tiny-demo-agent"
-    write_demo_checkpoint(model_dir, state_dict_fp32(model), TINY_AGENT, recipe.chat_template)
+    model_dir = tiny_agent_warm_start()
     state_dir = tmp_path_factory.mktemp("stack")
     with pytest.MonkeyPatch.context() as env:
         env.setenv("RTRL_STATE_DIR", str(state_dir))

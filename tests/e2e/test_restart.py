@@ -1,7 +1,9 @@
 """Guarantee 8: `rtrl down` and `rtrl up` lose nothing but what the memory-only broker held.
 
-`rtrl demo --minutes 1` (the real CLI, which ends with `rtrl down`), then `rtrl up` on
-the same state directory: the treatment arm continues from the version it stopped at,
+`rtrl demo --minutes 1` (the real CLI and its default, agentic product, which ends with
+`rtrl down`), then a plain `rtrl up` on the same state directory: it resumes the run the demo
+left (its warm-started agent, eval suite and reward function), the treatment arm continues
+from the version it stopped at,
 every worker serves that version's weights bit for bit before the first new step, the
 broker that went away is accounted for, and ClickHouse holds both runs with nothing
 counted twice.
@@ -23,9 +25,10 @@ from rich.console import Console
 
 from rtrl import signing
 from rtrl.heartbeat import InferenceBeat
-from rtrl.ops import broker_record, health, stack_secrets
+from rtrl.ops import broker_record, health, run_pin, stack_secrets
 from rtrl.ops.lifecycle import down, up
 from rtrl.ops.reporting import drain, query_function
+from rtrl.ops.run_pin import RUN_SETTINGS
 from rtrl.policy import weights_digest
 from support import wait
 
@@ -72,17 +75,22 @@ class Resumed:
 
 @pytest.fixture(scope="module")
 def resumed(tmp_path_factory):
-    """`rtrl demo --minutes 1 --product edits` (the real CLI, which ends with `rtrl down`),
-    then `rtrl up` on its state directory; the stack stays up for the module."""
-    from support.trainer import install_warm_start
+    """`rtrl demo --minutes 1` (the real CLI, which ends with `rtrl down`) on a tiny agent
+    put where the demo finds its warm start, then `rtrl up` on its state directory with
+    nothing said of the run; the stack stays up for the module."""
+    from support.trainer import install_tiny_agent_as_demo_agent
 
     tmp_path = tmp_path_factory.mktemp("restart")
     state_dir = tmp_path / "state"
-    install_warm_start(state_dir)
+    install_tiny_agent_as_demo_agent(state_dir)
     env = {**os.environ, "RTRL_STATE_DIR": str(state_dir), "RTRL_STACK_INFERENCE_WORKERS": "2"}
+    env["RTRL_TRAINER_EVAL_TASKS"] = "16"  # the tiny agent's gate: a third of the demo's
+    for name in RUN_SETTINGS:
+        if name != "RTRL_TRAINER_EVAL_TASKS":
+            env.pop(name, None)
     with open(tmp_path / "demo.log", "wb") as log:
         subprocess.run(
-            [sys.executable, "-m", "rtrl", "demo", "--minutes", "1", "--product", "edits"],
+            [sys.executable, "-m", "rtrl", "demo", "--minutes", "1"],
             env=env,
             stdout=log,
             stderr=subprocess.STDOUT,
@@ -94,6 +102,9 @@ def resumed(tmp_path_factory):
     with pytest.MonkeyPatch.context() as patch:
         for name, value in env.items():
             patch.setenv(name, value)
+        for name in RUN_SETTINGS:  # what the demo set is the run's to restore
+            if name not in env:
+                patch.delenv(name, raising=False)
         stack = up(state_dir, console)
         try:
             yield Resumed(stack, state_dir, first, _beats(stack))
@@ -108,6 +119,11 @@ def test_a_stopped_stack_resumes_its_lineage_weights_and_history(resumed):
 
     stack, first, beats = resumed.stack, resumed.first, resumed.beats_at_start
     assert first["last_version"] >= 1, f"the first run published nothing: {first}"
+    # `rtrl up`, told nothing, resumed the demo's run: its agent, reward function and settings.
+    assert stack.reward_fn_version == "a1"
+    run = run_pin.read(resumed.state_dir)
+    assert run is not None and run.model_dir is not None and "/cache/warmstart-" in run.model_dir
+    assert run.settings["RTRL_TRAINER_EVAL_SUITE"] == "rtrl.simulator.agent_suite:agent_suite"
     # Before any traffic: the lineage, the trainer and every worker are where the first run stopped.
     client = redis.Redis.from_url(stack.redis_url_as("operator"))
     assert int(_stored(client, f"rtrl:ws:{TREATMENT}:latest")) == first["last_version"]
@@ -139,7 +155,7 @@ def test_a_stopped_stack_resumes_its_lineage_weights_and_history(resumed):
     assert history.previous.cluster_id != history.current.cluster_id
 
     console = Console(file=io.StringIO())
-    stats = run_product(stack, 40, console, users=120, clients=16)
+    stats = run_product(stack, 40, console, agent=True, users=120, clients=16)
     drain(stack, stats, console, timeout_s=120)
     query = query_function(stack)
     second = _history(query)
@@ -188,11 +204,11 @@ def test_flushall_mid_run_keeps_training_serving_and_versions_rising(resumed):
     flushed.start()
     console = Console(file=io.StringIO())
     try:
-        during = run_product(stack, 30, console, users=120, clients=16)
+        during = run_product(stack, 30, console, agent=True, users=120, clients=16)
         flushed.join()
         # The product's API key record went with the flush (keys are not rebuilt): the servers
         # kept their last verified copy (rtrl/api_keys.py KeyCache); a new run gets a new key.
-        stats = run_product(stack, 30, console, users=120, clients=16)
+        stats = run_product(stack, 30, console, agent=True, users=120, clients=16)
     finally:
         stop.set()
         watcher.join()

@@ -152,3 +152,31 @@ def trainer_env(
         "RTRL_TRAINER_EVAL_TOLERANCE": "1.0",
         "OMP_NUM_THREADS": "1",
     }
+
+
+TINY_AGENT = PolicyConfig(
+    hidden_size=64, num_layers=2, num_heads=2, intermediate_size=128, max_positions=256
+)
+"""The demo agent's shape, shrunk: enough for the loop to carry, cheap to warm-start."""
+
+
+def tiny_agent_warm_start() -> Path:
+    """The demo agent's warm start on TINY_AGENT for a few hundred steps (cached in the
+    repository's .rtrl, trained once, ~20 s): it calls tools wastefully and writes helpers
+    badly, which is all the loop needs to carry."""
+    from rtrl.simulator.agent_warmstart import AgentRecipe
+
+    recipe = AgentRecipe(batch_size=16, min_steps=250, max_steps=250, lr=3e-3, warmup_steps=20)
+    return ensure_warm_start(REPO / ".rtrl", policy_config=TINY_AGENT, recipe=recipe)
+
+
+def install_tiny_agent_as_demo_agent(state_dir: Path) -> Path:
+    """Put the tiny agent where `rtrl demo` (the agentic product) finds its warm start in
+    ``state_dir``'s cache, so the real CLI runs without training the real one for minutes."""
+    from rtrl.simulator.agent_warmstart import AGENT_POLICY, AgentRecipe
+    from rtrl.trainer.config import TrainerSettings
+
+    target = cache_path(state_dir, AGENT_POLICY, AgentRecipe(seed=TrainerSettings().seed))
+    target.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copytree(tiny_agent_warm_start(), target)
+    return target
