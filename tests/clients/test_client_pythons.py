@@ -1,8 +1,9 @@
 """rtrl-client on every Python it supports (clients/python/pyproject.toml: requires-python
->=3.10). For each of PYTHONS, a fresh virtualenv gets ``pip install clients/python[grpc,
-prometheus]`` and pytest, and must then pull in none of the server's dependencies, report
-the version the source names, and pass the client's own tests (CLIENT_TESTS). Those reach
-the gateway over HTTP: scripts/ingest_rig.py runs it on this, the server's, interpreter.
+>=3.10). For each of PYTHONS, a fresh virtualenv gets rtrl-client's wheel (built once from
+clients/python) with its grpc and prometheus extras, and pytest; it must then hold none of
+the server's dependencies, report the version and license the source names, and pass the
+client's own tests (CLIENT_TESTS). Those reach the gateway over HTTP: scripts/ingest_rig.py
+runs it on this, the server's, interpreter.
 
 The client's tests run in the main suite too, on the server's virtualenv. So they may import
 nothing of the server, nor anything the client's virtualenvs lack: checked here without
@@ -64,14 +65,25 @@ def interpreter(version: str) -> Path:
     )
 
 
-def client_venv(version: str, root: Path) -> Path:
-    """A virtualenv of Python ``version`` with the client (from a copy of clients/python:
-    building in place would leave build/ and egg-info in the checkout) and the test tools."""
+@pytest.fixture(scope="module")
+def client_wheel(tmp_path_factory) -> Path:
+    """rtrl-client's wheel, built once from a copy of clients/python (building in place
+    would leave build/ and egg-info in the checkout): pure Python, one for every version."""
+    root = tmp_path_factory.mktemp("client-wheel")
     source = shutil.copytree(
         REPO / "clients" / "python",
         root / "src",
         ignore=shutil.ignore_patterns("*.egg-info", "__pycache__", "build"),
     )
+    build = [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", root / "dist", source]
+    subprocess.run(build, check=True, timeout=600)
+    (wheel,) = (root / "dist").glob("*.whl")
+    assert wheel.name == f"rtrl_client-{rtrl_client.__version__}-py3-none-any.whl"
+    return wheel
+
+
+def client_venv(version: str, wheel: Path, root: Path) -> Path:
+    """A virtualenv of Python ``version`` with the client, its extras and the test tools."""
     subprocess.run([interpreter(version), "-m", "venv", root / "venv"], check=True)
     python = root / "venv" / "bin" / "python"
     tools = [f"{name}=={importlib.metadata.version(name)}" for name in TEST_TOOLS]
@@ -83,7 +95,7 @@ def client_venv(version: str, root: Path) -> Path:
         "-q",
         "--disable-pip-version-check",
     ]
-    subprocess.run([*install, f"{source}[{EXTRAS}]", *tools], check=True, timeout=600)
+    subprocess.run([*install, f"{wheel}[{EXTRAS}]", *tools], check=True, timeout=600)
     return python
 
 
@@ -109,9 +121,11 @@ def run_client_tests(python: Path, report: Path) -> subprocess.CompletedProcess[
 @pytest.mark.slow
 @pytest.mark.integration
 @pytest.mark.parametrize("version", PYTHONS)
-def test_the_client_installs_alone_and_passes_its_tests_on_each_python(version, tmp_path):
+def test_the_client_installs_alone_and_passes_its_tests_on_each_python(
+    version, client_wheel, tmp_path
+):
     started = time.monotonic()
-    python = client_venv(version, tmp_path)
+    python = client_venv(version, client_wheel, tmp_path)
     installed_s = time.monotonic() - started
     listed = subprocess.run(
         [python, "-m", "pip", "list", "--format", "json"], check=True, capture_output=True
@@ -121,10 +135,11 @@ def test_the_client_installs_alone_and_passes_its_tests_on_each_python(version, 
     assert installed & SERVER_ONLY == set(), sorted(installed)
     named = subprocess.run(
         [python, "-I", "-c", "import importlib.metadata as m, rtrl_client, rtrl_client.v1.ingest_pb2;"
-         "print(rtrl_client.__version__, m.version('rtrl-client'))"],
+         "print(rtrl_client.__version__, m.version('rtrl-client'),"
+         " m.metadata('rtrl-client')['License-Expression'])"],
         check=True, capture_output=True, text=True,
     )  # fmt: skip
-    assert named.stdout.split() == [rtrl_client.__version__] * 2
+    assert named.stdout.split() == [rtrl_client.__version__] * 2 + ["Apache-2.0"]
 
     started = time.monotonic()
     run = run_client_tests(python, tmp_path / "report.xml")

@@ -14,8 +14,22 @@ import {
   PublishEventsResponseSchema,
 } from "./gen/rtrl/v1/ingest_pb.js";
 import type { TelemetryEvent } from "./gen/rtrl/v1/telemetry_pb.js";
+import { VERSION } from "./version.js";
 
 export { EventResult_Status as Status };
+
+/** This SDK's name and version, as every request names it. */
+export const SDK = `rtrl-client-ts/${VERSION}`;
+/** The header naming the SDK, the Python SDK's too; the gateway counts events by it. */
+export const SDK_HEADER = "X-Rtrl-Sdk";
+
+/** The SDK's name on every request: X-Rtrl-Sdk everywhere, and a User-Agent on Node. A
+ * browser's fetch keeps its own User-Agent, and one set by a page would be one more header
+ * for the CORS preflight to allow. */
+export function sdkHeaders(): Record<string, string> {
+  const node = (globalThis as { process?: { versions?: { node?: string } } }).process?.versions?.node;
+  return node ? { [SDK_HEADER]: SDK, "User-Agent": `${SDK} node/${node}` } : { [SDK_HEADER]: SDK };
+}
 
 /** The gateway refused a whole request (malformed or oversized): resending will not help. */
 export class IngestError extends Error {
@@ -86,7 +100,7 @@ export class IngestClient {
       throw new TypeError(`the gateway URL must be http(s)://host:port, got ${JSON.stringify(httpUrl)}`);
     }
     this.url = httpUrl.replace(/\/+$/, "") + "/v1/events";
-    this.headers = { "Content-Type": "application/json" };
+    this.headers = { "Content-Type": "application/json", ...sdkHeaders() };
     if (options.apiKey !== undefined) this.headers["Authorization"] = `Bearer ${options.apiKey}`;
     this.baseDelayMs = options.baseDelayMs ?? 50;
     this.maxDelayMs = options.maxDelayMs ?? 2000;

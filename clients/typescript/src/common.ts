@@ -1,6 +1,16 @@
 // What both entry points export: events, the HTTP client, the generated types.
 export * from "./events.js";
-export { IngestClient, IngestError, IngestAuthError, Status, parseRetryAfterMs } from "./client.js";
+export {
+  IngestClient,
+  IngestError,
+  IngestAuthError,
+  SDK,
+  SDK_HEADER,
+  Status,
+  parseRetryAfterMs,
+  sdkHeaders,
+} from "./client.js";
+export { VERSION } from "./version.js";
 export type { IngestClientOptions, PublishOptions } from "./client.js";
 export {
   DEFAULT_SETTINGS,

@@ -52,9 +52,9 @@ async function runPage(origin, budgetMs) {
   return JSON.parse(decoded);
 }
 
-test("the browser entry's module graph imports no node: module", () => {
-  const pkg = JSON.parse(readFileSync(join(PACKAGE, "package.json"), "utf8"));
-  const entry = resolve(PACKAGE, pkg.exports["."].browser.default);
+/** The files an entry reaches through relative imports and requires, and the Node-only
+ * modules any of them names. */
+function moduleGraph(entry) {
   const seen = new Set();
   const offenders = [];
   const walk = (file) => {
@@ -66,11 +66,22 @@ test("the browser entry's module graph imports no node: module", () => {
     }
   };
   walk(entry);
-  assert.ok(seen.size >= 5, `walked only ${[...seen]}`);
-  assert.ok(![...seen].some((f) => f.endsWith("spool.js")), "the browser entry reaches the spool");
-  assert.deepEqual(offenders, []);
-  // And the scan itself would see one: the node entry imports node:fs through the spool.
+  return { seen, offenders };
+}
+
+test("the browser entries' module graphs (import and require) name no node: module", () => {
+  const pkg = JSON.parse(readFileSync(join(PACKAGE, "package.json"), "utf8"));
+  const browser = pkg.exports["."].browser;
+  const esm = moduleGraph(resolve(PACKAGE, browser.import.default));
+  assert.ok(esm.seen.size >= 5, `walked only ${[...esm.seen]}`);
+  assert.ok(![...esm.seen].some((f) => f.endsWith("spool.js")), "the browser entry reaches the spool");
+  assert.deepEqual(esm.offenders, []);
+  const cjs = moduleGraph(resolve(PACKAGE, browser.require.default)); // one bundled file
+  assert.deepEqual(cjs.offenders, []);
+  assert.doesNotMatch(readFileSync(resolve(PACKAGE, browser.require.default), "utf8"), /["']node:[a-z_]+["']/);
+  // And the scan itself would see one: the node entries import node:fs through the spool.
   assert.ok(specifiers(readFileSync(join(PACKAGE, "dist/spool.js"), "utf8")).includes("node:fs"));
+  assert.ok(moduleGraph(resolve(PACKAGE, pkg.exports["."].node.require.default)).offenders.length > 0);
 });
 
 test("bundling @rtrl/client for the browser picks the browser build, free of Node imports", async () => {
@@ -153,6 +164,9 @@ test("a page of an allowed origin sends events to the real gateway: each lands o
     assert.equal(got.stats.accepted, 3, JSON.stringify(got));
     const counts = await rig.count();
     assert.deepEqual(got.ids.map((id) => counts[id]), [1, 1, 1]);
+    // The page's requests named the SDK (X-Rtrl-Sdk, allowed by the preflight).
+    const { version } = JSON.parse(readFileSync(join(PACKAGE, "package.json"), "utf8"));
+    assert.deepEqual(await rig.sdkEvents(), { [`rtrl-client-ts ${version} accepted`]: 3 });
   } finally {
     await rig.quit();
     server.close();

@@ -4,7 +4,9 @@
 import assert from "node:assert/strict";
 import { createServer } from "node:http";
 import { test } from "node:test";
-import { IngestClient, IngestError, Status, followup } from "@rtrl/client";
+import { readFileSync } from "node:fs";
+import { createRequire } from "node:module";
+import { IngestClient, IngestError, SDK, Status, VERSION, followup } from "@rtrl/client";
 
 /** A server answering each POST with the next scripted (requestBody) => [status, body, headers]. */
 async function scripted(...answers) {
@@ -13,7 +15,7 @@ async function scripted(...answers) {
     let body = "";
     req.on("data", (chunk) => (body += chunk));
     req.on("end", () => {
-      const request = { at: performance.now(), auth: req.headers.authorization, body: JSON.parse(body) };
+      const request = { at: performance.now(), auth: req.headers.authorization, headers: req.headers, body: JSON.parse(body) };
       requests.push(request);
       const [status, document, headers = {}] = answers.shift()(request.body);
       res.writeHead(status, { "Content-Type": "application/json", ...headers });
@@ -87,4 +89,35 @@ test("a request refused whole (400 with an error) throws IngestError, not retrie
   } finally {
     server.close();
   }
+});
+
+test("every request names the SDK and its version: X-Rtrl-Sdk, and User-Agent on Node", async () => {
+  const server = await scripted(
+    (body) => [200, { results: body.events.map((e) => result(e.eventId, "STATUS_ACCEPTED")) }],
+    (body) => [200, { results: body.events.map((e) => result(e.eventId, "STATUS_ACCEPTED")) }],
+  );
+  try {
+    const client = new IngestClient(server.url, { apiKey: "k" });
+    await client.publish(events(1));
+    await client.publish(events(1), { traceparent: `00-${"1".repeat(32)}-${"2".repeat(16)}-01` });
+    const { version } = JSON.parse(readFileSync(new URL("../package.json", import.meta.url), "utf8"));
+    for (const { headers } of server.requests) {
+      assert.equal(headers["x-rtrl-sdk"], `rtrl-client-ts/${version}`);
+      assert.equal(headers["user-agent"], `rtrl-client-ts/${version} node/${process.versions.node}`);
+    }
+  } finally {
+    server.close();
+  }
+});
+
+test("the version is package.json's, in the ESM and the CommonJS build alike", () => {
+  const pkg = JSON.parse(readFileSync(new URL("../package.json", import.meta.url), "utf8"));
+  const generated = readFileSync(new URL("../src/version.ts", import.meta.url), "utf8");
+  assert.match(generated, new RegExp(`^export const VERSION = "${pkg.version}";$`, "m"), "run `node scripts/gen-version.mjs`");
+  assert.equal(VERSION, pkg.version);
+  assert.equal(SDK, `rtrl-client-ts/${pkg.version}`);
+  const required = createRequire(import.meta.url)("@rtrl/client");
+  assert.equal(required.VERSION, pkg.version);
+  assert.equal(typeof required.IngestClient, "function");
+  assert.notEqual(required.IngestClient, IngestClient, "require() loads the CommonJS build");
 });

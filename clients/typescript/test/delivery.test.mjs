@@ -3,7 +3,7 @@
 // per-field rejections reported to the caller, a refused key raised.
 import assert from "node:assert/strict";
 import { spawn } from "node:child_process";
-import { mkdtempSync, readdirSync } from "node:fs";
+import { mkdtempSync, readdirSync, readFileSync } from "node:fs";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
 import { createInterface } from "node:readline";
@@ -181,6 +181,22 @@ describe("delivery through the real gateway", () => {
     const [result] = await client.publish([followup({ rolloutId: "rej-3", sessionId: "s", userId: "u", secondsAfterEdit: NaN, message: "x" })]);
     assert.equal(result.status, Status.REJECTED);
     assert.equal(result.field, "followup.seconds_after_edit");
+  });
+
+  test("the gateway counts this SDK's events under its name and version (X-Rtrl-Sdk)", async () => {
+    const { version } = JSON.parse(readFileSync(new URL("../package.json", import.meta.url), "utf8"));
+    const before = await rig.sdkEvents();
+    const telemetry = new Telemetry(rig.url, { apiKey: rig.apiKey, spoolDir: spoolDir(), settings: FAST, logger: quietLogger });
+    telemetry.editShown({ rolloutId: "sdk-0", sessionId: "s", userId: "u", filePath: "a.ts", editText: "x" });
+    telemetry.editOutcome({ rolloutId: "sdk-0", sessionId: "s", userId: "u", outcome: "accepted" });
+    telemetry.send([followup({ rolloutId: "sdk-1", sessionId: "s", userId: "u", secondsAfterEdit: -1, message: "x" })]);
+    assert.equal(await telemetry.close(), true);
+    const after = await rig.sdkEvents();
+    const delta = (key) => (after[key] ?? 0) - (before[key] ?? 0);
+    assert.equal(delta(`rtrl-client-ts ${version} accepted`), 2, JSON.stringify(after));
+    assert.equal(delta(`rtrl-client-ts ${version} rejected`), 1, JSON.stringify(after));
+    // Every request this suite sent named this SDK and version.
+    assert.deepEqual([...new Set(Object.keys(after).map((k) => k.split(" ").slice(0, 2).join(" ")))], [`rtrl-client-ts ${version}`]);
   });
 
   test("a refused key: the client throws IngestAuthError, Telemetry keeps the events for a good key", async () => {

@@ -38,6 +38,8 @@ export async function startRig({ corsOrigins = [] } = {}) {
   const ready = await read();
   return {
     url: ready.url,
+    /** The gateway's Prometheus page. */
+    metricsUrl: ready.metrics_url,
     apiKey: ready.api_key,
     log: ready.log,
     kill: () => command("kill"),
@@ -45,6 +47,16 @@ export async function startRig({ corsOrigins = [] } = {}) {
     /** {event_id: times on the telemetry topics} */
     count: async () => (await command("count")).counts,
     key: async (clientId) => (await command("key", { client_id: clientId })).key,
+    /** rtrl_ingest_sdk_events_total by "sdk sdk_version outcome" (ingest/sdk_counts.py). */
+    async sdkEvents() {
+      const page = await (await fetch(ready.metrics_url)).text();
+      const counts = {};
+      for (const [, labels, value] of page.matchAll(/^rtrl_ingest_sdk_events_total\{([^}]*)\} (\S+)$/gm)) {
+        const label = Object.fromEntries([...labels.matchAll(/(\w+)="([^"]*)"/g)].map((m) => [m[1], m[2]]));
+        counts[`${label.sdk} ${label.sdk_version} ${label.outcome}`] = Number(value);
+      }
+      return counts;
+    },
     async quit() {
       child.stdin.end();
       const timer = setTimeout(() => child.kill("SIGTERM"), 15_000);
