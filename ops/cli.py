@@ -10,6 +10,7 @@ from pathlib import Path
 
 import typer
 
+from rtrl import __version__
 from rtrl.ops.cli_bench import bench_app
 from rtrl.ops.cli_common import (
     FAILED,
@@ -34,6 +35,25 @@ app.add_typer(bench_app, name="bench")
 app.add_typer(keys_app, name="keys")
 model_app = typer.Typer(help="Model directories: a tiny random one to try `rtrl up --model` on.")
 app.add_typer(model_app, name="model")
+
+
+def _print_version(asked: bool) -> None:
+    if asked:
+        typer.echo(f"rtrl {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _options(
+    version: bool = typer.Option(
+        False,
+        "--version",
+        help="Print rtrl's version and exit.",
+        callback=_print_version,
+        is_eager=True,
+    ),
+) -> None:
+    pass
 
 
 @model_app.command("tiny")
