@@ -2,15 +2,15 @@
 site-packages, so it lives beside the PyPI projects that own the generic names
 (Hugging Face's ``kernels``, which transformers probes for; coqui's ``trainer``...).
 
-The wheel is built from a copy of the checkout's files (git's list, symlinks kept), so a
-stale ``build/`` in the checkout can neither help nor hurt it. It is installed without its
-dependencies into a fresh virtualenv that borrows the project's own (torch, transformers)
-through a path entry placed after its own site-packages.
+The wheel is the one users get (support.dists: ``python -m build`` from a copy of the
+checkout's files, built once per session and shared with tests/rtrl/test_install.py). Here
+it is installed without its dependencies into a fresh virtualenv that borrows the project's
+own (torch, transformers) through a path entry placed after its own site-packages: what is
+proved is where the files land, not the dependencies (test_install.py proves those).
 """
 
 from __future__ import annotations
 
-import shutil
 import subprocess
 import sys
 import sysconfig
@@ -20,39 +20,10 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
+from support import dists
+
 HF_KERNELS = "kernels==0.16.2"
 """The newest release transformers (5.17) accepts: is_kernels_available() wants >=0.16, <0.17."""
-
-
-def _checkout_copy(dest: Path) -> Path:
-    listed = subprocess.run(
-        ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
-        cwd=REPO,
-        check=True,
-        capture_output=True,
-    ).stdout.decode()
-    for name in filter(None, listed.split("\0")):
-        source = REPO / name
-        if not source.exists() and not source.is_symlink():
-            continue  # deleted in the work tree, not yet in git's index
-        target = dest / name
-        target.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy2(source, target, follow_symlinks=False)
-    return dest
-
-
-def _build_wheel(tmp_path: Path) -> Path:
-    source = _checkout_copy(tmp_path / "src")
-    out = tmp_path / "dist"
-    subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation"]
-        + ["-w", str(out), str(source)],
-        check=True,
-        capture_output=True,
-    )
-    (wheel,) = out.glob("rtrl-*.whl")
-    return wheel
 
 
 def _run(python: Path, code: str, cwd: Path) -> str:
@@ -64,8 +35,8 @@ def _run(python: Path, code: str, cwd: Path) -> str:
 
 
 @pytest.mark.slow
-def test_the_wheel_installs_rtrl_alone_beside_hugging_faces_kernels(tmp_path):
-    wheel = _build_wheel(tmp_path)
+def test_the_wheel_installs_rtrl_alone_beside_hugging_faces_kernels(tmp_path, tmp_path_factory):
+    wheel = dists.built("rtrl", tmp_path_factory).wheel
     with zipfile.ZipFile(wheel) as archive:
         record = next(n for n in archive.namelist() if n.endswith(".dist-info/RECORD"))
         installed = [line.split(",")[0] for line in archive.read(record).decode().splitlines()]
