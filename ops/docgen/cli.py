@@ -31,6 +31,9 @@ def render_cli() -> str:
         "|---|---|",
         *(f"| {code} | {cell(text)} |" for code, text in cli_common.EXIT_CODES.items()),
         "",
+        "## Options of `rtrl` itself",
+        "",
+        *_options_table([p for p in root.params if p.param_type_name == "option"]),
         "## Commands",
         "",
     ]
@@ -68,13 +71,21 @@ def _command(path: list[str], command: Command) -> list[str]:
             f"| `{_argument_name(a)}` | {_default(a)} | {cell(getattr(a, 'help', '') or '')} |"
             for a in arguments
         ]
-        lines += [
+        lines += _options_table(options)[2:]
+    return lines
+
+
+def _options_table(options: list[Command]) -> list[str]:
+    return [
+        "| argument or flag | default | what |",
+        "|---|---|---|",
+        *(
             f"| {', '.join(f'`{o}`' for o in [*o.opts, *o.secondary_opts])} | {_default(o)} "
             f"| {cell(o.help or '')} |"
             for o in options
-        ]
-        lines.append("")
-    return lines
+        ),
+        "",
+    ]
 
 
 def _argument_name(argument: Command) -> str:
