@@ -65,6 +65,7 @@ def test_the_image_runs_as_the_numeric_user_it_creates():
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1200)  # a whole install, a few minutes on a busy machine
 def test_the_images_steps_replayed_start_every_service_compose_runs(context, tmp_path):
     image = df.replay(DOCKERFILE, context, tmp_path)
     # The services run in the last WORKDIR, with the image's ENV: from the installed package.

@@ -33,7 +33,14 @@ from support.dists import ok, run
 from support.k8s import load_compose
 from support.trainer import install_warm_start
 
-pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.guarantee(10)]
+# The first test pays for the module's install (a few minutes on a busy machine): the
+# timeout counts fixtures.
+pytestmark = [
+    pytest.mark.integration,
+    pytest.mark.slow,
+    pytest.mark.guarantee(10),
+    pytest.mark.timeout(1200),
+]
 
 SERVICES = (
     "rtrl.ingest",
