@@ -368,9 +368,10 @@ def ensure_warm_start(
     *,
     policy_config: PolicyConfig = PolicyConfig(),
     recipe: Curriculum = WarmStartRecipe(),
-    threads: int = 2,
+    threads: int | None = None,
 ) -> Path:
-    """The cached warm-start policy as a model directory, trained first if missing.
+    """The cached warm-start policy as a model directory, trained first if missing, on
+    ``threads`` (default: torch's own setting, OMP_NUM_THREADS or one per core).
 
     A file lock keeps two processes (the CLI and the trainer) from training the
     same weights at once; the directory appears atomically (a rename), so a reader
@@ -385,7 +386,7 @@ def ensure_warm_start(
         if path.exists():
             return path
         previous_threads = torch.get_num_threads()
-        torch.set_num_threads(threads)
+        torch.set_num_threads(threads or previous_threads)
         try:
             model, stats = train(policy_config, recipe, progress)
         finally:

@@ -21,6 +21,12 @@ from rtrl import procs, signing
 from rtrl.config import StackSettings
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# The tests' processes and the stacks they start share a few cores (two in CI, split between
+# two pytest workers): one thread each, and threads that sleep rather than spin while they
+# wait. Spinning OpenMP threads on an oversubscribed machine made a 0.3 s training step take
+# 7 s. Set before torch is imported, and inherited by every process a test starts.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 # The Triton kernels' tests run on this CPU through Triton's interpreter. Triton reads
 # the variable once, when first imported, and torch or transformers may import it
 # before those test modules do; TRITON_INTERPRET=0 runs them on a GPU instead.
