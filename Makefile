@@ -36,12 +36,18 @@ $(GRAFANA_DEPS): deploy/grafana/package-lock.json
 demo: install
 	$(BIN)/rtrl demo
 
-## The tests: unit, integration (real Tansu, Redis, chdb, gRPC) and end-to-end.
+## The tests: unit, integration (real Tansu, Redis, chdb, gRPC) and end-to-end, on
+## TEST_WORKERS pytest workers (pytest-xdist), each test file whole on one worker, so a
+## module's stack starts once. Much of a test's time is waiting on the processes it started:
+## two workers keep two cores busy.
+TEST_WORKERS ?= 2
+PYTEST := $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile
+
 test: install install-node
-	$(BIN)/python -m pytest -q
+	$(PYTEST)
 
 test-fast: install install-node
-	$(BIN)/python -m pytest -q -m "not slow"
+	$(PYTEST) -m "not slow"
 
 ## The habits CI holds every change to, before the tests (ruff, deptry and mypy: pyproject.toml).
 ## deptry: every import of the shipped code is a declared dependency of the wheel.
