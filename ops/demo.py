@@ -210,6 +210,47 @@ def prepare_agent(state_dir: Path, console: Console) -> Path:
     return warm_start(state_dir.resolve(), console, policy_config=AGENT_POLICY, recipe=recipe)
 
 
+WARM_START_S = {"agent": 240.0, "edits": 60.0}
+"""How long each product's warm start trains on 2 cores, the first time (cached after in
+the state directory): measured by `make demo` (docs/benchmarks.md)."""
+STACK_START_S = 40.0
+DRAIN_AND_REPORT_S = 60.0
+
+
+def print_plan(console: Console, product: str, minutes: float, warm_cached: bool) -> None:
+    """Each phase of the demo with its expected duration on 2 cores, before any of them starts."""
+    warm_s = 0.0 if warm_cached else WARM_START_S[product]
+    phases = [
+        ("warm start", "cached" if warm_cached else f"~{warm_s / 60:.0f} min, once", "steps, loss"),
+        ("the embedded stack", f"~{STACK_START_S:.0f} s", "each component's health"),
+        ("the simulated product", f"{minutes:g} min", "the A/B as it runs"),
+        ("drain, A/B report", f"~{DRAIN_AND_REPORT_S / 60:.0f} min", "the A/B table, alerts"),
+    ]
+    total_min = (warm_s + STACK_START_S + minutes * 60 + DRAIN_AND_REPORT_S) / 60
+    table = Table(
+        title=f"rtrl demo --product {product}: about {total_min:.0f} min on 2 cores",
+        title_justify="left",
+    )
+    for column in ("phase", "expected", "shows"):
+        table.add_column(column, justify="right" if column == "expected" else "left")
+    for row in phases:
+        table.add_row(*row)
+    console.print(table)
+
+
+def warm_start_cached(state_dir: Path, product: str, unique_prompts: bool) -> bool:
+    """Whether the demo's warm start is already in ``state_dir``'s cache."""
+    from rtrl.simulator.agent_warmstart import AGENT_POLICY, AgentRecipe
+    from rtrl.simulator.warmstart import WarmStartRecipe, cache_path
+    from rtrl.trainer.config import TrainerSettings
+
+    seed = TrainerSettings().seed
+    if product == "agent":
+        return cache_path(state_dir, AGENT_POLICY, AgentRecipe(seed=seed)).exists()
+    recipe = WarmStartRecipe(seed=seed, unique_prompts=unique_prompts)
+    return cache_path(state_dir, recipe=recipe).exists()
+
+
 def run_demo(
     state_dir: Path,
     console: Console,
@@ -232,6 +273,7 @@ def run_demo(
     if reward_fn is not None:
         os.environ["RTRL_STACK_REWARD_FN_VERSION"] = reward_fn
     agent = product == "agent"
+    print_plan(console, product, minutes, warm_start_cached(state_dir, product, unique_prompts))
     foreign = not statedir.is_state_dir(state_dir) and statedir.foreign_entries(state_dir)
     # Nothing is written into a directory rtrl may not take: `rtrl up` says why below.
     model_dir = prepare_agent(state_dir, console) if agent and not foreign else None

@@ -105,3 +105,6 @@ def test_the_single_turn_demo_refuses_to_resume_another_run_and_names_both_comma
     said = console.file.getvalue()  # type: ignore[attr-defined]
     assert "`rtrl up` resumes it; `rtrl demo --product edits --fresh` starts this demo over" in said
     assert not (state_dir / "stack.json").exists()
+    # The phases and what they are expected to take were said before anything started.
+    assert "rtrl demo --product edits: about 3 min on 2 cores" in said
+    assert "~1 min, once" in said and "0.1 min" in said
