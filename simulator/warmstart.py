@@ -112,6 +112,9 @@ class WarmStartRecipe:
     def batch(self, rng: random.Random) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return _batch(rng, self)
 
+    def lr_at(self, step: int) -> float:
+        return warmed_up_lr(self.lr, self.warmup_steps, step)
+
     def ready(self, model: torch.nn.Module, step: int) -> bool:
         return _well_formed(model, self, step)
 
@@ -127,10 +130,6 @@ class Curriculum(Protocol):
     """What a warm start trains on (WarmStartRecipe; the agent's: simulator/agent_warmstart.py)."""
 
     @property
-    def lr(self) -> float: ...
-    @property
-    def warmup_steps(self) -> int: ...
-    @property
     def max_steps(self) -> int: ...
     @property
     def context_aux_weight(self) -> float: ...
@@ -141,6 +140,10 @@ class Curriculum(Protocol):
 
     def batch(self, rng: random.Random) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Token ids [B, L], completion-target mask [B, L-1], project of each row [B]."""
+        ...
+
+    def lr_at(self, step: int) -> float:
+        """The learning rate of step ``step`` (from 0)."""
         ...
 
     def ready(self, model: torch.nn.Module, step: int) -> bool:
@@ -154,6 +157,11 @@ class Curriculum(Protocol):
     def sources(self) -> list[Path]:
         """The files whose code defines what it trains (part of the cache key)."""
         ...
+
+
+def warmed_up_lr(lr: float, warmup_steps: int, step: int) -> float:
+    """``lr`` after a linear warm-up over ``warmup_steps``."""
+    return lr * min(1.0, (step + 1) / warmup_steps)
 
 
 @dataclass(frozen=True)
@@ -293,12 +301,14 @@ def train(
     model.train()
     project_head = torch.nn.Linear(policy_config.hidden_size, PROJECTS)
     parameters = [*model.parameters(), *project_head.parameters()]
-    optimizer = torch.optim.AdamW(parameters, lr=recipe.lr, betas=(0.9, 0.98), weight_decay=0.0)
+    optimizer = torch.optim.AdamW(
+        parameters, lr=recipe.lr_at(0), betas=(0.9, 0.98), weight_decay=0.0
+    )
     rng = random.Random(recipe.seed)
     step, loss_value = 0, math.nan
     while step < recipe.max_steps:
         for group in optimizer.param_groups:
-            group["lr"] = recipe.lr * min(1.0, (step + 1) / recipe.warmup_steps)
+            group["lr"] = recipe.lr_at(step)
         loss, total = _losses(model, project_head, *recipe.batch(rng), recipe.context_aux_weight)
         optimizer.zero_grad(set_to_none=True)
         total.backward()
