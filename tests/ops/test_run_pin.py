@@ -99,8 +99,16 @@ def test_the_single_turn_demo_refuses_to_resume_another_run_and_names_both_comma
 ):
     run_pin.pin(state_dir, str(model), AGENT_RUN)
     console = Console(file=io.StringIO(), width=400)
-    options = {"keep_running": False, "reward_fn": None, "unique_prompts": False}
-    code = run_demo(state_dir, console, product="edits", minutes=0.1, fresh=False, **options)
+    code = run_demo(
+        state_dir,
+        console,
+        product="edits",
+        minutes=0.1,
+        keep_running=False,
+        reward_fn=None,
+        unique_prompts=False,
+        fresh=False,
+    )
     assert code == 1
     said = console.file.getvalue()  # type: ignore[attr-defined]
     assert "`rtrl up` resumes it; `rtrl demo --product edits --fresh` starts this demo over" in said
