@@ -4,19 +4,28 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test test-fast lint format typecheck check proto proto-check bench-loop up down status report clean
+.PHONY: install install-run demo test test-fast lint format typecheck check proto proto-check bench-loop up down status report clean
 
-$(STAMP): pyproject.toml clients/python/pyproject.toml constraints.txt scripts/bootstrap.sh
+RUN_STAMP := $(VENV)/.installed-run
+
+# What the demo runs: the server, the client and the classifier, in one resolve (pip's time
+# goes to one index lookup per package, so one command asks once). torch is named with its
+# pin in the same resolve, so nothing pulls a CUDA build; the client is installed from this
+# checkout (the server depends on it). No .pyc files up front: Python writes them as the
+# demo first imports each module.
+$(RUN_STAMP): pyproject.toml clients/python/pyproject.toml constraints.txt scripts/bootstrap.sh
 	bash scripts/bootstrap.sh
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	# torch first, pinned, so nothing pulls a CUDA build
-	$(BIN)/python -m pip install -q -c constraints.txt torch==2.13.0
-	# the product-side client first: the server depends on it (clients/python)
-	$(BIN)/python -m pip install -q -c constraints.txt -e clients/python
+	$(BIN)/python -m pip install -q --no-compile -c constraints.txt torch==2.13.0 -e clients/python -e '.[classifier]'
+	touch $(RUN_STAMP)
+
+# Everything else the tests and checks use (the dev extra).
+$(STAMP): $(RUN_STAMP)
 	$(BIN)/python -m pip install -q -c constraints.txt -e '.[dev]'
 	touch $(STAMP)
 
+install-run: $(RUN_STAMP)
 install: $(STAMP)
 
 # Node packages, exactly as locked, for the tests and checks (the demo needs none): the
@@ -33,7 +42,7 @@ $(GRAFANA_DEPS): deploy/grafana/package-lock.json
 	npm ci --prefix deploy/grafana --no-audit --no-fund --loglevel=error
 
 ## The demo: the whole loop on the embedded stack, ending with the A/B table.
-demo: install
+demo: install-run
 	$(BIN)/rtrl demo
 
 ## The tests: unit, integration (real Tansu, Redis, chdb, gRPC) and end-to-end, on
@@ -86,7 +95,7 @@ check-dashboards: $(GRAFANA_DEPS)
 bench-loop: install
 	$(BIN)/rtrl bench loop
 
-up: install
+up: install-run
 	$(BIN)/rtrl up
 down:
 	$(BIN)/rtrl down
