@@ -50,24 +50,26 @@ def warm_start(state_dir: Path, console: Console, **recipe: Any) -> Path:
 def _pinned_run(state_dir: Path, model_dir: Path | None) -> run_pin.RunPin:
     """The run state_dir holds (run_pin.py): pinned now to ``model_dir`` on its first start,
     otherwise resumed whatever it trains; its model checked to open as a checkpoint."""
-    from rtrl.checkpoint import Checkpoint, CheckpointError
-
     chosen = str(model_dir.resolve()) if model_dir is not None else None
     if chosen is not None:
-        try:
-            Checkpoint.open(chosen)
-        except CheckpointError as exc:
-            raise StackError(f"--model: {exc}") from None
+        _check_opens(chosen, "--model")
     try:
         run = run_pin.pin(state_dir, chosen, os.environ)
     except run_pin.PinMismatch as exc:
         raise StackError(str(exc)) from None
     if run.model_dir is not None and run.model_dir != chosen:
-        try:
-            Checkpoint.open(run.model_dir)
-        except CheckpointError as exc:
-            raise StackError(f"the run's model {run.model_dir}: {exc}") from None
+        _check_opens(run.model_dir, f"the run's model {run.model_dir}")
     return run
+
+
+def _check_opens(model_dir: str, named: str) -> None:
+    """StackError, saying which model, unless ``model_dir`` opens as a checkpoint."""
+    from rtrl.checkpoint import Checkpoint, CheckpointError
+
+    try:
+        Checkpoint.open(model_dir)
+    except CheckpointError as exc:
+        raise StackError(f"{named}: {exc}") from None
 
 
 def health_table(rows: list[health.ComponentHealth]) -> Table:
