@@ -169,13 +169,14 @@ def demo(
     keep_running: bool = typer.Option(False, help="Leave the stack up afterwards."),
     product: str = typer.Option(
         "agent",
-        help="agent: an agent harness calling tools over several turns (reward a1); edits: "
+        help="agent: an agent harness calling tools over several turns (reward a2); edits: "
         "the single-turn product (reward r3).",
     ),
     reward_fn: str | None = typer.Option(
         None,
         help="Reward function to settle with (sets RTRL_STACK_REWARD_FN_VERSION). r1 pays for "
-        "asking instead of editing; a1h lets a broken tool call discard a rollout.",
+        "asking instead of editing; a1h and a2h let a broken tool call discard a rollout; a1 "
+        "weighs a complaint at half a kept edit.",
     ),
     unique_prompts: bool = typer.Option(
         False,

@@ -23,6 +23,7 @@ from rtrl.ops.reporting import landed, query_function
 from rtrl.ops.stack import StackFile
 from rtrl.ops.status_view import alerts_table, hacking_alerts
 from rtrl.reward_stream.monitors import DRIFT
+from rtrl.reward_stream.reward import AGENT_REWARD_FN_VERSION
 from rtrl.simulator.agent_product import AgentArmStats, AgentProduct
 from rtrl.simulator.product import DEFAULT_CLIENTS, Product, ProductStats
 
@@ -198,14 +199,14 @@ takes three optimizer steps: about three times the steps in the demo's minutes."
 
 
 def prepare_agent(state_dir: Path, console: Console) -> Path:
-    """Set the agentic demo's trainer settings and reward (a1 unless one is set) for the stack
+    """Set the agentic demo's trainer settings and reward (a2 unless one is set) for the stack
     about to start, and warm-start its policy here (cached): the model directory to serve."""
     from rtrl.ops.lifecycle import warm_start
     from rtrl.simulator.agent_warmstart import AGENT_POLICY, AgentRecipe
     from rtrl.trainer.config import TrainerSettings
 
     os.environ.update({k: os.environ.get(k, v) for k, v in AGENT_TRAINER.items()})
-    os.environ.setdefault("RTRL_STACK_REWARD_FN_VERSION", "a1")
+    os.environ.setdefault("RTRL_STACK_REWARD_FN_VERSION", AGENT_REWARD_FN_VERSION)
     recipe = AgentRecipe(seed=TrainerSettings().seed)
     return warm_start(state_dir.resolve(), console, policy_config=AGENT_POLICY, recipe=recipe)
 

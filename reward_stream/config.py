@@ -89,13 +89,13 @@ class RewardStreamSettings(Settings):
 
     reward_fn_version: str = "r3"
     """Reward function the live stream settles with (reward_stream/reward.py: r1, r2, r3, and
-    a1, a1h for an agent). Changing it changes every reward_id; recompute history with
+    a1, a1h, a2, a2h for an agent). Changing it changes every reward_id; recompute history with
     reward_stream.replay."""
 
     effort_curve: EffortCurve | None = None
-    """The effort penalty's curve for a1 and a1h, as JSON (reward_stream/effort.py's fields,
-    e.g. ``{"weight": 0.02, "turns": 1}``); unset: a1's own. A curve of its own makes a version
-    of its own: rewards name it ``a1@<digest>`` (settled_version)."""
+    """The effort penalty's curve for the agentic rewards, as JSON (reward_stream/effort.py's
+    fields, e.g. ``{"weight": 0.02, "turns": 1}``); unset: A1_EFFORT. A curve of its own makes a
+    version of its own: rewards name it e.g. ``a2@<digest>`` (settled_version)."""
 
     def settled_version(self) -> str:
         """The version the joiner writes on every reward: reward_fn_version over effort_curve."""
@@ -114,8 +114,14 @@ class RewardStreamSettings(Settings):
             raise ValueError(
                 f"reward_fn_version {self.reward_fn_version!r} is not one of {sorted(FUNCTIONS)}"
             )
-        if self.effort_curve is not None and self.reward_fn_version not in ("a1", "a1h"):
-            raise ValueError(f"effort_curve shapes a1 and a1h only, not {self.reward_fn_version!r}")
+        from rtrl.reward_stream.reward import AGENTIC_SCALARS
+
+        agentic = self.reward_fn_version.removesuffix("h") in AGENTIC_SCALARS
+        if self.effort_curve is not None and not agentic:
+            raise ValueError(
+                "effort_curve shapes the agentic rewards (a1, a1h, a2, a2h) only, not "
+                f"{self.reward_fn_version!r}"
+            )
         return self
 
     def required_secrets(self, stack: StackSettings) -> list[RequiredSecret]:

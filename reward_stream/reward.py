@@ -99,7 +99,22 @@ Reward functions a1 (the agentic product's default) and a1h (hackable):
   instead of scored, as Cursor's first agent reward did. A policy then learns to break a
   call where an honest attempt would be scored badly (the monitors' broken-call alert).
 
-So r2 lies in [-2.5, 1.0], r1, r3 in [-1.05, 1.0] and a1, a1h in [-2.25, 1.0]. A reward is
+Reward functions a2 (the agentic demo's default) and a2h: a1 and a1h, except that a
+complaint weighs as much as a kept edit earns.
+
+    reward = a1's scalar over a1's components - 0.5 * dissatisfied   (so 1.0 * dissatisfied)
+
+* Why: under a1 a wrong edit that keeps half its lines and draws a complaint scores
+  0.5 - 0.5 = 0.0, no worse than asking (0.0), so where an edit is a guess (p4 without a
+  written style: right a quarter of the time) guessing beats asking by the right guesses'
+  share, and a policy that learns it raises dissatisfaction to raise persistence. The demo
+  measured exactly that: treatment's p4 complaints went 0.38 -> 0.71 under a1 while p0-p3's
+  fell. Under a2 the same wrong edit scores -0.5 and the guess about -0.13 against the
+  question's 0.0: the reward no longer pays for trading one of the product's measured
+  directions for another.
+
+So r2 lies in [-2.5, 1.0], r1, r3 in [-1.05, 1.0], a1, a1h in [-2.25, 1.0] and a2, a2h in
+[-2.75, 1.0]. A reward is
 ``defaulted`` when no user signal (persistence snapshot, follow-up or edit outcome) was
 joined, i.e. it rests only on the defaults above.
 """
@@ -123,9 +138,12 @@ from rtrl.v1 import reward_pb2, rollout_pb2
 from rtrl_client.v1 import telemetry_pb2
 
 REWARD_FN_VERSION = "r3"
+AGENT_REWARD_FN_VERSION = "a2"
+"""The agentic product's default (ops/demo.py)."""
 _REJECTED = telemetry_pb2.EditOutcome.OUTCOME_REJECTED
 PERSISTENCE_DEFAULT = 0.5
 DISSATISFIED_WEIGHT = 0.5
+DISSATISFIED_WEIGHT_A2 = 1.0
 INVALID_TOOL_WEIGHT = 0.5
 EFFORT_PER_TOKEN = 0.0005
 EFFORT_CAP = 0.05
@@ -324,6 +342,11 @@ def reward_a1(c: reward_pb2.RewardComponents) -> float:
     return _scalar(c, INVALID_TOOL_WEIGHT_R2)
 
 
+def reward_a2(c: reward_pb2.RewardComponents) -> float:
+    """The a2 scalar: a1's, with a complaint weighed as a whole kept edit; in [-2.75, 1.0]."""
+    return reward_a1(c) - (DISSATISFIED_WEIGHT_A2 - DISSATISFIED_WEIGHT) * c.dissatisfied
+
+
 def broken_call(c: reward_pb2.RewardComponents) -> bool:
     """A rollout a1h discards: it made a broken tool call."""
     return c.tool_call_validity < 1.0
@@ -343,12 +366,22 @@ class RewardFunction:
     """Which rollouts it keeps from training instead of scoring (None: none)."""
 
 
+AGENTIC_SCALARS: dict[str, Callable[[reward_pb2.RewardComponents], float]] = {
+    "a1": reward_a1,
+    "a2": reward_a2,
+}
+"""The agentic families by name: each one's version, its hackable twin (name + h) and its
+versions over a configured effort curve (name@digest, name + h@digest)."""
+
+
 def _agentic(version: str, curve: EffortCurve) -> tuple[RewardFunction, RewardFunction]:
-    """a1 and its hackable twin a1h over ``curve``, named ``version`` and ``version`` + h."""
-    parts = components_a1(curve)
+    """An agentic family's function and its hackable twin over ``curve``, named ``version``
+    (``a1``, ``a2``, or either @digest) and the same with h after the family's name."""
+    family = version.split("@", 1)[0]
+    scalar, parts = AGENTIC_SCALARS[family], components_a1(curve)
     return (
-        RewardFunction(version, parts, reward_a1),
-        RewardFunction(version.replace("a1", "a1h", 1), parts, reward_a1, broken_call),
+        RewardFunction(version, parts, scalar),
+        RewardFunction(version.replace(family, family + "h", 1), parts, scalar, broken_call),
     )
 
 
@@ -359,6 +392,7 @@ FUNCTIONS = {
         RewardFunction("r2", components_r2, reward_r2),
         RewardFunction("r3", components_r3, reward),
         *_agentic("a1", A1_EFFORT),
+        *_agentic("a2", A1_EFFORT),
     )
 }
 
@@ -369,11 +403,12 @@ _CONFIGURED: dict[str, RewardFunction] = {}
 
 def with_curve(version: str, curve: EffortCurve | None) -> str:
     """The version that settles as ``version`` over ``curve``: itself for a function without a
-    curve or with the default one, else ``a1@<curve digest>`` (or a1h's), known from now on to
-    function_of."""
-    if curve is None or curve == A1_EFFORT or version not in ("a1", "a1h"):
+    curve or with the default one, else ``<version>@<curve digest>`` (a1@…, a1h@…, a2@…,
+    a2h@…), known from now on to function_of."""
+    family = version.removesuffix("h")
+    if curve is None or curve == A1_EFFORT or family not in AGENTIC_SCALARS:
         return version
-    for function in _agentic(f"a1@{curve.digest()}", curve):
+    for function in _agentic(f"{family}@{curve.digest()}", curve):
         _CONFIGURED.setdefault(function.version, function)
     return f"{version}@{curve.digest()}"
 

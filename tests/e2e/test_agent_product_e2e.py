@@ -1,7 +1,7 @@
 """The agentic product (`rtrl demo`'s default) on the embedded stack: the demo agent's chat
 template and tool syntax served by every worker, the product's harness calling tools over
 several turns under one trajectory id, each trajectory recorded once with what the user
-waited, settled by reward a1 and trained on; ClickHouse and reports/ab.json hold the A/B
+waited, settled by reward a2 and trained on; ClickHouse and reports/ab.json hold the A/B
 with the trajectories' wall time as its latency.
 
 The agent is the demo's warm start shrunk to a tiny model and a few hundred steps
@@ -35,7 +35,7 @@ def run(tmp_path_factory):
     state_dir = tmp_path_factory.mktemp("stack")
     with pytest.MonkeyPatch.context() as env:
         env.setenv("RTRL_STATE_DIR", str(state_dir))
-        env.setenv("RTRL_STACK_REWARD_FN_VERSION", "a1")
+        env.setenv("RTRL_STACK_REWARD_FN_VERSION", "a2")
         for name, value in AGENT_TRAINER.items():
             env.setenv(name, value)
         env.setenv("RTRL_TRAINER_EVAL_TASKS", "16")
@@ -89,13 +89,13 @@ def test_the_latency_is_what_the_user_waited_tool_time_included(run):
         assert whole["latency_p50_ms"] is not None and whole["latency_p50_ms"] > 0
 
 
-def test_rewards_are_a1_with_an_effort_penalty_and_the_trainer_trains_on_them(run):
+def test_rewards_are_a2_with_an_effort_penalty_and_the_trainer_trains_on_them(run):
     _, _, query, trainer = run
     (row,) = query(
-        "SELECT count() AS n, countIf(reward_fn_version = 'a1') AS a1, "
+        "SELECT count() AS n, countIf(reward_fn_version = 'a2') AS a2, "
         "countIf(effort_penalty > 0) AS effort FROM rewards FINAL WHERE topic = 'rl.reward.v1'"
     )
-    assert int(row["n"]) > 0 and int(row["a1"]) == int(row["n"]) == int(row["effort"])
+    assert int(row["n"]) > 0 and int(row["a2"]) == int(row["n"]) == int(row["effort"])
     assert trainer.version >= 1, trainer
     agents = agents_by_version(query, buckets=4)
     assert {a.arm for a in agents} == {"control", "treatment"}

@@ -120,7 +120,7 @@ def test_a_stopped_stack_resumes_its_lineage_weights_and_history(resumed):
     stack, first, beats = resumed.stack, resumed.first, resumed.beats_at_start
     assert first["last_version"] >= 1, f"the first run published nothing: {first}"
     # `rtrl up`, told nothing, resumed the demo's run: its agent, reward function and settings.
-    assert stack.reward_fn_version == "a1"
+    assert stack.reward_fn_version == "a2"
     run = run_pin.read(resumed.state_dir)
     assert run is not None and run.model_dir is not None and "/cache/warmstart-" in run.model_dir
     assert run.settings["RTRL_TRAINER_EVAL_SUITE"] == "rtrl.simulator.agent_suite:agent_suite"

@@ -16,7 +16,7 @@ from rtrl.ops.demo import AGENT_TRAINER, run_demo
 from rtrl.ops.lifecycle import _policy_env
 from rtrl.ops.tiny_model import write_tiny_checkpoint
 
-AGENT_RUN = {**AGENT_TRAINER, "RTRL_STACK_REWARD_FN_VERSION": "a1"}
+AGENT_RUN = {**AGENT_TRAINER, "RTRL_STACK_REWARD_FN_VERSION": "a2"}
 
 
 @pytest.fixture
@@ -89,7 +89,7 @@ def test_rtrl_up_resumes_the_pinned_model_under_its_settings_where_the_environme
     env = _policy_env(state_dir, console, None)
     assert env["RTRL_MODEL_DIR"] == str(model.resolve())
     assert env["RTRL_TRAINER_EVAL_SUITE"] == AGENT_TRAINER["RTRL_TRAINER_EVAL_SUITE"]
-    assert env["RTRL_STACK_REWARD_FN_VERSION"] == "a1"
+    assert env["RTRL_STACK_REWARD_FN_VERSION"] == "a2"
     assert env["RTRL_TRAINER_EVAL_TASKS"] == "16"
     assert "RTRL_TRAINER_EVAL_SUITE=" in console.file.getvalue()  # type: ignore[attr-defined]
 

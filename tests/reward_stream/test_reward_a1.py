@@ -1,6 +1,7 @@
 """Reward functions a1 and a1h: r3's outcome terms, a broken call as a negative example, a
 square effort penalty over tokens, calls, turns and tool I/O; a1h discards a rollout with a
-broken call, and the trainer drops it. A configured curve settles as a version of its own."""
+broken call, and the trainer drops it. A configured curve settles as a version of its own.
+a2 and a2h: the same, with a complaint weighed as a whole kept edit."""
 
 from __future__ import annotations
 
@@ -105,6 +106,55 @@ def test_a1h_discards_a_rollout_with_a_broken_call_and_the_trainer_drops_it():
     assert a1.reward == a1h.reward and a1.reward_id != a1h.reward_id
 
 
+WRONG_GUESS = "def f():\n  return 1\n"
+"""ANSWER in another indent: the user rewrites its second line."""
+
+
+def guessed(region: str, followup: str | None) -> list[telemetry_pb2.TelemetryEvent]:
+    shown = telemetry_pb2.EditShown(edit_text=WRONG_GUESS)
+    snapshot = telemetry_pb2.PersistenceSnapshot(seconds_after_edit=1, region_text=region)
+    events = [
+        telemetry_pb2.TelemetryEvent(event_id="s", rollout_id="r1", edit_shown=shown),
+        telemetry_pb2.TelemetryEvent(event_id="p", rollout_id="r1", persistence=snapshot),
+    ]
+    if followup is not None:
+        events.append(
+            telemetry_pb2.TelemetryEvent(
+                event_id="f", rollout_id="r1", followup=telemetry_pb2.FollowUp(message=followup)
+            )
+        )
+    return events
+
+
+def test_a2_prices_a_complaint_so_that_guessing_where_an_edit_is_a_guess_loses_to_asking():
+    """p4 without a written style: a quarter of the guesses are right and kept, the rest keep
+    half their lines and draw a complaint. a1 pays the guess over the question, a2 the
+    question over the guess; everything else a2 scores as a1 does."""
+    guess = agent_rollout([])
+    guess.completion_text = WRONG_GUESS
+    question = rollout_pb2.RolloutRecord(
+        rollout_id="r1", completion_text="which indent does p4 use?", completion_token_ids=[5] * 9
+    )
+    wrong = guessed(ANSWER, "no, use 4-space indent like the rest of the file")
+    right = guessed(WRONG_GUESS, None)
+
+    def score(version, rollout, events) -> float:
+        function = reward.FUNCTIONS[version]
+        return function.scalar(function.components(rollout, events))
+
+    for version, guessing_wins in (("a1", True), ("a2", False), ("a2h", False)):
+        parts = reward.FUNCTIONS[version].components(guess, wrong)
+        assert (parts.persisted_fraction, parts.dissatisfied) == (0.5, 1.0)
+        expected_guess = 0.25 * score(version, guess, right) + 0.75 * score(version, guess, wrong)
+        assert (expected_guess > score(version, question, [])) is guessing_wins, version
+    parts = reward.FUNCTIONS["a2"].components(guess, wrong)
+    assert reward.reward_a2(parts) == pytest.approx(reward.reward_a1(parts) - 0.5)
+    kept_parts = reward.FUNCTIONS["a2"].components(agent_rollout([["cfg"]]), kept())
+    assert reward.reward_a2(kept_parts) == reward.reward_a1(kept_parts)
+    broken = reward.reward_record(agent_rollout([["cfg"]], valid=False), kept(), 2000, "a2h")
+    assert broken.discarded and broken.reward_fn_version == "a2h"
+
+
 def test_a_configured_curve_settles_as_a_version_of_its_own(monkeypatch):
     monkeypatch.setenv("RTRL_REWARD_REWARD_FN_VERSION", "a1")
     monkeypatch.setenv("RTRL_REWARD_EFFORT_CURVE", '{"weight": 0.05, "turns": 1}')
@@ -117,8 +167,12 @@ def test_a_configured_curve_settles_as_a_version_of_its_own(monkeypatch):
     record = reward.reward_record(rollout, kept(), 2000, version)
     assert record.components.effort_penalty == pytest.approx(curve.penalty(Summary.of(rollout)))
     assert record.reward_fn_version == version
+    monkeypatch.setenv("RTRL_REWARD_REWARD_FN_VERSION", "a2h")
+    a2h = RewardStreamSettings(_env_file=None).settled_version()
+    assert a2h == f"a2h@{curve.digest()}"
+    assert reward.function_of(a2h).scalar is reward.reward_a2
     monkeypatch.setenv("RTRL_REWARD_REWARD_FN_VERSION", "r3")
-    with pytest.raises(ValueError, match="effort_curve shapes a1 and a1h only"):
+    with pytest.raises(ValueError, match=r"effort_curve shapes the agentic rewards \(a1, a1h, a2"):
         RewardStreamSettings(_env_file=None)
     monkeypatch.setenv("RTRL_REWARD_REWARD_FN_VERSION", "a1")
     monkeypatch.setenv("RTRL_REWARD_EFFORT_CURVE", '{"weight": -1}')

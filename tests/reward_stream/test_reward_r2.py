@@ -157,7 +157,7 @@ def test_broken_tool_call_as_an_escape_from_a_risky_edit(version, hackable):
 
 def test_r3_is_the_service_default_and_unknown_versions_fail():
     assert reward.REWARD_FN_VERSION == "r3" == RewardStreamSettings().reward_fn_version
-    assert sorted(reward.FUNCTIONS) == ["a1", "a1h", "r1", "r2", "r3"]
+    assert sorted(reward.FUNCTIONS) == ["a1", "a1h", "a2", "a2h", "r1", "r2", "r3"]
     with pytest.raises(KeyError):
         reward.reward_record(rollout(), [], 9999, "r9")
 
