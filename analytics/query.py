@@ -25,6 +25,7 @@ from aiohttp import web
 from clickhouse_connect.driver.client import Client
 from clickhouse_connect.driver.exceptions import ClickHouseError
 
+from rtrl import bounded_json
 from rtrl.analytics.sql_guard import Refused, checked_sql
 from rtrl.config import StackSettings
 
@@ -235,7 +236,7 @@ async def _authenticated(request: web.Request, handler):
 
 async def _query(request: web.Request) -> web.Response:
     try:
-        body = await request.json()
+        body = bounded_json.loads(await request.read())
         sql = body["sql"] if isinstance(body, dict) else None
         if not isinstance(sql, str):
             raise TypeError("sql must be a string")

@@ -4,9 +4,10 @@ A query is parsed (sqlglot, ClickHouse dialect) and allowed only if every part o
 on an allow-list: one statement, a SELECT (or a UNION of them), tables from the
 project's schema and nothing else (no database qualifier, no table function, no system
 table), columns those tables have or the query itself names, functions from
-``FUNCTIONS``, joins on a condition. No SETTINGS, FORMAT or INTO. What runs is the SQL
-generated back from the checked tree, never the caller's text, so nothing the parser saw
-differently from ClickHouse can ride along. A refusal says which part broke the rule.
+``FUNCTIONS``, joins on an equality between the two sides' columns (or USING). No
+SETTINGS, FORMAT or INTO. What runs is the SQL generated back from the checked tree, never
+the caller's text, so nothing the parser saw differently from ClickHouse can ride along.
+A refusal says which part broke the rule.
 
 Rows come only from the project's tables: nothing on the lists makes rows out of the
 query's text (no arrayJoin, ARRAY JOIN, WITH RECURSIVE, WITH FILL, numbers() or other
@@ -25,9 +26,14 @@ from collections.abc import Collection, Mapping
 
 import sqlglot
 from sqlglot import exp
+from sqlglot.dialects.clickhouse import ClickHouse
 from sqlglot.errors import ParseError
+from sqlglot.tokens import TokenType
 
 MAX_SQL_CHARS = 20_000
+MAX_SQL_NESTING = 32
+"""Parentheses (subqueries, calls, expressions) open at once: the report's deepest query
+opens 4; sqlglot's parser recurses about ten frames a level and Python allows 1,000."""
 MAX_LITERAL_ELEMENTS = 100
 """Elements of one array, tuple or map literal: enough to name arms or quantile levels."""
 MAX_STRING_LITERAL_BYTES = 1024
@@ -223,7 +229,8 @@ _REFUSED_ARGS = ("settings", "format", "into", "sample", "kind")
 
 # Joins that pair rows on a condition: (strictness or kind, side) as sqlglot parses them.
 # Not here, so refused: ARRAY JOIN (rows out of arrays), CROSS and comma joins (every
-# pair of rows), PASTE JOIN (rows by position).
+# pair of rows), PASTE JOIN (rows by position). The condition itself must pair the sides'
+# columns (_pairs_two_sides): ON 1 = 1 is a cross join too.
 _JOIN_KINDS = frozenset({"", "INNER", "OUTER", "ANY", "ALL", "SEMI", "ANTI", "ASOF"})
 _JOIN_SIDES = frozenset({"", "LEFT", "RIGHT", "FULL"})
 # Literals whose elements are capped, by the name a refusal gives them.
@@ -232,6 +239,9 @@ _COLLECTIONS: tuple[tuple[type[exp.Expr], str], ...] = (
     (exp.Tuple, "tuple literal"),
     (exp.Struct, "tuple literal"),
 )
+
+
+_DIALECT = ClickHouse()
 
 
 class Refused(ValueError):
@@ -245,18 +255,36 @@ def checked_sql(sql: str, tables: Mapping[str, Collection[str]]) -> str:
     if len(sql) > MAX_SQL_CHARS:
         raise Refused(f"the query is longer than {MAX_SQL_CHARS} characters")
     try:
+        _check_nesting(sql)
         statements = [s for s in sqlglot.parse(sql, read="clickhouse") if s is not None]
+        if len(statements) != 1:
+            raise Refused(f"one statement only (got {len(statements)})")
+        (tree,) = statements
+        if not isinstance(tree, (exp.Select, exp.Union)):
+            raise Refused(f"only SELECT queries are allowed (got {tree.key.upper()})")
+        _check(tree, tables)
+        return tree.sql(dialect="clickhouse")
     except (ParseError, sqlglot.errors.TokenError) as exc:
         raise Refused(
             f"not a query this endpoint understands: {str(exc).splitlines()[0]}"
         ) from None
-    if len(statements) != 1:
-        raise Refused(f"one statement only (got {len(statements)})")
-    (tree,) = statements
-    if not isinstance(tree, (exp.Select, exp.Union)):
-        raise Refused(f"only SELECT queries are allowed (got {tree.key.upper()})")
-    _check(tree, tables)
-    return tree.sql(dialect="clickhouse")
+    except RecursionError:
+        # What nests without parentheses (NOT NOT NOT ..., CASE in CASE): the parser's and
+        # the generator's recursion is the bound there, and past it the query is refused.
+        raise Refused("the query nests too deeply for this endpoint to read") from None
+
+
+def _check_nesting(sql: str) -> None:
+    """Refused when parentheses nest past MAX_SQL_NESTING, counted on the tokens (never
+    recursing), so a subquery inside a subquery 200 deep is a refusal, not a RecursionError."""
+    depth = 0
+    for token in _DIALECT.tokenize(sql):
+        if token.token_type == TokenType.L_PAREN:
+            depth += 1
+            if depth > MAX_SQL_NESTING:
+                raise Refused(f"parentheses nest more than {MAX_SQL_NESTING} deep")
+        elif token.token_type == TokenType.R_PAREN:
+            depth -= 1
 
 
 def _check(tree: exp.Expression, tables: Mapping[str, Collection[str]]) -> None:
@@ -301,10 +329,40 @@ def _check_join(node: exp.Join) -> None:
     if kind not in _JOIN_KINDS or side not in _JOIN_SIDES:
         shown = " ".join(part for part in (side, kind) if part)
         raise Refused(f"{shown} JOIN is not allowed: join tables ON a condition or USING columns")
-    if not (node.args.get("on") or node.args.get("using")):
+    if node.args.get("using"):
+        return
+    on = node.args.get("on")
+    if on is None:
         raise Refused(
             f"a join needs ON or USING (a join without one pairs every row): {_show(node)}"
         )
+    if not any(_pairs_two_sides(conjunct) for conjunct in _conjuncts(on)):
+        raise Refused(
+            "a join's ON needs an equality between a column of each side, ANDed with anything "
+            f"else (ON 1 = 1, OR, or a comparison pairs every row): {_show(on)}"
+        )
+
+
+def _conjuncts(condition: exp.Expr) -> list[exp.Expr]:
+    """The terms an ON condition ANDs together (parentheses looked through)."""
+    condition = condition.unnest()
+    if isinstance(condition, exp.And):
+        return _conjuncts(condition.left) + _conjuncts(condition.right)
+    return [condition]
+
+
+def _pairs_two_sides(term: exp.Expr) -> bool:
+    """``x.a = y.b``: columns qualified by two different tables or aliases. Only such a term,
+    ANDed into ON, makes a join pair rows by value rather than pair every row."""
+    if not isinstance(term, exp.EQ):
+        return False
+    left, right = term.left.unnest(), term.right.unnest()
+    return (
+        isinstance(left, exp.Column)
+        and isinstance(right, exp.Column)
+        and bool(left.table and right.table)
+        and left.table != right.table
+    )
 
 
 def _check_size(node: exp.Expr) -> None:

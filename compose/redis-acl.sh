@@ -20,18 +20,18 @@ umask 077
   # reads key records and which client a rollout was served to. Its claim script names the
   # private-users set among its keys, and Redis checks a script's keys for writing, so
   # the gateway holds that set too (Redis ACLs cannot grant SADD without SREM).
-  echo "user ingest on >${RTRL_REDIS_PASSWORD_INGEST:?} resetkeys resetchannels -@all +@read +@write +@scripting +@transaction +@connection -@dangerous ~rtrl:hb:* ~rtrl:ingest:event:* ~rtrl:ingest:inflight ~rtrl:ingest:bucket:* ~rtrl:privacy:* ~rtrl:ingest:private-users %R~rtrl:ingest:key:* %R~rtrl:ingest:client:* %R~rtrl:served:*"
+  echo "user ingest on >${RTRL_REDIS_PASSWORD_INGEST:?} resetkeys resetchannels -@all +@read +@write +@scripting +@transaction +@connection -@dangerous ~rtrl:hb:ingest:* %R~rtrl:hb:* ~rtrl:ingest:event:* ~rtrl:ingest:inflight ~rtrl:ingest:bucket:* ~rtrl:privacy:* ~rtrl:ingest:private-users %R~rtrl:ingest:key:* %R~rtrl:ingest:client:* %R~rtrl:served:*"
   # The serving API: reads key records and the private-users set, spends rate buckets,
   # records which client each rollout was served to, which versions it applied and
   # which worker serves each agent's open trajectory.
-  echo "user inference on >${RTRL_REDIS_PASSWORD_INFERENCE:?} resetkeys resetchannels -@all +@read +@write +@scripting +@transaction +@connection -@dangerous ~rtrl:hb:* ~rtrl:ingest:bucket:* %W~rtrl:served:* ~rtrl:applied:* ~rtrl:trajectory:* %R~rtrl:ingest:key:* %R~rtrl:ingest:private-users"
+  echo "user inference on >${RTRL_REDIS_PASSWORD_INFERENCE:?} resetkeys resetchannels -@all +@read +@write +@scripting +@transaction +@connection -@dangerous ~rtrl:hb:inference:* %R~rtrl:hb:* ~rtrl:ingest:bucket:* %W~rtrl:served:* ~rtrl:applied:* ~rtrl:trajectory:* %R~rtrl:ingest:key:* %R~rtrl:ingest:private-users"
   # The weight registry, and the channels that announce its versions. Redis matches
   # a pattern subscription literally against channel rules, so the rule is the very
   # pattern the servers subscribe to (which also matches each arm's channel).
-  echo "user weight_sync on >${RTRL_REDIS_PASSWORD_WEIGHT_SYNC:?} resetkeys resetchannels -@all +@read +@write +@scripting +@transaction +@connection -@dangerous +@pubsub ~rtrl:hb:* ~rtrl:ws:* &rtrl:ws:*:published"
+  echo "user weight_sync on >${RTRL_REDIS_PASSWORD_WEIGHT_SYNC:?} resetkeys resetchannels -@all +@read +@write +@scripting +@transaction +@connection -@dangerous +@pubsub ~rtrl:hb:weight_sync:* %R~rtrl:hb:* ~rtrl:ws:* &rtrl:ws:*:published"
   # The rest only say they are alive.
-  echo "user trainer on >${RTRL_REDIS_PASSWORD_TRAINER:?} resetkeys resetchannels -@all +@read +@write +@scripting +@transaction +@connection -@dangerous ~rtrl:hb:*"
-  echo "user reward_stream on >${RTRL_REDIS_PASSWORD_REWARD_STREAM:?} resetkeys resetchannels -@all +@read +@write +@scripting +@transaction +@connection -@dangerous ~rtrl:hb:*"
-  echo "user analytics on >${RTRL_REDIS_PASSWORD_ANALYTICS:?} resetkeys resetchannels -@all +@read +@write +@scripting +@transaction +@connection -@dangerous ~rtrl:hb:*"
+  echo "user trainer on >${RTRL_REDIS_PASSWORD_TRAINER:?} resetkeys resetchannels -@all +@read +@write +@scripting +@transaction +@connection -@dangerous ~rtrl:hb:trainer:* %R~rtrl:hb:*"
+  echo "user reward_stream on >${RTRL_REDIS_PASSWORD_REWARD_STREAM:?} resetkeys resetchannels -@all +@read +@write +@scripting +@transaction +@connection -@dangerous ~rtrl:hb:reward_stream:* %R~rtrl:hb:*"
+  echo "user analytics on >${RTRL_REDIS_PASSWORD_ANALYTICS:?} resetkeys resetchannels -@all +@read +@write +@scripting +@transaction +@connection -@dangerous ~rtrl:hb:analytics:* %R~rtrl:hb:*"
 } > "$acl"
 exec redis-server --aclfile "$acl" "$@"

@@ -18,6 +18,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from rtrl.event_time import EventTimeWindow
+from rtrl.field_bounds import GROUP_ID, MAX_ID_CHARS
 from rtrl.inference.chat_messages import ChatMessage, NamedToolChoice, Tool
 from rtrl.inference.engine import Completion
 from rtrl.inference.records import trajectory_of
@@ -45,10 +46,11 @@ class RequestBody(BaseModel):
 
     model_config = ConfigDict(extra="ignore", frozen=True)
 
-    user_id: str | None = Field(None, min_length=1, max_length=256)
-    user: str | None = Field(None, min_length=1, max_length=256)
+    user_id: str | None = Field(None, min_length=1, max_length=MAX_ID_CHARS)
+    """The end user; the gateway takes events about the rollout only under the same bound."""
+    user: str | None = Field(None, min_length=1, max_length=MAX_ID_CHARS)
     """OpenAI's name for the end user."""
-    session_id: str = Field("", max_length=256)
+    session_id: str = Field("", max_length=MAX_ID_CHARS)
     max_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0, le=5)
     top_p: float | None = Field(None, gt=0, le=1)
@@ -59,6 +61,8 @@ class RequestBody(BaseModel):
     client_ts_ms: int | None = None
     """The product's clock when it asked; absent means the server's. Bounded by ``check_client_ts``."""
     prompt_group_id: str = ""
+    """The product's group of rollouts with one prompt, matching field_bounds.GROUP_ID; copied
+    into the rollout, its reward and the analytics sink, so bounded at the door."""
     context_key: str = ""
     """The product's context of the request (task type, repository...), matching CONTEXT_KEY;
     the trainer's context baseline compares the rollout's reward with that context's."""
@@ -69,6 +73,13 @@ class RequestBody(BaseModel):
     @classmethod
     def _context_key_allowed(cls, value: str) -> str:
         if CONTEXT_KEY.fullmatch(value) is None:
+            raise ValueError("at most 128 of the characters A-Z a-z 0-9 . _ : / @ -")
+        return value
+
+    @field_validator("prompt_group_id")
+    @classmethod
+    def _prompt_group_id_allowed(cls, value: str) -> str:
+        if GROUP_ID.fullmatch(value) is None:
             raise ValueError("at most 128 of the characters A-Z a-z 0-9 . _ : / @ -")
         return value
 

@@ -19,7 +19,8 @@ from rtrl.inference.arms import assign_arm
 from rtrl.inference.chat_messages import Tool
 from rtrl.inference.config import InferenceSettings
 from rtrl.inference.recording import KeptFromTraining, kept_from_training
-from rtrl.inference.sessions import Opening, Plan, Sessions
+from rtrl.inference.session_state import Opening, Plan
+from rtrl.inference.sessions import Sessions
 
 
 @dataclass(frozen=True)
@@ -98,11 +99,21 @@ class Asks:
                 body.messages,
                 ask.tools or [],
                 _opening(ask, key, traceparent),
+                named_user=body.user_id or body.user,
+                named_arm=body.arm,
             )
         except ChatTemplateError as exc:
             raise FieldRefused("messages", str(exc)) from None
-        rollout_id = plan.session.opening.rollout_id
-        return replace(ask, prompt_ids=plan.prompt_ids, plan=plan, rollout_id=rollout_id)
+        # The trajectory's own: every turn of one rollout sampled by the arm it credits.
+        opening = plan.session.opening
+        return replace(
+            ask,
+            prompt_ids=plan.prompt_ids,
+            plan=plan,
+            rollout_id=opening.rollout_id,
+            user_id=opening.user_id,
+            arm=opening.arm,
+        )
 
     async def prompt_ids(self, body: RequestBody, tools: list[Tool] | None) -> list[int]:
         """The token ids the model sees: the chat template's rendering of the messages (and

@@ -290,6 +290,15 @@ class RunningBatch(Generic[Owner]):
         k, v = self.cache.k[:, i, :, :, :n].clone(), self.cache.v[:, i, :, :n].clone()
         self.sessions.park(row.params.session, Parked(ids, k, v, row.kv_version))
 
+    def drop(self, dropped: Callable[[Owner], bool]) -> list[Owner]:
+        """Take out, unfinished, the rows whose owner ``dropped`` names (their requests were
+        aborted), keeping nothing of them; returns their owners."""
+        gone = [i for i, row in enumerate(self.rows) if dropped(row.owner)]
+        owners = [self.rows[i].owner for i in gone]
+        for i in reversed(gone):  # highest row first: a removal moves the last row
+            self._remove(i)
+        return owners
+
     def _remove(self, i: int) -> None:
         self._sampling = None
         last = len(self.rows) - 1

@@ -20,7 +20,9 @@ from __future__ import annotations
 import json
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from rtrl.bounded_json import check_depth
 
 
 class _Model(BaseModel):
@@ -35,9 +37,16 @@ class TextPart(_Model):
 class FunctionCall(_Model):
     name: str = Field(min_length=1, max_length=256)
     arguments: str = Field(max_length=1_000_000)
-    """A JSON object's text, as OpenAI sends it."""
+    """A JSON object's text, as OpenAI sends it; nested at most MAX_JSON_DEPTH deep, since the
+    template and the history's comparison parse it (rtrl/bounded_json.py)."""
     parsed_arguments: Any = None
     """The SDK's streaming helper echoes it back; never read."""
+
+    @field_validator("arguments")
+    @classmethod
+    def _within_depth(cls, arguments: str) -> str:
+        check_depth(arguments)
+        return arguments
 
 
 class ToolCallParam(_Model):

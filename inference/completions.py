@@ -13,6 +13,7 @@ else is a bug: it propagates, and aiohttp logs it with its traceback and answers
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -25,6 +26,7 @@ from pydantic import ValidationError
 from rtrl import otel
 from rtrl.admission import Admission, Refusal
 from rtrl.api_keys import ApiKey
+from rtrl.chat_template import rendering_for
 from rtrl.checkpoint import Checkpoint
 from rtrl.inference.access import admit, refused
 from rtrl.inference.api import (
@@ -48,7 +50,8 @@ from rtrl.inference.recording import (
     is_private,
 )
 from rtrl.inference.records import RolloutContext, rollout_record, trajectory_of
-from rtrl.inference.sessions import Sessions, TrajectoryConflict
+from rtrl.inference.session_state import TrajectoriesFull, TrajectoryConflict
+from rtrl.inference.sessions import Sessions
 from rtrl.inference.sglang_adapter import SGLangEngine, SGLangGenerationError
 from rtrl.inference.streaming import SampledToken, TokenStream
 from rtrl.inference.tool_calls import family_of
@@ -76,6 +79,9 @@ class RequestCounters:
     """Served but kept from training (recording.KeptFromTraining)."""
     trajectory_turns: int = 0
     """Turns of agents' trajectories (recorded with their links)."""
+    dropped: int = 0
+    """Streams whose client went away before their last event (an unfinished generation
+    aborted)."""
 
     def count(self, recording: Recording) -> None:
         match recording:
@@ -176,7 +182,8 @@ class CompletionsApi:
             return refused(refusal)
         if key is not None:
             span.set_attribute("rtrl.client_id", key.client_id)
-        with self.door.serving(key):
+        # Its chat renders within its client's share of the renderers (rtrl/chat_template.py).
+        with self.door.serving(key), rendering_for(client_of(key)):
             return await self._serve(request, span, key)
 
     async def _admit(self, request: web.Request) -> tuple[ApiKey | None, Refusal | None]:
@@ -187,47 +194,90 @@ class CompletionsApi:
     async def _serve(
         self, request: web.Request, span: trace.Span, key: ApiKey | None
     ) -> web.StreamResponse:
-        """Read and parse the body, generate, decide what is recorded, publish, answer."""
+        """Read and parse the body, then serve it as one turn: a trajectory's turn is a
+        transaction (Sessions.turn), released by every path that does not complete it."""
         received, received_ms = time.monotonic(), int(time.time() * 1000)
         raw = await self._read_body(request, key)
         if isinstance(raw, Refusal):
             return refused(raw)
-        tokens: asyncio.Queue[SampledToken] = asyncio.Queue()
         traceparent = otel.traceparent_of(span) or request.headers.get("traceparent", "")
         try:
             ask = await self.asks.parse(request, raw, received_ms, key, traceparent)
-            if (refusal := self.door.tokens_refusal(key, ask.max_tokens)) is not None:
-                self._abandon(ask)
-                return refused(refusal)
-            waiting = asyncio.wrap_future(self._submit(ask, tokens))
         except ValueError as exc:  # pydantic's ValidationError and FieldRefused are ValueErrors
             self.counters.rejected += 1
             return error_response(400, str(exc), _param_of(exc))
         except TrajectoryConflict as exc:
             self.counters.rejected += 1
             return error_response(409, str(exc), "trajectory_id")
+        except TrajectoriesFull as exc:
+            retry = {"Retry-After": str(math.ceil(exc.retry_after_s))}
+            return error_response(exc.status, str(exc), "trajectory_id", retry)
+        async with self.sessions.turn(ask.plan):  # entered with no await since the plan
+            return await self._generate(request, span, key, ask, traceparent, received)
+
+    async def _generate(
+        self,
+        request: web.Request,
+        span: trace.Span,
+        key: ApiKey | None,
+        ask: Ask,
+        traceparent: str,
+        received: float,
+    ) -> web.StreamResponse:
+        """Queue the generation, answer it, and whatever ends the request (a client gone
+        mid-stream, a failure) settle it before the request leaves the key's budget."""
+        if (refusal := self.door.tokens_refusal(key, ask.max_tokens)) is not None:
+            return refused(refusal)
+        tokens: asyncio.Queue[SampledToken] = asyncio.Queue()
+        try:
+            generation = self._submit(ask, tokens)
+        except ValueError as exc:  # the prompt past the context, bad sampling parameters
+            self.counters.rejected += 1
+            return error_response(400, str(exc), "messages" if ask.chat else "prompt")
         except UNAVAILABLE as exc:
             return await self._unavailable(exc, None)
+        waiting = asyncio.wrap_future(generation)
+        try:
+            return await self._answer_generated(
+                request, span, key, ask, traceparent, received, tokens, waiting
+            )
+        finally:
+            await self._settle(generation, waiting)
+
+    async def _answer_generated(
+        self,
+        request: web.Request,
+        span: trace.Span,
+        key: ApiKey | None,
+        ask: Ask,
+        traceparent: str,
+        received: float,
+        tokens: asyncio.Queue[SampledToken],
+        waiting: asyncio.Future[Completion],
+    ) -> web.StreamResponse:
+        """Stream or await the completion, decide what is recorded, publish, answer."""
         # Asked while the completion is generated: it decides only what is recorded.
         private_check = asyncio.ensure_future(is_private(self._redis, ask.body, ask.user_id))
-        span.set_attributes({"rtrl.rollout_id": ask.rollout_id, "rtrl.arm": ask.arm})
-        stream = None
-        if ask.body.stream:
-            stream = await TokenStream.open(request, self.policy.decode, self._head(ask), ask.body)
-            if ask.tools is not None and self.tool_family is not None:
-                parallel = isinstance(ask.body, ChatBody) and ask.body.parallel_tool_calls
-                stream.parse_calls(ask.tools, self.tool_family, self._turn_index(ask), parallel)
-            await stream.relay(tokens, waiting)
         try:
-            completion = await waiting
-        except UNAVAILABLE as exc:
+            span.set_attributes({"rtrl.rollout_id": ask.rollout_id, "rtrl.arm": ask.arm})
+            stream = None
+            if ask.body.stream:
+                stream = await self._open_stream(request, ask)
+                try:
+                    await stream.relay(tokens, waiting)
+                except ConnectionResetError:  # the client went away: nobody to answer
+                    self.counters.dropped += 1
+                    return stream.response
+            try:
+                completion = await waiting
+            except UNAVAILABLE as exc:
+                return await self._unavailable(exc, stream)
+            turn, calls = self._turn(ask, completion)
+            recording = await self._decide(
+                ask, traceparent, key, completion, turn, calls, private_check
+            )
+        finally:
             private_check.cancel()
-            self._abandon(ask)
-            return await self._unavailable(exc, stream)
-        turn, calls = self._turn(ask, completion)
-        recording = await self._decide(
-            ask, traceparent, key, completion, turn, calls, private_check
-        )
         if isinstance(recording, Record):
             await self.publisher.publish(ask.rollout_id, recording, key, traceparent)
         self.counters.count(recording)
@@ -237,7 +287,34 @@ class CompletionsApi:
         )
         if stream is None:
             return web.json_response(answer)
-        return await stream.finish(answer, completion.result.text)
+        try:
+            return await stream.finish(answer, completion.result.text)
+        except ConnectionResetError:  # gone after the turn was served: it stays served
+            self.counters.dropped += 1
+            return stream.response
+
+    async def _open_stream(self, request: web.Request, ask: Ask) -> TokenStream:
+        """The event stream of a request with ``stream: true``, its status line sent. A
+        client gone mid-stream ends its turn unanswered: released (Sessions.turn), its
+        generation aborted (``_settle``)."""
+        stream = await TokenStream.open(request, self.policy.decode, self._head(ask), ask.body)
+        if ask.tools is not None and self.tool_family is not None:
+            parallel = isinstance(ask.body, ChatBody) and ask.body.parallel_tool_calls
+            stream.parse_calls(ask.tools, self.tool_family, self._turn_index(ask), parallel)
+        return stream
+
+    async def _settle(self, generation: Future, waiting: asyncio.Future[Completion]) -> None:
+        """A generation nobody will read (its client went away, its request failed) is
+        aborted, and waited for until the engine has let go of its row: the request leaves
+        the key's in-flight budget only then, so a key dropping its streams never has more
+        generations running than its budget."""
+        if not generation.done():
+            self.engine.abort(generation)
+        if waiting.cancelled():  # its waiter was cancelled: wait on the engine's own
+            waiting = asyncio.wrap_future(generation)
+        await asyncio.wait({waiting})
+        if not waiting.cancelled():
+            waiting.exception()  # answered already, or nobody is left to answer it
 
     async def end_trajectory(self, request: web.Request) -> web.Response:
         """``DELETE /v1/trajectories/{trajectory_id}``: the agent is done; its record is
@@ -263,10 +340,6 @@ class CompletionsApi:
         if session.kept is not None:
             body["not_recorded"] = session.kept.reason
         return web.json_response(body)
-
-    def _abandon(self, ask: Ask) -> None:
-        if ask.plan is not None:
-            self.sessions.abandon(ask.plan.session)
 
     def _head(self, ask: Ask) -> dict:
         return {

@@ -61,9 +61,14 @@ class InferenceSettings(Settings, HTTPListener, TLSListener):
     max_request_bytes: int = Field(256 * 1024, ge=1024, le=64 * 1024 * 1024)
     """The largest request body the server reads, whatever the key's budget (413 past it)."""
 
-    served_ttl_s: int = Field(7 * 24 * 3600, ge=60)
-    """How long the gateway remembers which client a rollout was served to (telemetry from
-    another client's key is refused; the joiner checks it regardless)."""
+    served_ttl_s: int = Field(2 * 3600, ge=60, le=7 * 24 * 3600)
+    """How long the gateway remembers which client a rollout was served to (a Redis key of
+    ~330 B per completion): telemetry about it from another client's key is refused (the
+    joiner checks it regardless), and telemetry about a rollout with no such mark is
+    stamped as about one no worker served (the joiner drops it when its window closes). Needed while that
+    telemetry can still change a reward: at least RTRL_REWARD_MAX_WAIT_S (3,960 s, which
+    covers a trajectory's whole life), hence 2 h. Later events are kept by the analytics
+    sink as before, but no longer bound to the client; raise it to keep that binding longer."""
 
     rollout_inline_bytes: int = Field(8 * 1024, ge=1024, le=8 << 20)
     """A rollout record larger than this travels without its bulk (tokens, log-probs,
@@ -112,7 +117,15 @@ class InferenceSettings(Settings, HTTPListener, TLSListener):
     recently used go first; 0 keeps none (every turn prefills its whole history)."""
 
     max_trajectories: int = Field(1024, ge=1, le=1_000_000)
-    """Open trajectories one worker keeps; past it the least recently used one ends."""
+    """Open trajectories one worker keeps, over every client. Past it, the newcomer's client's
+    own least recently used idle trajectory ends; never another client's: with none of its
+    own idle, the newcomer is refused with 503 (Retry-After: when the sweep next frees one)."""
+
+    max_trajectories_per_client: int = Field(64, ge=1, le=1_000_000)
+    """Open trajectories one client (API key's client id) keeps on one worker: its share.
+    Past it, the client's own least recently used idle trajectory ends (its next turn is told,
+    409); with none idle, the new one is refused with 429. So one client fills at most this
+    many of the worker's max_trajectories; raise it for a client that runs many agents."""
 
     ready_timeout_s: float = Field(30.0, gt=0, le=3600)
     """How long a request waits for its arm's first weights before failing with 503."""
@@ -215,6 +228,18 @@ class InferenceSettings(Settings, HTTPListener, TLSListener):
             arm, sep, url = entry.partition("=")
             urls[arm.strip()] = url.strip()
         return urls
+
+    @model_validator(mode="after")
+    def _served_marks_outlive_trajectories(self) -> InferenceSettings:
+        """A trajectory's mark is written at its first turn; its telemetry may come until it
+        ends, so the mark must outlive the longest trajectory and its idle close."""
+        longest = self.trajectory_max_s + self.trajectory_idle_s + 60
+        if self.served_ttl_s < longest:
+            raise ValueError(
+                f"served_ttl_s ({self.served_ttl_s}) must cover trajectory_max_s plus "
+                f"trajectory_idle_s and a minute ({longest:g} s)"
+            )
+        return self
 
     @model_validator(mode="after")
     def _defaults_fit_each_other(self) -> InferenceSettings:

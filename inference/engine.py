@@ -20,23 +20,22 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
 
 import torch
-from transformers import PretrainedConfig
 
 from rtrl.inference.batch import (
     RunningBatch,
     SequenceParams,
     SequenceResult,
-    SwapPolicy,
     sequence_params,
 )
+from rtrl.inference.engine_config import EngineConfig, EngineStats
 from rtrl.inference.layout import TensorLayout
 from rtrl.inference.model import Weights, servable
 from rtrl.inference.session_kv import SessionKV
-from rtrl.policy import BOS, ModelSpec, decode, demo_hf_config, encode, weights_digest
+from rtrl.policy import BOS, ModelSpec, encode, weights_digest
 
 log = logging.getLogger(__name__)
 
@@ -49,11 +48,6 @@ def prompt_token_ids(prompt: str) -> list[int]:
     return [BOS, *encode(prompt)]
 
 
-def demo_decode(token_ids: Sequence[int]) -> str:
-    """The demo policy's ids to text (its character vocabulary)."""
-    return decode(list(token_ids))
-
-
 class ArmNotReady(TimeoutError):
     """The arm had no weights within the request's ready timeout."""
 
@@ -63,43 +57,14 @@ class EngineStopped(RuntimeError):
     another one may serve it."""
 
 
+class GenerationAborted(RuntimeError):
+    """The request was aborted (``Engine.abort``): nobody reads its completion any more."""
+
+
 class EngineCrashed(RuntimeError):
     """The engine thread died of an error (logged where it happened, with its traceback):
     every request it held fails with this one. A bug, not a busy worker; the worker exits
     so the supervisor restarts it."""
-
-
-@dataclass(frozen=True)
-class EngineConfig:
-    max_batch: int = 32
-    """Most requests of one arm decoded together."""
-    batch_wait_s: float = 0.002
-    """When an arm is idle, how long its first request waits for others to share its prefill."""
-    swap_policy: SwapPolicy = "keep"
-    """On a swap, in-flight rows keep their KV cache ("keep") or re-prefill under the new weights ("recompute")."""
-    ready_timeout_s: float = 30.0
-    """How long a request waits for its arm's first weights before failing."""
-    hf_config: PretrainedConfig | None = None
-    """The served model's transformers config (a checkpoint's config.json; must match
-    the trainer's). None: the built-in demo policy's (rtrl.policy.demo_hf_config)."""
-    decode: Callable[[Sequence[int]], str] = demo_decode
-    """Generated ids to text, for stop strings and results: the model's tokenizer's."""
-    session_kv_tokens: int = 0
-    """Positions of agents' keys and values kept between turns, per arm (session_kv.py)."""
-
-    def __post_init__(self) -> None:
-        if self.max_batch < 1:
-            raise ValueError(f"max_batch must be >= 1, got {self.max_batch}")
-        if self.batch_wait_s < 0 or self.ready_timeout_s <= 0:
-            raise ValueError(
-                f"batch_wait_s must be >= 0 and ready_timeout_s > 0, got {self.batch_wait_s}, {self.ready_timeout_s}"
-            )
-        if self.swap_policy not in ("keep", "recompute"):
-            raise ValueError(f"swap_policy must be 'keep' or 'recompute', got {self.swap_policy!r}")
-
-    def model_config(self) -> PretrainedConfig:
-        """The transformers config of the model served."""
-        return demo_hf_config() if self.hf_config is None else self.hf_config
 
 
 @dataclass(frozen=True)
@@ -126,19 +91,6 @@ class _Pending:
     """Tokens already handed to on_token."""
     started: float = 0.0
     ttft_s: float = 0.0
-
-
-@dataclass
-class EngineStats:
-    completions: int = 0
-    tokens: int = 0
-    swaps: int = 0
-    batches: int = 0
-    """Prefills: groups of requests admitted together."""
-    steps: int = 0
-    """Decode steps, each over every running request of one arm."""
-    swap_pause_s: float = 0.0
-    """Time decoding stood still for swaps (the rows' re-prefill included, under "recompute")."""
 
 
 class Engine:
@@ -170,6 +122,8 @@ class Engine:
         self._digests = {arm: "" for arm in ARMS}
         """rtrl.policy.weights_digest of the weights each arm serves."""
         self._waiting: dict[str, deque[_Pending]] = {arm: deque() for arm in ARMS}
+        self._aborting: set[Future] = set()
+        """Requests to drop from their batch at the next step boundary (``abort``)."""
         self._cond = threading.Condition(threading.RLock())
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="inference-engine", daemon=True)
@@ -240,6 +194,26 @@ class Engine:
     def queue_depth(self) -> int:
         with self._cond:
             return sum(len(q) for q in self._waiting.values())
+
+    def running(self) -> int:
+        """Requests generating now (holding a row of a batch), over both arms."""
+        return sum(len(batch) for batch in self._batches.values())
+
+    def abort(self, future: Future) -> None:
+        """Stop the request ``future`` belongs to (any thread): nobody will read it. One
+        still queued leaves the queue now; one generating leaves its batch, freeing its
+        row, at the next step boundary. Its future then fails with GenerationAborted,
+        unless it finished first: wait for it to know the row is free."""
+        with self._cond:
+            for queue in self._waiting.values():
+                for pending in queue:
+                    if pending.future is future:
+                        queue.remove(pending)
+                        self._aborted(pending)
+                        return
+            if not future.done():
+                self._aborting.add(future)
+                self._cond.notify_all()
 
     def stage(self, arm: str, version: int, weights: dict[str, torch.Tensor]) -> bool:
         """Queue a version for ``arm``; the engine applies it at its next step boundary.
@@ -323,6 +297,7 @@ class Engine:
                         return
                     for arm, pendings in admissions.items():
                         self._admit(arm, pendings)
+                    self._drop_aborted()
                     for arm, batch in self._batches.items():
                         if batch:
                             self._step(arm, batch)
@@ -404,7 +379,26 @@ class Engine:
                     ),
                 )
 
+    def _drop_aborted(self) -> None:
+        """Take the rows ``abort`` asked for out of their batches (a request aborted as it
+        finished is already gone)."""
+        with self._cond:
+            aborting, self._aborting = self._aborting, set()
+        if aborting:
+            for batch in self._batches.values():
+                for pending in batch.drop(lambda owner: owner.future in aborting):
+                    self._aborted(pending)
+
+    def _aborted(self, pending: _Pending) -> None:
+        self.stats.aborted += 1
+        _fail(pending, GenerationAborted("the request was aborted: its client went away"))
+
     def _admit(self, arm: str, pendings: list[_Pending]) -> None:
+        # A request whose future was cancelled (its asyncio waiter was) is not generated;
+        # from here on its future can no longer be cancelled, only aborted.
+        pendings = [p for p in pendings if p.future.set_running_or_notify_cancel()]
+        if not pendings:
+            return
         self.stats.batches += 1
         started = time.monotonic()
         for p in pendings:
@@ -475,5 +469,7 @@ def _send(
 
 
 def _fail(pending: _Pending, exc: BaseException) -> None:
-    if not pending.future.done():
+    try:
         pending.future.set_exception(exc)
+    except InvalidStateError:  # done already, or cancelled while it waited
+        pass

@@ -35,11 +35,13 @@ def observe(
             (counters.unavailable, {"outcome": "unavailable"}),
             (counters.unrecorded, {"outcome": "unrecorded"}),
             (counters.trajectory_turns, {"outcome": "trajectory_turn"}),
+            (counters.dropped, {"outcome": "dropped"}),
         ],
         unit="{request}",
         description="Completion requests by outcome "
         "(rejected: 400, unavailable: 503, unrecorded: served, kept from training; "
-        "trajectory_turn: an agent's turn, recorded with its trajectory)",
+        "trajectory_turn: an agent's turn, recorded with its trajectory; "
+        "dropped: a stream whose client went away, its generation aborted)",
     )
     otel.observe(
         meter,
@@ -65,6 +67,7 @@ def _observe_engine(meter: Meter, engine: Engine | SGLangEngine) -> None:
         ("completions", "{completion}", "Completions finished"),
         ("tokens", "{token}", "Tokens sampled"),
         ("swaps", "{swap}", "Weight versions swapped in"),
+        ("aborted", "{request}", "Requests aborted unfinished (their client went away)"),
     ):
         otel.observe(
             meter,

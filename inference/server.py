@@ -13,8 +13,11 @@ rollout was served to. The request path is inference/completions.py. Answers:
   401  no usable API key; 403 a key without the ``completions`` scope
   413  a body over the server's bound; 429 over the key's budgets (rate, in flight,
        request size, tokens), with Retry-After where waiting helps
-  503  the arm has no weights yet (after ``ready_timeout_s``), the engine stopped, or an
-       SGLang server failed
+  409  a trajectory's turn it cannot take (one mid-turn, one lost or ended for room);
+       429 also for a client holding its share of open trajectories, all mid-turn
+  503  the arm has no weights yet (after ``ready_timeout_s``), the engine stopped, an
+       SGLang server failed, or the worker holds its bound of trajectories, none of the
+       client's own idle (inference/sessions.py)
   500  a bug (the engine crashed, or anything unforeseen): logged with its traceback
 """
 

@@ -14,11 +14,21 @@ summary, or edited it) ends the current link of the chain, whose record is then 
 and starts the next link, named as such (``not_an_extension``). Every link shares the
 trajectory's rollout id: telemetry about it, and the reward it earns, reach every link.
 
+A turn is a transaction (``Sessions.turn``): ``plan`` holds the trajectory busy and
+``complete`` commits the turn; whatever else ends it (a refusal, an engine error, a client
+gone mid-stream, a worker stopping) releases the trajectory as it was. A trajectory keeps
+the end user and the arm it was opened with: a turn naming another is refused (400).
+
 A trajectory ends when the client ends it (``DELETE /v1/trajectories/{id}``), after
-``trajectory_idle_s`` without a turn, at its turn or token limit, when the worker keeps
-too many (the least recently used ends) or when the worker stops. Its last link's record
-is written then, once. A worker that dies loses only its open trajectories; Redis
-remembers which worker served each, so the client's next turn is told which was lost.
+``trajectory_idle_s`` without a turn, at its turn or token limit, when its client opens
+more than its share (``max_trajectories_per_client``) or the worker holds its bound
+(``max_trajectories``): then the client's own least recently used idle one ends, never
+another client's (with none idle, the newcomer is refused: 429 past its share, 503 for a
+full worker). Its last link's record is written then, once; one a worker ended for room
+tells its next turn so (409), once. The sweep ends a turn running past
+``trajectory_max_s`` too, so no state outlives it. A worker that dies loses only its open
+trajectories; Redis remembers which worker served each, so the client's next turn is told
+which was lost.
 
 Rendering only the new messages: the chat template renders them after a synthetic user
 turn and an assistant turn holding a marker (Miles' session server renders a synthetic
@@ -30,101 +40,44 @@ sampled token. The end-of-turn token the policy sampled itself is not repeated.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
 import uuid
-from collections import OrderedDict
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections import Counter, OrderedDict
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from typing import Any
 
 import redis.asyncio as aioredis
 
-from rtrl.api_keys import ApiKey
 from rtrl.checkpoint import ChatTemplateError, Checkpoint
-from rtrl.inference.batch import SequenceParams
-from rtrl.inference.chat_messages import Canonical, ChatMessage, Tool, answered_message
+from rtrl.inference.chat_messages import ChatMessage, Tool, answered_message
 from rtrl.inference.config import InferenceSettings
 from rtrl.inference.engine import Completion
 from rtrl.inference.recording import KeptFromTraining, Record, RolloutPublisher
 from rtrl.inference.records import RolloutContext, generated_segment, trajectory_record
+from rtrl.inference.session_state import (
+    Opening,
+    Plan,
+    Session,
+    TrajectoriesFull,
+    TrajectoryConflict,
+    check_same_party,
+    extends,
+)
 from rtrl.trajectory import Link, LinkReason, Segment, SegmentKind, ToolCall, Trajectory
 
 log = logging.getLogger(__name__)
 
 OWNER_PREFIX = "rtrl:trajectory:"
-"""Redis: ``<prefix><client>:<trajectory id>`` names the worker serving it."""
+"""Redis: ``<prefix><client>:<trajectory id>`` names the worker serving it, or (ENDED) why
+the worker ended it to make room."""
+ENDED = "ended:"
+"""An owner value: the worker ended the trajectory for room; its next turn is told (once)."""
 
 _USER_MARK = "rtrl-synthetic-user-7f3a"
 _MARK = "rtrl-turn-boundary-7f3a"
-
-
-class TrajectoryConflict(Exception):
-    """A turn the worker cannot serve as asked (answered 409, naming the trajectory)."""
-
-
-@dataclass(frozen=True)
-class Opening:
-    """Who a trajectory is for and how it was first asked: its record's context."""
-
-    rollout_id: str
-    client_id: str
-    key: ApiKey | None
-    user_id: str
-    arm: str
-    session_id: str
-    traceparent: str
-    client_ts_ms: int
-    prompt_group_id: str
-    context_key: str
-
-
-@dataclass
-class Session:
-    """One open trajectory: its current link's ids, turns and calls."""
-
-    trajectory_id: str
-    opening: Opening
-    tools: str
-    """The offered tools, as canonical JSON: the template rendered them into the prompt."""
-    position: int = 0
-    reason: LinkReason = LinkReason.FIRST
-    messages: list[Canonical] = field(default_factory=list)
-    """The link's messages so far, canonical (ChatMessage.canonical), answered turns too."""
-    ids: list[int] = field(default_factory=list)
-    prompt_ids: tuple[int, ...] = ()
-    segments: list[Segment] = field(default_factory=list)
-    tool_calls: list[ToolCall] = field(default_factory=list)
-    final_text: str = ""
-    finish_reason: str = ""
-    params: SequenceParams | None = None
-    latency_s: float = 0.0
-    ttft_s: float = 0.0
-    turns: int = 0
-    """Assistant turns in all links."""
-    kept: KeptFromTraining | None = None
-    private: bool = False
-    busy: bool = False
-    last_used: float = field(default_factory=time.monotonic)
-    opened: float = field(default_factory=time.monotonic)
-    link_opened: float = field(default_factory=time.monotonic)
-    """When the link's first request arrived (its wall time runs from here)."""
-    answered: float = 0.0
-    """When its last turn was answered."""
-
-
-@dataclass(frozen=True)
-class Plan:
-    """What one turn generates from: the whole prompt, and what it added."""
-
-    session: Session
-    prompt_ids: list[int]
-    added: tuple[int, ...]
-    """The ids this turn put after the trajectory's (all of them, in a link's first turn)."""
-    messages: tuple[Canonical, ...]
-    """The request's messages, canonical."""
-    source: str
 
 
 class Sessions:
@@ -155,6 +108,9 @@ class Sessions:
         self._owner_ttl_s = int(settings.trajectory_idle_s) + 60
         """Redis remembers who serves a trajectory a minute past its idle end."""
         self._open: OrderedDict[tuple[str, str], Session] = OrderedDict()
+        """Least recently used first, keyed by (client, trajectory id)."""
+        self._per_client: Counter[str] = Counter()
+        """Open trajectories per client."""
         self.ended = 0
         """Trajectories ended (their last link written, or not recorded)."""
 
@@ -168,9 +124,15 @@ class Sessions:
         messages: Sequence[ChatMessage],
         tools: Sequence[Tool],
         opening: Opening,
+        *,
+        named_user: str | None = None,
+        named_arm: str | None = None,
     ) -> Plan:
         """The prompt of the trajectory's next turn; the session is busy until
-        ``complete`` or ``abandon``. Raises TrajectoryConflict, or ChatTemplateError."""
+        ``complete`` or ``abandon`` (``turn`` does one or the other). ``named_user`` and
+        ``named_arm``: what the request named (None: nothing), refused unless the
+        trajectory's own. Raises TrajectoryConflict, TrajectoriesFull, FieldRefused or
+        ChatTemplateError."""
         key = (client_id, trajectory_id)
         tools_json = json.dumps([t.template_tool() for t in tools], sort_keys=True)
         canonical = tuple(m.canonical() for m in messages)
@@ -180,14 +142,16 @@ class Sessions:
                 f"trajectory {trajectory_id!r} is serving a turn: send its next turn after "
                 "that one is answered"
             )
-        if session is None:
+        if session is not None:
+            check_same_party(session.opening, named_user, named_arm)
+        else:
             session = await self._new(key, opening, tools_json)
         session.busy = True
         session.last_used = time.monotonic()
         self._open.move_to_end(key)
         try:
             await self._redis.expire(_owner_key(key), self._owner_ttl_s)
-            if session.ids and _extends(session, canonical, tools_json):
+            if session.ids and extends(session, canonical, tools_json):
                 new = messages[len(session.messages) :]
                 added = await asyncio.to_thread(self._continuation, session, new, tools)
                 source = "tool" if any(m.role == "tool" for m in new) else new[0].role
@@ -201,6 +165,19 @@ class Sessions:
         except BaseException:
             self.abandon(session)
             raise
+
+    @contextlib.asynccontextmanager
+    async def turn(self, plan: Plan | None) -> AsyncIterator[None]:
+        """A turn as a transaction, from its ``plan`` to its answer: ``complete`` commits
+        it, and whatever else ends it (a refusal, an engine error, a client gone
+        mid-stream, a worker stopping) releases its trajectory as it was, so no path leaves
+        it busy. Enter it right after ``plan`` returns (no await between). None: a request
+        outside any trajectory, holding nothing."""
+        try:
+            yield
+        finally:
+            if plan is not None and plan.session.busy:
+                self.abandon(plan.session)
 
     def complete(
         self,
@@ -242,7 +219,7 @@ class Sessions:
         """A turn that was not served: the trajectory is as it was."""
         session.busy = False
         if session.turns == 0:  # a trajectory never served: it was not opened
-            self._open.pop(self._key_of(session), None)
+            self._drop(session)
 
     def engine_session(self, plan: Plan) -> str:
         """The key the engine keeps the link's keys and values under, between turns."""
@@ -253,30 +230,47 @@ class Sessions:
         return sum(s.kind is SegmentKind.GENERATED for s in plan.session.segments)
 
     async def end(self, client_id: str, trajectory_id: str) -> Session | None:
-        """End a trajectory at the client's word; None if it is not open here."""
+        """End a trajectory at the client's word; None if it is not open here. Raises
+        TrajectoryConflict while it serves a turn."""
         session = self._open.get((client_id, trajectory_id))
-        if session is None or session.busy:
+        if session is None:
             return None
+        if session.busy:
+            raise TrajectoryConflict(
+                f"trajectory {trajectory_id!r} is serving a turn: end it once that is answered"
+            )
         await self._close(session)
         return session
 
     async def sweep(self) -> None:
-        """End idle trajectories, and those open for trajectory_max_s, every second, until
-        cancelled. A trajectory whose end fails (Redis unreachable) is logged and the sweep
-        goes on."""
+        """Every second until cancelled, end what ``stale`` names. A trajectory whose end
+        fails (Redis unreachable) is logged and the sweep goes on."""
         while True:
             await asyncio.sleep(1.0)
-            now = time.monotonic()
-            idle, old = now - self.settings.trajectory_idle_s, now - self.settings.trajectory_max_s
-            for session in [
-                s
-                for s in self._open.values()
-                if (s.last_used < idle or s.opened < old) and not s.busy
-            ]:
+            for session in self.stale(time.monotonic()):
+                if session.busy:
+                    log.warning(
+                        "trajectory %s: a turn ran past trajectory_max_s; the trajectory "
+                        "ends without it",
+                        session.trajectory_id,
+                    )
                 try:
                     await self._close(session)
                 except Exception:
                     log.exception("trajectory %s: its idle end failed", session.trajectory_id)
+
+    def stale(self, now: float) -> list[Session]:
+        """The trajectories to end at ``now``, in every state: idle for trajectory_idle_s,
+        open for trajectory_max_s, or mid-turn for trajectory_max_s (no turn takes that
+        long but a leaked one)."""
+        s = self.settings
+        idle, old = now - s.trajectory_idle_s, now - s.trajectory_max_s
+        return [
+            session
+            for session in self._open.values()
+            if session.last_used < old
+            or (not session.busy and (session.last_used < idle or session.opened < old))
+        ]
 
     async def close_all(self) -> None:
         """The worker is stopping: every open trajectory ends and is written."""
@@ -293,27 +287,78 @@ class Sessions:
         the same id meanwhile is refused as a concurrent turn."""
         session = Session(key[1], opening, tools_json, busy=True)
         self._open[key] = session
+        self._per_client[key[0]] += 1
         try:
-            while len(self._open) > self.settings.max_trajectories:
-                idle = next((s for s in self._open.values() if not s.busy), None)
-                if idle is None:
-                    raise TrajectoryConflict(
-                        f"this worker serves {len(self._open) - 1} trajectories, all mid-turn"
-                    )
-                await self._close(idle)
             await self._check_not_lost(key)
+            await self._make_room(key[0])
             await self._redis.set(_owner_key(key), self._owner, ex=self._owner_ttl_s)
             await self.publisher.mark_served(opening.rollout_id, opening.key)
         except BaseException:
-            del self._open[key]
+            self._drop(session)
             raise
         return session
+
+    async def _make_room(self, client_id: str) -> None:
+        """Room for the trajectory ``client_id`` just opened (already counted): past its
+        share or the worker's bound, the client's own least recently used idle trajectory
+        ends (its next turn is told). Never another client's: with none of its own idle,
+        raises TrajectoriesFull."""
+        s = self.settings
+        while (mine := self._per_client[client_id]) > s.max_trajectories_per_client or len(
+            self._open
+        ) > s.max_trajectories:
+            share = mine > s.max_trajectories_per_client
+            idle = next(
+                (t for (c, _), t in self._open.items() if c == client_id and not t.busy), None
+            )
+            if idle is not None:
+                why = "its client's share" if share else "the worker's bound"
+                await self._close(idle, ended=f"it was the least recently used at {why}")
+            elif share:
+                raise TrajectoriesFull(
+                    429,
+                    f"client {client_id!r} holds its share of {s.max_trajectories_per_client} "
+                    "open trajectories on this worker, all mid-turn: end one "
+                    "(DELETE /v1/trajectories/{id}) or wait for a turn to be answered",
+                    1.0,
+                )
+            else:
+                raise TrajectoriesFull(
+                    503,
+                    f"this worker holds its bound of {s.max_trajectories} open trajectories, "
+                    "none of them this client's to end: retry later, or on another worker",
+                    self._next_idle_end_s(),
+                )
+
+    def _next_idle_end_s(self) -> float:
+        """Seconds until the sweep ends the least recently used idle trajectory (at least 1)."""
+        used = min((t.last_used for t in self._open.values() if not t.busy), default=None)
+        if used is None:
+            return self.settings.trajectory_idle_s
+        return max(1.0, used + self.settings.trajectory_idle_s - time.monotonic())
+
+    def _drop(self, session: Session) -> bool:
+        """Forget ``session`` if it is the one open under its key; True if it was."""
+        key = self._key_of(session)
+        if self._open.get(key) is not session:
+            return False
+        del self._open[key]
+        self._per_client[key[0]] -= 1
+        if not self._per_client[key[0]]:
+            del self._per_client[key[0]]
+        return True
 
     async def _check_not_lost(self, key: tuple[str, str]) -> None:
         """Raise TrajectoryConflict, once, for a trajectory an earlier run or another
         worker was serving: its turns so far are gone."""
         stored = await self._redis.getdel(_owner_key(key))
         owner = stored.decode() if isinstance(stored, bytes) else stored
+        if owner is not None and owner.startswith(ENDED):
+            raise TrajectoryConflict(
+                f"trajectory {key[1]!r} was ended by this worker ({owner.removeprefix(ENDED)}), "
+                "and its turns so far were recorded: this trajectory id starts anew on the "
+                "next request"
+            )
         if owner is not None and owner != self._owner:
             worker = owner.partition("/")[0]
             raise TrajectoryConflict(
@@ -344,15 +389,19 @@ class Sessions:
             [t.template_tool() for t in tools],
         )
 
-    async def _close(self, session: Session) -> None:
-        key = self._key_of(session)
-        if self._open.get(key) is not session:
+    async def _close(self, session: Session, *, ended: str = "") -> None:
+        """End ``session`` and write its last link. ``ended``: why the worker ended it to
+        make room, told to the trajectory's next turn."""
+        if not self._drop(session):
             return
-        del self._open[key]
         self.ended += 1
         self._forget(_engine_key(session))
         await self._write(session, final=True)  # first: the record does not wait on Redis
-        await self._redis.delete(_owner_key(key))
+        key = _owner_key(self._key_of(session))
+        if ended:
+            await self._redis.set(key, ENDED + ended, ex=self._owner_ttl_s)
+        else:
+            await self._redis.delete(key)
 
     async def _write(self, session: Session, *, final: bool) -> None:
         """The link's record, unless it holds no turn or is private or kept from training."""
@@ -416,27 +465,19 @@ def continuation_ids(
         {"role": "assistant", "content": _MARK},
         *new,
     ]
-    text = policy.render_text(synthetic, tools)
+    rendered = policy.render(synthetic, tools)
+    text = rendered.text
     at = text.find(_MARK)
     if at < 0 or text.find(_MARK, at + 1) >= 0:
         raise ChatTemplateError(
             "the chat template does not render an assistant turn's content as given, so "
             "a trajectory's next turn cannot be told from its history"
         )
-    tail = text[at + len(_MARK) :]
+    start = at + len(_MARK)
     if last_id in policy.eos_token_ids:
-        tail = tail.removeprefix(str(policy.tokenizer.convert_ids_to_tokens(last_id)))
-    return policy.tokenize(tail)
-
-
-def _extends(session: Session, messages: tuple[Canonical, ...], tools_json: str) -> bool:
-    """The request repeats the link's messages and tools, and adds at least one message."""
-    n = len(session.messages)
-    return (
-        tools_json == session.tools
-        and len(messages) > n
-        and messages[:n] == tuple(session.messages)
-    )
+        sampled_end = str(policy.tokenizer.convert_ids_to_tokens(last_id))
+        start += len(sampled_end) if text.startswith(sampled_end, start) else 0
+    return policy.tokenize(rendered.tail(start))
 
 
 def _engine_key(session: Session) -> str:

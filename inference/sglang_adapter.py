@@ -301,6 +301,16 @@ class SGLangEngine:
     def forget_session(self, session: str) -> None:
         """Nothing is kept per session here (SGLang's radix cache evicts on its own)."""
 
+    def abort(self, future: Future) -> None:
+        """Drop a request still queued for a connection (the serving API's ``Engine.abort``).
+        One SGLang is already generating runs to its end, bounded by ``timeout_s``: its
+        waiter holds the request's budget until then. Streams, the way a client drops a
+        generation, are the embedded engine's alone."""
+        if future.cancel():
+            with self._lock:
+                self._in_flight -= 1
+            self.stats.aborted += 1
+
     def versions(self) -> dict[str, int]:
         with self._lock:
             return dict(self._versions)

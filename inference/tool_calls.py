@@ -26,6 +26,9 @@ valid or not; ``!`` anywhere else is text.
 whatever pieces the text arrives in (tests/inference/test_tool_calls.py splits every case
 at every point); ``parse`` is one fed the whole text at once.
 
+JSON nested past rtrl/bounded_json.py's bound is broken JSON too: the call is invalid,
+the parser never recurses that deep.
+
 A Hermes block closes at the first ``</tool_call>`` after which its JSON is complete, so
 a literal ``</tool_call>`` inside an argument's string does not cut the call short; a block
 whose JSON is broken before its end closes at its first tag.
@@ -38,6 +41,8 @@ import re
 from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
+
+from rtrl.bounded_json import check_depth
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 BANG_MARK = "rtrl-tool-calls: bang"
@@ -179,6 +184,7 @@ class StreamingParser:
         """A closed block's call, valid or with the reason it is not."""
         body = block.strip()
         try:
+            check_depth(body)
             value, end = _DECODER.raw_decode(body)
         except json.JSONDecodeError as exc:
             return ParsedCall(_name_of(body), block, False, f"the call is not JSON: {exc}")
@@ -190,6 +196,7 @@ class StreamingParser:
         arguments = value.get("arguments", value.get("parameters", {}))
         if isinstance(arguments, str):  # some models write the object as a JSON string
             try:
+                check_depth(arguments)
                 arguments = json.loads(arguments)
             except json.JSONDecodeError:
                 pass
@@ -258,6 +265,7 @@ class BangParser:
         if not rest.strip():
             return _offered(head, {}, self._tools)
         try:
+            check_depth(rest)
             arguments = json.loads(rest)
         except json.JSONDecodeError as exc:
             return ParsedCall(head, rest, False, f"the arguments are not JSON: {exc}")
@@ -298,6 +306,7 @@ def _json_status(text: str) -> str:
     could still make it one, "broken" when nothing after it can."""
     body = text.strip()
     try:
+        check_depth(body)
         _, end = _DECODER.raw_decode(body)
     except json.JSONDecodeError as exc:
         cut = exc.msg.startswith("Unterminated string") or exc.pos >= len(body)

@@ -9,11 +9,12 @@ from pydantic_settings import SettingsConfigDict
 
 from rtrl.config import MacKey, RequiredSecret, Settings, StackSettings
 from rtrl.event_time import EventTimeWindow
+from rtrl.grpc_limits import GRPCAgedListener
 from rtrl.http_limits import HTTPListener
 from rtrl.tls import TLSListener
 
 
-class IngestSettings(Settings, HTTPListener, TLSListener):
+class IngestSettings(Settings, HTTPListener, GRPCAgedListener, TLSListener):
     model_config = SettingsConfigDict(env_prefix="RTRL_INGEST_")
 
     bind_host: str = "127.0.0.1"
@@ -65,6 +66,14 @@ class IngestSettings(Settings, HTTPListener, TLSListener):
 
     auth_required: bool = True
     """Refuse requests without a valid API key (rtrl/api_keys.py). Off only for local experiments."""
+
+    key_bytes_per_event: int = Field(8 * 1024, ge=0, le=1024 * 1024)
+    """Event bytes a key may send per event of its rate: its events per second and burst
+    (signed in its record) times this are its bytes per second and burst, spent from a
+    bucket of their own (429 naming the byte budget when spent). With the default
+    budgets, 160 KiB/s in bursts of 480 KiB: an editor's events are a few KB, and a key
+    sending 68 KB edits (the largest the gateway takes) writes 2.4 a second, not 20.
+    0: no byte budget; a key without a rate has none either."""
 
     key_cache_ttl_s: float = Field(1.0, gt=0, le=300)
     """How long a gateway trusts a key record it read from Redis: a revocation takes effect within this."""

@@ -118,6 +118,7 @@ return n
 """
 
 _tracer = trace.get_tracer("rtrl.ingest")
+_UNSERVED = ((kafka.UNSERVED_HEADER, b"1"),)
 
 
 class Producer(Protocol):
@@ -237,7 +238,15 @@ class Gateway:
             else:
                 first_seen[event.event_id] = i
                 fresh.append(i)
-        await self._write_admitted(events, fresh, results, headers)
+        # Events about a rollout no worker served (the serving API marks each before its
+        # answer) are stamped so: the joiner drops them when their window closes
+        # (kafka.UNSERVED_HEADER).
+        unserved = frozenset(
+            event.rollout_id
+            for event, client in zip(events, served_to, strict=True)
+            if key is not None and client is None
+        )
+        await self._write_admitted(events, fresh, results, headers, unserved)
         for i, j in repeats:
             first = results[j]
             assert first is not None  # j is fresh, and every fresh event has its result by now
@@ -283,9 +292,11 @@ class Gateway:
         fresh: list[int],
         results: list[ingest_pb2.EventResult | None],
         headers: list[tuple[str, bytes]],
+        unserved: frozenset[str] = frozenset(),
     ) -> None:
         """Writes the fresh events the in-flight budget admits and answers RETRY to the rest,
-        filling ``results`` at their indices."""
+        filling ``results`` at their indices. Events about a rollout in ``unserved`` are
+        written with kafka.UNSERVED_HEADER."""
         admitted = fresh[: max(self._max_inflight - self.inflight, 0)]
         for i in fresh[len(admitted) :]:
             results[i] = _result(
@@ -297,7 +308,7 @@ class Gateway:
         # Reserve the capacity before the first await so concurrent requests see it.
         self.inflight += len(admitted)
         try:
-            outcomes = await self._write([events[i] for i in admitted], headers)
+            outcomes = await self._write([events[i] for i in admitted], headers, unserved)
         finally:
             self.inflight -= len(admitted)
         for i, outcome in zip(admitted, outcomes, strict=True):
@@ -311,7 +322,10 @@ class Gateway:
         return [value.decode() if isinstance(value, bytes) else value for value in found]
 
     async def _write(
-        self, events: list[telemetry_pb2.TelemetryEvent], headers: list[tuple[str, bytes]]
+        self,
+        events: list[telemetry_pb2.TelemetryEvent],
+        headers: list[tuple[str, bytes]],
+        unserved: frozenset[str] = frozenset(),
     ) -> list[ingest_pb2.EventResult]:
         if not events:
             return []
@@ -336,7 +350,7 @@ class Gateway:
                     "another request is writing this event_id, retry later",
                 )
         if to_produce:
-            await self._produce(events, to_produce, results, headers)
+            await self._produce(events, to_produce, results, headers, unserved)
         return _answered(results)
 
     async def _claim_all(self, events: list[telemetry_pb2.TelemetryEvent]) -> list[int]:
@@ -358,6 +372,7 @@ class Gateway:
         to_produce: list[int],
         results: list[ingest_pb2.EventResult | None],
         headers: list[tuple[str, bytes]],
+        unserved: frozenset[str] = frozenset(),
     ) -> None:
         """Produces the claimed events, then marks each done (ACCEPTED) or releases its
         claim (RETRY), filling ``results`` at their indices."""
@@ -371,7 +386,11 @@ class Gateway:
                     topics.BY_PAYLOAD[events[i].WhichOneof("payload")],
                     value,
                     events[i].rollout_id,
-                    [*headers, *self._signer.headers(value)],
+                    [
+                        *headers,
+                        *(_UNSERVED if events[i].rollout_id in unserved else ()),
+                        *self._signer.headers(value),
+                    ],
                 )
             )
         errors = await self._producer.send_batch(records)
@@ -406,12 +425,16 @@ async def batch_refusal(
 ) -> Refusal | None:
     """May this key send this batch now: 403 when it may send none of the batch's event
     types (``Gateway.publish`` rejects the others one by one), 429 when its events per
-    second are spent. Both front ends ask this once the batch is parsed."""
+    second, or its event bytes per second, are spent. Both front ends ask this once the
+    batch is parsed."""
     kinds = {kind for event in events if (kind := event.WhichOneof("payload")) is not None}
     refusal = admission.scope_refusal(key, kinds)
     if refusal is not None:
         return refusal
-    return await admission.rate_refusal(key, len(events), "events")
+    refusal = await admission.rate_refusal(key, len(events), "events")
+    if refusal is not None or key is None:
+        return refusal
+    return await admission.byte_refusal(key, sum(event.ByteSize() for event in events))
 
 
 def _answered(results: list[ingest_pb2.EventResult | None]) -> list[ingest_pb2.EventResult]:

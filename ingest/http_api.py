@@ -16,6 +16,7 @@ import aiohttp.http_exceptions
 from aiohttp import web
 from google.protobuf import json_format
 
+from rtrl import bounded_json
 from rtrl.admission import Admission, Refusal
 from rtrl.ingest import sdk_counts
 from rtrl.ingest.config import IngestSettings
@@ -143,13 +144,15 @@ def _parse_batch(
     PublishEventsRequest, or more events than max_batch."""
     try:
         text = raw.decode("utf-8")
+        # Parsed within the nesting bound first, so no parser after it recurses past it.
+        value = bounded_json.loads(text)
         batch = json_format.Parse(text, ingest_pb2.PublishEventsRequest())
         problem = _json_type_error(
-            json.loads(text), ingest_pb2.PublishEventsRequest.DESCRIPTOR, "PublishEventsRequest"
+            value, ingest_pb2.PublishEventsRequest.DESCRIPTOR, "PublishEventsRequest"
         )
         if problem:
             raise json_format.ParseError(problem)
-    except (UnicodeDecodeError, json_format.ParseError) as exc:
+    except (UnicodeDecodeError, json.JSONDecodeError, json_format.ParseError) as exc:
         return _error(400, f"body is not the JSON form of rtrl.v1.PublishEventsRequest: {exc}")
     if len(batch.events) > settings.max_batch:
         return _error(

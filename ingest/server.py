@@ -1,7 +1,8 @@
 """The ingest process: HTTP and gRPC front ends over one Gateway, plus its heartbeat.
 
 Every request carries an API key (``Authorization: Bearer <key>``; gRPC metadata
-``authorization``), checked against rtrl/api_keys.py before its body is looked at.
+``authorization``), checked against rtrl/api_keys.py before its body is looked at (on gRPC,
+before its message is read: rtrl/grpc_limits.py, which also closes idle connections).
 
 HTTP ``POST /v1/events`` takes the protobuf JSON mapping of PublishEventsRequest
 (camelCase or original field names) and answers a JSON PublishEventsResponse:
@@ -39,10 +40,11 @@ from rtrl import entrypoint, heartbeat, kafka, otel, signing
 from rtrl.admission import REFUSAL_STATUSES, Admission
 from rtrl.api_keys import KeyCache, KeyVerifier, RateLimiter
 from rtrl.config import StackSettings
+from rtrl.grpc_limits import CredentialsCheck, CredentialsFirst
 from rtrl.http_limits import serve_http
 from rtrl.ingest.config import IngestSettings
 from rtrl.ingest.gateway import Gateway
-from rtrl.ingest.grpc_api import IngestServicer
+from rtrl.ingest.grpc_api import GRPC_CODE, IngestServicer
 from rtrl.ingest.http_api import build_http_app
 from rtrl.runtime import bounded, service_process, until_stopped
 
@@ -136,7 +138,11 @@ def _admission(stack: StackSettings, settings: IngestSettings, redis: aioredis.R
         log.warning("RTRL_INGEST_AUTH_REQUIRED=false: accepting events without an API key")
         return Admission(None, None)
     verifier = KeyVerifier(signing.parse_public_keys(stack.api_key_public_keys))
-    return Admission(KeyCache(redis, settings.key_cache_ttl_s, verifier), RateLimiter(redis))
+    return Admission(
+        KeyCache(redis, settings.key_cache_ttl_s, verifier),
+        RateLimiter(redis),
+        bytes_per_event=settings.key_bytes_per_event,
+    )
 
 
 async def _serve_http(
@@ -154,8 +160,10 @@ async def _serve_http(
 async def _serve_grpc(
     gateway: Gateway, settings: IngestSettings, admission: Admission
 ) -> grpc.aio.Server:
-    options = [("grpc.max_receive_message_length", settings.max_body_bytes)]
-    grpc_server = grpc.aio.server(options=options)
+    grpc_server = grpc.aio.server(
+        options=settings.grpc_server_options(settings.max_body_bytes),
+        interceptors=[CredentialsFirst(_grpc_credentials_check(admission))],
+    )
     grpc_server.add_generic_rpc_handlers((IngestServicer(gateway, settings, admission).handler(),))
     address = f"{settings.bind_host}:{settings.grpc_port}"
     credentials = settings.grpc_credentials()
@@ -168,6 +176,17 @@ async def _serve_grpc(
         raise RuntimeError(f"cannot bind gRPC to {address}")
     await grpc_server.start()
     return grpc_server
+
+
+def _grpc_credentials_check(admission: Admission) -> CredentialsCheck:
+    """The API key from a call's metadata, checked before its message is read: a keyless
+    call is refused UNAUTHENTICATED without its message ever being held (rtrl/grpc_limits.py)."""
+
+    async def check(metadata: dict[str, str]) -> tuple[grpc.StatusCode, str] | None:
+        _, refusal = await admission.authenticate(metadata.get("authorization", ""))
+        return None if refusal is None else (GRPC_CODE[refusal.status], refusal.message)
+
+    return check
 
 
 def _observe(gateway: Gateway, admission: Admission) -> None:

@@ -8,12 +8,12 @@ import uuid
 from dataclasses import dataclass
 
 from rtrl.event_time import EventTimeWindow
+from rtrl.field_bounds import MAX_ID_CHARS as MAX_ID_CHARS
+from rtrl.field_bounds import MAX_PATH_BYTES as MAX_PATH_BYTES
+from rtrl.field_bounds import MAX_TEXT_BYTES as MAX_TEXT_BYTES
 from rtrl_client.v1 import telemetry_pb2
 
 SCHEMA_VERSION = 1
-MAX_ID_CHARS = 128
-MAX_TEXT_BYTES = 64 * 1024
-MAX_PATH_BYTES = 4 * 1024
 # The defaults of IngestSettings.client_ts_max_future_s / client_ts_max_age_s.
 CLIENT_TS_WINDOW = EventTimeWindow(max_future_ms=5 * 60 * 1000, max_age_ms=7 * 24 * 3600 * 1000)
 

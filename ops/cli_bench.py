@@ -178,3 +178,31 @@ def bench_ingest(
             out, c, events_per_round=events, batch=batch, concurrency=concurrency, rounds=rounds
         ),
     )
+
+
+@bench_app.command("serving-abuse")
+def bench_serving_abuse(
+    over_context: int = typer.Option(2_000, help="Over-context first turns from one default key."),
+    dropped: int = typer.Option(500, help="Streams it drops after their first token."),
+    drop_rate: float = typer.Option(20.0, help="Dropped streams per second beside the probes."),
+    probes: int = typer.Option(100, help="The neighbour's agents per phase (3 requests each)."),
+    out: Path = typer.Option(
+        Path("bench/results/serving_abuse.json"), help="Where the results go."
+    ),
+    as_json: bool = JSON_OPTION,
+) -> None:
+    """One default key's refused turns and dropped streams against another client's agent."""
+    from rtrl.bench.serving_abuse import run
+
+    _bench(
+        as_json,
+        out,
+        lambda c: run(
+            out,
+            c,
+            over_context=over_context,
+            dropped=dropped,
+            drop_rate_per_s=drop_rate,
+            probes=probes,
+        ),  # fmt: skip
+    )

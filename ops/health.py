@@ -69,9 +69,11 @@ def ready(beat: heartbeat.Beat) -> tuple[bool, str]:
 def check(stack: StackFile) -> list[ComponentHealth]:
     client = redis.Redis.from_url(stack.redis_url_as("operator"), socket_timeout=2)
     try:
-        beats = {beat.name: beat for beat in heartbeat.read(client)}
+        read, unreadable = heartbeat.read_checked(client)
+        beats = {beat.name: beat for beat in read}
+        invalid = {beat.name: beat.reason for beat in unreadable}
     except redis.RedisError as exc:
-        beats = {}
+        beats, invalid = {}, {}
         redis_detail = f"unreachable: {exc}"
     else:
         redis_detail = "ok"
@@ -90,6 +92,8 @@ def check(stack: StackFile) -> list[ComponentHealth]:
             beat = None  # left in the durable Redis by the previous run's process
         if spec.state == "failed":
             rows.append(ComponentHealth(spec.key, False, f"failed after {spec.restarts} restarts"))
+        elif spec.key in invalid:
+            rows.append(ComponentHealth(spec.key, False, f"invalid heartbeat: {invalid[spec.key]}"))
         elif beat is None:
             rows.append(
                 ComponentHealth(
@@ -119,6 +123,8 @@ def main() -> None:
     client = redis.Redis.from_url(settings.redis_url, socket_timeout=3)
     try:
         beat = heartbeat.read_one(client, sys.argv[1], settings.instance)
+    except heartbeat.HeartbeatError as error:
+        sys.exit(f"{sys.argv[1]}:{settings.instance}: invalid heartbeat: {error}")
     finally:
         client.close()
     if beat is None:

@@ -28,7 +28,13 @@ SERVICE = (
     "resetkeys resetchannels -@all +@read +@write +@scripting +@transaction +@connection "
     "-@dangerous"
 )
-BEAT = "~rtrl:hb:*"
+
+
+def beat(service: str) -> str:
+    """The heartbeats ``service`` may write: its own (rtrl/heartbeat.py's key), never another
+    service's, so no service can forge the beat `rtrl status` reads another one's state from.
+    It may read them all (nothing in a beat is secret: tests/e2e/test_e2e.py searches them)."""
+    return f"~rtrl:hb:{service}:* %R~rtrl:hb:*"
 
 
 @dataclass(frozen=True)
@@ -50,7 +56,7 @@ USERS: tuple[RedisUser, ...] = (
     ),
     RedisUser(
         "ingest",
-        f"{SERVICE} {BEAT} ~rtrl:ingest:event:* ~rtrl:ingest:inflight ~rtrl:ingest:bucket:* "
+        f"{SERVICE} {beat('ingest')} ~rtrl:ingest:event:* ~rtrl:ingest:inflight ~rtrl:ingest:bucket:* "
         "~rtrl:privacy:* ~rtrl:ingest:private-users %R~rtrl:ingest:key:* "
         "%R~rtrl:ingest:client:* %R~rtrl:served:*",
         (
@@ -62,7 +68,7 @@ USERS: tuple[RedisUser, ...] = (
     ),
     RedisUser(
         "inference",
-        f"{SERVICE} {BEAT} ~rtrl:ingest:bucket:* %W~rtrl:served:* ~rtrl:applied:* "
+        f"{SERVICE} {beat('inference')} ~rtrl:ingest:bucket:* %W~rtrl:served:* ~rtrl:applied:* "
         "~rtrl:trajectory:* %R~rtrl:ingest:key:* %R~rtrl:ingest:private-users",
         (
             "The serving API: reads key records and the private-users set, spends rate buckets,",
@@ -72,16 +78,16 @@ USERS: tuple[RedisUser, ...] = (
     ),
     RedisUser(
         "weight_sync",
-        f"{SERVICE} +@pubsub {BEAT} ~rtrl:ws:* &{registry.PUBLISHED_PATTERN}",
+        f"{SERVICE} +@pubsub {beat('weight_sync')} ~rtrl:ws:* &{registry.PUBLISHED_PATTERN}",
         (
             "The weight registry, and the channels that announce its versions. Redis matches",
             "a pattern subscription literally against channel rules, so the rule is the very",
             "pattern the servers subscribe to (which also matches each arm's channel).",
         ),
     ),
-    RedisUser("trainer", f"{SERVICE} {BEAT}", ("The rest only say they are alive.",)),
-    RedisUser("reward_stream", f"{SERVICE} {BEAT}", ()),
-    RedisUser("analytics", f"{SERVICE} {BEAT}", ()),
+    RedisUser("trainer", f"{SERVICE} {beat('trainer')}", ("The rest only say they are alive.",)),
+    RedisUser("reward_stream", f"{SERVICE} {beat('reward_stream')}", ()),
+    RedisUser("analytics", f"{SERVICE} {beat('analytics')}", ()),
 )
 
 ACL_FILE = Path("redis") / "users.acl"

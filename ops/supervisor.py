@@ -25,6 +25,7 @@ from rtrl.ops.stack import (
     embedded_trainer_env,
     stack_path,
 )
+from rtrl.rotation import rotate_if_over
 from rtrl.runtime import owner_only_files
 
 log = logging.getLogger("rtrl.ops.supervisor")
@@ -32,6 +33,8 @@ log = logging.getLogger("rtrl.ops.supervisor")
 # How often the supervisor records what the memory-only broker holds that nothing
 # durable has taken in yet (broker_record.py): the loss a crash would cause.
 MEASURE_EVERY_S = 10.0
+ROTATE_LOGS_EVERY_S = 5.0
+"""How often the logs are checked against RTRL_LOG_MAX_BYTES (a stat per file)."""
 
 # Port environment variables each service reads.
 PORTS = {
@@ -68,6 +71,7 @@ class Supervisor:
         self.stack: StackFile | None = None
         self.broker: broker_record.BrokerHistory | None = None
         self.measured_at = 0.0
+        self.rotated_at = 0.0
 
     @property
     def started_stack(self) -> StackFile:
@@ -168,7 +172,19 @@ class Supervisor:
                 self._save()
             if time.monotonic() - self.measured_at >= MEASURE_EVERY_S:
                 self._measure_broker(final=False)
+            if time.monotonic() - self.rotated_at >= ROTATE_LOGS_EVERY_S:
+                self._rotate_logs()
             time.sleep(0.5)
+
+    def _rotate_logs(self) -> None:
+        """Every log under ``<state_dir>/logs/`` over RTRL_LOG_MAX_BYTES copied to its
+        ``.1`` and truncated under its writers (rtrl/rotation.py)."""
+        self.rotated_at = time.monotonic()
+        for path in (self.state_dir / "logs").glob("*"):
+            if path.suffix in (".log", ".out") and rotate_if_over(
+                path, self.settings.log_max_bytes
+            ):
+                log.info("rotated %s past %d bytes", path.name, self.settings.log_max_bytes)
 
     def _measure_broker(self, *, final: bool) -> None:
         """Record what the broker holds that nothing durable has taken in yet; a reading

@@ -255,6 +255,8 @@ _OUTCOMES = (
     "privacy_dropped",
     "unauthenticated",
     "foreign",
+    "orphans_dropped",
+    "evicted",
 )
 """The joiner's counters read as ``rtrl.reward_stream.outcomes``, one label value each."""
 

@@ -76,6 +76,8 @@ def decode(
         caught_up,
         raw,
         link,
+        client_id=message.client_id,
+        size=len(value),
     )
 
 

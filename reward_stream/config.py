@@ -38,6 +38,17 @@ class RewardStreamSettings(Settings):
     settled_ttl_s: float = Field(600.0, ge=0)
     """How long settled rollout ids are remembered to route late events to the .late topic."""
 
+    orphan_bytes_per_client: int = Field(8 * 1024 * 1024, ge=256 * 1024)
+    """Bytes of telemetry one client's rollouts without a RolloutRecord yet may hold, per
+    partition (the client is the gateway's stamp of the sending key). Past it the client's
+    oldest such rollout is evicted (counted as ``evicted``): a client flooding made-up
+    rollout ids evicts only its own. An editor's open agent trajectories hold a few KB
+    each; the default is ~120 events at the gateway's largest (68 KB)."""
+
+    orphan_bytes: int = Field(64 * 1024 * 1024, ge=256 * 1024)
+    """Bytes of telemetry all rollouts without a RolloutRecord yet may hold, per partition
+    (>= orphan_bytes_per_client). Past it the oldest such rollout of any client is evicted."""
+
     event_time_max_future_s: float = Field(600.0, ge=0, le=24 * 3600)
     """A record whose event time (``client_ts_ms``) is more than this ahead of the joiner's
     wall clock is dead-lettered (.dlq, reason in the ``error`` header): it neither joins
@@ -178,4 +189,6 @@ class RewardStreamSettings(Settings):
             settled_ttl_ms=round(self.settled_ttl_s * 1000),
             max_future_ms=round(self.event_time_max_future_s * 1000),
             max_age_ms=round(self.event_time_max_age_s * 1000),
+            orphan_bytes_per_client=self.orphan_bytes_per_client,
+            orphan_bytes=self.orphan_bytes,
         )

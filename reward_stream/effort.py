@@ -29,21 +29,35 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from rtrl.trajectory_summary import Summary
 
+MIN_UNIT = 1e-3
+"""The smallest a unit may be (a thousandth of a token, call or turn): any smaller and a
+count divided by it leaves the floats a penalty is computed in."""
+MAX_UNIT = 1e9
+
 
 class EffortCurve(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    """The curve's numbers, each finite and bounded (checked when the joiner starts), so that
+    the penalty of any trajectory a record can describe (every count up to 2**64) is a number
+    within [0, cap]: at the steepest, (4 * 2**64 / 0.001) ** 4 * 100 is about 1e94, far from
+    a float's 1e308. An exponent of 1e308 raised OverflowError on the first long trajectory
+    and crash-looped the joiner."""
 
-    tokens: float = Field(64.0, gt=0)
+    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
+
+    tokens: float = Field(64.0, ge=MIN_UNIT, le=MAX_UNIT)
     """Generated tokens per unit."""
-    calls: float = Field(2.0, gt=0)
+    calls: float = Field(2.0, ge=MIN_UNIT, le=MAX_UNIT)
     """Tool calls per unit."""
-    turns: float = Field(2.0, gt=0)
+    turns: float = Field(2.0, ge=MIN_UNIT, le=MAX_UNIT)
     """Assistant turns per unit."""
-    io: float = Field(32.0, gt=0)
+    io: float = Field(32.0, ge=MIN_UNIT, le=MAX_UNIT)
     """Observed tokens (the tools' answers) per unit."""
-    weight: float = Field(0.01, ge=0)
-    exponent: float = Field(2.0, ge=1)
-    cap: float = Field(0.5, ge=0)
+    weight: float = Field(0.01, ge=0, le=100)
+    """The penalty of one unit (before the exponent)."""
+    exponent: float = Field(2.0, ge=1, le=4)
+    """How much steeper than a line: 2 is a square; past 4 a curve says nothing a cap does not."""
+    cap: float = Field(0.5, ge=0, le=10)
+    """The most any trajectory is charged: the agentic scalars lie within a few units of 0."""
 
     def units(self, summary: Summary) -> float:
         return (

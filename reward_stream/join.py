@@ -55,6 +55,29 @@ before it are in; it settles then as one rollout, the final link as its ``rollou
 the others as its ``links``, so one reward reaches every link. A link seen twice is a
 duplicate, as a second record of a single rollout is.
 
+Rollouts no worker served. Telemetry may name a rollout id no worker ever served (a
+client's bug, or one flooding the joiner with 68 KB events about made-up ids). Such a
+rollout has no RolloutRecord to wait for, so it must not wait max_wait_ms (the longest
+trajectory's). Two rules bound it, in the order they apply:
+
+  * known not to exist: the gateway, which holds the serving API's "served to" marks
+    (set before a rollout is answered), stamps an event whose rollout no worker served
+    (``Event.unserved``). A rollout all of whose events say so waits only its window,
+    as any rollout does for a record that may be read after its first events; if its
+    window closes without one it is dropped (``Dropped``, reason "unserved") instead of
+    waiting max_wait_ms. One event without the stamp (or any record) makes it an
+    ordinary rollout;
+  * not known either way (a gateway without keys writes no marks; the stamp is a Kafka
+    header, so whoever writes to the broker can strip it): the rollout waits as any other,
+    but the telemetry held by rollouts without any RolloutRecord yet (orphans) is bounded,
+    per client (``orphan_bytes_per_client``, the gateway's client_id) and in total
+    (``orphan_bytes``). Past either bound the oldest orphan of that client (or of all) is
+    evicted (``Dropped``, reason "evicted"; over the total, of the client holding the
+    most), so a client flooding ids evicts only its own,
+    while an honest agent's telemetry (its trajectory's record comes when it ends) waits
+    behind it untouched. A rollout with a record in is never an orphan: its telemetry is
+    bounded by what a key may send within its window.
+
 Memory. A settled (or dropped) rollout's id and event ids are remembered for
 settled_ttl_ms of wall clock, to tell a late event from a redelivered duplicate;
 after that its id is forgotten, and an event for it opens a new pending rollout
@@ -64,200 +87,54 @@ after that its id is forgotten, and an event for it opens a new pending rollout
 from __future__ import annotations
 
 import heapq
-import itertools
-from collections.abc import Set as AbstractSet
-from dataclasses import dataclass, field
-from typing import Literal, get_args
 
 from rtrl.event_time import EventTimeWindow
+from rtrl.reward_stream.join_types import (
+    SOURCE,
+    TELEMETRY_KINDS,
+    Dropped,
+    DropReason,
+    Duplicate,
+    Event,
+    EventKind,
+    JoinConfig,
+    JoinState,
+    Late,
+    MiB,
+    Output,
+    Pending,
+    Refused,
+    Settled,
+    SettledMark,
+    SettleTrigger,
+)
 
-TelemetryKind = Literal["edit_shown", "edit_outcome", "persistence", "followup"]
-"""The cases of TelemetryEvent's ``payload`` oneof, each an event kind."""
-TELEMETRY_KINDS: frozenset[str] = frozenset(get_args(TelemetryKind))
-EventKind = Literal["rollout"] | TelemetryKind
-
-# Which clock settled a rollout: its event-time close, or the wall-clock deadline.
-SettleTrigger = Literal["stream_time", "deadline"]
-
-# The input log each kind of event is read from; stream time is tracked per source.
-SOURCE: dict[str, str] = {
-    "rollout": "rollout",
-    "edit_shown": "edit",
-    "edit_outcome": "edit",
-    "persistence": "persistence",
-    "followup": "followup",
-}
-
-
-@dataclass(frozen=True)
-class JoinConfig:
-    window_ms: int
-    """How long after its first event (event time or wall clock) a rollout collects events."""
-    grace_ms: int
-    """Extra event time allowed for out-of-order events before the event-time close."""
-    deadline_slack_ms: int
-    """Extra wall-clock time after the window before an idle partition settles anyway."""
-    max_wait_ms: int
-    """How long a rollout whose RolloutRecord never arrived is kept before it is dropped."""
-    settled_ttl_ms: int
-    """How long settled rollout ids are remembered to route late events and duplicates."""
-    max_future_ms: int = 10 * 60 * 1000
-    """How far ahead of the wall clock an event time may be before the event is refused."""
-    max_age_ms: int = 30 * 24 * 3600 * 1000
-    """How far behind the wall clock an event time may be before the event is refused."""
-
-    def __post_init__(self) -> None:
-        for name in (
-            "window_ms",
-            "grace_ms",
-            "deadline_slack_ms",
-            "max_wait_ms",
-            "settled_ttl_ms",
-            "max_future_ms",
-        ):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
-        if self.max_age_ms <= 0:
-            raise ValueError(f"max_age_ms must be > 0, got {self.max_age_ms}")
-        if self.grace_ms > self.window_ms:
-            raise ValueError(f"grace_ms ({self.grace_ms}) must be <= window_ms ({self.window_ms})")
-        if self.max_wait_ms < self.window_ms + max(self.grace_ms, self.deadline_slack_ms):
-            raise ValueError("max_wait_ms must cover the window plus grace and deadline slack")
-
-
-# The per-record types (Event here, the outputs below, Batch and OutRecord in
-# runtime.py) are never changed after they are built, but they are not frozen: a frozen
-# dataclass costs ~2 us more to build, paid for every record on the joiner's hot path.
-
-
-@dataclass(slots=True)
-class Event:
-    """One decoded input record. Produced by codec.decode; consumed by step.
-
-    ``message`` is the protobuf (RolloutRecord for kind "rollout", TelemetryEvent
-    otherwise); the join never looks inside it.
-    """
-
-    kind: EventKind
-    event_id: str
-    rollout_id: str
-    client_ts_ms: int
-    message: object = None
-    handle: object = field(default=None, compare=False)
-    """The runtime's token for the input record, acknowledged once the outputs this
-    event leads to are durable (the join only carries it)."""
-    caught_up: bool = field(default=True, compare=False)
-    """Whether this was the newest record of its source partition when it was read;
-    False while the runtime knows of later records still to come (a backlog)."""
-    raw: bytes | None = field(default=None, compare=False, repr=False)
-    """The record's value as read, kept for RolloutRecords so their reward can carry
-    the rollout without encoding it again (reward_wire.encode_with_rollout)."""
-    link: tuple[int, bool] | None = None
-    """A RolloutRecord that is one link of an agent's chain: (position, final)."""
-
-
-@dataclass(slots=True)
-class Pending:
-    """A rollout whose window is still open (or which still lacks its RolloutRecord)."""
-
-    open_ts_ms: int
-    first_arrival_ms: int
-    rollout: Event | None
-    events: list[Event]
-    """Telemetry events gathered, in arrival order."""
-    event_ids: set[str]
-    seq: int = 0
-    """Order of first arrival within the partition."""
-    chain: dict[int, Event] = field(default_factory=dict)
-    """An agent's chain: its link records by position, until the final one and every one
-    before it are in (then ``rollout`` is the final link)."""
-
-
-@dataclass(frozen=True)
-class SettledMark:
-    expires_ms: int
-    event_ids: AbstractSet[str]
-
-
-@dataclass(slots=True)
-class JoinState:
-    """Join state of one partition. See the module docstring for the ownership rule."""
-
-    config: JoinConfig
-    stream_time_ms: int = 0
-    behind: set[str] = field(default_factory=set)
-    """Sources with records still to read, as far as the runtime knows: at start,
-    those whose committed offset is short of their end; then per event."""
-    source_time_ms: dict[str, int] = field(default_factory=dict)
-    """Newest event time read from each source."""
-    pending: dict[str, Pending] = field(default_factory=dict)
-    """Open windows, in first-arrival order."""
-    incomplete: dict[str, Pending] = field(default_factory=dict)
-    """Closed windows still waiting for their RolloutRecord (until max_wait_ms)."""
-    settled: dict[str, SettledMark] = field(default_factory=dict)
-    close_heap: list[tuple[int, int, str]] = field(default_factory=list)
-    """(event time its window closes at, seq, rollout_id) of pending rollouts; stale entries are skipped."""
-    expiry_heaps: tuple[list[tuple[int, int, str]], list[tuple[int, int, str]]] = field(
-        default_factory=lambda: ([], [])
-    )
-    """(wall-clock, event-time) heaps of (max-wait expiry, seq, rollout_id) of incomplete rollouts."""
-    arrivals: itertools.count[int] = field(default_factory=itertools.count)
-
-    @property
-    def waiting(self) -> int:
-        """Rollouts not settled yet, open or incomplete."""
-        return len(self.pending) + len(self.incomplete)
-
-
-# Outputs. Produced by step/tick; consumed by the runtime (app.py), which turns
-# Settled into a RewardRecord and publishes Late to the .late topic.
-
-
-@dataclass(slots=True)
-class Settled:
-    rollout_id: str
-    rollout: Event
-    events: tuple[Event, ...]
-    """Telemetry events joined, in arrival order (the RolloutRecord is ``rollout``)."""
-    settled_ts_ms: int
-    trigger: SettleTrigger
-    links: tuple[Event, ...] = ()
-    """An agent's chain: its links before the final one (``rollout``), in order; each
-    gets the reward too."""
-
-
-@dataclass(slots=True)
-class Dropped:
-    """A rollout whose RolloutRecord never arrived within max_wait_ms."""
-
-    rollout_id: str
-    events: tuple[Event, ...]
-
-
-@dataclass(slots=True)
-class Late:
-    """A new event for a rollout that has already settled (or been dropped)."""
-
-    event: Event
-
-
-@dataclass(slots=True)
-class Duplicate:
-    """An event whose event_id this rollout has already seen (a redelivery)."""
-
-    event: Event
-
-
-@dataclass(slots=True)
-class Refused:
-    """An event whose event time is outside the window around the wall clock; the
-    runtime dead-letters it with ``reason``."""
-
-    event: Event
-    reason: str
-
-
-Output = Settled | Dropped | Late | Duplicate | Refused
+# The types live in join_types.py; every one of them is this module's too.
+__all__ = [
+    "SOURCE",
+    "TELEMETRY_KINDS",
+    "Dropped",
+    "DropReason",
+    "Duplicate",
+    "Event",
+    "EventKind",
+    "JoinConfig",
+    "JoinState",
+    "Late",
+    "MiB",
+    "Output",
+    "Pending",
+    "Refused",
+    "Settled",
+    "SettledMark",
+    "SettleTrigger",
+    "skip",
+    "step",
+    "tick",
+]
+from rtrl.reward_stream.join_types import (  # re-exported: the join's public types
+    TelemetryKind as TelemetryKind,
+)
 
 
 def step(state: JoinState, event: Event, now_ms: int) -> tuple[JoinState, list[Output]]:
@@ -277,21 +154,11 @@ def step(state: JoinState, event: Event, now_ms: int) -> tuple[JoinState, list[O
     elif incomplete is not None:
         outputs.extend(_into_incomplete(state, incomplete, event, now_ms))
     elif pending is None:
-        seq = next(state.arrivals)
-        pending = state.pending[rollout_id] = Pending(
-            open_ts_ms=event.client_ts_ms,
-            first_arrival_ms=now_ms,
-            rollout=None,
-            events=[] if event.kind == "rollout" else [event],
-            event_ids={event.event_id},
-            seq=seq,
-        )
+        pending = _open(state, event, now_ms)
         if event.kind == "rollout":
             _take_rollout(pending, event)
-        heapq.heappush(
-            state.close_heap,
-            (event.client_ts_ms + config.window_ms + config.grace_ms, seq, rollout_id),
-        )
+        else:
+            outputs.extend(_hold(state, pending, event, now_ms))
     elif event.event_id in pending.event_ids:
         outputs.append(Duplicate(event))
     elif event.kind == "rollout":
@@ -299,11 +166,59 @@ def step(state: JoinState, event: Event, now_ms: int) -> tuple[JoinState, list[O
         # id; the first one holds the tokens the trainer will use.
         if not _take_rollout(pending, event):
             outputs.append(Duplicate(event))
+        if not pending.orphan:
+            state.orphans.release(rollout_id)
     else:
         pending.events.append(event)
         pending.event_ids.add(event.event_id)
+        pending.unserved = pending.unserved and event.unserved
+        outputs.extend(_hold(state, pending, event, now_ms))
     outputs.extend(_settle_ready(state, now_ms))
     return state, outputs
+
+
+def _open(state: JoinState, event: Event, now_ms: int) -> Pending:
+    """A new pending rollout whose first event is ``event``, its window open from now."""
+    config = state.config
+    seq = next(state.arrivals)
+    pending = state.pending[event.rollout_id] = Pending(
+        open_ts_ms=event.client_ts_ms,
+        first_arrival_ms=now_ms,
+        rollout=None,
+        events=[] if event.kind == "rollout" else [event],
+        event_ids={event.event_id},
+        seq=seq,
+        client_id=event.client_id,
+        unserved=event.unserved and event.kind != "rollout",
+    )
+    heapq.heappush(
+        state.close_heap,
+        (event.client_ts_ms + config.window_ms + config.grace_ms, seq, event.rollout_id),
+    )
+    return pending
+
+
+def _hold(state: JoinState, pending: Pending, event: Event, now_ms: int) -> list[Output]:
+    """``event`` joined ``pending``: while that rollout is an orphan its bytes count against
+    its client's share and the total, and what is over either is evicted (OrphanShares.over)."""
+    if not pending.orphan:
+        return []
+    shares, config = state.orphans, state.config
+    shares.add(event.rollout_id, pending.client_id, event.size)
+    evicted: list[Output] = []
+    while victim := shares.over(
+        pending.client_id, config.orphan_bytes_per_client, config.orphan_bytes
+    ):
+        evicted.append(_evict(state, victim, now_ms))
+    return evicted
+
+
+def _evict(state: JoinState, rollout_id: str, now_ms: int) -> Dropped:
+    """Drop an orphan over the bounds, remembered as settled (its later events are late)."""
+    orphan = state.pending.pop(rollout_id, None) or state.incomplete.pop(rollout_id)
+    state.orphans.release(rollout_id)
+    state.settled[rollout_id] = SettledMark(now_ms + state.config.settled_ttl_ms, orphan.event_ids)
+    return Dropped(rollout_id, tuple(orphan.events), "evicted")
 
 
 def _into_incomplete(
@@ -317,9 +232,10 @@ def _into_incomplete(
     if event.kind != "rollout":
         incomplete.events.append(event)
         incomplete.event_ids.add(event.event_id)
-        return []
+        return _hold(state, incomplete, event, now_ms)
     if not _take_rollout(incomplete, event):
         return [Duplicate(event)]
+    state.orphans.release(event.rollout_id)
     if incomplete.rollout is None:
         return []
     config = state.config
@@ -402,6 +318,12 @@ def _settle_ready(state: JoinState, now_ms: int) -> list[Output]:
             state.settled[rollout_id] = SettledMark(
                 now_ms + config.settled_ttl_ms, pending.event_ids
             )
+        elif pending.unserved and pending.orphan:
+            state.orphans.release(rollout_id)
+            outputs.append((pending.seq, Dropped(rollout_id, tuple(pending.events), "unserved")))
+            state.settled[rollout_id] = SettledMark(
+                now_ms + config.settled_ttl_ms, pending.event_ids
+            )
         else:
             state.incomplete[rollout_id] = pending
             by_wall, by_event = state.expiry_heaps
@@ -420,6 +342,7 @@ def _settle_ready(state: JoinState, now_ms: int) -> list[Output]:
             incomplete = state.incomplete.get(rollout_id)
             if incomplete is not None and incomplete.seq == seq:
                 del state.incomplete[rollout_id]
+                state.orphans.release(rollout_id)
                 links = tuple(incomplete.chain.values())  # acknowledged with the events
                 outputs.append((seq, Dropped(rollout_id, (*incomplete.events, *links))))
                 state.settled[rollout_id] = SettledMark(

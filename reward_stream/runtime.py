@@ -92,6 +92,12 @@ class Counters:
     """Records refused because their writer did not sign them (also counted in dlq)."""
     foreign: int = 0
     """Events left out of a reward because another client's key sent them (reward.from_its_client)."""
+    orphans_dropped: int = 0
+    """Rollouts dropped when their window closed without a record, every event of them
+    stamped by the gateway as about a rollout no worker served (join.py)."""
+    evicted: int = 0
+    """Rollouts without a record evicted, oldest first, past their client's share of
+    orphan bytes or the total (join.JoinConfig.orphan_bytes_per_client, orphan_bytes)."""
     first_event_ms: int = 0
     """Wall clock when the first record was read (0: none yet)."""
     last_event_ms: int = 0
@@ -236,6 +242,7 @@ class Joiner:
             if handle is not None:
                 batch.acks.append(handle)
             return batch
+        event.unserved = any(name == kafka.UNSERVED_HEADER for name, _ in headers or ())
         self.states[partition], outputs = join.step(state, event, now_ms)
         batch = self._batch(outputs)
         if outputs and isinstance(refused := outputs[0], join.Refused):
@@ -334,8 +341,7 @@ class Joiner:
                     records.append(OutRecord(topics.REWARD, key, value, headers))
             elif isinstance(output, join.Dropped):
                 acks.extend(e.handle for e in output.events)
-                self.counters.dropped += 1
-                log.debug("dropped rollout %s: no RolloutRecord within max_wait", output.rollout_id)
+                self._count_dropped(output)
             elif isinstance(output, join.Late):
                 acks.append(output.event.handle)
                 self.counters.late += 1
@@ -356,6 +362,24 @@ class Joiner:
                 acks.append(output.event.handle)
                 self.counters.duplicates += 1
         return Batch(records, [handle for handle in acks if handle is not None])
+
+    def _count_dropped(self, dropped: join.Dropped) -> None:
+        """Count a dropped rollout by its reason. Its events are not dead-lettered: copying
+        them to the .dlq topic would spend the broker what dropping them saves."""
+        if dropped.reason == "unserved":
+            self.counters.orphans_dropped += 1
+        elif dropped.reason == "evicted":
+            self.counters.evicted += 1
+            log.info(
+                "evicted rollout %s of client %r: %d events and no record, over its client's "
+                "or the total orphan bytes",
+                dropped.rollout_id,
+                dropped.events[0].client_id if dropped.events else "",
+                len(dropped.events),
+            )
+        else:
+            self.counters.dropped += 1
+            log.debug("dropped rollout %s: no RolloutRecord within max_wait", dropped.rollout_id)
 
     def _observe(self, record, rollout) -> None:
         """The reward's sums, and its ``reward settle`` span: a child of the rollout's

@@ -49,10 +49,13 @@ class Admission:
         limiter: RateLimiter | None,
         *,
         max_request_bytes: int | None = None,
+        bytes_per_event: int = 0,
     ) -> None:
         self.keys = keys
         self._limiter = limiter
         self._max_request_bytes = max_request_bytes
+        self._bytes_per_event = bytes_per_event
+        """Event bytes a key may send per event of its rate (0: no byte budget; the gateway's)."""
         self.refused: Counter[int] = Counter()
         """Requests refused, by HTTP status."""
         self.in_flight: Counter[str] = Counter()
@@ -112,6 +115,24 @@ class Admission:
             Refusal(
                 429,
                 f"rate limit of client {key.client_id!r} ({key.rate_per_s:g} {what}/s) spent: "
+                f"retry in {wait_s:.2f} s",
+                wait_s,
+            )
+        )
+
+    async def byte_refusal(self, key: ApiKey | None, size: int) -> Refusal | None:
+        """429 when the key's event bytes per second (its rate x bytes_per_event, shared
+        through Redis) are spent: what it costs the broker, not only how many."""
+        if key is None or self._limiter is None:
+            return None
+        wait_s = await self._limiter.take_bytes(key, size, self._bytes_per_event)
+        if wait_s <= 0:
+            return None
+        return self.refuse(
+            Refusal(
+                429,
+                f"event byte budget of client {key.client_id!r} "
+                f"({key.rate_per_s * self._bytes_per_event:,.0f} bytes/s) spent: "
                 f"retry in {wait_s:.2f} s",
                 wait_s,
             )

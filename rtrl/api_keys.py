@@ -42,6 +42,8 @@ log = logging.getLogger(__name__)
 KEY_PREFIX = "rtrl:ingest:key:"
 CLIENT_PREFIX = "rtrl:ingest:client:"
 BUCKET_PREFIX = "rtrl:ingest:bucket:"
+BYTE_BUCKET_PREFIX = BUCKET_PREFIX + "bytes:"
+"""A key's bucket of event bytes (under BUCKET_PREFIX: the same Redis users spend it)."""
 SERVED_PREFIX = "rtrl:served:"
 """``rtrl:served:<rollout_id>`` -> the client_id whose key was served that rollout (set by
 the serving API, read by the gateway: telemetry about it from another key is refused)."""
@@ -431,5 +433,20 @@ class RateLimiter:
         wanted = min(float(events), key.burst)
         wait_ms = await self._script(
             keys=[BUCKET_PREFIX + key.key_hash], args=[key.rate_per_s, key.burst, now_ms(), wanted]
+        )
+        return int(wait_ms) / 1000
+
+    async def take_bytes(self, key: ApiKey, size: int, bytes_per_event: int) -> float:
+        """0.0 if the key may write ``size`` bytes of events now, else the seconds to wait.
+
+        The byte bucket is the key's event bucket scaled by ``bytes_per_event``: its signed
+        rate and burst say how much it may send, and the gateway's setting how large an
+        event it pays for on average, so a key of 68 KB events spends its bytes long before
+        its count. A key without a rate has no byte budget either."""
+        if key.rate_per_s <= 0 or size == 0 or bytes_per_event <= 0:
+            return 0.0
+        rate, burst = key.rate_per_s * bytes_per_event, key.burst * bytes_per_event
+        wait_ms = await self._script(
+            keys=[BYTE_BUCKET_PREFIX + key.key_hash], args=[rate, burst, now_ms(), min(size, burst)]
         )
         return int(wait_ms) / 1000

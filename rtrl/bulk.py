@@ -28,6 +28,7 @@ reader of what they hold.
 from __future__ import annotations
 
 import hashlib
+import os
 import re
 from pathlib import Path
 
@@ -91,12 +92,25 @@ class BulkStore:
             write_durably(path, blob)
         return checksum
 
-    def get(self, checksum: str) -> bytes:
-        """The blob of ``checksum``, as stored (inflate verifies it)."""
+    def get(self, checksum: str, size: int) -> bytes:
+        """The blob of ``checksum``, as stored, when it is the ``size`` bytes the record
+        names (inflate verifies its checksum). The size is checked before anything is
+        read, and nothing past it is read: a larger file at that name (planted, or not a
+        bulk) costs a stat, not its size in memory. BulkCorrupt for another size."""
+        path = self.path(checksum)
         try:
-            return self.path(checksum).read_bytes()
+            with path.open("rb") as f:
+                stored = os.fstat(f.fileno()).st_size
+                if stored != size:
+                    raise BulkCorrupt(
+                        f"the stored bulk {checksum} is {stored:,} bytes, not the {size:,} named"
+                    )
+                blob = f.read(size + 1)
         except FileNotFoundError:
             raise BulkUnavailable(f"no rollout bulk {checksum} in {self.root}") from None
+        if len(blob) != size:
+            raise BulkCorrupt(f"the stored bulk {checksum} changed size while it was read")
+        return blob
 
 
 def split(record: rollout_pb2.RolloutRecord) -> tuple[rollout_pb2.RolloutRecord, bytes]:
@@ -147,7 +161,10 @@ def inflate(record: rollout_pb2.RolloutRecord, store: BulkStore) -> rollout_pb2.
             f"rollout {record.rollout_id} names a bulk and holds {', '.join(inline)} inline too"
         )
     named = record.bulk
-    blob = store.get(named.checksum)
+    try:
+        blob = store.get(named.checksum, named.size)
+    except BulkCorrupt as exc:
+        raise BulkCorrupt(f"rollout {record.rollout_id}: {exc}") from None
     if len(blob) != named.size or checksum_of(blob) != named.checksum:
         raise BulkCorrupt(
             f"rollout {record.rollout_id}: the stored bulk is {len(blob):,} bytes hashing to "

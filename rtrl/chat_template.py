@@ -8,6 +8,13 @@ between loop steps could ever run. So every render happens in a renderer process
 text it may return. The rendering is transformers' own (``apply_chat_template(...,
 tokenize=False)``), character for character.
 
+Shares: one client's chats render in at most ``client_renderers`` of the processes at once
+(the rest of its chats wait their turn without holding one), so a client whose messages
+make a template slow, up to its deadline each, delays only itself; the others render in the
+processes it cannot take. The client is the serving API's API key, carried to the render by
+a context variable (``rendering_for``) that the request's handler sets and ``to_thread``
+copies into the worker thread; chats rendered outside a request share one client, "".
+
 Cost: ``renderers`` small Python processes per process that renders (started on first use
 and kept; each ends when its parent does), and a pipe round trip per chat. The caller's
 thread waits for the answer: the serving API waits in a worker thread, never on its
@@ -22,6 +29,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import contextvars
 import json
 import os
 import select
@@ -68,6 +76,29 @@ class ChatTemplateSettings(Settings):
 
     renderers: int = Field(2, ge=1, le=64)
     """Renderer processes per process: how many chats render at once (more wait their turn)."""
+
+    client_renderers: int | None = Field(None, ge=1, le=64)
+    """Most renderer processes one client's chats hold at once; unset: half of ``renderers``
+    (at least one). One client's slow chats then leave the other half to everyone else."""
+
+    def client_share(self) -> int:
+        """The renderers one client may hold at once (never more than there are)."""
+        share = self.client_renderers or max(1, self.renderers // 2)
+        return min(share, self.renderers)
+
+
+_client: contextvars.ContextVar[str] = contextvars.ContextVar("rtrl_render_client", default="")
+
+
+@contextlib.contextmanager
+def rendering_for(client: str) -> Iterator[None]:
+    """Within this block (and the threads ``asyncio.to_thread`` starts from it), chats render
+    within ``client``'s share of the renderers."""
+    token = _client.set(client)
+    try:
+        yield
+    finally:
+        _client.reset(token)
 
 
 class TemplateFailed(ValueError):
@@ -168,6 +199,10 @@ class ChatRenderer:
         self.settings = settings
         self._slots = threading.BoundedSemaphore(settings.renderers)
         self._lock = threading.Lock()
+        self._share = settings.client_share()
+        self._shares = threading.Condition()
+        self._held: dict[str, int] = {}
+        """Renders per client now (a client leaves the map when its last render ends)."""
         self._idle: list[_Renderer] = []
         self._in_flight = 0
 
@@ -197,13 +232,30 @@ class ChatRenderer:
             "max_chars": self.settings.max_chars,
             "timeout_s": self.settings.timeout_s,
         }
-        with self._slots, self._rendering() as renderer:
+        with self._client_share(_client.get()), self._slots, self._rendering() as renderer:
             answer = renderer.exchange(request, self.settings.timeout_s)
         if "over" in answer:
             raise _over(self.settings, answer["over"])
         if "error" in answer:
             raise TemplateFailed(answer["error"])
         return str(answer["text"])
+
+    @contextlib.contextmanager
+    def _client_share(self, client: str) -> Iterator[None]:
+        """One of ``client``'s turns to render, taken before a renderer slot: a client at its
+        share waits here, holding nothing another client needs. Every render ends by its
+        deadline, so the wait is bounded by the client's own renders."""
+        with self._shares:
+            self._shares.wait_for(lambda: self._held.get(client, 0) < self._share)
+            self._held[client] = self._held.get(client, 0) + 1
+        try:
+            yield
+        finally:
+            with self._shares:
+                self._held[client] -= 1
+                if not self._held[client]:
+                    del self._held[client]
+                self._shares.notify_all()
 
     @contextlib.contextmanager
     def _rendering(self) -> Iterator[_Renderer]:

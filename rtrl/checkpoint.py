@@ -41,7 +41,7 @@ from transformers import (
     PreTrainedTokenizerFast,
 )
 
-from rtrl import policy
+from rtrl import chat_tokens, policy
 from rtrl.chat_template import (
     ChatRenderer,
     ChatTemplateSettings,
@@ -50,6 +50,7 @@ from rtrl.chat_template import (
     probes,
     shared_renderer,
 )
+from rtrl.chat_tokens import ControlTextRefused, RenderedChat
 from rtrl.custom_code import CustomCodeRefused, refuse_custom_code
 from rtrl.policy import ModelSpec
 
@@ -217,8 +218,33 @@ class Checkpoint:
         """The ids of ``messages`` rendered by the checkpoint's chat template, ending with
         the assistant's turn opened (add_generation_prompt): what
         ``apply_chat_template(..., tools=tools, tokenize=True)`` gives, rendered within the
-        bounds. Blocks its thread for up to the time bound: call it off an event loop."""
-        return self.tokenize(self.render_text(messages, tools))
+        bounds, except that a control token spelled in a non-assistant message is text
+        (rtrl/chat_tokens.py). Blocks its thread for up to twice the time bound: call it off
+        an event loop."""
+        return self.tokenize(self.render(messages, tools))
+
+    def render(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        *,
+        add_generation_prompt: bool = True,
+    ) -> RenderedChat:
+        """The chat template's text for ``messages``, with where the text of untrusted
+        messages lies in it when it could spell a control token (then the template renders
+        twice: rtrl/chat_tokens.py). Raises ChatTemplateError."""
+        try:
+            chat_tokens.refuse_control_text(self.tokenizer.backend_tokenizer, tools or ())
+            text = self.render_text(messages, tools, add_generation_prompt=add_generation_prompt)
+            indices = chat_tokens.untrusted_contents(messages)
+            contents = (str(messages[i]["content"]) for i in indices)
+            if not chat_tokens.may_spell_control(self.tokenizer.backend_tokenizer, contents):
+                return RenderedChat(text)
+            held, placeholders = chat_tokens.with_placeholders(messages, indices)
+            placeheld = self.render_text(held, tools, add_generation_prompt=add_generation_prompt)
+            return RenderedChat(text, chat_tokens.untrusted_spans(text, placeheld, placeholders))
+        except ControlTextRefused as exc:
+            raise ChatTemplateError(str(exc)) from None
 
     def render_text(
         self,
@@ -227,7 +253,7 @@ class Checkpoint:
         *,
         add_generation_prompt: bool = True,
     ) -> str:
-        """The chat template's text for ``messages`` (render_chat before tokenizing).
+        """The chat template's text for ``messages``, as transformers renders it.
         Raises ChatTemplateError."""
         if not self.tokenizer.chat_template:
             raise ChatTemplateError(
@@ -244,12 +270,21 @@ class Checkpoint:
         except ValueError as exc:  # TemplateFailed; or several templates, none the default
             raise ChatTemplateError(f"the chat template failed on these messages: {exc}") from None
 
-    def tokenize(self, text: str) -> list[int]:
-        """Rendered chat text as ids: its special tokens' own ids, nothing added."""
-        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
-        if not isinstance(ids, list) or not all(isinstance(i, int) for i in ids):
-            raise ChatTemplateError(f"the chat template rendered {type(ids).__name__}, not ids")
-        return [i for i in ids if isinstance(i, int)]
+    def tokenize(self, rendered: str | RenderedChat) -> list[int]:
+        """Rendered chat text as ids: its special tokens' own ids, nothing added; none
+        inside a RenderedChat's untrusted spans. Raises ChatTemplateError."""
+        if isinstance(rendered, str):
+            rendered = RenderedChat(rendered)
+        backend = self.tokenizer.backend_tokenizer
+        try:
+            return chat_tokens.ids_keeping_text(backend, self._text_tokenizer, rendered)
+        except ControlTextRefused as exc:
+            raise ChatTemplateError(str(exc)) from None
+
+    @cached_property
+    def _text_tokenizer(self) -> Tokenizer:
+        """The tokenizer matching no added token: untrusted text's (rtrl/chat_tokens.py)."""
+        return chat_tokens.text_tokenizer(self.tokenizer.backend_tokenizer)
 
     def decode(self, token_ids: Sequence[int]) -> str:
         return str(self.tokenizer.decode(list(token_ids), skip_special_tokens=True))

@@ -211,6 +211,16 @@ class StackSettings(Settings):
     ``<state_dir>/otel/`` (readable on the embedded stack); ``otlp`` sends them over
     OTLP/gRPC to ``otlp_endpoint`` (a collector, in production); ``none`` drops them."""
 
+    otel_file_max_bytes: int = Field(64 * 1024 * 1024, ge=64 * 1024)
+    """The largest a span or metric file (``otel_exporter=file``) grows before it becomes
+    ``<name>.1`` (replacing the previous one) and a new one starts: a service's spans and
+    metrics take at most four times this on disk (rtrl/rotation.py)."""
+
+    log_max_bytes: int = Field(64 * 1024 * 1024, ge=64 * 1024)
+    """The largest a process's log under ``<state_dir>/logs/`` grows before the supervisor
+    copies it to ``<name>.1`` and truncates it (checked every few seconds, so a log may pass
+    it by what is written meanwhile): each log takes about twice this on disk at most."""
+
     otlp_endpoint: str = "http://127.0.0.1:4317"
     """OTLP/gRPC endpoint of the OpenTelemetry collector (``otel_exporter=otlp``)."""
 

@@ -27,6 +27,10 @@ import redis.asyncio as aioredis
 
 KEY_PREFIX = "rtrl:hb:"
 TTL_S = 10
+MAX_BEAT_BYTES = 1 << 20
+"""The most a reader takes of one heartbeat (1 MiB; the largest the stack writes, a joiner's
+with its alerts, is a few KiB). A larger one is reported invalid, never read whole: a junk
+beat of 8 MB written by whoever holds a service's Redis password made `rtrl status` fail."""
 
 
 # Produced by ingest.gateway.Gateway.status; consumed by `rtrl status` and benches.
@@ -97,6 +101,11 @@ class RewardStreamBeat:
     no inference worker signed, events the ingest gateway did not authenticate."""
     foreign: int = 0
     """Events left out of a reward because another client's key sent them."""
+    orphans_dropped: int = 0
+    """Rollouts dropped when their window closed without a record, the gateway having
+    said no worker served them."""
+    evicted: int = 0
+    """Rollouts without a record evicted past their client's or the total orphan bytes."""
     first_event_ms: int = 0
     """Wall clock when the first record was read (0: none yet)."""
     last_event_ms: int = 0
@@ -282,7 +291,16 @@ class Heartbeat:
 
 
 class HeartbeatError(ValueError):
-    """A heartbeat document that is not JSON or names no known service."""
+    """A heartbeat document that is not JSON, names no known service, or is too large."""
+
+
+@dataclass(frozen=True)
+class InvalidBeat:
+    """Produced by read_checked; consumed by ops.health, which shows the service unhealthy."""
+
+    name: str
+    """``service:instance`` as its key names them."""
+    reason: str
 
 
 def key(service: str, instance: str) -> str:
@@ -370,27 +388,49 @@ async def beat_forever(
         await asyncio.sleep(interval_s)
 
 
+def _checked(stored: str, raw: bytes | str, max_bytes: int) -> Heartbeat:
+    """The beat stored under the key ``stored``, read no further than ``max_bytes``: its document must be
+    the beat of the service and instance its key names (Redis lets each service's user write
+    only its own keys, ops/redis_acl.py, so the key says who wrote it and the document cannot)."""
+    if len(raw.encode() if isinstance(raw, str) else raw) > max_bytes:
+        raise HeartbeatError(f"a heartbeat over {max_bytes} bytes")
+    beat = parse(raw)
+    if stored != key(beat.service, beat.instance):
+        raise HeartbeatError(f"a {beat.service} beat for {beat.name} stored under {stored}")
+    return beat
+
+
+def read_checked(
+    client: redis.Redis, max_bytes: int = MAX_BEAT_BYTES
+) -> tuple[list[Heartbeat], list[InvalidBeat]]:
+    """Every live heartbeat, typed, and every one no reader can take (too large, not JSON, of
+    an unknown service, or not the beat its key names), each read only to ``max_bytes`` + 1."""
+    beats, invalid = [], []
+    for raw_key in sorted(client.scan_iter(f"{KEY_PREFIX}*")):
+        name = raw_key.decode() if isinstance(raw_key, bytes) else str(raw_key)
+        raw = client.getrange(name, 0, max_bytes)
+        if not raw:
+            continue  # expired between the scan and the read
+        try:
+            beats.append(_checked(name, raw, max_bytes))
+        except HeartbeatError as error:
+            invalid.append(InvalidBeat(name.removeprefix(KEY_PREFIX), str(error)))
+    return beats, invalid
+
+
 def read_all(client: redis.Redis) -> list[dict[str, Any]]:
-    """Every live heartbeat document, from a synchronous redis client."""
-    docs = []
-    for k in sorted(client.scan_iter(f"{KEY_PREFIX}*")):
-        raw = client.get(k)
-        if raw:
-            docs.append(json.loads(raw))
-    return docs
+    """Every live heartbeat document a reader takes, from a synchronous redis client."""
+    beats, _ = read_checked(client)
+    return [document(hb.service, hb.instance, hb.beat, hb.ts) for hb in beats]
 
 
 def read(client: redis.Redis) -> list[Heartbeat]:
-    """Every live heartbeat, typed (a document no reader understands is left out)."""
-    beats = []
-    for doc in read_all(client):
-        try:
-            beats.append(parse(doc))
-        except HeartbeatError:
-            continue
-    return beats
+    """Every live heartbeat, typed (a document no reader takes is left out: read_checked)."""
+    return read_checked(client)[0]
 
 
 def read_one(client: redis.Redis, service: str, instance: str) -> Heartbeat | None:
-    raw = client.get(key(service, instance))
-    return None if raw is None else parse(raw)
+    """One instance's beat, or None; HeartbeatError if it is one no reader takes."""
+    stored = key(service, instance)
+    raw = client.getrange(stored, 0, MAX_BEAT_BYTES)
+    return _checked(stored, raw, MAX_BEAT_BYTES) if raw else None

@@ -412,5 +412,15 @@ def kafka_headers(
     return list(headers or ())
 
 
+UNSERVED_HEADER = "rtrl-unserved"
+"""Set (to ``1``) by the ingest gateway on an event whose rollout no worker served: the
+serving API marks each rollout it serves before answering it, so the gateway, which reads
+those marks, knows. The joiner drops a rollout all of whose events say so once its window
+closes, instead of holding it for the longest trajectory's wait (reward_stream/join.py).
+Not authenticated: whoever can write to the broker can strip or add it, which only moves
+a rollout between that rule and the joiner's bounded orphan shares, and a record of the
+rollout, if one is read within its window, still settles it."""
+
+
 def traceparent_headers(traceparent: str) -> list[tuple[str, bytes]]:
     return [("traceparent", traceparent.encode())] if traceparent else []

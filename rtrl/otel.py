@@ -28,6 +28,7 @@ import json
 import logging
 from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import IO, cast
 
 from aiohttp import web
 from opentelemetry import context as otel_context
@@ -47,6 +48,7 @@ from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
 
 from rtrl import spans
 from rtrl.config import StackSettings
+from rtrl.rotation import RotatingText
 
 log = logging.getLogger(__name__)
 
@@ -92,17 +94,21 @@ class _Exporters:
 def _exporters(service: str, stack: StackSettings) -> _Exporters | None:
     """The exporters ``stack.otel_exporter`` names; None for ``none``."""
     if stack.otel_exporter == "file":
-        return _file_exporters(otel_dir(stack), f"{service}-{stack.instance}")
+        return _file_exporters(
+            otel_dir(stack), f"{service}-{stack.instance}", stack.otel_file_max_bytes
+        )
     if stack.otel_exporter == "otlp":
         return _otlp_exporters(stack.otlp_endpoint)
     return None
 
 
-def _file_exporters(directory: Path, stem: str) -> _Exporters:
-    """JSON lines appended to ``<stem>.spans.jsonl`` and ``<stem>.metrics.jsonl``."""
+def _file_exporters(directory: Path, stem: str, max_bytes: int) -> _Exporters:
+    """JSON lines appended to ``<stem>.spans.jsonl`` and ``<stem>.metrics.jsonl``, each
+    rotated past ``max_bytes`` (rtrl/rotation.py)."""
     directory.mkdir(parents=True, exist_ok=True)
-    spans = open(directory / f"{stem}.spans.jsonl", "a", encoding="utf-8")
-    samples = open(directory / f"{stem}.metrics.jsonl", "a", encoding="utf-8")
+    # The console exporters only write and flush: a RotatingText is all of IO they use.
+    spans = cast(IO[str], RotatingText(directory / f"{stem}.spans.jsonl", max_bytes))
+    samples = cast(IO[str], RotatingText(directory / f"{stem}.metrics.jsonl", max_bytes))
     return _Exporters(
         spans=ConsoleSpanExporter(out=spans, formatter=span_line),
         metrics=ConsoleMetricExporter(

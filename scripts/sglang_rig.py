@@ -219,6 +219,21 @@ class SGLangServer:
         self.proc.stop(timeout_s=15.0)
 
 
+def keys_config(path: Path, api_key: str, admin_api_key: str) -> tuple[str, ...]:
+    """SGLang's flags for its keys: ``--config`` naming an owner-only YAML file that holds
+    them (SGLang reads its flags from it), or none without keys. Never the keys themselves:
+    any local user reads a process's command line in /proc/<pid>/cmdline."""
+    keys = {"api-key": api_key, "admin-api-key": admin_api_key}
+    keys = {flag: value for flag, value in keys.items() if value}
+    if not keys:
+        return ()
+    descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.fchmod(descriptor, 0o600)
+    with os.fdopen(descriptor, "w") as out:
+        json.dump(keys, out)  # JSON is YAML: every key a quoted string, whatever it holds
+    return ("--config", str(path))
+
+
 def start_server(
     model_dir: Path,
     log_path: Path,
@@ -253,8 +268,7 @@ def start_server(
         weight_version,
         *SERVER_FLAGS,
         *checkpoint_flags(model_dir),
-        *(["--api-key", api_key] if api_key else []),
-        *(["--admin-api-key", admin_api_key] if admin_api_key else []),
+        *keys_config(log_path.parent / "sglang-keys.yaml", api_key, admin_api_key),
     ]
     env = {"PYTHONPATH": str(standin), "TOKENIZERS_PARALLELISM": "false"}
     started = time.monotonic()

@@ -12,6 +12,7 @@ from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import SettingsConfigDict
 
 from rtrl.config import RequiredSecret, Settings, StackSettings, local_directory
+from rtrl.grpc_limits import GRPCListener
 from rtrl.tls import TLSListener
 
 # S3's bucket naming rules, less the rarely used ones (no "..", no IP-address names).
@@ -36,7 +37,7 @@ def split_s3_url(url: str) -> tuple[str, str]:
     return parsed.netloc, prefix
 
 
-class WeightSyncSettings(Settings, TLSListener):
+class WeightSyncSettings(Settings, GRPCListener, TLSListener):
     model_config = SettingsConfigDict(env_prefix="RTRL_WEIGHT_SYNC_")
 
     bind_host: str = "127.0.0.1"

@@ -30,7 +30,7 @@ from rtrl.heartbeat import RegistryRebuild
 from rtrl.v1 import weights_pb2
 from rtrl.weight_sync.checksum import xxh3_hex
 from rtrl.weight_sync.registry import Registry, RestoredArm
-from rtrl.weight_sync.store import ArmFiles, BlobStore
+from rtrl.weight_sync.store import ArmFiles, BlobSizeMismatch, BlobStore
 
 log = logging.getLogger("weight_sync")
 
@@ -161,6 +161,8 @@ def _blob_problem(
         blob = read_blob(manifest)
     except FileNotFoundError:
         return "blob missing"
+    except BlobSizeMismatch as exc:
+        return f"blob does not match the manifest, refused unread: {exc}"
     except ValueError as exc:
         return f"blob URI unusable: {exc}"
     if len(blob) != manifest.blob_size or xxh3_hex(blob) != manifest.blob_checksum:
@@ -187,7 +189,7 @@ def recover_store(store: BlobStore) -> list[RecoveredArm]:
             arm,
             files,
             functools.partial(store.read_manifest, arm),
-            lambda manifest: store.read(manifest.blob_uri),
+            lambda manifest: store.read(manifest.blob_uri, manifest.blob_size),
         )
         for arm, files in store.listing().items()
     ]

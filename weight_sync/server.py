@@ -31,6 +31,8 @@ from rtrl.weight_sync.store import open_store
 log = logging.getLogger("weight_sync")
 SERVICE = "weight_sync"
 _REDIS_DOWN = (RedisConnectionError, RedisTimeoutError, OSError)
+MAX_MESSAGE_BYTES = 4 << 20
+"""The largest message weight_sync takes: gRPC's default, a publish's chunks fit in it."""
 
 
 class WeightSyncServer:
@@ -49,7 +51,10 @@ class WeightSyncServer:
             registry=self.registry,
             store=self.store,
         )
-        self._server = grpc.aio.server()
+        # Idle connections closed and quiet ones pinged, as on every gRPC listener; no age
+        # limit, which would cut the workers' long Subscribe streams. Messages stay within
+        # gRPC's default 4 MiB (publishes arrive in chunks).
+        self._server = grpc.aio.server(options=settings.grpc_server_options(MAX_MESSAGE_BYTES))
         add_to_server(self.service, self._server)
         self.tasks: list[asyncio.Task] = []
         self.versions_collected = 0

@@ -25,7 +25,7 @@ from rtrl.weight_sync.checksum import xxh3_hex
 from rtrl.weight_sync.config import WeightSyncSettings
 from rtrl.weight_sync.recovery import stored_manifest
 from rtrl.weight_sync.registry import Registry
-from rtrl.weight_sync.store import BlobStore
+from rtrl.weight_sync.store import BlobSizeMismatch, BlobStore
 
 log = logging.getLogger("weight_sync")
 _tracer = trace.get_tracer("rtrl.weight_sync")
@@ -154,8 +154,11 @@ class RegistrySource:
 
     async def blob(self, manifest: weights_pb2.Manifest) -> bytes | None:
         try:
-            return await asyncio.to_thread(self.store.read, manifest.blob_uri)
+            return await asyncio.to_thread(self.store.read, manifest.blob_uri, manifest.blob_size)
         except FileNotFoundError:
+            return None
+        except BlobSizeMismatch as exc:
+            log.error("blob of %s v%d refused unread: %s", manifest.arm, manifest.version, exc)
             return None
 
 

@@ -5,9 +5,12 @@ written after the blob and before the Redis commit, so a lost registry can be
 rebuilt from the store (recovery.py).
 
 Both stores offer the same blocking methods (the servicer runs them in threads).
-A reader sees a whole blob or manifest or none; reads verify nothing (the servicer
-checks the manifest's checksum) but raise FileNotFoundError for a file that is
-gone, so a collected or lost blob takes the same repair path on either store.
+A reader sees a whole blob or manifest or none; reads verify no checksum (the servicer
+checks the manifest's) but raise FileNotFoundError for a file that is gone, so a
+collected or lost blob takes the same repair path on either store. A blob is read only
+once the store says it is the size its signed manifest declares (stat, HEAD), and never
+past that size, so a bad or planted file costs a stat, not its size in memory; a manifest
+is read only up to MAX_MANIFEST_BYTES.
 """
 
 from __future__ import annotations
@@ -21,6 +24,24 @@ from urllib.parse import unquote, urlparse
 from rtrl.config import StackSettings, local_directory
 from rtrl.durable import write_durably
 from rtrl.weight_sync.config import WeightSyncSettings
+
+MAX_MANIFEST_BYTES = 64 << 20
+"""The largest stored manifest read: a manifest lists each tensor's name, shape and checksum,
+a few MB for the largest models; a larger file is not one weight_sync wrote."""
+
+
+class BlobSizeMismatch(ValueError):
+    """The stored blob (or manifest) is not the size its manifest declares (or over the
+    bound): never read, and never served."""
+
+
+def check_size(uri: str, stored: int, declared: int) -> None:
+    """Raise BlobSizeMismatch unless the store's ``stored`` size is the ``declared`` one."""
+    if stored != declared:
+        raise BlobSizeMismatch(
+            f"{uri} is {stored:,} bytes in the store, not the {declared:,} its manifest declares"
+        )
+
 
 # Arm names become directory names and key segments: no separators, no leading dot.
 _ARM = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}")
@@ -113,8 +134,10 @@ class BlobStore(ABC):
         """Every arm with files in the store, and the versions it has blobs and manifests of."""
 
     @abstractmethod
-    def read(self, blob_uri: str) -> bytes:
-        """The blob's bytes; FileNotFoundError if it is gone."""
+    def read(self, blob_uri: str, size: int) -> bytes:
+        """The blob's bytes, when it is ``size`` bytes (its manifest's blob_size): checked
+        before anything is read. FileNotFoundError if it is gone, BlobSizeMismatch if it is
+        of another size."""
 
     @abstractmethod
     def exists(self, blob_uri: str) -> bool: ...
@@ -151,7 +174,8 @@ class LocalBlobStore(BlobStore):
         write_durably(self.root / manifest_name(arm, version), manifest)
 
     def read_manifest(self, arm: str, version: int) -> bytes:
-        return (self.root / manifest_name(arm, version)).read_bytes()
+        path = self.root / manifest_name(arm, version)
+        return _read_at_most(path, path.stat().st_size, MAX_MANIFEST_BYTES)
 
     def listing(self) -> dict[str, ArmFiles]:
         found: dict[str, dict[str, set[int]]] = {}
@@ -162,8 +186,10 @@ class LocalBlobStore(BlobStore):
                         add_listed(found, f"{arm_dir.name}/{file.name}")
         return arm_files(found)
 
-    def read(self, blob_uri: str) -> bytes:
-        return self._local_path(blob_uri).read_bytes()
+    def read(self, blob_uri: str, size: int) -> bytes:
+        path = self._local_path(blob_uri)
+        check_size(blob_uri, path.stat().st_size, size)
+        return _read_at_most(path, size, size)
 
     def exists(self, blob_uri: str) -> bool:
         return self._local_path(blob_uri).is_file()
@@ -189,6 +215,17 @@ class LocalBlobStore(BlobStore):
             raise ValueError(f"blob URI {blob_uri!r} points outside the store at {self.root}")
         parse_blob_name(path.relative_to(self.root).as_posix(), blob_uri)
         return path
+
+
+def _read_at_most(path: Path, expected: int, bound: int) -> bytes:
+    """``path``'s bytes, read only up to ``bound`` (+1, to see a file that grew since its
+    stat); BlobSizeMismatch for a file over it or not ``expected`` bytes once read."""
+    if expected > bound:
+        raise BlobSizeMismatch(f"{path} is {expected:,} bytes, over the {bound:,} read")
+    with path.open("rb") as f:
+        data = f.read(bound + 1)
+    check_size(path.as_uri(), len(data), expected)
+    return data
 
 
 def open_store(settings: WeightSyncSettings, stack: StackSettings) -> BlobStore:

@@ -21,11 +21,14 @@ from botocore.exceptions import BotoCoreError, ClientError
 
 from rtrl.weight_sync.config import WeightSyncSettings, split_s3_url
 from rtrl.weight_sync.store import (
+    MAX_MANIFEST_BYTES,
     ArmFiles,
+    BlobSizeMismatch,
     BlobStore,
     add_listed,
     arm_files,
     blob_name,
+    check_size,
     manifest_name,
     parse_blob_name,
 )
@@ -88,11 +91,18 @@ class S3BlobStore(BlobStore):
 
     def read_manifest(self, arm: str, version: int) -> bytes:
         key = self._key(manifest_name(arm, version))
+        uri = f"s3://{self.bucket}/{key}"
         try:
-            return self._client.get_object(Bucket=self.bucket, Key=key)["Body"].read()
+            answer = self._client.get_object(
+                Bucket=self.bucket, Key=key, Range=f"bytes=0-{MAX_MANIFEST_BYTES}"
+            )
         except ClientError as exc:
-            _raise_if_missing(exc, f"s3://{self.bucket}/{key}")
+            _raise_if_missing(exc, uri)
             raise
+        manifest: bytes = answer["Body"].read(MAX_MANIFEST_BYTES + 1)
+        if len(manifest) > MAX_MANIFEST_BYTES:
+            raise BlobSizeMismatch(f"{uri} is over the {MAX_MANIFEST_BYTES:,} bytes read")
+        return manifest
 
     def listing(self) -> dict[str, ArmFiles]:
         found: dict[str, dict[str, set[int]]] = {}
@@ -104,13 +114,18 @@ class S3BlobStore(BlobStore):
                 add_listed(found, item["Key"].removeprefix(start))
         return arm_files(found)
 
-    def read(self, blob_uri: str) -> bytes:
-        out = io.BytesIO()
+    def read(self, blob_uri: str, size: int) -> bytes:
+        key = self._key_of(blob_uri)
         try:
-            self._client.download_fileobj(self.bucket, self._key_of(blob_uri), out)
+            head = self._client.head_object(Bucket=self.bucket, Key=key)
+            check_size(blob_uri, head["ContentLength"], size)
+            out = io.BytesIO()
+            # The transfer reads the size it is told by a HEAD of its own, in ranges.
+            self._client.download_fileobj(self.bucket, key, out)
         except ClientError as exc:
             _raise_if_missing(exc, blob_uri)
             raise
+        check_size(blob_uri, out.getbuffer().nbytes, size)
         return out.getvalue()
 
     def exists(self, blob_uri: str) -> bool:

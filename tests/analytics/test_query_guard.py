@@ -281,3 +281,82 @@ def _post(url: str, body: bytes, headers: dict[str, str]) -> tuple[int, str]:
             return response.status, response.read().decode()
     except urllib.error.HTTPError as exc:
         return exc.code, exc.read().decode(errors="replace")
+
+
+# Joins that pair every row with every row while looking like a join on a condition.
+CROSS_JOINS = [
+    ("ON 1 = 1", "SELECT count() AS n FROM rollouts AS a JOIN rewards AS b ON 1 = 1"),
+    ("ON true", "SELECT count() AS n FROM rollouts AS a JOIN rewards AS b ON true"),
+    ("ON a constant", "SELECT count() AS n FROM rollouts AS a JOIN rewards AS b ON 1"),
+    (
+        "ON a literal equality in parentheses",
+        "SELECT count() AS n FROM rollouts AS a JOIN rewards AS b ON (1 = 1)",
+    ),
+    (
+        "ON a column equal to itself",
+        "SELECT count() AS n FROM rollouts AS a JOIN rewards AS b ON a.arm = a.arm",
+    ),
+    (
+        "ON an equality within one table",
+        "SELECT count() AS n FROM rollouts AS a JOIN rewards AS b ON a.arm = a.rollout_id",
+    ),
+    (
+        "ON a column equal to a constant",
+        "SELECT count() AS n FROM rollouts AS a JOIN rewards AS b ON a.arm = 'control'",
+    ),
+    (
+        "ON an equality OR true",
+        "SELECT count() AS n FROM rollouts AS a JOIN rewards AS b"
+        " ON a.rollout_id = b.rollout_id OR 1 = 1",
+    ),
+    (
+        "ON an inequality",
+        "SELECT count() AS n FROM rollouts AS a JOIN rewards AS b ON a.rollout_id != b.rollout_id",
+    ),
+    (
+        "ON a comparison",
+        "SELECT count() AS n FROM rollouts AS a LEFT JOIN rewards AS b"
+        " ON a.rollout_id > b.rollout_id",
+    ),
+    (
+        "ON an equality of expressions, not columns",
+        "SELECT count() AS n FROM rollouts AS a JOIN rewards AS b ON length(a.arm) = length('x')",
+    ),
+    ("CROSS JOIN", "SELECT count() AS n FROM rollouts AS a CROSS JOIN rewards AS b"),
+    ("a comma join", "SELECT count() AS n FROM rollouts AS a, rewards AS b"),
+    (
+        "a comma join with a WHERE",
+        "SELECT count() AS n FROM rollouts AS a, rewards AS b WHERE a.rollout_id = b.rollout_id",
+    ),
+    (
+        "ON 1 = 1 in a subquery",
+        "SELECT n FROM (SELECT count() AS n FROM rollouts AS a JOIN rewards AS b ON 1 = 1)",
+    ),
+]
+
+# Joins on an equality between the two sides' columns, which the report's queries use.
+EQUI_JOINS = [
+    "SELECT count() AS n FROM rollouts AS a JOIN rewards AS b ON a.rollout_id = b.rollout_id",
+    "SELECT count() AS n FROM rollouts AS a LEFT JOIN rewards AS b"
+    " ON (a.rollout_id = b.rollout_id) AND b.reward > 0",
+    "SELECT count() AS n FROM rollouts AS a JOIN rewards AS b"
+    " ON b.reward > 0 AND a.rollout_id = b.rollout_id AND a.arm = 'control'",
+    "SELECT count() AS n FROM rollouts AS a JOIN rewards AS b USING (rollout_id)",
+    "SELECT count() AS n FROM rollouts JOIN rewards ON rollouts.rollout_id = rewards.rollout_id",
+]
+
+
+@pytest.mark.guarantee(7)
+@pytest.mark.parametrize("name, sql", CROSS_JOINS, ids=[name for name, _ in CROSS_JOINS])
+def test_a_join_without_an_equality_between_its_sides_columns_is_refused(tables, name, sql):
+    """L10: `JOIN ... ON 1=1` was a cross join in disguise (every pair of rows): a join must
+    pair rows on an equality between a column of each side (or USING), as a conjunct of ON."""
+    _, allowed = tables
+    with pytest.raises(Refused, match="join"):
+        checked_sql(sql, allowed)
+
+
+@pytest.mark.parametrize("sql", EQUI_JOINS, ids=range(len(EQUI_JOINS)))
+def test_a_join_on_an_equality_between_its_sides_columns_passes(tables, sql):
+    client, allowed = tables
+    assert client_query_fn(client)(checked_sql(sql, allowed))

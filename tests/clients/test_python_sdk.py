@@ -45,7 +45,7 @@ def segment_files(directory: Path) -> list[str]:
 
 
 def test_spool_keeps_order_and_after_a_restart_resends_only_the_unanswered(tmp_path):
-    spool = open_spool(tmp_path, segment_bytes=64)  # records of 16 bytes: four per segment
+    spool = open_spool(tmp_path, segment_bytes=80)  # records of 20 bytes: four per segment
     seqs = [spool.append([b"event-%02d" % i])[0] for i in range(10)]
     seqs += spool.append([b"event-10", b"event-11"])
     assert payloads(spool) == [b"event-%02d" % i for i in range(12)]
@@ -60,13 +60,13 @@ def test_spool_keeps_order_and_after_a_restart_resends_only_the_unanswered(tmp_p
     assert payloads(spool) == [b"event-%02d" % i for i in (4, 6, 7, 8, 9, 10)]
     spool.close()
 
-    again = open_spool(tmp_path, segment_bytes=64)
+    again = open_spool(tmp_path, segment_bytes=80)
     assert payloads(again) == [b"event-%02d" % i for i in (4, 6, 7, 8, 9, 10)]
     again.append([b"event-12"])  # appends go to a new segment after the ones found
     again.ack([item.seq for item in again.oldest(100)][:-1])
     again.close()
 
-    last = open_spool(tmp_path, segment_bytes=64)
+    last = open_spool(tmp_path, segment_bytes=80)
     assert payloads(last) == [b"event-12"]
     last.ack([item.seq for item in last.oldest(100)])
     assert (len(last), last.bytes, segment_files(tmp_path)) == (0, 0, [])
@@ -126,15 +126,15 @@ def test_spool_full_refuses_the_event_until_answered_segments_free_space(tmp_pat
     seqs = []
     with pytest.raises(SpoolFull, match="max_spool_bytes=200"):
         while True:
-            seqs += spool.append([b"x" * 22])  # 30 bytes a record, two per segment
+            seqs += spool.append([b"x" * 18])  # 30 bytes a record, two per segment
     assert spool.bytes <= 200 and len(spool) == len(seqs) == 6
     assert len(payloads(spool)) == 6  # the refused event left no trace
 
     spool.ack(seqs[1:2])  # half a segment answered: its disk is not free yet
     with pytest.raises(SpoolFull):
-        spool.append([b"x" * 22])
+        spool.append([b"x" * 18])
     spool.ack(seqs[:1])
-    spool.append([b"x" * 22])
+    spool.append([b"x" * 18])
     assert len(spool) == 5
     spool.close()
 

@@ -4,7 +4,7 @@ whose metadata alone is too large is served, not lost, and not recorded.
 Kafka refuses records over its limit (about 1 MB by default), and a long agent trajectory
 or a mixture-of-experts rollout (hundreds of bytes of routes per token) is larger. Its
 bulk goes to the rollout store (rtrl/bulk.py) and the record that travels names it; what
-still does not fit (a prompt group id of a megabyte) is answered with ``not_recorded``
+still does not fit (a prompt as long as the context) is answered with ``not_recorded``
 naming the limit, counted, and never produced. The limit leaves room for the reward that
 carries the rollout: a rollout of the largest size recorded makes a reward that fits too.
 """
@@ -29,8 +29,17 @@ from support.inference import read_rollouts
 
 torch.set_num_threads(1)
 
-LIMIT = 64 * 1024 + 1500
-"""kafka_max_record_bytes: rollout records of up to 1,500 bytes travel."""
+INLINE = 656
+LIMIT = 64 * 1024 + INLINE
+"""kafka_max_record_bytes: rollout records of up to 656 bytes travel."""
+
+
+def metadata(chars: int) -> dict[str, str]:
+    """``chars`` characters of travelling metadata, spread over the four fields a request
+    sets (each at most 128: rtrl/field_bounds.py)."""
+    fields = ("prompt_group_id", "context_key", "user_id", "session_id")
+    assert chars <= 128 * len(fields)
+    return {name: "m" * min(128, max(chars - 128 * i, 0)) or "m" for i, name in enumerate(fields)}
 
 
 @pytest.mark.integration
@@ -49,16 +58,17 @@ def test_a_rollout_over_the_record_limit_goes_out_of_band_unless_its_metadata_is
             url = f"http://127.0.0.1:{server.port}/v1/completions"
             answers = []
             async with aiohttp.ClientSession() as http:
-                # A record is its group id and 240-310 bytes more (the more under a longer
-                # temporary directory, as pytest-xdist's workers have), the large one's bulk
-                # ~250 more: each case stays ~90 bytes clear of the limit either way.
-                for prompt, max_tokens, group in (
-                    ("@p1 hi\n", 4, 1000),
-                    ("@p1 " + "x" * 100 + "\n", 24, 1050),
-                    ("@p1 hi\n", 4, 1600),
+                # A record is its metadata and 240-310 bytes more (the more under a longer
+                # temporary directory, as pytest-xdist's workers have): 390, 495 without its
+                # bulk (761 with it) and 793 bytes here, each ~95 bytes clear of the limit
+                # either way. Travelling metadata is at most 4 x 128 characters.
+                for prompt, max_tokens, chars in (
+                    ("@p1 hi\n", 4, 150),
+                    ("@p1 " + "x" * 60 + "\n", 60, 180),
+                    ("@p1 hi\n", 4, 512),
                 ):
-                    body = {"prompt": prompt, "user_id": "u", "session_id": "s", "seed": 1}
-                    body |= {"max_tokens": max_tokens, "prompt_group_id": "g" * group}
+                    body = {"prompt": prompt, "seed": 1, "max_tokens": max_tokens}
+                    body |= metadata(chars)
                     async with http.post(url, json=body) as resp:
                         answers.append((resp.status, await resp.json()))
             counters = server.api.counters
@@ -72,14 +82,14 @@ def test_a_rollout_over_the_record_limit_goes_out_of_band_unless_its_metadata_is
     assert (small_status, large_status, meta_status) == (200, 200, 200), (small, large, meta)
     assert "not_recorded" not in small and "not_recorded" not in large
     assert meta["usage"]["completion_tokens"] > 0  # served in full
-    assert "without its bulk, over the 1,500 that leave room" in meta["not_recorded"]
+    assert "without its bulk, over the 656 that leave room" in meta["not_recorded"]
     records = {r.rollout_id: r for r in read_rollouts(stack_settings)}
     assert set(records) == {small["rollout_id"], large["rollout_id"]}
     inline, out_of_band = records[small["rollout_id"]], records[large["rollout_id"]]
     assert not inline.HasField("bulk") and list(inline.completion_token_ids) == small["token_ids"]
     whole = bulk.inflate(out_of_band, bulk.BulkStore(stack.resolved_rollout_bulk_dir()))
     assert list(whole.completion_token_ids) == large["token_ids"]
-    assert out_of_band.ByteSize() <= 1500 < whole.ByteSize()
+    assert out_of_band.ByteSize() <= INLINE < whole.ByteSize()
 
 
 def test_a_rollout_of_the_largest_recorded_size_makes_a_reward_under_the_limit():

@@ -597,3 +597,153 @@ def test_the_kafka_acls_are_rendered_from_the_topic_contract_and_grant_no_more()
                 environment["RTRL_KAFKA_SASL_USERNAME"] == module
                 and environment["RTRL_KAFKA_SECURITY_PROTOCOL"] == "SASL_PLAINTEXT"
             ), name
+
+
+# ---- M7: the networks are the trust boundary ----
+
+PROMETHEUS = COMPOSE.parent / "prometheus.yml"
+GRAFANA_DATASOURCE = REPO / "deploy" / "grafana" / "provisioning" / "datasources" / "rtrl.yml"
+
+
+def networks_of(service: dict) -> dict[str, dict]:
+    """Network -> its settings for one service (compose's ``default`` when none is named)."""
+    named = service.get("networks", {"default": None})
+    if isinstance(named, list):
+        named = dict.fromkeys(named)
+    return {name: settings or {} for name, settings in named.items()}
+
+
+def hosts_addressed(name: str, service: dict, names: set[str]) -> set[str]:
+    """The compose hosts (service names or network aliases) one service connects to: every
+    ``host:port`` in its environment and command, the scrape targets of Prometheus and the
+    data source of Grafana."""
+    environment = dict(service.get("environment", {}))
+    # The shared settings give every rtrl service the brokers' and weight_sync's addresses;
+    # a service connects only where it holds the credential (or, for traces, everywhere).
+    credentials = {
+        "RTRL_KAFKA_BOOTSTRAP": "RTRL_KAFKA_SASL_PASSWORD",
+        "RTRL_WEIGHT_SYNC_ADDR": "_TOKEN",
+    }
+    for variable, credential in credentials.items():
+        if variable in environment and name != "kafka-setup":
+            if not any(
+                k.endswith(credential) and k.startswith(("RTRL_KAFKA", "RTRL_WEIGHT_SYNC"))
+                for k in environment
+            ):
+                del environment[variable]
+    text = json.dumps([environment, service.get("command", [])])
+    if name == "prometheus":
+        text += json.dumps(yaml.safe_load(PROMETHEUS.read_text()))
+    if name == "grafana":
+        text += GRAFANA_DATASOURCE.read_text()
+    found = {
+        host for host in names if re.search(rf"(?<![\w.-]){re.escape(host)}(?![\w.-])(:\d+)?", text)
+    }
+    if name == "prometheus":  # DNS discovery names hosts without ports
+        return found - {name}
+    return {
+        host for host in names if re.search(rf"(?<![\w.-]){re.escape(host)}(?![\w.-]):\d+", text)
+    } - {name}
+
+
+def connections(compose: dict) -> dict[str, set[str]]:
+    """Service -> the services it connects to (aliases resolved to their service)."""
+    services = compose["services"]
+    alias_of = {name: name for name in services}
+    for name, service in services.items():
+        for settings in networks_of(service).values():
+            alias_of |= dict.fromkeys(settings.get("aliases", []), name)
+    return {
+        name: {alias_of[h] for h in hosts_addressed(name, service, set(alias_of))}
+        for name, service in services.items()
+    }
+
+
+def members(compose: dict) -> dict[str, set[str]]:
+    out: dict[str, set[str]] = {}
+    for name, service in compose["services"].items():
+        for network in networks_of(service):
+            out.setdefault(network, set()).add(name)
+    return out
+
+
+@pytest.mark.guarantee(7)
+def test_kafka_has_no_anonymous_super_user_and_its_controllers_talk_only_on_their_own_network():
+    """M7: compose's brokers made ANONYMOUS a super user for a plaintext controller listener
+    that listened on every network the brokers joined. Now the controllers authenticate as
+    the brokers' admin (SASL) and listen only on an address of a network no one but the
+    brokers is on."""
+    compose = load()
+    brokers = {
+        name: s
+        for name, s in compose["services"].items()
+        if name.startswith("kafka-") and name != "kafka-setup"
+    }
+    assert len(brokers) == 3
+    everyone = members(compose)
+    for name, broker in brokers.items():
+        env = broker["environment"]
+        supers = {p.strip() for p in env["KAFKA_SUPER_USERS"].split(";")}
+        assert supers == {"User:admin"}, f"{name}: super users {supers}"
+        protocols = dict(
+            p.split(":") for p in env["KAFKA_LISTENER_SECURITY_PROTOCOL_MAP"].split(",")
+        )
+        assert set(protocols.values()) <= {"SASL_PLAINTEXT", "SASL_SSL"}, f"{name}: {protocols}"
+        assert env["KAFKA_SASL_MECHANISM_CONTROLLER_PROTOCOL"] == "PLAIN"
+        jaas = env["KAFKA_LISTENER_NAME_CONTROLLER_PLAIN_SASL_JAAS_CONFIG"]
+        assert re.findall(r"user_(\w+)=", jaas) == ["admin"], (
+            "only the brokers log in as controllers"
+        )
+        listeners = dict(listener.split("://", 1) for listener in env["KAFKA_LISTENERS"].split(","))
+        host = listeners[env["KAFKA_CONTROLLER_LISTENER_NAMES"]].rsplit(":", 1)[0]
+        homes = [n for n, s in networks_of(broker).items() if host in s.get("aliases", [])]
+        assert homes, (
+            f"{name}: the controller listener binds {host!r}, not an address on one network"
+        )
+        (home,) = homes
+        assert everyone[home] == set(brokers), (
+            f"{name}: {home} also has {everyone[home] - set(brokers)}"
+        )
+        assert compose["networks"][home].get("internal") is True
+        voters = [
+            v.split("@")[1].rsplit(":", 1)[0]
+            for v in env["KAFKA_CONTROLLER_QUORUM_VOTERS"].split(",")
+        ]
+        for voter in voters:
+            assert any(
+                voter in networks_of(b).get(home, {}).get("aliases", []) for b in brokers.values()
+            ), voter
+
+
+@pytest.mark.guarantee(7)
+def test_services_share_a_network_only_with_what_they_talk_to():
+    """M7: one flat network put SGLang, Grafana and the collector beside the brokers, Redis and
+    ClickHouse. Now every network is a trust boundary: two services share one only if one
+    connects to the other, or both to a third on it (a server and its clients), or a third
+    connects to both (Prometheus and its targets); every connection a service makes has a
+    network under it; only a published service's own edge network leaves the host."""
+    compose = load()
+    talks = connections(compose)
+    assert talks["grafana"] == {"prometheus"} and "redis" in talks["ingest"], talks
+    everyone = members(compose)
+    for network, names in everyone.items():
+        for a in names:
+            for b in names - {a}:
+                hub = any({a, b} <= talks[c] or {c} <= talks[a] & talks[b] for c in names - {a, b})
+                assert b in talks[a] or a in talks[b] or hub, (
+                    f"{a} and {b} share {network}, but neither connects to the other, and no"
+                    " service there connects to both or is connected to by both"
+                )
+    for a, targets in talks.items():
+        for b in targets:
+            assert any({a, b} <= names for names in everyone.values()), f"{a} cannot reach {b}"
+    declared = compose.get("networks", {})
+    for network, names in everyone.items():
+        published = [n for n in names if compose["services"][n].get("ports")]
+        if not declared.get(network, {}).get("internal"):
+            assert len(names) == 1 and published, f"{network} leaves the host with {sorted(names)}"
+    for name, service in compose["services"].items():
+        if service.get("ports"):
+            assert any(len(everyone[n]) == 1 for n in networks_of(service)), (
+                f"{name} has no edge of its own"
+            )

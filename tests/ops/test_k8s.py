@@ -167,7 +167,9 @@ MUTATIONS: dict[str, tuple[str, Callable[[list, dict], None]]] = {
     "the entrypoint replaced": ("trainer", _replace_entrypoint),
     "SGLang without its admin key": (
         "sglang-control",
-        lambda d, c: k8s.containers(d)["sglang-control"]["command"].__delitem__(slice(-2, None)),
+        lambda d, c: k8s.containers(d)["sglang-control"]["command"].__setitem__(
+            -1, k8s.containers(d)["sglang-control"]["command"][-1].replace("admin-api-key", "x")
+        ),
     ),
     "compose gains a variable": (
         "reward-stream",

@@ -310,3 +310,16 @@ def test_transactions_outlive_a_restart(tmp_path, kind):
         operator.close()
     finally:
         proc.stop()
+
+
+@pytest.mark.guarantee(7)
+@pytest.mark.parametrize("writer", [u for u in USERS if u != "operator"])
+def test_each_service_writes_only_its_own_heartbeats(acl_redis, writer):
+    """L1: every service's user could write every heartbeat (a forged joiner beat hid the
+    reward-hacking alerts from `rtrl status`). Now each writes rtrl:hb:<its own name>:* only."""
+    for owner in heartbeat.BEATS:
+        key = heartbeat.key(owner, "forged")
+        if owner == writer:
+            assert not refused(acl_redis[writer], "SET", key, "{}", "EX", "10"), key
+        else:
+            assert refused(acl_redis[writer], "SET", key, "{}", "EX", "10"), f"{writer} wrote {key}"

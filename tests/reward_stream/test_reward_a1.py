@@ -5,6 +5,9 @@ a2 and a2h: the same, with a complaint weighed as a whole kept edit."""
 
 from __future__ import annotations
 
+import math
+from dataclasses import replace
+
 import pytest
 
 from rtrl.reward_stream import monitors, reward
@@ -194,3 +197,63 @@ def test_the_joiners_behaviour_counts_of_a_trajectory():
         "edits": 1,
         "truncations": 0,
     }
+
+
+HOSTILE_CURVES = [
+    # (the curve as RTRL_REWARD_EFFORT_CURVE, the field the refusal names)
+    ('{"exponent": 1e308}', "exponent"),
+    ('{"exponent": 5}', "exponent"),
+    ('{"exponent": Infinity}', "exponent"),
+    ('{"exponent": NaN}', "exponent"),
+    ('{"weight": 1e308}', "weight"),
+    ('{"weight": NaN}', "weight"),
+    ('{"cap": Infinity}', "cap"),
+    ('{"cap": 1e308}', "cap"),
+    ('{"tokens": 1e-308}', "tokens"),
+    ('{"calls": Infinity}', "calls"),
+    ('{"io": NaN}', "io"),
+]
+
+
+@pytest.mark.guarantee(7)
+@pytest.mark.parametrize("curve, field", HOSTILE_CURVES, ids=[c for c, _ in HOSTILE_CURVES])
+def test_a_curve_that_could_crash_or_blow_up_the_joiner_is_refused_at_start(
+    monkeypatch, curve, field
+):
+    """L6: an effort curve with exponent 1e308 was accepted, then crash-looped the joiner
+    (OverflowError on the first long trajectory): every field is finite and bounded at start,
+    and the refusal names it."""
+    monkeypatch.setenv("RTRL_REWARD_REWARD_FN_VERSION", "a1")
+    monkeypatch.setenv("RTRL_REWARD_EFFORT_CURVE", curve)
+    with pytest.raises(ValueError, match=rf"effort_curve\.{field}"):
+        RewardStreamSettings(_env_file=None)
+
+
+@pytest.mark.guarantee(7)
+def test_the_steepest_curve_allowed_gives_a_finite_penalty_for_any_trajectory():
+    """L6: at every bound at once, the largest summary a record can carry costs at most the
+    cap, never an overflow or a NaN."""
+    bounds = {name: field for name, field in EffortCurve.model_fields.items()}
+    steepest = EffortCurve(
+        tokens=_bound(bounds["tokens"], "ge"),
+        calls=_bound(bounds["calls"], "ge"),
+        turns=_bound(bounds["turns"], "ge"),
+        io=_bound(bounds["io"], "ge"),
+        weight=_bound(bounds["weight"], "le"),
+        exponent=_bound(bounds["exponent"], "le"),
+        cap=_bound(bounds["cap"], "le"),
+    )
+    most = 2**64 - 1
+    huge = replace(
+        Summary.of(agent_rollout([["cfg"]])),
+        generated_tokens=most,
+        observed_tokens=most,
+        turns=most,
+    )
+    huge = replace(huge, tool_calls=huge.tool_calls * 1000)
+    assert steepest.penalty(huge) == steepest.cap
+    assert math.isfinite(steepest.penalty(huge))
+
+
+def _bound(field, which: str) -> float:
+    return next(getattr(m, which) for m in field.metadata if hasattr(m, which))

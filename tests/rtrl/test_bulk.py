@@ -4,6 +4,8 @@ names, or a record that names no bulk properly, is refused: never trained on."""
 
 from __future__ import annotations
 
+import tracemalloc
+
 import pytest
 
 from rtrl import bulk
@@ -110,3 +112,26 @@ def test_a_bulk_that_sets_other_fields_or_a_record_that_keeps_its_bulk_inline_is
     both.prompt_token_ids.extend([1, 2])
     with pytest.raises(bulk.BulkCorrupt, match="inline too"):
         bulk.inflate(both, store)
+
+
+@pytest.mark.guarantee(7)
+def test_l8_a_stored_bulk_larger_than_its_record_says_is_refused_before_it_is_read(store):
+    """L8: the blob at a record's checksum is checked against the size the record names
+    (signed with it) before it is read: a 256 MiB file planted there (sparse: it costs the
+    disk nothing) is refused as BulkCorrupt with nothing of it in memory, where it was read
+    whole first (+1.8 GB for a large one)."""
+    slim, blob = bulk.split(agent_record())
+    path = store.path(slim.bulk.checksum)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("wb") as planted:
+        planted.truncate(256 << 20)
+    tracemalloc.start()
+    try:
+        with pytest.raises(bulk.BulkCorrupt, match="bytes"):
+            bulk.inflate(slim, store)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 4 << 20, f"{peak:,} bytes allocated to refuse a 256 MiB blob"
+    path.write_bytes(blob)  # the real one, of the size named, still comes back
+    assert bulk.inflate(slim, store).prompt_token_ids == agent_record().prompt_token_ids

@@ -97,12 +97,16 @@ def defaults(text: str) -> str:
 def expected_of(name: str, service: dict[str, Any]) -> Expected:
     command = service["command"]
     argv = shlex.split(command.replace("$$", "$")) if isinstance(command, str) else command
-    if argv[:2] == ["sh", "-c"]:
+    if argv[:2] == ["sh", "-c"] and "\n" in argv[2]:
+        # A script (SGLang's, which keeps its keys off the command line): the same in both.
+        argv = ["sh", "-c", argv[2].replace("$$", "$")]
+    elif argv[:2] == ["sh", "-c"]:
         # Compose needs a shell to expand a variable from the container's environment;
         # Kubernetes expands $(VAR) in a command itself, and runs the program directly.
         argv = shlex.split(argv[2].replace("$$", "$"))
         argv = argv[1:] if argv[0] == "exec" else argv
-    argv = [re.sub(r"\$(\w+)", r"$(\1)", arg) for arg in argv]
+    if argv[:2] != ["sh", "-c"]:
+        argv = [re.sub(r"\$(\w+)", r"$(\1)", arg) for arg in argv]
     literals: dict[str, str] = {}
     secrets: dict[str, str] = {}
     public: dict[str, str] = {}

@@ -7,7 +7,10 @@ same boto3 client production uses; each test gets its own bucket.
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import os
+import tracemalloc
 import uuid
 from typing import TypedDict
 
@@ -17,8 +20,10 @@ from moto.server import ThreadedMotoServer
 
 from rtrl import procs
 from rtrl.config import StackSettings
+from rtrl.v1 import weights_pb2
 from rtrl.weight_sync.client import Publisher, Subscriber
 from rtrl.weight_sync.config import WeightSyncSettings
+from rtrl.weight_sync.servicer import RegistrySource
 from rtrl.weight_sync.store import ArmFiles, LocalBlobStore, open_store
 from rtrl.weight_sync.store_s3 import S3BlobStore
 
@@ -102,9 +107,33 @@ def test_written_blob_reads_back(store, size):
     else:
         assert uri == (store.root / "treatment" / "3.blob").as_uri()
     assert store.owns(uri) and store.exists(uri)
-    assert store.read(uri) == blob
+    assert store.read(uri, len(blob)) == blob
     store.write("treatment", 3, b"again")
-    assert store.read(uri) == b"again"
+    assert store.read(uri, 5) == b"again"
+
+
+@pytest.mark.guarantee(7)
+def test_l8_a_blob_of_another_size_than_its_manifest_says_is_refused_before_it_is_read(store):
+    """L8: a blob in the store larger than its manifest's blob_size (a bad or planted
+    file) was read whole before its size was checked (+1.8 GB for a large one); now the
+    store's size (stat, HEAD) is checked first and nothing of it is read."""
+    uri = store.write("treatment", 3, os.urandom(8 << 20))
+    manifest = weights_pb2.Manifest(arm="treatment", version=3, blob_uri=uri, blob_size=100)
+    source = RegistrySource(registry=None, store=store, head_max_age_s=1.0)  # type: ignore[arg-type]
+    gets: list[str] = []
+    if isinstance(store, S3BlobStore):  # moto serves in this process: count the GETs instead
+        store._client.meta.events.register(
+            "before-call.s3.GetObject", lambda **kwargs: gets.append("GET")
+        )
+    tracemalloc.start()
+    try:
+        blob = asyncio.run(source.blob(manifest))
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert blob is None and gets == []
+    if not isinstance(store, S3BlobStore):
+        assert peak < 2 << 20, f"{peak:,} bytes allocated to refuse an 8 MiB blob"
 
 
 def test_deleted_blob_is_missing(store):
@@ -113,9 +142,9 @@ def test_deleted_blob_is_missing(store):
     store.delete(uri)
     assert not store.exists(uri) and store.owns(uri)
     with pytest.raises(FileNotFoundError):
-        store.read(uri)
+        store.read(uri, 10)
     store.delete(uri)  # already gone: no error
-    assert store.read(kept) == b"next"
+    assert store.read(kept, 4) == b"next"
 
 
 def test_manifests_lie_beside_their_blobs_and_are_listed_and_deleted_with_them(store):
@@ -144,7 +173,7 @@ def test_never_written_blob_is_missing(store):
     uri = store.write("treatment", 0, b"x").replace("/0.blob", "/7.blob")
     assert store.owns(uri) and not store.exists(uri)
     with pytest.raises(FileNotFoundError):
-        store.read(uri)
+        store.read(uri, 1)
 
 
 @pytest.mark.parametrize("arm", ["", "../etc", "a/b", ".hidden", "x" * 65, "tab\tarm"])
@@ -175,10 +204,10 @@ def test_uris_outside_the_store_are_refused(store):
         foreign.append(f"file://otherhost{store.root}/treatment/2.blob")
     for uri in foreign:
         assert not store.owns(uri), uri
-        for method in (store.read, store.exists, store.delete):
+        for method in (functools.partial(store.read, size=4), store.exists, store.delete):
             with pytest.raises(ValueError):
                 method(uri)
-    assert store.read(f"{root}/treatment/{name}") == b"blob"
+    assert store.read(f"{root}/treatment/{name}", 4) == b"blob"
 
 
 def test_open_store_follows_blob_url(tmp_path):

@@ -1,33 +1,37 @@
 // The durable spool of the Node SDK: events stay on disk until the gateway answered them.
-// Same record layout as the Python SDK's spool (clients/python/src/rtrl_client/spool.py):
-//   <n>.seg   records `u32 length | u32 crc32 | serialized TelemetryEvent` (big-endian), appended
-//   <n>.acks  u64 offsets of that segment's records that got a final answer
-// A segment is deleted once every record in it is answered. A record torn by a crash mid-append
-// fails its length or CRC check and is cut off at the next start: its append never returned.
-// One process per directory: `node.lock` holds the owner's pid (taken over once that process
-// is gone). Node has no flock, so this lock is advisory between SDK processes only.
+// The layout is the Python SDK's (clients/python/src/rtrl_client/spool.py), big-endian:
+//   <n>.seg     records `MARK | u32 length | u32 crc32(payload) | payload` (a serialized
+//               TelemetryEvent), appended only; <n> is 16 decimal digits
+//   <n>.acks    u64 offsets of that segment's records that got a final answer
+//   spool.lock  the owner, as {"pid", "host", "started"} (rtrl_client/spool_lock.py)
+// A segment is deleted once every record in it is answered. A damaged record costs that record
+// only: the reader resynchronizes on the next MARK whose record passes its CRC; a record torn by
+// a crash mid-append (its append never returned) is cut off the end. Only regular files named
+// as above are read, written or deleted; no symbolic link is followed (O_NOFOLLOW everywhere,
+// the directory's mode set through its own descriptor).
+// One process per directory, this SDK's or Python's: `spool.lock` is written whole under a
+// temporary name and hard-linked into place (which fails if a lock exists); a lock whose owner
+// is gone (a dead pid, a pid that started at another moment, no owner at all) is moved aside
+// and taken over. A lock from another host is never judged: a person removes it.
 import {
-  chmodSync,
   closeSync,
-  existsSync,
+  constants,
+  fchmodSync,
+  fstatSync,
   fsyncSync,
   ftruncateSync,
-  linkSync,
   mkdirSync,
   openSync,
   readdirSync,
   readFileSync,
-  truncateSync,
   unlinkSync,
   writeSync,
 } from "node:fs";
 import { join } from "node:path";
+import { acquireLock, releaseLock, SpoolLocked } from "./spool_lock.js";
 import { type EventStore, SpoolFull, type StoredEvent, takeOldest } from "./telemetry.js";
 
-/** Another live process uses this spool directory; two senders would resend each other's events. */
-export class SpoolLocked extends Error {
-  override name = "SpoolLocked";
-}
+export { SpoolLocked };
 
 export interface SpoolOptions {
   /** Disk the spool may use; an append beyond it throws SpoolFull (default 256 MiB). */
@@ -40,9 +44,14 @@ export interface SpoolOptions {
   fsync?: boolean;
 }
 
-const HEADER = 8;
+/** Starts every record: where a reader resynchronizes after a damaged one. */
+const MARK = Buffer.from([0xf0, 0x53, 0x50, 0x32]);
+const HEADER = 12;
+const LEGACY_HEADER = 8;
 const ACK = 8;
-const LOCK = "node.lock";
+/** The only names the spool reads, writes or deletes. */
+const OWN_NAME = /^([0-9]{16})\.(seg|acks)$/;
+const NOFOLLOW = constants.O_NOFOLLOW;
 
 interface Segment {
   number: number;
@@ -69,6 +78,7 @@ export class Spool implements EventStore {
   private activeFd: number | undefined;
   private nextSegment = 1;
   private closed = false;
+  private readonly owner: string;
 
   constructor(directory: string, options: SpoolOptions = {}) {
     this.directory = directory;
@@ -79,14 +89,12 @@ export class Spool implements EventStore {
     if (!(this.segmentBytes > 0 && this.segmentBytes <= this.maxBytes) || this.maxEvents < 1) {
       throw new RangeError("segmentBytes must be in 1..maxBytes and maxEvents >= 1");
     }
-    // Events hold users' code and messages: the spool is its owner's alone.
-    mkdirSync(directory, { recursive: true, mode: 0o700 });
-    chmodSync(directory, 0o700);
-    acquireLock(directory);
+    ownDirectory(directory);
+    this.owner = acquireLock(directory);
     try {
       this.load();
     } catch (error) {
-      releaseLock(directory);
+      releaseLock(directory, this.owner);
       throw error;
     }
   }
@@ -97,8 +105,9 @@ export class Spool implements EventStore {
     if (this.closed) throw new Error(`spool ${this.directory} is closed`);
     const frames = payloads.map((p) => {
       const frame = Buffer.allocUnsafe(HEADER + p.length);
-      frame.writeUInt32BE(p.length, 0);
-      frame.writeUInt32BE(crc32(p), 4);
+      frame.set(MARK, 0);
+      frame.writeUInt32BE(p.length, 4);
+      frame.writeUInt32BE(crc32(p), 8);
       frame.set(p, HEADER);
       return frame;
     });
@@ -165,7 +174,8 @@ export class Spool implements EventStore {
       // DUPLICATE) but only while the gateway still remembers the ids.
       const record = Buffer.alloc(ACK * offsets.length);
       offsets.forEach((o, i) => record.writeBigUInt64BE(BigInt(o), i * ACK));
-      const fd = openSync(this.path(segment, "acks"), "a", 0o600);
+      const flags = constants.O_WRONLY | constants.O_CREAT | constants.O_APPEND | NOFOLLOW;
+      const fd = openSync(this.path(segment, "acks"), flags, 0o600);
       try {
         for (let written = 0; written < record.length; ) written += writeSync(fd, record, written);
         if (this.fsync) fsyncSync(fd);
@@ -200,7 +210,7 @@ export class Spool implements EventStore {
     if (this.closed) return;
     this.closed = true;
     this.closeActive();
-    releaseLock(this.directory);
+    releaseLock(this.directory, this.owner);
   }
 
   private path(segment: Segment, kind: "seg" | "acks"): string {
@@ -211,7 +221,8 @@ export class Spool implements EventStore {
     if (this.active && this.active.size > 0 && this.active.size + size > this.segmentBytes) this.closeActive();
     if (!this.active || this.activeFd === undefined) {
       const segment: Segment = { number: this.nextSegment++, size: 0, acksSize: 0, unanswered: 0 };
-      this.activeFd = openSync(this.path(segment, "seg"), "ax", 0o600);
+      const flags = constants.O_WRONLY | constants.O_CREAT | constants.O_EXCL | constants.O_APPEND | NOFOLLOW;
+      this.activeFd = openSync(this.path(segment, "seg"), flags, 0o600);
       if (this.fsync) fsyncDirectory(this.directory); // the new name must survive a power cut too
       this.active = segment;
     }
@@ -226,66 +237,163 @@ export class Spool implements EventStore {
   private drop(segment: Segment): void {
     if (segment === this.active) this.closeActive();
     unlinkSync(this.path(segment, "seg")); // first: an .acks without its .seg is ignored at load
-    if (existsSync(this.path(segment, "acks"))) unlinkSync(this.path(segment, "acks"));
+    unlinkIfThere(this.path(segment, "acks"));
     this.bytesUsed -= segment.size + segment.acksSize;
   }
 
   private load(): void {
     const started = performance.now();
-    const names = readdirSync(this.directory);
-    const numbers = names
-      .filter((n) => /^\d+\.seg$/.test(n))
-      .map((n) => Number.parseInt(n, 10))
-      .sort((a, b) => a - b);
-    for (const number of numbers) {
-      const segment: Segment = { number, size: 0, acksSize: 0, unanswered: 0 };
-      const data = readFileSync(this.path(segment, "seg"));
-      const [records, end] = scan(data);
-      if (end < data.length) {
-        truncateSync(this.path(segment, "seg"), end);
-        if (this.fsync) fsyncFile(this.path(segment, "seg"));
-      }
-      const answered = readAcks(this.path(segment, "acks"));
-      segment.size = end;
-      segment.acksSize = ACK * answered.size;
-      for (const [offset, payload] of records) {
-        if (answered.has(offset)) continue;
-        const seq = this.nextSeq++;
-        this.slots.set(seq, { seq, payload, storedAt: started, segment, offset });
-        segment.unanswered++;
-      }
-      this.bytesUsed += segment.size + segment.acksSize;
-      if (segment.unanswered === 0) this.drop(segment);
+    const found = ownFiles(this.directory);
+    const numbers = [...found.keys()].filter((n) => found.get(n)!.has("seg")).sort((a, b) => a - b);
+    for (const number of numbers) this.loadSegment({ number, size: 0, acksSize: 0, unanswered: 0 }, started);
+    for (const [number, kinds] of found) {
+      // An ack file outlives its segment when a crash falls between the two unlinks; a later
+      // segment of that number must not inherit its acks.
+      if (kinds.has("acks") && !kinds.has("seg")) unlinkIfThere(this.path({ number } as Segment, "acks"));
     }
-    for (const name of names) {
-      if (name.endsWith(".acks") && !existsSync(join(this.directory, name.replace(/\.acks$/, ".seg")))) {
-        unlinkSync(join(this.directory, name));
+    this.nextSegment = Math.max(0, ...found.keys()) + 1;
+  }
+
+  private loadSegment(segment: Segment, started: number): void {
+    const path = this.path(segment, "seg");
+    const data = readOwn(path);
+    const [records, end] = scan(data);
+    if (end < data.length) {
+      const fd = openSync(path, constants.O_WRONLY | NOFOLLOW);
+      try {
+        ftruncateSync(fd, end);
+        if (this.fsync) fsyncSync(fd);
+      } finally {
+        closeSync(fd);
       }
     }
-    this.nextSegment = numbers.length ? numbers[numbers.length - 1]! + 1 : 1;
+    const answered = readAcks(this.path(segment, "acks"));
+    segment.size = end;
+    segment.acksSize = ACK * answered.size;
+    for (const [offset, payload] of records) {
+      if (answered.has(offset)) continue;
+      const seq = this.nextSeq++;
+      this.slots.set(seq, { seq, payload, storedAt: started, segment, offset });
+      segment.unanswered++;
+    }
+    this.bytesUsed += segment.size + segment.acksSize;
+    if (segment.unanswered === 0) this.drop(segment);
   }
 }
 
-/** The intact records of a segment as [offset, payload], and where the intact part ends. */
+/** The intact records of a segment as [offset, payload], and where the last one ends. */
 function scan(data: Buffer): [[number, Uint8Array][], number] {
+  if (legacyRecord(data, 0)) return scanLegacy(data);
   const records: [number, Uint8Array][] = [];
   let offset = 0;
-  while (offset + HEADER <= data.length) {
-    const length = data.readUInt32BE(offset);
-    const crc = data.readUInt32BE(offset + 4);
-    const start = offset + HEADER;
-    const end = start + length;
-    // length 0 also stops at a zero-filled tail, which a file system may leave after a crash.
-    if (length === 0 || end > data.length || crc32(data.subarray(start, end)) !== crc) break;
-    records.push([offset, new Uint8Array(data.subarray(start, end))]);
-    offset = end;
+  let end = 0;
+  while (offset >= 0 && offset < data.length) {
+    const payload = record(data, offset);
+    if (payload) {
+      records.push([offset, payload]);
+      offset = end = offset + HEADER + payload.length;
+    } else {
+      offset = data.indexOf(MARK, offset + 1); // damaged or torn: the next mark may start an intact one
+    }
+  }
+  return [records, end];
+}
+
+/** The payload of the intact record at `offset`, if there is one. */
+function record(data: Buffer, offset: number): Uint8Array | undefined {
+  if (offset + HEADER > data.length || !data.subarray(offset, offset + 4).equals(MARK)) return undefined;
+  const length = data.readUInt32BE(offset + 4);
+  const start = offset + HEADER;
+  // length 0 never is a record: it also rejects a zero-filled tail a crash may leave.
+  if (length === 0 || start + length > data.length) return undefined;
+  const payload = data.subarray(start, start + length);
+  return crc32(payload) === data.readUInt32BE(offset + 8) ? new Uint8Array(payload) : undefined;
+}
+
+/** The payload of the intact record without MARK (the format before it) at `offset`. */
+function legacyRecord(data: Buffer, offset: number): Uint8Array | undefined {
+  if (offset + LEGACY_HEADER > data.length) return undefined;
+  const length = data.readUInt32BE(offset);
+  const start = offset + LEGACY_HEADER;
+  if (length === 0 || start + length > data.length) return undefined;
+  const payload = data.subarray(start, start + length);
+  return crc32(payload) === data.readUInt32BE(offset + 4) ? new Uint8Array(payload) : undefined;
+}
+
+/** A segment written before MARK: its records up to the first damaged one. */
+function scanLegacy(data: Buffer): [[number, Uint8Array][], number] {
+  const records: [number, Uint8Array][] = [];
+  let offset = 0;
+  for (let payload = legacyRecord(data, 0); payload; payload = legacyRecord(data, offset)) {
+    records.push([offset, payload]);
+    offset += LEGACY_HEADER + payload.length;
   }
   return [records, offset];
 }
 
+/** Create the directory (0700) if need be and make it its owner's alone, through its own
+ * descriptor: a directory that is a symbolic link is refused, never followed. */
+function ownDirectory(directory: string): void {
+  // Events hold users' code and messages: the spool is its owner's alone.
+  mkdirSync(directory, { recursive: true, mode: 0o700 });
+  let fd: number;
+  try {
+    fd = openSync(directory, constants.O_RDONLY | constants.O_DIRECTORY | NOFOLLOW);
+  } catch (error) {
+    const code = (error as NodeJS.ErrnoException).code;
+    if (code === "ELOOP" || code === "ENOTDIR") {
+      throw new Error(`spool ${directory} is not a directory of its own (a symbolic link?)`);
+    }
+    throw error;
+  }
+  try {
+    fchmodSync(fd, 0o700);
+  } finally {
+    closeSync(fd);
+  }
+}
+
+/** The spool's own files by segment number: regular files named as the spool names them.
+ * Anything else in the directory is somebody else's. */
+function ownFiles(directory: string): Map<number, Set<string>> {
+  const found = new Map<number, Set<string>>();
+  for (const entry of readdirSync(directory, { withFileTypes: true })) {
+    const name = OWN_NAME.exec(entry.name);
+    if (!name || !entry.isFile()) continue;
+    const number = Number(name[1]);
+    if (!found.has(number)) found.set(number, new Set());
+    found.get(number)!.add(name[2]!);
+  }
+  return found;
+}
+
+/** A file of the spool's, read whole, without following a symbolic link. */
+function readOwn(path: string): Buffer {
+  const fd = openSync(path, constants.O_RDONLY | NOFOLLOW);
+  try {
+    if (!fstatSync(fd).isFile()) throw new Error(`${path} is not a regular file`);
+    return readFileSync(fd);
+  } finally {
+    closeSync(fd);
+  }
+}
+
+function unlinkIfThere(path: string): void {
+  try {
+    unlinkSync(path);
+  } catch (error) {
+    if ((error as NodeJS.ErrnoException).code !== "ENOENT") throw error;
+  }
+}
+
 function readAcks(path: string): Set<number> {
-  if (!existsSync(path)) return new Set();
-  const data = readFileSync(path);
+  let data: Buffer;
+  try {
+    data = readOwn(path);
+  } catch (error) {
+    if ((error as NodeJS.ErrnoException).code === "ENOENT") return new Set();
+    throw error;
+  }
   const offsets = new Set<number>();
   // A torn last ack only means one resend.
   for (let i = 0; i + ACK <= data.length; i += ACK) offsets.add(Number(data.readBigUInt64BE(i)));
@@ -298,65 +406,6 @@ function fsyncDirectory(directory: string): void {
     fsyncSync(fd);
   } finally {
     closeSync(fd);
-  }
-}
-
-const fsyncFile = fsyncDirectory;
-
-function alive(pid: number): boolean {
-  try {
-    process.kill(pid, 0);
-    return true;
-  } catch (error) {
-    return (error as NodeJS.ErrnoException).code === "EPERM";
-  }
-}
-
-/** Take `node.lock`: written whole under a temporary name, then hard-linked into place, which
- * fails if the lock exists, so nobody ever reads a half-written lock. A lock whose process is
- * gone (killed, crashed) is taken over. */
-function acquireLock(directory: string): void {
-  const lock = join(directory, LOCK);
-  const temporary = join(directory, `${LOCK}.${process.pid}.${Math.random().toString(36).slice(2)}`);
-  const fd = openSync(temporary, "wx", 0o600);
-  writeSync(fd, `${process.pid}\n`);
-  fsyncSync(fd);
-  closeSync(fd);
-  try {
-    for (let attempt = 0; attempt < 3; attempt++) {
-      try {
-        linkSync(temporary, lock);
-        return;
-      } catch (error) {
-        if ((error as NodeJS.ErrnoException).code !== "EEXIST") throw error;
-      }
-      let holder = NaN;
-      try {
-        holder = Number.parseInt(readFileSync(lock, "utf8"), 10);
-      } catch {
-        continue; // released meanwhile
-      }
-      if (holder > 0 && alive(holder)) {
-        throw new SpoolLocked(`spool ${directory} is in use by process ${holder}`);
-      }
-      try {
-        unlinkSync(lock); // its process is gone
-      } catch {
-        // another process took it over first: look again
-      }
-    }
-    throw new SpoolLocked(`spool ${directory}: could not take ${LOCK} (contended)`);
-  } finally {
-    unlinkSync(temporary);
-  }
-}
-
-function releaseLock(directory: string): void {
-  const lock = join(directory, LOCK);
-  try {
-    if (Number.parseInt(readFileSync(lock, "utf8"), 10) === process.pid) unlinkSync(lock);
-  } catch {
-    // already gone
   }
 }
 
