@@ -6,7 +6,8 @@ issued with `rtrl keys create`'s default budgets (rtrl/key_budgets.py ONE_CLIENT
 requests/s, 4 in flight). A neighbour client plays a well-behaved agent: it opens a
 trajectory, continues it, ends it (three requests, each timed).
 
-* ``quiet``: the neighbour's request latencies with nobody else on the worker.
+* ``quiet``: the neighbour's request latencies with nobody else on the worker, after a
+  few uncounted agents that warm the worker up.
 * ``h1``: the attacker sends ``over_context`` first turns past the context (each 400)
   and ``dropped`` streamed turns it drops after their first token, as fast as its budget
   lets it; then the neighbour plays its agent: every request must succeed, and the
@@ -89,6 +90,10 @@ async def _scenario(
     try:
         async with aiohttp.ClientSession() as http:
             agent, attack = _Agent(http, base, neighbour), _Attacker(http, base, attacker)
+            warm = max(5, probes // 5)
+            console.print(f"warm-up: {warm} agents of the neighbour (not counted)")
+            for i in range(warm):  # first requests pay for compiling and caching: not the quiet p99
+                await agent.play(f"warm-{i}")
             console.print(f"quiet: {probes} agents of the neighbour")
             quiet = [await agent.play(f"quiet-{i}") for i in range(probes)]
             console.print(f"h1: {over_context} over-context turns, {dropped} dropped streams")
