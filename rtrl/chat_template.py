@@ -13,7 +13,8 @@ Shares: one client's chats render in at most ``client_renderers`` of the process
 make a template slow, up to its deadline each, delays only itself; the others render in the
 processes it cannot take. The client is the serving API's API key, carried to the render by
 a context variable (``rendering_for``) that the request's handler sets and ``to_thread``
-copies into the worker thread; chats rendered outside a request share one client, "".
+copies into the worker thread. Chats of no client (rendered outside a request, or by a
+serving API without keys, where nobody can be told apart) are not held to a share.
 
 Cost: ``renderers`` small Python processes per process that renders (started on first use
 and kept; each ends when its parent does), and a pipe round trip per chat. The caller's
@@ -244,7 +245,10 @@ class ChatRenderer:
     def _client_share(self, client: str) -> Iterator[None]:
         """One of ``client``'s turns to render, taken before a renderer slot: a client at its
         share waits here, holding nothing another client needs. Every render ends by its
-        deadline, so the wait is bounded by the client's own renders."""
+        deadline, so the wait is bounded by the client's own renders. No client, no share."""
+        if not client:
+            yield
+            return
         with self._shares:
             self._shares.wait_for(lambda: self._held.get(client, 0) < self._share)
             self._held[client] = self._held.get(client, 0) + 1

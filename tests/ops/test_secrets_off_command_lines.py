@@ -100,7 +100,7 @@ def test_a_key_that_could_add_a_flag_to_sglangs_file_is_refused(serving, tmp_pat
 def test_no_manifest_puts_a_secret_on_a_command_line():
     """H2: whatever compose interpolates into a command and whatever Kubernetes expands
     ($(VAR)) in one is on the command line: neither may be a secret."""
-    from test_compose import OPERATOR_ENV, load
+    from support.compose import OPERATOR_ENV, load
 
     compose = load()
     for name, service in compose["services"].items():

@@ -88,3 +88,26 @@ def test_a_clients_chats_beyond_its_share_wait_their_turn_and_all_render():
         assert renderer._held == {}  # every share given back
     finally:
         renderer.close()
+
+
+def test_chats_of_no_client_are_held_to_no_share():
+    """Outside a request, or on a serving API without keys, nobody can be told apart: every
+    renderer serves them (here both render at once, each holding one)."""
+    renderer = ChatRenderer(ChatTemplateSettings(renderers=2))
+    held: list[int] = []
+    both = threading.Barrier(2)
+
+    def render() -> None:
+        both.wait()
+        render_as(renderer, "", "hi")
+        held.append(len(renderer._idle))
+
+    try:
+        threads = [threading.Thread(target=render) for _ in range(2)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        assert renderer._held == {} and len(renderer._idle) == 2
+    finally:
+        renderer.close()
