@@ -1,5 +1,5 @@
 """`rtrl bench serving-abuse`: what one default key can do to another client of the same
-worker (issue 37's H1 and M1, at full size).
+worker (the H1 and M1 attacks of docs/security.md, at full size).
 
 One worker serves the demo policy on a scratch stack (Tansu, redis-server), its keys
 issued with `rtrl keys create`'s default budgets (rtrl/key_budgets.py ONE_CLIENT: 20
@@ -13,8 +13,8 @@ trajectory, continues it, ends it (three requests, each timed).
   lets it; then the neighbour plays its agent: every request must succeed, and the
   worker must hold no trajectory but the neighbour's.
 * ``m1``: the attacker drops streams at ``drop_rate_per_s`` while the neighbour plays
-  ``probes`` agents; ``p99_ratio`` = the neighbour's p99 then / its quiet p99 (issue 37
-  asks for at most 2), ``most_running``: the most generations the engine ran at once
+  ``probes`` agents; ``p99_ratio`` = the neighbour's p99 then / its quiet p99 (at most 2
+  is the bar), ``most_running``: the most generations the engine ran at once
   (the attacker's budget plus the neighbour's one at most).
 
 Latencies are reported, never asserted: a shared machine's times vary.

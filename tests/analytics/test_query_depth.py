@@ -1,5 +1,5 @@
 """The sink's /query answers what nests too deeply with a 400, not a 500 (guarantee 7,
-issue 37's L4): a body nested past the JSON bound, and SQL whose subqueries, parentheses or
+L4): a body nested past the JSON bound, and SQL whose subqueries, parentheses or
 NOTs nest past what the guard reads; the sink answers the next query."""
 
 from __future__ import annotations

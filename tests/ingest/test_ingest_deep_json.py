@@ -1,5 +1,5 @@
 """A batch nested past the JSON bound is a 400 at the gateway's HTTP door, not a 500
-(guarantee 7, issue 37's L4), and the next batch is served."""
+(guarantee 7, L4), and the next batch is served."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The gateway's gRPC door is held like its HTTP door (guarantee 7, issue 37's M5): the key
+"""The gateway's gRPC door is held like its HTTP door (guarantee 7, M5): the key
 is checked from the metadata before a message is read, and connections that go idle are
 closed by the server.
 

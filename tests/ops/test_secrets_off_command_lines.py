@@ -1,4 +1,4 @@
-"""H2 (issue 37): no secret on a command line. Any local user reads every process's
+"""H2: no secret on a command line. Any local user reads every process's
 /proc/<pid>/cmdline, and SGLang's admin key swaps in weights the trainer never signed, so
 SGLang's keys reach it through an owner-only file wherever it is started: compose and
 Kubernetes (one script, run here for real with a stand-in for python), the SGLang rig, and

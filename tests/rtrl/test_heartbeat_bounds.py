@@ -1,4 +1,4 @@
-"""L1 (issue 37): whoever held any service's Redis password could write any heartbeat: a
+"""L1: whoever held any service's Redis password could write any heartbeat: a
 forged joiner beat hid the reward-hacking alerts from `rtrl status`, an 8 MB junk beat made
 it fail. Writing is now each service's own (tests/ops/test_redis_acl.py); here the reader,
 on a real Redis: a beat is read only to its bound, must be the beat its key names, and one
