@@ -10,7 +10,6 @@ import json
 import aiohttp
 import pytest
 import redis.asyncio as aioredis
-from confluent_kafka import OFFSET_BEGINNING, Consumer, TopicPartition
 from google.protobuf import json_format
 
 from rtrl import kafka, topics
@@ -19,7 +18,7 @@ from rtrl.ingest.server import start
 from rtrl.key_budgets import ONE_CLIENT
 from rtrl_client.client import make_event
 from rtrl_client.v1 import ingest_pb2, telemetry_pb2
-from support.ingest import ingest_settings, shown
+from support.ingest import ingest_settings, read_messages, shown
 from support.signing import KEY_AUTHORITY
 
 pytestmark = pytest.mark.integration
@@ -39,28 +38,11 @@ async def _post(http: aiohttp.ClientSession, url: str, key: str, *events) -> tup
 
 def _edit_headers(stack_settings) -> dict[str, dict[str, object]]:
     """rollout_id -> the headers of its record on the edit topic."""
-    probe = Consumer(kafka.consumer_config(stack_settings, "test-bounds-reader"))
-    partitions = probe.list_topics(timeout=5).topics[topics.EDIT].partitions
-    tps = [TopicPartition(topics.EDIT, p, OFFSET_BEGINNING) for p in partitions]
-    remaining = {k: v for k, v in kafka.end_offsets(stack_settings, tps).items() if v > 0}
     found: dict[str, dict[str, object]] = {}
-    probe.assign(tps)
-    try:
-        for _ in range(100):
-            if not remaining:
-                break
-            for msg in probe.consume(100, timeout=0.2):
-                assert msg.error() is None, msg.error()
-                topic, partition, offset = kafka.record_position(msg)
-                event = telemetry_pb2.TelemetryEvent.FromString(msg.value() or b"")
-                headers = msg.headers() or []
-                found[event.rollout_id] = dict(
-                    headers.items() if isinstance(headers, dict) else headers
-                )
-                if offset + 1 >= remaining.get((topic, partition), 0):
-                    remaining.pop((topic, partition), None)
-    finally:
-        probe.close()
+    for msg in read_messages(stack_settings, (topics.EDIT,)):
+        event = telemetry_pb2.TelemetryEvent.FromString(msg.value() or b"")
+        headers = msg.headers() or []
+        found[event.rollout_id] = dict(headers.items() if isinstance(headers, dict) else headers)
     return found
 
 

@@ -52,16 +52,15 @@ def followup(rollout: str, **kw):
     )
 
 
-def read_topics(
-    stack_settings, names=INGEST_TOPICS
-) -> dict[str, list[tuple[bytes, telemetry_pb2.TelemetryEvent]]]:
-    """Everything on the topics, from the beginning, without joining a group."""
+def read_messages(stack_settings, names=INGEST_TOPICS) -> list:
+    """Every message on the topics, from the beginning up to their end offsets, without
+    joining a group (confluent-kafka Messages, in the order read)."""
     probe = Consumer(kafka.consumer_config(stack_settings, "test-reader"))
     metadata = probe.list_topics(timeout=5).topics
     tps = [TopicPartition(t, p, OFFSET_BEGINNING) for t in names for p in metadata[t].partitions]
     ends = kafka.end_offsets(stack_settings, tps)
     remaining = {k: v for k, v in ends.items() if v > 0}
-    records: dict[str, list] = {t: [] for t in names}
+    messages = []
     probe.assign(tps)
     try:
         for _ in range(100):
@@ -70,13 +69,23 @@ def read_topics(
             for msg in probe.consume(100, timeout=0.2):
                 assert msg.error() is None, msg.error()
                 topic, partition, offset = kafka.record_position(msg)
-                value = msg.value()
-                assert value is not None
-                records[topic].append((msg.key(), telemetry_pb2.TelemetryEvent.FromString(value)))
+                assert msg.value() is not None
+                messages.append(msg)
                 where = (topic, partition)
                 if offset + 1 >= remaining.get(where, 0):
                     remaining.pop(where, None)
     finally:
         probe.close()
     assert not remaining, f"could not read up to the end offsets: {remaining}"
+    return messages
+
+
+def read_topics(
+    stack_settings, names=INGEST_TOPICS
+) -> dict[str, list[tuple[bytes, telemetry_pb2.TelemetryEvent]]]:
+    """Everything on the topics, from the beginning, without joining a group."""
+    records: dict[str, list] = {t: [] for t in names}
+    for msg in read_messages(stack_settings, names):
+        event = telemetry_pb2.TelemetryEvent.FromString(msg.value())
+        records[msg.topic()].append((msg.key(), event))
     return records
